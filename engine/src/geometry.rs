@@ -1,0 +1,358 @@
+//! Block geometry: how many bytes one 128-token KV-cache block takes, and the
+//! `store.json` file that fixes it for the life of a data directory.
+//!
+//! `bytes_per_token = layers × 2 (K and V) × kv_heads × head_dim × dtype_bytes`
+//! (the size of one token's attention KV cache, as vLLM and LMCache compute
+//! it), and `block_bytes = block_tokens × bytes_per_token`.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Tokens per block unless a store says otherwise (vLLM and LMCache chunk
+/// prompts into blocks of a fixed token count; 128 is the KVStore benchmark's).
+pub const BLOCK_TOKENS_DEFAULT: u32 = 128;
+
+/// Version of `store.json` and of the on-disk segment format (docs/FORMAT.md).
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The model whose geometry a store uses when none is given.
+pub const MODEL_DEFAULT: &str = "llama3.1-8b";
+
+/// A model's attention shape, enough to size its KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelPreset {
+    /// Preset name as given to `--model`.
+    pub name: &'static str,
+    /// Transformer layers.
+    pub layers: u32,
+    /// Key/value heads per layer (grouped-query attention shares them).
+    pub kv_heads: u32,
+    /// Dimension of one head.
+    pub head_dim: u32,
+    /// Bytes per element (2 for fp16/bf16).
+    pub dtype_bytes: u32,
+}
+
+impl ModelPreset {
+    /// `layers × 2 × kv_heads × head_dim × dtype_bytes`: bytes of K and V
+    /// for one token across all layers.
+    pub const fn bytes_per_token(&self) -> u64 {
+        self.layers as u64
+            * 2
+            * self.kv_heads as u64
+            * self.head_dim as u64
+            * self.dtype_bytes as u64
+    }
+}
+
+/// Presets from the models' published configs (`config.json` on each model
+/// card: `num_hidden_layers`, `num_key_value_heads`, `hidden_size /
+/// num_attention_heads`), fp16. Bytes per token: tiny-1b 24,576;
+/// mistral-7b 131,072; llama2-7b 524,288; llama3.1-8b 131,072 (16 MiB per
+/// 128-token block); llama3.1-70b 327,680.
+pub const MODEL_PRESETS: &[ModelPreset] = &[
+    // A 1B-class model with grouped-query attention (24 layers, 4 KV heads of
+    // 64): 24·2·4·64·2 = 24,576, the figure DESIGN §2 fixes for tiny-1b.
+    ModelPreset {
+        name: "tiny-1b",
+        layers: 24,
+        kv_heads: 4,
+        head_dim: 64,
+        dtype_bytes: 2,
+    },
+    ModelPreset {
+        name: "mistral-7b",
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+    },
+    ModelPreset {
+        name: "llama2-7b",
+        layers: 32,
+        kv_heads: 32,
+        head_dim: 128,
+        dtype_bytes: 2,
+    },
+    ModelPreset {
+        name: "llama3.1-8b",
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+    },
+    ModelPreset {
+        name: "llama3.1-70b",
+        layers: 80,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+    },
+];
+
+/// Looks a preset up by name.
+///
+/// # Errors
+/// [`Error::Config`] naming the known presets when `name` is not one.
+pub fn preset(name: &str) -> Result<&'static ModelPreset> {
+    MODEL_PRESETS
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| {
+            let names: Vec<&str> = MODEL_PRESETS.iter().map(|p| p.name).collect();
+            Error::Config(format!(
+                "unknown model {name:?}; known presets: {}",
+                names.join(", ")
+            ))
+        })
+}
+
+/// The fixed shape of every block in one store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Geometry {
+    /// Model preset name, or `"custom"` when `--block-bytes` was given.
+    pub model: String,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// KV bytes per token (0 when only `block_bytes` was given and it is not
+    /// a multiple of `block_tokens`).
+    pub bytes_per_token: u64,
+    /// Payload bytes of one block: every PUT body has exactly this length.
+    pub block_bytes: u64,
+}
+
+/// Largest block the engine accepts: 1 GiB (a llama2-7b block is 64 MiB).
+pub const BLOCK_BYTES_MAX: u64 = 1 << 30;
+
+impl Geometry {
+    /// Geometry of `model` at `block_tokens` tokens per block.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an unknown model or a zero token count.
+    pub fn from_model(model: &str, block_tokens: u32) -> Result<Self> {
+        let preset = preset(model)?;
+        if block_tokens == 0 {
+            return Err(Error::Config("block_tokens must be at least 1".into()));
+        }
+        let bytes_per_token = preset.bytes_per_token();
+        Self::checked(Geometry {
+            model: preset.name.to_string(),
+            block_tokens,
+            bytes_per_token,
+            block_bytes: bytes_per_token * block_tokens as u64,
+        })
+    }
+
+    /// Geometry with an explicit block size (`--block-bytes`), for models
+    /// without a preset or for tests.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `block_bytes` is 0 or above [`BLOCK_BYTES_MAX`].
+    pub fn from_block_bytes(block_bytes: u64, block_tokens: u32) -> Result<Self> {
+        if block_tokens == 0 {
+            return Err(Error::Config("block_tokens must be at least 1".into()));
+        }
+        let bytes_per_token = if block_bytes.is_multiple_of(block_tokens as u64) {
+            block_bytes / block_tokens as u64
+        } else {
+            0
+        };
+        Self::checked(Geometry {
+            model: "custom".into(),
+            block_tokens,
+            bytes_per_token,
+            block_bytes,
+        })
+    }
+
+    fn checked(self) -> Result<Self> {
+        if self.block_bytes == 0 || self.block_bytes > BLOCK_BYTES_MAX {
+            return Err(Error::Config(format!(
+                "block_bytes must be between 1 and {BLOCK_BYTES_MAX}, got {}",
+                self.block_bytes
+            )));
+        }
+        Ok(self)
+    }
+}
+
+/// Contents of `<data-dir>/store.json`: written once when the store is
+/// created, checked on every open.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreManifest {
+    /// [`FORMAT_VERSION`] of the process that created the store.
+    pub format_version: u32,
+    /// Block geometry.
+    pub geometry: Geometry,
+    /// Number of shards; keys are routed by `block_hash mod shards`, so it
+    /// cannot change without rewriting the store.
+    pub shards: u32,
+    /// Size of each segment file in bytes.
+    pub segment_bytes: u64,
+}
+
+/// Name of the manifest file inside a data directory.
+pub const MANIFEST_FILE: &str = "store.json";
+
+impl StoreManifest {
+    /// Path of the manifest in `dir`.
+    pub fn path(dir: &Path) -> PathBuf {
+        dir.join(MANIFEST_FILE)
+    }
+
+    /// Creates `store.json` in `dir` if absent (atomically: temp file, fsync,
+    /// rename, fsync of the directory), or checks the existing one against
+    /// `self`.
+    ///
+    /// # Errors
+    /// [`Error::GeometryMismatch`] naming the stored and requested values of
+    /// the first field that differs; [`Error::Config`] for an unreadable or
+    /// newer-format manifest; [`Error::Io`] from the filesystem.
+    pub fn create_or_check(&self, dir: &Path) -> Result<StoreManifest> {
+        fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating data directory {}", dir.display()), e))?;
+        let path = Self::path(dir);
+        match fs::read(&path) {
+            Ok(bytes) => {
+                let stored: StoreManifest = serde_json::from_slice(&bytes).map_err(|e| {
+                    Error::Config(format!("{} is not a kvtier manifest: {e}", path.display()))
+                })?;
+                self.check_against(dir, &stored)?;
+                Ok(stored)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
+                let body = serde_json::to_vec_pretty(self).expect("manifest serializes");
+                let mut f = fs::File::create(&tmp)
+                    .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+                f.write_all(&body)
+                    .and_then(|_| f.write_all(b"\n"))
+                    .and_then(|_| f.sync_all())
+                    .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+                fs::rename(&tmp, &path)
+                    .map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
+                fsync_dir(dir)?;
+                Ok(self.clone())
+            }
+            Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
+        }
+    }
+
+    fn check_against(&self, dir: &Path, stored: &StoreManifest) -> Result<()> {
+        let mismatch =
+            |field: &'static str, stored: String, requested: String| Error::GeometryMismatch {
+                dir: dir.to_path_buf(),
+                field,
+                stored,
+                requested,
+            };
+        if stored.format_version > FORMAT_VERSION {
+            return Err(Error::Config(format!(
+                "{} has format version {}, this kvtier reads up to {FORMAT_VERSION}",
+                dir.display(),
+                stored.format_version
+            )));
+        }
+        let (s, r) = (&stored.geometry, &self.geometry);
+        if s.block_bytes != r.block_bytes {
+            return Err(mismatch(
+                "block_bytes",
+                format!("{} (model {})", s.block_bytes, s.model),
+                format!("{} (model {})", r.block_bytes, r.model),
+            ));
+        }
+        if s.block_tokens != r.block_tokens {
+            return Err(mismatch(
+                "block_tokens",
+                s.block_tokens.to_string(),
+                r.block_tokens.to_string(),
+            ));
+        }
+        if stored.shards != self.shards {
+            return Err(mismatch(
+                "shards",
+                stored.shards.to_string(),
+                self.shards.to_string(),
+            ));
+        }
+        if stored.segment_bytes != self.segment_bytes {
+            return Err(mismatch(
+                "segment_bytes",
+                stored.segment_bytes.to_string(),
+                self.segment_bytes.to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads the manifest of an existing store.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when absent or unreadable, [`Error::Config`] when it does
+    /// not parse.
+    pub fn read(dir: &Path) -> Result<StoreManifest> {
+        let path = Self::path(dir);
+        let bytes =
+            fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))
+    }
+}
+
+/// fsyncs a directory so a rename or a new file in it survives power loss.
+pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("fsync of directory {}", dir.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_match_design_figures() {
+        let expect = [
+            ("tiny-1b", 24_576),
+            ("mistral-7b", 131_072),
+            ("llama2-7b", 524_288),
+            ("llama3.1-8b", 131_072),
+            ("llama3.1-70b", 327_680),
+        ];
+        for (name, bytes) in expect {
+            assert_eq!(preset(name).unwrap().bytes_per_token(), bytes, "{name}");
+        }
+        let g = Geometry::from_model(MODEL_DEFAULT, BLOCK_TOKENS_DEFAULT).unwrap();
+        assert_eq!(g.block_bytes, 16 << 20);
+        assert!(preset("gpt-5")
+            .unwrap_err()
+            .to_string()
+            .contains("llama3.1-8b"));
+    }
+
+    #[test]
+    fn manifest_mismatch_names_both_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = StoreManifest {
+            format_version: FORMAT_VERSION,
+            geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
+            shards: 2,
+            segment_bytes: 1 << 20,
+        };
+        a.create_or_check(dir.path()).unwrap();
+        assert_eq!(a.create_or_check(dir.path()).unwrap(), a);
+        let mut b = a.clone();
+        b.geometry = Geometry::from_model("llama3.1-8b", 128).unwrap();
+        let msg = b.create_or_check(dir.path()).unwrap_err().to_string();
+        assert!(msg.contains("65536") && msg.contains("16777216"), "{msg}");
+        let mut c = a.clone();
+        c.shards = 4;
+        let msg = c.create_or_check(dir.path()).unwrap_err().to_string();
+        assert!(msg.contains("shards = 2") && msg.contains("but 4"), "{msg}");
+    }
+}

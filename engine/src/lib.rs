@@ -1,0 +1,34 @@
+//! # kvtier-engine
+//!
+//! The storage engine of kvtier, a KV-cache block store for LLM inference:
+//! a shard-per-core log of fixed-size blocks on NVMe, written and read with
+//! `O_DIRECT` through glommio (io_uring).
+//!
+//! - [`geometry`]: block size from the model (`layers × 2 × kv_heads ×
+//!   head_dim × dtype_bytes × block_tokens`) and `store.json`.
+//! - [`key`]: key rules, the 128-bit [`key::BlockHash`], shard choice.
+//! - [`slot`]: the slot header (on-disk format of one record).
+//! - [`segment`]: preallocated segment files and their superblock.
+//! - [`index`]: the per-shard hash index.
+//! - [`shard`]: one shard's write path, read path and reclaim.
+//! - [`recover`]: rebuilding a shard's index from its segments.
+//! - [`store`]: one executor per shard, routing over the channel mesh.
+//!
+//! docs/ARCHITECTURE.md and docs/FORMAT.md describe the design and the
+//! bytes on disk.
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod geometry;
+pub mod index;
+pub mod key;
+pub mod recover;
+pub mod segment;
+pub mod shard;
+pub mod slot;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use geometry::{Geometry, StoreManifest};
+pub use shard::{PutOutcome, ShardStats};
+pub use store::{run, Block, Store, StoreConfig, Tier};

@@ -1,0 +1,360 @@
+//! Segment files: the preallocated, fixed-size files that make up a shard's
+//! log. Written and read with `O_DIRECT` through glommio's [`DmaFile`].
+//!
+//! Layout of `shard-NNN/seg-NNNNNN.kvt` (byte offsets in docs/FORMAT.md):
+//! a 4 KiB superblock at offset 0, then `slots_per_segment` slots of
+//! `slot_bytes` each. A segment is created whole: a temporary file is
+//! `fallocate`d to `segment_bytes`, its superblock written and fsynced with
+//! std I/O, then renamed into place. Writing a real superblock before the
+//! first `dma_open` matters beyond crash safety: glommio probes io_uring
+//! polling support with a read at offset 0 of the first file it opens on a
+//! device, and on an empty file that probe succeeds spuriously and every
+//! later read fails with `EOPNOTSUPP`.
+//!
+//! A reclaimed segment is reused in place: its superblock is rewritten with
+//! a new `first_seq`, and recovery ignores any slot whose sequence number is
+//! lower, so blocks from the segment's earlier life never come back.
+
+use std::cell::Cell;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use glommio::io::{DmaFile, ReadResult};
+
+use crate::error::{Error, Result};
+use crate::slot::{self, PAGE_BYTES};
+
+/// `"KVSG"`: first four bytes of every segment superblock.
+pub const SEGMENT_MAGIC: u32 = u32::from_le_bytes(*b"KVSG");
+
+/// Version of the superblock layout.
+pub const SEGMENT_VERSION: u16 = 1;
+
+const OFF_MAGIC: usize = 0; // u32
+const OFF_VERSION: usize = 4; // u16
+const OFF_SHARD: usize = 8; // u32
+const OFF_SEGMENT_ID: usize = 12; // u32
+const OFF_SLOT_BYTES: usize = 16; // u64
+const OFF_BLOCK_BYTES: usize = 24; // u64
+const OFF_SEGMENT_BYTES: usize = 32; // u64
+const OFF_FIRST_SEQ: usize = 40; // u64
+const OFF_CRC: usize = PAGE_BYTES as usize - 4; // u32 over bytes 0..OFF_CRC
+
+/// The decoded superblock of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Superblock {
+    /// Shard that owns the segment.
+    pub shard: u32,
+    /// Segment id, the number in its file name.
+    pub segment_id: u32,
+    /// Bytes per slot (header page + payload rounded up to pages).
+    pub slot_bytes: u64,
+    /// Payload bytes of a block in this store.
+    pub block_bytes: u64,
+    /// Size of the segment file.
+    pub segment_bytes: u64,
+    /// Slots with a lower sequence number belong to an earlier life of this
+    /// segment and are ignored.
+    pub first_seq: u64,
+}
+
+impl Superblock {
+    /// Encodes into a page.
+    pub fn encode(&self, page: &mut [u8]) {
+        let page = &mut page[..PAGE_BYTES as usize];
+        page.fill(0);
+        slot::put(page, OFF_MAGIC, &SEGMENT_MAGIC.to_le_bytes());
+        slot::put(page, OFF_VERSION, &SEGMENT_VERSION.to_le_bytes());
+        slot::put(page, OFF_SHARD, &self.shard.to_le_bytes());
+        slot::put(page, OFF_SEGMENT_ID, &self.segment_id.to_le_bytes());
+        slot::put(page, OFF_SLOT_BYTES, &self.slot_bytes.to_le_bytes());
+        slot::put(page, OFF_BLOCK_BYTES, &self.block_bytes.to_le_bytes());
+        slot::put(page, OFF_SEGMENT_BYTES, &self.segment_bytes.to_le_bytes());
+        slot::put(page, OFF_FIRST_SEQ, &self.first_seq.to_le_bytes());
+        let crc = crc32fast::hash(&page[..OFF_CRC]);
+        slot::put(page, OFF_CRC, &crc.to_le_bytes());
+        debug_assert_eq!(Superblock::decode(page), Some(*self));
+    }
+
+    /// Decodes a page; `None` when the magic, version or CRC is wrong.
+    pub fn decode(page: &[u8]) -> Option<Superblock> {
+        if page.len() < PAGE_BYTES as usize {
+            return None;
+        }
+        let page = &page[..PAGE_BYTES as usize];
+        if u32::from_le_bytes(slot::get(page, OFF_MAGIC)) != SEGMENT_MAGIC
+            || u16::from_le_bytes(slot::get(page, OFF_VERSION)) != SEGMENT_VERSION
+            || u32::from_le_bytes(slot::get(page, OFF_CRC)) != crc32fast::hash(&page[..OFF_CRC])
+        {
+            return None;
+        }
+        Some(Superblock {
+            shard: u32::from_le_bytes(slot::get(page, OFF_SHARD)),
+            segment_id: u32::from_le_bytes(slot::get(page, OFF_SEGMENT_ID)),
+            slot_bytes: u64::from_le_bytes(slot::get(page, OFF_SLOT_BYTES)),
+            block_bytes: u64::from_le_bytes(slot::get(page, OFF_BLOCK_BYTES)),
+            segment_bytes: u64::from_le_bytes(slot::get(page, OFF_SEGMENT_BYTES)),
+            first_seq: u64::from_le_bytes(slot::get(page, OFF_FIRST_SEQ)),
+        })
+    }
+}
+
+/// Path of segment `id` in a shard directory: `seg-NNNNNN.kvt`.
+pub fn segment_path(shard_dir: &Path, id: u32) -> PathBuf {
+    shard_dir.join(format!("seg-{id:06}.kvt"))
+}
+
+/// Parses a segment file name back to its id.
+pub fn parse_segment_name(name: &str) -> Option<u32> {
+    name.strip_prefix("seg-")?
+        .strip_suffix(".kvt")?
+        .parse()
+        .ok()
+}
+
+/// Creates a segment file of `sb.segment_bytes` with std I/O: temp file,
+/// `fallocate`, superblock, fsync, rename, fsync of the directory.
+///
+/// # Errors
+/// [`Error::DiskFull`] when `fallocate` answers `ENOSPC` (the temp file is
+/// removed), [`Error::Io`] otherwise.
+pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
+    let path = segment_path(shard_dir, sb.segment_id);
+    let tmp = path.with_extension("kvt.tmp");
+    let result = (|| -> Result<()> {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+        // SAFETY: fallocate on an fd we own; mode 0 allocates and extends.
+        let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, sb.segment_bytes as libc::off_t) };
+        if rc != 0 {
+            return Err(Error::io(
+                format!(
+                    "preallocating {} bytes for {}",
+                    sb.segment_bytes,
+                    tmp.display()
+                ),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        sb.encode(&mut page);
+        f.write_all(&page)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| Error::io(format!("writing superblock of {}", tmp.display()), e))?;
+        fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))?;
+        crate::geometry::fsync_dir(shard_dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map(|_| path)
+}
+
+/// Reads a segment's superblock with std I/O (before the file is opened for
+/// DMA). `Ok(None)` when the file is shorter than a page or the superblock
+/// does not decode.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be read.
+pub fn read_superblock(path: &Path) -> Result<Option<Superblock>> {
+    let mut f =
+        fs::File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    match f.read_exact(&mut page) {
+        Ok(()) => Ok(Superblock::decode(&page)),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(Error::io(
+            format!("reading superblock of {}", path.display()),
+            e,
+        )),
+    }
+}
+
+/// One open segment of a shard's log. Lives on the shard's executor.
+#[derive(Debug)]
+pub struct Segment {
+    /// Segment id.
+    pub id: u32,
+    /// The file, opened `O_DIRECT`.
+    pub file: DmaFile,
+    /// Sequence number of this segment's current life (see [`Superblock`]).
+    pub first_seq: Cell<u64>,
+    /// Slots handed out in this life; the next write goes to this slot.
+    pub slots_used: Cell<u32>,
+    /// Reads in flight against this segment; reclaim waits for zero.
+    pub readers: Cell<u32>,
+    /// Writes in flight into this segment; reclaim waits for zero.
+    pub writers: Cell<u32>,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+}
+
+impl Segment {
+    /// Opens an existing segment file for DMA.
+    ///
+    /// # Errors
+    /// [`Error::Io`] from `open(2)`.
+    pub async fn open(path: &Path, id: u32, first_seq: u64, slot_bytes: u64) -> Result<Segment> {
+        let file = glommio::io::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .dma_open(path)
+            .await
+            .map_err(|e| Error::glommio(format!("opening {} for O_DIRECT", path.display()), e))?;
+        Ok(Segment {
+            id,
+            file,
+            first_seq: Cell::new(first_seq),
+            slots_used: Cell::new(0),
+            readers: Cell::new(0),
+            writers: Cell::new(0),
+            slot_bytes,
+        })
+    }
+
+    /// Byte offset of slot `slot`: after the superblock page.
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        PAGE_BYTES + slot as u64 * self.slot_bytes
+    }
+
+    /// Writes a whole slot (header page, then payload pages) at `slot` in one
+    /// aligned DMA write. `buf.len()` must be a multiple of [`PAGE_BYTES`]
+    /// and at most `slot_bytes`.
+    ///
+    /// # Errors
+    /// [`Error::DiskFull`] on `ENOSPC`, [`Error::Io`] on any other failure or
+    /// a short write.
+    pub async fn write_slot(&self, buf: glommio::io::DmaBuffer, slot: u32) -> Result<()> {
+        let len = buf.len();
+        assert!(
+            (len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes,
+            "slot write of {len} bytes"
+        );
+        let written = self
+            .file
+            .write_at(buf, self.slot_offset(slot))
+            .await
+            .map_err(|e| {
+                Error::glommio(format!("writing slot {slot} of segment {}", self.id), e)
+            })?;
+        if written != len {
+            return Err(Error::io(
+                format!("writing slot {slot} of segment {}", self.id),
+                std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    format!("short write: {written} of {len} bytes"),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes (a multiple of [`PAGE_BYTES`]) from the start of
+    /// slot `slot`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] on failure or a short read.
+    pub async fn read_slot(&self, slot: u32, len: u64) -> Result<ReadResult> {
+        let rr = self
+            .file
+            .read_at_aligned(self.slot_offset(slot), len as usize)
+            .await
+            .map_err(|e| {
+                Error::glommio(format!("reading slot {slot} of segment {}", self.id), e)
+            })?;
+        if (rr.len() as u64) < len {
+            return Err(Error::io(
+                format!("reading slot {slot} of segment {}", self.id),
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("short read: {} of {len} bytes", rr.len()),
+                ),
+            ));
+        }
+        Ok(rr)
+    }
+
+    /// Rewrites the superblock through DMA and `fdatasync`s it: the step that
+    /// starts a reclaimed segment's new life.
+    ///
+    /// # Errors
+    /// [`Error::Io`] from the write or the sync.
+    pub async fn write_superblock(&self, sb: &Superblock) -> Result<()> {
+        let mut buf = self.file.alloc_dma_buffer(PAGE_BYTES as usize);
+        sb.encode(buf.as_bytes_mut());
+        let written = self.file.write_at(buf, 0).await.map_err(|e| {
+            Error::glommio(format!("rewriting superblock of segment {}", self.id), e)
+        })?;
+        if written as u64 != PAGE_BYTES {
+            return Err(Error::io(
+                format!("rewriting superblock of segment {}", self.id),
+                std::io::Error::new(std::io::ErrorKind::WriteZero, "short superblock write"),
+            ));
+        }
+        self.file
+            .fdatasync()
+            .await
+            .map_err(|e| Error::glommio(format!("fdatasync of segment {}", self.id), e))
+    }
+}
+
+/// Decrements a segment's reader or writer count when dropped, so every
+/// exit path of a read or write (errors included) releases the segment.
+pub(crate) struct InFlight<'a> {
+    counter: &'a Cell<u32>,
+}
+
+impl<'a> InFlight<'a> {
+    pub(crate) fn enter(counter: &'a Cell<u32>) -> Self {
+        counter.set(counter.get() + 1);
+        InFlight { counter }
+    }
+
+    /// Takes over a count the caller already added.
+    pub(crate) fn adopt(counter: &'a Cell<u32>) -> Self {
+        debug_assert!(counter.get() > 0);
+        InFlight { counter }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        debug_assert!(self.counter.get() > 0);
+        self.counter.set(self.counter.get() - 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn superblock_round_trip_and_names() {
+        let sb = Superblock {
+            shard: 1,
+            segment_id: 7,
+            slot_bytes: 69_632,
+            block_bytes: 65_536,
+            segment_bytes: 1 << 20,
+            first_seq: 99,
+        };
+        let mut page = vec![0u8; 4096];
+        sb.encode(&mut page);
+        assert_eq!(Superblock::decode(&page), Some(sb));
+        page[41] ^= 1;
+        assert_eq!(Superblock::decode(&page), None);
+        assert_eq!(
+            segment_path(Path::new("/d"), 7),
+            PathBuf::from("/d/seg-000007.kvt")
+        );
+        assert_eq!(parse_segment_name("seg-000007.kvt"), Some(7));
+        assert_eq!(parse_segment_name("seg-000007.kvt.tmp"), None);
+        assert_eq!(parse_segment_name("notes.txt"), None);
+    }
+}

@@ -1,0 +1,676 @@
+//! One shard: the keys whose `block_hash mod shards` is this shard's id, its
+//! index, its segments and its sequence counter. A shard lives on one glommio
+//! executor and takes no locks; `&self` methods use `Cell`/`RefCell` because
+//! nothing else can touch it.
+//!
+//! Write path ([`Shard::put`]): copy the body into an aligned DMA buffer
+//! (computing the payload CRC-32 as it goes), take the next slot and sequence
+//! number, encode the header into the buffer's first page, one `O_DIRECT`
+//! write of the whole slot, optional `fdatasync`, then point the index at it.
+//! The index changes only after the write completes, so a reader sees the
+//! old block or the new one, never a slot in flight.
+//!
+//! Read path ([`Shard::get`]): one aligned read of header and payload, check
+//! the header (CRC, sequence number, full key), then the payload CRC-32, and
+//! only then copy the payload out.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use glommio::sync::Semaphore;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::geometry::Geometry;
+use crate::index::{Entry, Index};
+use crate::key::BlockHash;
+use crate::segment::{self, InFlight, Segment, Superblock};
+use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
+
+/// How long reclaim sleeps between checks while it waits for reads and
+/// writes of a segment to drain.
+const RECLAIM_POLL: Duration = Duration::from_micros(200);
+
+/// Settings of one shard, derived from the store's configuration.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// This shard's id, `0..shards`.
+    pub shard_id: u32,
+    /// `<data-dir>/shard-NNN`.
+    pub dir: PathBuf,
+    /// Block geometry.
+    pub geometry: Geometry,
+    /// Size of each segment file in bytes.
+    pub segment_bytes: u64,
+    /// Most segment files this shard may create (its share of `--disk-gb`).
+    pub segments_max: u32,
+    /// `fdatasync` after every write, for power-loss durability.
+    pub sync: bool,
+    /// Most block reads and writes in flight at once on this shard.
+    pub io_depth_max: usize,
+}
+
+impl ShardConfig {
+    /// Bytes per slot for this geometry.
+    pub fn slot_bytes(&self) -> u64 {
+        slot::slot_bytes(self.geometry.block_bytes)
+    }
+
+    /// Slots that fit in one segment after its superblock.
+    pub fn slots_per_segment(&self) -> u32 {
+        ((self.segment_bytes.saturating_sub(PAGE_BYTES)) / self.slot_bytes()) as u32
+    }
+}
+
+/// Counters of a shard, kept as plain cells on the shard's thread.
+#[derive(Debug, Default)]
+struct Counters {
+    puts: Cell<u64>,
+    gets: Cell<u64>,
+    hits: Cell<u64>,
+    misses: Cell<u64>,
+    deletes: Cell<u64>,
+    corrupt_blocks: Cell<u64>,
+    hash_collisions: Cell<u64>,
+    reclaimed_segments: Cell<u64>,
+    evicted_blocks: Cell<u64>,
+    bytes_written: Cell<u64>,
+    bytes_read: Cell<u64>,
+    io_in_flight: Cell<u64>,
+}
+
+fn bump(c: &Cell<u64>, by: u64) {
+    c.set(c.get() + by);
+}
+
+/// What recovery found when the shard opened.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RecoveryReport {
+    /// Segment files opened.
+    pub segments: u32,
+    /// Slot headers read.
+    pub headers_scanned: u64,
+    /// Block records found (before newer records and tombstones applied).
+    pub blocks_found: u64,
+    /// Tombstones found.
+    pub tombstones_found: u64,
+    /// Headers that were torn, damaged or inconsistent, and skipped.
+    pub headers_invalid: u64,
+    /// Files in the shard directory that are not valid segments of this
+    /// store (left untouched).
+    pub foreign_files: u64,
+    /// Wall time of the recovery in milliseconds.
+    pub duration_ms: f64,
+}
+
+/// A point-in-time view of one shard, for `/v1/stats`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShardStats {
+    /// Shard id.
+    pub shard: u32,
+    /// Blocks in the index.
+    pub blocks: u64,
+    /// Slots the shard's whole disk share can hold.
+    pub capacity_blocks: u64,
+    /// Segment files created so far.
+    pub segments: u32,
+    /// Segment files this shard may create.
+    pub segments_max: u32,
+    /// Bytes of segment files on disk.
+    pub disk_bytes: u64,
+    /// Index heap bytes.
+    pub index_bytes: u64,
+    /// Successful PUTs.
+    pub puts: u64,
+    /// GETs.
+    pub gets: u64,
+    /// GETs that found the block.
+    pub hits: u64,
+    /// GETs that did not.
+    pub misses: u64,
+    /// Successful DELETEs.
+    pub deletes: u64,
+    /// Reads whose CRC-32 failed; the block was dropped, never served.
+    pub corrupt_blocks: u64,
+    /// Reads whose header held another key with the same 128-bit hash.
+    pub hash_collisions: u64,
+    /// Segments reclaimed because the log was full.
+    pub reclaimed_segments: u64,
+    /// Blocks dropped by reclaim.
+    pub evicted_blocks: u64,
+    /// Bytes written to segments (slot headers and payloads).
+    pub bytes_written: u64,
+    /// Bytes read from segments.
+    pub bytes_read: u64,
+    /// Block reads and writes in flight now.
+    pub io_in_flight: u64,
+    /// Median block read latency (µs), 0 before any read.
+    pub read_us_p50: u64,
+    /// 99th percentile block read latency (µs).
+    pub read_us_p99: u64,
+    /// Median block write latency (µs), including `fdatasync` with `--sync`.
+    pub write_us_p50: u64,
+    /// 99th percentile block write latency (µs).
+    pub write_us_p99: u64,
+    /// What recovery found at open.
+    pub recovery: RecoveryReport,
+}
+
+/// Outcome of a successful PUT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// The key was not stored before.
+    Created,
+    /// An older block under the key was replaced.
+    Replaced,
+}
+
+/// One shard of the store. See the module docs for the write and read paths.
+pub struct Shard {
+    pub(crate) cfg: ShardConfig,
+    pub(crate) slot_bytes: u64,
+    pub(crate) slots_per_segment: u32,
+    pub(crate) index: RefCell<Index>,
+    /// Open segments by id (`None` for ids not created).
+    pub(crate) segments: RefCell<Vec<Option<Rc<Segment>>>>,
+    /// Full segments, oldest life first: the reclaim order.
+    pub(crate) sealed: RefCell<VecDeque<u32>>,
+    /// Segments with no live slots, ready to become the head.
+    pub(crate) free: RefCell<Vec<u32>>,
+    /// The segment being appended to.
+    pub(crate) head: Cell<Option<u32>>,
+    pub(crate) next_seq: Cell<u64>,
+    alloc_lock: Semaphore,
+    io_permits: Semaphore,
+    counters: Counters,
+    read_us: RefCell<Histogram<u64>>,
+    write_us: RefCell<Histogram<u64>>,
+    pub(crate) recovery: RefCell<RecoveryReport>,
+}
+
+impl Shard {
+    /// A shard with no segments open yet; [`crate::recover::open_shard`]
+    /// fills it from disk.
+    pub(crate) fn new(cfg: ShardConfig) -> Result<Shard> {
+        let slot_bytes = cfg.slot_bytes();
+        let slots_per_segment = cfg.slots_per_segment();
+        if slots_per_segment == 0 {
+            return Err(Error::Config(format!(
+                "a segment of {} bytes cannot hold one slot of {slot_bytes} bytes (4 KiB header + block); raise --segment-mib",
+                cfg.segment_bytes
+            )));
+        }
+        if cfg.segments_max < 2 {
+            return Err(Error::Config(format!(
+                "each shard needs room for at least 2 segments of {} bytes (one to write, one to reclaim); raise --disk-gb or lower --segment-mib",
+                cfg.segment_bytes
+            )));
+        }
+        let capacity_blocks = cfg.segments_max as usize * slots_per_segment as usize;
+        let histogram =
+            || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
+        Ok(Shard {
+            slot_bytes,
+            slots_per_segment,
+            index: RefCell::new(Index::with_capacity(capacity_blocks.min(1 << 20))),
+            segments: RefCell::new(Vec::new()),
+            sealed: RefCell::new(VecDeque::new()),
+            free: RefCell::new(Vec::new()),
+            head: Cell::new(None),
+            next_seq: Cell::new(1),
+            alloc_lock: Semaphore::new(1),
+            io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
+            counters: Counters::default(),
+            read_us: RefCell::new(histogram()),
+            write_us: RefCell::new(histogram()),
+            recovery: RefCell::new(RecoveryReport::default()),
+            cfg,
+        })
+    }
+
+    /// This shard's id.
+    pub fn id(&self) -> u32 {
+        self.cfg.shard_id
+    }
+
+    fn segment(&self, id: u32) -> Rc<Segment> {
+        self.segments.borrow()[id as usize]
+            .clone()
+            .expect("index points at an open segment")
+    }
+
+    fn superblock(&self, id: u32, first_seq: u64) -> Superblock {
+        Superblock {
+            shard: self.cfg.shard_id,
+            segment_id: id,
+            slot_bytes: self.slot_bytes,
+            block_bytes: self.cfg.geometry.block_bytes,
+            segment_bytes: self.cfg.segment_bytes,
+            first_seq,
+        }
+    }
+
+    /// Stores a block. `chunks` together must be exactly `block_bytes` long;
+    /// they are copied once, into the aligned buffer that is written.
+    ///
+    /// # Errors
+    /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`].
+    pub async fn put(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
+        let block_bytes = self.cfg.geometry.block_bytes;
+        let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+        if got != block_bytes {
+            return Err(Error::WrongSize {
+                expected: block_bytes,
+                got,
+            });
+        }
+        let _permit = self
+            .io_permits
+            .acquire_permit(1)
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        let write_len = slot::slot_bytes(block_bytes);
+        let mut buf = glommio::allocate_dma_buffer(write_len as usize);
+        let bytes = buf.as_bytes_mut();
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = PAGE_BYTES as usize;
+        for chunk in chunks {
+            bytes[at..at + chunk.len()].copy_from_slice(chunk);
+            crc.update(chunk);
+            at += chunk.len();
+        }
+        bytes[at..].fill(0);
+        let header = SlotHeader {
+            kind: RecordKind::Block,
+            seq: 0,
+            hash,
+            payload_len: block_bytes,
+            payload_crc: crc.finalize(),
+            write_time_us: slot::now_us(),
+            key: key.as_bytes().to_vec(),
+        };
+        let (entry, replaced) = self.append(buf, header).await?;
+        bump(&self.counters.puts, 1);
+        debug_assert_eq!(
+            self.index.borrow().get(&hash).map(|e| e.seq >= entry.seq),
+            Some(true)
+        );
+        Ok(if replaced {
+            PutOutcome::Replaced
+        } else {
+            PutOutcome::Created
+        })
+    }
+
+    /// Takes a slot, stamps the header with its sequence number, writes the
+    /// slot and applies the record to the index. Returns the new entry and
+    /// whether the key was stored before.
+    async fn append(
+        &self,
+        mut buf: glommio::io::DmaBuffer,
+        mut header: SlotHeader,
+    ) -> Result<(Entry, bool)> {
+        let started = Instant::now();
+        let (segment, slot, seq) = self.allocate_slot().await?;
+        // `allocate_slot` counted us as a writer of the segment; `_writer`
+        // undoes that on every exit path.
+        let _writer = InFlight::adopt(&segment.writers);
+        header.seq = seq;
+        header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
+        let len = buf.len() as u64;
+        bump(&self.counters.io_in_flight, 1);
+        let result = async {
+            segment.write_slot(buf, slot).await?;
+            if self.cfg.sync {
+                segment.file.fdatasync().await.map_err(|e| {
+                    Error::glommio(format!("fdatasync of segment {}", segment.id), e)
+                })?;
+            }
+            Ok::<_, Error>(())
+        }
+        .await;
+        self.counters
+            .io_in_flight
+            .set(self.counters.io_in_flight.get() - 1);
+        result?;
+        bump(&self.counters.bytes_written, len);
+        let _ = self
+            .write_us
+            .borrow_mut()
+            .record(started.elapsed().as_micros().max(1) as u64);
+        let entry = Entry {
+            segment: segment.id,
+            slot,
+            seq,
+        };
+        let mut index = self.index.borrow_mut();
+        let existed = match header.kind {
+            RecordKind::Block => index.insert_if_newer(header.hash, entry).0.is_some(),
+            RecordKind::Tombstone => index.remove_if_not_newer(&header.hash, seq).is_some(),
+        };
+        Ok((entry, existed))
+    }
+
+    /// Hands out the next slot of the head segment, rolling to a new head
+    /// (a free segment, a newly created one, or the oldest one reclaimed)
+    /// when it is full. The caller is counted as a writer of the returned
+    /// segment until it drops an [`InFlight::adopt`] guard of it.
+    async fn allocate_slot(&self) -> Result<(Rc<Segment>, u32, u64)> {
+        let _lock = self
+            .alloc_lock
+            .acquire_permit(1)
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        // Bounded: each pass either returns or installs a new head with free
+        // slots; the second pass always finds room.
+        for _ in 0..3 {
+            if let Some(id) = self.head.get() {
+                let segment = self.segment(id);
+                let used = segment.slots_used.get();
+                if used < self.slots_per_segment {
+                    segment.slots_used.set(used + 1);
+                    segment.writers.set(segment.writers.get() + 1);
+                    let seq = self.next_seq.get();
+                    self.next_seq.set(seq + 1);
+                    return Ok((segment, used, seq));
+                }
+                self.sealed.borrow_mut().push_back(id);
+                self.head.set(None);
+            }
+            let next = self.next_head().await?;
+            self.head.set(Some(next));
+        }
+        unreachable!("a fresh head segment always has a free slot")
+    }
+
+    /// Finds the segment to append to next: a free one, else a new file if
+    /// the disk share allows, else the oldest sealed segment, reclaimed.
+    async fn next_head(&self) -> Result<u32> {
+        let free = self.free.borrow_mut().pop();
+        if let Some(id) = free {
+            let segment = self.segment(id);
+            segment.slots_used.set(0);
+            // A free segment may hold slots of an earlier life: move its
+            // first_seq past them.
+            if segment.first_seq.get() < self.next_seq.get() {
+                segment.first_seq.set(self.next_seq.get());
+                segment
+                    .write_superblock(&self.superblock(id, self.next_seq.get()))
+                    .await?;
+            }
+            return Ok(id);
+        }
+        let created = self.segments.borrow().len() as u32;
+        if created < self.cfg.segments_max {
+            match self.create_segment(created).await {
+                Ok(()) => return Ok(created),
+                // The filesystem is full before our share is: reclaim instead.
+                Err(Error::DiskFull(why)) if !self.sealed.borrow().is_empty() => {
+                    tracing::warn!(
+                        shard = self.id(),
+                        "segment {created} not created ({why}); reclaiming the oldest instead"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let oldest = self.sealed.borrow_mut().pop_front();
+        match oldest {
+            Some(id) => {
+                self.reclaim(id).await?;
+                Ok(id)
+            }
+            None => Err(Error::DiskFull(
+                "no segment can be created or reclaimed".into(),
+            )),
+        }
+    }
+
+    async fn create_segment(&self, id: u32) -> Result<()> {
+        let sb = self.superblock(id, self.next_seq.get());
+        let path = segment::create_file(&self.cfg.dir, &sb)?;
+        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes).await?;
+        let mut segments = self.segments.borrow_mut();
+        if segments.len() <= id as usize {
+            segments.resize(id as usize + 1, None);
+        }
+        segments[id as usize] = Some(Rc::new(segment));
+        tracing::debug!(shard = self.id(), segment = id, "created segment");
+        Ok(())
+    }
+
+    /// Empties the oldest segment for reuse: waits for writes into it to
+    /// land, drops its blocks from the index, waits for reads of it to
+    /// finish, then starts its new life with a new superblock.
+    async fn reclaim(&self, id: u32) -> Result<()> {
+        let segment = self.segment(id);
+        while segment.writers.get() > 0 {
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        }
+        let evicted = self.index.borrow_mut().remove_segment(id);
+        while segment.readers.get() > 0 {
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        }
+        let first_seq = self.next_seq.get();
+        if let Err(e) = segment
+            .write_superblock(&self.superblock(id, first_seq))
+            .await
+        {
+            // Its blocks are already out of the index; keep it for a retry.
+            self.free.borrow_mut().push(id);
+            return Err(e);
+        }
+        segment.first_seq.set(first_seq);
+        segment.slots_used.set(0);
+        bump(&self.counters.reclaimed_segments, 1);
+        bump(&self.counters.evicted_blocks, evicted as u64);
+        tracing::debug!(
+            shard = self.id(),
+            segment = id,
+            evicted,
+            "reclaimed segment"
+        );
+        Ok(())
+    }
+
+    /// Reads a block, verifying the header and the payload CRC-32 first.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when not stored; [`Error::Corrupt`] when the
+    /// record fails its checks (the entry is dropped and counted);
+    /// [`Error::Io`].
+    pub async fn get(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
+        bump(&self.counters.gets, 1);
+        let result = self.read_block(key, hash).await;
+        match &result {
+            Ok(_) => bump(&self.counters.hits, 1),
+            Err(Error::NotFound) | Err(Error::Corrupt { .. }) => bump(&self.counters.misses, 1),
+            Err(_) => {}
+        }
+        result
+    }
+
+    async fn read_block(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
+        let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
+        let segment = self.segment(entry.segment);
+        let _reader = InFlight::enter(&segment.readers);
+        let _permit = self
+            .io_permits
+            .acquire_permit(1)
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        let started = Instant::now();
+        let block_bytes = self.cfg.geometry.block_bytes;
+        bump(&self.counters.io_in_flight, 1);
+        let read = segment
+            .read_slot(entry.slot, slot::slot_bytes(block_bytes))
+            .await;
+        self.counters
+            .io_in_flight
+            .set(self.counters.io_in_flight.get() - 1);
+        let data = read?;
+        bump(&self.counters.bytes_read, data.len() as u64);
+        let header = match SlotHeader::decode(&data[..PAGE_BYTES as usize]) {
+            Ok(h) => h,
+            Err(fault) => {
+                return Err(self.drop_corrupt(
+                    hash,
+                    entry,
+                    &format!("slot header invalid ({fault:?})"),
+                ))
+            }
+        };
+        if header.seq != entry.seq
+            || header.kind != RecordKind::Block
+            || header.payload_len != block_bytes
+        {
+            return Err(self.drop_corrupt(
+                hash,
+                entry,
+                &format!(
+                    "slot holds seq {} kind {:?}, index expected seq {}",
+                    header.seq, header.kind, entry.seq
+                ),
+            ));
+        }
+        if header.key != key.as_bytes() {
+            // Another key with the same 128-bit hash: never serve it.
+            bump(&self.counters.hash_collisions, 1);
+            tracing::warn!(
+                shard = self.id(),
+                key,
+                "block hash collision; answering as a miss"
+            );
+            return Err(Error::NotFound);
+        }
+        let payload = &data[PAGE_BYTES as usize..PAGE_BYTES as usize + block_bytes as usize];
+        if crc32fast::hash(payload) != header.payload_crc {
+            return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
+        }
+        let bytes = Bytes::copy_from_slice(payload);
+        let _ = self
+            .read_us
+            .borrow_mut()
+            .record(started.elapsed().as_micros().max(1) as u64);
+        Ok(bytes)
+    }
+
+    fn drop_corrupt(&self, hash: BlockHash, entry: Entry, why: &str) -> Error {
+        self.index.borrow_mut().remove_exact(&hash, entry);
+        bump(&self.counters.corrupt_blocks, 1);
+        tracing::error!(
+            shard = self.id(),
+            segment = entry.segment,
+            slot = entry.slot,
+            seq = entry.seq,
+            "corrupt block dropped: {why}"
+        );
+        Error::Corrupt {
+            segment: entry.segment,
+            slot: entry.slot,
+        }
+    }
+
+    /// Whether a block is stored under `hash` (an index lookup; no I/O).
+    pub fn contains(&self, hash: &BlockHash) -> bool {
+        self.index.borrow().contains(hash)
+    }
+
+    /// Deletes a block by appending a tombstone, so it stays deleted after a
+    /// restart.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
+    pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
+        if !self.contains(&hash) {
+            return Err(Error::NotFound);
+        }
+        let _permit = self
+            .io_permits
+            .acquire_permit(1)
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        let buf = glommio::allocate_dma_buffer(PAGE_BYTES as usize);
+        let header = SlotHeader {
+            kind: RecordKind::Tombstone,
+            seq: 0,
+            hash,
+            payload_len: 0,
+            payload_crc: 0,
+            write_time_us: slot::now_us(),
+            key: key.as_bytes().to_vec(),
+        };
+        let (_, existed) = self.append(buf, header).await?;
+        if !existed {
+            return Err(Error::NotFound);
+        }
+        bump(&self.counters.deletes, 1);
+        Ok(())
+    }
+
+    /// A snapshot of this shard's counters and sizes.
+    pub fn stats(&self) -> ShardStats {
+        let c = &self.counters;
+        let segments = self
+            .segments
+            .borrow()
+            .iter()
+            .filter(|s| s.is_some())
+            .count() as u32;
+        let (read, write) = (self.read_us.borrow(), self.write_us.borrow());
+        let pct = |h: &Histogram<u64>, q: f64| {
+            if h.is_empty() {
+                0
+            } else {
+                h.value_at_quantile(q)
+            }
+        };
+        ShardStats {
+            shard: self.id(),
+            blocks: self.index.borrow().len() as u64,
+            capacity_blocks: self.cfg.segments_max as u64 * self.slots_per_segment as u64,
+            segments,
+            segments_max: self.cfg.segments_max,
+            disk_bytes: segments as u64 * self.cfg.segment_bytes,
+            index_bytes: self.index.borrow().heap_bytes() as u64,
+            puts: c.puts.get(),
+            gets: c.gets.get(),
+            hits: c.hits.get(),
+            misses: c.misses.get(),
+            deletes: c.deletes.get(),
+            corrupt_blocks: c.corrupt_blocks.get(),
+            hash_collisions: c.hash_collisions.get(),
+            reclaimed_segments: c.reclaimed_segments.get(),
+            evicted_blocks: c.evicted_blocks.get(),
+            bytes_written: c.bytes_written.get(),
+            bytes_read: c.bytes_read.get(),
+            io_in_flight: c.io_in_flight.get(),
+            read_us_p50: pct(&read, 0.5),
+            read_us_p99: pct(&read, 0.99),
+            write_us_p50: pct(&write, 0.5),
+            write_us_p99: pct(&write, 0.99),
+            recovery: self.recovery.borrow().clone(),
+        }
+    }
+
+    /// Closes every segment file. Writes are already on the device (each was
+    /// acknowledged after its `O_DIRECT` write completed).
+    pub async fn close(&self) {
+        let segments: Vec<Rc<Segment>> = self.segments.borrow_mut().drain(..).flatten().collect();
+        for segment in segments {
+            match Rc::try_unwrap(segment) {
+                Ok(s) => {
+                    if let Err(e) = s.file.close().await {
+                        tracing::warn!(shard = self.id(), "closing segment: {e}");
+                    }
+                }
+                Err(_) => tracing::warn!(shard = self.id(), "segment still in use at close"),
+            }
+        }
+    }
+}

@@ -1,0 +1,485 @@
+//! The store: one shard per glommio executor, and the handle that routes each
+//! operation to the shard that owns its key.
+//!
+//! [`run`] starts one pinned `LocalExecutor` per shard. Each opens its shard
+//! (rebuilding the index from disk), joins a full channel mesh with the other
+//! shards, then runs the caller's `serve` future (the HTTP server) with a
+//! [`Store`] handle. An operation on a key another shard owns travels to the
+//! owner over the mesh as a message carrying `Bytes` handles (no payload
+//! copy); the answer comes back on a oneshot channel, whose cross-thread wake
+//! glommio delivers through the owner executor's notifier.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::channel::oneshot;
+use glommio::channels::channel_mesh::{MeshBuilder, Senders};
+use glommio::{LocalExecutorBuilder, Placement};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
+use crate::key::{self, BlockHash};
+use crate::recover;
+use crate::shard::{PutOutcome, Shard, ShardConfig, ShardStats};
+
+/// Messages queued per shard pair before a sender waits.
+const MESH_QUEUE_DEPTH: usize = 1024;
+
+/// Memory glommio registers with io_uring per executor for DMA buffers.
+const IO_MEMORY_BYTES: usize = 64 << 20;
+
+/// Default number of block reads and writes in flight per shard.
+pub const IO_DEPTH_DEFAULT: usize = 32;
+
+/// Default segment file size: 1 GiB (DESIGN §3).
+pub const SEGMENT_BYTES_DEFAULT: u64 = 1 << 30;
+
+/// How a store is opened.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Data directory (`store.json`, `shard-NNN/`).
+    pub data_dir: PathBuf,
+    /// Block geometry; must match `store.json` of an existing store.
+    pub geometry: Geometry,
+    /// Number of shards (executors); must match an existing store.
+    pub shards: usize,
+    /// Disk capacity for segments across all shards, in bytes.
+    pub disk_bytes: u64,
+    /// Size of one segment file in bytes; must match an existing store.
+    pub segment_bytes: u64,
+    /// `fdatasync` after each write.
+    pub sync: bool,
+    /// Block I/Os in flight per shard.
+    pub io_depth_max: usize,
+    /// Pin shard `i` to CPU `i mod cpus`.
+    pub pin_cpus: bool,
+}
+
+impl StoreConfig {
+    /// The manifest this configuration describes.
+    pub fn manifest(&self) -> StoreManifest {
+        StoreManifest {
+            format_version: FORMAT_VERSION,
+            geometry: self.geometry.clone(),
+            shards: self.shards as u32,
+            segment_bytes: self.segment_bytes,
+        }
+    }
+
+    fn shard_config(&self, shard_id: usize) -> ShardConfig {
+        let per_shard = self.disk_bytes / self.shards as u64;
+        ShardConfig {
+            shard_id: shard_id as u32,
+            dir: self.data_dir.join(format!("shard-{shard_id:03}")),
+            geometry: self.geometry.clone(),
+            segment_bytes: self.segment_bytes,
+            segments_max: (per_shard / self.segment_bytes).min(u32::MAX as u64) as u32,
+            sync: self.sync,
+            io_depth_max: self.io_depth_max,
+        }
+    }
+}
+
+/// An operation sent to the owning shard.
+enum Op {
+    Put {
+        key: String,
+        hash: BlockHash,
+        chunks: Vec<Bytes>,
+    },
+    Get {
+        key: String,
+        hash: BlockHash,
+    },
+    Delete {
+        key: String,
+        hash: BlockHash,
+    },
+    Contains {
+        hashes: Vec<BlockHash>,
+    },
+    Stats,
+}
+
+enum Reply {
+    Put(Result<PutOutcome>),
+    Get(Result<Bytes>),
+    Delete(Result<()>),
+    Contains(Vec<bool>),
+    Stats(Box<ShardStats>),
+}
+
+struct Request {
+    op: Op,
+    reply: oneshot::Sender<Reply>,
+}
+
+/// Which tier answered a read. Only the NVMe log exists so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// The O_DIRECT segment log.
+    Nvme,
+}
+
+impl Tier {
+    /// Name used in `x-kvtier-tier` and in JSON.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Tier::Nvme => "nvme",
+        }
+    }
+}
+
+/// A block read back.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// The payload, `block_bytes` long.
+    pub bytes: Bytes,
+    /// Where it was served from.
+    pub tier: Tier,
+}
+
+/// The handle a shard's tasks use to reach the whole store. Lives on one
+/// executor (`!Send`); every shard has its own.
+pub struct Store {
+    shard: Rc<Shard>,
+    senders: Senders<Request>,
+    shards: usize,
+    manifest: StoreManifest,
+}
+
+impl Store {
+    /// This executor's shard id.
+    pub fn shard_id(&self) -> usize {
+        self.shard.id() as usize
+    }
+
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// The store's geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.manifest.geometry
+    }
+
+    /// The store's manifest (`store.json`).
+    pub fn manifest(&self) -> &StoreManifest {
+        &self.manifest
+    }
+
+    async fn forward(&self, owner: usize, op: Op) -> Result<Reply> {
+        let (reply, answer) = oneshot::channel();
+        self.senders
+            .send_to(owner, Request { op, reply })
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        answer.await.map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Stores `chunks` (together exactly `block_bytes`) under `key`,
+    /// acknowledged once the O_DIRECT write has completed on the owning shard.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], [`Error::WrongSize`], [`Error::DiskFull`],
+    /// [`Error::Io`], [`Error::ShuttingDown`].
+    pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutOutcome> {
+        key::validate(key)?;
+        let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+        if got != self.geometry().block_bytes {
+            return Err(Error::WrongSize {
+                expected: self.geometry().block_bytes,
+                got,
+            });
+        }
+        let hash = BlockHash::of(key.as_bytes());
+        let owner = hash.shard(self.shards);
+        if owner == self.shard_id() {
+            return self.shard.put(key, hash, &chunks).await;
+        }
+        match self
+            .forward(
+                owner,
+                Op::Put {
+                    key: key.to_string(),
+                    hash,
+                    chunks,
+                },
+            )
+            .await?
+        {
+            Reply::Put(r) => r,
+            _ => unreachable!("put answered with another reply"),
+        }
+    }
+
+    /// Reads the block stored under `key`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::Corrupt`] (treat
+    /// as a miss), [`Error::Io`], [`Error::ShuttingDown`].
+    pub async fn get(&self, key: &str) -> Result<Block> {
+        key::validate(key)?;
+        let hash = BlockHash::of(key.as_bytes());
+        let owner = hash.shard(self.shards);
+        let bytes = if owner == self.shard_id() {
+            self.shard.get(key, hash).await
+        } else {
+            match self
+                .forward(
+                    owner,
+                    Op::Get {
+                        key: key.to_string(),
+                        hash,
+                    },
+                )
+                .await?
+            {
+                Reply::Get(r) => r,
+                _ => unreachable!("get answered with another reply"),
+            }
+        }?;
+        Ok(Block {
+            bytes,
+            tier: Tier::Nvme,
+        })
+    }
+
+    /// Deletes the block under `key` (a tombstone is logged).
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::DiskFull`],
+    /// [`Error::Io`], [`Error::ShuttingDown`].
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        key::validate(key)?;
+        let hash = BlockHash::of(key.as_bytes());
+        let owner = hash.shard(self.shards);
+        if owner == self.shard_id() {
+            return self.shard.delete(key, hash).await;
+        }
+        match self
+            .forward(
+                owner,
+                Op::Delete {
+                    key: key.to_string(),
+                    hash,
+                },
+            )
+            .await?
+        {
+            Reply::Delete(r) => r,
+            _ => unreachable!("delete answered with another reply"),
+        }
+    }
+
+    /// Whether each key is stored, in order. One message per shard that owns
+    /// any of the keys, sent in parallel.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
+    pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>> {
+        let mut by_shard: Vec<Vec<(usize, BlockHash)>> = vec![Vec::new(); self.shards];
+        for (i, k) in keys.iter().enumerate() {
+            key::validate(k)?;
+            let hash = BlockHash::of(k.as_bytes());
+            by_shard[hash.shard(self.shards)].push((i, hash));
+        }
+        let mut found = vec![false; keys.len()];
+        let asks = by_shard
+            .into_iter()
+            .enumerate()
+            .filter(|(_, ks)| !ks.is_empty())
+            .map(|(owner, ks)| async move {
+                let hashes: Vec<BlockHash> = ks.iter().map(|(_, h)| *h).collect();
+                let answer = if owner == self.shard_id() {
+                    hashes.iter().map(|h| self.shard.contains(h)).collect()
+                } else {
+                    match self.forward(owner, Op::Contains { hashes }).await? {
+                        Reply::Contains(v) => v,
+                        _ => unreachable!("contains answered with another reply"),
+                    }
+                };
+                Ok::<_, Error>((ks, answer))
+            });
+        for result in futures::future::join_all(asks).await {
+            let (ks, answer) = result?;
+            for ((i, _), hit) in ks.into_iter().zip(answer) {
+                found[i] = hit;
+            }
+        }
+        Ok(found)
+    }
+
+    /// How many leading keys of a prefix chain are stored: the prefix hit
+    /// count a connector uses to skip prefill for those blocks.
+    ///
+    /// # Errors
+    /// As [`Store::contains_many`].
+    pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<usize> {
+        let found = self.contains_many(keys).await?;
+        Ok(found.iter().take_while(|hit| **hit).count())
+    }
+
+    /// Statistics of every shard, in shard order.
+    ///
+    /// # Errors
+    /// [`Error::ShuttingDown`] when a shard no longer answers.
+    pub async fn stats(&self) -> Result<Vec<ShardStats>> {
+        let asks = (0..self.shards).map(|owner| async move {
+            if owner == self.shard_id() {
+                return Ok(self.shard.stats());
+            }
+            match self.forward(owner, Op::Stats).await? {
+                Reply::Stats(s) => Ok(*s),
+                _ => unreachable!("stats answered with another reply"),
+            }
+        });
+        futures::future::join_all(asks).await.into_iter().collect()
+    }
+}
+
+async fn execute(shard: &Shard, op: Op) -> Reply {
+    match op {
+        Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
+        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
+        Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
+        Op::Contains { hashes } => {
+            Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect())
+        }
+        Op::Stats => Reply::Stats(Box::new(shard.stats())),
+    }
+}
+
+/// Opens the store described by `config` and runs `serve` on every shard.
+/// Returns, in shard order, what each `serve` returned, once every shard has
+/// finished serving, answered its peers' last requests and closed its files.
+///
+/// `serve` is called once per shard on that shard's executor; when it
+/// returns, the shard stops sending, keeps answering peers until they stop
+/// too, then closes.
+///
+/// # Errors
+/// [`Error::GeometryMismatch`] and [`Error::Config`] before any shard starts;
+/// the first shard's open error (every shard then returns without serving).
+pub fn run<F, Fut, T>(config: StoreConfig, serve: F) -> Result<Vec<T>>
+where
+    F: Fn(Rc<Store>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    if config.shards == 0 {
+        return Err(Error::Config("shards must be at least 1".into()));
+    }
+    if config.segment_bytes < 2 * crate::slot::PAGE_BYTES {
+        return Err(Error::Config(format!(
+            "segment_bytes {} is too small",
+            config.segment_bytes
+        )));
+    }
+    let manifest = config.manifest().create_or_check(&config.data_dir)?;
+    let mesh: MeshBuilder<Request, _> = MeshBuilder::full(config.shards, MESH_QUEUE_DEPTH);
+    let failed = Arc::new(AtomicBool::new(false));
+    let serve = Arc::new(serve);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mut handles = Vec::with_capacity(config.shards);
+    for shard_id in 0..config.shards {
+        let (mesh, failed, serve) = (mesh.clone(), failed.clone(), serve.clone());
+        let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
+        let shards = config.shards;
+        let placement = if config.pin_cpus {
+            Placement::Fixed(shard_id % cpus)
+        } else {
+            Placement::Unbound
+        };
+        let handle = LocalExecutorBuilder::new(placement)
+            .name(&format!("kvtier-shard-{shard_id}"))
+            .io_memory(IO_MEMORY_BYTES)
+            .spawn(move || async move {
+                let opened = recover::open_shard(shard_cfg).await;
+                if opened.is_err() {
+                    failed.store(true, Ordering::SeqCst);
+                }
+                // Joining the mesh is also a barrier: every shard has opened
+                // (or failed to) before any serves.
+                let (senders, mut receivers) =
+                    mesh.join().await.map_err(|_| Error::ShuttingDown)?;
+                let shard = match opened {
+                    Ok(s) => Some(Rc::new(s)),
+                    Err(e) => {
+                        senders.close();
+                        return Err(e);
+                    }
+                };
+                let shard = shard.expect("opened");
+                let answering: Vec<_> = receivers
+                    .streams()
+                    .into_iter()
+                    .map(|(_, receiver)| {
+                        let shard = shard.clone();
+                        glommio::spawn_local(async move {
+                            while let Some(req) = receiver.recv().await {
+                                let shard = shard.clone();
+                                glommio::spawn_local(async move {
+                                    let reply = execute(&shard, req.op).await;
+                                    let _ = req.reply.send(reply);
+                                })
+                                .detach();
+                            }
+                        })
+                    })
+                    .collect();
+                let store = Rc::new(Store {
+                    shard: shard.clone(),
+                    senders,
+                    shards,
+                    manifest,
+                });
+                let out = if failed.load(Ordering::SeqCst) {
+                    None
+                } else {
+                    Some(serve(store.clone()).await)
+                };
+                store.senders.close();
+                futures::future::join_all(answering).await;
+                drop(store);
+                // Requests from peers may still be finishing; wait for them
+                // to release the shard before closing its files.
+                while Rc::strong_count(&shard) > 1 {
+                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                shard.close().await;
+                out.ok_or(Error::ShuttingDown)
+            })
+            .map_err(|e| Error::Config(format!("starting executor for shard {shard_id}: {e}")))?;
+        handles.push(handle);
+    }
+    let mut outputs = Vec::with_capacity(handles.len());
+    let mut first_error = None;
+    for handle in handles {
+        match handle.join() {
+            Ok(Ok(out)) => outputs.push(out),
+            Ok(Err(e)) => {
+                if first_error.is_none() || matches!(first_error, Some(Error::ShuttingDown)) {
+                    first_error = Some(e);
+                }
+            }
+            Err(e) => {
+                first_error =
+                    first_error.or(Some(Error::Config(format!("shard executor failed: {e}"))))
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(outputs),
+    }
+}

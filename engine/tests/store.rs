@@ -1,0 +1,390 @@
+//! Engine tests on real files in temp dirs, through real io_uring.
+
+use std::future::Future;
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvtier_engine::key::BlockHash;
+use kvtier_engine::slot::PAGE_BYTES;
+use kvtier_engine::{Error, Geometry, PutOutcome, Store, StoreConfig};
+
+fn config(
+    dir: &Path,
+    block_bytes: u64,
+    shards: usize,
+    segment_bytes: u64,
+    disk_bytes: u64,
+) -> StoreConfig {
+    StoreConfig {
+        data_dir: dir.to_path_buf(),
+        geometry: Geometry::from_block_bytes(block_bytes, 128).unwrap(),
+        shards,
+        disk_bytes,
+        segment_bytes,
+        sync: false,
+        io_depth_max: 16,
+        pin_cpus: false,
+    }
+}
+
+/// Runs `f` on shard 0 while the other shards only answer forwarded requests.
+fn on_shard0<F, Fut, T>(cfg: StoreConfig, f: F) -> Result<T, Error>
+where
+    F: Fn(Rc<Store>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    let f = Arc::new(f);
+    let out = kvtier_engine::run(cfg, move |store| {
+        let f = f.clone();
+        async move {
+            if store.shard_id() == 0 {
+                Some(f(store).await)
+            } else {
+                None
+            }
+        }
+    })?;
+    Ok(out.into_iter().flatten().next().expect("shard 0 ran"))
+}
+
+/// Deterministic payload for a key: the key's hash repeated.
+fn payload(key: &str, len: u64) -> Bytes {
+    let seed = BlockHash::of(key.as_bytes()).0.to_le_bytes();
+    Bytes::from(
+        seed.iter()
+            .cycle()
+            .take(len as usize)
+            .copied()
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn key_on_shard(shard: usize, shards: usize, n: usize) -> Vec<String> {
+    (0..)
+        .map(|i| format!("k{i}"))
+        .filter(|k| BlockHash::of(k.as_bytes()).shard(shards) == shard)
+        .take(n)
+        .collect()
+}
+
+#[test]
+fn round_trip_for_several_geometries() {
+    // 4 KiB, 64 KiB, 1.2 MB (the KVStore benchmark's block) and 16 MiB
+    // (llama3.1-8b at 128 tokens).
+    for block_bytes in [4096u64, 65_536, 1_228_800, 16 << 20] {
+        let dir = tempfile::tempdir().unwrap();
+        let segment = 4 * (block_bytes + PAGE_BYTES) + PAGE_BYTES;
+        let cfg = config(dir.path(), block_bytes, 1, segment, 4 * segment);
+        let ok = on_shard0(cfg, move |store| async move {
+            for i in 0..3 {
+                let key = format!("block-{i}");
+                let body = payload(&key, block_bytes);
+                // Split the body in uneven chunks, as HTTP frames arrive.
+                let cut = (block_bytes / 3) as usize;
+                let chunks = vec![body.slice(..cut), body.slice(cut..)];
+                assert_eq!(store.put(&key, chunks).await.unwrap(), PutOutcome::Created);
+                let got = store.get(&key).await.unwrap();
+                assert_eq!(got.bytes, body, "block {i} of {block_bytes} bytes");
+            }
+            true
+        })
+        .unwrap();
+        assert!(ok);
+    }
+}
+
+#[test]
+fn overwrite_delete_and_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8192, 2, 1 << 20, 8 << 20);
+    on_shard0(cfg.clone(), |store| async move {
+        let (a1, a2) = (payload("a1", 8192), payload("a2", 8192));
+        assert_eq!(store.put("a", vec![a1]).await.unwrap(), PutOutcome::Created);
+        assert_eq!(
+            store.put("a", vec![a2.clone()]).await.unwrap(),
+            PutOutcome::Replaced
+        );
+        assert_eq!(store.get("a").await.unwrap().bytes, a2);
+        store
+            .put("gone", vec![payload("gone", 8192)])
+            .await
+            .unwrap();
+        store.delete("gone").await.unwrap();
+        assert!(matches!(store.delete("gone").await, Err(Error::NotFound)));
+        assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
+        assert!(matches!(store.get("never").await, Err(Error::NotFound)));
+    })
+    .unwrap();
+    // Reopen: the newest record of "a" wins, and the tombstone holds.
+    on_shard0(cfg, |store| async move {
+        assert_eq!(store.get("a").await.unwrap().bytes, payload("a2", 8192));
+        assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
+        let stats = store.stats().await.unwrap();
+        assert_eq!(stats.iter().map(|s| s.blocks).sum::<u64>(), 1);
+        assert_eq!(
+            stats
+                .iter()
+                .map(|s| s.recovery.tombstones_found)
+                .sum::<u64>(),
+            1
+        );
+    })
+    .unwrap();
+}
+
+#[test]
+fn wrong_size_and_invalid_keys_are_refused_and_lose_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    on_shard0(
+        config(dir.path(), 8192, 1, 1 << 20, 4 << 20),
+        |store| async move {
+            store
+                .put("keep", vec![payload("keep", 8192)])
+                .await
+                .unwrap();
+            match store.put("short", vec![Bytes::from(vec![0u8; 100])]).await {
+                Err(Error::WrongSize {
+                    expected: 8192,
+                    got: 100,
+                }) => {}
+                other => panic!("{other:?}"),
+            }
+            for bad in ["", "a/b", "..", &"x".repeat(257)] {
+                assert!(matches!(
+                    store.put(bad, vec![payload(bad, 8192)]).await,
+                    Err(Error::InvalidKey { .. })
+                ));
+                assert!(matches!(
+                    store.get(bad).await,
+                    Err(Error::InvalidKey { .. })
+                ));
+            }
+            assert_eq!(
+                store.get("keep").await.unwrap().bytes,
+                payload("keep", 8192)
+            );
+            assert!(matches!(store.get("short").await, Err(Error::NotFound)));
+        },
+    )
+    .unwrap();
+}
+
+#[test]
+fn geometry_mismatch_names_both_values() {
+    let dir = tempfile::tempdir().unwrap();
+    on_shard0(config(dir.path(), 8192, 1, 1 << 20, 4 << 20), |_| async {}).unwrap();
+    let err = on_shard0(config(dir.path(), 16384, 1, 1 << 20, 4 << 20), |_| async {}).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::GeometryMismatch { .. }), "{msg}");
+    assert!(msg.contains("8192") && msg.contains("16384"), "{msg}");
+    let err = on_shard0(config(dir.path(), 8192, 2, 1 << 20, 4 << 20), |_| async {}).unwrap_err();
+    assert!(err.to_string().contains("shards"), "{err}");
+}
+
+#[test]
+fn two_shards_route_keys_to_their_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 4096, 2, 1 << 20, 8 << 20);
+    on_shard0(cfg.clone(), |store| async move {
+        let keys: Vec<String> = key_on_shard(0, 2, 5)
+            .into_iter()
+            .chain(key_on_shard(1, 2, 5))
+            .collect();
+        for k in &keys {
+            store.put(k, vec![payload(k, 4096)]).await.unwrap();
+        }
+        for k in &keys {
+            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 4096));
+        }
+        let stats = store.stats().await.unwrap();
+        assert_eq!(
+            stats.iter().map(|s| s.blocks).collect::<Vec<_>>(),
+            vec![5, 5]
+        );
+        // A chain whose 4th key is missing has 3 prefix hits.
+        let mut chain: Vec<&str> = keys.iter().map(|s| s.as_str()).take(3).collect();
+        chain.push("missing");
+        chain.push(&keys[4]);
+        assert_eq!(store.lookup_prefix(&chain).await.unwrap(), 3);
+    })
+    .unwrap();
+    // Files exist per shard, each owning its keys after restart.
+    assert!(dir.path().join("shard-000/seg-000000.kvt").exists());
+    assert!(dir.path().join("shard-001/seg-000000.kvt").exists());
+    on_shard0(cfg, |store| async move {
+        for k in key_on_shard(1, 2, 5) {
+            assert_eq!(store.get(&k).await.unwrap().bytes, payload(&k, 4096));
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn log_full_reclaims_oldest_segment_and_stays_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 slots per segment (4 KiB superblock + 3 × 8 KiB), 3 segments: 9 slots.
+    let segment = PAGE_BYTES + 3 * 8192;
+    let cfg = config(dir.path(), 4096, 1, segment, 3 * segment);
+    let written = 20;
+    on_shard0(cfg.clone(), move |store| async move {
+        for i in 0..written {
+            let k = format!("b{i}");
+            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+        }
+        let s = &store.stats().await.unwrap()[0];
+        assert!(s.reclaimed_segments >= 3, "{s:?}");
+        assert!(s.blocks <= 9 && s.blocks >= 6, "{s:?}");
+        // The newest block is always there; the oldest is gone.
+        let last = format!("b{}", written - 1);
+        assert_eq!(store.get(&last).await.unwrap().bytes, payload(&last, 4096));
+        assert!(matches!(store.get("b0").await, Err(Error::NotFound)));
+    })
+    .unwrap();
+    // After a restart the same blocks are found, and no reclaimed one returns.
+    on_shard0(cfg, move |store| async move {
+        let mut present = 0;
+        for i in 0..written {
+            let k = format!("b{i}");
+            match store.get(&k).await {
+                Ok(b) => {
+                    assert_eq!(b.bytes, payload(&k, 4096));
+                    present += 1;
+                }
+                Err(Error::NotFound) => {
+                    assert!(present == 0, "hole after b{i}: blocks return out of order")
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(present as u64, store.stats().await.unwrap()[0].blocks);
+        // Writes go on after the restart, reclaiming again.
+        for i in 0..10 {
+            let k = format!("c{i}");
+            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+        }
+        assert_eq!(store.get("c9").await.unwrap().bytes, payload("c9", 4096));
+    })
+    .unwrap();
+}
+
+/// Offset of slot `slot` in a segment of `block_bytes` blocks.
+fn slot_offset(block_bytes: u64, slot: u64) -> u64 {
+    PAGE_BYTES + slot * (PAGE_BYTES + block_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES)
+}
+
+fn flip_byte(path: &Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0xFF;
+    f.write_all_at(&b, offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn flipped_payload_byte_is_corrupt_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
+    on_shard0(cfg.clone(), |store| async move {
+        for k in ["s0", "s1", "s2"] {
+            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+        }
+    })
+    .unwrap();
+    // Slot 1 holds "s1": flip a byte in the middle of its payload.
+    flip_byte(
+        &dir.path().join("shard-000/seg-000000.kvt"),
+        slot_offset(8192, 1) + PAGE_BYTES + 5000,
+    );
+    on_shard0(cfg, |store| async move {
+        assert!(matches!(
+            store.get("s1").await,
+            Err(Error::Corrupt {
+                segment: 0,
+                slot: 1
+            })
+        ));
+        // Dropped from the index: a miss from now on, and counted.
+        assert!(matches!(store.get("s1").await, Err(Error::NotFound)));
+        assert_eq!(store.stats().await.unwrap()[0].corrupt_blocks, 1);
+        for k in ["s0", "s2"] {
+            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 8192));
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn torn_header_and_torn_payload_after_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
+    on_shard0(cfg.clone(), |store| async move {
+        for k in ["t0", "t1", "t2", "t3"] {
+            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+        }
+    })
+    .unwrap();
+    let seg = dir.path().join("shard-000/seg-000000.kvt");
+    // As if the process died mid-write: slot 3's header is torn, and slot 2's
+    // payload only half written.
+    flip_byte(&seg, slot_offset(8192, 3) + 100);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).unwrap();
+        f.write_all_at(&[0u8; 4096], slot_offset(8192, 2) + PAGE_BYTES + 4096)
+            .unwrap();
+    }
+    on_shard0(cfg, |store| async move {
+        let s = &store.stats().await.unwrap()[0];
+        assert_eq!(s.recovery.headers_invalid, 1, "{s:?}");
+        assert!(matches!(store.get("t3").await, Err(Error::NotFound)));
+        assert!(matches!(store.get("t2").await, Err(Error::Corrupt { .. })));
+        for k in ["t0", "t1"] {
+            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 8192));
+        }
+        // The log keeps taking writes after the damaged slots.
+        store.put("t4", vec![payload("t4", 8192)]).await.unwrap();
+        assert_eq!(store.get("t4").await.unwrap().bytes, payload("t4", 8192));
+    })
+    .unwrap();
+}
+
+#[test]
+fn concurrent_puts_of_one_key_never_tear() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 65_536, 1, 4 << 20, 16 << 20);
+    on_shard0(cfg, |store| async move {
+        let versions: Vec<Bytes> = (0..8).map(|v| payload(&format!("v{v}"), 65_536)).collect();
+        let writers = versions.iter().map(|body| {
+            let store = store.clone();
+            let body = body.clone();
+            async move { store.put("hot", vec![body]).await.unwrap() }
+        });
+        let readers = (0..8).map(|_| {
+            let store = store.clone();
+            async move { store.get("hot").await.ok().map(|b| b.bytes) }
+        });
+        let (_, reads) = futures::future::join(
+            futures::future::join_all(writers),
+            futures::future::join_all(readers),
+        )
+        .await;
+        for r in reads.into_iter().flatten() {
+            assert!(
+                versions.contains(&r),
+                "a read returned bytes no writer wrote"
+            );
+        }
+        let last = store.get("hot").await.unwrap().bytes;
+        assert!(versions.contains(&last));
+    })
+    .unwrap();
+}
