@@ -1,1 +1,352 @@
-fn main() {}
+//! `kvtier`: the KV-cache block store sidecar.
+//!
+//! `kvtier serve` starts the block API on one port (HTTP/2 with prior
+//! knowledge and HTTP/1.1); `kvtier info` describes a data directory.
+
+mod http;
+mod limits;
+mod routes;
+mod server;
+
+use std::fs;
+use std::net::SocketAddr;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+
+use clap::{ArgAction, Args, Parser, Subcommand};
+use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
+use kvtier_engine::store::{IO_DEPTH_DEFAULT, SEGMENT_BYTES_DEFAULT};
+use kvtier_engine::StoreConfig;
+
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// kvtier: a KV-cache block store that runs beside an LLM inference engine.
+///
+/// It stores fixed-size blocks of attention KV cache (128 tokens each by
+/// default) in an O_DIRECT log on NVMe, and serves them over HTTP/2 (h2c,
+/// prior knowledge) and HTTP/1.1 on one port. See docs/API.md.
+#[derive(Parser, Debug)]
+#[command(name = "kvtier", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start the sidecar: open (or create) the data directory and serve the
+    /// block API until SIGTERM or SIGINT.
+    Serve(ServeArgs),
+    /// Print a data directory's geometry and segment usage, then exit.
+    Info(InfoArgs),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on. A non-loopback address requires
+    /// --auth-token-file.
+    #[arg(long, default_value = "127.0.0.1:8085")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    store: StoreArgs,
+    /// File holding a bearer token; every request must then send
+    /// `Authorization: Bearer <token>`. Surrounding whitespace is ignored.
+    #[arg(long)]
+    auth_token_file: Option<PathBuf>,
+    /// Log filter: error, warn, info, debug, trace, or a tracing
+    /// EnvFilter directive. Logs go to stderr.
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+#[derive(Args, Debug)]
+struct StoreArgs {
+    /// Data directory: store.json and shard-NNN/seg-NNNNNN.kvt segment files.
+    #[arg(long, default_value = "./kvtier-data")]
+    data_dir: PathBuf,
+    /// Shards (one executor thread each). Default: the existing store's
+    /// count, else the number of CPUs.
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Model preset fixing the block size (tiny-1b, mistral-7b, llama2-7b,
+    /// llama3.1-8b, llama3.1-70b). Default: the existing store's, else
+    /// llama3.1-8b (131,072 bytes/token, 16 MiB per 128-token block).
+    #[arg(long)]
+    model: Option<String>,
+    /// Block size in bytes, instead of a model preset.
+    #[arg(long, conflicts_with = "model")]
+    block_bytes: Option<u64>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = BLOCK_TOKENS_DEFAULT)]
+    block_tokens: u32,
+    /// Disk space for segments across all shards, in GiB (2^30 bytes);
+    /// fractions allowed. When full, the oldest segment is reclaimed.
+    #[arg(long, default_value_t = 16.0)]
+    disk_gb: f64,
+    /// Size of one segment file in MiB. Default: the existing store's, else
+    /// 1024.
+    #[arg(long)]
+    segment_mib: Option<u64>,
+    /// fdatasync after every write, for durability across power loss (a
+    /// process crash loses nothing acknowledged even without it).
+    #[arg(long)]
+    sync: bool,
+    /// Block reads and writes in flight per shard.
+    #[arg(long, default_value_t = IO_DEPTH_DEFAULT)]
+    io_depth: usize,
+    /// Pin shard i to CPU i (mod the CPU count).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    pin_cpus: bool,
+}
+
+#[derive(Args, Debug)]
+struct InfoArgs {
+    /// Data directory to describe.
+    #[arg(long, default_value = "./kvtier-data")]
+    data_dir: PathBuf,
+}
+
+impl StoreArgs {
+    /// The store configuration, taking unset values from an existing
+    /// store.json so `kvtier serve --data-dir D` reopens D as it was made.
+    fn config(&self) -> Result<StoreConfig, String> {
+        let stored = StoreManifest::read(&self.data_dir).ok();
+        let geometry = match (&self.model, self.block_bytes, &stored) {
+            (Some(model), _, _) => Geometry::from_model(model, self.block_tokens),
+            (None, Some(bytes), _) => Geometry::from_block_bytes(bytes, self.block_tokens),
+            (None, None, Some(m)) => Ok(m.geometry.clone()),
+            (None, None, None) => Geometry::from_model(MODEL_DEFAULT, self.block_tokens),
+        }
+        .map_err(|e| e.to_string())?;
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let shards = self
+            .shards
+            .or(stored.as_ref().map(|m| m.shards as usize))
+            .unwrap_or(cpus);
+        let segment_bytes = self
+            .segment_mib
+            .map(|m| m << 20)
+            .or(stored.as_ref().map(|m| m.segment_bytes))
+            .unwrap_or(SEGMENT_BYTES_DEFAULT);
+        if !(self.disk_gb > 0.0) {
+            return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
+        }
+        Ok(StoreConfig {
+            data_dir: self.data_dir.clone(),
+            geometry,
+            shards,
+            disk_bytes: (self.disk_gb * (1u64 << 30) as f64) as u64,
+            segment_bytes,
+            sync: self.sync,
+            io_depth_max: self.io_depth,
+            pin_cpus: self.pin_cpus,
+        })
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Info(args) => info(&args.data_dir),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvtier: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Holds an exclusive `flock` on `<data-dir>/LOCK` for the process's life,
+/// so two servers never write one data directory.
+fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
+    fs::create_dir_all(dir)
+        .map_err(|e| format!("cannot create data directory {}: {e}", dir.display()))?;
+    let path = dir.join("LOCK");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!(
+            "data directory {} is in use by another kvtier process",
+            dir.display()
+        ));
+    }
+    Ok(file)
+}
+
+fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
+    let raw = fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --auth-token-file {}: {e}", path.display()))?;
+    let token = raw.trim();
+    if token.is_empty() {
+        return Err(format!("--auth-token-file {} is empty", path.display()));
+    }
+    Ok(Arc::from(token.as_bytes()))
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
+        .map_err(|e| format!("--log-level {:?}: {e}", args.log_level))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+
+    let auth_token = args
+        .auth_token_file
+        .as_deref()
+        .map(read_token)
+        .transpose()?;
+    if !args.listen.ip().is_loopback() && auth_token.is_none() {
+        return Err(format!(
+            "refusing to listen on non-loopback address {} without --auth-token-file: anyone who can reach it could read and overwrite KV blocks",
+            args.listen
+        ));
+    }
+    let config = args.store.config()?;
+    let _lock = lock_data_dir(&config.data_dir)?;
+    // glommio binds with SO_REUSEPORT, which would silently share the port
+    // with another process: check first that it is free.
+    if args.listen.port() != 0 {
+        std::net::TcpListener::bind(args.listen).map_err(|e| {
+            format!(
+                "cannot listen on {}: {e} (is another kvtier running?)",
+                args.listen
+            )
+        })?;
+    }
+
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let shared = Arc::new(server::Shared {
+        listen: args.listen,
+        auth_token,
+        shutdown: Default::default(),
+        bound: Mutex::new(None),
+        ready: Mutex::new(ready_tx),
+    });
+    let (shards, geometry, data_dir) = (
+        config.shards,
+        config.geometry.clone(),
+        config.data_dir.clone(),
+    );
+    let engine = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kvtier-engine".into())
+            .spawn(move || {
+                kvtier_engine::run(config, move |store| {
+                    server::serve_shard(store, shared.clone())
+                })
+            })
+            .map_err(|e| format!("starting the engine thread: {e}"))?
+    };
+
+    let mut addr = None;
+    let mut failure = None;
+    for _ in 0..shards {
+        match ready_rx.recv() {
+            Ok(Ok(a)) => addr = Some(a),
+            Ok(Err(e)) => {
+                failure = Some(e);
+                break;
+            }
+            // Every sender gone: the engine stopped before serving.
+            Err(_) => break,
+        }
+    }
+    if failure.is_some() || addr.is_none() {
+        shared.shutdown.store(true, Ordering::SeqCst);
+        let engine_error = engine
+            .join()
+            .map_err(|_| "engine thread panicked".to_string())?
+            .err()
+            .map(|e| e.to_string());
+        return Err(failure
+            .or(engine_error)
+            .unwrap_or_else(|| "the store stopped before serving".into()));
+    }
+    let addr = addr.expect("bound");
+    println!(
+        "kvtier listening on http://{addr} (h2c and HTTP/1.1; {shards} shards; model {}; block_bytes {}; data dir {})",
+        geometry.model,
+        geometry.block_bytes,
+        data_dir.display()
+    );
+    tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, "serving");
+
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kvtier-signals".into())
+            .spawn(move || {
+                let mut count = 0;
+                for signal in signals.forever() {
+                    count += 1;
+                    if count > 1 {
+                        eprintln!("kvtier: second signal {signal}, exiting now");
+                        std::process::exit(130);
+                    }
+                    tracing::info!(
+                        signal,
+                        "shutting down: no new connections, draining in-flight requests"
+                    );
+                    shared.shutdown.store(true, Ordering::SeqCst);
+                }
+            })
+            .map_err(|e| format!("starting the signal thread: {e}"))?;
+    }
+    let outcome = engine
+        .join()
+        .map_err(|_| "engine thread panicked".to_string())?;
+    outcome.map_err(|e| e.to_string())?;
+    tracing::info!("stopped cleanly");
+    Ok(())
+}
+
+fn info(dir: &Path) -> Result<(), String> {
+    let manifest = StoreManifest::read(dir).map_err(|e| e.to_string())?;
+    let g = &manifest.geometry;
+    println!("data dir      {}", dir.display());
+    println!("format        {}", manifest.format_version);
+    println!("model         {}", g.model);
+    println!("block_tokens  {}", g.block_tokens);
+    println!("bytes/token   {}", g.bytes_per_token);
+    println!("block_bytes   {}", g.block_bytes);
+    println!("shards        {}", manifest.shards);
+    println!("segment_bytes {}", manifest.segment_bytes);
+    for shard in 0..manifest.shards {
+        let shard_dir = dir.join(format!("shard-{shard:03}"));
+        let (mut segments, mut bytes) = (0u64, 0u64);
+        if let Ok(entries) = fs::read_dir(&shard_dir) {
+            for e in entries.flatten() {
+                if kvtier_engine::segment::parse_segment_name(&e.file_name().to_string_lossy())
+                    .is_some()
+                {
+                    segments += 1;
+                    bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+                }
+            }
+        }
+        println!("shard {shard:03}     {segments} segments, {bytes} bytes");
+    }
+    Ok(())
+}

@@ -1,0 +1,375 @@
+//! The HTTP routes of the block API (docs/API.md), and the one table that
+//! maps engine errors to HTTP statuses.
+//!
+//! | method, path | answers |
+//! |---|---|
+//! | `PUT /v1/blocks/{key}` | 201 created, 200 replaced; 411 / 413 / 422 naming `block_bytes` |
+//! | `GET /v1/blocks/{key}` | 200 + body + `x-kvtier-tier`; 404 |
+//! | `HEAD /v1/blocks/{key}` | 200 / 404 |
+//! | `DELETE /v1/blocks/{key}` | 204 / 404 |
+//! | `POST /v1/lookup` | `{"prefix_hits":n,"tiers":[...]}` |
+//! | `GET /v1/stats` | JSON |
+//! | `GET /healthz` | 200 |
+
+use std::convert::Infallible;
+use std::rc::Rc;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use kvtier_engine::{Error, PutOutcome, Store};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::limits;
+
+/// Everything a request handler needs, one per shard.
+pub struct Ctx {
+    /// This shard's store handle.
+    pub store: Rc<Store>,
+    /// Bearer token every request must carry, when set.
+    pub auth_token: Option<Rc<[u8]>>,
+}
+
+/// Response type of every route.
+pub type Reply = Response<Full<Bytes>>;
+
+/// Header naming the tier a GET was served from.
+pub const TIER_HEADER: &str = "x-kvtier-tier";
+
+/// A JSON error: `{"error":{"code":...,"message":...}}`.
+pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Reply {
+    let body = json!({ "error": { "code": code, "message": message.into() } });
+    json_reply(status, &body)
+}
+
+fn json_reply(status: StatusCode, body: &impl Serialize) -> Reply {
+    let bytes = serde_json::to_vec(body).expect("JSON serializes");
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(bytes)))
+        .expect("valid response")
+}
+
+/// The one mapping from engine errors to HTTP statuses.
+pub fn engine_error(e: &Error) -> Reply {
+    let (status, code) = match e {
+        Error::InvalidKey { .. } => (StatusCode::BAD_REQUEST, "invalid_key"),
+        Error::WrongSize { expected, got } if got > expected => {
+            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
+        }
+        Error::WrongSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "wrong_block_size"),
+        Error::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+        // A corrupt block is a miss for the client: it recomputes the block.
+        Error::Corrupt { .. } => (StatusCode::NOT_FOUND, "corrupt_block"),
+        Error::DiskFull(_) => (StatusCode::INSUFFICIENT_STORAGE, "disk_full"),
+        Error::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+        Error::GeometryMismatch { .. } | Error::Config(_) | Error::Io { .. } => {
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+        }
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+    };
+    if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
+        tracing::error!("request failed: {e}");
+    }
+    error(status, code, e.to_string())
+}
+
+/// Routes one request. Never fails: every error is a JSON reply.
+pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infallible> {
+    if let Some(token) = &ctx.auth_token {
+        if !authorized(&req, token) {
+            let mut r = error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong 'Authorization: Bearer <token>'",
+            );
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return Ok(r);
+        }
+    }
+    let path = req.uri().path().to_string();
+    let reply = if let Some(key) = path.strip_prefix("/v1/blocks/") {
+        let key = key.to_string();
+        match *req.method() {
+            Method::PUT => put_block(&ctx, &key, req).await,
+            Method::GET => get_block(&ctx, &key).await,
+            Method::HEAD => head_block(&ctx, &key).await,
+            Method::DELETE => delete_block(&ctx, &key).await,
+            _ => method_not_allowed("PUT, GET, HEAD, DELETE"),
+        }
+    } else {
+        match path.as_str() {
+            "/v1/lookup" if req.method() == Method::POST => lookup(&ctx, req).await,
+            "/v1/lookup" => method_not_allowed("POST"),
+            "/v1/stats" if req.method() == Method::GET => stats(&ctx).await,
+            "/healthz" if req.method() == Method::GET => json_reply(
+                StatusCode::OK,
+                &json!({"status": "ok", "shards": ctx.store.shards()}),
+            ),
+            "/v1/stats" | "/healthz" => method_not_allowed("GET"),
+            _ => error(
+                StatusCode::NOT_FOUND,
+                "no_route",
+                format!("no route for {path}; see docs/API.md"),
+            ),
+        }
+    };
+    Ok(reply)
+}
+
+/// Constant-time comparison of the bearer token: the time taken does not
+/// depend on how many leading bytes match.
+fn authorized(req: &Request<Incoming>, token: &[u8]) -> bool {
+    let Some(given) = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+    else {
+        return false;
+    };
+    if given.len() != token.len() {
+        return false;
+    }
+    given
+        .iter()
+        .zip(token)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+        == 0
+}
+
+fn method_not_allowed(allow: &'static str) -> Reply {
+    let mut r = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("allowed: {allow}"),
+    );
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
+/// The declared body length, checked against `expected` before any body
+/// byte is read.
+fn declared_length(req: &Request<Incoming>, expected: u64, what: &str) -> Result<u64, Reply> {
+    let Some(value) = req.headers().get(header::CONTENT_LENGTH) else {
+        return Err(error(
+            StatusCode::LENGTH_REQUIRED,
+            "length_required",
+            format!("{what} needs a Content-Length header; expected {expected} bytes"),
+        ));
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "bad_content_length",
+                format!("Content-Length {value:?} is not a number"),
+            )
+        })
+}
+
+/// Reads a body of at most `limit` bytes as the frames hyper delivered (no
+/// copy). A body longer than `limit` is refused as soon as it is seen.
+async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u64), Reply> {
+    let mut body = req.into_body();
+    let (mut chunks, mut total) = (Vec::new(), 0u64);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "body_read_failed",
+                format!("reading the body: {e}"),
+            )
+        })?;
+        if let Ok(data) = frame.into_data() {
+            total += data.len() as u64;
+            if total > limit {
+                return Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("body exceeds {limit} bytes"),
+                ));
+            }
+            chunks.push(data);
+        }
+    }
+    Ok((chunks, total))
+}
+
+async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
+    if let Err(e) = kvtier_engine::key::validate(key) {
+        return engine_error(&e);
+    }
+    let block_bytes = ctx.store.geometry().block_bytes;
+    let declared = match declared_length(&req, block_bytes, "PUT") {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    if declared != block_bytes {
+        return engine_error(&Error::WrongSize {
+            expected: block_bytes,
+            got: declared,
+        });
+    }
+    let (chunks, got) = match read_body(req, block_bytes).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    match ctx.store.put(key, chunks).await {
+        Ok(outcome) => {
+            let (status, word) = match outcome {
+                PutOutcome::Created => (StatusCode::CREATED, "created"),
+                PutOutcome::Replaced => (StatusCode::OK, "replaced"),
+            };
+            json_reply(
+                status,
+                &json!({ "key": key, "block_bytes": got, "status": word }),
+            )
+        }
+        Err(e) => engine_error(&e),
+    }
+}
+
+async fn get_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.get(key).await {
+        Ok(block) => Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(header::CONTENT_LENGTH, block.bytes.len())
+            .header(TIER_HEADER, block.tier.as_str())
+            .body(Full::new(block.bytes))
+            .expect("valid response"),
+        Err(e) => engine_error(&e),
+    }
+}
+
+async fn head_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.contains_many(&[key]).await {
+        Ok(found) if found[0] => Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(header::CONTENT_LENGTH, ctx.store.geometry().block_bytes)
+            .body(Full::new(Bytes::new()))
+            .expect("valid response"),
+        Ok(_) => engine_error(&Error::NotFound),
+        Err(e) => engine_error(&e),
+    }
+}
+
+async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.delete(key).await {
+        Ok(()) => Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .body(Full::new(Bytes::new()))
+            .expect("valid response"),
+        Err(e) => engine_error(&e),
+    }
+}
+
+/// Body of `POST /v1/lookup`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LookupRequest {
+    keys: Vec<String>,
+}
+
+async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+    if let Some(Ok(declared)) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .map(|v| v.to_str().map(|s| s.parse::<u64>()))
+    {
+        if declared
+            .map(|n| n > limits::LOOKUP_BODY_BYTES_MAX)
+            .unwrap_or(false)
+        {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!(
+                    "lookup bodies are limited to {} bytes",
+                    limits::LOOKUP_BODY_BYTES_MAX
+                ),
+            );
+        }
+    }
+    let (chunks, _) = match read_body(req, limits::LOOKUP_BODY_BYTES_MAX).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let body: Vec<u8> = chunks.concat();
+    let parsed: LookupRequest = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_json",
+                format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}"),
+            )
+        }
+    };
+    if parsed.keys.len() > limits::LOOKUP_KEYS_MAX {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_keys",
+            format!(
+                "{} keys given; a lookup takes at most {}",
+                parsed.keys.len(),
+                limits::LOOKUP_KEYS_MAX
+            ),
+        );
+    }
+    for (i, k) in parsed.keys.iter().enumerate() {
+        if let Err(e) = kvtier_engine::key::validate(k) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_key",
+                format!("keys[{i}]: {e}"),
+            );
+        }
+    }
+    let keys: Vec<&str> = parsed.keys.iter().map(String::as_str).collect();
+    match ctx.store.lookup_prefix(&keys).await {
+        Ok(hits) => json_reply(
+            StatusCode::OK,
+            &json!({ "prefix_hits": hits, "tiers": vec!["nvme"; hits] }),
+        ),
+        Err(e) => engine_error(&e),
+    }
+}
+
+async fn stats(ctx: &Ctx) -> Reply {
+    let shards = match ctx.store.stats().await {
+        Ok(s) => s,
+        Err(e) => return engine_error(&e),
+    };
+    let sum = |f: fn(&kvtier_engine::ShardStats) -> u64| shards.iter().map(f).sum::<u64>();
+    let body = json!({
+        "geometry": ctx.store.geometry(),
+        "shards": ctx.store.shards(),
+        "totals": {
+            "blocks": sum(|s| s.blocks),
+            "capacity_blocks": sum(|s| s.capacity_blocks),
+            "disk_bytes": sum(|s| s.disk_bytes),
+            "puts": sum(|s| s.puts),
+            "gets": sum(|s| s.gets),
+            "hits": sum(|s| s.hits),
+            "misses": sum(|s| s.misses),
+            "deletes": sum(|s| s.deletes),
+            "corrupt_blocks": sum(|s| s.corrupt_blocks),
+            "evicted_blocks": sum(|s| s.evicted_blocks),
+            "bytes_written": sum(|s| s.bytes_written),
+            "bytes_read": sum(|s| s.bytes_read),
+        },
+        "tiers": [{ "tier": "nvme", "blocks": sum(|s| s.blocks), "capacity_blocks": sum(|s| s.capacity_blocks) }],
+        "per_shard": shards,
+    });
+    json_reply(StatusCode::OK, &body)
+}

@@ -1,0 +1,181 @@
+//! The per-shard accept loop: every shard listens on the same port
+//! (glommio binds with `SO_REUSEPORT`, so the kernel spreads connections
+//! across shards) and serves HTTP/2 with prior knowledge or HTTP/1.1,
+//! detected per connection from the first bytes.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use glommio::net::TcpListener;
+use glommio::sync::Semaphore;
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use kvtier_engine::Store;
+
+use crate::http::{GlommioIo, GlommioTimer, LocalExec};
+use crate::limits;
+use crate::routes::{self, Ctx};
+
+/// State shared by the shards' accept loops and the main thread.
+pub struct Shared {
+    /// Address asked for (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// Bearer token, when auth is on.
+    pub auth_token: Option<Arc<[u8]>>,
+    /// Set by the signal handler: stop accepting and drain.
+    pub shutdown: AtomicBool,
+    /// The address shard 0 bound, which the other shards then bind too.
+    pub bound: Mutex<Option<Result<SocketAddr, String>>>,
+    /// Each shard reports here once it accepts, or why it cannot.
+    pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
+}
+
+impl Shared {
+    fn report(&self, r: Result<SocketAddr, String>) {
+        let _ = self.ready.lock().expect("ready lock").send(r);
+    }
+}
+
+async fn shutdown_requested(shared: &Shared) {
+    while !shared.shutdown.load(Ordering::Relaxed) {
+        glommio::timer::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn builder() -> auto::Builder<LocalExec> {
+    let mut b = auto::Builder::new(LocalExec);
+    b.http1()
+        .timer(GlommioTimer)
+        .header_read_timeout(limits::HEADER_READ_TIMEOUT)
+        .max_buf_size(limits::HEADER_BYTES_MAX as usize + (64 << 10))
+        .keep_alive(true);
+    b.http2()
+        .timer(GlommioTimer)
+        .max_concurrent_streams(limits::H2_STREAMS_MAX)
+        .initial_stream_window_size(limits::H2_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(limits::H2_CONNECTION_WINDOW_BYTES)
+        .adaptive_window(false)
+        .max_frame_size(limits::H2_FRAME_BYTES_MAX)
+        .max_send_buf_size(limits::H2_SEND_BUFFER_BYTES)
+        .max_header_list_size(limits::HEADER_BYTES_MAX)
+        .keep_alive_interval(limits::H2_KEEP_ALIVE_INTERVAL)
+        .keep_alive_timeout(limits::H2_KEEP_ALIVE_TIMEOUT);
+    b
+}
+
+/// Binds this shard's listener: shard 0 binds the requested address, the
+/// others bind the address shard 0 got (so port 0 works for tests).
+async fn bind(store: &Store, shared: &Shared) -> Result<TcpListener, String> {
+    if store.shard_id() == 0 {
+        let result = TcpListener::bind(shared.listen)
+            .map_err(|e| format!("cannot listen on {}: {e}", shared.listen))
+            .and_then(|l| l.local_addr().map(|a| (l, a)).map_err(|e| e.to_string()));
+        *shared.bound.lock().expect("bound lock") =
+            Some(result.as_ref().map(|(_, a)| *a).map_err(Clone::clone));
+        return result.map(|(l, _)| l);
+    }
+    for _ in 0..10_000 {
+        let bound = shared.bound.lock().expect("bound lock").clone();
+        match bound {
+            Some(Ok(addr)) => {
+                return TcpListener::bind(addr).map_err(|e| {
+                    format!("shard {} cannot listen on {addr}: {e}", store.shard_id())
+                })
+            }
+            Some(Err(e)) => return Err(e),
+            None => glommio::timer::sleep(Duration::from_millis(1)).await,
+        }
+    }
+    Err("shard 0 did not bind within 10 s".into())
+}
+
+/// Serves HTTP on this shard until shutdown is requested, then drains
+/// in-flight connections for up to [`limits::SHUTDOWN_GRACE`].
+pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
+    let listener = match bind(&store, &shared).await {
+        Ok(l) => l,
+        Err(e) => {
+            shared.report(Err(e));
+            return;
+        }
+    };
+    match listener.local_addr() {
+        Ok(a) => shared.report(Ok(a)),
+        Err(e) => {
+            shared.report(Err(e.to_string()));
+            return;
+        }
+    }
+    let ctx = Rc::new(Ctx {
+        store: store.clone(),
+        auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
+    });
+    let builder = builder();
+    let graceful = GracefulShutdown::new();
+    let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
+    loop {
+        let permit = match futures_lite::future::or(
+            async { Some(connections.acquire_static_permit(1).await) },
+            async {
+                shutdown_requested(&shared).await;
+                None
+            },
+        )
+        .await
+        {
+            Some(Ok(p)) => p,
+            _ => break,
+        };
+        let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
+            shutdown_requested(&shared).await;
+            None
+        })
+        .await;
+        let stream = match accepted {
+            None => break,
+            Some(Ok(s)) => s,
+            Some(Err(e)) => {
+                // EMFILE and friends: back off rather than spin.
+                tracing::warn!(shard = store.shard_id(), "accept failed: {e}");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let ctx = ctx.clone();
+        let service = hyper::service::service_fn(move |req| routes::handle(ctx.clone(), req));
+        let conn = builder
+            .serve_connection(GlommioIo::new(stream), service)
+            .into_owned();
+        let watched = graceful.watcher().watch(conn);
+        glommio::spawn_local(async move {
+            if let Err(e) = watched.await {
+                tracing::debug!("connection closed with error: {e}");
+            }
+            drop(permit);
+        })
+        .detach();
+    }
+    drop(listener);
+    let drained = futures_lite::future::or(
+        async {
+            graceful.shutdown().await;
+            true
+        },
+        async {
+            glommio::timer::sleep(limits::SHUTDOWN_GRACE).await;
+            false
+        },
+    )
+    .await;
+    if !drained {
+        tracing::warn!(
+            shard = store.shard_id(),
+            "connections still open after {:?}; closing anyway",
+            limits::SHUTDOWN_GRACE
+        );
+    }
+}
