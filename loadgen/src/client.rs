@@ -1,0 +1,348 @@
+//! An HTTP client for the kvtier block API (HTTP/2 prior knowledge by
+//! default, or HTTP/1.1), on hyper's client with tokio.
+//!
+//! For HTTP/2 it advertises a 1 MiB SETTINGS_MAX_FRAME_SIZE: the server may
+//! not send DATA frames larger than the client allows, and at the 16 KiB
+//! default a 16 MiB block is 1,024 frames, whose per-frame cost dominated
+//! (~5× slower on this machine). Windows are sized for multi-MiB bodies.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{header, Method, Request, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use serde_json::Value;
+
+/// SETTINGS_MAX_FRAME_SIZE this client advertises: 1 MiB.
+pub const H2_FRAME_BYTES_MAX: u32 = 1 << 20;
+/// Per-stream receive window: one 16 MiB block.
+pub const H2_STREAM_WINDOW_BYTES: u32 = 16 << 20;
+/// Per-connection receive window: 128 MiB, so several block reads proceed
+/// at once on one connection.
+pub const H2_CONNECTION_WINDOW_BYTES: u32 = 128 << 20;
+
+/// A request body of known length made of `Bytes` chunks (sent without
+/// copying; the exact size hint makes hyper send Content-Length).
+#[derive(Debug, Default)]
+pub struct ChunkedBody {
+    chunks: VecDeque<Bytes>,
+    remaining: u64,
+}
+
+impl ChunkedBody {
+    /// A body of these chunks.
+    pub fn new(chunks: Vec<Bytes>) -> Self {
+        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+        ChunkedBody {
+            chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(),
+            remaining,
+        }
+    }
+}
+
+impl Body for ChunkedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.chunks.pop_front() {
+            Some(chunk) => {
+                self.remaining -= chunk.len() as u64;
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The target URL is not `http://host:port`.
+    #[error("bad target {0:?}: expected http://HOST:PORT")]
+    BadTarget(String),
+    /// Connecting, sending or receiving failed.
+    #[error("request to {target} failed: {message}")]
+    Transport {
+        /// The target.
+        target: String,
+        /// The transport error, with its causes.
+        message: String,
+    },
+    /// The server answered with an unexpected status.
+    #[error("{method} {path} answered {status}: {body}")]
+    Status {
+        /// Request method.
+        method: Method,
+        /// Request path.
+        path: String,
+        /// Response status.
+        status: StatusCode,
+        /// Response body (the server's JSON error).
+        body: String,
+    },
+    /// The response did not have the expected shape.
+    #[error("unexpected response from {path}: {message}")]
+    BadResponse {
+        /// Request path.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// A response: status, the `x-kvtier-tier` header, body.
+pub struct Answer {
+    /// Status code.
+    pub status: StatusCode,
+    /// `x-kvtier-tier`, if sent.
+    pub tier: Option<String>,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+/// A kvtier client over one or more connections.
+pub struct Client {
+    clients: Vec<HyperClient<HttpConnector, ChunkedBody>>,
+    base: String,
+    next: AtomicUsize,
+    http1: bool,
+}
+
+impl Client {
+    /// A client for `target` (`http://host:port`). With HTTP/2, each of
+    /// `connections` is one multiplexed connection, used round-robin; with
+    /// HTTP/1.1 connections are pooled, one per request in flight.
+    ///
+    /// # Errors
+    /// [`ClientError::BadTarget`] for anything but `http://host:port`.
+    pub fn new(target: &str, http1: bool, connections: usize) -> Result<Self, ClientError> {
+        let base = target.trim_end_matches('/').to_string();
+        let uri: http::Uri = base
+            .parse()
+            .map_err(|_| ClientError::BadTarget(target.into()))?;
+        if uri.scheme_str() != Some("http")
+            || uri.authority().is_none()
+            || !matches!(uri.path(), "" | "/")
+        {
+            return Err(ClientError::BadTarget(target.into()));
+        }
+        let clients = (0..connections.max(1))
+            .map(|_| {
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                let mut b = HyperClient::builder(TokioExecutor::new());
+                b.timer(TokioTimer::new()).pool_timer(TokioTimer::new());
+                if !http1 {
+                    b.http2_only(true)
+                        .http2_max_frame_size(H2_FRAME_BYTES_MAX)
+                        .http2_initial_stream_window_size(H2_STREAM_WINDOW_BYTES)
+                        .http2_initial_connection_window_size(H2_CONNECTION_WINDOW_BYTES)
+                        .http2_adaptive_window(false);
+                }
+                b.build(connector)
+            })
+            .collect();
+        Ok(Client {
+            clients,
+            base,
+            next: AtomicUsize::new(0),
+            http1,
+        })
+    }
+
+    /// `"h2c"` or `"http/1.1"`.
+    pub fn protocol(&self) -> &'static str {
+        if self.http1 {
+            "http/1.1"
+        } else {
+            "h2c"
+        }
+    }
+
+    /// The target URL.
+    pub fn target(&self) -> &str {
+        &self.base
+    }
+
+    /// Sends one request and reads the whole answer.
+    ///
+    /// # Errors
+    /// [`ClientError::Transport`] when the exchange fails.
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: ChunkedBody,
+        content_type: Option<&str>,
+    ) -> Result<Answer, ClientError> {
+        let transport = |e: &dyn std::error::Error| {
+            let mut message = e.to_string();
+            let mut source = e.source();
+            while let Some(s) = source {
+                message.push_str(": ");
+                message.push_str(&s.to_string());
+                source = s.source();
+            }
+            ClientError::Transport {
+                target: self.base.clone(),
+                message,
+            }
+        };
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        if let Some(ct) = content_type {
+            req = req.header(header::CONTENT_TYPE, ct);
+        }
+        let req = req.body(body).map_err(|e| transport(&e))?;
+        let client = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()];
+        let resp = client.request(req).await.map_err(|e| transport(&e))?;
+        let status = resp.status();
+        let tier = resp
+            .headers()
+            .get("x-kvtier-tier")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| transport(&e))?
+            .to_bytes();
+        Ok(Answer { status, tier, body })
+    }
+
+    fn unexpected(method: Method, path: &str, a: Answer) -> ClientError {
+        ClientError::Status {
+            method,
+            path: path.to_string(),
+            status: a.status,
+            body: String::from_utf8_lossy(&a.body).into_owned(),
+        }
+    }
+
+    /// `PUT /v1/blocks/{key}`; returns 201 (created) or 200 (replaced).
+    ///
+    /// # Errors
+    /// [`ClientError::Status`] for any other status; transport errors.
+    pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<StatusCode, ClientError> {
+        let path = format!("/v1/blocks/{key}");
+        let a = self
+            .send(
+                Method::PUT,
+                &path,
+                ChunkedBody::new(chunks),
+                Some("application/octet-stream"),
+            )
+            .await?;
+        match a.status {
+            StatusCode::CREATED | StatusCode::OK => Ok(a.status),
+            _ => Err(Self::unexpected(Method::PUT, &path, a)),
+        }
+    }
+
+    /// `GET /v1/blocks/{key}`; `None` on 404.
+    ///
+    /// # Errors
+    /// [`ClientError::Status`] for statuses other than 200 and 404.
+    pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Option<String>)>, ClientError> {
+        let path = format!("/v1/blocks/{key}");
+        let a = self
+            .send(Method::GET, &path, ChunkedBody::default(), None)
+            .await?;
+        match a.status {
+            StatusCode::OK => Ok(Some((a.body, a.tier))),
+            StatusCode::NOT_FOUND => Ok(None),
+            _ => Err(Self::unexpected(Method::GET, &path, a)),
+        }
+    }
+
+    /// `POST /v1/lookup`: how many leading keys are stored.
+    ///
+    /// # Errors
+    /// [`ClientError::Status`] for a non-200; [`ClientError::BadResponse`]
+    /// when `prefix_hits` is missing.
+    pub async fn lookup(&self, keys: &[String]) -> Result<usize, ClientError> {
+        let path = "/v1/lookup";
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
+        let a = self
+            .send(
+                Method::POST,
+                path,
+                ChunkedBody::new(vec![Bytes::from(body)]),
+                Some("application/json"),
+            )
+            .await?;
+        if a.status != StatusCode::OK {
+            return Err(Self::unexpected(Method::POST, path, a));
+        }
+        let v: Value = serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        v["prefix_hits"]
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| ClientError::BadResponse {
+                path: path.into(),
+                message: format!("no prefix_hits in {v}"),
+            })
+    }
+
+    /// `GET /v1/stats` as JSON.
+    ///
+    /// # Errors
+    /// [`ClientError::Status`] for a non-200; [`ClientError::BadResponse`]
+    /// for a body that is not JSON.
+    pub async fn stats(&self) -> Result<Value, ClientError> {
+        let path = "/v1/stats";
+        let a = self
+            .send(Method::GET, path, ChunkedBody::default(), None)
+            .await?;
+        if a.status != StatusCode::OK {
+            return Err(Self::unexpected(Method::GET, path, a));
+        }
+        serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse {
+            path: path.into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The server's block geometry: `(block_bytes, block_tokens, model)`.
+    ///
+    /// # Errors
+    /// As [`Client::stats`], or [`ClientError::BadResponse`] without a
+    /// geometry.
+    pub async fn geometry(&self) -> Result<(u64, u64, String), ClientError> {
+        let v = self.stats().await?;
+        let g = &v["geometry"];
+        match (g["block_bytes"].as_u64(), g["block_tokens"].as_u64()) {
+            (Some(b), Some(t)) => Ok((b, t, g["model"].as_str().unwrap_or("").to_string())),
+            _ => Err(ClientError::BadResponse {
+                path: "/v1/stats".into(),
+                message: format!("no geometry in {v}"),
+            }),
+        }
+    }
+}
