@@ -262,16 +262,26 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
     let mut addr = None;
     let mut failure = None;
-    for _ in 0..shards {
-        match ready_rx.recv() {
-            Ok(Ok(a)) => addr = Some(a),
+    let mut ready = 0;
+    while ready < shards {
+        match ready_rx.recv_timeout(std::time::Duration::from_millis(50)) {
+            Ok(Ok(a)) => {
+                addr = Some(a);
+                ready += 1;
+            }
             Ok(Err(e)) => {
                 failure = Some(e);
                 break;
             }
-            // Every sender gone: the engine stopped before serving.
-            Err(_) => break,
+            // The engine stopped before every shard served (e.g. the data
+            // directory has another geometry): its error is in the join.
+            Err(mpsc::RecvTimeoutError::Timeout) if engine.is_finished() => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
+    }
+    if ready < shards && failure.is_none() {
+        addr = None;
     }
     if failure.is_some() || addr.is_none() {
         shared.shutdown.store(true, Ordering::SeqCst);

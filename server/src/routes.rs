@@ -92,7 +92,8 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
         }
     }
     let path = req.uri().path().to_string();
-    let reply = if let Some(key) = path.strip_prefix("/v1/blocks/") {
+    let is_head = req.method() == Method::HEAD;
+    let mut reply = if let Some(key) = path.strip_prefix("/v1/blocks/") {
         let key = key.to_string();
         match *req.method() {
             Method::PUT => put_block(&ctx, &key, req).await,
@@ -118,6 +119,11 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
             ),
         }
     };
+    if is_head {
+        // HTTP/1 drops a HEAD response's body, but hyper's HTTP/2 server
+        // would send it as DATA frames, which clients reject: send none.
+        *reply.body_mut() = Full::new(Bytes::new());
+    }
     Ok(reply)
 }
 

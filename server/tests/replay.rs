@@ -1,0 +1,53 @@
+//! The loadgen's ShareGPT replay against a real server: a second pass over
+//! the same conversations finds their blocks.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_loadgen::client::Client;
+use kvtier_loadgen::{replay, sharegpt};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_of_sample_hits_on_second_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::start(&common::test_args(dir.path()));
+    let path = common::repo_root().join("tests/data/sharegpt_sample.json");
+    let dataset = Arc::new(sharegpt::load(&path).unwrap().conversations);
+    assert!(dataset.len() >= 10);
+    let cfg = replay::ReplayConfig {
+        users: 4,
+        duration: Duration::from_secs(120),
+        seed: 7,
+        passes: Some(1),
+        max_context_tokens: 8192,
+        verify_full: true,
+        progress_every: None,
+    };
+    let mut passes = Vec::new();
+    for http1 in [false, true] {
+        let client = Arc::new(Client::new(&server.url, http1, 1).unwrap());
+        let geometry = client.geometry().await.unwrap();
+        assert_eq!(geometry.0, common::BLOCK_BYTES);
+        passes
+            .push(replay::run(client, dataset.clone(), path.clone(), geometry, cfg.clone()).await);
+    }
+    let (first, second) = (&passes[0], &passes[1]);
+    for r in &passes {
+        assert_eq!(r.errors, 0, "{:?}", r.first_error);
+        assert_eq!(r.wrong_bytes, 0);
+        assert!(r.puts > 0 && r.lookups > 0 && r.tokens_per_s > 0.0, "{r:?}");
+    }
+    assert!(second.prefix_hit_rate > 0.0, "{second:?}");
+    assert!(
+        second.prefix_hit_rate > first.prefix_hit_rate,
+        "first {} second {}",
+        first.prefix_hit_rate,
+        second.prefix_hit_rate
+    );
+    // Every block the first pass wrote is found: the store is big enough.
+    assert_eq!(second.prefix_hit_rate, 1.0);
+    assert!(second.gets > 0 && second.get_latency.p50_us > 0);
+    server.stop();
+}
