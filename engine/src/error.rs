@@ -85,10 +85,7 @@ impl Error {
 
     /// Converts a glommio error (which wraps `std::io::Error` for file and
     /// socket operations) into an engine error.
-    pub fn glommio<T: std::fmt::Debug>(
-        context: impl Into<String>,
-        source: glommio::GlommioError<T>,
-    ) -> Self {
+    pub fn glommio<T: std::fmt::Debug>(context: impl Into<String>, source: glommio::GlommioError<T>) -> Self {
         Error::io(context, std::io::Error::from(source))
     }
 }

@@ -42,11 +42,7 @@ impl ModelPreset {
     /// `layers × 2 × kv_heads × head_dim × dtype_bytes`: bytes of K and V
     /// for one token across all layers.
     pub const fn bytes_per_token(&self) -> u64 {
-        self.layers as u64
-            * 2
-            * self.kv_heads as u64
-            * self.head_dim as u64
-            * self.dtype_bytes as u64
+        self.layers as u64 * 2 * self.kv_heads as u64 * self.head_dim as u64 * self.dtype_bytes as u64
     }
 }
 
@@ -100,16 +96,10 @@ pub const MODEL_PRESETS: &[ModelPreset] = &[
 /// # Errors
 /// [`Error::Config`] naming the known presets when `name` is not one.
 pub fn preset(name: &str) -> Result<&'static ModelPreset> {
-    MODEL_PRESETS
-        .iter()
-        .find(|p| p.name == name)
-        .ok_or_else(|| {
-            let names: Vec<&str> = MODEL_PRESETS.iter().map(|p| p.name).collect();
-            Error::Config(format!(
-                "unknown model {name:?}; known presets: {}",
-                names.join(", ")
-            ))
-        })
+    MODEL_PRESETS.iter().find(|p| p.name == name).ok_or_else(|| {
+        let names: Vec<&str> = MODEL_PRESETS.iter().map(|p| p.name).collect();
+        Error::Config(format!("unknown model {name:?}; known presets: {}", names.join(", ")))
+    })
 }
 
 /// The fixed shape of every block in one store.
@@ -214,28 +204,24 @@ impl StoreManifest {
     /// the first field that differs; [`Error::Config`] for an unreadable or
     /// newer-format manifest; [`Error::Io`] from the filesystem.
     pub fn create_or_check(&self, dir: &Path) -> Result<StoreManifest> {
-        fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating data directory {}", dir.display()), e))?;
+        fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating data directory {}", dir.display()), e))?;
         let path = Self::path(dir);
         match fs::read(&path) {
             Ok(bytes) => {
-                let stored: StoreManifest = serde_json::from_slice(&bytes).map_err(|e| {
-                    Error::Config(format!("{} is not a kvtier manifest: {e}", path.display()))
-                })?;
+                let stored: StoreManifest = serde_json::from_slice(&bytes)
+                    .map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))?;
                 self.check_against(dir, &stored)?;
                 Ok(stored)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
                 let body = serde_json::to_vec_pretty(self).expect("manifest serializes");
-                let mut f = fs::File::create(&tmp)
-                    .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+                let mut f = fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
                 f.write_all(&body)
                     .and_then(|_| f.write_all(b"\n"))
                     .and_then(|_| f.sync_all())
                     .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-                fs::rename(&tmp, &path)
-                    .map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
+                fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
                 fsync_dir(dir)?;
                 Ok(self.clone())
             }
@@ -244,13 +230,12 @@ impl StoreManifest {
     }
 
     fn check_against(&self, dir: &Path, stored: &StoreManifest) -> Result<()> {
-        let mismatch =
-            |field: &'static str, stored: String, requested: String| Error::GeometryMismatch {
-                dir: dir.to_path_buf(),
-                field,
-                stored,
-                requested,
-            };
+        let mismatch = |field: &'static str, stored: String, requested: String| Error::GeometryMismatch {
+            dir: dir.to_path_buf(),
+            field,
+            stored,
+            requested,
+        };
         if stored.format_version > FORMAT_VERSION {
             return Err(Error::Config(format!(
                 "{} has format version {}, this kvtier reads up to {FORMAT_VERSION}",
@@ -267,18 +252,10 @@ impl StoreManifest {
             ));
         }
         if s.block_tokens != r.block_tokens {
-            return Err(mismatch(
-                "block_tokens",
-                s.block_tokens.to_string(),
-                r.block_tokens.to_string(),
-            ));
+            return Err(mismatch("block_tokens", s.block_tokens.to_string(), r.block_tokens.to_string()));
         }
         if stored.shards != self.shards {
-            return Err(mismatch(
-                "shards",
-                stored.shards.to_string(),
-                self.shards.to_string(),
-            ));
+            return Err(mismatch("shards", stored.shards.to_string(), self.shards.to_string()));
         }
         if stored.segment_bytes != self.segment_bytes {
             return Err(mismatch(
@@ -297,10 +274,8 @@ impl StoreManifest {
     /// not parse.
     pub fn read(dir: &Path) -> Result<StoreManifest> {
         let path = Self::path(dir);
-        let bytes =
-            fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))
+        let bytes = fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        serde_json::from_slice(&bytes).map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))
     }
 }
 
@@ -329,10 +304,7 @@ mod tests {
         }
         let g = Geometry::from_model(MODEL_DEFAULT, BLOCK_TOKENS_DEFAULT).unwrap();
         assert_eq!(g.block_bytes, 16 << 20);
-        assert!(preset("gpt-5")
-            .unwrap_err()
-            .to_string()
-            .contains("llama3.1-8b"));
+        assert!(preset("gpt-5").unwrap_err().to_string().contains("llama3.1-8b"));
     }
 
     #[test]

@@ -72,10 +72,7 @@ mod tests {
         assert!(validate(&"k".repeat(256)).is_ok());
         assert!(validate("abc-DEF_0.9~x").is_ok());
         for bad in ["", "..", ".", "a/b", "a b", "a%00", "é", &"k".repeat(257)] {
-            assert!(
-                matches!(validate(bad), Err(Error::InvalidKey { .. })),
-                "{bad:?} accepted"
-            );
+            assert!(matches!(validate(bad), Err(Error::InvalidKey { .. })), "{bad:?} accepted");
         }
     }
 

@@ -39,15 +39,13 @@ struct Record {
 /// [`Error::Config`] for settings that cannot work.
 pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     let started = Instant::now();
-    fs::create_dir_all(&cfg.dir)
-        .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
     let shard = Shard::new(cfg)?;
     let cfg = &shard.cfg;
     let mut report = shard.recovery.borrow().clone();
 
     let mut found: Vec<(u32, segment::Superblock, std::path::PathBuf)> = Vec::new();
-    let entries = fs::read_dir(&cfg.dir)
-        .map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
+    let entries = fs::read_dir(&cfg.dir).map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
     for dirent in entries {
         let dirent = dirent.map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
         let path = dirent.path();
@@ -59,11 +57,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         }
         let Some(id) = segment::parse_segment_name(&name) else {
             report.foreign_files += 1;
-            tracing::warn!(
-                shard = cfg.shard_id,
-                "ignoring foreign file {}",
-                path.display()
-            );
+            tracing::warn!(shard = cfg.shard_id, "ignoring foreign file {}", path.display());
             continue;
         };
         match segment::read_superblock(&path)? {
@@ -100,10 +94,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
                 let segment = segment.clone();
                 async move {
                     let page = segment.read_slot(slot, PAGE_BYTES).await;
-                    (
-                        slot,
-                        page.map(|p| SlotHeader::decode(&p[..PAGE_BYTES as usize])),
-                    )
+                    (slot, page.map(|p| SlotHeader::decode(&p[..PAGE_BYTES as usize])))
                 }
             })
             .buffer_unordered(SCAN_DEPTH)
@@ -117,12 +108,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
                 Err(HeaderFault::Empty) => continue,
                 Err(fault) => {
                     report.headers_invalid += 1;
-                    tracing::warn!(
-                        shard = cfg.shard_id,
-                        segment = id,
-                        slot,
-                        "skipping invalid slot header ({fault:?})"
-                    );
+                    tracing::warn!(shard = cfg.shard_id, segment = id, slot, "skipping invalid slot header ({fault:?})");
                     continue;
                 }
             };
@@ -136,12 +122,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
                 };
             if !consistent {
                 report.headers_invalid += 1;
-                tracing::warn!(
-                    shard = cfg.shard_id,
-                    segment = id,
-                    slot,
-                    "skipping inconsistent slot header"
-                );
+                tracing::warn!(shard = cfg.shard_id, segment = id, slot, "skipping inconsistent slot header");
                 continue;
             }
             match header.kind {
@@ -200,16 +181,10 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         .max_by_key(|l| l.3)
         .filter(|l| l.2 < shard.slots_per_segment)
         .map(|l| l.0);
-    let mut sealed: Vec<&(u32, u64, u32, u64)> = lives
-        .iter()
-        .filter(|l| l.2 > 0 && Some(l.0) != head)
-        .collect();
+    let mut sealed: Vec<&(u32, u64, u32, u64)> = lives.iter().filter(|l| l.2 > 0 && Some(l.0) != head).collect();
     sealed.sort_by_key(|l| l.1);
     shard.sealed.borrow_mut().extend(sealed.iter().map(|l| l.0));
-    shard
-        .free
-        .borrow_mut()
-        .extend(lives.iter().filter(|l| l.2 == 0).map(|l| l.0).rev());
+    shard.free.borrow_mut().extend(lives.iter().filter(|l| l.2 == 0).map(|l| l.0).rev());
     shard.head.set(head);
 
     // A segment id past the disk share (the share shrank) still counts.

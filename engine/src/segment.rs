@@ -108,10 +108,7 @@ pub fn segment_path(shard_dir: &Path, id: u32) -> PathBuf {
 
 /// Parses a segment file name back to its id.
 pub fn parse_segment_name(name: &str) -> Option<u32> {
-    name.strip_prefix("seg-")?
-        .strip_suffix(".kvt")?
-        .parse()
-        .ok()
+    name.strip_prefix("seg-")?.strip_suffix(".kvt")?.parse().ok()
 }
 
 /// Creates a segment file of `sb.segment_bytes` with std I/O: temp file,
@@ -134,11 +131,7 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
         let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, sb.segment_bytes as libc::off_t) };
         if rc != 0 {
             return Err(Error::io(
-                format!(
-                    "preallocating {} bytes for {}",
-                    sb.segment_bytes,
-                    tmp.display()
-                ),
+                format!("preallocating {} bytes for {}", sb.segment_bytes, tmp.display()),
                 std::io::Error::last_os_error(),
             ));
         }
@@ -163,16 +156,12 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
 /// # Errors
 /// [`Error::Io`] when the file cannot be read.
 pub fn read_superblock(path: &Path) -> Result<Option<Superblock>> {
-    let mut f =
-        fs::File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let mut f = fs::File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
     let mut page = vec![0u8; PAGE_BYTES as usize];
     match f.read_exact(&mut page) {
         Ok(()) => Ok(Superblock::decode(&page)),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
-        Err(e) => Err(Error::io(
-            format!("reading superblock of {}", path.display()),
-            e,
-        )),
+        Err(e) => Err(Error::io(format!("reading superblock of {}", path.display()), e)),
     }
 }
 
@@ -240,16 +229,11 @@ impl Segment {
             .file
             .write_at(buf, self.slot_offset(slot))
             .await
-            .map_err(|e| {
-                Error::glommio(format!("writing slot {slot} of segment {}", self.id), e)
-            })?;
+            .map_err(|e| Error::glommio(format!("writing slot {slot} of segment {}", self.id), e))?;
         if written != len {
             return Err(Error::io(
                 format!("writing slot {slot} of segment {}", self.id),
-                std::io::Error::new(
-                    std::io::ErrorKind::WriteZero,
-                    format!("short write: {written} of {len} bytes"),
-                ),
+                std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {written} of {len} bytes")),
             ));
         }
         Ok(())
@@ -265,9 +249,7 @@ impl Segment {
             .file
             .read_at_aligned(self.slot_offset(slot), len as usize)
             .await
-            .map_err(|e| {
-                Error::glommio(format!("reading slot {slot} of segment {}", self.id), e)
-            })?;
+            .map_err(|e| Error::glommio(format!("reading slot {slot} of segment {}", self.id), e))?;
         if (rr.len() as u64) < len {
             return Err(Error::io(
                 format!("reading slot {slot} of segment {}", self.id),
@@ -288,9 +270,11 @@ impl Segment {
     pub async fn write_superblock(&self, sb: &Superblock) -> Result<()> {
         let mut buf = self.file.alloc_dma_buffer(PAGE_BYTES as usize);
         sb.encode(buf.as_bytes_mut());
-        let written = self.file.write_at(buf, 0).await.map_err(|e| {
-            Error::glommio(format!("rewriting superblock of segment {}", self.id), e)
-        })?;
+        let written = self
+            .file
+            .write_at(buf, 0)
+            .await
+            .map_err(|e| Error::glommio(format!("rewriting superblock of segment {}", self.id), e))?;
         if written as u64 != PAGE_BYTES {
             return Err(Error::io(
                 format!("rewriting superblock of segment {}", self.id),
@@ -349,10 +333,7 @@ mod tests {
         assert_eq!(Superblock::decode(&page), Some(sb));
         page[41] ^= 1;
         assert_eq!(Superblock::decode(&page), None);
-        assert_eq!(
-            segment_path(Path::new("/d"), 7),
-            PathBuf::from("/d/seg-000007.kvt")
-        );
+        assert_eq!(segment_path(Path::new("/d"), 7), PathBuf::from("/d/seg-000007.kvt"));
         assert_eq!(parse_segment_name("seg-000007.kvt"), Some(7));
         assert_eq!(parse_segment_name("seg-000007.kvt.tmp"), None);
         assert_eq!(parse_segment_name("notes.txt"), None);

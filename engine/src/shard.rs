@@ -212,8 +212,7 @@ impl Shard {
             )));
         }
         let capacity_blocks = cfg.segments_max as usize * slots_per_segment as usize;
-        let histogram =
-            || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
+        let histogram = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
@@ -269,11 +268,7 @@ impl Shard {
                 got,
             });
         }
-        let _permit = self
-            .io_permits
-            .acquire_permit(1)
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let write_len = slot::slot_bytes(block_bytes);
         let mut buf = glommio::allocate_dma_buffer(write_len as usize);
         let bytes = buf.as_bytes_mut();
@@ -296,25 +291,14 @@ impl Shard {
         };
         let (entry, replaced) = self.append(buf, header).await?;
         bump(&self.counters.puts, 1);
-        debug_assert_eq!(
-            self.index.borrow().get(&hash).map(|e| e.seq >= entry.seq),
-            Some(true)
-        );
-        Ok(if replaced {
-            PutOutcome::Replaced
-        } else {
-            PutOutcome::Created
-        })
+        debug_assert_eq!(self.index.borrow().get(&hash).map(|e| e.seq >= entry.seq), Some(true));
+        Ok(if replaced { PutOutcome::Replaced } else { PutOutcome::Created })
     }
 
     /// Takes a slot, stamps the header with its sequence number, writes the
     /// slot and applies the record to the index. Returns the new entry and
     /// whether the key was stored before.
-    async fn append(
-        &self,
-        mut buf: glommio::io::DmaBuffer,
-        mut header: SlotHeader,
-    ) -> Result<(Entry, bool)> {
+    async fn append(&self, mut buf: glommio::io::DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
         // `allocate_slot` counted us as a writer of the segment; `_writer`
@@ -327,22 +311,19 @@ impl Shard {
         let result = async {
             segment.write_slot(buf, slot).await?;
             if self.cfg.sync {
-                segment.file.fdatasync().await.map_err(|e| {
-                    Error::glommio(format!("fdatasync of segment {}", segment.id), e)
-                })?;
+                segment
+                    .file
+                    .fdatasync()
+                    .await
+                    .map_err(|e| Error::glommio(format!("fdatasync of segment {}", segment.id), e))?;
             }
             Ok::<_, Error>(())
         }
         .await;
-        self.counters
-            .io_in_flight
-            .set(self.counters.io_in_flight.get() - 1);
+        self.counters.io_in_flight.set(self.counters.io_in_flight.get() - 1);
         result?;
         bump(&self.counters.bytes_written, len);
-        let _ = self
-            .write_us
-            .borrow_mut()
-            .record(started.elapsed().as_micros().max(1) as u64);
+        let _ = self.write_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
         let entry = Entry {
             segment: segment.id,
             slot,
@@ -361,11 +342,7 @@ impl Shard {
     /// when it is full. The caller is counted as a writer of the returned
     /// segment until it drops an [`InFlight::adopt`] guard of it.
     async fn allocate_slot(&self) -> Result<(Rc<Segment>, u32, u64)> {
-        let _lock = self
-            .alloc_lock
-            .acquire_permit(1)
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
+        let _lock = self.alloc_lock.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         // Bounded: each pass either returns or installs a new head with free
         // slots; the second pass always finds room.
         for _ in 0..3 {
@@ -399,9 +376,7 @@ impl Shard {
             // first_seq past them.
             if segment.first_seq.get() < self.next_seq.get() {
                 segment.first_seq.set(self.next_seq.get());
-                segment
-                    .write_superblock(&self.superblock(id, self.next_seq.get()))
-                    .await?;
+                segment.write_superblock(&self.superblock(id, self.next_seq.get())).await?;
             }
             return Ok(id);
         }
@@ -425,9 +400,7 @@ impl Shard {
                 self.reclaim(id).await?;
                 Ok(id)
             }
-            None => Err(Error::DiskFull(
-                "no segment can be created or reclaimed".into(),
-            )),
+            None => Err(Error::DiskFull("no segment can be created or reclaimed".into())),
         }
     }
 
@@ -457,10 +430,7 @@ impl Shard {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
         let first_seq = self.next_seq.get();
-        if let Err(e) = segment
-            .write_superblock(&self.superblock(id, first_seq))
-            .await
-        {
+        if let Err(e) = segment.write_superblock(&self.superblock(id, first_seq)).await {
             // Its blocks are already out of the index; keep it for a retry.
             self.free.borrow_mut().push(id);
             return Err(e);
@@ -469,12 +439,7 @@ impl Shard {
         segment.slots_used.set(0);
         bump(&self.counters.reclaimed_segments, 1);
         bump(&self.counters.evicted_blocks, evicted as u64);
-        tracing::debug!(
-            shard = self.id(),
-            segment = id,
-            evicted,
-            "reclaimed segment"
-        );
+        tracing::debug!(shard = self.id(), segment = id, evicted, "reclaimed segment");
         Ok(())
     }
 
@@ -499,36 +464,19 @@ impl Shard {
         let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
         let segment = self.segment(entry.segment);
         let _reader = InFlight::enter(&segment.readers);
-        let _permit = self
-            .io_permits
-            .acquire_permit(1)
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let started = Instant::now();
         let block_bytes = self.cfg.geometry.block_bytes;
         bump(&self.counters.io_in_flight, 1);
-        let read = segment
-            .read_slot(entry.slot, slot::slot_bytes(block_bytes))
-            .await;
-        self.counters
-            .io_in_flight
-            .set(self.counters.io_in_flight.get() - 1);
+        let read = segment.read_slot(entry.slot, slot::slot_bytes(block_bytes)).await;
+        self.counters.io_in_flight.set(self.counters.io_in_flight.get() - 1);
         let data = read?;
         bump(&self.counters.bytes_read, data.len() as u64);
         let header = match SlotHeader::decode(&data[..PAGE_BYTES as usize]) {
             Ok(h) => h,
-            Err(fault) => {
-                return Err(self.drop_corrupt(
-                    hash,
-                    entry,
-                    &format!("slot header invalid ({fault:?})"),
-                ))
-            }
+            Err(fault) => return Err(self.drop_corrupt(hash, entry, &format!("slot header invalid ({fault:?})"))),
         };
-        if header.seq != entry.seq
-            || header.kind != RecordKind::Block
-            || header.payload_len != block_bytes
-        {
+        if header.seq != entry.seq || header.kind != RecordKind::Block || header.payload_len != block_bytes {
             return Err(self.drop_corrupt(
                 hash,
                 entry,
@@ -541,11 +489,7 @@ impl Shard {
         if header.key != key.as_bytes() {
             // Another key with the same 128-bit hash: never serve it.
             bump(&self.counters.hash_collisions, 1);
-            tracing::warn!(
-                shard = self.id(),
-                key,
-                "block hash collision; answering as a miss"
-            );
+            tracing::warn!(shard = self.id(), key, "block hash collision; answering as a miss");
             return Err(Error::NotFound);
         }
         let payload = &data[PAGE_BYTES as usize..PAGE_BYTES as usize + block_bytes as usize];
@@ -553,10 +497,7 @@ impl Shard {
             return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
         }
         let bytes = Bytes::copy_from_slice(payload);
-        let _ = self
-            .read_us
-            .borrow_mut()
-            .record(started.elapsed().as_micros().max(1) as u64);
+        let _ = self.read_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
         Ok(bytes)
     }
 
@@ -590,11 +531,7 @@ impl Shard {
         if !self.contains(&hash) {
             return Err(Error::NotFound);
         }
-        let _permit = self
-            .io_permits
-            .acquire_permit(1)
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let buf = glommio::allocate_dma_buffer(PAGE_BYTES as usize);
         let header = SlotHeader {
             kind: RecordKind::Tombstone,
@@ -616,12 +553,7 @@ impl Shard {
     /// A snapshot of this shard's counters and sizes.
     pub fn stats(&self) -> ShardStats {
         let c = &self.counters;
-        let segments = self
-            .segments
-            .borrow()
-            .iter()
-            .filter(|s| s.is_some())
-            .count() as u32;
+        let segments = self.segments.borrow().iter().filter(|s| s.is_some()).count() as u32;
         let (read, write) = (self.read_us.borrow(), self.write_us.borrow());
         let pct = |h: &Histogram<u64>, q: f64| {
             if h.is_empty() {

@@ -89,20 +89,13 @@ impl SlotHeader {
     /// If `page` is shorter than a page or the key breaks the key rules;
     /// callers validate keys before this point.
     pub fn encode(&self, page: &mut [u8]) {
-        assert!(
-            page.len() >= PAGE_BYTES as usize,
-            "header page is {} bytes",
-            page.len()
-        );
+        assert!(page.len() >= PAGE_BYTES as usize, "header page is {} bytes", page.len());
         assert!(
             !self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX,
             "key length {}",
             self.key.len()
         );
-        assert!(
-            self.kind == RecordKind::Block || self.payload_len == 0,
-            "tombstone with a payload"
-        );
+        assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
         let page = &mut page[..PAGE_BYTES as usize];
         page.fill(0);
         put(page, OFF_MAGIC, &SLOT_MAGIC.to_le_bytes());
@@ -126,11 +119,7 @@ impl SlotHeader {
     /// # Errors
     /// The [`HeaderFault`] that makes the page unusable.
     pub fn decode(page: &[u8]) -> Result<SlotHeader, HeaderFault> {
-        assert!(
-            page.len() >= PAGE_BYTES as usize,
-            "header page is {} bytes",
-            page.len()
-        );
+        assert!(page.len() >= PAGE_BYTES as usize, "header page is {} bytes", page.len());
         let page = &page[..PAGE_BYTES as usize];
         let magic = u32::from_le_bytes(get(page, OFF_MAGIC));
         if magic != SLOT_MAGIC {
@@ -150,10 +139,7 @@ impl SlotHeader {
             _ => return Err(HeaderFault::BadField),
         };
         let key_len = u16::from_le_bytes(get(page, OFF_KEY_LEN)) as usize;
-        if u16::from_le_bytes(get(page, OFF_VERSION)) != SLOT_VERSION
-            || key_len == 0
-            || key_len > KEY_BYTES_MAX
-        {
+        if u16::from_le_bytes(get(page, OFF_VERSION)) != SLOT_VERSION || key_len == 0 || key_len > KEY_BYTES_MAX {
             return Err(HeaderFault::BadField);
         }
         Ok(SlotHeader {
@@ -184,9 +170,7 @@ pub(crate) fn put(page: &mut [u8], offset: usize, bytes: &[u8]) {
 }
 
 pub(crate) fn get<const N: usize>(page: &[u8], offset: usize) -> [u8; N] {
-    page[offset..offset + N]
-        .try_into()
-        .expect("field within page")
+    page[offset..offset + N].try_into().expect("field within page")
 }
 
 /// Microseconds since the Unix epoch, for write times.
@@ -204,11 +188,7 @@ mod tests {
 
     fn header(key: Vec<u8>, seq: u64, payload_len: u64, crc: u32, tomb: bool) -> SlotHeader {
         SlotHeader {
-            kind: if tomb {
-                RecordKind::Tombstone
-            } else {
-                RecordKind::Block
-            },
+            kind: if tomb { RecordKind::Tombstone } else { RecordKind::Block },
             seq,
             hash: BlockHash::of(&key),
             payload_len: if tomb { 0 } else { payload_len },

@@ -87,22 +87,10 @@ impl StoreConfig {
 
 /// An operation sent to the owning shard.
 enum Op {
-    Put {
-        key: String,
-        hash: BlockHash,
-        chunks: Vec<Bytes>,
-    },
-    Get {
-        key: String,
-        hash: BlockHash,
-    },
-    Delete {
-        key: String,
-        hash: BlockHash,
-    },
-    Contains {
-        hashes: Vec<BlockHash>,
-    },
+    Put { key: String, hash: BlockHash, chunks: Vec<Bytes> },
+    Get { key: String, hash: BlockHash },
+    Delete { key: String, hash: BlockHash },
+    Contains { hashes: Vec<BlockHash> },
     Stats,
 }
 
@@ -246,10 +234,7 @@ impl Store {
                 _ => unreachable!("get answered with another reply"),
             }
         }?;
-        Ok(Block {
-            bytes,
-            tier: Tier::Nvme,
-        })
+        Ok(Block { bytes, tier: Tier::Nvme })
     }
 
     /// Deletes the block under `key` (a tombstone is logged).
@@ -350,9 +335,7 @@ async fn execute(shard: &Shard, op: Op) -> Reply {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
         Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
         Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
-        Op::Contains { hashes } => {
-            Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect())
-        }
+        Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
         Op::Stats => Reply::Stats(Box::new(shard.stats())),
     }
 }
@@ -378,18 +361,13 @@ where
         return Err(Error::Config("shards must be at least 1".into()));
     }
     if config.segment_bytes < 2 * crate::slot::PAGE_BYTES {
-        return Err(Error::Config(format!(
-            "segment_bytes {} is too small",
-            config.segment_bytes
-        )));
+        return Err(Error::Config(format!("segment_bytes {} is too small", config.segment_bytes)));
     }
     let manifest = config.manifest().create_or_check(&config.data_dir)?;
     let mesh: MeshBuilder<Request, _> = MeshBuilder::full(config.shards, MESH_QUEUE_DEPTH);
     let failed = Arc::new(AtomicBool::new(false));
     let serve = Arc::new(serve);
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut handles = Vec::with_capacity(config.shards);
     for shard_id in 0..config.shards {
         let (mesh, failed, serve) = (mesh.clone(), failed.clone(), serve.clone());
@@ -410,8 +388,7 @@ where
                 }
                 // Joining the mesh is also a barrier: every shard has opened
                 // (or failed to) before any serves.
-                let (senders, mut receivers) =
-                    mesh.join().await.map_err(|_| Error::ShuttingDown)?;
+                let (senders, mut receivers) = mesh.join().await.map_err(|_| Error::ShuttingDown)?;
                 let shard = match opened {
                     Ok(s) => Some(Rc::new(s)),
                     Err(e) => {
@@ -472,10 +449,7 @@ where
                     first_error = Some(e);
                 }
             }
-            Err(e) => {
-                first_error =
-                    first_error.or(Some(Error::Config(format!("shard executor failed: {e}"))))
-            }
+            Err(e) => first_error = first_error.or(Some(Error::Config(format!("shard executor failed: {e}")))),
         }
     }
     match first_error {

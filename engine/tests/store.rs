@@ -10,13 +10,7 @@ use kvtier_engine::key::BlockHash;
 use kvtier_engine::slot::PAGE_BYTES;
 use kvtier_engine::{Error, Geometry, PutOutcome, Store, StoreConfig};
 
-fn config(
-    dir: &Path,
-    block_bytes: u64,
-    shards: usize,
-    segment_bytes: u64,
-    disk_bytes: u64,
-) -> StoreConfig {
+fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_bytes: u64) -> StoreConfig {
     StoreConfig {
         data_dir: dir.to_path_buf(),
         geometry: Geometry::from_block_bytes(block_bytes, 128).unwrap(),
@@ -53,13 +47,7 @@ where
 /// Deterministic payload for a key: the key's hash repeated.
 fn payload(key: &str, len: u64) -> Bytes {
     let seed = BlockHash::of(key.as_bytes()).0.to_le_bytes();
-    Bytes::from(
-        seed.iter()
-            .cycle()
-            .take(len as usize)
-            .copied()
-            .collect::<Vec<u8>>(),
-    )
+    Bytes::from(seed.iter().cycle().take(len as usize).copied().collect::<Vec<u8>>())
 }
 
 fn key_on_shard(shard: usize, shards: usize, n: usize) -> Vec<String> {
@@ -103,15 +91,9 @@ fn overwrite_delete_and_restart() {
     on_shard0(cfg.clone(), |store| async move {
         let (a1, a2) = (payload("a1", 8192), payload("a2", 8192));
         assert_eq!(store.put("a", vec![a1]).await.unwrap(), PutOutcome::Created);
-        assert_eq!(
-            store.put("a", vec![a2.clone()]).await.unwrap(),
-            PutOutcome::Replaced
-        );
+        assert_eq!(store.put("a", vec![a2.clone()]).await.unwrap(), PutOutcome::Replaced);
         assert_eq!(store.get("a").await.unwrap().bytes, a2);
-        store
-            .put("gone", vec![payload("gone", 8192)])
-            .await
-            .unwrap();
+        store.put("gone", vec![payload("gone", 8192)]).await.unwrap();
         store.delete("gone").await.unwrap();
         assert!(matches!(store.delete("gone").await, Err(Error::NotFound)));
         assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
@@ -124,13 +106,7 @@ fn overwrite_delete_and_restart() {
         assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
         let stats = store.stats().await.unwrap();
         assert_eq!(stats.iter().map(|s| s.blocks).sum::<u64>(), 1);
-        assert_eq!(
-            stats
-                .iter()
-                .map(|s| s.recovery.tombstones_found)
-                .sum::<u64>(),
-            1
-        );
+        assert_eq!(stats.iter().map(|s| s.recovery.tombstones_found).sum::<u64>(), 1);
     })
     .unwrap();
 }
@@ -138,37 +114,22 @@ fn overwrite_delete_and_restart() {
 #[test]
 fn wrong_size_and_invalid_keys_are_refused_and_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    on_shard0(
-        config(dir.path(), 8192, 1, 1 << 20, 4 << 20),
-        |store| async move {
-            store
-                .put("keep", vec![payload("keep", 8192)])
-                .await
-                .unwrap();
-            match store.put("short", vec![Bytes::from(vec![0u8; 100])]).await {
-                Err(Error::WrongSize {
-                    expected: 8192,
-                    got: 100,
-                }) => {}
-                other => panic!("{other:?}"),
-            }
-            for bad in ["", "a/b", "..", &"x".repeat(257)] {
-                assert!(matches!(
-                    store.put(bad, vec![payload(bad, 8192)]).await,
-                    Err(Error::InvalidKey { .. })
-                ));
-                assert!(matches!(
-                    store.get(bad).await,
-                    Err(Error::InvalidKey { .. })
-                ));
-            }
-            assert_eq!(
-                store.get("keep").await.unwrap().bytes,
-                payload("keep", 8192)
-            );
-            assert!(matches!(store.get("short").await, Err(Error::NotFound)));
-        },
-    )
+    on_shard0(config(dir.path(), 8192, 1, 1 << 20, 4 << 20), |store| async move {
+        store.put("keep", vec![payload("keep", 8192)]).await.unwrap();
+        match store.put("short", vec![Bytes::from(vec![0u8; 100])]).await {
+            Err(Error::WrongSize { expected: 8192, got: 100 }) => {}
+            other => panic!("{other:?}"),
+        }
+        for bad in ["", "a/b", "..", &"x".repeat(257)] {
+            assert!(matches!(
+                store.put(bad, vec![payload(bad, 8192)]).await,
+                Err(Error::InvalidKey { .. })
+            ));
+            assert!(matches!(store.get(bad).await, Err(Error::InvalidKey { .. })));
+        }
+        assert_eq!(store.get("keep").await.unwrap().bytes, payload("keep", 8192));
+        assert!(matches!(store.get("short").await, Err(Error::NotFound)));
+    })
     .unwrap();
 }
 
@@ -189,10 +150,7 @@ fn two_shards_route_keys_to_their_owner() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4096, 2, 1 << 20, 8 << 20);
     on_shard0(cfg.clone(), |store| async move {
-        let keys: Vec<String> = key_on_shard(0, 2, 5)
-            .into_iter()
-            .chain(key_on_shard(1, 2, 5))
-            .collect();
+        let keys: Vec<String> = key_on_shard(0, 2, 5).into_iter().chain(key_on_shard(1, 2, 5)).collect();
         for k in &keys {
             store.put(k, vec![payload(k, 4096)]).await.unwrap();
         }
@@ -200,10 +158,7 @@ fn two_shards_route_keys_to_their_owner() {
             assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 4096));
         }
         let stats = store.stats().await.unwrap();
-        assert_eq!(
-            stats.iter().map(|s| s.blocks).collect::<Vec<_>>(),
-            vec![5, 5]
-        );
+        assert_eq!(stats.iter().map(|s| s.blocks).collect::<Vec<_>>(), vec![5, 5]);
         // A chain whose 4th key is missing has 3 prefix hits.
         let mut chain: Vec<&str> = keys.iter().map(|s| s.as_str()).take(3).collect();
         chain.push("missing");
@@ -277,11 +232,7 @@ fn slot_offset(block_bytes: u64, slot: u64) -> u64 {
 
 fn flip_byte(path: &Path, offset: u64) {
     use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, offset).unwrap();
     b[0] ^= 0xFF;
@@ -305,13 +256,7 @@ fn flipped_payload_byte_is_corrupt_never_served() {
         slot_offset(8192, 1) + PAGE_BYTES + 5000,
     );
     on_shard0(cfg, |store| async move {
-        assert!(matches!(
-            store.get("s1").await,
-            Err(Error::Corrupt {
-                segment: 0,
-                slot: 1
-            })
-        ));
+        assert!(matches!(store.get("s1").await, Err(Error::Corrupt { segment: 0, slot: 1 })));
         // Dropped from the index: a miss from now on, and counted.
         assert!(matches!(store.get("s1").await, Err(Error::NotFound)));
         assert_eq!(store.stats().await.unwrap()[0].corrupt_blocks, 1);
@@ -339,8 +284,7 @@ fn torn_header_and_torn_payload_after_crash() {
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(&seg).unwrap();
-        f.write_all_at(&[0u8; 4096], slot_offset(8192, 2) + PAGE_BYTES + 4096)
-            .unwrap();
+        f.write_all_at(&[0u8; 4096], slot_offset(8192, 2) + PAGE_BYTES + 4096).unwrap();
     }
     on_shard0(cfg, |store| async move {
         let s = &store.stats().await.unwrap()[0];
@@ -372,16 +316,9 @@ fn concurrent_puts_of_one_key_never_tear() {
             let store = store.clone();
             async move { store.get("hot").await.ok().map(|b| b.bytes) }
         });
-        let (_, reads) = futures::future::join(
-            futures::future::join_all(writers),
-            futures::future::join_all(readers),
-        )
-        .await;
+        let (_, reads) = futures::future::join(futures::future::join_all(writers), futures::future::join_all(readers)).await;
         for r in reads.into_iter().flatten() {
-            assert!(
-                versions.contains(&r),
-                "a read returned bytes no writer wrote"
-            );
+            assert!(versions.contains(&r), "a read returned bytes no writer wrote");
         }
         let last = store.get("hot").await.unwrap().bytes;
         assert!(versions.contains(&last));

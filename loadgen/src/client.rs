@@ -52,10 +52,7 @@ impl Body for ChunkedBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.chunks.pop_front() {
             Some(chunk) => {
                 self.remaining -= chunk.len() as u64;
@@ -137,13 +134,8 @@ impl Client {
     /// [`ClientError::BadTarget`] for anything but `http://host:port`.
     pub fn new(target: &str, http1: bool, connections: usize) -> Result<Self, ClientError> {
         let base = target.trim_end_matches('/').to_string();
-        let uri: http::Uri = base
-            .parse()
-            .map_err(|_| ClientError::BadTarget(target.into()))?;
-        if uri.scheme_str() != Some("http")
-            || uri.authority().is_none()
-            || !matches!(uri.path(), "" | "/")
-        {
+        let uri: http::Uri = base.parse().map_err(|_| ClientError::BadTarget(target.into()))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() || !matches!(uri.path(), "" | "/") {
             return Err(ClientError::BadTarget(target.into()));
         }
         let clients = (0..connections.max(1))
@@ -188,13 +180,7 @@ impl Client {
     ///
     /// # Errors
     /// [`ClientError::Transport`] when the exchange fails.
-    pub async fn send(
-        &self,
-        method: Method,
-        path: &str,
-        body: ChunkedBody,
-        content_type: Option<&str>,
-    ) -> Result<Answer, ClientError> {
+    pub async fn send(&self, method: Method, path: &str, body: ChunkedBody, content_type: Option<&str>) -> Result<Answer, ClientError> {
         let transport = |e: &dyn std::error::Error| {
             let mut message = e.to_string();
             let mut source = e.source();
@@ -208,9 +194,7 @@ impl Client {
                 message,
             }
         };
-        let mut req = Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.base));
+        let mut req = Request::builder().method(method).uri(format!("{}{path}", self.base));
         if let Some(ct) = content_type {
             req = req.header(header::CONTENT_TYPE, ct);
         }
@@ -223,12 +207,7 @@ impl Client {
             .get("x-kvtier-tier")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| transport(&e))?
-            .to_bytes();
+        let body = resp.into_body().collect().await.map_err(|e| transport(&e))?.to_bytes();
         Ok(Answer { status, tier, body })
     }
 
@@ -248,12 +227,7 @@ impl Client {
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<StatusCode, ClientError> {
         let path = format!("/v1/blocks/{key}");
         let a = self
-            .send(
-                Method::PUT,
-                &path,
-                ChunkedBody::new(chunks),
-                Some("application/octet-stream"),
-            )
+            .send(Method::PUT, &path, ChunkedBody::new(chunks), Some("application/octet-stream"))
             .await?;
         match a.status {
             StatusCode::CREATED | StatusCode::OK => Ok(a.status),
@@ -267,9 +241,7 @@ impl Client {
     /// [`ClientError::Status`] for statuses other than 200 and 404.
     pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Option<String>)>, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self
-            .send(Method::GET, &path, ChunkedBody::default(), None)
-            .await?;
+        let a = self.send(Method::GET, &path, ChunkedBody::default(), None).await?;
         match a.status {
             StatusCode::OK => Ok(Some((a.body, a.tier))),
             StatusCode::NOT_FOUND => Ok(None),
@@ -284,8 +256,7 @@ impl Client {
     /// when `prefix_hits` is missing.
     pub async fn lookup(&self, keys: &[String]) -> Result<usize, ClientError> {
         let path = "/v1/lookup";
-        let body =
-            serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
+        let body = serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
         let a = self
             .send(
                 Method::POST,
@@ -317,9 +288,7 @@ impl Client {
     /// for a body that is not JSON.
     pub async fn stats(&self) -> Result<Value, ClientError> {
         let path = "/v1/stats";
-        let a = self
-            .send(Method::GET, path, ChunkedBody::default(), None)
-            .await?;
+        let a = self.send(Method::GET, path, ChunkedBody::default(), None).await?;
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::GET, path, a));
         }

@@ -46,6 +46,22 @@ pub fn chain(tokens: &[u32], block_tokens: usize) -> Vec<String> {
 mod tests {
     use super::*;
 
+    /// Vectors computed by the Python version in docs/LOADGEN.md with the
+    /// `xxhash` package (`xxh3_128_hexdigest`), so both stay in step.
+    #[test]
+    fn matches_python_reference_vectors() {
+        let tokens: Vec<u32> = (0..300).collect();
+        assert_eq!(
+            chain(&tokens, 128),
+            ["a00ea5e600c0bdb124b21cb5803a6432", "a95c81d839dd5e836e231160785d7366"]
+        );
+        let tokens: Vec<u32> = (1000..1256).collect();
+        assert_eq!(
+            chain(&tokens, 128),
+            ["1c305dda8633d9730a8ad3bf8a1f74b1", "f68c49c05fb7fd4bbb346170ce403587"]
+        );
+    }
+
     #[test]
     fn chain_shares_prefixes_and_ignores_partial_blocks() {
         let a: Vec<u32> = (0..300).collect();
@@ -55,9 +71,7 @@ mod tests {
         assert_eq!(ka.len(), 2);
         assert_eq!(ka[0], kb[0]);
         assert_ne!(ka[1], kb[1]);
-        assert!(ka
-            .iter()
-            .all(|k| k.len() == KEY_CHARS && k.bytes().all(|c| c.is_ascii_hexdigit())));
+        assert!(ka.iter().all(|k| k.len() == KEY_CHARS && k.bytes().all(|c| c.is_ascii_hexdigit())));
         let mut grown = vec![ka[0].clone()];
         extend_chain(&mut grown, &a, 128);
         assert_eq!(grown, ka);

@@ -107,16 +107,13 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     if let Some(n) = args.conversations {
         dataset.truncate(n.max(1));
     }
-    let client = Arc::new(
-        Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?,
-    );
+    let client = Arc::new(Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?);
     let (block_bytes, block_tokens, model) = client
         .geometry()
         .await
         .map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
     if let Some(m) = &args.model {
-        let want = kvtier_engine::Geometry::from_model(m, block_tokens as u32)
-            .map_err(|e| e.to_string())?;
+        let want = kvtier_engine::Geometry::from_model(m, block_tokens as u32).map_err(|e| e.to_string())?;
         if want.block_bytes != block_bytes {
             return Err(format!(
                 "wrong block size: --model {m} needs {} bytes per block, but the server stores {block_bytes} (model {model})",
@@ -144,20 +141,11 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         verify_full: args.verify_full,
         progress_every: Some(Duration::from_secs(10)),
     };
-    let results = replay::run(
-        client,
-        Arc::new(dataset),
-        path,
-        (block_bytes, block_tokens, model),
-        cfg,
-    )
-    .await;
-    std::fs::create_dir_all(&args.out)
-        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let results = replay::run(client, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let file = args.out.join("results.json");
     let json = serde_json::to_string_pretty(&results).expect("results serialize");
-    std::fs::write(&file, json + "\n")
-        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    std::fs::write(&file, json + "\n").map_err(|e| format!("cannot write {}: {e}", file.display()))?;
     println!(
         "replay: {} turns, {} requests ({} errors) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
         results.turns,

@@ -24,9 +24,7 @@ impl Payloads {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
         let mut base = vec![0u8; block_bytes];
         rng.fill_bytes(&mut base);
-        Payloads {
-            base: Bytes::from(base),
-        }
+        Payloads { base: Bytes::from(base) }
     }
 
     /// Block size in bytes.

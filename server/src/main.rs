@@ -122,13 +122,8 @@ impl StoreArgs {
             (None, None, None) => Geometry::from_model(MODEL_DEFAULT, self.block_tokens),
         }
         .map_err(|e| e.to_string())?;
-        let cpus = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        let shards = self
-            .shards
-            .or(stored.as_ref().map(|m| m.shards as usize))
-            .unwrap_or(cpus);
+        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let shards = self.shards.or(stored.as_ref().map(|m| m.shards as usize)).unwrap_or(cpus);
         let segment_bytes = self
             .segment_mib
             .map(|m| m << 20)
@@ -168,8 +163,7 @@ fn main() -> ExitCode {
 /// Holds an exclusive `flock` on `<data-dir>/LOCK` for the process's life,
 /// so two servers never write one data directory.
 fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
-    fs::create_dir_all(dir)
-        .map_err(|e| format!("cannot create data directory {}: {e}", dir.display()))?;
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create data directory {}: {e}", dir.display()))?;
     let path = dir.join("LOCK");
     let file = fs::OpenOptions::new()
         .create(true)
@@ -179,17 +173,13 @@ fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
         .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(format!(
-            "data directory {} is in use by another kvtier process",
-            dir.display()
-        ));
+        return Err(format!("data directory {} is in use by another kvtier process", dir.display()));
     }
     Ok(file)
 }
 
 fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
-    let raw = fs::read_to_string(path)
-        .map_err(|e| format!("cannot read --auth-token-file {}: {e}", path.display()))?;
+    let raw = fs::read_to_string(path).map_err(|e| format!("cannot read --auth-token-file {}: {e}", path.display()))?;
     let token = raw.trim();
     if token.is_empty() {
         return Err(format!("--auth-token-file {} is empty", path.display()));
@@ -198,19 +188,14 @@ fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
-        .map_err(|e| format!("--log-level {:?}: {e}", args.log_level))?;
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| format!("--log-level {:?}: {e}", args.log_level))?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 
-    let auth_token = args
-        .auth_token_file
-        .as_deref()
-        .map(read_token)
-        .transpose()?;
+    let auth_token = args.auth_token_file.as_deref().map(read_token).transpose()?;
     if !args.listen.ip().is_loopback() && auth_token.is_none() {
         return Err(format!(
             "refusing to listen on non-loopback address {} without --auth-token-file: anyone who can reach it could read and overwrite KV blocks",
@@ -222,19 +207,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that it is free.
     if args.listen.port() != 0 {
-        std::net::TcpListener::bind(args.listen).map_err(|e| {
-            format!(
-                "cannot listen on {}: {e} (is another kvtier running?)",
-                args.listen
-            )
-        })?;
+        std::net::TcpListener::bind(args.listen)
+            .map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
     }
 
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])
-    .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| format!("installing signal handlers: {e}"))?;
     let (ready_tx, ready_rx) = mpsc::channel();
     let shared = Arc::new(server::Shared {
         listen: args.listen,
@@ -243,20 +221,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
     });
-    let (shards, geometry, data_dir) = (
-        config.shards,
-        config.geometry.clone(),
-        config.data_dir.clone(),
-    );
+    let (shards, geometry, data_dir) = (config.shards, config.geometry.clone(), config.data_dir.clone());
     let engine = {
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("kvtier-engine".into())
-            .spawn(move || {
-                kvtier_engine::run(config, move |store| {
-                    server::serve_shard(store, shared.clone())
-                })
-            })
+            .spawn(move || kvtier_engine::run(config, move |store| server::serve_shard(store, shared.clone())))
             .map_err(|e| format!("starting the engine thread: {e}"))?
     };
 
@@ -315,18 +285,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                         eprintln!("kvtier: second signal {signal}, exiting now");
                         std::process::exit(130);
                     }
-                    tracing::info!(
-                        signal,
-                        "shutting down: no new connections, draining in-flight requests"
-                    );
+                    tracing::info!(signal, "shutting down: no new connections, draining in-flight requests");
                     shared.shutdown.store(true, Ordering::SeqCst);
                 }
             })
             .map_err(|e| format!("starting the signal thread: {e}"))?;
     }
-    let outcome = engine
-        .join()
-        .map_err(|_| "engine thread panicked".to_string())?;
+    let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
     outcome.map_err(|e| e.to_string())?;
     tracing::info!("stopped cleanly");
     Ok(())
@@ -348,9 +313,7 @@ fn info(dir: &Path) -> Result<(), String> {
         let (mut segments, mut bytes) = (0u64, 0u64);
         if let Ok(entries) = fs::read_dir(&shard_dir) {
             for e in entries.flatten() {
-                if kvtier_engine::segment::parse_segment_name(&e.file_name().to_string_lossy())
-                    .is_some()
-                {
+                if kvtier_engine::segment::parse_segment_name(&e.file_name().to_string_lossy()).is_some() {
                     segments += 1;
                     bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
                 }

@@ -45,7 +45,9 @@ pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Repl
 }
 
 fn json_reply(status: StatusCode, body: &impl Serialize) -> Reply {
-    let bytes = serde_json::to_vec(body).expect("JSON serializes");
+    let mut bytes = serde_json::to_vec(body).expect("JSON serializes");
+    // A trailing newline keeps curl's output off the shell prompt.
+    bytes.push(b'\n');
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
@@ -57,18 +59,14 @@ fn json_reply(status: StatusCode, body: &impl Serialize) -> Reply {
 pub fn engine_error(e: &Error) -> Reply {
     let (status, code) = match e {
         Error::InvalidKey { .. } => (StatusCode::BAD_REQUEST, "invalid_key"),
-        Error::WrongSize { expected, got } if got > expected => {
-            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
-        }
+        Error::WrongSize { expected, got } if got > expected => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
         Error::WrongSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "wrong_block_size"),
         Error::NotFound => (StatusCode::NOT_FOUND, "not_found"),
         // A corrupt block is a miss for the client: it recomputes the block.
         Error::Corrupt { .. } => (StatusCode::NOT_FOUND, "corrupt_block"),
         Error::DiskFull(_) => (StatusCode::INSUFFICIENT_STORAGE, "disk_full"),
         Error::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
-        Error::GeometryMismatch { .. } | Error::Config(_) | Error::Io { .. } => {
-            (StatusCode::INTERNAL_SERVER_ERROR, "internal")
-        }
+        Error::GeometryMismatch { .. } | Error::Config(_) | Error::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
     };
     if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
@@ -86,8 +84,7 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
                 "unauthorized",
                 "missing or wrong 'Authorization: Bearer <token>'",
             );
-            r.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return Ok(r);
         }
     }
@@ -107,16 +104,9 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
             "/v1/lookup" if req.method() == Method::POST => lookup(&ctx, req).await,
             "/v1/lookup" => method_not_allowed("POST"),
             "/v1/stats" if req.method() == Method::GET => stats(&ctx).await,
-            "/healthz" if req.method() == Method::GET => json_reply(
-                StatusCode::OK,
-                &json!({"status": "ok", "shards": ctx.store.shards()}),
-            ),
+            "/healthz" if req.method() == Method::GET => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
             "/v1/stats" | "/healthz" => method_not_allowed("GET"),
-            _ => error(
-                StatusCode::NOT_FOUND,
-                "no_route",
-                format!("no route for {path}; see docs/API.md"),
-            ),
+            _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
         }
     };
     if is_head {
@@ -140,21 +130,12 @@ fn authorized(req: &Request<Incoming>, token: &[u8]) -> bool {
     if given.len() != token.len() {
         return false;
     }
-    given
-        .iter()
-        .zip(token)
-        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-        == 0
+    given.iter().zip(token).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 fn method_not_allowed(allow: &'static str) -> Reply {
-    let mut r = error(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-        format!("allowed: {allow}"),
-    );
-    r.headers_mut()
-        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("allowed: {allow}"));
+    r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
     r
 }
 
@@ -168,17 +149,13 @@ fn declared_length(req: &Request<Incoming>, expected: u64, what: &str) -> Result
             format!("{what} needs a Content-Length header; expected {expected} bytes"),
         ));
     };
-    value
-        .to_str()
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .ok_or_else(|| {
-            error(
-                StatusCode::BAD_REQUEST,
-                "bad_content_length",
-                format!("Content-Length {value:?} is not a number"),
-            )
-        })
+    value.to_str().ok().and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_content_length",
+            format!("Content-Length {value:?} is not a number"),
+        )
+    })
 }
 
 /// Reads a body of at most `limit` bytes as the frames hyper delivered (no
@@ -187,13 +164,7 @@ async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u6
     let mut body = req.into_body();
     let (mut chunks, mut total) = (Vec::new(), 0u64);
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
-            error(
-                StatusCode::BAD_REQUEST,
-                "body_read_failed",
-                format!("reading the body: {e}"),
-            )
-        })?;
+        let frame = frame.map_err(|e| error(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             total += data.len() as u64;
             if total > limit {
@@ -234,10 +205,7 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
                 PutOutcome::Created => (StatusCode::CREATED, "created"),
                 PutOutcome::Replaced => (StatusCode::OK, "replaced"),
             };
-            json_reply(
-                status,
-                &json!({ "key": key, "block_bytes": got, "status": word }),
-            )
+            json_reply(status, &json!({ "key": key, "block_bytes": got, "status": word }))
         }
         Err(e) => engine_error(&e),
     }
@@ -292,17 +260,11 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
         .get(header::CONTENT_LENGTH)
         .map(|v| v.to_str().map(|s| s.parse::<u64>()))
     {
-        if declared
-            .map(|n| n > limits::LOOKUP_BODY_BYTES_MAX)
-            .unwrap_or(false)
-        {
+        if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body_too_large",
-                format!(
-                    "lookup bodies are limited to {} bytes",
-                    limits::LOOKUP_BODY_BYTES_MAX
-                ),
+                format!("lookup bodies are limited to {} bytes", limits::LOOKUP_BODY_BYTES_MAX),
             );
         }
     }
@@ -334,19 +296,12 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     }
     for (i, k) in parsed.keys.iter().enumerate() {
         if let Err(e) = kvtier_engine::key::validate(k) {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_key",
-                format!("keys[{i}]: {e}"),
-            );
+            return error(StatusCode::BAD_REQUEST, "invalid_key", format!("keys[{i}]: {e}"));
         }
     }
     let keys: Vec<&str> = parsed.keys.iter().map(String::as_str).collect();
     match ctx.store.lookup_prefix(&keys).await {
-        Ok(hits) => json_reply(
-            StatusCode::OK,
-            &json!({ "prefix_hits": hits, "tiers": vec!["nvme"; hits] }),
-        ),
+        Ok(hits) => json_reply(StatusCode::OK, &json!({ "prefix_hits": hits, "tiers": vec!["nvme"; hits] })),
         Err(e) => engine_error(&e),
     }
 }

@@ -73,17 +73,14 @@ async fn bind(store: &Store, shared: &Shared) -> Result<TcpListener, String> {
         let result = TcpListener::bind(shared.listen)
             .map_err(|e| format!("cannot listen on {}: {e}", shared.listen))
             .and_then(|l| l.local_addr().map(|a| (l, a)).map_err(|e| e.to_string()));
-        *shared.bound.lock().expect("bound lock") =
-            Some(result.as_ref().map(|(_, a)| *a).map_err(Clone::clone));
+        *shared.bound.lock().expect("bound lock") = Some(result.as_ref().map(|(_, a)| *a).map_err(Clone::clone));
         return result.map(|(l, _)| l);
     }
     for _ in 0..10_000 {
         let bound = shared.bound.lock().expect("bound lock").clone();
         match bound {
             Some(Ok(addr)) => {
-                return TcpListener::bind(addr).map_err(|e| {
-                    format!("shard {} cannot listen on {addr}: {e}", store.shard_id())
-                })
+                return TcpListener::bind(addr).map_err(|e| format!("shard {} cannot listen on {addr}: {e}", store.shard_id()))
             }
             Some(Err(e)) => return Err(e),
             None => glommio::timer::sleep(Duration::from_millis(1)).await,
@@ -117,13 +114,10 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
     let graceful = GracefulShutdown::new();
     let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
     loop {
-        let permit = match futures_lite::future::or(
-            async { Some(connections.acquire_static_permit(1).await) },
-            async {
-                shutdown_requested(&shared).await;
-                None
-            },
-        )
+        let permit = match futures_lite::future::or(async { Some(connections.acquire_static_permit(1).await) }, async {
+            shutdown_requested(&shared).await;
+            None
+        })
         .await
         {
             Some(Ok(p)) => p,
@@ -147,9 +141,7 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         let _ = stream.set_nodelay(true);
         let ctx = ctx.clone();
         let service = hyper::service::service_fn(move |req| routes::handle(ctx.clone(), req));
-        let conn = builder
-            .serve_connection(GlommioIo::new(stream), service)
-            .into_owned();
+        let conn = builder.serve_connection(GlommioIo::new(stream), service).into_owned();
         let watched = graceful.watcher().watch(conn);
         glommio::spawn_local(async move {
             if let Err(e) = watched.await {

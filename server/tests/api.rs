@@ -13,19 +13,13 @@ use kvtier_engine::key::BlockHash;
 use kvtier_loadgen::client::ChunkedBody;
 use serde_json::Value;
 
-async fn send(
-    c: &kvtier_loadgen::client::Client,
-    m: Method,
-    path: &str,
-    body: Vec<Bytes>,
-) -> (StatusCode, Option<String>, Bytes) {
+async fn send(c: &kvtier_loadgen::client::Client, m: Method, path: &str, body: Vec<Bytes>) -> (StatusCode, Option<String>, Bytes) {
     let a = c.send(m, path, ChunkedBody::new(body), None).await.unwrap();
     (a.status, a.tier, a.body)
 }
 
 fn error_code(body: &Bytes) -> String {
-    let v: Value =
-        serde_json::from_slice(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    let v: Value = serde_json::from_slice(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
     v["error"]["code"]
         .as_str()
         .unwrap_or_else(|| panic!("no error code in {v}"))
@@ -41,38 +35,17 @@ async fn block_round_trip_over_h2_and_http1() {
         let key = if http1 { "block-h1" } else { "block-h2" };
         let path = format!("/v1/blocks/{key}");
         let body = payload(key);
-        assert_eq!(
-            send(&c, Method::PUT, &path, vec![body.clone()]).await.0,
-            StatusCode::CREATED
-        );
-        assert_eq!(
-            send(&c, Method::PUT, &path, vec![body.clone()]).await.0,
-            StatusCode::OK
-        );
+        assert_eq!(send(&c, Method::PUT, &path, vec![body.clone()]).await.0, StatusCode::CREATED);
+        assert_eq!(send(&c, Method::PUT, &path, vec![body.clone()]).await.0, StatusCode::OK);
         let (status, tier, got) = send(&c, Method::GET, &path, vec![]).await;
         assert_eq!((status, tier.as_deref()), (StatusCode::OK, Some("nvme")));
         assert_eq!(got, body);
-        assert_eq!(
-            send(&c, Method::HEAD, &path, vec![]).await.0,
-            StatusCode::OK
-        );
-        assert_eq!(
-            send(&c, Method::DELETE, &path, vec![]).await.0,
-            StatusCode::NO_CONTENT
-        );
+        assert_eq!(send(&c, Method::HEAD, &path, vec![]).await.0, StatusCode::OK);
+        assert_eq!(send(&c, Method::DELETE, &path, vec![]).await.0, StatusCode::NO_CONTENT);
         let (status, _, body) = send(&c, Method::GET, &path, vec![]).await;
-        assert_eq!(
-            (status, error_code(&body).as_str()),
-            (StatusCode::NOT_FOUND, "not_found")
-        );
-        assert_eq!(
-            send(&c, Method::HEAD, &path, vec![]).await.0,
-            StatusCode::NOT_FOUND
-        );
-        assert_eq!(
-            send(&c, Method::DELETE, &path, vec![]).await.0,
-            StatusCode::NOT_FOUND
-        );
+        assert_eq!((status, error_code(&body).as_str()), (StatusCode::NOT_FOUND, "not_found"));
+        assert_eq!(send(&c, Method::HEAD, &path, vec![]).await.0, StatusCode::NOT_FOUND);
+        assert_eq!(send(&c, Method::DELETE, &path, vec![]).await.0, StatusCode::NOT_FOUND);
     }
     assert!(server.stop().success());
 }
@@ -83,33 +56,16 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     let server = start(&test_args(dir.path()));
     let c = client(&server, false);
     assert_eq!(
-        send(&c, Method::PUT, "/v1/blocks/keep", vec![payload("keep")])
-            .await
-            .0,
+        send(&c, Method::PUT, "/v1/blocks/keep", vec![payload("keep")]).await.0,
         StatusCode::CREATED
     );
 
     // Too short: 422 naming the expected size.
-    let (status, _, body) = send(
-        &c,
-        Method::PUT,
-        "/v1/blocks/short",
-        vec![Bytes::from(vec![1u8; 1000])],
-    )
-    .await;
+    let (status, _, body) = send(&c, Method::PUT, "/v1/blocks/short", vec![Bytes::from(vec![1u8; 1000])]).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert!(
-        String::from_utf8_lossy(&body).contains(&BLOCK_BYTES.to_string()),
-        "{body:?}"
-    );
+    assert!(String::from_utf8_lossy(&body).contains(&BLOCK_BYTES.to_string()), "{body:?}");
     // Too long: 413, refused from the declared length.
-    let (status, _, body) = send(
-        &c,
-        Method::PUT,
-        "/v1/blocks/long",
-        vec![payload("long"), Bytes::from_static(b"x")],
-    )
-    .await;
+    let (status, _, body) = send(&c, Method::PUT, "/v1/blocks/long", vec![payload("long"), Bytes::from_static(b"x")]).await;
     assert_eq!(
         (status, error_code(&body).as_str()),
         (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
@@ -126,27 +82,15 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     let (status, _, _) = send(&c, Method::PUT, "/v1/blocks/", vec![payload("x")]).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     // Unknown route, wrong method.
-    assert_eq!(
-        send(&c, Method::GET, "/v2/nothing", vec![]).await.0,
-        StatusCode::NOT_FOUND
-    );
+    assert_eq!(send(&c, Method::GET, "/v2/nothing", vec![]).await.0, StatusCode::NOT_FOUND);
     let (status, _, body) = send(&c, Method::POST, "/v1/blocks/keep", vec![]).await;
     assert_eq!(
         (status, error_code(&body).as_str()),
         (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
     );
     // Malformed and oversized lookups.
-    let (status, _, body) = send(
-        &c,
-        Method::POST,
-        "/v1/lookup",
-        vec![Bytes::from_static(b"{\"keys\": 7}")],
-    )
-    .await;
-    assert_eq!(
-        (status, error_code(&body).as_str()),
-        (StatusCode::BAD_REQUEST, "bad_json")
-    );
+    let (status, _, body) = send(&c, Method::POST, "/v1/lookup", vec![Bytes::from_static(b"{\"keys\": 7}")]).await;
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::BAD_REQUEST, "bad_json"));
     let (status, _, body) = send(
         &c,
         Method::POST,
@@ -154,10 +98,7 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
         vec![Bytes::from_static(b"{\"keys\": [\"ok\", \"a/b\"]}")],
     )
     .await;
-    assert_eq!(
-        (status, error_code(&body).as_str()),
-        (StatusCode::BAD_REQUEST, "invalid_key")
-    );
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::BAD_REQUEST, "invalid_key"));
     let many = serde_json::to_vec(&serde_json::json!({ "keys": vec!["k"; 5000] })).unwrap();
     let (status, _, body) = send(&c, Method::POST, "/v1/lookup", vec![Bytes::from(many)]).await;
     assert_eq!(
@@ -169,7 +110,10 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     let addr = server.url.trim_start_matches("http://").to_string();
     let reply = tokio::task::spawn_blocking(move || {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.write_all(b"PUT /v1/blocks/chunked HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n").unwrap();
+        s.write_all(
+            b"PUT /v1/blocks/chunked HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        )
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out
@@ -200,10 +144,7 @@ async fn lookup_counts_leading_hits_across_shards() {
     assert_eq!(c.lookup(&chain).await.unwrap(), 5);
     assert_eq!(c.lookup(&chain[5..]).await.unwrap(), 0);
     assert_eq!(c.lookup(&[]).await.unwrap(), 0);
-    let shards: Vec<usize> = chain[..5]
-        .iter()
-        .map(|k| BlockHash::of(k.as_bytes()).shard(2))
-        .collect();
+    let shards: Vec<usize> = chain[..5].iter().map(|k| BlockHash::of(k.as_bytes()).shard(2)).collect();
     assert!(
         shards.contains(&0) && shards.contains(&1),
         "the chain spans both shards: {shards:?}"
@@ -260,10 +201,7 @@ async fn restart_keeps_data_after_sigterm_and_after_kill_9() {
 
     let server = start(&args);
     let c = client(&server, true);
-    assert!(
-        c.get(&keys[0]).await.unwrap().is_none(),
-        "a delete survives restart"
-    );
+    assert!(c.get(&keys[0]).await.unwrap().is_none(), "a delete survives restart");
     for k in &keys[1..] {
         assert_eq!(c.get(k).await.unwrap().expect(k).0, payload(k));
     }
@@ -291,12 +229,7 @@ trait DeleteExt {
 impl DeleteExt for kvtier_loadgen::client::Client {
     async fn delete(&self, key: &str) -> Result<(), String> {
         let a = self
-            .send(
-                Method::DELETE,
-                &format!("/v1/blocks/{key}"),
-                ChunkedBody::default(),
-                None,
-            )
+            .send(Method::DELETE, &format!("/v1/blocks/{key}"), ChunkedBody::default(), None)
             .await
             .map_err(|e| e.to_string())?;
         if a.status == StatusCode::NO_CONTENT {
@@ -313,25 +246,14 @@ async fn auth_token_is_required_when_set() {
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
     let mut args = test_args(&dir.path().join("data"));
-    args.extend([
-        "--auth-token-file".to_string(),
-        token_file.to_str().unwrap().to_string(),
-    ]);
+    args.extend(["--auth-token-file".to_string(), token_file.to_str().unwrap().to_string()]);
     let server = start(&args);
     let url = format!("{}/healthz", server.url);
     let status = |auth: Option<&'static str>| {
         let url = url.clone();
         tokio::task::spawn_blocking(move || {
             let mut cmd = std::process::Command::new("curl");
-            cmd.args([
-                "-s",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-                "--http2-prior-knowledge",
-                &url,
-            ]);
+            cmd.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--http2-prior-knowledge", &url]);
             if let Some(a) = auth {
                 cmd.args(["-H", a]);
             }
@@ -339,18 +261,8 @@ async fn auth_token_is_required_when_set() {
         })
     };
     assert_eq!(status(None).await.unwrap(), "401");
-    assert_eq!(
-        status(Some("Authorization: Bearer wrong-token!"))
-            .await
-            .unwrap(),
-        "401"
-    );
-    assert_eq!(
-        status(Some("Authorization: Bearer s3cret-token"))
-            .await
-            .unwrap(),
-        "200"
-    );
+    assert_eq!(status(Some("Authorization: Bearer wrong-token!")).await.unwrap(), "401");
+    assert_eq!(status(Some("Authorization: Bearer s3cret-token")).await.unwrap(), "200");
     server.stop();
 }
 
@@ -371,15 +283,10 @@ fn refuses_unsafe_or_mismatched_starts_with_clear_messages() {
     args[i + 1] = "131072".into();
     let (status, stderr) = try_start(&args).err().expect("must refuse");
     assert!(!status.unwrap().success());
-    assert!(
-        stderr.contains("65536") && stderr.contains("131072"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("65536") && stderr.contains("131072"), "{stderr}");
     // Two servers on one data directory.
     let first = start(&test_args(dir.path()));
-    let (_, stderr) = try_start(&test_args(dir.path()))
-        .err()
-        .expect("must refuse");
+    let (_, stderr) = try_start(&test_args(dir.path())).err().expect("must refuse");
     assert!(stderr.contains("in use"), "{stderr}");
     first.stop();
 }

@@ -47,9 +47,7 @@ pub fn test_args(data_dir: &Path) -> Vec<String> {
 
 /// Runs `kvtier serve ARGS` and waits for its "listening" line.
 pub fn start(args: &[String]) -> Server {
-    try_start(args).unwrap_or_else(|(status, stderr)| {
-        panic!("server exited ({status:?}) before listening:\n{stderr}")
-    })
+    try_start(args).unwrap_or_else(|(status, stderr)| panic!("server exited ({status:?}) before listening:\n{stderr}"))
 }
 
 /// Like [`start`], but returns the exit status and stderr when the server
@@ -141,8 +139,5 @@ pub fn payload(key: &str) -> bytes::Bytes {
 
 /// Repository root (for tests/data).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }

@@ -30,8 +30,7 @@ async fn replay_of_sample_hits_on_second_pass() {
         let client = Arc::new(Client::new(&server.url, http1, 1).unwrap());
         let geometry = client.geometry().await.unwrap();
         assert_eq!(geometry.0, common::BLOCK_BYTES);
-        passes
-            .push(replay::run(client, dataset.clone(), path.clone(), geometry, cfg.clone()).await);
+        passes.push(replay::run(client, dataset.clone(), path.clone(), geometry, cfg.clone()).await);
     }
     let (first, second) = (&passes[0], &passes[1]);
     for r in &passes {

