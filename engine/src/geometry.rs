@@ -54,41 +54,11 @@ impl ModelPreset {
 pub const MODEL_PRESETS: &[ModelPreset] = &[
     // A 1B-class model with grouped-query attention (24 layers, 4 KV heads of
     // 64): 24·2·4·64·2 = 24,576, the figure DESIGN §2 fixes for tiny-1b.
-    ModelPreset {
-        name: "tiny-1b",
-        layers: 24,
-        kv_heads: 4,
-        head_dim: 64,
-        dtype_bytes: 2,
-    },
-    ModelPreset {
-        name: "mistral-7b",
-        layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-    },
-    ModelPreset {
-        name: "llama2-7b",
-        layers: 32,
-        kv_heads: 32,
-        head_dim: 128,
-        dtype_bytes: 2,
-    },
-    ModelPreset {
-        name: "llama3.1-8b",
-        layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-    },
-    ModelPreset {
-        name: "llama3.1-70b",
-        layers: 80,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-    },
+    ModelPreset { name: "tiny-1b", layers: 24, kv_heads: 4, head_dim: 64, dtype_bytes: 2 },
+    ModelPreset { name: "mistral-7b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
+    ModelPreset { name: "llama2-7b", layers: 32, kv_heads: 32, head_dim: 128, dtype_bytes: 2 },
+    ModelPreset { name: "llama3.1-8b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
+    ModelPreset { name: "llama3.1-70b", layers: 80, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
 ];
 
 /// Looks a preset up by name.
@@ -147,25 +117,13 @@ impl Geometry {
         if block_tokens == 0 {
             return Err(Error::Config("block_tokens must be at least 1".into()));
         }
-        let bytes_per_token = if block_bytes.is_multiple_of(block_tokens as u64) {
-            block_bytes / block_tokens as u64
-        } else {
-            0
-        };
-        Self::checked(Geometry {
-            model: "custom".into(),
-            block_tokens,
-            bytes_per_token,
-            block_bytes,
-        })
+        let bytes_per_token = if block_bytes.is_multiple_of(block_tokens as u64) { block_bytes / block_tokens as u64 } else { 0 };
+        Self::checked(Geometry { model: "custom".into(), block_tokens, bytes_per_token, block_bytes })
     }
 
     fn checked(self) -> Result<Self> {
         if self.block_bytes == 0 || self.block_bytes > BLOCK_BYTES_MAX {
-            return Err(Error::Config(format!(
-                "block_bytes must be between 1 and {BLOCK_BYTES_MAX}, got {}",
-                self.block_bytes
-            )));
+            return Err(Error::Config(format!("block_bytes must be between 1 and {BLOCK_BYTES_MAX}, got {}", self.block_bytes)));
         }
         Ok(self)
     }
@@ -258,11 +216,7 @@ impl StoreManifest {
             return Err(mismatch("shards", stored.shards.to_string(), self.shards.to_string()));
         }
         if stored.segment_bytes != self.segment_bytes {
-            return Err(mismatch(
-                "segment_bytes",
-                stored.segment_bytes.to_string(),
-                self.segment_bytes.to_string(),
-            ));
+            return Err(mismatch("segment_bytes", stored.segment_bytes.to_string(), self.segment_bytes.to_string()));
         }
         Ok(())
     }
@@ -281,9 +235,7 @@ impl StoreManifest {
 
 /// fsyncs a directory so a rename or a new file in it survives power loss.
 pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
-    fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(format!("fsync of directory {}", dir.display()), e))
+    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(format!("fsync of directory {}", dir.display()), e))
 }
 
 #[cfg(test)]
@@ -292,13 +244,8 @@ mod tests {
 
     #[test]
     fn presets_match_design_figures() {
-        let expect = [
-            ("tiny-1b", 24_576),
-            ("mistral-7b", 131_072),
-            ("llama2-7b", 524_288),
-            ("llama3.1-8b", 131_072),
-            ("llama3.1-70b", 327_680),
-        ];
+        let expect =
+            [("tiny-1b", 24_576), ("mistral-7b", 131_072), ("llama2-7b", 524_288), ("llama3.1-8b", 131_072), ("llama3.1-70b", 327_680)];
         for (name, bytes) in expect {
             assert_eq!(preset(name).unwrap().bytes_per_token(), bytes, "{name}");
         }

@@ -53,9 +53,7 @@ pub struct Index {
 impl Index {
     /// An index with room for `capacity_blocks` entries without growing.
     pub fn with_capacity(capacity_blocks: usize) -> Self {
-        Index {
-            map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()),
-        }
+        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()) }
     }
 
     /// The entry for `hash`, if stored.
@@ -122,11 +120,7 @@ impl Index {
     /// byte), hashbrown's layout.
     pub fn heap_bytes(&self) -> usize {
         let capacity = self.map.capacity();
-        let buckets = if capacity < 8 {
-            (capacity + 1).next_power_of_two()
-        } else {
-            (capacity * 8 / 7).next_power_of_two()
-        };
+        let buckets = if capacity < 8 { (capacity + 1).next_power_of_two() } else { (capacity * 8 / 7).next_power_of_two() };
         buckets * (std::mem::size_of::<(BlockHash, Entry)>() + 1)
     }
 }
@@ -141,16 +135,8 @@ mod tests {
     fn newer_record_wins_whatever_the_order() {
         let mut ix = Index::default();
         let h = BlockHash::of(b"k");
-        let e5 = Entry {
-            segment: 0,
-            slot: 1,
-            seq: 5,
-        };
-        let e3 = Entry {
-            segment: 0,
-            slot: 0,
-            seq: 3,
-        };
+        let e5 = Entry { segment: 0, slot: 1, seq: 5 };
+        let e3 = Entry { segment: 0, slot: 0, seq: 3 };
         assert_eq!(ix.insert_if_newer(h, e5), (None, true));
         assert_eq!(ix.insert_if_newer(h, e3), (Some(e5), false));
         assert_eq!(ix.get(&h), Some(e5));
@@ -164,16 +150,138 @@ mod tests {
     fn remove_segment_drops_only_that_segment() {
         let mut ix = Index::default();
         for i in 0..100u32 {
-            ix.insert_if_newer(
-                BlockHash::of(&i.to_le_bytes()),
-                Entry {
-                    segment: i % 3,
-                    slot: i,
-                    seq: i as u64,
-                },
-            );
+            ix.insert_if_newer(BlockHash::of(&i.to_le_bytes()), Entry { segment: i % 3, slot: i, seq: i as u64 });
         }
         assert_eq!(ix.remove_segment(1), 33);
         assert_eq!(ix.len(), 67);
+    }
+}
+
+/// The index snapshot: a shard's index and segment states at one moment,
+/// serialized with rkyv to `shard-NNN/index.snapshot`, so a restart reads one
+/// file instead of every slot header.
+///
+/// File layout: `"KVIX"` (u32 LE), version (u32 LE), CRC-32 of the body
+/// (u32 LE), body length (u32 LE), then the rkyv body. A file that fails any
+/// check is ignored (and counted), and the shard falls back to a full scan.
+pub mod snapshot {
+    use rkyv::{Archive, Deserialize, Serialize};
+
+    /// File name inside the shard directory.
+    pub const FILE: &str = "index.snapshot";
+    const MAGIC: u32 = u32::from_le_bytes(*b"KVIX");
+    const VERSION: u32 = 1;
+    const PREAMBLE_BYTES: usize = 16;
+
+    /// One segment as the snapshot saw it.
+    #[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+    pub struct SegmentState {
+        /// Segment id.
+        pub id: u32,
+        /// Its `first_seq` then; a different one on disk means it was
+        /// reclaimed since, and its entries here are stale.
+        pub first_seq: u64,
+        /// Slots handed out in its current life.
+        pub slots_used: u32,
+        /// Highest sequence number recorded in it (0 if none).
+        pub max_seq: u64,
+        /// Writes may have landed in it after the snapshot (it was the head,
+        /// or had writes in flight): recovery reads its headers again.
+        pub rescan: bool,
+    }
+
+    /// One index entry.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Archive, Serialize, Deserialize)]
+    pub struct EntryState {
+        /// Block hash, low 64 bits.
+        pub hash_lo: u64,
+        /// Block hash, high 64 bits.
+        pub hash_hi: u64,
+        /// Segment id.
+        pub segment: u32,
+        /// Slot index.
+        pub slot: u32,
+        /// Sequence number.
+        pub seq: u64,
+    }
+
+    /// A whole shard snapshot.
+    #[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+    pub struct IndexSnapshot {
+        /// Shard id.
+        pub shard: u32,
+        /// Every record with a lower sequence number is reflected here;
+        /// records from here on must come from a header scan.
+        pub covered_seq: u64,
+        /// The shard's next sequence number then.
+        pub next_seq: u64,
+        /// Segments that existed.
+        pub segments: Vec<SegmentState>,
+        /// The index.
+        pub entries: Vec<EntryState>,
+    }
+
+    /// Encodes a snapshot into the file layout above.
+    pub fn encode(s: &IndexSnapshot) -> Vec<u8> {
+        let body = rkyv::to_bytes::<rkyv::rancor::Error>(s).expect("snapshot serializes");
+        let mut out = Vec::with_capacity(PREAMBLE_BYTES + body.len());
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Decodes a snapshot file; `Err` says why it cannot be used.
+    pub fn decode(bytes: &[u8]) -> Result<IndexSnapshot, String> {
+        if bytes.len() < PREAMBLE_BYTES {
+            return Err(format!("{} bytes is shorter than the preamble", bytes.len()));
+        }
+        let word = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        if word(0) != MAGIC || word(4) != VERSION {
+            return Err("wrong magic or version".into());
+        }
+        let body = &bytes[PREAMBLE_BYTES..];
+        if body.len() != word(12) as usize {
+            return Err(format!("body is {} bytes, the preamble says {}", body.len(), word(12)));
+        }
+        if crc32fast::hash(body) != word(8) {
+            return Err("CRC-32 mismatch".into());
+        }
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(body.len());
+        aligned.extend_from_slice(body);
+        rkyv::from_bytes::<IndexSnapshot, rkyv::rancor::Error>(&aligned).map_err(|e| format!("rkyv: {e}"))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn round_trip_and_damage_detected() {
+            let s = IndexSnapshot {
+                shard: 1,
+                covered_seq: 10,
+                next_seq: 12,
+                segments: vec![SegmentState { id: 0, first_seq: 1, slots_used: 3, max_seq: 11, rescan: true }],
+                entries: vec![EntryState { hash_lo: 1, hash_hi: 2, segment: 0, slot: 2, seq: 11 }],
+            };
+            let bytes = encode(&s);
+            assert_eq!(decode(&bytes), Ok(s));
+            for i in [0, 9, 20, bytes.len() - 1] {
+                let mut bad = bytes.clone();
+                bad[i] ^= 0x40;
+                assert!(decode(&bad).is_err(), "flip at {i} accepted");
+            }
+            assert!(decode(&bytes[..bytes.len() - 3]).is_err());
+        }
+    }
+}
+
+impl Index {
+    /// Every entry, for a snapshot.
+    pub fn iter(&self) -> impl Iterator<Item = (&BlockHash, &Entry)> {
+        self.map.iter()
     }
 }

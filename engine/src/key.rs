@@ -36,24 +36,16 @@ impl BlockHash {
 pub fn validate(key: &str) -> Result<()> {
     let bytes = key.as_bytes();
     if bytes.is_empty() {
-        return Err(Error::InvalidKey {
-            reason: "key is empty".into(),
-        });
+        return Err(Error::InvalidKey { reason: "key is empty".into() });
     }
     if bytes.len() > KEY_BYTES_MAX {
-        return Err(Error::InvalidKey {
-            reason: format!("key is {} bytes, the limit is {KEY_BYTES_MAX}", bytes.len()),
-        });
+        return Err(Error::InvalidKey { reason: format!("key is {} bytes, the limit is {KEY_BYTES_MAX}", bytes.len()) });
     }
     if let Some((i, b)) = bytes.iter().enumerate().find(|(_, b)| !is_key_byte(**b)) {
-        return Err(Error::InvalidKey {
-            reason: format!("byte 0x{b:02x} at offset {i} is not in [A-Za-z0-9._~-]"),
-        });
+        return Err(Error::InvalidKey { reason: format!("byte 0x{b:02x} at offset {i} is not in [A-Za-z0-9._~-]") });
     }
     if key == "." || key == ".." {
-        return Err(Error::InvalidKey {
-            reason: format!("{key:?} is reserved"),
-        });
+        return Err(Error::InvalidKey { reason: format!("{key:?} is reserved") });
     }
     Ok(())
 }

@@ -1,28 +1,40 @@
-//! Opening a shard: rebuild its index from the slot headers of its segments.
+//! Opening a shard: rebuild its index from its index snapshot and the slot
+//! headers the snapshot does not cover.
 //!
-//! Every slot position of every segment is read (headers only, 4 KiB each,
-//! many in flight). A header counts when its CRC-32 holds, it belongs to
-//! this key (hash and length consistent) and its sequence number is at least
-//! the segment's `first_seq`; records are then applied in sequence order, so
-//! the newest record of a key wins and a tombstone removes what came before
-//! it. Payloads are not read here: a slot whose payload was torn by a crash
-//! fails its CRC-32 when first read, and is dropped then, never served.
+//! Without a usable snapshot, every slot header of every segment is read
+//! (4 KiB each, [`SCAN_DEPTH`] in flight). With one, its entries are loaded
+//! and only these segments are scanned: those that were the head or had
+//! writes in flight when it was taken (`rescan`), those whose `first_seq`
+//! changed since (reclaimed: their snapshot entries are stale and dropped),
+//! and those created since. Scanned records below the snapshot's
+//! `covered_seq` are already reflected in it (re-applying them could revive a
+//! deleted block) and are skipped.
+//!
+//! A header counts when its CRC-32 holds, its hash matches its key, its
+//! length fits its kind, and its sequence number is at least its segment's
+//! `first_seq`. Records apply in sequence order, so the newest record of a key
+//! wins and a tombstone removes what came before it. Payloads are not read
+//! here: a payload torn by a crash fails its CRC-32 when first read, and is
+//! dropped then, never served.
 
+use std::collections::{HashMap, HashSet};
 use std::fs;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
 
 use futures::stream::{self, StreamExt};
 
 use crate::error::{Error, Result};
+use crate::index::snapshot::{self, IndexSnapshot, SegmentState};
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::segment::{self, Segment};
-use crate::shard::{Shard, ShardConfig};
+use crate::segment::{self, Segment, Superblock};
+use crate::shard::{RecoveryReport, Shard, ShardConfig};
 use crate::slot::{HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
 
 /// Header reads in flight per shard during recovery.
-const SCAN_DEPTH: usize = 64;
+pub const SCAN_DEPTH: usize = 64;
 
 struct Record {
     seq: u64,
@@ -32,27 +44,22 @@ struct Record {
     slot: u32,
 }
 
-/// Opens (creating if needed) the shard directory and rebuilds the shard.
-///
-/// # Errors
-/// [`Error::Io`] when the directory or a segment cannot be read;
-/// [`Error::Config`] for settings that cannot work.
-pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
-    let started = Instant::now();
-    fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
-    let shard = Shard::new(cfg)?;
+/// Segment files of a shard directory whose superblock belongs to this
+/// shard and geometry, sorted by id; others are counted as foreign.
+fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32, Superblock, PathBuf)>> {
     let cfg = &shard.cfg;
-    let mut report = shard.recovery.borrow().clone();
-
-    let mut found: Vec<(u32, segment::Superblock, std::path::PathBuf)> = Vec::new();
+    let mut found = Vec::new();
     let entries = fs::read_dir(&cfg.dir).map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
     for dirent in entries {
         let dirent = dirent.map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
         let path = dirent.path();
         let name = dirent.file_name().to_string_lossy().into_owned();
-        if name.ends_with(".kvt.tmp") {
-            // A segment whose creation was interrupted; it was never used.
+        if name.ends_with(".kvt.tmp") || name == format!("{}.tmp", snapshot::FILE) {
+            // Interrupted creation of a segment or a snapshot: never used.
             let _ = fs::remove_file(&path);
+            continue;
+        }
+        if name == snapshot::FILE {
             continue;
         }
         let Some(id) = segment::parse_segment_name(&name) else {
@@ -71,77 +78,129 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
             }
             other => {
                 report.foreign_files += 1;
-                tracing::warn!(
-                    shard = cfg.shard_id,
-                    "ignoring {}: not a segment of this store (superblock {other:?})",
-                    path.display()
-                );
+                tracing::warn!(shard = cfg.shard_id, "ignoring {}: not a segment of this store (superblock {other:?})", path.display());
             }
         }
     }
     found.sort_by_key(|(id, _, _)| *id);
+    Ok(found)
+}
 
+/// Reads `index.snapshot`; `None` (counted, logged) when absent or unusable.
+fn load_snapshot(dir: &Path, shard_id: u32, report: &mut RecoveryReport) -> Option<IndexSnapshot> {
+    let path = dir.join(snapshot::FILE);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            report.snapshot_invalid = true;
+            tracing::warn!(shard = shard_id, "cannot read {}: {e}; scanning every header", path.display());
+            return None;
+        }
+    };
+    match snapshot::decode(&bytes) {
+        Ok(s) if s.shard == shard_id => Some(s),
+        Ok(s) => {
+            report.snapshot_invalid = true;
+            tracing::warn!(shard = shard_id, "{} belongs to shard {}; scanning every header", path.display(), s.shard);
+            None
+        }
+        Err(why) => {
+            report.snapshot_invalid = true;
+            tracing::warn!(shard = shard_id, "ignoring damaged {} ({why}); scanning every header", path.display());
+            None
+        }
+    }
+}
+
+/// Reads every slot header of `segment`, returning the valid records of its
+/// current life and counting the invalid ones.
+async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, report: &mut RecoveryReport) -> Result<Vec<Record>> {
+    let first_seq = segment.first_seq.get();
+    let headers: Vec<(u32, Result<Result<SlotHeader, HeaderFault>>)> = stream::iter(0..shard.slots_per_segment)
+        .map(|slot| {
+            let segment = segment.clone();
+            async move {
+                let page = segment.read_slot(slot, PAGE_BYTES).await;
+                (slot, page.map(|p| SlotHeader::decode(&p[..PAGE_BYTES as usize])))
+            }
+        })
+        .buffer_unordered(SCAN_DEPTH)
+        .collect()
+        .await;
+    report.segments_scanned += 1;
     let mut records = Vec::new();
-    let mut max_seq = 0u64;
-    // (id, first_seq, highest slot used + 1, highest seq) of each segment.
+    for (slot, header) in headers {
+        report.headers_scanned += 1;
+        let header = match header? {
+            Ok(h) => h,
+            Err(HeaderFault::Empty) => continue,
+            Err(fault) => {
+                report.headers_invalid += 1;
+                tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping invalid slot header ({fault:?})");
+                continue;
+            }
+        };
+        if header.seq < first_seq {
+            continue; // left over from the segment's earlier life
+        }
+        let consistent = header.hash == BlockHash::of(&header.key)
+            && match header.kind {
+                RecordKind::Block => header.payload_len == shard.cfg.geometry.block_bytes,
+                RecordKind::Tombstone => header.payload_len == 0,
+            };
+        if !consistent {
+            report.headers_invalid += 1;
+            tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping inconsistent slot header");
+            continue;
+        }
+        records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot });
+    }
+    Ok(records)
+}
+
+/// Opens (creating if needed) the shard directory and rebuilds the shard.
+///
+/// # Errors
+/// [`Error::Io`] when the directory or a segment cannot be read;
+/// [`Error::Config`] for settings that cannot work.
+pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
+    let started = Instant::now();
+    fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    let shard = Shard::new(cfg)?;
+    let mut report = RecoveryReport::default();
+    let found = list_segments(&shard, &mut report)?;
+    let snap = load_snapshot(&shard.cfg.dir, shard.id(), &mut report);
+    report.snapshot_loaded = snap.is_some();
+    let covered_seq = snap.as_ref().map_or(0, |s| s.covered_seq);
+    let snap_segments: HashMap<u32, &SegmentState> = snap.iter().flat_map(|s| s.segments.iter().map(|g| (g.id, g))).collect();
+
+    let mut next_seq = snap.as_ref().map_or(1, |s| s.next_seq);
+    let mut records = Vec::new();
+    let mut fresh: HashSet<u32> = HashSet::new(); // segments whose snapshot entries are valid
+                                                  // (id, first_seq, slots used, highest seq) of each segment.
     let mut lives: Vec<(u32, u64, u32, u64)> = Vec::new();
     for (id, sb, path) in &found {
         let segment = Rc::new(Segment::open(path, *id, sb.first_seq, shard.slot_bytes).await?);
-        max_seq = max_seq.max(sb.first_seq);
-        let slots = shard.slots_per_segment;
-        let headers: Vec<(u32, Result<Result<SlotHeader, HeaderFault>>)> = stream::iter(0..slots)
-            .map(|slot| {
-                let segment = segment.clone();
-                async move {
-                    let page = segment.read_slot(slot, PAGE_BYTES).await;
-                    (slot, page.map(|p| SlotHeader::decode(&p[..PAGE_BYTES as usize])))
-                }
-            })
-            .buffer_unordered(SCAN_DEPTH)
-            .collect()
-            .await;
-        let (mut used, mut seg_max_seq) = (0u32, 0u64);
-        for (slot, header) in headers {
-            report.headers_scanned += 1;
-            let header = match header? {
-                Ok(h) => h,
-                Err(HeaderFault::Empty) => continue,
-                Err(fault) => {
-                    report.headers_invalid += 1;
-                    tracing::warn!(shard = cfg.shard_id, segment = id, slot, "skipping invalid slot header ({fault:?})");
-                    continue;
-                }
-            };
-            if header.seq < sb.first_seq {
-                continue; // left over from the segment's earlier life
-            }
-            let consistent = header.hash == BlockHash::of(&header.key)
-                && match header.kind {
-                    RecordKind::Block => header.payload_len == cfg.geometry.block_bytes,
-                    RecordKind::Tombstone => header.payload_len == 0,
-                };
-            if !consistent {
-                report.headers_invalid += 1;
-                tracing::warn!(shard = cfg.shard_id, segment = id, slot, "skipping inconsistent slot header");
-                continue;
-            }
-            match header.kind {
-                RecordKind::Block => report.blocks_found += 1,
-                RecordKind::Tombstone => report.tombstones_found += 1,
-            }
-            used = used.max(slot + 1);
-            seg_max_seq = seg_max_seq.max(header.seq);
-            max_seq = max_seq.max(header.seq);
-            records.push(Record {
-                seq: header.seq,
-                kind: header.kind,
-                hash: header.hash,
-                segment: *id,
-                slot,
-            });
+        next_seq = next_seq.max(sb.first_seq);
+        let same_life = snap_segments.get(id).filter(|s| s.first_seq == sb.first_seq);
+        let (mut used, mut max_seq) = same_life.map_or((0, 0), |s| (s.slots_used, s.max_seq));
+        if same_life.is_some() {
+            fresh.insert(*id);
         }
+        if same_life.is_none_or(|s| s.rescan) {
+            for r in scan_segment(&shard, &segment, &mut report).await? {
+                used = used.max(r.slot + 1);
+                max_seq = max_seq.max(r.seq);
+                if r.seq >= covered_seq {
+                    records.push(r);
+                }
+            }
+        }
+        next_seq = next_seq.max(max_seq + 1);
         segment.slots_used.set(used);
-        lives.push((*id, sb.first_seq, used, seg_max_seq));
+        lives.push((*id, sb.first_seq, used, max_seq));
+        shard.note_seq(*id, max_seq);
         let mut segments = shard.segments.borrow_mut();
         if segments.len() <= *id as usize {
             segments.resize(*id as usize + 1, None);
@@ -153,45 +212,41 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     records.sort_unstable_by_key(|r| r.seq);
     {
         let mut index = shard.index.borrow_mut();
+        for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.contains(&e.segment)) {
+            let hash = BlockHash(((e.hash_hi as u128) << 64) | e.hash_lo as u128);
+            index.insert_if_newer(hash, Entry { segment: e.segment, slot: e.slot, seq: e.seq });
+            report.snapshot_entries += 1;
+        }
         for r in &records {
             match r.kind {
                 RecordKind::Block => {
-                    index.insert_if_newer(
-                        r.hash,
-                        Entry {
-                            segment: r.segment,
-                            slot: r.slot,
-                            seq: r.seq,
-                        },
-                    );
+                    report.blocks_found += 1;
+                    index.insert_if_newer(r.hash, Entry { segment: r.segment, slot: r.slot, seq: r.seq });
                 }
                 RecordKind::Tombstone => {
+                    report.tombstones_found += 1;
                     index.remove_if_not_newer(&r.hash, r.seq);
                 }
             }
         }
     }
-    shard.next_seq.set(max_seq + 1);
+    shard.next_seq.set(next_seq);
 
     // The newest segment with room stays the head; other segments with
     // records are sealed oldest life first; the rest are free.
-    let head = lives
-        .iter()
-        .filter(|l| l.2 > 0)
-        .max_by_key(|l| l.3)
-        .filter(|l| l.2 < shard.slots_per_segment)
-        .map(|l| l.0);
+    let head = lives.iter().filter(|l| l.2 > 0).max_by_key(|l| l.3).filter(|l| l.2 < shard.slots_per_segment).map(|l| l.0);
     let mut sealed: Vec<&(u32, u64, u32, u64)> = lives.iter().filter(|l| l.2 > 0 && Some(l.0) != head).collect();
     sealed.sort_by_key(|l| l.1);
     shard.sealed.borrow_mut().extend(sealed.iter().map(|l| l.0));
     shard.free.borrow_mut().extend(lives.iter().filter(|l| l.2 == 0).map(|l| l.0).rev());
     shard.head.set(head);
 
-    // A segment id past the disk share (the share shrank) still counts.
     report.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
     tracing::info!(
-        shard = cfg.shard_id,
+        shard = shard.id(),
         segments = report.segments,
+        scanned = report.segments_scanned,
+        snapshot = report.snapshot_loaded,
         blocks = shard.index.borrow().len(),
         invalid_headers = report.headers_invalid,
         ms = report.duration_ms,

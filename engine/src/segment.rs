@@ -137,9 +137,7 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
         }
         let mut page = vec![0u8; PAGE_BYTES as usize];
         sb.encode(&mut page);
-        f.write_all(&page)
-            .and_then(|_| f.sync_all())
-            .map_err(|e| Error::io(format!("writing superblock of {}", tmp.display()), e))?;
+        f.write_all(&page).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("writing superblock of {}", tmp.display()), e))?;
         fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))?;
         crate::geometry::fsync_dir(shard_dir)
     })();
@@ -221,10 +219,7 @@ impl Segment {
     /// a short write.
     pub async fn write_slot(&self, buf: glommio::io::DmaBuffer, slot: u32) -> Result<()> {
         let len = buf.len();
-        assert!(
-            (len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes,
-            "slot write of {len} bytes"
-        );
+        assert!((len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes, "slot write of {len} bytes");
         let written = self
             .file
             .write_at(buf, self.slot_offset(slot))
@@ -253,10 +248,7 @@ impl Segment {
         if (rr.len() as u64) < len {
             return Err(Error::io(
                 format!("reading slot {slot} of segment {}", self.id),
-                std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("short read: {} of {len} bytes", rr.len()),
-                ),
+                std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("short read: {} of {len} bytes", rr.len())),
             ));
         }
         Ok(rr)
@@ -270,21 +262,15 @@ impl Segment {
     pub async fn write_superblock(&self, sb: &Superblock) -> Result<()> {
         let mut buf = self.file.alloc_dma_buffer(PAGE_BYTES as usize);
         sb.encode(buf.as_bytes_mut());
-        let written = self
-            .file
-            .write_at(buf, 0)
-            .await
-            .map_err(|e| Error::glommio(format!("rewriting superblock of segment {}", self.id), e))?;
+        let written =
+            self.file.write_at(buf, 0).await.map_err(|e| Error::glommio(format!("rewriting superblock of segment {}", self.id), e))?;
         if written as u64 != PAGE_BYTES {
             return Err(Error::io(
                 format!("rewriting superblock of segment {}", self.id),
                 std::io::Error::new(std::io::ErrorKind::WriteZero, "short superblock write"),
             ));
         }
-        self.file
-            .fdatasync()
-            .await
-            .map_err(|e| Error::glommio(format!("fdatasync of segment {}", self.id), e))
+        self.file.fdatasync().await.map_err(|e| Error::glommio(format!("fdatasync of segment {}", self.id), e))
     }
 }
 
@@ -320,14 +306,7 @@ mod tests {
 
     #[test]
     fn superblock_round_trip_and_names() {
-        let sb = Superblock {
-            shard: 1,
-            segment_id: 7,
-            slot_bytes: 69_632,
-            block_bytes: 65_536,
-            segment_bytes: 1 << 20,
-            first_seq: 99,
-        };
+        let sb = Superblock { shard: 1, segment_id: 7, slot_bytes: 69_632, block_bytes: 65_536, segment_bytes: 1 << 20, first_seq: 99 };
         let mut page = vec![0u8; 4096];
         sb.encode(&mut page);
         assert_eq!(Superblock::decode(&page), Some(sb));

@@ -15,7 +15,7 @@
 //! only then copy the payload out.
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
+use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState};
 use crate::index::{Entry, Index};
 use crate::key::BlockHash;
 use crate::segment::{self, InFlight, Segment, Superblock};
@@ -53,6 +54,8 @@ pub struct ShardConfig {
     pub sync: bool,
     /// Most block reads and writes in flight at once on this shard.
     pub io_depth_max: usize,
+    /// Write an index snapshot this often (0: only at clean close).
+    pub snapshot_secs: u64,
 }
 
 impl ShardConfig {
@@ -82,6 +85,7 @@ struct Counters {
     bytes_written: Cell<u64>,
     bytes_read: Cell<u64>,
     io_in_flight: Cell<u64>,
+    snapshots_written: Cell<u64>,
 }
 
 fn bump(c: &Cell<u64>, by: u64) {
@@ -93,11 +97,19 @@ fn bump(c: &Cell<u64>, by: u64) {
 pub struct RecoveryReport {
     /// Segment files opened.
     pub segments: u32,
+    /// An index snapshot was loaded.
+    pub snapshot_loaded: bool,
+    /// A snapshot file was present but unusable (damaged, another shard's).
+    pub snapshot_invalid: bool,
+    /// Entries taken from the snapshot.
+    pub snapshot_entries: u64,
+    /// Segments whose headers were read.
+    pub segments_scanned: u32,
     /// Slot headers read.
     pub headers_scanned: u64,
-    /// Block records found (before newer records and tombstones applied).
+    /// Block records applied from the header scan.
     pub blocks_found: u64,
-    /// Tombstones found.
+    /// Tombstones applied from the header scan.
     pub tombstones_found: u64,
     /// Headers that were torn, damaged or inconsistent, and skipped.
     pub headers_invalid: u64,
@@ -149,6 +161,8 @@ pub struct ShardStats {
     pub bytes_read: u64,
     /// Block reads and writes in flight now.
     pub io_in_flight: u64,
+    /// Index snapshots written since start.
+    pub snapshots_written: u64,
     /// Median block read latency (µs), 0 before any read.
     pub read_us_p50: u64,
     /// 99th percentile block read latency (µs).
@@ -185,6 +199,11 @@ pub struct Shard {
     /// The segment being appended to.
     pub(crate) head: Cell<Option<u32>>,
     pub(crate) next_seq: Cell<u64>,
+    /// Sequence numbers taken by writes not yet complete, with their
+    /// segment: a snapshot covers only what lies below the lowest.
+    inflight: RefCell<BTreeMap<u64, u32>>,
+    /// Highest sequence number recorded per segment id (for snapshots).
+    pub(crate) max_seq: RefCell<Vec<u64>>,
     alloc_lock: Semaphore,
     io_permits: Semaphore,
     counters: Counters,
@@ -222,6 +241,8 @@ impl Shard {
             free: RefCell::new(Vec::new()),
             head: Cell::new(None),
             next_seq: Cell::new(1),
+            inflight: RefCell::new(BTreeMap::new()),
+            max_seq: RefCell::new(Vec::new()),
             alloc_lock: Semaphore::new(1),
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
             counters: Counters::default(),
@@ -238,9 +259,7 @@ impl Shard {
     }
 
     fn segment(&self, id: u32) -> Rc<Segment> {
-        self.segments.borrow()[id as usize]
-            .clone()
-            .expect("index points at an open segment")
+        self.segments.borrow()[id as usize].clone().expect("index points at an open segment")
     }
 
     fn superblock(&self, id: u32, first_seq: u64) -> Superblock {
@@ -263,10 +282,7 @@ impl Shard {
         let block_bytes = self.cfg.geometry.block_bytes;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != block_bytes {
-            return Err(Error::WrongSize {
-                expected: block_bytes,
-                got,
-            });
+            return Err(Error::WrongSize { expected: block_bytes, got });
         }
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let write_len = slot::slot_bytes(block_bytes);
@@ -301,9 +317,10 @@ impl Shard {
     async fn append(&self, mut buf: glommio::io::DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
-        // `allocate_slot` counted us as a writer of the segment; `_writer`
-        // undoes that on every exit path.
+        // `allocate_slot` counted us as a writer of the segment and recorded
+        // our seq as in flight; the guards undo both on every exit path.
         let _writer = InFlight::adopt(&segment.writers);
+        let _inflight = InFlightSeq { shard: self, seq };
         header.seq = seq;
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
         let len = buf.len() as u64;
@@ -311,11 +328,7 @@ impl Shard {
         let result = async {
             segment.write_slot(buf, slot).await?;
             if self.cfg.sync {
-                segment
-                    .file
-                    .fdatasync()
-                    .await
-                    .map_err(|e| Error::glommio(format!("fdatasync of segment {}", segment.id), e))?;
+                segment.file.fdatasync().await.map_err(|e| Error::glommio(format!("fdatasync of segment {}", segment.id), e))?;
             }
             Ok::<_, Error>(())
         }
@@ -324,11 +337,8 @@ impl Shard {
         result?;
         bump(&self.counters.bytes_written, len);
         let _ = self.write_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
-        let entry = Entry {
-            segment: segment.id,
-            slot,
-            seq,
-        };
+        let entry = Entry { segment: segment.id, slot, seq };
+        self.note_seq(segment.id, seq);
         let mut index = self.index.borrow_mut();
         let existed = match header.kind {
             RecordKind::Block => index.insert_if_newer(header.hash, entry).0.is_some(),
@@ -354,6 +364,7 @@ impl Shard {
                     segment.writers.set(segment.writers.get() + 1);
                     let seq = self.next_seq.get();
                     self.next_seq.set(seq + 1);
+                    self.inflight.borrow_mut().insert(seq, id);
                     return Ok((segment, used, seq));
                 }
                 self.sealed.borrow_mut().push_back(id);
@@ -386,10 +397,7 @@ impl Shard {
                 Ok(()) => return Ok(created),
                 // The filesystem is full before our share is: reclaim instead.
                 Err(Error::DiskFull(why)) if !self.sealed.borrow().is_empty() => {
-                    tracing::warn!(
-                        shard = self.id(),
-                        "segment {created} not created ({why}); reclaiming the oldest instead"
-                    );
+                    tracing::warn!(shard = self.id(), "segment {created} not created ({why}); reclaiming the oldest instead");
                 }
                 Err(e) => return Err(e),
             }
@@ -480,10 +488,7 @@ impl Shard {
             return Err(self.drop_corrupt(
                 hash,
                 entry,
-                &format!(
-                    "slot holds seq {} kind {:?}, index expected seq {}",
-                    header.seq, header.kind, entry.seq
-                ),
+                &format!("slot holds seq {} kind {:?}, index expected seq {}", header.seq, header.kind, entry.seq),
             ));
         }
         if header.key != key.as_bytes() {
@@ -504,17 +509,8 @@ impl Shard {
     fn drop_corrupt(&self, hash: BlockHash, entry: Entry, why: &str) -> Error {
         self.index.borrow_mut().remove_exact(&hash, entry);
         bump(&self.counters.corrupt_blocks, 1);
-        tracing::error!(
-            shard = self.id(),
-            segment = entry.segment,
-            slot = entry.slot,
-            seq = entry.seq,
-            "corrupt block dropped: {why}"
-        );
-        Error::Corrupt {
-            segment: entry.segment,
-            slot: entry.slot,
-        }
+        tracing::error!(shard = self.id(), segment = entry.segment, slot = entry.slot, seq = entry.seq, "corrupt block dropped: {why}");
+        Error::Corrupt { segment: entry.segment, slot: entry.slot }
     }
 
     /// Whether a block is stored under `hash` (an index lookup; no I/O).
@@ -550,6 +546,71 @@ impl Shard {
         Ok(())
     }
 
+    /// Records that `segment` holds a record with sequence number `seq`.
+    pub(crate) fn note_seq(&self, segment: u32, seq: u64) {
+        let mut max_seq = self.max_seq.borrow_mut();
+        if max_seq.len() <= segment as usize {
+            max_seq.resize(segment as usize + 1, 0);
+        }
+        max_seq[segment as usize] = max_seq[segment as usize].max(seq);
+    }
+
+    /// The index and segment states now, as an [`IndexSnapshot`].
+    pub fn snapshot_state(&self) -> IndexSnapshot {
+        let inflight = self.inflight.borrow();
+        let covered_seq = inflight.keys().next().copied().unwrap_or(self.next_seq.get());
+        let max_seq = self.max_seq.borrow();
+        let segments = self
+            .segments
+            .borrow()
+            .iter()
+            .flatten()
+            .map(|seg| SegmentState {
+                id: seg.id,
+                first_seq: seg.first_seq.get(),
+                slots_used: seg.slots_used.get(),
+                max_seq: max_seq.get(seg.id as usize).copied().unwrap_or(0),
+                rescan: self.head.get() == Some(seg.id) || seg.writers.get() > 0 || inflight.values().any(|s| *s == seg.id),
+            })
+            .collect();
+        let entries = self
+            .index
+            .borrow()
+            .iter()
+            .map(|(h, e)| EntryState { hash_lo: h.0 as u64, hash_hi: (h.0 >> 64) as u64, segment: e.segment, slot: e.slot, seq: e.seq })
+            .collect();
+        IndexSnapshot { shard: self.id(), covered_seq, next_seq: self.next_seq.get(), segments, entries }
+    }
+
+    /// Writes `index.snapshot` atomically (temp file, fsync, rename, fsync of
+    /// the directory) on glommio's blocking thread pool.
+    ///
+    /// # Errors
+    /// [`Error::Io`] from the filesystem.
+    pub async fn write_snapshot(&self) -> Result<()> {
+        let started = Instant::now();
+        let state = self.snapshot_state();
+        let entries = state.entries.len();
+        let bytes = snapshot::encode(&state);
+        let dir = self.cfg.dir.clone();
+        let written = glommio::executor()
+            .spawn_blocking(move || -> Result<usize> {
+                let tmp = dir.join(format!("{}.tmp", snapshot::FILE));
+                let path = dir.join(snapshot::FILE);
+                let len = bytes.len();
+                std::fs::write(&tmp, &bytes)
+                    .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+                    .and_then(|_| std::fs::rename(&tmp, &path))
+                    .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+                crate::geometry::fsync_dir(&dir)?;
+                Ok(len)
+            })
+            .await?;
+        bump(&self.counters.snapshots_written, 1);
+        tracing::debug!(shard = self.id(), entries, bytes = written, ms = started.elapsed().as_secs_f64() * 1e3, "index snapshot written");
+        Ok(())
+    }
+
     /// A snapshot of this shard's counters and sizes.
     pub fn stats(&self) -> ShardStats {
         let c = &self.counters;
@@ -582,6 +643,7 @@ impl Shard {
             bytes_written: c.bytes_written.get(),
             bytes_read: c.bytes_read.get(),
             io_in_flight: c.io_in_flight.get(),
+            snapshots_written: c.snapshots_written.get(),
             read_us_p50: pct(&read, 0.5),
             read_us_p99: pct(&read, 0.99),
             write_us_p50: pct(&write, 0.5),
@@ -590,9 +652,13 @@ impl Shard {
         }
     }
 
-    /// Closes every segment file. Writes are already on the device (each was
-    /// acknowledged after its `O_DIRECT` write completed).
+    /// Writes an index snapshot, then closes every segment file. Writes are
+    /// already on the device (each was acknowledged after its `O_DIRECT`
+    /// write completed).
     pub async fn close(&self) {
+        if let Err(e) = self.write_snapshot().await {
+            tracing::warn!(shard = self.id(), "index snapshot at close failed (the next start scans headers): {e}");
+        }
         let segments: Vec<Rc<Segment>> = self.segments.borrow_mut().drain(..).flatten().collect();
         for segment in segments {
             match Rc::try_unwrap(segment) {
@@ -604,5 +670,18 @@ impl Shard {
                 Err(_) => tracing::warn!(shard = self.id(), "segment still in use at close"),
             }
         }
+    }
+}
+
+/// Removes a write's sequence number from the in-flight set when dropped.
+struct InFlightSeq<'a> {
+    shard: &'a Shard,
+    seq: u64,
+}
+
+impl Drop for InFlightSeq<'_> {
+    fn drop(&mut self) {
+        let removed = self.shard.inflight.borrow_mut().remove(&self.seq);
+        debug_assert!(removed.is_some());
     }
 }

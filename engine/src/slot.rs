@@ -90,11 +90,7 @@ impl SlotHeader {
     /// callers validate keys before this point.
     pub fn encode(&self, page: &mut [u8]) {
         assert!(page.len() >= PAGE_BYTES as usize, "header page is {} bytes", page.len());
-        assert!(
-            !self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX,
-            "key length {}",
-            self.key.len()
-        );
+        assert!(!self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX, "key length {}", self.key.len());
         assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
         let page = &mut page[..PAGE_BYTES as usize];
         page.fill(0);
@@ -123,11 +119,7 @@ impl SlotHeader {
         let page = &page[..PAGE_BYTES as usize];
         let magic = u32::from_le_bytes(get(page, OFF_MAGIC));
         if magic != SLOT_MAGIC {
-            return Err(if page.iter().all(|b| *b == 0) {
-                HeaderFault::Empty
-            } else {
-                HeaderFault::BadMagic
-            });
+            return Err(if page.iter().all(|b| *b == 0) { HeaderFault::Empty } else { HeaderFault::BadMagic });
         }
         let crc = u32::from_le_bytes(get(page, OFF_HEADER_CRC));
         if crc != crc32fast::hash(&page[..OFF_HEADER_CRC]) {
@@ -175,10 +167,7 @@ pub(crate) fn get<const N: usize>(page: &[u8], offset: usize) -> [u8; N] {
 
 /// Microseconds since the Unix epoch, for write times.
 pub fn now_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
 #[cfg(test)]

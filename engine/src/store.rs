@@ -36,6 +36,9 @@ const IO_MEMORY_BYTES: usize = 64 << 20;
 /// Default number of block reads and writes in flight per shard.
 pub const IO_DEPTH_DEFAULT: usize = 32;
 
+/// Default interval between index snapshots, in seconds.
+pub const SNAPSHOT_SECS_DEFAULT: u64 = 60;
+
 /// Default segment file size: 1 GiB (DESIGN §3).
 pub const SEGMENT_BYTES_DEFAULT: u64 = 1 << 30;
 
@@ -58,6 +61,9 @@ pub struct StoreConfig {
     pub io_depth_max: usize,
     /// Pin shard `i` to CPU `i mod cpus`.
     pub pin_cpus: bool,
+    /// Write each shard's index snapshot this often, in seconds (0: only at
+    /// clean close).
+    pub snapshot_secs: u64,
 }
 
 impl StoreConfig {
@@ -81,6 +87,7 @@ impl StoreConfig {
             segments_max: (per_shard / self.segment_bytes).min(u32::MAX as u64) as u32,
             sync: self.sync,
             io_depth_max: self.io_depth_max,
+            snapshot_secs: self.snapshot_secs,
         }
     }
 }
@@ -165,10 +172,7 @@ impl Store {
 
     async fn forward(&self, owner: usize, op: Op) -> Result<Reply> {
         let (reply, answer) = oneshot::channel();
-        self.senders
-            .send_to(owner, Request { op, reply })
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
+        self.senders.send_to(owner, Request { op, reply }).await.map_err(|_| Error::ShuttingDown)?;
         answer.await.map_err(|_| Error::ShuttingDown)
     }
 
@@ -182,27 +186,14 @@ impl Store {
         key::validate(key)?;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
-            return Err(Error::WrongSize {
-                expected: self.geometry().block_bytes,
-                got,
-            });
+            return Err(Error::WrongSize { expected: self.geometry().block_bytes, got });
         }
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         if owner == self.shard_id() {
             return self.shard.put(key, hash, &chunks).await;
         }
-        match self
-            .forward(
-                owner,
-                Op::Put {
-                    key: key.to_string(),
-                    hash,
-                    chunks,
-                },
-            )
-            .await?
-        {
+        match self.forward(owner, Op::Put { key: key.to_string(), hash, chunks }).await? {
             Reply::Put(r) => r,
             _ => unreachable!("put answered with another reply"),
         }
@@ -220,16 +211,7 @@ impl Store {
         let bytes = if owner == self.shard_id() {
             self.shard.get(key, hash).await
         } else {
-            match self
-                .forward(
-                    owner,
-                    Op::Get {
-                        key: key.to_string(),
-                        hash,
-                    },
-                )
-                .await?
-            {
+            match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
                 Reply::Get(r) => r,
                 _ => unreachable!("get answered with another reply"),
             }
@@ -249,16 +231,7 @@ impl Store {
         if owner == self.shard_id() {
             return self.shard.delete(key, hash).await;
         }
-        match self
-            .forward(
-                owner,
-                Op::Delete {
-                    key: key.to_string(),
-                    hash,
-                },
-            )
-            .await?
-        {
+        match self.forward(owner, Op::Delete { key: key.to_string(), hash }).await? {
             Reply::Delete(r) => r,
             _ => unreachable!("delete answered with another reply"),
         }
@@ -277,22 +250,18 @@ impl Store {
             by_shard[hash.shard(self.shards)].push((i, hash));
         }
         let mut found = vec![false; keys.len()];
-        let asks = by_shard
-            .into_iter()
-            .enumerate()
-            .filter(|(_, ks)| !ks.is_empty())
-            .map(|(owner, ks)| async move {
-                let hashes: Vec<BlockHash> = ks.iter().map(|(_, h)| *h).collect();
-                let answer = if owner == self.shard_id() {
-                    hashes.iter().map(|h| self.shard.contains(h)).collect()
-                } else {
-                    match self.forward(owner, Op::Contains { hashes }).await? {
-                        Reply::Contains(v) => v,
-                        _ => unreachable!("contains answered with another reply"),
-                    }
-                };
-                Ok::<_, Error>((ks, answer))
-            });
+        let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, ks)| async move {
+            let hashes: Vec<BlockHash> = ks.iter().map(|(_, h)| *h).collect();
+            let answer = if owner == self.shard_id() {
+                hashes.iter().map(|h| self.shard.contains(h)).collect()
+            } else {
+                match self.forward(owner, Op::Contains { hashes }).await? {
+                    Reply::Contains(v) => v,
+                    _ => unreachable!("contains answered with another reply"),
+                }
+            };
+            Ok::<_, Error>((ks, answer))
+        });
         for result in futures::future::join_all(asks).await {
             let (ks, answer) = result?;
             for ((i, _), hit) in ks.into_iter().zip(answer) {
@@ -372,12 +341,8 @@ where
     for shard_id in 0..config.shards {
         let (mesh, failed, serve) = (mesh.clone(), failed.clone(), serve.clone());
         let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
-        let shards = config.shards;
-        let placement = if config.pin_cpus {
-            Placement::Fixed(shard_id % cpus)
-        } else {
-            Placement::Unbound
-        };
+        let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
+        let placement = if config.pin_cpus { Placement::Fixed(shard_id % cpus) } else { Placement::Unbound };
         let handle = LocalExecutorBuilder::new(placement)
             .name(&format!("kvtier-shard-{shard_id}"))
             .io_memory(IO_MEMORY_BYTES)
@@ -414,20 +379,27 @@ where
                         })
                     })
                     .collect();
-                let store = Rc::new(Store {
-                    shard: shard.clone(),
-                    senders,
-                    shards,
-                    manifest,
+                let snapshots = (snapshot_secs > 0).then(|| {
+                    let shard = Rc::downgrade(&shard);
+                    glommio::spawn_local(async move {
+                        let every = std::time::Duration::from_secs(snapshot_secs);
+                        loop {
+                            glommio::timer::sleep(every).await;
+                            let Some(shard) = shard.upgrade() else { return };
+                            if let Err(e) = shard.write_snapshot().await {
+                                tracing::warn!(shard = shard.id(), "periodic index snapshot failed: {e}");
+                            }
+                        }
+                    })
                 });
-                let out = if failed.load(Ordering::SeqCst) {
-                    None
-                } else {
-                    Some(serve(store.clone()).await)
-                };
+                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest });
+                let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;
                 drop(store);
+                if let Some(task) = snapshots {
+                    task.cancel().await;
+                }
                 // Requests from peers may still be finishing; wait for them
                 // to release the shard before closing its files.
                 while Rc::strong_count(&shard) > 1 {

@@ -20,6 +20,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         sync: false,
         io_depth_max: 16,
         pin_cpus: false,
+        snapshot_secs: 0,
     }
 }
 
@@ -51,11 +52,7 @@ fn payload(key: &str, len: u64) -> Bytes {
 }
 
 fn key_on_shard(shard: usize, shards: usize, n: usize) -> Vec<String> {
-    (0..)
-        .map(|i| format!("k{i}"))
-        .filter(|k| BlockHash::of(k.as_bytes()).shard(shards) == shard)
-        .take(n)
-        .collect()
+    (0..).map(|i| format!("k{i}")).filter(|k| BlockHash::of(k.as_bytes()).shard(shards) == shard).take(n).collect()
 }
 
 #[test]
@@ -100,15 +97,80 @@ fn overwrite_delete_and_restart() {
         assert!(matches!(store.get("never").await, Err(Error::NotFound)));
     })
     .unwrap();
-    // Reopen: the newest record of "a" wins, and the tombstone holds.
-    on_shard0(cfg, |store| async move {
-        assert_eq!(store.get("a").await.unwrap().bytes, payload("a2", 8192));
-        assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
-        let stats = store.stats().await.unwrap();
-        assert_eq!(stats.iter().map(|s| s.blocks).sum::<u64>(), 1);
-        assert_eq!(stats.iter().map(|s| s.recovery.tombstones_found).sum::<u64>(), 1);
+    // Reopen from the snapshot the clean close wrote, then from a header
+    // scan alone: either way the newest record of "a" wins and the
+    // tombstone holds.
+    for from_snapshot in [true, false] {
+        if !from_snapshot {
+            remove_snapshots(dir.path());
+        }
+        on_shard0(cfg.clone(), move |store| async move {
+            assert_eq!(store.get("a").await.unwrap().bytes, payload("a2", 8192));
+            assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
+            let stats = store.stats().await.unwrap();
+            assert_eq!(stats.iter().map(|s| s.blocks).sum::<u64>(), 1);
+            assert!(stats.iter().all(|s| s.recovery.snapshot_loaded == from_snapshot));
+            if !from_snapshot {
+                assert_eq!(stats.iter().map(|s| s.recovery.tombstones_found).sum::<u64>(), 1);
+            }
+        })
+        .unwrap();
+    }
+}
+
+/// Deletes every shard's index snapshot: what a crash before the first
+/// snapshot leaves.
+fn remove_snapshots(dir: &Path) {
+    for shard in std::fs::read_dir(dir).unwrap().flatten() {
+        let _ = std::fs::remove_file(shard.path().join("index.snapshot"));
+    }
+}
+
+#[test]
+fn restart_from_an_old_snapshot_sees_every_later_write_delete_and_reclaim() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 slots per segment, 4 segments: 12 slots, so the later writes reclaim.
+    let segment = PAGE_BYTES + 3 * 8192;
+    let cfg = config(dir.path(), 4096, 1, segment, 4 * segment);
+    on_shard0(cfg.clone(), |store| async move {
+        for k in ["a", "b", "c", "d"] {
+            store.put(k, vec![payload(k, 4096)]).await.unwrap();
+        }
     })
     .unwrap();
+    let snap = dir.path().join("shard-000/index.snapshot");
+    let old = std::fs::read(&snap).unwrap();
+    on_shard0(cfg.clone(), |store| async move {
+        assert!(store.stats().await.unwrap()[0].recovery.snapshot_loaded);
+        store.delete("b").await.unwrap();
+        store.put("c", vec![payload("c2", 4096)]).await.unwrap();
+        for i in 0..6 {
+            let k = format!("n{i}");
+            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+        }
+    })
+    .unwrap();
+    // As if the process had crashed after the old snapshot was written.
+    std::fs::write(&snap, &old).unwrap();
+    let expect = |store: Rc<Store>| async move {
+        assert!(matches!(store.get("b").await, Err(Error::NotFound)), "a delete after the snapshot holds");
+        assert_eq!(store.get("c").await.unwrap().bytes, payload("c2", 4096));
+        for i in 0..6 {
+            let k = format!("n{i}");
+            assert_eq!(store.get(&k).await.unwrap().bytes, payload(&k, 4096));
+        }
+        store.stats().await.unwrap()[0].clone()
+    };
+    let from_old = on_shard0(cfg.clone(), expect).unwrap();
+    assert!(from_old.recovery.snapshot_loaded);
+    assert!(from_old.recovery.segments_scanned < from_old.recovery.segments, "{:?}", from_old.recovery);
+    // A damaged snapshot is ignored, counted, and the scan finds the same.
+    let mut bad = std::fs::read(&snap).unwrap();
+    bad[40] ^= 1;
+    std::fs::write(&snap, &bad).unwrap();
+    let from_scan = on_shard0(cfg, expect).unwrap();
+    assert!(!from_scan.recovery.snapshot_loaded && from_scan.recovery.snapshot_invalid);
+    assert_eq!(from_scan.blocks, from_old.blocks);
 }
 
 #[test]
@@ -121,10 +183,7 @@ fn wrong_size_and_invalid_keys_are_refused_and_lose_nothing() {
             other => panic!("{other:?}"),
         }
         for bad in ["", "a/b", "..", &"x".repeat(257)] {
-            assert!(matches!(
-                store.put(bad, vec![payload(bad, 8192)]).await,
-                Err(Error::InvalidKey { .. })
-            ));
+            assert!(matches!(store.put(bad, vec![payload(bad, 8192)]).await, Err(Error::InvalidKey { .. })));
             assert!(matches!(store.get(bad).await, Err(Error::InvalidKey { .. })));
         }
         assert_eq!(store.get("keep").await.unwrap().bytes, payload("keep", 8192));
@@ -251,10 +310,8 @@ fn flipped_payload_byte_is_corrupt_never_served() {
     })
     .unwrap();
     // Slot 1 holds "s1": flip a byte in the middle of its payload.
-    flip_byte(
-        &dir.path().join("shard-000/seg-000000.kvt"),
-        slot_offset(8192, 1) + PAGE_BYTES + 5000,
-    );
+    remove_snapshots(dir.path());
+    flip_byte(&dir.path().join("shard-000/seg-000000.kvt"), slot_offset(8192, 1) + PAGE_BYTES + 5000);
     on_shard0(cfg, |store| async move {
         assert!(matches!(store.get("s1").await, Err(Error::Corrupt { segment: 0, slot: 1 })));
         // Dropped from the index: a miss from now on, and counted.
@@ -278,6 +335,7 @@ fn torn_header_and_torn_payload_after_crash() {
     })
     .unwrap();
     let seg = dir.path().join("shard-000/seg-000000.kvt");
+    remove_snapshots(dir.path());
     // As if the process died mid-write: slot 3's header is torn, and slot 2's
     // payload only half written.
     flip_byte(&seg, slot_offset(8192, 3) + 100);

@@ -41,10 +41,7 @@ impl ChunkedBody {
     /// A body of these chunks.
     pub fn new(chunks: Vec<Bytes>) -> Self {
         let remaining = chunks.iter().map(|c| c.len() as u64).sum();
-        ChunkedBody {
-            chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(),
-            remaining,
-        }
+        ChunkedBody { chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(), remaining }
     }
 }
 
@@ -154,12 +151,7 @@ impl Client {
                 b.build(connector)
             })
             .collect();
-        Ok(Client {
-            clients,
-            base,
-            next: AtomicUsize::new(0),
-            http1,
-        })
+        Ok(Client { clients, base, next: AtomicUsize::new(0), http1 })
     }
 
     /// `"h2c"` or `"http/1.1"`.
@@ -189,10 +181,7 @@ impl Client {
                 message.push_str(&s.to_string());
                 source = s.source();
             }
-            ClientError::Transport {
-                target: self.base.clone(),
-                message,
-            }
+            ClientError::Transport { target: self.base.clone(), message }
         };
         let mut req = Request::builder().method(method).uri(format!("{}{path}", self.base));
         if let Some(ct) = content_type {
@@ -202,22 +191,13 @@ impl Client {
         let client = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()];
         let resp = client.request(req).await.map_err(|e| transport(&e))?;
         let status = resp.status();
-        let tier = resp
-            .headers()
-            .get("x-kvtier-tier")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let tier = resp.headers().get("x-kvtier-tier").and_then(|v| v.to_str().ok()).map(str::to_string);
         let body = resp.into_body().collect().await.map_err(|e| transport(&e))?.to_bytes();
         Ok(Answer { status, tier, body })
     }
 
     fn unexpected(method: Method, path: &str, a: Answer) -> ClientError {
-        ClientError::Status {
-            method,
-            path: path.to_string(),
-            status: a.status,
-            body: String::from_utf8_lossy(&a.body).into_owned(),
-        }
+        ClientError::Status { method, path: path.to_string(), status: a.status, body: String::from_utf8_lossy(&a.body).into_owned() }
     }
 
     /// `PUT /v1/blocks/{key}`; returns 201 (created) or 200 (replaced).
@@ -226,9 +206,7 @@ impl Client {
     /// [`ClientError::Status`] for any other status; transport errors.
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<StatusCode, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self
-            .send(Method::PUT, &path, ChunkedBody::new(chunks), Some("application/octet-stream"))
-            .await?;
+        let a = self.send(Method::PUT, &path, ChunkedBody::new(chunks), Some("application/octet-stream")).await?;
         match a.status {
             StatusCode::CREATED | StatusCode::OK => Ok(a.status),
             _ => Err(Self::unexpected(Method::PUT, &path, a)),
@@ -257,28 +235,16 @@ impl Client {
     pub async fn lookup(&self, keys: &[String]) -> Result<usize, ClientError> {
         let path = "/v1/lookup";
         let body = serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
-        let a = self
-            .send(
-                Method::POST,
-                path,
-                ChunkedBody::new(vec![Bytes::from(body)]),
-                Some("application/json"),
-            )
-            .await?;
+        let a = self.send(Method::POST, path, ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await?;
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::POST, path, a));
         }
-        let v: Value = serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
+        let v: Value =
+            serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })?;
         v["prefix_hits"]
             .as_u64()
             .map(|n| n as usize)
-            .ok_or_else(|| ClientError::BadResponse {
-                path: path.into(),
-                message: format!("no prefix_hits in {v}"),
-            })
+            .ok_or_else(|| ClientError::BadResponse { path: path.into(), message: format!("no prefix_hits in {v}") })
     }
 
     /// `GET /v1/stats` as JSON.
@@ -292,10 +258,7 @@ impl Client {
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::GET, path, a));
         }
-        serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse {
-            path: path.into(),
-            message: e.to_string(),
-        })
+        serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })
     }
 
     /// The server's block geometry: `(block_bytes, block_tokens, model)`.
@@ -308,10 +271,7 @@ impl Client {
         let g = &v["geometry"];
         match (g["block_bytes"].as_u64(), g["block_tokens"].as_u64()) {
             (Some(b), Some(t)) => Ok((b, t, g["model"].as_str().unwrap_or("").to_string())),
-            _ => Err(ClientError::BadResponse {
-                path: "/v1/stats".into(),
-                message: format!("no geometry in {v}"),
-            }),
+            _ => Err(ClientError::BadResponse { path: "/v1/stats".into(), message: format!("no geometry in {v}") }),
         }
     }
 }

@@ -51,15 +51,9 @@ mod tests {
     #[test]
     fn matches_python_reference_vectors() {
         let tokens: Vec<u32> = (0..300).collect();
-        assert_eq!(
-            chain(&tokens, 128),
-            ["a00ea5e600c0bdb124b21cb5803a6432", "a95c81d839dd5e836e231160785d7366"]
-        );
+        assert_eq!(chain(&tokens, 128), ["a00ea5e600c0bdb124b21cb5803a6432", "a95c81d839dd5e836e231160785d7366"]);
         let tokens: Vec<u32> = (1000..1256).collect();
-        assert_eq!(
-            chain(&tokens, 128),
-            ["1c305dda8633d9730a8ad3bf8a1f74b1", "f68c49c05fb7fd4bbb346170ce403587"]
-        );
+        assert_eq!(chain(&tokens, 128), ["1c305dda8633d9730a8ad3bf8a1f74b1", "f68c49c05fb7fd4bbb346170ce403587"]);
     }
 
     #[test]

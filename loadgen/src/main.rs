@@ -74,10 +74,7 @@ struct ReplayArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = match cli.command {
         Command::Replay(args) => runtime.block_on(replay_cmd(args)),
     };
@@ -108,10 +105,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         dataset.truncate(n.max(1));
     }
     let client = Arc::new(Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?);
-    let (block_bytes, block_tokens, model) = client
-        .geometry()
-        .await
-        .map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
+    let (block_bytes, block_tokens, model) = client.geometry().await.map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
     if let Some(m) = &args.model {
         let want = kvtier_engine::Geometry::from_model(m, block_tokens as u32).map_err(|e| e.to_string())?;
         if want.block_bytes != block_bytes {
@@ -163,10 +157,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     );
     println!("results: {}", file.display());
     if results.errors > 0 || results.wrong_bytes > 0 {
-        eprintln!(
-            "kvtier-loadgen: {} errors, {} blocks with wrong bytes",
-            results.errors, results.wrong_bytes
-        );
+        eprintln!("kvtier-loadgen: {} errors, {} blocks with wrong bytes", results.errors, results.wrong_bytes);
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)

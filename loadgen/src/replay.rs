@@ -171,10 +171,7 @@ struct Shared {
 /// Token ids of each turn: (user message, reply).
 fn tokenize(conv: &Conversation) -> Vec<(Vec<u32>, Vec<u32>)> {
     let bpe = tiktoken_rs::cl100k_base_singleton();
-    conv.turns()
-        .into_iter()
-        .map(|(user, reply)| (bpe.encode_ordinary(user), bpe.encode_ordinary(reply)))
-        .collect()
+    conv.turns().into_iter().map(|(user, reply)| (bpe.encode_ordinary(user), bpe.encode_ordinary(reply))).collect()
 }
 
 impl Shared {
@@ -220,9 +217,7 @@ impl Shared {
             }
             let conv_index = self.order[c % n];
             let dataset = self.dataset.clone();
-            let turns = tokio::task::spawn_blocking(move || tokenize(&dataset[conv_index]))
-                .await
-                .expect("tokenizer task");
+            let turns = tokio::task::spawn_blocking(move || tokenize(&dataset[conv_index])).await.expect("tokenizer task");
             stats.conversations += 1;
             let (mut context, mut chain): (Vec<u32>, Vec<String>) = (Vec::new(), Vec::new());
             for (user_tokens, reply_tokens) in turns {
@@ -277,10 +272,7 @@ impl Shared {
                 keys::extend_chain(&mut chain, &context, self.block_tokens);
                 self.put_all(&chain[prompt_blocks..], &mut stats, &mut streak).await;
                 stats.turns += 1;
-                self.live.lock().expect("lock").merge(&UserStats {
-                    turns: 1,
-                    ..Default::default()
-                });
+                self.live.lock().expect("lock").merge(&UserStats { turns: 1, ..Default::default() });
             }
         }
         stats
@@ -365,11 +357,7 @@ pub async fn run(
         wrong_bytes: total.wrong_bytes,
         tokens_looked_up: total.tokens_looked_up,
         tokens_hit: total.tokens_hit,
-        prefix_hit_rate: if total.tokens_looked_up > 0 {
-            total.tokens_hit as f64 / total.tokens_looked_up as f64
-        } else {
-            0.0
-        },
+        prefix_hit_rate: if total.tokens_looked_up > 0 { total.tokens_hit as f64 / total.tokens_looked_up as f64 } else { 0.0 },
         blocks_read,
         blocks_written,
         tokens_per_s: per_s(tokens_moved),

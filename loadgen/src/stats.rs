@@ -14,10 +14,7 @@ pub struct OpLatency {
 impl Default for OpLatency {
     fn default() -> Self {
         // 1 µs to 10 minutes at 3 significant digits.
-        OpLatency {
-            hist: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
-            total_us: 0,
-        }
+        OpLatency { hist: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"), total_us: 0 }
     }
 }
 

@@ -80,10 +80,7 @@ pub struct GlommioIo {
 impl GlommioIo {
     /// Wraps an accepted stream.
     pub fn new(stream: TcpStream) -> Self {
-        GlommioIo {
-            stream,
-            write_in_flight: false,
-        }
+        GlommioIo { stream, write_in_flight: false }
     }
 }
 

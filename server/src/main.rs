@@ -18,7 +18,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
-use kvtier_engine::store::{IO_DEPTH_DEFAULT, SEGMENT_BYTES_DEFAULT};
+use kvtier_engine::store::{IO_DEPTH_DEFAULT, SEGMENT_BYTES_DEFAULT, SNAPSHOT_SECS_DEFAULT};
 use kvtier_engine::StoreConfig;
 
 #[global_allocator]
@@ -101,6 +101,10 @@ struct StoreArgs {
     /// Pin shard i to CPU i (mod the CPU count).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pin_cpus: bool,
+    /// Seconds between index snapshots (restart loads the newest and scans
+    /// only what came after it); 0 writes one only at clean shutdown.
+    #[arg(long, default_value_t = SNAPSHOT_SECS_DEFAULT)]
+    snapshot_secs: u64,
 }
 
 #[derive(Args, Debug)]
@@ -124,11 +128,7 @@ impl StoreArgs {
         .map_err(|e| e.to_string())?;
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let shards = self.shards.or(stored.as_ref().map(|m| m.shards as usize)).unwrap_or(cpus);
-        let segment_bytes = self
-            .segment_mib
-            .map(|m| m << 20)
-            .or(stored.as_ref().map(|m| m.segment_bytes))
-            .unwrap_or(SEGMENT_BYTES_DEFAULT);
+        let segment_bytes = self.segment_mib.map(|m| m << 20).or(stored.as_ref().map(|m| m.segment_bytes)).unwrap_or(SEGMENT_BYTES_DEFAULT);
         if !(self.disk_gb > 0.0) {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
@@ -141,6 +141,7 @@ impl StoreArgs {
             sync: self.sync,
             io_depth_max: self.io_depth,
             pin_cpus: self.pin_cpus,
+            snapshot_secs: self.snapshot_secs,
         })
     }
 }
@@ -255,14 +256,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     if failure.is_some() || addr.is_none() {
         shared.shutdown.store(true, Ordering::SeqCst);
-        let engine_error = engine
-            .join()
-            .map_err(|_| "engine thread panicked".to_string())?
-            .err()
-            .map(|e| e.to_string());
-        return Err(failure
-            .or(engine_error)
-            .unwrap_or_else(|| "the store stopped before serving".into()));
+        let engine_error = engine.join().map_err(|_| "engine thread panicked".to_string())?.err().map(|e| e.to_string());
+        return Err(failure.or(engine_error).unwrap_or_else(|| "the store stopped before serving".into()));
     }
     let addr = addr.expect("bound");
     println!(

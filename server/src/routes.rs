@@ -79,11 +79,7 @@ pub fn engine_error(e: &Error) -> Reply {
 pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infallible> {
     if let Some(token) = &ctx.auth_token {
         if !authorized(&req, token) {
-            let mut r = error(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "missing or wrong 'Authorization: Bearer <token>'",
-            );
+            let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
             r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return Ok(r);
         }
@@ -120,11 +116,7 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
 /// Constant-time comparison of the bearer token: the time taken does not
 /// depend on how many leading bytes match.
 fn authorized(req: &Request<Incoming>, token: &[u8]) -> bool {
-    let Some(given) = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-    else {
+    let Some(given) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.as_bytes().strip_prefix(b"Bearer ")) else {
         return false;
     };
     if given.len() != token.len() {
@@ -149,13 +141,11 @@ fn declared_length(req: &Request<Incoming>, expected: u64, what: &str) -> Result
             format!("{what} needs a Content-Length header; expected {expected} bytes"),
         ));
     };
-    value.to_str().ok().and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "bad_content_length",
-            format!("Content-Length {value:?} is not a number"),
-        )
-    })
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| error(StatusCode::BAD_REQUEST, "bad_content_length", format!("Content-Length {value:?} is not a number")))
 }
 
 /// Reads a body of at most `limit` bytes as the frames hyper delivered (no
@@ -168,11 +158,7 @@ async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u6
         if let Ok(data) = frame.into_data() {
             total += data.len() as u64;
             if total > limit {
-                return Err(error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("body exceeds {limit} bytes"),
-                ));
+                return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("body exceeds {limit} bytes")));
             }
             chunks.push(data);
         }
@@ -190,10 +176,7 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
         Err(r) => return r,
     };
     if declared != block_bytes {
-        return engine_error(&Error::WrongSize {
-            expected: block_bytes,
-            got: declared,
-        });
+        return engine_error(&Error::WrongSize { expected: block_bytes, got: declared });
     }
     let (chunks, got) = match read_body(req, block_bytes).await {
         Ok(b) => b,
@@ -239,10 +222,7 @@ async fn head_block(ctx: &Ctx, key: &str) -> Reply {
 
 async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
     match ctx.store.delete(key).await {
-        Ok(()) => Response::builder()
-            .status(StatusCode::NO_CONTENT)
-            .body(Full::new(Bytes::new()))
-            .expect("valid response"),
+        Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(Full::new(Bytes::new())).expect("valid response"),
         Err(e) => engine_error(&e),
     }
 }
@@ -255,11 +235,7 @@ struct LookupRequest {
 }
 
 async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    if let Some(Ok(declared)) = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .map(|v| v.to_str().map(|s| s.parse::<u64>()))
-    {
+    if let Some(Ok(declared)) = req.headers().get(header::CONTENT_LENGTH).map(|v| v.to_str().map(|s| s.parse::<u64>())) {
         if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -275,23 +251,13 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     let body: Vec<u8> = chunks.concat();
     let parsed: LookupRequest = match serde_json::from_slice(&body) {
         Ok(p) => p,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_json",
-                format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}"),
-            )
-        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_json", format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}")),
     };
     if parsed.keys.len() > limits::LOOKUP_KEYS_MAX {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "too_many_keys",
-            format!(
-                "{} keys given; a lookup takes at most {}",
-                parsed.keys.len(),
-                limits::LOOKUP_KEYS_MAX
-            ),
+            format!("{} keys given; a lookup takes at most {}", parsed.keys.len(), limits::LOOKUP_KEYS_MAX),
         );
     }
     for (i, k) in parsed.keys.iter().enumerate() {

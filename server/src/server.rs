@@ -106,10 +106,7 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             return;
         }
     }
-    let ctx = Rc::new(Ctx {
-        store: store.clone(),
-        auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
-    });
+    let ctx = Rc::new(Ctx { store: store.clone(), auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])) });
     let builder = builder();
     let graceful = GracefulShutdown::new();
     let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
@@ -164,10 +161,6 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
     )
     .await;
     if !drained {
-        tracing::warn!(
-            shard = store.shard_id(),
-            "connections still open after {:?}; closing anyway",
-            limits::SHUTDOWN_GRACE
-        );
+        tracing::warn!(shard = store.shard_id(), "connections still open after {:?}; closing anyway", limits::SHUTDOWN_GRACE);
     }
 }

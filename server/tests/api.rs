@@ -20,10 +20,7 @@ async fn send(c: &kvtier_loadgen::client::Client, m: Method, path: &str, body: V
 
 fn error_code(body: &Bytes) -> String {
     let v: Value = serde_json::from_slice(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
-    v["error"]["code"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no error code in {v}"))
-        .to_string()
+    v["error"]["code"].as_str().unwrap_or_else(|| panic!("no error code in {v}")).to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,10 +52,7 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&test_args(dir.path()));
     let c = client(&server, false);
-    assert_eq!(
-        send(&c, Method::PUT, "/v1/blocks/keep", vec![payload("keep")]).await.0,
-        StatusCode::CREATED
-    );
+    assert_eq!(send(&c, Method::PUT, "/v1/blocks/keep", vec![payload("keep")]).await.0, StatusCode::CREATED);
 
     // Too short: 422 naming the expected size.
     let (status, _, body) = send(&c, Method::PUT, "/v1/blocks/short", vec![Bytes::from(vec![1u8; 1000])]).await;
@@ -66,45 +60,26 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     assert!(String::from_utf8_lossy(&body).contains(&BLOCK_BYTES.to_string()), "{body:?}");
     // Too long: 413, refused from the declared length.
     let (status, _, body) = send(&c, Method::PUT, "/v1/blocks/long", vec![payload("long"), Bytes::from_static(b"x")]).await;
-    assert_eq!(
-        (status, error_code(&body).as_str()),
-        (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
-    );
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
     // Invalid keys: 400.
     for bad in ["a%2Fb", "%00", "..", &"k".repeat(257)] {
         let (status, _, body) = send(&c, Method::GET, &format!("/v1/blocks/{bad}"), vec![]).await;
-        assert_eq!(
-            (status, error_code(&body).as_str()),
-            (StatusCode::BAD_REQUEST, "invalid_key"),
-            "{bad}"
-        );
+        assert_eq!((status, error_code(&body).as_str()), (StatusCode::BAD_REQUEST, "invalid_key"), "{bad}");
     }
     let (status, _, _) = send(&c, Method::PUT, "/v1/blocks/", vec![payload("x")]).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     // Unknown route, wrong method.
     assert_eq!(send(&c, Method::GET, "/v2/nothing", vec![]).await.0, StatusCode::NOT_FOUND);
     let (status, _, body) = send(&c, Method::POST, "/v1/blocks/keep", vec![]).await;
-    assert_eq!(
-        (status, error_code(&body).as_str()),
-        (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
-    );
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"));
     // Malformed and oversized lookups.
     let (status, _, body) = send(&c, Method::POST, "/v1/lookup", vec![Bytes::from_static(b"{\"keys\": 7}")]).await;
     assert_eq!((status, error_code(&body).as_str()), (StatusCode::BAD_REQUEST, "bad_json"));
-    let (status, _, body) = send(
-        &c,
-        Method::POST,
-        "/v1/lookup",
-        vec![Bytes::from_static(b"{\"keys\": [\"ok\", \"a/b\"]}")],
-    )
-    .await;
+    let (status, _, body) = send(&c, Method::POST, "/v1/lookup", vec![Bytes::from_static(b"{\"keys\": [\"ok\", \"a/b\"]}")]).await;
     assert_eq!((status, error_code(&body).as_str()), (StatusCode::BAD_REQUEST, "invalid_key"));
     let many = serde_json::to_vec(&serde_json::json!({ "keys": vec!["k"; 5000] })).unwrap();
     let (status, _, body) = send(&c, Method::POST, "/v1/lookup", vec![Bytes::from(many)]).await;
-    assert_eq!(
-        (status, error_code(&body).as_str()),
-        (StatusCode::PAYLOAD_TOO_LARGE, "too_many_keys")
-    );
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "too_many_keys"));
 
     // No Content-Length (chunked HTTP/1.1): 411 naming the expected size.
     let addr = server.url.trim_start_matches("http://").to_string();
@@ -145,17 +120,9 @@ async fn lookup_counts_leading_hits_across_shards() {
     assert_eq!(c.lookup(&chain[5..]).await.unwrap(), 0);
     assert_eq!(c.lookup(&[]).await.unwrap(), 0);
     let shards: Vec<usize> = chain[..5].iter().map(|k| BlockHash::of(k.as_bytes()).shard(2)).collect();
-    assert!(
-        shards.contains(&0) && shards.contains(&1),
-        "the chain spans both shards: {shards:?}"
-    );
+    assert!(shards.contains(&0) && shards.contains(&1), "the chain spans both shards: {shards:?}");
     let stats = c.stats().await.unwrap();
-    let per_shard: Vec<u64> = stats["per_shard"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["blocks"].as_u64().unwrap())
-        .collect();
+    let per_shard: Vec<u64> = stats["per_shard"].as_array().unwrap().iter().map(|s| s["blocks"].as_u64().unwrap()).collect();
     assert_eq!(per_shard.iter().sum::<u64>(), 6);
     assert!(per_shard.iter().all(|b| *b > 0), "{per_shard:?}");
     let health = send(&c, Method::GET, "/healthz", vec![]).await;
@@ -228,10 +195,7 @@ trait DeleteExt {
 
 impl DeleteExt for kvtier_loadgen::client::Client {
     async fn delete(&self, key: &str) -> Result<(), String> {
-        let a = self
-            .send(Method::DELETE, &format!("/v1/blocks/{key}"), ChunkedBody::default(), None)
-            .await
-            .map_err(|e| e.to_string())?;
+        let a = self.send(Method::DELETE, &format!("/v1/blocks/{key}"), ChunkedBody::default(), None).await.map_err(|e| e.to_string())?;
         if a.status == StatusCode::NO_CONTENT {
             Ok(())
         } else {

@@ -39,12 +39,7 @@ async fn replay_of_sample_hits_on_second_pass() {
         assert!(r.puts > 0 && r.lookups > 0 && r.tokens_per_s > 0.0, "{r:?}");
     }
     assert!(second.prefix_hit_rate > 0.0, "{second:?}");
-    assert!(
-        second.prefix_hit_rate > first.prefix_hit_rate,
-        "first {} second {}",
-        first.prefix_hit_rate,
-        second.prefix_hit_rate
-    );
+    assert!(second.prefix_hit_rate > first.prefix_hit_rate, "first {} second {}", first.prefix_hit_rate, second.prefix_hit_rate);
     // Every block the first pass wrote is found: the store is big enough.
     assert_eq!(second.prefix_hit_rate, 1.0);
     assert!(second.gets > 0 && second.get_latency.p50_us > 0);

@@ -53,11 +53,7 @@ pub fn start(args: &[String]) -> Server {
 /// Like [`start`], but returns the exit status and stderr when the server
 /// stops before it listens.
 pub fn try_start(args: &[String]) -> Result<Server, (Option<ExitStatus>, String)> {
-    let data_dir = args
-        .iter()
-        .position(|a| a == "--data-dir")
-        .map(|i| PathBuf::from(&args[i + 1]))
-        .unwrap_or_default();
+    let data_dir = args.iter().position(|a| a == "--data-dir").map(|i| PathBuf::from(&args[i + 1])).unwrap_or_default();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .arg("serve")
         .args(args)
@@ -75,11 +71,7 @@ pub fn try_start(args: &[String]) -> Result<Server, (Option<ExitStatus>, String)
         }
     });
     match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(url) => Ok(Server {
-            child: Some(child),
-            url,
-            data_dir,
-        }),
+        Ok(url) => Ok(Server { child: Some(child), url, data_dir }),
         Err(_) => {
             let _ = child.kill();
             let status = child.wait().ok();
@@ -131,10 +123,7 @@ pub fn client(server: &Server, http1: bool) -> kvtier_loadgen::client::Client {
 
 /// The test payload of `key`.
 pub fn payload(key: &str) -> bytes::Bytes {
-    kvtier_loadgen::payload::Payloads::new(BLOCK_BYTES as usize, 1)
-        .chunks(key)
-        .concat()
-        .into()
+    kvtier_loadgen::payload::Payloads::new(BLOCK_BYTES as usize, 1).chunks(key).concat().into()
 }
 
 /// Repository root (for tests/data).
