@@ -17,7 +17,7 @@
 //! here: a payload torn by a crash fails its CRC-32 when first read, and is
 //! dropped then, never served.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -177,16 +177,18 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
 
     let mut next_seq = snap.as_ref().map_or(1, |s| s.next_seq);
     let mut records = Vec::new();
-    let mut fresh: HashSet<u32> = HashSet::new(); // segments whose snapshot entries are valid
-                                                  // (id, first_seq, slots used, highest seq) of each segment.
+    // Segments whose snapshot entries are valid, with their first_seq: an
+    // entry below it was being moved by a compaction and is stale.
+    let mut fresh: HashMap<u32, u64> = HashMap::new();
+    // (id, first_seq, slots used, highest seq) of each segment.
     let mut lives: Vec<(u32, u64, u32, u64)> = Vec::new();
     for (id, sb, path) in &found {
-        let segment = Rc::new(Segment::open(path, *id, sb.first_seq, shard.slot_bytes).await?);
+        let segment = Rc::new(Segment::open(path, *id, sb.first_seq, shard.slot_bytes, shard.slots_per_segment).await?);
         next_seq = next_seq.max(sb.first_seq);
         let same_life = snap_segments.get(id).filter(|s| s.first_seq == sb.first_seq);
         let (mut used, mut max_seq) = same_life.map_or((0, 0), |s| (s.slots_used, s.max_seq));
         if same_life.is_some() {
-            fresh.insert(*id);
+            fresh.insert(*id, sb.first_seq);
         }
         if same_life.is_none_or(|s| s.rescan) {
             for r in scan_segment(&shard, &segment, &mut report).await? {
@@ -212,7 +214,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     records.sort_unstable_by_key(|r| r.seq);
     {
         let mut index = shard.index.borrow_mut();
-        for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.contains(&e.segment)) {
+        for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.get(&e.segment).is_some_and(|first| e.seq >= *first)) {
             let hash = BlockHash(((e.hash_hi as u128) << 64) | e.hash_lo as u128);
             index.insert_if_newer(hash, Entry { segment: e.segment, slot: e.slot, seq: e.seq });
             report.snapshot_entries += 1;

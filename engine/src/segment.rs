@@ -15,11 +15,12 @@
 //! a new `first_seq`, and recovery ignores any slot whose sequence number is
 //! lower, so blocks from the segment's earlier life never come back.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use glommio::io::{DmaFile, ReadResult};
 
@@ -178,6 +179,12 @@ pub struct Segment {
     pub readers: Cell<u32>,
     /// Writes in flight into this segment; reclaim waits for zero.
     pub writers: Cell<u32>,
+    /// Reclaim is moving this segment's surviving blocks to new slots:
+    /// reads of it wait, then look their block up again.
+    pub compacting: Cell<bool>,
+    /// Per slot: the block there was read since it was written (it gets a
+    /// second chance when the segment is reclaimed).
+    pub referenced: RefCell<Vec<bool>>,
     /// Bytes per slot.
     pub slot_bytes: u64,
 }
@@ -187,7 +194,7 @@ impl Segment {
     ///
     /// # Errors
     /// [`Error::Io`] from `open(2)`.
-    pub async fn open(path: &Path, id: u32, first_seq: u64, slot_bytes: u64) -> Result<Segment> {
+    pub async fn open(path: &Path, id: u32, first_seq: u64, slot_bytes: u64, slots: u32) -> Result<Segment> {
         let file = glommio::io::OpenOptions::new()
             .read(true)
             .write(true)
@@ -201,6 +208,8 @@ impl Segment {
             slots_used: Cell::new(0),
             readers: Cell::new(0),
             writers: Cell::new(0),
+            compacting: Cell::new(false),
+            referenced: RefCell::new(vec![false; slots as usize]),
             slot_bytes,
         })
     }
@@ -212,17 +221,18 @@ impl Segment {
 
     /// Writes a whole slot (header page, then payload pages) at `slot` in one
     /// aligned DMA write. `buf.len()` must be a multiple of [`PAGE_BYTES`]
-    /// and at most `slot_bytes`.
+    /// and at most `slot_bytes`. The buffer is shared, not consumed, so the
+    /// caller can return it to its pool once the write completes.
     ///
     /// # Errors
     /// [`Error::DiskFull`] on `ENOSPC`, [`Error::Io`] on any other failure or
     /// a short write.
-    pub async fn write_slot(&self, buf: glommio::io::DmaBuffer, slot: u32) -> Result<()> {
+    pub async fn write_slot(&self, buf: Rc<glommio::io::DmaBuffer>, slot: u32) -> Result<()> {
         let len = buf.len();
         assert!((len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes, "slot write of {len} bytes");
         let written = self
             .file
-            .write_at(buf, self.slot_offset(slot))
+            .write_rc_at(buf, self.slot_offset(slot))
             .await
             .map_err(|e| Error::glommio(format!("writing slot {slot} of segment {}", self.id), e))?;
         if written != len {

@@ -21,6 +21,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use glommio::io::DmaBuffer;
 use glommio::sync::Semaphore;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -34,8 +35,13 @@ use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 
 /// How long reclaim sleeps between checks while it waits for reads and
-/// writes of a segment to drain.
+/// writes of a segment to drain (and reads wait for a compaction).
 const RECLAIM_POLL: Duration = Duration::from_micros(200);
+
+/// At most this fraction of a reclaimed segment's slots is kept by second
+/// chance, so every reclaim frees at least half a segment even when every
+/// block in it is hot.
+const SECOND_CHANCE_SHARE: u32 = 2;
 
 /// Settings of one shard, derived from the store's configuration.
 #[derive(Debug, Clone)]
@@ -82,6 +88,7 @@ struct Counters {
     hash_collisions: Cell<u64>,
     reclaimed_segments: Cell<u64>,
     evicted_blocks: Cell<u64>,
+    second_chance_blocks: Cell<u64>,
     bytes_written: Cell<u64>,
     bytes_read: Cell<u64>,
     io_in_flight: Cell<u64>,
@@ -155,6 +162,9 @@ pub struct ShardStats {
     pub reclaimed_segments: u64,
     /// Blocks dropped by reclaim.
     pub evicted_blocks: u64,
+    /// Blocks reclaim kept because they were read since written (second
+    /// chance), rewritten into the segment's new life.
+    pub second_chance_blocks: u64,
     /// Bytes written to segments (slot headers and payloads).
     pub bytes_written: u64,
     /// Bytes read from segments.
@@ -206,6 +216,9 @@ pub struct Shard {
     pub(crate) max_seq: RefCell<Vec<u64>>,
     alloc_lock: Semaphore,
     io_permits: Semaphore,
+    /// Slot-sized DMA buffers kept between writes (at most `io_depth_max`),
+    /// so steady-state PUTs allocate nothing.
+    buffers: RefCell<Vec<DmaBuffer>>,
     counters: Counters,
     read_us: RefCell<Histogram<u64>>,
     write_us: RefCell<Histogram<u64>>,
@@ -245,6 +258,7 @@ impl Shard {
             max_seq: RefCell::new(Vec::new()),
             alloc_lock: Semaphore::new(1),
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
+            buffers: RefCell::new(Vec::new()),
             counters: Counters::default(),
             read_us: RefCell::new(histogram()),
             write_us: RefCell::new(histogram()),
@@ -286,7 +300,8 @@ impl Shard {
         }
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let write_len = slot::slot_bytes(block_bytes);
-        let mut buf = glommio::allocate_dma_buffer(write_len as usize);
+        debug_assert_eq!(write_len, self.slot_bytes);
+        let mut buf = self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(write_len as usize));
         let bytes = buf.as_bytes_mut();
         let mut crc = crc32fast::Hasher::new();
         let mut at = PAGE_BYTES as usize;
@@ -314,7 +329,7 @@ impl Shard {
     /// Takes a slot, stamps the header with its sequence number, writes the
     /// slot and applies the record to the index. Returns the new entry and
     /// whether the key was stored before.
-    async fn append(&self, mut buf: glommio::io::DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
+    async fn append(&self, mut buf: DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
         // `allocate_slot` counted us as a writer of the segment and recorded
@@ -325,8 +340,9 @@ impl Shard {
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
         let len = buf.len() as u64;
         bump(&self.counters.io_in_flight, 1);
+        let buf = Rc::new(buf);
         let result = async {
-            segment.write_slot(buf, slot).await?;
+            segment.write_slot(buf.clone(), slot).await?;
             if self.cfg.sync {
                 segment.file.fdatasync().await.map_err(|e| Error::glommio(format!("fdatasync of segment {}", segment.id), e))?;
             }
@@ -334,6 +350,7 @@ impl Shard {
         }
         .await;
         self.counters.io_in_flight.set(self.counters.io_in_flight.get() - 1);
+        self.recycle(buf);
         result?;
         bump(&self.counters.bytes_written, len);
         let _ = self.write_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
@@ -415,7 +432,7 @@ impl Shard {
     async fn create_segment(&self, id: u32) -> Result<()> {
         let sb = self.superblock(id, self.next_seq.get());
         let path = segment::create_file(&self.cfg.dir, &sb)?;
-        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes).await?;
+        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment).await?;
         let mut segments = self.segments.borrow_mut();
         if segments.len() <= id as usize {
             segments.resize(id as usize + 1, None);
@@ -433,22 +450,95 @@ impl Shard {
         while segment.writers.get() > 0 {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
-        let evicted = self.index.borrow_mut().remove_segment(id);
+        // Second chance: blocks read since they were written stay, up to a
+        // share of the segment; the rest leave the index.
+        let mut survivors: Vec<(BlockHash, Entry)> = {
+            let referenced = segment.referenced.borrow();
+            self.index.borrow().iter().filter(|(_, e)| e.segment == id && referenced[e.slot as usize]).map(|(h, e)| (*h, *e)).collect()
+        };
+        survivors.sort_by_key(|(_, e)| e.slot);
+        survivors.truncate((self.slots_per_segment / SECOND_CHANCE_SHARE) as usize);
+        let evicted = {
+            let mut index = self.index.borrow_mut();
+            let before = index.len();
+            index.remove_segment(id);
+            for (h, e) in &survivors {
+                index.insert_if_newer(*h, *e);
+            }
+            before - index.len()
+        };
+        segment.compacting.set(true);
         while segment.readers.get() > 0 {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
-        let first_seq = self.next_seq.get();
-        if let Err(e) = segment.write_superblock(&self.superblock(id, first_seq)).await {
-            // Its blocks are already out of the index; keep it for a retry.
-            self.free.borrow_mut().push(id);
+        let result = self.compact(&segment, &survivors).await;
+        segment.compacting.set(false);
+        if let Err(e) = result {
+            // Drop whatever did not move; keep the segment for a retry.
+            self.index.borrow_mut().remove_segment(id);
+            segment.slots_used.set(self.slots_per_segment);
+            self.sealed.borrow_mut().push_front(id);
             return Err(e);
         }
-        segment.first_seq.set(first_seq);
-        segment.slots_used.set(0);
         bump(&self.counters.reclaimed_segments, 1);
         bump(&self.counters.evicted_blocks, evicted as u64);
-        tracing::debug!(shard = self.id(), segment = id, evicted, "reclaimed segment");
+        tracing::debug!(shard = self.id(), segment = id, evicted, kept = survivors.len(), "reclaimed segment");
         Ok(())
+    }
+
+    /// Starts `segment`'s new life and rewrites `survivors` (sorted by slot)
+    /// into its first slots. Slot `j` of the new life is never above the
+    /// survivor's old slot `i`, so each survivor is read before anything
+    /// overwrites it. A survivor that fails its checks is dropped.
+    async fn compact(&self, segment: &Rc<Segment>, survivors: &[(BlockHash, Entry)]) -> Result<()> {
+        let first_seq = self.next_seq.get();
+        segment.write_superblock(&self.superblock(segment.id, first_seq)).await?;
+        segment.first_seq.set(first_seq);
+        segment.slots_used.set(0);
+        segment.referenced.borrow_mut().fill(false);
+        let block_bytes = self.cfg.geometry.block_bytes;
+        for (j, (hash, old)) in survivors.iter().enumerate() {
+            let j = j as u32;
+            debug_assert!(j <= old.slot);
+            let data = segment.read_slot(old.slot, self.slot_bytes).await?;
+            let header = SlotHeader::decode(&data[..PAGE_BYTES as usize]).ok().filter(|h| {
+                h.seq == old.seq && crc32fast::hash(&data[PAGE_BYTES as usize..(PAGE_BYTES + block_bytes) as usize]) == h.payload_crc
+            });
+            let Some(mut header) = header else {
+                self.index.borrow_mut().remove_exact(hash, *old);
+                bump(&self.counters.corrupt_blocks, 1);
+                tracing::error!(shard = self.id(), segment = segment.id, slot = old.slot, "corrupt block dropped during reclaim");
+                continue;
+            };
+            let seq = self.next_seq.get();
+            self.next_seq.set(seq + 1);
+            header.seq = seq;
+            let mut buf = self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(self.slot_bytes as usize));
+            buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
+            header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
+            let buf = Rc::new(buf);
+            let written = segment.write_slot(buf.clone(), j).await;
+            self.recycle(buf);
+            written?;
+            segment.slots_used.set(j + 1);
+            self.note_seq(segment.id, seq);
+            let moved = Entry { segment: segment.id, slot: j, seq };
+            if self.index.borrow_mut().remove_exact(hash, *old) {
+                self.index.borrow_mut().insert_if_newer(*hash, moved);
+            }
+            bump(&self.counters.second_chance_blocks, 1);
+        }
+        Ok(())
+    }
+
+    /// Returns a slot-sized write buffer to the pool once its write is done.
+    fn recycle(&self, buf: Rc<DmaBuffer>) {
+        if let Ok(buf) = Rc::try_unwrap(buf) {
+            let mut pool = self.buffers.borrow_mut();
+            if buf.len() as u64 == self.slot_bytes && pool.len() < self.cfg.io_depth_max {
+                pool.push(buf);
+            }
+        }
     }
 
     /// Reads a block, verifying the header and the payload CRC-32 first.
@@ -469,8 +559,15 @@ impl Shard {
     }
 
     async fn read_block(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
-        let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
-        let segment = self.segment(entry.segment);
+        // A segment being compacted moves its blocks: wait, then look again.
+        let (entry, segment) = loop {
+            let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
+            let segment = self.segment(entry.segment);
+            if !segment.compacting.get() {
+                break (entry, segment);
+            }
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        };
         let _reader = InFlight::enter(&segment.readers);
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let started = Instant::now();
@@ -502,6 +599,7 @@ impl Shard {
             return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
         }
         let bytes = Bytes::copy_from_slice(payload);
+        segment.referenced.borrow_mut()[entry.slot as usize] = true;
         let _ = self.read_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
         Ok(bytes)
     }
@@ -570,7 +668,10 @@ impl Shard {
                 first_seq: seg.first_seq.get(),
                 slots_used: seg.slots_used.get(),
                 max_seq: max_seq.get(seg.id as usize).copied().unwrap_or(0),
-                rescan: self.head.get() == Some(seg.id) || seg.writers.get() > 0 || inflight.values().any(|s| *s == seg.id),
+                rescan: self.head.get() == Some(seg.id)
+                    || seg.writers.get() > 0
+                    || seg.compacting.get()
+                    || inflight.values().any(|s| *s == seg.id),
             })
             .collect();
         let entries = self
@@ -640,6 +741,7 @@ impl Shard {
             hash_collisions: c.hash_collisions.get(),
             reclaimed_segments: c.reclaimed_segments.get(),
             evicted_blocks: c.evicted_blocks.get(),
+            second_chance_blocks: c.second_chance_blocks.get(),
             bytes_written: c.bytes_written.get(),
             bytes_read: c.bytes_read.get(),
             io_in_flight: c.io_in_flight.get(),

@@ -129,7 +129,7 @@ impl StoreArgs {
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let shards = self.shards.or(stored.as_ref().map(|m| m.shards as usize)).unwrap_or(cpus);
         let segment_bytes = self.segment_mib.map(|m| m << 20).or(stored.as_ref().map(|m| m.segment_bytes)).unwrap_or(SEGMENT_BYTES_DEFAULT);
-        if !(self.disk_gb > 0.0) {
+        if self.disk_gb.is_nan() || self.disk_gb <= 0.0 {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
         Ok(StoreConfig {
