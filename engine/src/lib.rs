@@ -11,7 +11,8 @@
 //! - [`segment`]: preallocated segment files and their superblock.
 //! - [`index`]: the per-shard hash index.
 //! - [`shard`]: one shard's write path, read path and reclaim.
-//! - [`recover`]: rebuilding a shard's index from its segments.
+//! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
+//! - [`fsck`]: offline check of every header and payload CRC-32.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
 //!
 //! docs/ARCHITECTURE.md and docs/FORMAT.md describe the design and the
@@ -19,6 +20,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod fsck;
 pub mod geometry;
 pub mod index;
 pub mod key;

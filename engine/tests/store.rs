@@ -479,3 +479,30 @@ fn reads_during_reclaim_and_compaction_never_see_wrong_bytes() {
     })
     .unwrap();
 }
+
+#[test]
+fn fsck_lists_exactly_the_damaged_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
+    on_shard0(cfg, |store| async move {
+        for k in ["f0", "f1", "f2", "f3", "old"] {
+            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+        }
+        store.put("old", vec![payload("new", 8192)]).await.unwrap(); // slot 5 supersedes slot 4
+        store.delete("f3").await.unwrap();
+    })
+    .unwrap();
+    let clean = kvtier_engine::fsck::fsck(dir.path()).unwrap();
+    assert!(clean.damaged.is_empty(), "{:?}", clean.damaged);
+    assert_eq!((clean.blocks_checked, clean.live_blocks, clean.tombstones), (6, 4, 1));
+    let seg = dir.path().join("shard-000/seg-000000.kvt");
+    flip_byte(&seg, slot_offset(8192, 1) + PAGE_BYTES + 77); // f1's payload
+    flip_byte(&seg, slot_offset(8192, 2) + 20); // f2's header
+    flip_byte(&seg, slot_offset(8192, 4) + PAGE_BYTES); // the superseded "old"
+    std::fs::write(dir.path().join("shard-000/notes.txt"), "not a segment").unwrap();
+    let report = kvtier_engine::fsck::fsck(dir.path()).unwrap();
+    let found: Vec<(u32, Option<&str>, bool)> = report.damaged.iter().map(|d| (d.slot, d.key.as_deref(), d.live)).collect();
+    assert_eq!(found, vec![(1, Some("f1"), true), (2, None, false), (4, Some("old"), false)], "{:?}", report.damaged);
+    assert_eq!(report.live_blocks, 2, "f0 and the new 'old'");
+    assert_eq!(report.foreign_files.len(), 1);
+}

@@ -254,3 +254,48 @@ fn refuses_unsafe_or_mismatched_starts_with_clear_messages() {
     assert!(stderr.contains("in use"), "{stderr}");
     first.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_block_is_a_miss_and_fsck_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = test_args(dir.path());
+    let server = start(&args);
+    let c = client(&server, false);
+    // Keys on shard 0, so the first segment of shard 0 holds them in order.
+    let keys: Vec<String> = (0..).map(|i| format!("fsck-{i}")).filter(|k| BlockHash::of(k.as_bytes()).shard(2) == 0).take(3).collect();
+    for k in &keys {
+        c.put(k, vec![payload(k)]).await.unwrap();
+    }
+    assert!(server.stop().success());
+    let fsck = |dir: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvtier")).args(["fsck", "--data-dir", dir.to_str().unwrap()]).output().unwrap()
+    };
+    let clean = fsck(dir.path());
+    assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stdout));
+    // Flip one payload byte of the second block (slot 1 of segment 0).
+    let seg = dir.path().join("shard-000/seg-000000.kvt");
+    let slot_bytes = 4096 + BLOCK_BYTES;
+    let offset = 4096 + slot_bytes + 4096 + 1234;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&seg).unwrap();
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, offset).unwrap();
+        f.write_all_at(&[b[0] ^ 0x5A], offset).unwrap();
+    }
+    let damaged = fsck(dir.path());
+    let out = String::from_utf8_lossy(&damaged.stdout);
+    assert_eq!(damaged.status.code(), Some(1), "{out}");
+    assert!(out.contains(&format!("key {} ", keys[1])) && out.contains("CRC-32"), "{out}");
+    assert_eq!(out.matches("damaged:").count(), 1, "{out}");
+
+    let server = start(&args);
+    let c = client(&server, false);
+    let (status, _, body) = send(&c, Method::GET, &format!("/v1/blocks/{}", keys[1]), vec![]).await;
+    assert_eq!((status, error_code(&body).as_str()), (StatusCode::NOT_FOUND, "corrupt_block"));
+    for k in [&keys[0], &keys[2]] {
+        assert_eq!(c.get(k).await.unwrap().unwrap().0, payload(k));
+    }
+    assert_eq!(c.stats().await.unwrap()["totals"]["corrupt_blocks"], 1);
+    server.stop();
+}
