@@ -3,6 +3,7 @@
 #   make run      build (release) and start the sidecar on ./kvtier-data
 #   make test     install test dependencies, run every test
 #   make replay   replay ShareGPT V3 against the running sidecar
+#   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -22,7 +23,7 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay fmt lint clean-data help
+.PHONY: all build run test deps data replay bench fmt lint clean-data help
 
 all: build
 
@@ -54,6 +55,15 @@ test: deps
 replay: build data
 	./target/release/kvtier-loadgen replay --target http://$(LISTEN) \
 	  --users $(REPLAY_USERS) --duration-s $(REPLAY_DURATION_S) --out $(REPLAY_OUT) $(REPLAY_ARGS)
+
+# Engine PUT/GET against fio at 1.2 MB and 16 MiB blocks, queue depth 1 and
+# 16, alternating in 3 pairs; BENCH_ARGS e.g. "--seconds 10 --pairs 5".
+BENCH_ARGS ?=
+bench:
+	@command -v fio >/dev/null || { \
+	  echo "installing fio"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fio; }
+	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -146,6 +146,28 @@ mod tests {
         assert!(ix.is_empty());
     }
 
+    /// Index memory per block, measured as the table's heap bytes over the
+    /// blocks in it, for a shard pre-sized for 60,000 blocks (DESIGN's
+    /// restart target) as it fills. Prints the figures (`cargo test -p
+    /// kvtier-engine index_memory -- --nocapture`).
+    #[test]
+    fn index_memory_per_block() {
+        let capacity = 60_000;
+        let mut ix = Index::with_capacity(capacity);
+        let heap_at_open = ix.heap_bytes();
+        for fill in [capacity / 2, capacity * 3 / 4, capacity] {
+            for i in ix.len()..fill {
+                ix.insert_if_newer(BlockHash::of(&(i as u64).to_le_bytes()), Entry { segment: 0, slot: i as u32, seq: i as u64 });
+            }
+            let per_block = ix.heap_bytes() as f64 / ix.len() as f64;
+            println!("{} blocks: {} heap bytes, {per_block:.1} bytes/block", ix.len(), ix.heap_bytes());
+            // Pre-sized at open: filling it never reallocates.
+            assert_eq!(ix.heap_bytes(), heap_at_open);
+        }
+        let full = ix.heap_bytes() as f64 / ix.len() as f64;
+        assert!(full <= 80.0, "{full} bytes per block at full");
+    }
+
     #[test]
     fn remove_segment_drops_only_that_segment() {
         let mut ix = Index::default();

@@ -9,7 +9,8 @@
 //! - [`key`]: key rules, the 128-bit [`key::BlockHash`], shard choice.
 //! - [`slot`]: the slot header (on-disk format of one record).
 //! - [`segment`]: preallocated segment files and their superblock.
-//! - [`index`]: the per-shard hash index.
+//! - [`index`]: the per-shard hash index and its snapshot.
+//! - [`pool`]: reusable buffers for GET responses.
 //! - [`shard`]: one shard's write path, read path and reclaim.
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
@@ -24,6 +25,7 @@ pub mod fsck;
 pub mod geometry;
 pub mod index;
 pub mod key;
+pub mod pool;
 pub mod recover;
 pub mod segment;
 pub mod shard;

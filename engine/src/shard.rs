@@ -18,6 +18,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -31,6 +32,7 @@ use crate::geometry::Geometry;
 use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState};
 use crate::index::{Entry, Index};
 use crate::key::BlockHash;
+use crate::pool::BufferPool;
 use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 
@@ -219,6 +221,8 @@ pub struct Shard {
     /// Slot-sized DMA buffers kept between writes (at most `io_depth_max`),
     /// so steady-state PUTs allocate nothing.
     buffers: RefCell<Vec<DmaBuffer>>,
+    /// Buffers GET responses are copied into (see [`crate::pool`]).
+    read_buffers: Arc<BufferPool>,
     counters: Counters,
     read_us: RefCell<Histogram<u64>>,
     write_us: RefCell<Histogram<u64>>,
@@ -259,6 +263,7 @@ impl Shard {
             alloc_lock: Semaphore::new(1),
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
             buffers: RefCell::new(Vec::new()),
+            read_buffers: BufferPool::new(cfg.geometry.block_bytes),
             counters: Counters::default(),
             read_us: RefCell::new(histogram()),
             write_us: RefCell::new(histogram()),
@@ -598,7 +603,7 @@ impl Shard {
         if crc32fast::hash(payload) != header.payload_crc {
             return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
         }
-        let bytes = Bytes::copy_from_slice(payload);
+        let bytes = self.read_buffers.copy(payload);
         segment.referenced.borrow_mut()[entry.slot as usize] = true;
         let _ = self.read_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
         Ok(bytes)
