@@ -95,6 +95,7 @@ struct Counters {
     bytes_read: Cell<u64>,
     io_in_flight: Cell<u64>,
     snapshots_written: Cell<u64>,
+    forwarded_requests: Cell<u64>,
 }
 
 fn bump(c: &Cell<u64>, by: u64) {
@@ -175,6 +176,15 @@ pub struct ShardStats {
     pub io_in_flight: u64,
     /// Index snapshots written since start.
     pub snapshots_written: u64,
+    /// Operations this shard's connections sent to the shard owning the key.
+    pub forwarded_requests: u64,
+    /// Seconds the shard's executor spent running tasks since start.
+    pub reactor_busy_s: f64,
+    /// Seconds the shard's executor has existed.
+    pub reactor_wall_s: f64,
+    /// reactor_busy_s / reactor_wall_s: the shard nearest 1.0 saturates
+    /// first.
+    pub reactor_utilization: f64,
     /// Median block read latency (µs), 0 before any read.
     pub read_us_p50: u64,
     /// 99th percentile block read latency (µs).
@@ -227,6 +237,7 @@ pub struct Shard {
     read_us: RefCell<Histogram<u64>>,
     write_us: RefCell<Histogram<u64>>,
     pub(crate) recovery: RefCell<RecoveryReport>,
+    started: Instant,
 }
 
 impl Shard {
@@ -268,8 +279,14 @@ impl Shard {
             read_us: RefCell::new(histogram()),
             write_us: RefCell::new(histogram()),
             recovery: RefCell::new(RecoveryReport::default()),
+            started: Instant::now(),
             cfg,
         })
+    }
+
+    /// Counts an operation sent to another shard.
+    pub fn count_forwarded(&self) {
+        bump(&self.counters.forwarded_requests, 1);
     }
 
     /// This shard's id.
@@ -722,6 +739,10 @@ impl Shard {
         let c = &self.counters;
         let segments = self.segments.borrow().iter().filter(|s| s.is_some()).count() as u32;
         let (read, write) = (self.read_us.borrow(), self.write_us.borrow());
+        // Busy time is what glommio spent running tasks; wall time runs from
+        // the shard's start.
+        let busy_s = glommio::executor().executor_stats().executor_runtime().as_secs_f64();
+        let wall_s = self.started.elapsed().as_secs_f64();
         let pct = |h: &Histogram<u64>, q: f64| {
             if h.is_empty() {
                 0
@@ -751,6 +772,10 @@ impl Shard {
             bytes_read: c.bytes_read.get(),
             io_in_flight: c.io_in_flight.get(),
             snapshots_written: c.snapshots_written.get(),
+            forwarded_requests: c.forwarded_requests.get(),
+            reactor_busy_s: busy_s,
+            reactor_wall_s: wall_s,
+            reactor_utilization: if wall_s > 0.0 { busy_s / wall_s } else { 0.0 },
             read_us_p50: pct(&read, 0.5),
             read_us_p99: pct(&read, 0.99),
             write_us_p50: pct(&write, 0.5),

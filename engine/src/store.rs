@@ -171,6 +171,7 @@ impl Store {
     }
 
     async fn forward(&self, owner: usize, op: Op) -> Result<Reply> {
+        self.shard.count_forwarded();
         let (reply, answer) = oneshot::channel();
         self.senders.send_to(owner, Request { op, reply }).await.map_err(|_| Error::ShuttingDown)?;
         answer.await.map_err(|_| Error::ShuttingDown)

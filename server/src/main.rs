@@ -5,6 +5,7 @@
 
 mod http;
 mod limits;
+mod metrics;
 mod routes;
 mod server;
 
@@ -239,6 +240,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         shutdown: Default::default(),
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
+        http: metrics::HttpStats::new(config.shards),
     });
     let (shards, geometry, data_dir) = (config.shards, config.geometry.clone(), config.data_dir.clone());
     let engine = {

@@ -9,6 +9,7 @@
 //! | `DELETE /v1/blocks/{key}` | 204 / 404 |
 //! | `POST /v1/lookup` | `{"prefix_hits":n,"tiers":[...]}` |
 //! | `GET /v1/stats` | JSON |
+//! | `GET /metrics` | Prometheus text |
 //! | `GET /healthz` | 200 |
 
 // Handlers return `Result<_, Reply>` so a check can answer early; the
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::limits;
+use crate::metrics::{HttpStats, Route};
 
 /// Everything a request handler needs, one per shard.
 pub struct Ctx {
@@ -34,6 +36,8 @@ pub struct Ctx {
     pub store: Rc<Store>,
     /// Bearer token every request must carry, when set.
     pub auth_token: Option<Rc<[u8]>>,
+    /// Request metrics of every shard (this one records into its own).
+    pub http: std::sync::Arc<HttpStats>,
 }
 
 /// Response type of every route.
@@ -79,13 +83,46 @@ pub fn engine_error(e: &Error) -> Reply {
     error(status, code, e.to_string())
 }
 
-/// Routes one request. Never fails: every error is a JSON reply.
+/// Which route a request is for (for metrics).
+fn route_of(req: &Request<Incoming>) -> Route {
+    let path = req.uri().path();
+    if path.starts_with("/v1/blocks/") {
+        return match *req.method() {
+            Method::PUT => Route::PutBlock,
+            Method::GET => Route::GetBlock,
+            Method::HEAD => Route::HeadBlock,
+            Method::DELETE => Route::DeleteBlock,
+            _ => Route::Other,
+        };
+    }
+    match (req.method(), path) {
+        (&Method::POST, "/v1/lookup") => Route::Lookup,
+        (&Method::GET, "/v1/stats") => Route::Stats,
+        (&Method::GET, "/metrics") => Route::Metrics,
+        (&Method::GET, "/healthz") => Route::Healthz,
+        _ => Route::Other,
+    }
+}
+
+/// Routes one request and records its metrics. Never fails: every error is
+/// a JSON reply.
 pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infallible> {
+    let started = std::time::Instant::now();
+    let route = route_of(&req);
+    let bytes_in = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).unwrap_or(0);
+    let reply = dispatch(&ctx, req).await;
+    let bytes_out = http_body::Body::size_hint(reply.body()).exact().unwrap_or(0);
+    let latency_us = started.elapsed().as_micros() as u64;
+    ctx.http.record(ctx.store.shard_id(), route, reply.status().as_u16(), latency_us, bytes_in, bytes_out);
+    Ok(reply)
+}
+
+async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     if let Some(token) = &ctx.auth_token {
         if !authorized(&req, token) {
             let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
             r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return Ok(r);
+            return r;
         }
     }
     let path = req.uri().path().to_string();
@@ -93,19 +130,20 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
     let mut reply = if let Some(key) = path.strip_prefix("/v1/blocks/") {
         let key = key.to_string();
         match *req.method() {
-            Method::PUT => put_block(&ctx, &key, req).await,
-            Method::GET => get_block(&ctx, &key).await,
-            Method::HEAD => head_block(&ctx, &key).await,
-            Method::DELETE => delete_block(&ctx, &key).await,
+            Method::PUT => put_block(ctx, &key, req).await,
+            Method::GET => get_block(ctx, &key).await,
+            Method::HEAD => head_block(ctx, &key).await,
+            Method::DELETE => delete_block(ctx, &key).await,
             _ => method_not_allowed("PUT, GET, HEAD, DELETE"),
         }
     } else {
         match path.as_str() {
-            "/v1/lookup" if req.method() == Method::POST => lookup(&ctx, req).await,
+            "/v1/lookup" if req.method() == Method::POST => lookup(ctx, req).await,
             "/v1/lookup" => method_not_allowed("POST"),
-            "/v1/stats" if req.method() == Method::GET => stats(&ctx).await,
+            "/v1/stats" if req.method() == Method::GET => stats(ctx).await,
+            "/metrics" if req.method() == Method::GET => metrics(ctx).await,
             "/healthz" if req.method() == Method::GET => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
-            "/v1/stats" | "/healthz" => method_not_allowed("GET"),
+            "/v1/stats" | "/healthz" | "/metrics" => method_not_allowed("GET"),
             _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
         }
     };
@@ -114,7 +152,7 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
         // would send it as DATA frames, which clients reject: send none.
         *reply.body_mut() = Full::new(Bytes::new());
     }
-    Ok(reply)
+    reply
 }
 
 /// Constant-time comparison of the bearer token: the time taken does not
@@ -301,6 +339,20 @@ async fn stats(ctx: &Ctx) -> Reply {
         },
         "tiers": [{ "tier": "nvme", "blocks": sum(|s| s.blocks), "capacity_blocks": sum(|s| s.capacity_blocks) }],
         "per_shard": shards,
+        "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
     });
     json_reply(StatusCode::OK, &body)
+}
+
+async fn metrics(ctx: &Ctx) -> Reply {
+    let shards = match ctx.store.stats().await {
+        Ok(s) => s,
+        Err(e) => return engine_error(&e),
+    };
+    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry());
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+        .body(Full::new(Bytes::from(text)))
+        .expect("valid response")
 }

@@ -17,6 +17,7 @@ use kvtier_engine::Store;
 
 use crate::http::{GlommioIo, GlommioTimer, LocalExec};
 use crate::limits;
+use crate::metrics::HttpStats;
 use crate::routes::{self, Ctx};
 
 /// State shared by the shards' accept loops and the main thread.
@@ -31,6 +32,8 @@ pub struct Shared {
     pub bound: Mutex<Option<Result<SocketAddr, String>>>,
     /// Each shard reports here once it accepts, or why it cannot.
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
+    /// Request metrics of every shard.
+    pub http: Arc<HttpStats>,
 }
 
 impl Shared {
@@ -106,7 +109,10 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             return;
         }
     }
-    let ctx = Rc::new(Ctx { store: store.clone(), auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])) });
+    let ctx =
+        Rc::new(Ctx { store: store.clone(), auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])), http: shared.http.clone() });
+    let counters = shared.http.clone();
+    let shard_id = store.shard_id();
     let builder = builder();
     let graceful = GracefulShutdown::new();
     let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
@@ -136,6 +142,9 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             }
         };
         let _ = stream.set_nodelay(true);
+        let stats = counters.clone();
+        stats.shard(shard_id).connections_open.fetch_add(1, Ordering::Relaxed);
+        stats.shard(shard_id).connections_total.fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
         let service = hyper::service::service_fn(move |req| routes::handle(ctx.clone(), req));
         let conn = builder.serve_connection(GlommioIo::new(stream), service).into_owned();
@@ -145,6 +154,7 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
                 tracing::debug!("connection closed with error: {e}");
             }
             drop(permit);
+            stats.shard(shard_id).connections_open.fetch_sub(1, Ordering::Relaxed);
         })
         .detach();
     }

@@ -299,3 +299,62 @@ async fn corrupt_block_is_a_miss_and_fsck_names_it() {
     assert_eq!(c.stats().await.unwrap()["totals"]["corrupt_blocks"], 1);
     server.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_per_route_and_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let c = client(&server, false);
+    for i in 0..6 {
+        let k = format!("m{i}");
+        c.put(&k, vec![payload(&k)]).await.unwrap();
+        c.get(&k).await.unwrap().unwrap();
+    }
+    assert!(c.get("missing").await.unwrap().is_none());
+    let a = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
+    assert_eq!(a.status, StatusCode::OK);
+    let text = String::from_utf8(a.body.to_vec()).unwrap();
+    let value = |line_start: &str| -> f64 {
+        text.lines().filter(|l| l.starts_with(line_start)).map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap()).sum()
+    };
+    assert_eq!(value("kvtier_http_requests_total{route=\"put_block\"}"), 6.0, "{text}");
+    assert_eq!(value("kvtier_http_requests_total{route=\"get_block\"}"), 7.0);
+    assert_eq!(value("kvtier_http_client_errors_total{route=\"get_block\"}"), 1.0);
+    assert_eq!(value("kvtier_shard_blocks{"), 6.0);
+    assert_eq!(value("kvtier_block_bytes"), BLOCK_BYTES as f64);
+    assert!(value("kvtier_shard_bytes_written_total{") >= (6 * BLOCK_BYTES) as f64);
+    assert!(text.trim_end().ends_with("# EOF"));
+    let stats = c.stats().await.unwrap();
+    assert_eq!(stats["http"]["routes"]["put_block"]["requests"], 6);
+    assert!(stats["http"]["routes"]["get_block"]["latency_us_p50"].as_u64().unwrap() > 0);
+    let forwarded: u64 = stats["per_shard"].as_array().unwrap().iter().map(|s| s["forwarded_requests"].as_u64().unwrap()).sum();
+    assert!(forwarded > 0, "with 2 shards and one connection some keys belong to the other shard");
+    server.stop();
+}
+
+/// The README's curl walk-through, run as written against a test server
+/// (only the address differs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_curl_examples_work_as_written() {
+    let readme = std::fs::read_to_string(common::repo_root().join("README.md")).unwrap();
+    let section = readme.split("## Try it with curl").nth(1).expect("README has the curl section");
+    let script = section.split("```sh").nth(1).and_then(|s| s.split("```").next()).expect("a sh block");
+    assert!(script.contains("http://127.0.0.1:8085"), "the README shows the default address");
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(&dir.path().join("data")));
+    let script = script.replace("http://127.0.0.1:8085", &server.url);
+    let work = dir.path().to_path_buf();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash").args(["-euo", "pipefail", "-c", &script]).current_dir(work).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "README commands failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for expected in
+        ["\"status\":\"created\"", "identical", "HTTP/2 200", "\"prefix_hits\":1", "wrong_block_size", "kvtier_http_requests_total", "204"]
+    {
+        assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
+    }
+    server.stop();
+}

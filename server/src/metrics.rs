@@ -1,0 +1,326 @@
+//! Request metrics: per-shard, per-route counts and latency histograms
+//! (hdrhistogram, microseconds), connection and byte counters, and their
+//! rendering as `/v1/stats` JSON and Prometheus text (`GET /metrics`,
+//! through prometheus-client).
+//!
+//! Each shard records only into its own [`ShardHttpStats`], so its mutex is
+//! uncontended on the request path; a stats or metrics request reads every
+//! shard's. Metric names follow `kvtier_<layer>_<what>` (docs/API.md).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use hdrhistogram::Histogram;
+use kvtier_engine::{Geometry, ShardStats};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+
+/// The routes metrics are kept for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `PUT /v1/blocks/{key}`
+    PutBlock,
+    /// `GET /v1/blocks/{key}`
+    GetBlock,
+    /// `HEAD /v1/blocks/{key}`
+    HeadBlock,
+    /// `DELETE /v1/blocks/{key}`
+    DeleteBlock,
+    /// `POST /v1/lookup`
+    Lookup,
+    /// `GET /v1/stats`
+    Stats,
+    /// `GET /metrics`
+    Metrics,
+    /// `GET /healthz`
+    Healthz,
+    /// Anything else (404, 405, 401).
+    Other,
+}
+
+impl Route {
+    /// Every route, in label order.
+    pub const ALL: [Route; 9] = [
+        Route::PutBlock,
+        Route::GetBlock,
+        Route::HeadBlock,
+        Route::DeleteBlock,
+        Route::Lookup,
+        Route::Stats,
+        Route::Metrics,
+        Route::Healthz,
+        Route::Other,
+    ];
+
+    /// Label value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::PutBlock => "put_block",
+            Route::GetBlock => "get_block",
+            Route::HeadBlock => "head_block",
+            Route::DeleteBlock => "delete_block",
+            Route::Lookup => "lookup",
+            Route::Stats => "stats",
+            Route::Metrics => "metrics",
+            Route::Healthz => "healthz",
+            Route::Other => "other",
+        }
+    }
+}
+
+#[derive(Clone)]
+struct RouteCounters {
+    requests: u64,
+    client_errors: u64,
+    server_errors: u64,
+    latency_us: Histogram<u64>,
+}
+
+impl Default for RouteCounters {
+    fn default() -> Self {
+        // 1 µs to 10 min at 2 significant digits: ~10 KiB per route.
+        RouteCounters {
+            requests: 0,
+            client_errors: 0,
+            server_errors: 0,
+            latency_us: Histogram::new_with_bounds(1, 600_000_000, 2).expect("valid bounds"),
+        }
+    }
+}
+
+/// One shard's HTTP counters.
+pub struct ShardHttpStats {
+    routes: Mutex<Vec<RouteCounters>>,
+    /// Request body bytes received (declared Content-Length of requests).
+    pub bytes_in: AtomicU64,
+    /// Response body bytes sent.
+    pub bytes_out: AtomicU64,
+    /// Connections open now.
+    pub connections_open: AtomicU64,
+    /// Connections accepted since start.
+    pub connections_total: AtomicU64,
+}
+
+/// Every shard's HTTP counters.
+pub struct HttpStats {
+    shards: Vec<ShardHttpStats>,
+}
+
+impl HttpStats {
+    /// Counters for `shards` shards.
+    pub fn new(shards: usize) -> Arc<Self> {
+        Arc::new(HttpStats {
+            shards: (0..shards)
+                .map(|_| ShardHttpStats {
+                    routes: Mutex::new(vec![RouteCounters::default(); Route::ALL.len()]),
+                    bytes_in: AtomicU64::new(0),
+                    bytes_out: AtomicU64::new(0),
+                    connections_open: AtomicU64::new(0),
+                    connections_total: AtomicU64::new(0),
+                })
+                .collect(),
+        })
+    }
+
+    /// One shard's counters.
+    pub fn shard(&self, shard: usize) -> &ShardHttpStats {
+        &self.shards[shard]
+    }
+
+    /// Records one finished request.
+    pub fn record(&self, shard: usize, route: Route, status: u16, latency_us: u64, bytes_in: u64, bytes_out: u64) {
+        let s = &self.shards[shard];
+        s.bytes_in.fetch_add(bytes_in, Ordering::Relaxed);
+        s.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
+        let mut routes = s.routes.lock().expect("route stats lock");
+        let r = &mut routes[route as usize];
+        r.requests += 1;
+        match status {
+            400..=499 => r.client_errors += 1,
+            500..=599 => r.server_errors += 1,
+            _ => {}
+        }
+        r.latency_us.saturating_record(latency_us.max(1));
+    }
+
+    /// Counters of each route summed over shards.
+    fn merged(&self) -> Vec<RouteCounters> {
+        let mut total = vec![RouteCounters::default(); Route::ALL.len()];
+        for s in &self.shards {
+            for (t, r) in total.iter_mut().zip(s.routes.lock().expect("route stats lock").iter()) {
+                t.requests += r.requests;
+                t.client_errors += r.client_errors;
+                t.server_errors += r.server_errors;
+                t.latency_us.add(&r.latency_us).expect("same bounds");
+            }
+        }
+        total
+    }
+
+    /// Per-route JSON for `/v1/stats`: requests, errors, latency percentiles.
+    pub fn routes_json(&self) -> Value {
+        let merged = self.merged();
+        let mut out = serde_json::Map::new();
+        for (route, r) in Route::ALL.iter().zip(&merged) {
+            let q = |p: f64| if r.latency_us.is_empty() { 0 } else { r.latency_us.value_at_quantile(p) };
+            out.insert(
+                route.name().into(),
+                json!({
+                    "requests": r.requests,
+                    "client_errors": r.client_errors,
+                    "server_errors": r.server_errors,
+                    "latency_us_p50": q(0.5),
+                    "latency_us_p95": q(0.95),
+                    "latency_us_p99": q(0.99),
+                }),
+            );
+        }
+        Value::Object(out)
+    }
+
+    /// Per-shard connection and byte counters for `/v1/stats`.
+    pub fn shards_json(&self) -> Vec<Value> {
+        self.shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let requests: u64 = s.routes.lock().expect("route stats lock").iter().map(|r| r.requests).sum();
+                json!({
+                    "shard": i,
+                    "requests": requests,
+                    "connections_open": s.connections_open.load(Ordering::Relaxed),
+                    "connections_total": s.connections_total.load(Ordering::Relaxed),
+                    "bytes_in": s.bytes_in.load(Ordering::Relaxed),
+                    "bytes_out": s.bytes_out.load(Ordering::Relaxed),
+                })
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardLabel {
+    shard: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QuantileLabel {
+    route: String,
+    quantile: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardQuantileLabel {
+    shard: String,
+    quantile: String,
+}
+
+fn shard_counter(registry: &mut Registry, name: &str, help: &str, engine: &[ShardStats], value: fn(&ShardStats) -> u64) {
+    let family = Family::<ShardLabel, Counter>::default();
+    for s in engine {
+        family.get_or_create(&ShardLabel { shard: s.shard.to_string() }).inc_by(value(s));
+    }
+    registry.register(name, help, family);
+}
+
+fn shard_gauge(registry: &mut Registry, name: &str, help: &str, engine: &[ShardStats], value: fn(&ShardStats) -> f64) {
+    let family = Family::<ShardLabel, Gauge<f64, AtomicU64>>::default();
+    for s in engine {
+        family.get_or_create(&ShardLabel { shard: s.shard.to_string() }).set(value(s));
+    }
+    registry.register(name, help, family);
+}
+
+/// Renders every metric in the Prometheus (OpenMetrics) text format.
+pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geometry) -> String {
+    let mut registry = Registry::with_prefix("kvtier");
+    let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+    block.set(geometry.block_bytes as i64);
+    registry.register("block_bytes", "Payload bytes of one block (fixed per store)", block);
+
+    // HTTP, per route (summed over shards) and per shard.
+    let merged = http.merged();
+    let requests = Family::<RouteLabel, Counter>::default();
+    let client_errors = Family::<RouteLabel, Counter>::default();
+    let server_errors = Family::<RouteLabel, Counter>::default();
+    let latency = Family::<QuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    for (route, r) in Route::ALL.iter().zip(&merged) {
+        let label = RouteLabel { route: route.name().into() };
+        requests.get_or_create(&label).inc_by(r.requests);
+        client_errors.get_or_create(&label).inc_by(r.client_errors);
+        server_errors.get_or_create(&label).inc_by(r.server_errors);
+        for q in ["0.5", "0.95", "0.99"] {
+            let value = if r.latency_us.is_empty() { 0 } else { r.latency_us.value_at_quantile(q.parse().expect("quantile")) };
+            latency.get_or_create(&QuantileLabel { route: route.name().into(), quantile: q.into() }).set(value as i64);
+        }
+    }
+    registry.register("http_requests", "HTTP requests answered, by route", requests);
+    registry.register("http_client_errors", "HTTP requests answered 4xx, by route", client_errors);
+    registry.register("http_server_errors", "HTTP requests answered 5xx, by route", server_errors);
+    registry.register("http_request_latency_us", "HTTP request latency percentiles in microseconds, by route", latency);
+    let bytes_in = Family::<ShardLabel, Counter>::default();
+    let bytes_out = Family::<ShardLabel, Counter>::default();
+    let open = Family::<ShardLabel, Gauge>::default();
+    let accepted = Family::<ShardLabel, Counter>::default();
+    for (i, s) in http.shards.iter().enumerate() {
+        let label = ShardLabel { shard: i.to_string() };
+        bytes_in.get_or_create(&label).inc_by(s.bytes_in.load(Ordering::Relaxed));
+        bytes_out.get_or_create(&label).inc_by(s.bytes_out.load(Ordering::Relaxed));
+        open.get_or_create(&label).set(s.connections_open.load(Ordering::Relaxed) as i64);
+        accepted.get_or_create(&label).inc_by(s.connections_total.load(Ordering::Relaxed));
+    }
+    registry.register("http_body_bytes_in", "Request body bytes received", bytes_in);
+    registry.register("http_body_bytes_out", "Response body bytes sent", bytes_out);
+    registry.register("http_connections_open", "Connections open now", open);
+    registry.register("http_connections_accepted", "Connections accepted", accepted);
+
+    // Engine, per shard.
+    shard_gauge(&mut registry, "shard_blocks", "Blocks stored", engine, |s| s.blocks as f64);
+    shard_gauge(&mut registry, "shard_capacity_blocks", "Blocks the shard's disk share holds", engine, |s| s.capacity_blocks as f64);
+    shard_gauge(&mut registry, "shard_disk_bytes", "Bytes of segment files", engine, |s| s.disk_bytes as f64);
+    shard_gauge(&mut registry, "shard_index_bytes", "Heap bytes of the index", engine, |s| s.index_bytes as f64);
+    shard_gauge(&mut registry, "shard_io_in_flight", "Block reads and writes in flight", engine, |s| s.io_in_flight as f64);
+    shard_gauge(&mut registry, "shard_reactor_utilization", "Executor busy time over wall time since start", engine, |s| {
+        s.reactor_utilization
+    });
+    shard_counter(&mut registry, "shard_puts", "Blocks stored", engine, |s| s.puts);
+    shard_counter(&mut registry, "shard_gets", "Block reads", engine, |s| s.gets);
+    shard_counter(&mut registry, "shard_hits", "Block reads that found the block", engine, |s| s.hits);
+    shard_counter(&mut registry, "shard_misses", "Block reads that did not", engine, |s| s.misses);
+    shard_counter(&mut registry, "shard_deletes", "Blocks deleted", engine, |s| s.deletes);
+    shard_counter(&mut registry, "shard_corrupt_blocks", "Blocks that failed their CRC-32 and were dropped", engine, |s| s.corrupt_blocks);
+    shard_counter(&mut registry, "shard_evicted_blocks", "Blocks dropped by reclaim", engine, |s| s.evicted_blocks);
+    shard_counter(&mut registry, "shard_second_chance_blocks", "Blocks kept by reclaim because they were read", engine, |s| {
+        s.second_chance_blocks
+    });
+    shard_counter(&mut registry, "shard_reclaimed_segments", "Segments reclaimed", engine, |s| s.reclaimed_segments);
+    shard_counter(&mut registry, "shard_bytes_read", "Bytes read from segments", engine, |s| s.bytes_read);
+    shard_counter(&mut registry, "shard_bytes_written", "Bytes written to segments", engine, |s| s.bytes_written);
+    shard_counter(&mut registry, "shard_forwarded_requests", "Operations sent to the shard owning the key", engine, |s| {
+        s.forwarded_requests
+    });
+    let io_latency = Family::<ShardQuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    let io_write = Family::<ShardQuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    for s in engine {
+        for (q, r, w) in [("0.5", s.read_us_p50, s.write_us_p50), ("0.99", s.read_us_p99, s.write_us_p99)] {
+            let label = ShardQuantileLabel { shard: s.shard.to_string(), quantile: q.into() };
+            io_latency.get_or_create(&label).set(r as i64);
+            io_write.get_or_create(&label).set(w as i64);
+        }
+    }
+    registry.register("shard_read_latency_us", "Block read latency percentiles in microseconds", io_latency);
+    registry.register("shard_write_latency_us", "Block write latency percentiles in microseconds", io_write);
+
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");
+    out
+}
