@@ -4,6 +4,7 @@
 #   make test     install test dependencies, run every test
 #   make replay   replay ShareGPT V3 against the running sidecar
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
+#   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -23,7 +24,7 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay bench fmt lint clean-data help
+.PHONY: all build run test deps data replay bench bench-http fmt lint clean-data help
 
 all: build
 
@@ -64,6 +65,14 @@ bench:
 	  echo "installing fio"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fio; }
 	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
+
+# Whole-block PUT/GET at 1.2 MB and 16 MiB, h2c and HTTP/1.1, concurrency
+# 1 and 16, beside iperf3 loopback bandwidth, in 3 pairs.
+bench-http: build
+	@command -v iperf3 >/dev/null || { \
+	  echo "installing iperf3"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
+	loadgen/scripts/bench_http.sh
 
 fmt:
 	$(CARGO) fmt --all

@@ -6,6 +6,7 @@
 //! the server's integration tests use [`client`] directly.
 #![deny(missing_docs)]
 
+pub mod blocks;
 pub mod client;
 pub mod keys;
 pub mod payload;

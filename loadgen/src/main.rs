@@ -25,6 +25,35 @@ enum Command {
     /// block keys, GET the prefix hits, PUT the misses and the blocks the
     /// reply completes.
     Replay(ReplayArgs),
+    /// Whole-block PUT or GET throughput at one concurrency: the raw
+    /// transfer path, to set beside iperf3 (loopback bandwidth) or fio.
+    Blocks(BlocksArgs),
+}
+
+#[derive(Args, Debug)]
+struct BlocksArgs {
+    /// kvtier server URL.
+    #[arg(long, default_value = "http://127.0.0.1:8085")]
+    target: String,
+    /// put or get.
+    #[arg(long, value_enum)]
+    op: kvtier_loadgen::blocks::BlockOp,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// Speak HTTP/1.1 (one connection per request in flight) instead of
+    /// HTTP/2 (prior knowledge).
+    #[arg(long)]
+    http1: bool,
+    /// HTTP/2 connections.
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
+    /// Directory for results.json.
+    #[arg(long, default_value = "target/loadgen/blocks")]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -77,6 +106,7 @@ fn main() -> ExitCode {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = match cli.command {
         Command::Replay(args) => runtime.block_on(replay_cmd(args)),
+        Command::Blocks(args) => runtime.block_on(blocks_cmd(args)),
     };
     match result {
         Ok(code) => code,
@@ -161,4 +191,29 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+async fn blocks_cmd(args: BlocksArgs) -> Result<ExitCode, String> {
+    let client = Arc::new(Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?);
+    let (block_bytes, _, _) = client.geometry().await.map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
+    let results = kvtier_loadgen::blocks::run(client, args.op, args.concurrency, Duration::from_secs_f64(args.duration_s), block_bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let file = args.out.join("results.json");
+    std::fs::write(&file, serde_json::to_string_pretty(&results).expect("results serialize") + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    println!(
+        "blocks: {} {} x{} of {} bytes: {} requests ({} errors), {:.0} MB/s, p50/p99 {}/{} µs",
+        results.protocol,
+        results.op,
+        results.concurrency,
+        results.block_bytes,
+        results.requests,
+        results.errors,
+        results.bytes_per_s / 1e6,
+        results.latency.p50_us,
+        results.latency.p99_us
+    );
+    Ok(if results.errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
