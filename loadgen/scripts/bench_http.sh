@@ -15,6 +15,11 @@ SECONDS_PER=${SECONDS_PER:-5}
 OUT=${OUT:-target/bench/http}
 BIN=target/release
 IPERF_PORT=5299
+# iperf3 takes whole seconds (and runs forever on -t 0).
+if ! [[ "$SECONDS_PER" =~ ^[1-9][0-9]*$ ]]; then
+  echo "SECONDS_PER must be a whole number of seconds >= 1, got '$SECONDS_PER'" >&2
+  exit 2
+fi
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 iperf3 -s -p $IPERF_PORT >"$OUT/iperf3-server.log" 2>&1 &
