@@ -44,6 +44,10 @@ pub const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// See [`H2_KEEP_ALIVE_INTERVAL`].
 pub const H2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// A connection with no request in flight for this long is closed
+/// (`--idle-timeout-s`). HTTP/2 keep-alive pings do not count as use.
+pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
+
 /// Open connections per shard; past it, new connections wait in the
 /// kernel's accept queue.
 pub const CONNECTIONS_PER_SHARD_MAX: usize = 1024;

@@ -71,6 +71,10 @@ struct ServeArgs {
     /// `Authorization: Bearer <token>`. Surrounding whitespace is ignored.
     #[arg(long)]
     auth_token_file: Option<PathBuf>,
+    /// Close a connection after this many seconds without a request in
+    /// flight (HTTP/2 pings do not count as use).
+    #[arg(long, default_value_t = limits::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
+    idle_timeout_s: f64,
     /// Log filter: error, warn, info, debug, trace, or a tracing
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
@@ -222,6 +226,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
+    if !(args.idle_timeout_s.is_finite() && args.idle_timeout_s > 0.0) {
+        return Err(format!("--idle-timeout-s must be a positive number of seconds, got {}", args.idle_timeout_s));
+    }
     let config = args.store.config()?;
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
@@ -241,6 +248,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
         http: metrics::HttpStats::new(config.shards),
+        idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
     });
     let (shards, geometry, data_dir) = (config.shards, config.geometry.clone(), config.data_dir.clone());
     let engine = {

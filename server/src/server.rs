@@ -3,11 +3,13 @@
 //! across shards) and serves HTTP/2 with prior knowledge or HTTP/1.1,
 //! detected per connection from the first bytes.
 
+use std::cell::Cell;
 use std::net::SocketAddr;
+use std::os::unix::io::AsRawFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use glommio::net::TcpListener;
 use glommio::sync::Semaphore;
@@ -34,6 +36,38 @@ pub struct Shared {
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
     /// Request metrics of every shard.
     pub http: Arc<HttpStats>,
+    /// Close a connection after this long without a request in flight.
+    pub idle_timeout: Duration,
+}
+
+/// What a connection's watchdog needs to know about its use.
+#[derive(Default)]
+struct ConnUse {
+    in_flight: Cell<u32>,
+    /// When the last request finished (or the connection opened).
+    last: Cell<Option<Instant>>,
+    closed: Cell<bool>,
+}
+
+/// Closes the connection's socket once it has had no request in flight for
+/// `idle`. Runs on the connection's executor, so the `closed` check and the
+/// `shutdown(2)` cannot be separated by the fd's reuse.
+async fn idle_watchdog(fd: std::os::unix::io::RawFd, usage: Rc<ConnUse>, idle: Duration) {
+    let tick = (idle / 4).max(Duration::from_millis(50));
+    loop {
+        glommio::timer::sleep(tick).await;
+        if usage.closed.get() {
+            return;
+        }
+        let quiet = usage.last.get().is_some_and(|t| t.elapsed() >= idle);
+        if usage.in_flight.get() == 0 && quiet {
+            tracing::debug!(fd, "closing connection idle for {idle:?}");
+            // SAFETY: the connection task still owns this open fd (not
+            // `closed`); shutdown only ends the stream, the task closes it.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            return;
+        }
+    }
 }
 
 impl Shared {
@@ -146,13 +180,27 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         stats.shard(shard_id).connections_open.fetch_add(1, Ordering::Relaxed);
         stats.shard(shard_id).connections_total.fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
-        let service = hyper::service::service_fn(move |req| routes::handle(ctx.clone(), req));
+        let usage = Rc::new(ConnUse::default());
+        usage.last.set(Some(Instant::now()));
+        glommio::spawn_local(idle_watchdog(stream.as_raw_fd(), usage.clone(), shared.idle_timeout)).detach();
+        let closing = usage.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let (ctx, usage) = (ctx.clone(), usage.clone());
+            async move {
+                usage.in_flight.set(usage.in_flight.get() + 1);
+                let reply = routes::handle(ctx, req).await;
+                usage.in_flight.set(usage.in_flight.get() - 1);
+                usage.last.set(Some(Instant::now()));
+                reply
+            }
+        });
         let conn = builder.serve_connection(GlommioIo::new(stream), service).into_owned();
         let watched = graceful.watcher().watch(conn);
         glommio::spawn_local(async move {
             if let Err(e) = watched.await {
                 tracing::debug!("connection closed with error: {e}");
             }
+            closing.closed.set(true);
             drop(permit);
             stats.shard(shard_id).connections_open.fetch_sub(1, Ordering::Relaxed);
         })

@@ -358,3 +358,34 @@ async fn readme_curl_examples_work_as_written() {
     }
     server.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = test_args(dir.path());
+    args.extend(["--idle-timeout-s".to_string(), "1".to_string()]);
+    let server = start(&args);
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let closed_after = tokio::task::spawn_blocking(move || {
+        // A client that connects and says nothing.
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let t = std::time::Instant::now();
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).unwrap_or(usize::MAX);
+        (n, t.elapsed())
+    })
+    .await
+    .unwrap();
+    assert_eq!(closed_after.0, 0, "the server closes the idle connection");
+    assert!(closed_after.1 >= std::time::Duration::from_millis(900), "{:?}", closed_after.1);
+    // An HTTP/2 client that made a request and went quiet is dropped too;
+    // a new connection works.
+    let c = client(&server, false);
+    c.put("idle", vec![payload("idle")]).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let stats = client(&server, false).stats().await.unwrap();
+    let open: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["connections_open"].as_u64().unwrap()).sum();
+    assert_eq!(open, 1, "only the stats request's own connection is open: {stats}");
+    server.stop();
+}
