@@ -250,9 +250,19 @@ impl Segment {
     /// # Errors
     /// [`Error::Io`] on failure or a short read.
     pub async fn read_slot(&self, slot: u32, len: u64) -> Result<ReadResult> {
+        self.read_slot_range(slot, 0, len).await
+    }
+
+    /// Reads `len` bytes from `offset` bytes into slot `slot`; both multiples
+    /// of [`PAGE_BYTES`].
+    ///
+    /// # Errors
+    /// [`Error::Io`] on failure or a short read.
+    pub async fn read_slot_range(&self, slot: u32, offset: u64, len: u64) -> Result<ReadResult> {
+        debug_assert!(offset.is_multiple_of(PAGE_BYTES) && offset + len <= self.slot_bytes);
         let rr = self
             .file
-            .read_at_aligned(self.slot_offset(slot), len as usize)
+            .read_at_aligned(self.slot_offset(slot) + offset, len as usize)
             .await
             .map_err(|e| Error::glommio(format!("reading slot {slot} of segment {}", self.id), e))?;
         if (rr.len() as u64) < len {

@@ -40,6 +40,11 @@ use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 /// writes of a segment to drain (and reads wait for a compaction).
 const RECLAIM_POLL: Duration = Duration::from_micros(200);
 
+/// A block read is split into concurrent reads of at most this many bytes:
+/// each fits glommio's registered I/O memory, and the device works on
+/// several at once (one 16 MiB read ran at ~0.5× fio's throughput here).
+const READ_CHUNK_BYTES: u64 = 4 << 20;
+
 /// At most this fraction of a reclaimed segment's slots is kept by second
 /// chance, so every reclaim frees at least half a segment even when every
 /// block in it is hot.
@@ -595,11 +600,15 @@ impl Shard {
         let started = Instant::now();
         let block_bytes = self.cfg.geometry.block_bytes;
         bump(&self.counters.io_in_flight, 1);
-        let read = segment.read_slot(entry.slot, slot::slot_bytes(block_bytes)).await;
+        let total = slot::slot_bytes(block_bytes);
+        let reads = (0..total)
+            .step_by(READ_CHUNK_BYTES as usize)
+            .map(|offset| segment.read_slot_range(entry.slot, offset, READ_CHUNK_BYTES.min(total - offset)));
+        let read: Result<Vec<_>> = futures::future::join_all(reads).await.into_iter().collect();
         self.counters.io_in_flight.set(self.counters.io_in_flight.get() - 1);
-        let data = read?;
-        bump(&self.counters.bytes_read, data.len() as u64);
-        let header = match SlotHeader::decode(&data[..PAGE_BYTES as usize]) {
+        let chunks = read?;
+        bump(&self.counters.bytes_read, total);
+        let header = match SlotHeader::decode(&chunks[0][..PAGE_BYTES as usize]) {
             Ok(h) => h,
             Err(fault) => return Err(self.drop_corrupt(hash, entry, &format!("slot header invalid ({fault:?})"))),
         };
@@ -616,11 +625,24 @@ impl Shard {
             tracing::warn!(shard = self.id(), key, "block hash collision; answering as a miss");
             return Err(Error::NotFound);
         }
-        let payload = &data[PAGE_BYTES as usize..PAGE_BYTES as usize + block_bytes as usize];
-        if crc32fast::hash(payload) != header.payload_crc {
+        // The payload is bytes PAGE_BYTES..PAGE_BYTES + block_bytes of the
+        // slot, spread over the chunks.
+        let payload_end = (PAGE_BYTES + block_bytes) as usize;
+        let parts: Vec<&[u8]> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let start = i * READ_CHUNK_BYTES as usize;
+                let from = (PAGE_BYTES as usize).saturating_sub(start).min(c.len());
+                let to = payload_end.saturating_sub(start).min(c.len());
+                &c[from..to.max(from)]
+            })
+            .collect();
+        let mut crc = crc32fast::Hasher::new();
+        let bytes = self.read_buffers.copy_parts(&parts, |step| crc.update(step));
+        if crc.finalize() != header.payload_crc {
             return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
         }
-        let bytes = self.read_buffers.copy(payload);
         segment.referenced.borrow_mut()[entry.slot as usize] = true;
         let _ = self.read_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
         Ok(bytes)
