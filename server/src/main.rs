@@ -184,6 +184,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// Fails when something already accepts connections on `addr`. A bind
+/// cannot tell: glommio binds with SO_REUSEPORT, which would share the port
+/// with a live kvtier, and a plain bind is refused by the previous run's
+/// connections still in TIME-WAIT (a restart right after a stop).
+fn port_is_free(addr: SocketAddr) -> std::io::Result<()> {
+    let probe = match addr.ip() {
+        ip if ip.is_unspecified() && addr.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
+        ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
+        _ => addr,
+    };
+    match std::net::TcpStream::connect_timeout(&probe, std::time::Duration::from_millis(500)) {
+        Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "a server already accepts connections there")),
+        Err(_) => Ok(()),
+    }
+}
+
 /// Holds an exclusive `flock` on `<data-dir>/LOCK` for the process's life,
 /// so two servers never write one data directory.
 fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
@@ -232,10 +248,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let config = args.store.config()?;
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
-    // with another process: check first that it is free.
+    // with another process: check first that nothing listens on it.
     if args.listen.port() != 0 {
-        std::net::TcpListener::bind(args.listen)
-            .map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
+        port_is_free(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
     }
 
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])

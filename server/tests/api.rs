@@ -389,3 +389,36 @@ async fn idle_connections_are_closed() {
     assert_eq!(open, 1, "only the stats request's own connection is open: {stats}");
     server.stop();
 }
+
+/// A restart right after a stop, on a fixed port whose server-closed
+/// connections are still in TIME-WAIT, must not be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immediate_restart_on_the_same_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut args = test_args(dir.path());
+    args[1] = format!("127.0.0.1:{port}");
+    let server = start(&args);
+    let url = server.url.clone();
+    tokio::task::spawn_blocking(move || {
+        for _ in 0..3 {
+            // Connection: close makes the server close first: TIME-WAIT on its port.
+            let out =
+                std::process::Command::new("curl").args(["-s", "-H", "Connection: close", &format!("{url}/healthz")]).output().unwrap();
+            assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+        }
+    })
+    .await
+    .unwrap();
+    assert!(server.stop().success());
+    let again = start(&args);
+    assert_eq!(again.url, format!("http://127.0.0.1:{port}"));
+    // A second server on the same port (another data directory) is refused,
+    // not silently given half the connections by SO_REUSEPORT.
+    let other = tempfile::tempdir().unwrap();
+    let mut clash = test_args(other.path());
+    clash[1] = format!("127.0.0.1:{port}");
+    let (_, stderr) = try_start(&clash).err().expect("must refuse a taken port");
+    assert!(stderr.contains("already accepts connections"), "{stderr}");
+    again.stop();
+}
