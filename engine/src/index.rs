@@ -192,7 +192,7 @@ pub mod snapshot {
     /// File name inside the shard directory.
     pub const FILE: &str = "index.snapshot";
     const MAGIC: u32 = u32::from_le_bytes(*b"KVIX");
-    const VERSION: u32 = 1;
+    const VERSION: u32 = 2;
     const PREAMBLE_BYTES: usize = 16;
 
     /// One segment as the snapshot saw it.
@@ -210,6 +210,9 @@ pub mod snapshot {
         /// Writes may have landed in it after the snapshot (it was the head,
         /// or had writes in flight): recovery reads its headers again.
         pub rescan: bool,
+        /// With `rescan`: the first slot that can hold a record the snapshot
+        /// does not cover; recovery reads headers from here on.
+        pub scan_from_slot: u32,
     }
 
     /// One index entry.
@@ -286,7 +289,7 @@ pub mod snapshot {
                 shard: 1,
                 covered_seq: 10,
                 next_seq: 12,
-                segments: vec![SegmentState { id: 0, first_seq: 1, slots_used: 3, max_seq: 11, rescan: true }],
+                segments: vec![SegmentState { id: 0, first_seq: 1, slots_used: 3, max_seq: 11, rescan: true, scan_from_slot: 2 }],
                 entries: vec![EntryState { hash_lo: 1, hash_hi: 2, segment: 0, slot: 2, seq: 11 }],
             };
             let bytes = encode(&s);

@@ -113,11 +113,11 @@ fn load_snapshot(dir: &Path, shard_id: u32, report: &mut RecoveryReport) -> Opti
     }
 }
 
-/// Reads every slot header of `segment`, returning the valid records of its
-/// current life and counting the invalid ones.
-async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, report: &mut RecoveryReport) -> Result<Vec<Record>> {
+/// Reads the slot headers of `segment` from `from_slot` on, returning the
+/// valid records of its current life and counting the invalid ones.
+async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, report: &mut RecoveryReport) -> Result<Vec<Record>> {
     let first_seq = segment.first_seq.get();
-    let headers: Vec<(u32, Result<Result<SlotHeader, HeaderFault>>)> = stream::iter(0..shard.slots_per_segment)
+    let headers: Vec<(u32, Result<Result<SlotHeader, HeaderFault>>)> = stream::iter(from_slot..shard.slots_per_segment)
         .map(|slot| {
             let segment = segment.clone();
             async move {
@@ -191,7 +191,8 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
             fresh.insert(*id, sb.first_seq);
         }
         if same_life.is_none_or(|s| s.rescan) {
-            for r in scan_segment(&shard, &segment, &mut report).await? {
+            let from_slot = same_life.map_or(0, |s| s.scan_from_slot);
+            for r in scan_segment(&shard, &segment, from_slot, &mut report).await? {
                 used = used.max(r.slot + 1);
                 max_seq = max_seq.max(r.seq);
                 if r.seq >= covered_seq {

@@ -228,7 +228,7 @@ pub struct Shard {
     pub(crate) next_seq: Cell<u64>,
     /// Sequence numbers taken by writes not yet complete, with their
     /// segment: a snapshot covers only what lies below the lowest.
-    inflight: RefCell<BTreeMap<u64, u32>>,
+    inflight: RefCell<BTreeMap<u64, (u32, u32)>>,
     /// Highest sequence number recorded per segment id (for snapshots).
     pub(crate) max_seq: RefCell<Vec<u64>>,
     alloc_lock: Semaphore,
@@ -408,7 +408,7 @@ impl Shard {
                     segment.writers.set(segment.writers.get() + 1);
                     let seq = self.next_seq.get();
                     self.next_seq.set(seq + 1);
-                    self.inflight.borrow_mut().insert(seq, id);
+                    self.inflight.borrow_mut().insert(seq, (id, used));
                     return Ok((segment, used, seq));
                 }
                 self.sealed.borrow_mut().push_back(id);
@@ -539,6 +539,10 @@ impl Shard {
             };
             let seq = self.next_seq.get();
             self.next_seq.set(seq + 1);
+            // In flight like any write, so a snapshot taken meanwhile does
+            // not claim to cover it.
+            self.inflight.borrow_mut().insert(seq, (segment.id, j));
+            let _inflight = InFlightSeq { shard: self, seq };
             header.seq = seq;
             let mut buf = self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(self.slot_bytes as usize));
             buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
@@ -715,7 +719,15 @@ impl Shard {
                 rescan: self.head.get() == Some(seg.id)
                     || seg.writers.get() > 0
                     || seg.compacting.get()
-                    || inflight.values().any(|s| *s == seg.id),
+                    || inflight.values().any(|(s, _)| *s == seg.id),
+                // Writes the snapshot does not cover can only be in slots
+                // from the lowest one in flight (or the next free one) on; a
+                // compaction rewrites from slot 0.
+                scan_from_slot: if seg.compacting.get() {
+                    0
+                } else {
+                    inflight.values().filter(|(s, _)| *s == seg.id).map(|(_, slot)| *slot).min().unwrap_or(seg.slots_used.get())
+                },
             })
             .collect();
         let entries = self
