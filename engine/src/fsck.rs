@@ -95,7 +95,7 @@ pub fn fsck(data_dir: &Path) -> Result<FsckReport> {
         let mut damaged = Vec::new();
         for (id, path) in files {
             let sb = match segment::read_superblock(&path)? {
-                Some(sb) if sb.shard == shard && sb.segment_id == id && sb.slot_bytes == slot_bytes => sb,
+                Some(sb) if sb.belongs_to(shard, id, slot_bytes, manifest.segment_bytes) => sb,
                 _ => {
                     report.foreign_files.push(path);
                     continue;
@@ -167,17 +167,19 @@ fn check_segment(
         if header.seq < sb.first_seq {
             continue; // an earlier life of the segment
         }
+        match header.kind {
+            RecordKind::Tombstone => report.tombstones += 1,
+            RecordKind::Block => report.blocks_checked += 1,
+        }
+        if !header.is_consistent(block_bytes) {
+            // Recovery skips such a record, so it takes no part in liveness.
+            damaged.push(damage("slot header inconsistent with its key or the block size".into(), Some(&header)));
+            continue;
+        }
         let intact = match header.kind {
-            RecordKind::Tombstone => {
-                report.tombstones += 1;
-                true
-            }
+            RecordKind::Tombstone => true,
             RecordKind::Block => {
-                report.blocks_checked += 1;
-                if header.payload_len != block_bytes || header.hash != BlockHash::of(&header.key) {
-                    damaged.push(damage("slot header inconsistent with its key or the block size".into(), Some(&header)));
-                    false
-                } else if at + PAGE_BYTES + block_bytes > len {
+                if at + PAGE_BYTES + block_bytes > len {
                     damaged.push(damage("payload truncated".into(), Some(&header)));
                     false
                 } else {

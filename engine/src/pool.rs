@@ -33,14 +33,6 @@ impl BufferPool {
         Arc::new(BufferPool { block_bytes: block_bytes as usize, idle_max, idle: Mutex::new(Vec::new()) })
     }
 
-    /// Copies `payload` (exactly `block_bytes`) into a pooled buffer.
-    pub fn copy(self: &Arc<Self>, payload: &[u8]) -> Bytes {
-        assert_eq!(payload.len(), self.block_bytes, "pooled buffers hold whole blocks");
-        let mut buf = self.idle.lock().expect("pool lock").pop().unwrap_or_else(|| vec![0u8; self.block_bytes]);
-        buf.copy_from_slice(payload);
-        Bytes::from_owner(Pooled { buf, pool: self.clone() })
-    }
-
     /// Copies `parts` (together exactly `block_bytes`) into a pooled buffer
     /// in cache-sized steps, handing each step to `inspect` just before it
     /// is copied, so a checksum and the copy read the bytes while they are
@@ -93,13 +85,13 @@ mod tests {
     #[test]
     fn buffers_return_to_the_pool_from_any_thread() {
         let pool = BufferPool::new(4096);
-        let a = pool.copy(&[7u8; 4096]);
+        let a = pool.copy_parts(&[&[7u8; 4096]], |_| {});
         let b = a.slice(10..20);
         drop(a);
         assert_eq!(pool.idle(), 0, "a slice still holds the buffer");
         std::thread::spawn(move || drop(b)).join().unwrap();
         assert_eq!(pool.idle(), 1);
-        let c = pool.copy(&[9u8; 4096]);
+        let c = pool.copy_parts(&[&[9u8; 2048], &[9u8; 2048]], |_| {});
         assert!(c.iter().all(|x| *x == 9));
         assert_eq!(pool.idle(), 0, "the idle buffer was reused");
     }

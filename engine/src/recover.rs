@@ -68,14 +68,7 @@ fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32,
             continue;
         };
         match segment::read_superblock(&path)? {
-            Some(sb)
-                if sb.shard == cfg.shard_id
-                    && sb.segment_id == id
-                    && sb.slot_bytes == shard.slot_bytes
-                    && sb.segment_bytes == cfg.segment_bytes =>
-            {
-                found.push((id, sb, path))
-            }
+            Some(sb) if sb.belongs_to(cfg.shard_id, id, shard.slot_bytes, cfg.segment_bytes) => found.push((id, sb, path)),
             other => {
                 report.foreign_files += 1;
                 tracing::warn!(shard = cfg.shard_id, "ignoring {}: not a segment of this store (superblock {other:?})", path.display());
@@ -144,12 +137,7 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
         if header.seq < first_seq {
             continue; // left over from the segment's earlier life
         }
-        let consistent = header.hash == BlockHash::of(&header.key)
-            && match header.kind {
-                RecordKind::Block => header.payload_len == shard.cfg.geometry.block_bytes,
-                RecordKind::Tombstone => header.payload_len == 0,
-            };
-        if !consistent {
+        if !header.is_consistent(shard.cfg.geometry.block_bytes) {
             report.headers_invalid += 1;
             tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping inconsistent slot header");
             continue;

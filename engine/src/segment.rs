@@ -79,6 +79,12 @@ impl Superblock {
         debug_assert_eq!(Superblock::decode(page), Some(*self));
     }
 
+    /// Whether this superblock is segment `segment_id` of `shard` in a store
+    /// with these slot and segment sizes; any other file is foreign.
+    pub fn belongs_to(&self, shard: u32, segment_id: u32, slot_bytes: u64, segment_bytes: u64) -> bool {
+        self.shard == shard && self.segment_id == segment_id && self.slot_bytes == slot_bytes && self.segment_bytes == segment_bytes
+    }
+
     /// Decodes a page; `None` when the magic, version or CRC is wrong.
     pub fn decode(page: &[u8]) -> Option<Superblock> {
         if page.len() < PAGE_BYTES as usize {

@@ -326,9 +326,7 @@ impl Shard {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
-        let write_len = slot::slot_bytes(block_bytes);
-        debug_assert_eq!(write_len, self.slot_bytes);
-        let mut buf = self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(write_len as usize));
+        let mut buf = self.take_write_buffer();
         let bytes = buf.as_bytes_mut();
         let mut crc = crc32fast::Hasher::new();
         let mut at = PAGE_BYTES as usize;
@@ -544,7 +542,7 @@ impl Shard {
             self.inflight.borrow_mut().insert(seq, (segment.id, j));
             let _inflight = InFlightSeq { shard: self, seq };
             header.seq = seq;
-            let mut buf = self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(self.slot_bytes as usize));
+            let mut buf = self.take_write_buffer();
             buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
             header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
             let buf = Rc::new(buf);
@@ -560,6 +558,12 @@ impl Shard {
             bump(&self.counters.second_chance_blocks, 1);
         }
         Ok(())
+    }
+
+    /// A slot-sized DMA buffer: a pooled one, or a new one when the pool is
+    /// empty. Its contents are whatever the last write left.
+    fn take_write_buffer(&self) -> DmaBuffer {
+        self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(self.slot_bytes as usize))
     }
 
     /// Returns a slot-sized write buffer to the pool once its write is done.

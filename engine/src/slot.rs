@@ -146,6 +146,19 @@ impl SlotHeader {
     }
 }
 
+impl SlotHeader {
+    /// Whether a decoded header is a record this store can hold: its hash is
+    /// its key's, and its length fits its kind (`block_bytes` for a block,
+    /// 0 for a tombstone). Recovery skips, and fsck reports, any that is not.
+    pub fn is_consistent(&self, block_bytes: u64) -> bool {
+        self.hash == BlockHash::of(&self.key)
+            && match self.kind {
+                RecordKind::Block => self.payload_len == block_bytes,
+                RecordKind::Tombstone => self.payload_len == 0,
+            }
+    }
+}
+
 /// Bytes one slot takes on disk for a payload of `payload_bytes`: a header
 /// page plus the payload rounded up to whole pages.
 pub const fn slot_bytes(payload_bytes: u64) -> u64 {

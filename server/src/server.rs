@@ -145,7 +145,6 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
     }
     let ctx =
         Rc::new(Ctx { store: store.clone(), auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])), http: shared.http.clone() });
-    let counters = shared.http.clone();
     let shard_id = store.shard_id();
     let builder = builder();
     let graceful = GracefulShutdown::new();
@@ -176,7 +175,7 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             }
         };
         let _ = stream.set_nodelay(true);
-        let stats = counters.clone();
+        let stats = ctx.http.clone();
         stats.shard(shard_id).connections_open.fetch_add(1, Ordering::Relaxed);
         stats.shard(shard_id).connections_total.fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
