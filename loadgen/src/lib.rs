@@ -1,9 +1,11 @@
 //! # kvtier-loadgen
 //!
-//! Load generation for kvtier: replay of real conversations (ShareGPT V3)
-//! through the block API, with chained block keys, verified payloads and
-//! hdrhistogram latency percentiles. The binary `kvtier-loadgen` wraps it;
-//! the server's integration tests use [`client`] directly.
+//! Load generation for kvtier: concurrency sweeps with a fixed operation mix
+//! ([`sweep`]) and replay of real conversations ([`replay`], ShareGPT V3),
+//! against kvtier or Redis ([`target`]), with chained block keys, verified
+//! payloads, hdrhistogram latency percentiles, JSON results and HTML
+//! reports ([`report`]). The binary `kvtier-loadgen` wraps it; the server's
+//! integration tests use it directly.
 #![deny(missing_docs)]
 
 pub mod blocks;
@@ -11,5 +13,8 @@ pub mod client;
 pub mod keys;
 pub mod payload;
 pub mod replay;
+pub mod report;
 pub mod sharegpt;
 pub mod stats;
+pub mod sweep;
+pub mod target;

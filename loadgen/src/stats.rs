@@ -37,6 +37,20 @@ impl OpLatency {
         self.hist.len()
     }
 
+    /// The distribution in log-spaced buckets for charts: `(upper_us, count)`
+    /// with upper bounds 1, 2, 4, … µs (powers of two), empty buckets left
+    /// out.
+    pub fn buckets(&self) -> Vec<(u64, u64)> {
+        if self.hist.is_empty() {
+            return Vec::new();
+        }
+        self.hist
+            .iter_log(1, 2.0)
+            .filter(|v| v.count_since_last_iteration() > 0)
+            .map(|v| (v.value_iterated_to(), v.count_since_last_iteration()))
+            .collect()
+    }
+
     /// Percentiles for reports.
     pub fn summary(&self) -> LatencySummary {
         let q = |p: f64| {

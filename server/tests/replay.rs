@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_loadgen::client::Client;
+use kvtier_loadgen::target::Target;
 use kvtier_loadgen::{replay, sharegpt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -23,12 +23,13 @@ async fn replay_of_sample_hits_on_second_pass() {
         passes: Some(1),
         max_context_tokens: 8192,
         verify_full: true,
-        progress_every: None,
+        generation: replay::GenerationMode::None,
+        progress: false,
     };
     let mut passes = Vec::new();
     for http1 in [false, true] {
-        let client = Arc::new(Client::new(&server.url, http1, 1).unwrap());
-        let geometry = client.geometry().await.unwrap();
+        let client = Arc::new(Target::open(&server.url, http1, 1, 4).await.unwrap());
+        let geometry = client.geometry().await.unwrap().expect("kvtier has a geometry");
         assert_eq!(geometry.0, common::BLOCK_BYTES);
         passes.push(replay::run(client, dataset.clone(), path.clone(), geometry, cfg.clone()).await);
     }
@@ -43,5 +44,17 @@ async fn replay_of_sample_hits_on_second_pass() {
     // Every block the first pass wrote is found: the store is big enough.
     assert_eq!(second.prefix_hit_rate, 1.0);
     assert!(second.gets > 0 && second.get_latency.p50_us > 0);
+    // Per tier, per QoS class, over time, and the report.
+    assert_eq!(second.get_latency_by_tier["nvme"].count, second.blocks_read, "{:?}", second.get_latency_by_tier);
+    let classes: Vec<_> = second.qos.iter().map(|q| (q.class.name(), q.users)).collect();
+    assert_eq!(classes, [("interactive", 2), ("responsive", 1), ("batch", 1)]);
+    let turns: u64 = second.qos.iter().map(|q| q.turn_latency.count).sum();
+    assert!(turns > 0 && turns <= second.turns, "{turns} turn latencies for {} turns", second.turns);
+    assert!(second.qos.iter().all(|q| (0.0..=1.0).contains(&q.within_sla)));
+    assert!(!second.timeline.is_empty());
+    assert_eq!(second.timeline.iter().map(|p| p.tokens_looked_up).sum::<u64>(), second.tokens_looked_up);
+    assert_eq!(second.timeline.iter().map(|p| p.blocks_read).sum::<u64>(), second.blocks_read);
+    let html = kvtier_loadgen::report::replay_html(second);
+    assert!(html.matches("<svg").count() >= 4 && html.contains("interactive") && html.contains("GET from nvme"));
     server.stop();
 }
