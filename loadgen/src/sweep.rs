@@ -19,7 +19,8 @@
 //!   same bytes: a refresh, so every read stays checkable).
 //!
 //! **Measuring.** A level runs `warmup` and then `duration`; an operation or
-//! iteration counts when it completes inside the measured window. Server
+//! iteration counts when it completes inside the measured window (so the
+//! warm-up should be longer than one iteration at the highest level). Server
 //! bandwidth is the difference of the target's byte counters read at the
 //! window's edges.
 
@@ -505,7 +506,11 @@ impl Level {
                 }
             }
             let done = Instant::now();
-            if self.window.contains(done) && iteration_start >= self.window.start {
+            // Counted like every operation, by completion: an iteration
+            // begun in the warm-up and ended in the window counts, one
+            // ended after the window does not (requiring both ends inside
+            // would drop every iteration longer than the window).
+            if self.window.contains(done) {
                 st.iteration.record((done - iteration_start).as_micros() as u64);
             }
         }
