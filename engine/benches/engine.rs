@@ -176,6 +176,9 @@ fn main() {
             io_depth_max: *plan.depths.iter().max().unwrap(),
             pin_cpus: true,
             snapshot_secs: 0,
+            ram_bytes: 0,
+            write_policy: kvtier_engine::WritePolicy::Through,
+            promote: false,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

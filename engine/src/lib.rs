@@ -11,6 +11,8 @@
 //! - [`segment`]: preallocated segment files and their superblock.
 //! - [`index`]: the per-shard hash index and its snapshot.
 //! - [`pool`]: reusable buffers for GET responses.
+//! - [`ram`]: the RAM tier: a slot arena with LRU order and zero-copy reads.
+//! - [`tier`]: tier names, write policy, per-tier counters.
 //! - [`shard`]: one shard's write path, read path and reclaim.
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
@@ -26,13 +28,16 @@ pub mod geometry;
 pub mod index;
 pub mod key;
 pub mod pool;
+pub mod ram;
 pub mod recover;
 pub mod segment;
 pub mod shard;
 pub mod slot;
 pub mod store;
+pub mod tier;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};
 pub use shard::{PutOutcome, ShardStats};
-pub use store::{run, Block, Store, StoreConfig, Tier};
+pub use store::{run, Block, Store, StoreConfig};
+pub use tier::{Tier, TierStats, WritePolicy};

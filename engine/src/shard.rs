@@ -13,6 +13,13 @@
 //! Read path ([`Shard::get`]): one aligned read of header and payload, check
 //! the header (CRC, sequence number, full key), then the payload CRC-32, and
 //! only then copy the payload out.
+//!
+//! Above the log sits the RAM tier ([`crate::ram`], `ram_blocks` slots):
+//! PUTs land there too (write-through: after the NVMe write; write-back:
+//! instead of it, until demoted), GETs look there first, and an NVMe read
+//! promotes its block into RAM when `promote` is on. A full RAM tier moves
+//! its least recently used block down: dropped (its NVMe copy stays) or, if
+//! it is only in RAM (write-back), written to the log first.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -33,8 +40,10 @@ use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState};
 use crate::index::{Entry, Index};
 use crate::key::BlockHash;
 use crate::pool::BufferPool;
+use crate::ram::RamTier;
 use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
@@ -69,6 +78,12 @@ pub struct ShardConfig {
     pub io_depth_max: usize,
     /// Write an index snapshot this often (0: only at clean close).
     pub snapshot_secs: u64,
+    /// Slots of the RAM tier (0: no RAM tier).
+    pub ram_blocks: u32,
+    /// When PUTs are acknowledged.
+    pub write_policy: WritePolicy,
+    /// Whether a read from NVMe promotes the block into RAM.
+    pub promote: bool,
 }
 
 impl ShardConfig {
@@ -101,10 +116,6 @@ struct Counters {
     io_in_flight: Cell<u64>,
     snapshots_written: Cell<u64>,
     forwarded_requests: Cell<u64>,
-}
-
-fn bump(c: &Cell<u64>, by: u64) {
-    c.set(c.get() + by);
 }
 
 /// What recovery found when the shard opened.
@@ -200,6 +211,12 @@ pub struct ShardStats {
     pub write_us_p99: u64,
     /// What recovery found at open.
     pub recovery: RecoveryReport,
+    /// When PUTs are acknowledged.
+    pub write_policy: WritePolicy,
+    /// Whether NVMe reads promote into RAM.
+    pub promote: bool,
+    /// Per tier, fastest first (RAM only when configured).
+    pub tiers: Vec<TierStats>,
 }
 
 /// Outcome of a successful PUT.
@@ -243,6 +260,14 @@ pub struct Shard {
     write_us: RefCell<Histogram<u64>>,
     pub(crate) recovery: RefCell<RecoveryReport>,
     started: Instant,
+    /// The RAM tier, if configured.
+    ram: Option<RefCell<RamTier>>,
+    ram_counters: TierCounters,
+    /// NVMe-tier counters the segment log does not keep itself: reads it
+    /// served, reads that missed it, blocks demoted into it.
+    nvme_hits: Cell<u64>,
+    nvme_misses: Cell<u64>,
+    nvme_promotions: Cell<u64>,
 }
 
 impl Shard {
@@ -264,6 +289,10 @@ impl Shard {
             )));
         }
         let capacity_blocks = cfg.segments_max as usize * slots_per_segment as usize;
+        let ram = match cfg.ram_blocks {
+            0 => None,
+            n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
+        };
         let histogram = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
         Ok(Shard {
             slot_bytes,
@@ -285,6 +314,11 @@ impl Shard {
             write_us: RefCell::new(histogram()),
             recovery: RefCell::new(RecoveryReport::default()),
             started: Instant::now(),
+            ram,
+            ram_counters: TierCounters::default(),
+            nvme_hits: Cell::new(0),
+            nvme_misses: Cell::new(0),
+            nvme_promotions: Cell::new(0),
             cfg,
         })
     }
@@ -314,12 +348,109 @@ impl Shard {
         }
     }
 
-    /// Stores a block. `chunks` together must be exactly `block_bytes` long;
-    /// they are copied once, into the aligned buffer that is written.
+    /// Stores a block. `chunks` together must be exactly `block_bytes` long.
+    /// Write-through: written to the log (one copy, into the aligned buffer
+    /// written), then copied into the RAM tier. Write-back: copied into the
+    /// RAM tier only, and acknowledged; to the log when RAM has no slot to
+    /// give (every slot pinned by responses in flight).
+    ///
+    /// # Errors
+    /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`] (write-back:
+    /// also from writing a demoted block to the log to make room).
+    pub async fn put(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
+        let block_bytes = self.cfg.geometry.block_bytes;
+        let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+        if got != block_bytes {
+            return Err(Error::WrongSize { expected: block_bytes, got });
+        }
+        let parts: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
+        if self.cfg.write_policy == WritePolicy::Back && self.ram.is_some() {
+            let existed = self.contains(&hash).is_some();
+            if self.cache(key, hash, &parts, true).await? {
+                bump(&self.counters.puts, 1);
+                return Ok(if existed { PutOutcome::Replaced } else { PutOutcome::Created });
+            }
+        }
+        let outcome = self.put_nvme(key, hash, chunks).await?;
+        let in_ram = self.cache(key, hash, &parts, false).await?;
+        if !in_ram {
+            // No RAM slot to give: an older copy there must not outlive
+            // the new block.
+            if let Some(ram) = &self.ram {
+                ram.borrow_mut().remove(&hash);
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Places a block in the RAM tier as its most recently used block,
+    /// moving least recently used blocks down to make room: dropped when
+    /// the log has them, written to the log first when they are only in RAM
+    /// (`dirty`, write-back). Returns false when there is no RAM tier or
+    /// every slot is pinned or being demoted.
+    ///
+    /// # Errors
+    /// Writing a demoted block to the log failed (the block stays in RAM).
+    async fn cache(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<bool> {
+        let Some(ram) = &self.ram else { return Ok(false) };
+        let started = Instant::now();
+        loop {
+            let victim = {
+                let mut r = ram.borrow_mut();
+                if let Some(slot) = r.take_free() {
+                    r.install(slot, key, hash, parts, dirty);
+                    bump(&self.ram_counters.bytes_in, self.cfg.geometry.block_bytes);
+                    record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
+                    return Ok(true);
+                }
+                match r.victim() {
+                    Some(v) if !v.dirty => {
+                        r.evict(v.slot);
+                        bump(&self.ram_counters.demotions, 1);
+                        continue;
+                    }
+                    Some(v) => v,
+                    None => return Ok(false),
+                }
+            };
+            // Write-back: the victim is only in RAM; write it to the log
+            // first. It stays readable from RAM meanwhile.
+            let bytes = ram.borrow_mut().begin_demotion(victim.slot);
+            let written = self.put_nvme(&victim.key, victim.hash, &[bytes]).await;
+            ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
+            written?;
+            bump(&self.ram_counters.demotions, 1);
+            bump(&self.nvme_promotions, 1);
+        }
+    }
+
+    /// Writes every block held only in RAM (write-back) to the log, least
+    /// recently used first; they stay in RAM, now clean. Used at clean
+    /// close, so a graceful stop loses nothing.
+    ///
+    /// # Errors
+    /// The first failed log write.
+    pub async fn flush_ram(&self) -> Result<u64> {
+        let Some(ram) = &self.ram else { return Ok(0) };
+        let dirty = ram.borrow().dirty_blocks();
+        let mut written = 0;
+        for v in dirty {
+            let bytes = ram.borrow_mut().begin_demotion(v.slot);
+            let r = self.put_nvme(&v.key, v.hash, &[bytes]).await;
+            ram.borrow_mut().end_flush(v.slot, r.is_ok());
+            r?;
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    /// Writes a block to the log only. `chunks` together must be exactly
+    /// `block_bytes` long; they are copied once, into the aligned buffer
+    /// that is written.
     ///
     /// # Errors
     /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`].
-    pub async fn put(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
+    async fn put_nvme(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != block_bytes {
@@ -582,15 +713,65 @@ impl Shard {
     /// [`Error::NotFound`] when not stored; [`Error::Corrupt`] when the
     /// record fails its checks (the entry is dropped and counted);
     /// [`Error::Io`].
-    pub async fn get(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
+    pub async fn get(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
         bump(&self.counters.gets, 1);
-        let result = self.read_block(key, hash).await;
+        let result = self.read_tiered(key, hash).await;
         match &result {
             Ok(_) => bump(&self.counters.hits, 1),
             Err(Error::NotFound) | Err(Error::Corrupt { .. }) => bump(&self.counters.misses, 1),
             Err(_) => {}
         }
         result
+    }
+
+    /// RAM first, then the log; a block read from the log is promoted into
+    /// RAM when `promote` is on.
+    async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
+        if let Some(ram) = &self.ram {
+            let started = Instant::now();
+            if let Some(bytes) = ram.borrow_mut().get(key, &hash) {
+                let c = &self.ram_counters;
+                bump(&c.hits, 1);
+                bump(&c.bytes_out, bytes.len() as u64);
+                record_us(&c.read_us, started.elapsed().as_micros());
+                return Ok((bytes, Tier::Ram));
+            }
+            bump(&self.ram_counters.misses, 1);
+        }
+        match self.read_block(key, hash).await {
+            Ok(bytes) => {
+                bump(&self.nvme_hits, 1);
+                if self.cfg.promote && self.cache(key, hash, &[&bytes], false).await.unwrap_or(false) {
+                    bump(&self.ram_counters.promotions, 1);
+                }
+                Ok((bytes, Tier::Nvme))
+            }
+            Err(e) => {
+                if matches!(e, Error::NotFound | Error::Corrupt { .. }) {
+                    bump(&self.nvme_misses, 1);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Promotes a stored block into RAM (a prefetch): a block already in
+    /// RAM becomes most recently used; one only in the log is read (CRC
+    /// checked) and copied into RAM. Returns whether the block is stored.
+    pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
+        let Some(ram) = &self.ram else { return self.contains(&hash).is_some() };
+        if ram.borrow_mut().get(key, &hash).is_some() {
+            return true;
+        }
+        match self.read_block(key, hash).await {
+            Ok(bytes) => {
+                if self.cache(key, hash, &[&bytes], false).await.unwrap_or(false) {
+                    bump(&self.ram_counters.promotions, 1);
+                }
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     async fn read_block(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
@@ -663,9 +844,13 @@ impl Shard {
         Error::Corrupt { segment: entry.segment, slot: entry.slot }
     }
 
-    /// Whether a block is stored under `hash` (an index lookup; no I/O).
-    pub fn contains(&self, hash: &BlockHash) -> bool {
-        self.index.borrow().contains(hash)
+    /// The fastest tier holding a block under `hash` (map lookups; no I/O,
+    /// no LRU change).
+    pub fn contains(&self, hash: &BlockHash) -> Option<Tier> {
+        if self.ram.as_ref().is_some_and(|r| r.borrow().contains(hash)) {
+            return Some(Tier::Ram);
+        }
+        self.index.borrow().contains(hash).then_some(Tier::Nvme)
     }
 
     /// Deletes a block by appending a tombstone, so it stays deleted after a
@@ -674,7 +859,18 @@ impl Shard {
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
     pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
-        if !self.contains(&hash) {
+        if let Some(ram) = &self.ram {
+            // A write-back demotion of this block in flight would land in
+            // the log after the tombstone and bring it back: let it finish.
+            while ram.borrow().is_demoting(&hash) {
+                glommio::timer::sleep(RECLAIM_POLL).await;
+            }
+            if ram.borrow_mut().remove(&hash) && !self.index.borrow().contains(&hash) {
+                bump(&self.counters.deletes, 1);
+                return Ok(());
+            }
+        }
+        if !self.index.borrow().contains(&hash) {
             return Err(Error::NotFound);
         }
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
@@ -819,13 +1015,42 @@ impl Shard {
             write_us_p50: pct(&write, 0.5),
             write_us_p99: pct(&write, 0.99),
             recovery: self.recovery.borrow().clone(),
+            write_policy: self.cfg.write_policy,
+            promote: self.cfg.promote,
+            tiers: self.tier_stats(),
         }
+    }
+
+    fn tier_stats(&self) -> Vec<TierStats> {
+        let mut tiers = Vec::new();
+        if let Some(ram) = &self.ram {
+            let r = ram.borrow();
+            tiers.push(TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages())));
+        }
+        let c = &self.counters;
+        let nvme = TierCounters::default();
+        nvme.hits.set(self.nvme_hits.get());
+        nvme.misses.set(self.nvme_misses.get());
+        nvme.promotions.set(self.nvme_promotions.get());
+        nvme.evictions.set(c.evicted_blocks.get());
+        nvme.bytes_in.set(c.bytes_written.get());
+        nvme.bytes_out.set(c.bytes_read.get());
+        *nvme.read_us.borrow_mut() = self.read_us.borrow().clone();
+        *nvme.write_us.borrow_mut() = self.write_us.borrow().clone();
+        let capacity = self.cfg.segments_max as u64 * self.slots_per_segment as u64;
+        tiers.push(TierStats::from_counters(Tier::Nvme, &nvme, capacity, self.index.borrow().len() as u64, None));
+        tiers
     }
 
     /// Writes an index snapshot, then closes every segment file. Writes are
     /// already on the device (each was acknowledged after its `O_DIRECT`
     /// write completed).
     pub async fn close(&self) {
+        match self.flush_ram().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(shard = self.id(), blocks = n, "write-back blocks written to the log at close"),
+            Err(e) => tracing::error!(shard = self.id(), "writing write-back blocks to the log at close failed; they are lost: {e}"),
+        }
         if let Err(e) = self.write_snapshot().await {
             tracing::warn!(shard = self.id(), "index snapshot at close failed (the next start scans headers): {e}");
         }

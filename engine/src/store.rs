@@ -19,13 +19,13 @@ use bytes::Bytes;
 use futures::channel::oneshot;
 use glommio::channels::channel_mesh::{MeshBuilder, Senders};
 use glommio::{LocalExecutorBuilder, Placement};
-use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::key::{self, BlockHash};
 use crate::recover;
 use crate::shard::{PutOutcome, Shard, ShardConfig, ShardStats};
+pub use crate::tier::{Tier, WritePolicy};
 
 /// Messages queued per shard pair before a sender waits.
 const MESH_QUEUE_DEPTH: usize = 1024;
@@ -64,6 +64,13 @@ pub struct StoreConfig {
     /// Write each shard's index snapshot this often, in seconds (0: only at
     /// clean close).
     pub snapshot_secs: u64,
+    /// RAM tier across all shards, in bytes (0: none); each shard gets
+    /// `ram_bytes / shards / block_bytes` slots.
+    pub ram_bytes: u64,
+    /// When PUTs are acknowledged.
+    pub write_policy: WritePolicy,
+    /// Whether NVMe reads promote blocks into RAM.
+    pub promote: bool,
 }
 
 impl StoreConfig {
@@ -88,7 +95,15 @@ impl StoreConfig {
             sync: self.sync,
             io_depth_max: self.io_depth_max,
             snapshot_secs: self.snapshot_secs,
+            ram_blocks: self.ram_blocks_per_shard(),
+            write_policy: self.write_policy,
+            promote: self.promote,
         }
+    }
+
+    /// RAM-tier slots per shard: `ram_bytes / shards / block_bytes`.
+    pub fn ram_blocks_per_shard(&self) -> u32 {
+        (self.ram_bytes / self.shards.max(1) as u64 / self.geometry.block_bytes.max(1)).min(u32::MAX as u64) as u32
     }
 }
 
@@ -98,37 +113,22 @@ enum Op {
     Get { key: String, hash: BlockHash },
     Delete { key: String, hash: BlockHash },
     Contains { hashes: Vec<BlockHash> },
+    Prefetch { keys: Vec<(String, BlockHash)> },
     Stats,
 }
 
 enum Reply {
     Put(Result<PutOutcome>),
-    Get(Result<Bytes>),
+    Get(Result<(Bytes, Tier)>),
     Delete(Result<()>),
-    Contains(Vec<bool>),
+    Contains(Vec<Option<Tier>>),
+    Prefetch(usize),
     Stats(Box<ShardStats>),
 }
 
 struct Request {
     op: Op,
     reply: oneshot::Sender<Reply>,
-}
-
-/// Which tier answered a read. Only the NVMe log exists so far.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// The O_DIRECT segment log.
-    Nvme,
-}
-
-impl Tier {
-    /// Name used in `x-kvtier-tier` and in JSON.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Tier::Nvme => "nvme",
-        }
-    }
 }
 
 /// A block read back.
@@ -209,7 +209,7 @@ impl Store {
         key::validate(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        let bytes = if owner == self.shard_id() {
+        let (bytes, tier) = if owner == self.shard_id() {
             self.shard.get(key, hash).await
         } else {
             match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
@@ -217,7 +217,7 @@ impl Store {
                 _ => unreachable!("get answered with another reply"),
             }
         }?;
-        Ok(Block { bytes, tier: Tier::Nvme })
+        Ok(Block { bytes, tier })
     }
 
     /// Deletes the block under `key` (a tombstone is logged).
@@ -238,19 +238,19 @@ impl Store {
         }
     }
 
-    /// Whether each key is stored, in order. One message per shard that owns
-    /// any of the keys, sent in parallel.
+    /// The fastest tier holding each key (`None`: not stored), in order. One
+    /// message per shard that owns any of the keys, sent in parallel.
     ///
     /// # Errors
     /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
-    pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>> {
+    pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
         let mut by_shard: Vec<Vec<(usize, BlockHash)>> = vec![Vec::new(); self.shards];
         for (i, k) in keys.iter().enumerate() {
             key::validate(k)?;
             let hash = BlockHash::of(k.as_bytes());
             by_shard[hash.shard(self.shards)].push((i, hash));
         }
-        let mut found = vec![false; keys.len()];
+        let mut found = vec![None; keys.len()];
         let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, ks)| async move {
             let hashes: Vec<BlockHash> = ks.iter().map(|(_, h)| *h).collect();
             let answer = if owner == self.shard_id() {
@@ -277,9 +277,35 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::contains_many`].
-    pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<usize> {
+    pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<Vec<Tier>> {
         let found = self.contains_many(keys).await?;
-        Ok(found.iter().take_while(|hit| **hit).count())
+        Ok(found.into_iter().map_while(|t| t).collect())
+    }
+
+    /// Promotes the stored blocks among `keys` toward the fastest tier, in
+    /// the background on each owning shard (see [`Shard::prefetch`]).
+    /// Returns how many of the keys are stored now.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
+    pub async fn prefetch(&self, keys: &[&str]) -> Result<usize> {
+        let mut by_shard: Vec<Vec<(String, BlockHash)>> = vec![Vec::new(); self.shards];
+        for k in keys {
+            key::validate(k)?;
+            let hash = BlockHash::of(k.as_bytes());
+            by_shard[hash.shard(self.shards)].push((k.to_string(), hash));
+        }
+        let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, keys)| async move {
+            if owner == self.shard_id() {
+                return Ok(start_prefetch(&self.shard, keys));
+            }
+            match self.forward(owner, Op::Prefetch { keys }).await? {
+                Reply::Prefetch(n) => Ok(n),
+                _ => unreachable!("prefetch answered with another reply"),
+            }
+        });
+        let counts: Result<Vec<usize>> = futures::future::join_all(asks).await.into_iter().collect();
+        Ok(counts?.into_iter().sum())
     }
 
     /// Statistics of every shard, in shard order.
@@ -300,12 +326,28 @@ impl Store {
     }
 }
 
-async fn execute(shard: &Shard, op: Op) -> Reply {
+/// Counts the stored keys among `keys` now and promotes them in a
+/// background task on this shard.
+fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>) -> usize {
+    let stored: Vec<_> = keys.into_iter().filter(|(_, h)| shard.contains(h).is_some()).collect();
+    let n = stored.len();
+    let shard = shard.clone();
+    glommio::spawn_local(async move {
+        for (key, hash) in stored {
+            shard.prefetch(&key, hash).await;
+        }
+    })
+    .detach();
+    n
+}
+
+async fn execute(shard: &Rc<Shard>, op: Op) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
         Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
         Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
+        Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys)),
         Op::Stats => Reply::Stats(Box::new(shard.stats())),
     }
 }

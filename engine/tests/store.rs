@@ -21,6 +21,9 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         io_depth_max: 16,
         pin_cpus: false,
         snapshot_secs: 0,
+        ram_bytes: 0,
+        write_policy: kvtier_engine::WritePolicy::Through,
+        promote: false,
     }
 }
 
@@ -222,7 +225,7 @@ fn two_shards_route_keys_to_their_owner() {
         let mut chain: Vec<&str> = keys.iter().map(|s| s.as_str()).take(3).collect();
         chain.push("missing");
         chain.push(&keys[4]);
-        assert_eq!(store.lookup_prefix(&chain).await.unwrap(), 3);
+        assert_eq!(store.lookup_prefix(&chain).await.unwrap().len(), 3);
     })
     .unwrap();
     // Files exist per shard, each owning its keys after restart.

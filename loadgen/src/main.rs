@@ -254,7 +254,14 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
             Err(e) => return fail_early(&args.out, "sweep", &label, format!("cannot open {url}: {e}")),
         }
     }
-    let (block_bytes, block_tokens, model) = match kvtier_loadgen::target::resolve_geometry(&targets, args.geometry.model.as_deref(), args.geometry.block_bytes, args.geometry.block_tokens).await {
+    let (block_bytes, block_tokens, model) = match kvtier_loadgen::target::resolve_geometry(
+        &targets,
+        args.geometry.model.as_deref(),
+        args.geometry.block_bytes,
+        args.geometry.block_tokens,
+    )
+    .await
+    {
         Ok(g) => g,
         Err(e) => return fail_early(&args.out, "sweep", &label, e),
     };
@@ -371,7 +378,9 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
                 s.tokens_per_s,
                 config.sla_ms,
                 a.operating_point.as_ref().map_or("none".into(), |o| format!("c={} ({:.0} tokens/s)", o.concurrency, o.tokens_per_s)),
-                a.capacity.as_ref().map_or("—".into(), |k| format!("{} instances for {:.0} tokens/s", k.instances, k.target_tokens_per_s))
+                a.capacity
+                    .as_ref()
+                    .map_or("—".into(), |k| format!("{} instances for {:.0} tokens/s", k.instances, k.target_tokens_per_s))
             );
         }
     }
@@ -417,7 +426,9 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         args.geometry.model.as_deref(),
         args.geometry.block_bytes,
         args.geometry.block_tokens,
-    ).await {
+    )
+    .await
+    {
         Ok(g) => g,
         Err(e) => return fail_early(&args.out, "replay", &args.target, e),
     };

@@ -19,8 +19,14 @@ use crate::sweep::{LevelResult, SweepResults};
 const CHART_PX: (u32, u32) = (760, 380);
 
 /// Colors of the series, in order.
-const PALETTE: [RGBColor; 6] =
-    [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(255, 127, 14), RGBColor(148, 103, 189), RGBColor(23, 190, 207)];
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(23, 190, 207),
+];
 
 /// One line of a chart.
 pub struct Series {
@@ -82,7 +88,13 @@ pub fn line_chart(axes: &Axes, series: &[Series]) -> String {
 
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
-fn draw(root: &DrawingArea<SVGBackend, plotters::coord::Shift>, axes: &Axes, series: &[Series], x: (f64, f64), y: (f64, f64)) -> DrawResult {
+fn draw(
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    axes: &Axes,
+    series: &[Series],
+    x: (f64, f64),
+    y: (f64, f64),
+) -> DrawResult {
     root.fill(&WHITE)?;
     let mut builder = ChartBuilder::on(root);
     builder.caption(axes.title, ("sans-serif", 18)).margin(12).x_label_area_size(42).y_label_area_size(78);
@@ -114,7 +126,9 @@ fn draw(root: &DrawingArea<SVGBackend, plotters::coord::Shift>, axes: &Axes, ser
             chart
                 .configure_series_labels()
                 .position(SeriesLabelPosition::UpperLeft)
-                .background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()?;
         }};
     }
     match (axes.x_log, axes.y_log) {
@@ -194,7 +208,8 @@ fn latency_row(name: &str, l: &LatencySummary) -> String {
     )
 }
 
-const LATENCY_HEAD: &str = "<tr><th class=l>operation</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th><th>max ms</th><th>mean ms</th></tr>";
+const LATENCY_HEAD: &str =
+    "<tr><th class=l>operation</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th><th>max ms</th><th>mean ms</th></tr>";
 
 /// The sweep report.
 pub fn sweep_html(r: &SweepResults) -> String {
@@ -325,7 +340,13 @@ pub fn sweep_html(r: &SweepResults) -> String {
             .collect();
         let title = format!("{} at c={}", t.target, best.concurrency);
         b.push_str(&line_chart(
-            &Axes { title: &title, x_desc: "latency µs (bucket upper bound, powers of 2)", y_desc: "% of operations", x_log: true, y_log: false },
+            &Axes {
+                title: &title,
+                x_desc: "latency µs (bucket upper bound, powers of 2)",
+                y_desc: "% of operations",
+                x_log: true,
+                y_log: false,
+            },
             &series,
         ));
     }

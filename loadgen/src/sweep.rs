@@ -580,7 +580,7 @@ pub async fn run_level(
     let window = Window { start, end: start + Duration::from_secs_f64(cfg.duration_s.max(0.001)) };
     let level = Arc::new(Level { target: target.clone(), workload, window, first_error: Mutex::new(None), stop: AtomicBool::new(false) });
     let workers: Vec<_> = (0..concurrency.max(1))
-        .map(|w| tokio::spawn(level.clone().worker(cfg.seed ^ ((level_index as u64) << 32) ^ (w as u64 + 1) * 0x9E37_79B9)))
+        .map(|w| tokio::spawn(level.clone().worker(cfg.seed ^ ((level_index as u64) << 32) ^ ((w as u64 + 1) * 0x9E37_79B9))))
         .collect();
     // Server byte counters at the window's edges, and the progress bar.
     let total_ms = (window.end - Instant::now()).as_millis() as u64;
@@ -738,7 +738,8 @@ mod tests {
     use super::*;
 
     fn level(concurrency: usize, tokens_per_s: f64, p99_ms: u64, errors: u64) -> LevelResult {
-        let lat = LatencySummary { count: 10, p50_us: 1000, p95_us: p99_ms * 900, p99_us: p99_ms * 1000, max_us: p99_ms * 1000, mean_us: 1500.0 };
+        let lat =
+            LatencySummary { count: 10, p50_us: 1000, p95_us: p99_ms * 900, p99_us: p99_ms * 1000, max_us: p99_ms * 1000, mean_us: 1500.0 };
         LevelResult {
             concurrency,
             elapsed_s: 1.0,

@@ -97,9 +97,8 @@ impl RedisTarget {
     /// `INFO stats` counters `total_net_input_bytes`, `total_net_output_bytes`.
     async fn net_bytes(&self) -> Result<(u64, u64), TargetError> {
         let info: String = redis::cmd("INFO").arg("stats").query_async(&mut self.conn()).await.map_err(|e| self.fail(e))?;
-        let field = |name: &str| {
-            info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse::<u64>().ok()).unwrap_or(0)
-        };
+        let field =
+            |name: &str| info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse::<u64>().ok()).unwrap_or(0);
         Ok((field("total_net_input_bytes"), field("total_net_output_bytes")))
     }
 }
@@ -214,7 +213,9 @@ impl Target {
     /// Transport failures and unexpected answers.
     pub async fn get(&self, key: &str) -> Result<Option<ReadBlock>, TargetError> {
         match self {
-            Target::Kvtier(c) => Ok(c.get(key).await?.map(|(body, tier)| ReadBlock { body, tier: tier.unwrap_or_else(|| "unknown".into()) })),
+            Target::Kvtier(c) => {
+                Ok(c.get(key).await?.map(|(body, tier)| ReadBlock { body, tier: tier.unwrap_or_else(|| "unknown".into()) }))
+            }
             Target::Redis(r) => {
                 let v: Option<Bytes> = redis::cmd("GET").arg(key).query_async(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(v.map(|body| ReadBlock { body, tier: "redis".into() }))

@@ -123,6 +123,38 @@ struct StoreArgs {
     /// only what came after it); 0 writes one only at clean shutdown.
     #[arg(long, default_value_t = SNAPSHOT_SECS_DEFAULT)]
     snapshot_secs: u64,
+    /// RAM tier across all shards, in GiB (2^30 bytes), mapped and
+    /// prefaulted at start (2 MiB huge pages where available); 0 turns it
+    /// off. Each shard gets ram / shards / block_bytes slots.
+    #[arg(long, default_value_t = 2.0)]
+    ram_gb: f64,
+    /// through: a PUT is acknowledged after its NVMe write (a crash loses
+    /// nothing acknowledged). back: acknowledged from RAM; the block reaches
+    /// NVMe when RAM demotes it or at a clean stop, and a crash loses blocks
+    /// held only in RAM.
+    #[arg(long, value_enum, default_value_t = WritePolicyArg::Through)]
+    write_policy: WritePolicyArg,
+    /// on: a read served from NVMe copies the block into RAM (promotion).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    promote: OnOff,
+}
+
+/// `--write-policy` values.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum WritePolicyArg {
+    /// Acknowledge after the NVMe write.
+    Through,
+    /// Acknowledge from RAM.
+    Back,
+}
+
+/// `--promote` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
 }
 
 #[derive(Args, Debug)]
@@ -150,6 +182,9 @@ impl StoreArgs {
         if self.disk_gb.is_nan() || self.disk_gb <= 0.0 {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
+        if self.ram_gb.is_nan() || self.ram_gb < 0.0 {
+            return Err(format!("--ram-gb must be 0 or more, got {}", self.ram_gb));
+        }
         Ok(StoreConfig {
             data_dir: self.data_dir.clone(),
             geometry,
@@ -160,6 +195,12 @@ impl StoreArgs {
             io_depth_max: self.io_depth,
             pin_cpus: self.pin_cpus,
             snapshot_secs: self.snapshot_secs,
+            ram_bytes: (self.ram_gb * (1u64 << 30) as f64) as u64,
+            write_policy: match self.write_policy {
+                WritePolicyArg::Through => kvtier_engine::WritePolicy::Through,
+                WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,
+            },
+            promote: self.promote == OnOff::On,
         })
     }
 }

@@ -32,6 +32,8 @@ pub enum Route {
     DeleteBlock,
     /// `POST /v1/lookup`
     Lookup,
+    /// `POST /v1/prefetch`
+    Prefetch,
     /// `GET /v1/stats`
     Stats,
     /// `GET /metrics`
@@ -44,12 +46,13 @@ pub enum Route {
 
 impl Route {
     /// Every route, in label order.
-    pub const ALL: [Route; 9] = [
+    pub const ALL: [Route; 10] = [
         Route::PutBlock,
         Route::GetBlock,
         Route::HeadBlock,
         Route::DeleteBlock,
         Route::Lookup,
+        Route::Prefetch,
         Route::Stats,
         Route::Metrics,
         Route::Healthz,
@@ -64,6 +67,7 @@ impl Route {
             Route::HeadBlock => "head_block",
             Route::DeleteBlock => "delete_block",
             Route::Lookup => "lookup",
+            Route::Prefetch => "prefetch",
             Route::Stats => "stats",
             Route::Metrics => "metrics",
             Route::Healthz => "healthz",
@@ -203,6 +207,18 @@ impl HttpStats {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    tier: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierOpQuantileLabel {
+    tier: String,
+    op: String,
+    quantile: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ShardLabel {
     shard: String,
 }
@@ -319,6 +335,51 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     }
     registry.register("shard_read_latency_us", "Block read latency percentiles in microseconds", io_latency);
     registry.register("shard_write_latency_us", "Block write latency percentiles in microseconds", io_write);
+
+    // Per tier, summed over shards.
+    let tiers = crate::routes::tier_totals(engine);
+    type TierField = fn(&kvtier_engine::TierStats) -> u64;
+    let gauges: [(&str, &str, TierField); 2] = [
+        ("tier_capacity_blocks", "Blocks the tier can hold", |t| t.capacity_blocks),
+        ("tier_used_blocks", "Blocks the tier holds", |t| t.used_blocks),
+    ];
+    for (name, help, f) in gauges {
+        let family = Family::<TierLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+        for t in &tiers {
+            family.get_or_create(&TierLabel { tier: t.tier.as_str().into() }).set(f(t) as i64);
+        }
+        registry.register(name, help, family);
+    }
+    let counters: [(&str, &str, TierField); 7] = [
+        ("tier_hits", "Reads the tier served", |t| t.hits),
+        ("tier_misses", "Reads that looked in the tier and went on", |t| t.misses),
+        ("tier_promotions", "Blocks moved up into the tier", |t| t.promotions),
+        ("tier_demotions", "Blocks moved down out of the tier", |t| t.demotions),
+        ("tier_evictions", "Blocks that left the store from the tier", |t| t.evictions),
+        ("tier_bytes_in", "Block bytes written into the tier", |t| t.bytes_in),
+        ("tier_bytes_out", "Block bytes served from the tier", |t| t.bytes_out),
+    ];
+    for (name, help, f) in counters {
+        let family = Family::<TierLabel, Counter>::default();
+        for t in &tiers {
+            family.get_or_create(&TierLabel { tier: t.tier.as_str().into() }).inc_by(f(t));
+        }
+        registry.register(name, help, family);
+    }
+    let tier_latency = Family::<TierOpQuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    for t in &tiers {
+        for (op, q, v) in [
+            ("read", "0.5", t.read_us_p50),
+            ("read", "0.99", t.read_us_p99),
+            ("write", "0.5", t.write_us_p50),
+            ("write", "0.99", t.write_us_p99),
+        ] {
+            tier_latency
+                .get_or_create(&TierOpQuantileLabel { tier: t.tier.as_str().into(), op: op.into(), quantile: q.into() })
+                .set(v as i64);
+        }
+    }
+    registry.register("tier_latency_us", "Tier read and write latency percentiles in microseconds (largest shard's)", tier_latency);
 
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");

@@ -8,6 +8,7 @@
 //! | `HEAD /v1/blocks/{key}` | 200 / 404 |
 //! | `DELETE /v1/blocks/{key}` | 204 / 404 |
 //! | `POST /v1/lookup` | `{"prefix_hits":n,"tiers":[...]}` |
+//! | `POST /v1/prefetch` | 202 `{"requested":n,"found":m}` |
 //! | `GET /v1/stats` | JSON |
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /healthz` | 200 |
@@ -97,6 +98,7 @@ fn route_of(req: &Request<Incoming>) -> Route {
     }
     match (req.method(), path) {
         (&Method::POST, "/v1/lookup") => Route::Lookup,
+        (&Method::POST, "/v1/prefetch") => Route::Prefetch,
         (&Method::GET, "/v1/stats") => Route::Stats,
         (&Method::GET, "/metrics") => Route::Metrics,
         (&Method::GET, "/healthz") => Route::Healthz,
@@ -140,6 +142,8 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
         match path.as_str() {
             "/v1/lookup" if req.method() == Method::POST => lookup(ctx, req).await,
             "/v1/lookup" => method_not_allowed("POST"),
+            "/v1/prefetch" if req.method() == Method::POST => prefetch(ctx, req).await,
+            "/v1/prefetch" => method_not_allowed("POST"),
             "/v1/stats" if req.method() == Method::GET => stats(ctx).await,
             "/metrics" if req.method() == Method::GET => metrics(ctx).await,
             "/healthz" if req.method() == Method::GET => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
@@ -251,7 +255,7 @@ async fn get_block(ctx: &Ctx, key: &str) -> Reply {
 
 async fn head_block(ctx: &Ctx, key: &str) -> Reply {
     match ctx.store.contains_many(&[key]).await {
-        Ok(found) if found[0] => Response::builder()
+        Ok(found) if found[0].is_some() => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
             .header(header::CONTENT_LENGTH, ctx.store.geometry().block_bytes)
@@ -276,40 +280,62 @@ struct LookupRequest {
     keys: Vec<String>,
 }
 
-async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+/// Reads and checks a `{"keys":[...]}` body (lookup, prefetch): size,
+/// JSON shape, key count, every key valid.
+async fn read_keys(req: Request<Incoming>) -> Result<Vec<String>, Reply> {
     if let Some(Ok(declared)) = req.headers().get(header::CONTENT_LENGTH).map(|v| v.to_str().map(|s| s.parse::<u64>())) {
         if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
-            return error(
+            return Err(error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body_too_large",
-                format!("lookup bodies are limited to {} bytes", limits::LOOKUP_BODY_BYTES_MAX),
-            );
+                format!("key-list bodies are limited to {} bytes", limits::LOOKUP_BODY_BYTES_MAX),
+            ));
         }
     }
-    let (chunks, _) = match read_body(req, limits::LOOKUP_BODY_BYTES_MAX).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
+    let (chunks, _) = read_body(req, limits::LOOKUP_BODY_BYTES_MAX).await?;
     let body: Vec<u8> = chunks.concat();
-    let parsed: LookupRequest = match serde_json::from_slice(&body) {
-        Ok(p) => p,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_json", format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}")),
-    };
+    let parsed: LookupRequest = serde_json::from_slice(&body)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}")))?;
     if parsed.keys.len() > limits::LOOKUP_KEYS_MAX {
-        return error(
+        return Err(error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "too_many_keys",
-            format!("{} keys given; a lookup takes at most {}", parsed.keys.len(), limits::LOOKUP_KEYS_MAX),
-        );
+            format!("{} keys given; a request takes at most {}", parsed.keys.len(), limits::LOOKUP_KEYS_MAX),
+        ));
     }
     for (i, k) in parsed.keys.iter().enumerate() {
         if let Err(e) = kvtier_engine::key::validate(k) {
-            return error(StatusCode::BAD_REQUEST, "invalid_key", format!("keys[{i}]: {e}"));
+            return Err(error(StatusCode::BAD_REQUEST, "invalid_key", format!("keys[{i}]: {e}")));
         }
     }
-    let keys: Vec<&str> = parsed.keys.iter().map(String::as_str).collect();
+    Ok(parsed.keys)
+}
+
+async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+    let keys = match read_keys(req).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     match ctx.store.lookup_prefix(&keys).await {
-        Ok(hits) => json_reply(StatusCode::OK, &json!({ "prefix_hits": hits, "tiers": vec!["nvme"; hits] })),
+        Ok(tiers) => {
+            let names: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
+            json_reply(StatusCode::OK, &json!({ "prefix_hits": tiers.len(), "tiers": names }))
+        }
+        Err(e) => engine_error(&e),
+    }
+}
+
+/// `POST /v1/prefetch`: promotes the stored keys toward RAM in the
+/// background; 202 with how many were found.
+async fn prefetch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+    let keys = match read_keys(req).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match ctx.store.prefetch(&keys).await {
+        Ok(found) => json_reply(StatusCode::ACCEPTED, &json!({ "requested": keys.len(), "found": found })),
         Err(e) => engine_error(&e),
     }
 }
@@ -337,11 +363,28 @@ async fn stats(ctx: &Ctx) -> Reply {
             "bytes_written": sum(|s| s.bytes_written),
             "bytes_read": sum(|s| s.bytes_read),
         },
-        "tiers": [{ "tier": "nvme", "blocks": sum(|s| s.blocks), "capacity_blocks": sum(|s| s.capacity_blocks) }],
+        "write_policy": shards.first().map(|s| s.write_policy),
+        "promote": shards.first().map(|s| s.promote),
+        "tiers": tier_totals(&shards),
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
     });
     json_reply(StatusCode::OK, &body)
+}
+
+/// Per-tier counters summed over shards, fastest tier first.
+pub fn tier_totals(shards: &[kvtier_engine::ShardStats]) -> Vec<kvtier_engine::TierStats> {
+    let mut totals: Vec<kvtier_engine::TierStats> = Vec::new();
+    for s in shards {
+        for t in &s.tiers {
+            match totals.iter_mut().find(|x| x.tier == t.tier) {
+                Some(x) => x.add(t),
+                None => totals.push(t.clone()),
+            }
+        }
+    }
+    totals.sort_by_key(|t| t.tier);
+    totals
 }
 
 async fn metrics(ctx: &Ctx) -> Reply {

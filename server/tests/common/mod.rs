@@ -39,6 +39,8 @@ pub fn test_args(data_dir: &Path) -> Vec<String> {
         "false",
         "--log-level",
         "warn",
+        "--ram-gb",
+        "0",
     ]
     .iter()
     .map(|s| s.to_string())

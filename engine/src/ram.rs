@@ -1,0 +1,522 @@
+//! The RAM tier: per shard, an arena of `block_bytes` slots mapped once at
+//! open (2 MiB huge pages where the kernel has them), an LRU list threaded
+//! through the slots, and a map from block hash to slot. Nothing is
+//! allocated per request.
+//!
+//! **Zero-copy reads.** A GET served from RAM is a `Bytes` over the slot
+//! itself ([`Bytes::from_owner`]); the slot's pin count is raised while any
+//! such `Bytes` lives, on whichever thread it ends (forwarded GETs end on
+//! another shard). A pinned slot is never written: eviction takes it out of
+//! the map and LRU at once, but it is reused only once its pins drop to 0.
+//!
+//! **Safety argument.** Only the owning shard's thread writes slot memory,
+//! and only into a slot that is in neither the map nor the LRU and has no
+//! pins; readers only ever see slots through a pin taken on that thread
+//! after the write completed. The pin count's release (drop) / acquire
+//! (reuse check) pair orders a reader's last access before the next write.
+
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::index::BlockHashHasher;
+use crate::key::BlockHash;
+
+/// Huge page size the arena asks for: 2 MiB (x86-64 and arm64 default).
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// How the arena's memory is backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HugePages {
+    /// `MAP_HUGETLB`: reserved 2 MiB pages (`vm.nr_hugepages`).
+    Reserved,
+    /// Transparent huge pages, asked for with `madvise(MADV_HUGEPAGE)`.
+    Transparent,
+    /// 4 KiB pages (the madvise was refused).
+    None,
+}
+
+/// Slot memory, shared with the `Bytes` that pin its slots.
+pub struct Arena {
+    base: NonNull<u8>,
+    map_bytes: usize,
+    slot_bytes: usize,
+    pins: Box<[AtomicU32]>,
+    huge_pages: HugePages,
+}
+
+// SAFETY: the arena is plain memory; who may write which slot and when is
+// the pin protocol in the module docs, kept by `RamTier` (single-threaded)
+// and `SlotRef` (atomics).
+unsafe impl Send for Arena {}
+// SAFETY: as above; shared access is reads of pinned slots and atomic pins.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Maps `slots` slots of `slot_bytes`, prefaulted.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the mapping fails (too large for memory or
+    /// `vm.max_map_count`).
+    pub fn new(slots: u32, slot_bytes: usize) -> Result<Arc<Arena>> {
+        let bytes = slots as usize * slot_bytes;
+        let map_bytes = bytes.div_ceil(HUGE_PAGE_BYTES).max(1) * HUGE_PAGE_BYTES;
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        // SAFETY: an anonymous private mapping; the result is checked.
+        let mut ptr = unsafe { libc::mmap(std::ptr::null_mut(), map_bytes, prot, flags | libc::MAP_HUGETLB | libc::MAP_POPULATE, -1, 0) };
+        let mut huge_pages = HugePages::Reserved;
+        if ptr == libc::MAP_FAILED {
+            // SAFETY: as above.
+            ptr = unsafe { libc::mmap(std::ptr::null_mut(), map_bytes, prot, flags, -1, 0) };
+            if ptr == libc::MAP_FAILED {
+                let e = std::io::Error::last_os_error();
+                return Err(Error::Config(format!("cannot map a RAM tier of {map_bytes} bytes: {e}; lower --ram-gb")));
+            }
+            // SAFETY: advice on the mapping just made.
+            huge_pages =
+                if unsafe { libc::madvise(ptr, map_bytes, libc::MADV_HUGEPAGE) } == 0 { HugePages::Transparent } else { HugePages::None };
+            // Fault every page in now, not on the first PUT into it.
+            // SAFETY: the mapping is `map_bytes` long and writable.
+            unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, map_bytes) };
+        }
+        Ok(Arc::new(Arena {
+            base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
+            map_bytes,
+            slot_bytes,
+            pins: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            huge_pages,
+        }))
+    }
+
+    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+        debug_assert!((slot as usize) < self.pins.len());
+        // SAFETY: slot < slots, so the offset lies inside the mapping.
+        unsafe { self.base.as_ptr().add(slot as usize * self.slot_bytes) }
+    }
+
+    fn pinned(&self, slot: u32) -> bool {
+        self.pins[slot as usize].load(Ordering::Acquire) > 0
+    }
+
+    /// A `Bytes` over `slot`, pinning it until the last clone drops.
+    fn pin(self: &Arc<Self>, slot: u32) -> Bytes {
+        self.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
+        Bytes::from_owner(SlotRef { arena: self.clone(), slot })
+    }
+
+    /// Copies `parts` (together `slot_bytes`) into an unpinned slot that no
+    /// reader can reach.
+    fn fill(&self, slot: u32, parts: &[&[u8]]) {
+        assert!(!self.pinned(slot), "a pinned RAM slot is never written");
+        let mut at = 0;
+        for p in parts {
+            assert!(at + p.len() <= self.slot_bytes, "block larger than a RAM slot");
+            // SAFETY: in bounds (checked above); the slot is unreachable by
+            // readers (not mapped, not pinned) per the module protocol.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.slot_ptr(slot).add(at), p.len()) };
+            at += p.len();
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`; no `SlotRef` outlives the
+        // arena (each holds an `Arc` of it).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_bytes) };
+    }
+}
+
+/// Owner of a RAM-served `Bytes`: keeps the slot pinned.
+struct SlotRef {
+    arena: Arc<Arena>,
+    slot: u32,
+}
+
+impl AsRef<[u8]> for SlotRef {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the slot is pinned while this exists, so nothing writes it.
+        unsafe { std::slice::from_raw_parts(self.arena.slot_ptr(self.slot), self.arena.slot_bytes) }
+    }
+}
+
+impl Drop for SlotRef {
+    fn drop(&mut self) {
+        self.arena.pins[self.slot as usize].fetch_sub(1, Ordering::Release);
+    }
+}
+
+const NIL: u32 = u32::MAX;
+
+/// What a slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    /// On the free list.
+    Free,
+    /// Mapped and in the LRU.
+    Live,
+    /// Out of the map, waiting for its pins to drop.
+    Retired,
+}
+
+struct Meta {
+    hash: BlockHash,
+    key: Option<Rc<str>>,
+    prev: u32,
+    next: u32,
+    state: SlotState,
+    /// Not on NVMe yet (write-back): must be written there before reuse.
+    dirty: bool,
+    /// Being written to NVMe now; not a victim again meanwhile.
+    demoting: bool,
+}
+
+/// A least-recently-used block chosen to leave RAM.
+#[derive(Debug, Clone)]
+pub struct Victim {
+    /// Its slot.
+    pub slot: u32,
+    /// Its hash.
+    pub hash: BlockHash,
+    /// Its key.
+    pub key: Rc<str>,
+    /// Whether it must be written to NVMe first (write-back).
+    pub dirty: bool,
+}
+
+/// One shard's RAM tier. Single-threaded (lives in the shard).
+pub struct RamTier {
+    arena: Arc<Arena>,
+    map: HashMap<BlockHash, u32, BuildHasherDefault<BlockHashHasher>>,
+    meta: Vec<Meta>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+    free: Vec<u32>,
+    retired: Vec<u32>,
+}
+
+impl RamTier {
+    /// A tier of `capacity_blocks` slots of `block_bytes`.
+    ///
+    /// # Errors
+    /// As [`Arena::new`].
+    pub fn new(capacity_blocks: u32, block_bytes: u64) -> Result<RamTier> {
+        let arena = Arena::new(capacity_blocks, block_bytes as usize)?;
+        let meta = (0..capacity_blocks)
+            .map(|_| Meta { hash: BlockHash(0), key: None, prev: NIL, next: NIL, state: SlotState::Free, dirty: false, demoting: false })
+            .collect();
+        Ok(RamTier {
+            arena,
+            map: HashMap::with_capacity_and_hasher(capacity_blocks as usize, Default::default()),
+            meta,
+            head: NIL,
+            tail: NIL,
+            free: (0..capacity_blocks).rev().collect(),
+            retired: Vec::new(),
+        })
+    }
+
+    /// Slots in the tier.
+    pub fn capacity_blocks(&self) -> u64 {
+        self.meta.len() as u64
+    }
+
+    /// Blocks held now.
+    pub fn used_blocks(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Slots out of the map but still pinned by responses in flight.
+    pub fn retired_blocks(&self) -> u64 {
+        self.retired.len() as u64
+    }
+
+    /// How the arena is backed.
+    pub fn huge_pages(&self) -> HugePages {
+        self.arena.huge_pages
+    }
+
+    /// Whether `hash` is held (no LRU change).
+    pub fn contains(&self, hash: &BlockHash) -> bool {
+        self.map.contains_key(hash)
+    }
+
+    /// Whether `hash` is held and still has to reach NVMe.
+    pub fn is_dirty(&self, hash: &BlockHash) -> bool {
+        self.map.get(hash).is_some_and(|&s| self.meta[s as usize].dirty)
+    }
+
+    /// Whether a block of `hash` is being written to NVMe now.
+    pub fn is_demoting(&self, hash: &BlockHash) -> bool {
+        self.meta.iter().any(|m| m.demoting && m.hash == *hash && m.state != SlotState::Free)
+    }
+
+    /// The block of `key`, made most recently used, as a zero-copy `Bytes`
+    /// pinning its slot. `None` when not held (or held under another key
+    /// with the same hash).
+    pub fn get(&mut self, key: &str, hash: &BlockHash) -> Option<Bytes> {
+        let slot = *self.map.get(hash)?;
+        if self.meta[slot as usize].key.as_deref() != Some(key) {
+            return None;
+        }
+        self.unlink(slot);
+        self.push_front(slot);
+        Some(self.arena.pin(slot))
+    }
+
+    /// A slot that can be filled now: a free one, or a retired one whose
+    /// pins have dropped. `None` when every slot is live or pinned.
+    pub fn take_free(&mut self) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let i = self.retired.iter().position(|&s| !self.arena.pinned(s))?;
+        let s = self.retired.swap_remove(i);
+        self.meta[s as usize].state = SlotState::Free;
+        Some(s)
+    }
+
+    /// The least recently used block not being demoted already.
+    pub fn victim(&self) -> Option<Victim> {
+        let mut s = self.tail;
+        while s != NIL {
+            let m = &self.meta[s as usize];
+            if !m.demoting {
+                return Some(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: m.dirty });
+            }
+            s = m.prev;
+        }
+        None
+    }
+
+    /// A `Bytes` over a live slot (for writing it to NVMe), marking it as
+    /// being demoted.
+    pub fn begin_demotion(&mut self, slot: u32) -> Bytes {
+        self.meta[slot as usize].demoting = true;
+        self.arena.pin(slot)
+    }
+
+    /// Ends a demotion. If the slot still holds the block (not replaced or
+    /// deleted meanwhile) and `written` is true, it leaves the tier.
+    pub fn end_demotion(&mut self, slot: u32, written: bool) {
+        let m = &mut self.meta[slot as usize];
+        m.demoting = false;
+        if written && m.state == SlotState::Live {
+            m.dirty = false;
+            self.evict(slot);
+        }
+    }
+
+    /// Ends a write of a dirty block to the log at a flush: the block stays
+    /// in RAM, clean if `written`.
+    pub fn end_flush(&mut self, slot: u32, written: bool) {
+        let m = &mut self.meta[slot as usize];
+        m.demoting = false;
+        if written && m.state == SlotState::Live {
+            m.dirty = false;
+        }
+    }
+
+    /// Takes a live slot out of the map and the LRU; it becomes free now or
+    /// once unpinned.
+    pub fn evict(&mut self, slot: u32) {
+        let m = &self.meta[slot as usize];
+        if m.state != SlotState::Live {
+            return;
+        }
+        let hash = m.hash;
+        if self.map.get(&hash) == Some(&slot) {
+            self.map.remove(&hash);
+        }
+        self.unlink(slot);
+        let m = &mut self.meta[slot as usize];
+        m.key = None;
+        m.dirty = false;
+        if self.arena.pinned(slot) || m.demoting {
+            m.state = SlotState::Retired;
+            self.retired.push(slot);
+        } else {
+            m.state = SlotState::Free;
+            self.free.push(slot);
+        }
+    }
+
+    /// Drops the block of `hash`, if held. Returns whether it was.
+    pub fn remove(&mut self, hash: &BlockHash) -> bool {
+        match self.map.get(hash) {
+            Some(&slot) => {
+                self.evict(slot);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Fills `slot` (from [`RamTier::take_free`]) with `parts` and makes it
+    /// the most recently used block of `hash`, replacing an older copy.
+    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) {
+        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
+        self.arena.fill(slot, parts);
+        if let Some(&old) = self.map.get(&hash) {
+            self.evict(old);
+        }
+        let m = &mut self.meta[slot as usize];
+        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false };
+        self.map.insert(hash, slot);
+        self.push_front(slot);
+    }
+
+    /// Dirty blocks (write-back), least recently used first, for a clean
+    /// close that writes them all to NVMe.
+    pub fn dirty_blocks(&self) -> Vec<Victim> {
+        let mut out = Vec::new();
+        let mut s = self.tail;
+        while s != NIL {
+            let m = &self.meta[s as usize];
+            if m.dirty && !m.demoting {
+                out.push(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: true });
+            }
+            s = m.prev;
+        }
+        out
+    }
+
+    /// Keys held, most recently used first (tests and the policy oracle).
+    pub fn lru_keys(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut s = self.head;
+        while s != NIL {
+            out.push(self.meta[s as usize].key.as_deref().unwrap_or("").to_string());
+            s = self.meta[s as usize].next;
+        }
+        out
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let (prev, next) = (self.meta[slot as usize].prev, self.meta[slot as usize].next);
+        if prev != NIL {
+            self.meta[prev as usize].next = next;
+        } else if self.head == slot {
+            self.head = next;
+        }
+        if next != NIL {
+            self.meta[next as usize].prev = prev;
+        } else if self.tail == slot {
+            self.tail = prev;
+        }
+        self.meta[slot as usize].prev = NIL;
+        self.meta[slot as usize].next = NIL;
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        self.meta[slot as usize].prev = NIL;
+        self.meta[slot as usize].next = self.head;
+        if self.head != NIL {
+            self.meta[self.head as usize].prev = slot;
+        }
+        self.head = slot;
+        if self.tail == NIL {
+            self.tail = slot;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(i: u128) -> BlockHash {
+        BlockHash(i)
+    }
+
+    fn put(t: &mut RamTier, key: &str, hash: BlockHash, fill: u8) -> bool {
+        let data = vec![fill; 4096];
+        loop {
+            if let Some(slot) = t.take_free() {
+                t.install(slot, key, hash, &[&data], false);
+                return true;
+            }
+            match t.victim() {
+                Some(v) => t.evict(v.slot),
+                None => return false,
+            }
+        }
+    }
+
+    #[test]
+    fn lru_order_and_eviction() {
+        let mut t = RamTier::new(3, 4096).unwrap();
+        for (i, k) in ["a", "b", "c"].iter().enumerate() {
+            assert!(put(&mut t, k, h(i as u128), i as u8));
+        }
+        assert_eq!(t.lru_keys(), ["c", "b", "a"]);
+        assert!(t.get("a", &h(0)).is_some());
+        assert_eq!(t.lru_keys(), ["a", "c", "b"]);
+        put(&mut t, "d", h(3), 3);
+        assert_eq!(t.lru_keys(), ["d", "a", "c"], "b was least recently used");
+        assert!(!t.contains(&h(1)));
+        assert!(t.get("x", &h(0)).is_none(), "same hash, other key: not served");
+        assert_eq!(t.used_blocks(), 3);
+    }
+
+    #[test]
+    fn pinned_slot_is_never_rewritten() {
+        let mut t = RamTier::new(2, 4096).unwrap();
+        put(&mut t, "a", h(1), 0xAA);
+        let held = t.get("a", &h(1)).unwrap();
+        put(&mut t, "b", h(2), 0xBB);
+        // "a" is evicted while a response still holds it...
+        put(&mut t, "c", h(3), 0xCC);
+        assert!(!t.contains(&h(1)));
+        assert_eq!(t.retired_blocks(), 1);
+        // ... and the tier is full of pinned or live slots: "d" evicts "b",
+        // not "a"'s memory.
+        put(&mut t, "d", h(4), 0xDD);
+        assert!(held.iter().all(|&b| b == 0xAA), "the response still sends a's bytes");
+        // Sent on another thread, dropped there: the slot comes back.
+        std::thread::spawn(move || drop(held)).join().unwrap();
+        put(&mut t, "e", h(5), 0xEE);
+        assert_eq!(t.retired_blocks(), 0);
+        assert_eq!(t.lru_keys(), ["e", "d"]);
+    }
+
+    #[test]
+    fn replacing_a_key_moves_it_to_a_new_slot() {
+        let mut t = RamTier::new(2, 4096).unwrap();
+        put(&mut t, "a", h(1), 1);
+        let old = t.get("a", &h(1)).unwrap();
+        put(&mut t, "a", h(1), 2);
+        assert_eq!(t.used_blocks(), 1);
+        assert_eq!(old[0], 1);
+        assert_eq!(t.get("a", &h(1)).unwrap()[0], 2);
+    }
+
+    #[test]
+    fn demotion_keeps_the_block_until_written() {
+        let mut t = RamTier::new(1, 4096).unwrap();
+        let data = vec![7u8; 4096];
+        let s = t.take_free().unwrap();
+        t.install(s, "a", h(1), &[&data], true);
+        assert!(t.is_dirty(&h(1)));
+        let v = t.victim().unwrap();
+        assert!(v.dirty);
+        let bytes = t.begin_demotion(v.slot);
+        assert!(t.is_demoting(&h(1)) && t.contains(&h(1)), "readable while it is written to NVMe");
+        assert!(t.victim().is_none(), "not chosen twice");
+        drop(bytes);
+        t.end_demotion(v.slot, true);
+        assert!(!t.contains(&h(1)));
+        assert!(t.take_free().is_some());
+    }
+}

@@ -1,0 +1,187 @@
+//! Tier names, the write policy and per-tier counters (DESIGN §4).
+//!
+//! Placement is a waterfall LRU, as in MLPerf Storage's KV-cache benchmark:
+//! a new block goes to the fastest tier with room; a full tier moves its
+//! least recently used block down one tier; a block falling off the NVMe log
+//! is gone; a read from a slower tier promotes the block (`--promote on`).
+
+use std::cell::{Cell, RefCell};
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::ram::HugePages;
+
+/// Which tier holds or served a block, fastest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// The shard's RAM arena.
+    Ram,
+    /// The O_DIRECT segment log.
+    Nvme,
+}
+
+impl Tier {
+    /// Name used in `x-kvtier-tier` and in JSON: `ram`, `nvme`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Tier::Ram => "ram",
+            Tier::Nvme => "nvme",
+        }
+    }
+}
+
+/// When a PUT is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WritePolicy {
+    /// After the block's NVMe write completed (and it is in RAM too): a
+    /// process crash loses nothing acknowledged.
+    #[default]
+    Through,
+    /// From memory: the block reaches NVMe only when the RAM tier demotes it
+    /// (or at a clean shutdown). A crash loses blocks held only in RAM.
+    Back,
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "through" => Ok(WritePolicy::Through),
+            "back" => Ok(WritePolicy::Back),
+            _ => Err(format!("unknown write policy {s:?}: expected through or back")),
+        }
+    }
+}
+
+/// Counters and latencies of one tier of one shard.
+pub(crate) struct TierCounters {
+    pub hits: Cell<u64>,
+    pub misses: Cell<u64>,
+    pub promotions: Cell<u64>,
+    pub demotions: Cell<u64>,
+    pub evictions: Cell<u64>,
+    pub bytes_in: Cell<u64>,
+    pub bytes_out: Cell<u64>,
+    pub read_us: RefCell<Histogram<u64>>,
+    pub write_us: RefCell<Histogram<u64>>,
+}
+
+impl Default for TierCounters {
+    fn default() -> Self {
+        let histogram = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
+        TierCounters {
+            hits: Cell::new(0),
+            misses: Cell::new(0),
+            promotions: Cell::new(0),
+            demotions: Cell::new(0),
+            evictions: Cell::new(0),
+            bytes_in: Cell::new(0),
+            bytes_out: Cell::new(0),
+            read_us: RefCell::new(histogram()),
+            write_us: RefCell::new(histogram()),
+        }
+    }
+}
+
+pub(crate) fn bump(c: &Cell<u64>, by: u64) {
+    c.set(c.get() + by);
+}
+
+pub(crate) fn record_us(h: &RefCell<Histogram<u64>>, us: u128) {
+    let _ = h.borrow_mut().record(us.max(1) as u64);
+}
+
+/// One tier of one shard (or summed over shards), for `/v1/stats` and
+/// `/metrics`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TierStats {
+    /// The tier.
+    pub tier: Tier,
+    /// Blocks it can hold.
+    pub capacity_blocks: u64,
+    /// Blocks it holds.
+    pub used_blocks: u64,
+    /// Reads it served.
+    pub hits: u64,
+    /// Reads that looked here and went on to a slower tier (or missed).
+    pub misses: u64,
+    /// Blocks moved up into this tier by a read or a prefetch.
+    pub promotions: u64,
+    /// Blocks moved down out of this tier into the next (RAM: also a
+    /// write-through block dropped from RAM while NVMe keeps it).
+    pub demotions: u64,
+    /// Blocks that left the store from this tier (NVMe: dropped by reclaim).
+    pub evictions: u64,
+    /// Block bytes written into this tier.
+    pub bytes_in: u64,
+    /// Block bytes served from this tier.
+    pub bytes_out: u64,
+    /// Median read latency in µs (0 before any).
+    pub read_us_p50: u64,
+    /// 99th percentile read latency in µs.
+    pub read_us_p99: u64,
+    /// Median write latency in µs.
+    pub write_us_p50: u64,
+    /// 99th percentile write latency in µs.
+    pub write_us_p99: u64,
+    /// RAM: how the arena is backed; `None` for other tiers.
+    pub huge_pages: Option<HugePages>,
+}
+
+impl TierStats {
+    pub(crate) fn from_counters(
+        tier: Tier,
+        c: &TierCounters,
+        capacity_blocks: u64,
+        used_blocks: u64,
+        huge_pages: Option<HugePages>,
+    ) -> Self {
+        let pct = |h: &RefCell<Histogram<u64>>, q: f64| {
+            let h = h.borrow();
+            if h.is_empty() {
+                0
+            } else {
+                h.value_at_quantile(q)
+            }
+        };
+        TierStats {
+            tier,
+            capacity_blocks,
+            used_blocks,
+            hits: c.hits.get(),
+            misses: c.misses.get(),
+            promotions: c.promotions.get(),
+            demotions: c.demotions.get(),
+            evictions: c.evictions.get(),
+            bytes_in: c.bytes_in.get(),
+            bytes_out: c.bytes_out.get(),
+            read_us_p50: pct(&c.read_us, 0.5),
+            read_us_p99: pct(&c.read_us, 0.99),
+            write_us_p50: pct(&c.write_us, 0.5),
+            write_us_p99: pct(&c.write_us, 0.99),
+            huge_pages,
+        }
+    }
+
+    /// Adds another shard's counters of the same tier (latency percentiles
+    /// become the largest of the two: an upper bound, not a merge).
+    pub fn add(&mut self, o: &TierStats) {
+        self.capacity_blocks += o.capacity_blocks;
+        self.used_blocks += o.used_blocks;
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.promotions += o.promotions;
+        self.demotions += o.demotions;
+        self.evictions += o.evictions;
+        self.bytes_in += o.bytes_in;
+        self.bytes_out += o.bytes_out;
+        self.read_us_p50 = self.read_us_p50.max(o.read_us_p50);
+        self.read_us_p99 = self.read_us_p99.max(o.read_us_p99);
+        self.write_us_p50 = self.write_us_p50.max(o.write_us_p50);
+        self.write_us_p99 = self.write_us_p99.max(o.write_us_p99);
+    }
+}
