@@ -352,6 +352,20 @@ impl RamTier {
         }
     }
 
+    /// Frees the slot of `hash` for a new copy of the same block when no
+    /// response holds it and it is not being demoted, so a PUT of a held key
+    /// reuses its slot instead of pushing another block out. Returns whether
+    /// it did.
+    pub fn release_if_idle(&mut self, hash: &BlockHash) -> bool {
+        match self.map.get(hash) {
+            Some(&slot) if !self.arena.pinned(slot) && !self.meta[slot as usize].demoting => {
+                self.evict(slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Drops the block of `hash`, if held. Returns whether it was.
     pub fn remove(&mut self, hash: &BlockHash) -> bool {
         match self.map.get(hash) {

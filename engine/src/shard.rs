@@ -394,6 +394,7 @@ impl Shard {
     async fn cache(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<bool> {
         let Some(ram) = &self.ram else { return Ok(false) };
         let started = Instant::now();
+        ram.borrow_mut().release_if_idle(&hash);
         loop {
             let victim = {
                 let mut r = ram.borrow_mut();

@@ -509,3 +509,49 @@ fn fsck_lists_exactly_the_damaged_blocks() {
     assert_eq!(report.live_blocks, 2, "f0 and the new 'old'");
     assert_eq!(report.foreign_files.len(), 1);
 }
+
+/// A GET served from RAM is a view of the slot itself; while a response
+/// still holds it, eviction takes the block out of RAM but never writes the
+/// slot, so the response sends the bytes it was given. Forwarded reads (from
+/// shard 1's keys) end on another thread and release their slot there.
+#[test]
+fn a_response_holding_a_ram_slot_keeps_its_bytes_while_eviction_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8192, 2, 1 << 20, 16 << 20);
+    cfg.ram_bytes = 2 * 4 * 8192; // 4 slots per shard
+    cfg.promote = true;
+    on_shard0(cfg, |store| async move {
+        let held_keys: Vec<String> = key_on_shard(0, 2, 1).into_iter().chain(key_on_shard(1, 2, 1)).collect();
+        let mut held = Vec::new();
+        for k in &held_keys {
+            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+            let block = store.get(k).await.unwrap();
+            assert_eq!(block.tier, kvtier_engine::Tier::Ram);
+            held.push(block.bytes);
+        }
+        // 40 more blocks per shard push the held ones out of RAM, ten times over.
+        for k in key_on_shard(0, 2, 41).into_iter().skip(1).chain(key_on_shard(1, 2, 41).into_iter().skip(1)) {
+            store.put(&k, vec![payload(&k, 8192)]).await.unwrap();
+        }
+        for (k, bytes) in held_keys.iter().zip(&held) {
+            assert_eq!(bytes, &payload(k, 8192), "a held response changed under eviction");
+            let again = store.get(k).await.unwrap();
+            assert_eq!((again.tier, &again.bytes), (kvtier_engine::Tier::Nvme, &payload(k, 8192)));
+        }
+        // While held, each shard's pinned slot stayed out of use.
+        for s in store.stats().await.unwrap() {
+            assert_eq!((s.tiers[0].capacity_blocks, s.tiers[0].used_blocks), (4, 3), "{:?}", s.tiers[0]);
+        }
+        // Released (shard 1's on this thread), the slots serve again.
+        drop(held);
+        for k in [&key_on_shard(0, 2, 42)[41], &key_on_shard(1, 2, 42)[41]] {
+            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+        }
+        for s in store.stats().await.unwrap() {
+            let ram = &s.tiers[0];
+            assert_eq!((ram.capacity_blocks, ram.used_blocks), (4, 4), "{ram:?}");
+            assert!(ram.demotions >= 38, "{ram:?}");
+        }
+    })
+    .unwrap();
+}

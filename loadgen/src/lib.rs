@@ -11,6 +11,7 @@
 pub mod blocks;
 pub mod client;
 pub mod keys;
+pub mod oracle;
 pub mod payload;
 pub mod replay;
 pub mod report;

@@ -161,6 +161,11 @@ struct ReplayArgs {
     /// Compare every byte of every block read (default: length and key stamp).
     #[arg(long)]
     verify_full: bool,
+    /// Run the policy oracle beside the server: a simulation of the tier
+    /// placement with the server's capacities predicts every lookup and the
+    /// tier of every GET (exact with --users 1; needs an empty kvtier store).
+    #[arg(long)]
+    oracle: bool,
     /// Directory for results.json and report.html.
     #[arg(long, default_value = "target/loadgen/replay")]
     out: PathBuf,
@@ -453,6 +458,14 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         verify_full: args.verify_full,
         generation: args.generation_mode,
         progress: true,
+        oracle: if args.oracle {
+            match replay::OracleConfig::from_server(&target).await {
+                Ok(c) => Some(c),
+                Err(e) => return fail_early(&args.out, "replay", &args.target, e),
+            }
+        } else {
+            None
+        },
     };
     let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
     write_out(&args.out, &results, Some(report::replay_html(&results)))?;
@@ -471,6 +484,18 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         results.put_latency.p50_us,
         results.put_latency.p99_us
     );
+    if let Some(o) = &results.oracle {
+        println!(
+            "  oracle: predicted hit rate {:.1}%, measured {:.1}%; {} of {} lookups and {} of {} GETs disagreed{}",
+            o.predicted_hit_rate * 100.0,
+            o.measured_hit_rate * 100.0,
+            o.lookup_mismatches,
+            o.lookups_checked,
+            o.get_mismatches,
+            o.gets_checked,
+            o.first_mismatch.as_ref().map_or(String::new(), |m| format!(" (first: {m})"))
+        );
+    }
     for q in &results.qos {
         println!(
             "  {:<11} p95 {} ms (SLA {} ms): {}; {:.1}% of {} turns within",

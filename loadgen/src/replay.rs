@@ -29,6 +29,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::keys;
+use crate::oracle::PolicyOracle;
 use crate::payload::Payloads;
 use crate::sharegpt::Conversation;
 use crate::stats::{LatencySummary, OpLatency};
@@ -181,6 +182,87 @@ pub struct ReplayConfig {
     pub generation: GenerationMode,
     /// Draw a progress bar on stderr.
     pub progress: bool,
+    /// Run the policy oracle beside the server (an empty kvtier store).
+    pub oracle: Option<OracleConfig>,
+}
+
+/// The server's placement settings, for the policy oracle.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct OracleConfig {
+    /// Shards.
+    pub shards: usize,
+    /// RAM slots per shard.
+    pub ram_blocks_per_shard: usize,
+    /// `--write-policy back`.
+    pub write_back: bool,
+    /// `--promote on`.
+    pub promote: bool,
+}
+
+/// The oracle's predictions beside what the server did.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct OracleResults {
+    /// Settings simulated.
+    pub config: Option<OracleConfig>,
+    /// Predicted prefix hit rate (tokens).
+    pub predicted_hit_rate: f64,
+    /// Measured prefix hit rate (tokens), as `prefix_hit_rate`.
+    pub measured_hit_rate: f64,
+    /// Lookups compared.
+    pub lookups_checked: u64,
+    /// Lookups whose prefix hits differed from the prediction.
+    pub lookup_mismatches: u64,
+    /// GETs compared.
+    pub gets_checked: u64,
+    /// GETs served from another tier than predicted, or missing when
+    /// predicted present (or the reverse).
+    pub get_mismatches: u64,
+    /// GETs per predicted tier (`miss` for none).
+    pub predicted_gets_by_tier: BTreeMap<String, u64>,
+    /// GETs per serving tier (`miss` for 404).
+    pub measured_gets_by_tier: BTreeMap<String, u64>,
+    /// The first disagreement, for the report.
+    pub first_mismatch: Option<String>,
+}
+
+impl OracleResults {
+    fn mismatch(&mut self, what: String) {
+        if self.first_mismatch.is_none() {
+            self.first_mismatch = Some(what);
+        }
+    }
+}
+
+impl OracleConfig {
+    /// Reads the placement settings of an empty kvtier server from
+    /// `/v1/stats`.
+    ///
+    /// # Errors
+    /// Not a kvtier target; the stats cannot be read; the store already
+    /// holds blocks (the oracle starts from an empty store).
+    pub async fn from_server(target: &Target) -> Result<OracleConfig, String> {
+        let Target::Kvtier(client) = target else { return Err("--oracle needs a kvtier target".into()) };
+        let v = client.stats().await.map_err(|e| format!("cannot read the server's stats for --oracle: {e}"))?;
+        let shards = v["shards"].as_u64().ok_or("no shard count in /v1/stats")? as usize;
+        let held = v["tiers"].as_array().map_or(0, |ts| ts.iter().filter_map(|t| t["used_blocks"].as_u64()).sum::<u64>());
+        if held > 0 {
+            return Err(format!("--oracle needs an empty store (it simulates from empty), but the server holds {held} blocks"));
+        }
+        let ram_blocks_per_shard = v["per_shard"][0]["tiers"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["tier"] == "ram"))
+            .and_then(|t| t["capacity_blocks"].as_u64())
+            .unwrap_or(0) as usize;
+        Ok(OracleConfig { shards, ram_blocks_per_shard, write_back: v["write_policy"] == "back", promote: v["promote"] != false })
+    }
+}
+
+/// The oracle and its tally, applied in completion order.
+struct OracleState {
+    oracle: PolicyOracle,
+    results: OracleResults,
+    tokens_looked_up: u64,
+    tokens_predicted: u64,
 }
 
 /// What one replay measured. Schema in docs/LOADGEN.md.
@@ -273,6 +355,8 @@ pub struct ReplayResults {
     pub histograms: ReplayHistograms,
     /// Why the run stopped early (every user gave up), if it did.
     pub error: Option<String>,
+    /// The policy oracle's predictions (with `--oracle`).
+    pub oracle: Option<OracleResults>,
 }
 
 #[derive(Default, Clone)]
@@ -344,6 +428,7 @@ struct Shared {
     turns_done: AtomicU64,
     started: Instant,
     bucket_s: f64,
+    oracle: Option<Mutex<OracleState>>,
 }
 
 /// Token ids of each turn: (user message, reply).
@@ -386,6 +471,9 @@ impl Shared {
             let t = Instant::now();
             match self.target.put(key, self.payloads.chunks(key)).await {
                 Ok(()) => {
+                    if let Some(o) = &self.oracle {
+                        o.lock().expect("oracle lock").oracle.put(key);
+                    }
                     stats.put.record(t.elapsed().as_micros() as u64);
                     self.bucket(stats).blocks_written += 1;
                     *streak = 0;
@@ -424,6 +512,17 @@ impl Shared {
                     let t = Instant::now();
                     let hits = match self.target.lookup(&chain).await {
                         Ok(h) => {
+                            if let Some(o) = &self.oracle {
+                                let mut o = o.lock().expect("oracle lock");
+                                let predicted = o.oracle.lookup(&chain);
+                                o.results.lookups_checked += 1;
+                                o.tokens_looked_up += (prompt_blocks * self.block_tokens) as u64;
+                                o.tokens_predicted += (predicted.min(prompt_blocks) * self.block_tokens) as u64;
+                                if predicted != h {
+                                    o.results.lookup_mismatches += 1;
+                                    o.results.mismatch(format!("lookup of {} keys: predicted {predicted} hits, server {h}", chain.len()));
+                                }
+                            }
                             stats.lookup.record(t.elapsed().as_micros() as u64);
                             streak = 0;
                             h.min(prompt_blocks)
@@ -443,7 +542,20 @@ impl Shared {
                             break 'conversations;
                         }
                         let t = Instant::now();
-                        match self.target.get(key).await {
+                        let answer = self.target.get(key).await;
+                        if let (Some(o), Ok(found)) = (&self.oracle, &answer) {
+                            let mut o = o.lock().expect("oracle lock");
+                            let predicted = o.oracle.get(key).map_or("miss", |p| p.as_str());
+                            let measured = found.as_ref().map_or("miss", |b| b.tier.as_str()).to_string();
+                            o.results.gets_checked += 1;
+                            *o.results.predicted_gets_by_tier.entry(predicted.to_string()).or_default() += 1;
+                            *o.results.measured_gets_by_tier.entry(measured.clone()).or_default() += 1;
+                            if predicted != measured {
+                                o.results.get_mismatches += 1;
+                                o.results.mismatch(format!("GET {key}: predicted {predicted}, served {measured}"));
+                            }
+                        }
+                        match answer {
                             Ok(Some(block)) => {
                                 let us = t.elapsed().as_micros() as u64;
                                 stats.get.record(us);
@@ -517,6 +629,14 @@ pub async fn run(
         turns_done: AtomicU64::new(0),
         started,
         bucket_s,
+        oracle: cfg.oracle.map(|c| {
+            Mutex::new(OracleState {
+                oracle: PolicyOracle::new(c.shards, c.ram_blocks_per_shard, c.write_back, c.promote),
+                results: OracleResults { config: Some(c), ..Default::default() },
+                tokens_looked_up: 0,
+                tokens_predicted: 0,
+            })
+        }),
         cfg: cfg.clone(),
     });
     let users: Vec<_> = (0..cfg.users.max(1)).map(|u| tokio::spawn(shared.clone().user(u))).collect();
@@ -582,7 +702,17 @@ pub async fn run(
             ..p.clone()
         })
         .collect();
+    let prefix_hit_rate = if total.tokens_looked_up > 0 { total.tokens_hit as f64 / total.tokens_looked_up as f64 } else { 0.0 };
+    let oracle = shared.oracle.as_ref().map(|o| {
+        let o = o.lock().expect("oracle lock");
+        OracleResults {
+            predicted_hit_rate: if o.tokens_looked_up > 0 { o.tokens_predicted as f64 / o.tokens_looked_up as f64 } else { 0.0 },
+            measured_hit_rate: prefix_hit_rate,
+            ..o.results.clone()
+        }
+    });
     ReplayResults {
+        oracle,
         mode: "replay".into(),
         target: target.url().to_string(),
         target_kind: target.kind().to_string(),
@@ -612,7 +742,7 @@ pub async fn run(
         wrong_bytes: total.wrong_bytes,
         tokens_looked_up: total.tokens_looked_up,
         tokens_hit: total.tokens_hit,
-        prefix_hit_rate: if total.tokens_looked_up > 0 { total.tokens_hit as f64 / total.tokens_looked_up as f64 } else { 0.0 },
+        prefix_hit_rate,
         blocks_read,
         blocks_written,
         tokens_per_s: per_s(tokens_moved),
