@@ -153,9 +153,10 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
 /// [`Error::Io`] when the directory or a segment cannot be read;
 /// [`Error::Config`] for settings that cannot work.
 pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
-    let started = Instant::now();
     fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    // Mapping the RAM tier is set-up, not recovery: the clock starts after.
     let shard = Shard::new(cfg)?;
+    let started = Instant::now();
     let mut report = RecoveryReport::default();
     let found = list_segments(&shard, &mut report)?;
     let snap = load_snapshot(&shard.cfg.dir, shard.id(), &mut report);

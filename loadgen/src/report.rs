@@ -457,6 +457,24 @@ pub fn replay_html(r: &ReplayResults) -> String {
         );
     }
     b.push_str("</table><p class=note>Turn storage latency: the lookup, the GETs of the prefix hits and the PUTs of the prompt's missed blocks.</p>");
+    if let Some(o) = &r.oracle {
+        let tiers = |m: &std::collections::BTreeMap<String, u64>| m.iter().map(|(t, n)| format!("{t} {n}")).collect::<Vec<_>>().join(", ");
+        let _ = write!(
+            b,
+            "<h2>Policy oracle</h2><table><tr><th></th><th>prefix hit rate</th><th>GETs by tier</th></tr>\
+             <tr><td class=l>predicted</td><td>{:.2}%</td><td class=l>{}</td></tr><tr><td class=l>measured</td><td>{:.2}%</td><td class=l>{}</td></tr></table>\
+             <p class=note>{} of {} lookups and {} of {} GETs disagreed with the simulation{}.</p>",
+            o.predicted_hit_rate * 100.0,
+            escape(&tiers(&o.predicted_gets_by_tier)),
+            o.measured_hit_rate * 100.0,
+            escape(&tiers(&o.measured_gets_by_tier)),
+            o.lookup_mismatches,
+            o.lookups_checked,
+            o.get_mismatches,
+            o.gets_checked,
+            o.first_mismatch.as_ref().map_or(String::new(), |m| format!("; first: {}", escape(m)))
+        );
+    }
     b.push_str("<h2>Over time</h2><div class=charts>");
     let hit: Vec<(f64, f64)> = r.timeline.iter().filter(|p| p.tokens_looked_up > 0).map(|p| (p.t_s, p.prefix_hit_rate * 100.0)).collect();
     let cumulative: Vec<(f64, f64)> = {

@@ -123,9 +123,9 @@ struct StoreArgs {
     /// only what came after it); 0 writes one only at clean shutdown.
     #[arg(long, default_value_t = SNAPSHOT_SECS_DEFAULT)]
     snapshot_secs: u64,
-    /// RAM tier across all shards, in GiB (2^30 bytes), mapped and
-    /// prefaulted at start (2 MiB huge pages where available); 0 turns it
-    /// off. Each shard gets ram / shards / block_bytes slots.
+    /// RAM tier across all shards, in GiB (2^30 bytes), mapped at start
+    /// (2 MiB huge pages where available) and faulted in by a background
+    /// thread; 0 turns it off. Each shard gets ram / shards / block_bytes slots.
     #[arg(long, default_value_t = 2.0)]
     ram_gb: f64,
     /// through: a PUT is acknowledged after its NVMe write (a crash loses
