@@ -438,7 +438,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         Err(e) => return fail_early(&args.out, "replay", &args.target, e),
     };
     eprintln!(
-        "kvtier-loadgen: replaying {} conversations from {} against {} ({}), {} users, {} s, block {} bytes / {} tokens, generation {:?}",
+        "kvtier-loadgen: replaying {} conversations from {} against {} ({}), {} users, {} s, block {} bytes / {} tokens, generation {}",
         dataset.len(),
         path.display(),
         args.target,
@@ -447,7 +447,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         args.duration_s,
         block_bytes,
         block_tokens,
-        args.generation_mode
+        args.generation_mode.name()
     );
     let cfg = replay::ReplayConfig {
         users: args.users,

@@ -49,6 +49,15 @@ pub enum GenerationMode {
 }
 
 impl GenerationMode {
+    /// `none`, `fast` or `realistic`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GenerationMode::None => "none",
+            GenerationMode::Fast => "fast",
+            GenerationMode::Realistic => "realistic",
+        }
+    }
+
     /// Milliseconds per generated token: 0, 2 or 30 (MLPerf Storage's
     /// KV-cache benchmark generation modes).
     pub fn ms_per_token(self) -> u64 {

@@ -400,13 +400,13 @@ pub fn replay_html(r: &ReplayResults) -> String {
     let mut b = String::new();
     let _ = write!(
         b,
-        "<p class=note>{} ({}, {}) · {} users · {} s · generation {:?} · dataset {} ({} conversations) · block {} bytes / {} tokens ({})</p>",
+        "<p class=note>{} ({}, {}) · {} users · {} s · generation {} · dataset {} ({} conversations) · block {} bytes / {} tokens ({})</p>",
         escape(&r.target),
         escape(&r.target_kind),
         escape(&r.protocol),
         r.users,
         r.duration_s,
-        r.generation_mode,
+        r.generation_mode.name(),
         escape(&r.dataset_path.display().to_string()),
         r.dataset_conversations,
         r.block_bytes,
