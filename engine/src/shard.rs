@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use glommio::io::DmaBuffer;
 use glommio::sync::Semaphore;
-use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -256,18 +255,15 @@ pub struct Shard {
     /// Buffers GET responses are copied into (see [`crate::pool`]).
     read_buffers: Arc<BufferPool>,
     counters: Counters,
-    read_us: RefCell<Histogram<u64>>,
-    write_us: RefCell<Histogram<u64>>,
     pub(crate) recovery: RefCell<RecoveryReport>,
     started: Instant,
     /// The RAM tier, if configured.
     ram: Option<RefCell<RamTier>>,
     ram_counters: TierCounters,
-    /// NVMe-tier counters the segment log does not keep itself: reads it
-    /// served, reads that missed it, blocks demoted into it.
-    nvme_hits: Cell<u64>,
-    nvme_misses: Cell<u64>,
-    nvme_promotions: Cell<u64>,
+    /// The log's tier counters: reads it served or missed, blocks demoted
+    /// into it, block read and write latencies. Bytes and evictions are the
+    /// segment counters in `counters`.
+    nvme_counters: TierCounters,
 }
 
 impl Shard {
@@ -293,7 +289,6 @@ impl Shard {
             0 => None,
             n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
         };
-        let histogram = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
@@ -310,15 +305,11 @@ impl Shard {
             buffers: RefCell::new(Vec::new()),
             read_buffers: BufferPool::new(cfg.geometry.block_bytes),
             counters: Counters::default(),
-            read_us: RefCell::new(histogram()),
-            write_us: RefCell::new(histogram()),
             recovery: RefCell::new(RecoveryReport::default()),
             started: Instant::now(),
             ram,
             ram_counters: TierCounters::default(),
-            nvme_hits: Cell::new(0),
-            nvme_misses: Cell::new(0),
-            nvme_promotions: Cell::new(0),
+            nvme_counters: TierCounters::default(),
             cfg,
         })
     }
@@ -421,7 +412,7 @@ impl Shard {
             ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
             written?;
             bump(&self.ram_counters.demotions, 1);
-            bump(&self.nvme_promotions, 1);
+            bump(&self.nvme_counters.promotions, 1);
         }
     }
 
@@ -510,7 +501,7 @@ impl Shard {
         self.recycle(buf);
         result?;
         bump(&self.counters.bytes_written, len);
-        let _ = self.write_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
+        record_us(&self.nvme_counters.write_us, started.elapsed().as_micros());
         let entry = Entry { segment: segment.id, slot, seq };
         self.note_seq(segment.id, seq);
         let mut index = self.index.borrow_mut();
@@ -741,7 +732,7 @@ impl Shard {
         }
         match self.read_block(key, hash).await {
             Ok(bytes) => {
-                bump(&self.nvme_hits, 1);
+                bump(&self.nvme_counters.hits, 1);
                 if self.cfg.promote && self.cache(key, hash, &[&bytes], false).await.unwrap_or(false) {
                     bump(&self.ram_counters.promotions, 1);
                 }
@@ -749,7 +740,7 @@ impl Shard {
             }
             Err(e) => {
                 if matches!(e, Error::NotFound | Error::Corrupt { .. }) {
-                    bump(&self.nvme_misses, 1);
+                    bump(&self.nvme_counters.misses, 1);
                 }
                 Err(e)
             }
@@ -834,7 +825,7 @@ impl Shard {
             return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
         }
         segment.referenced.borrow_mut()[entry.slot as usize] = true;
-        let _ = self.read_us.borrow_mut().record(started.elapsed().as_micros().max(1) as u64);
+        record_us(&self.nvme_counters.read_us, started.elapsed().as_micros());
         Ok(bytes)
     }
 
@@ -973,18 +964,12 @@ impl Shard {
     pub fn stats(&self) -> ShardStats {
         let c = &self.counters;
         let segments = self.segments.borrow().iter().filter(|s| s.is_some()).count() as u32;
-        let (read, write) = (self.read_us.borrow(), self.write_us.borrow());
+        let tiers = self.tier_stats();
+        let nvme = tiers.last().expect("the log is always a tier");
         // Busy time is what glommio spent running tasks; wall time runs from
         // the shard's start.
         let busy_s = glommio::executor().executor_stats().executor_runtime().as_secs_f64();
         let wall_s = self.started.elapsed().as_secs_f64();
-        let pct = |h: &Histogram<u64>, q: f64| {
-            if h.is_empty() {
-                0
-            } else {
-                h.value_at_quantile(q)
-            }
-        };
         ShardStats {
             shard: self.id(),
             blocks: self.index.borrow().len() as u64,
@@ -1011,14 +996,14 @@ impl Shard {
             reactor_busy_s: busy_s,
             reactor_wall_s: wall_s,
             reactor_utilization: if wall_s > 0.0 { busy_s / wall_s } else { 0.0 },
-            read_us_p50: pct(&read, 0.5),
-            read_us_p99: pct(&read, 0.99),
-            write_us_p50: pct(&write, 0.5),
-            write_us_p99: pct(&write, 0.99),
+            read_us_p50: nvme.read_us_p50,
+            read_us_p99: nvme.read_us_p99,
+            write_us_p50: nvme.write_us_p50,
+            write_us_p99: nvme.write_us_p99,
             recovery: self.recovery.borrow().clone(),
             write_policy: self.cfg.write_policy,
             promote: self.cfg.promote,
-            tiers: self.tier_stats(),
+            tiers,
         }
     }
 
@@ -1029,17 +1014,9 @@ impl Shard {
             tiers.push(TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages())));
         }
         let c = &self.counters;
-        let nvme = TierCounters::default();
-        nvme.hits.set(self.nvme_hits.get());
-        nvme.misses.set(self.nvme_misses.get());
-        nvme.promotions.set(self.nvme_promotions.get());
-        nvme.evictions.set(c.evicted_blocks.get());
-        nvme.bytes_in.set(c.bytes_written.get());
-        nvme.bytes_out.set(c.bytes_read.get());
-        *nvme.read_us.borrow_mut() = self.read_us.borrow().clone();
-        *nvme.write_us.borrow_mut() = self.write_us.borrow().clone();
         let capacity = self.cfg.segments_max as u64 * self.slots_per_segment as u64;
-        tiers.push(TierStats::from_counters(Tier::Nvme, &nvme, capacity, self.index.borrow().len() as u64, None));
+        let nvme = TierStats::from_counters(Tier::Nvme, &self.nvme_counters, capacity, self.index.borrow().len() as u64, None);
+        tiers.push(TierStats { evictions: c.evicted_blocks.get(), bytes_in: c.bytes_written.get(), bytes_out: c.bytes_read.get(), ..nvme });
         tiers
     }
 

@@ -32,7 +32,7 @@ use crate::keys;
 use crate::oracle::PolicyOracle;
 use crate::payload::Payloads;
 use crate::sharegpt::Conversation;
-use crate::stats::{LatencySummary, OpLatency};
+use crate::stats::{ratio, FirstError, LatencySummary, OpLatency, TierLatency};
 use crate::target::{Target, TargetError};
 
 /// Decode-time simulation: how long a user waits per generated (reply)
@@ -373,7 +373,7 @@ struct UserStats {
     lookup: OpLatency,
     get: OpLatency,
     put: OpLatency,
-    by_tier: BTreeMap<String, OpLatency>,
+    by_tier: TierLatency,
     turn: BTreeMap<QosClass, OpLatency>,
     turns_within_sla: BTreeMap<QosClass, u64>,
     timeline: Vec<TimelinePoint>,
@@ -383,8 +383,6 @@ struct UserStats {
     errors: u64,
     get_misses: u64,
     wrong_bytes: u64,
-    tokens_looked_up: u64,
-    tokens_hit: u64,
 }
 
 impl UserStats {
@@ -392,9 +390,7 @@ impl UserStats {
         self.lookup.merge(&o.lookup);
         self.get.merge(&o.get);
         self.put.merge(&o.put);
-        for (tier, l) in &o.by_tier {
-            self.by_tier.entry(tier.clone()).or_default().merge(l);
-        }
+        self.by_tier.merge(&o.by_tier);
         for (class, l) in &o.turn {
             self.turn.entry(*class).or_default().merge(l);
         }
@@ -416,8 +412,6 @@ impl UserStats {
         self.errors += o.errors;
         self.get_misses += o.get_misses;
         self.wrong_bytes += o.wrong_bytes;
-        self.tokens_looked_up += o.tokens_looked_up;
-        self.tokens_hit += o.tokens_hit;
     }
 }
 
@@ -432,7 +426,7 @@ struct Shared {
     payloads: Payloads,
     deadline: Instant,
     stop: AtomicBool,
-    first_error: Mutex<Option<String>>,
+    first_error: FirstError,
     /// Turns completed so far, for the progress bar.
     turns_done: AtomicU64,
     started: Instant,
@@ -464,10 +458,8 @@ impl Shared {
         stats.errors += 1;
         self.bucket(stats).errors += 1;
         *streak += 1;
-        let mut first = self.first_error.lock().expect("lock");
-        if first.is_none() {
+        if self.first_error.note(e.to_string()) {
             eprintln!("kvtier-loadgen: {e}");
-            *first = Some(e.to_string());
         }
     }
 
@@ -541,8 +533,6 @@ impl Shared {
                             continue;
                         }
                     };
-                    stats.tokens_looked_up += (prompt_blocks * self.block_tokens) as u64;
-                    stats.tokens_hit += (hits * self.block_tokens) as u64;
                     let b = self.bucket(&mut stats);
                     b.tokens_looked_up += (prompt_blocks * self.block_tokens) as u64;
                     b.tokens_hit += (hits * self.block_tokens) as u64;
@@ -568,7 +558,7 @@ impl Shared {
                             Ok(Some(block)) => {
                                 let us = t.elapsed().as_micros() as u64;
                                 stats.get.record(us);
-                                stats.by_tier.entry(block.tier).or_default().record(us);
+                                stats.by_tier.record(&block.tier, us);
                                 self.bucket(&mut stats).blocks_read += 1;
                                 streak = 0;
                                 if !self.payloads.verify(key, &block.body, self.cfg.verify_full) {
@@ -634,7 +624,7 @@ pub async fn run(
         payloads: Payloads::new(block_bytes as usize, cfg.seed),
         deadline: started + cfg.duration,
         stop: AtomicBool::new(false),
-        first_error: Mutex::new(None),
+        first_error: FirstError::default(),
         turns_done: AtomicU64::new(0),
         started,
         bucket_s,
@@ -649,10 +639,7 @@ pub async fn run(
         cfg: cfg.clone(),
     });
     let users: Vec<_> = (0..cfg.users.max(1)).map(|u| tokio::spawn(shared.clone().user(u))).collect();
-    let bar = if cfg.progress { indicatif::ProgressBar::new(cfg.duration.as_millis() as u64) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("replay [{bar:30}] {elapsed_precise} {msg}").expect("valid template").progress_chars("=> "),
-    );
+    let bar = crate::sweep::progress_bar(cfg.progress, cfg.duration.as_millis() as u64, "replay".into());
     let ticker = {
         let (shared, bar) = (shared.clone(), bar.clone());
         tokio::spawn(async move {
@@ -681,7 +668,10 @@ pub async fn run(
     let tokens_moved = ((blocks_read + blocks_written) * block_tokens) as f64;
     let io_s = (total.get.total_us + total.put.total_us) as f64 / 1e6;
     let per_s = |x: f64| if elapsed_s > 0.0 { x / elapsed_s } else { 0.0 };
-    let first_error = shared.first_error.lock().expect("lock").clone();
+    let first_error = shared.first_error.get();
+    // Totals are the sums of the timeline's buckets.
+    let tokens_looked_up: u64 = total.timeline.iter().map(|p| p.tokens_looked_up).sum();
+    let tokens_hit: u64 = total.timeline.iter().map(|p| p.tokens_hit).sum();
     let users = cfg.users.max(1);
     let qos = QosClass::ALL
         .iter()
@@ -706,16 +696,16 @@ pub async fn run(
         .enumerate()
         .map(|(i, p)| TimelinePoint {
             t_s: i as f64 * bucket_s,
-            prefix_hit_rate: if p.tokens_looked_up > 0 { p.tokens_hit as f64 / p.tokens_looked_up as f64 } else { 0.0 },
+            prefix_hit_rate: ratio(p.tokens_hit, p.tokens_looked_up),
             tokens_per_s: ((p.blocks_read + p.blocks_written) * block_tokens) as f64 / bucket_s,
             ..p.clone()
         })
         .collect();
-    let prefix_hit_rate = if total.tokens_looked_up > 0 { total.tokens_hit as f64 / total.tokens_looked_up as f64 } else { 0.0 };
+    let prefix_hit_rate = ratio(tokens_hit, tokens_looked_up);
     let oracle = shared.oracle.as_ref().map(|o| {
         let o = o.lock().expect("oracle lock");
         OracleResults {
-            predicted_hit_rate: if o.tokens_looked_up > 0 { o.tokens_predicted as f64 / o.tokens_looked_up as f64 } else { 0.0 },
+            predicted_hit_rate: ratio(o.tokens_predicted, o.tokens_looked_up),
             measured_hit_rate: prefix_hit_rate,
             ..o.results.clone()
         }
@@ -749,8 +739,8 @@ pub async fn run(
         first_error,
         get_misses: total.get_misses,
         wrong_bytes: total.wrong_bytes,
-        tokens_looked_up: total.tokens_looked_up,
-        tokens_hit: total.tokens_hit,
+        tokens_looked_up,
+        tokens_hit,
         prefix_hit_rate,
         blocks_read,
         blocks_written,
@@ -761,7 +751,7 @@ pub async fn run(
         lookup_latency: total.lookup.summary(),
         get_latency: total.get.summary(),
         put_latency: total.put.summary(),
-        get_latency_by_tier: total.by_tier.iter().map(|(t, l)| (t.clone(), l.summary())).collect(),
+        get_latency_by_tier: total.by_tier.summaries(),
         qos,
         timeline_bucket_s: bucket_s,
         timeline,
@@ -769,7 +759,7 @@ pub async fn run(
             lookup: total.lookup.buckets(),
             get: total.get.buckets(),
             put: total.put.buckets(),
-            get_by_tier: total.by_tier.iter().map(|(t, l)| (t.clone(), l.buckets())).collect(),
+            get_by_tier: total.by_tier.buckets(),
         },
     }
 }

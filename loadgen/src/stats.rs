@@ -1,7 +1,72 @@
-//! Latency recording per operation (hdrhistogram, microseconds).
+//! Latency recording per operation (hdrhistogram, microseconds), per
+//! serving tier, and the bits of bookkeeping every workload shares.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use hdrhistogram::Histogram;
 use serde::Serialize;
+
+/// `num / den`, 0 when `den` is 0 (hit rates of runs without lookups).
+pub fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
+    }
+}
+
+/// Latencies of reads per serving tier (`x-kvtier-tier`; `redis` for Redis).
+#[derive(Clone, Default)]
+pub struct TierLatency(BTreeMap<String, OpLatency>);
+
+impl TierLatency {
+    /// Records one read served by `tier`.
+    pub fn record(&mut self, tier: &str, us: u64) {
+        match self.0.get_mut(tier) {
+            Some(l) => l.record(us),
+            None => self.0.entry(tier.to_string()).or_default().record(us),
+        }
+    }
+
+    /// Adds another recorder's samples, tier by tier.
+    pub fn merge(&mut self, other: &TierLatency) {
+        for (tier, l) in &other.0 {
+            self.0.entry(tier.clone()).or_default().merge(l);
+        }
+    }
+
+    /// Percentiles per tier.
+    pub fn summaries(&self) -> BTreeMap<String, LatencySummary> {
+        self.0.iter().map(|(t, l)| (t.clone(), l.summary())).collect()
+    }
+
+    /// Chart buckets per tier (see [`OpLatency::buckets`]).
+    pub fn buckets(&self) -> BTreeMap<String, Vec<(u64, u64)>> {
+        self.0.iter().map(|(t, l)| (t.clone(), l.buckets())).collect()
+    }
+}
+
+/// The first failure of a run, kept from whichever task saw it first.
+#[derive(Default)]
+pub struct FirstError(Mutex<Option<String>>);
+
+impl FirstError {
+    /// Keeps `message` if it is the first; returns whether it was.
+    pub fn note(&self, message: String) -> bool {
+        let mut first = self.0.lock().expect("first-error lock");
+        let is_first = first.is_none();
+        if is_first {
+            *first = Some(message);
+        }
+        is_first
+    }
+
+    /// The first failure, if any.
+    pub fn get(&self) -> Option<String> {
+        self.0.lock().expect("first-error lock").clone()
+    }
+}
 
 /// Latencies of one operation.
 #[derive(Clone)]

@@ -26,7 +26,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::keys;
 use crate::payload::Payloads;
-use crate::stats::{LatencySummary, OpLatency};
+use crate::stats::{ratio, FirstError, LatencySummary, OpLatency, TierLatency};
 use crate::target::{Target, TargetError};
 
 /// Consecutive failed operations after which a worker stops (an
@@ -361,7 +361,7 @@ struct WorkerStats {
     read: OpLatency,
     write: OpLatency,
     iteration: OpLatency,
-    by_tier: BTreeMap<String, OpLatency>,
+    by_tier: TierLatency,
     blocks_read: u64,
     read_misses: u64,
     lookup_blocks: u64,
@@ -376,9 +376,7 @@ impl WorkerStats {
         self.read.merge(&o.read);
         self.write.merge(&o.write);
         self.iteration.merge(&o.iteration);
-        for (tier, l) in &o.by_tier {
-            self.by_tier.entry(tier.clone()).or_default().merge(l);
-        }
+        self.by_tier.merge(&o.by_tier);
         self.blocks_read += o.blocks_read;
         self.read_misses += o.read_misses;
         self.lookup_blocks += o.lookup_blocks;
@@ -405,7 +403,7 @@ struct Level {
     target: Arc<Target>,
     workload: Arc<Workload>,
     window: Window,
-    first_error: Mutex<Option<String>>,
+    first_error: FirstError,
     stop: AtomicBool,
 }
 
@@ -413,10 +411,7 @@ impl Level {
     fn fail(&self, e: &TargetError, st: &mut WorkerStats, streak: &mut u32) {
         st.errors += 1;
         *streak += 1;
-        let mut first = self.first_error.lock().expect("lock");
-        if first.is_none() {
-            *first = Some(e.to_string());
-        }
+        self.first_error.note(e.to_string());
     }
 
     fn fresh_key(parent: &str, rng: &mut Xoshiro256PlusPlus, block_tokens: u64) -> String {
@@ -480,7 +475,7 @@ impl Level {
                                 }
                                 if counted {
                                     st.blocks_read += 1;
-                                    st.by_tier.entry(block.tier).or_default().record(us);
+                                    st.by_tier.record(&block.tier, us);
                                 }
                             }
                             None if counted => st.read_misses += 1,
@@ -518,7 +513,9 @@ impl Level {
     }
 }
 
-fn progress_bar(enabled: bool, len: u64, prefix: String) -> indicatif::ProgressBar {
+/// A progress bar of `len` steps labelled `prefix` on stderr (hidden when
+/// not `enabled`; indicatif also hides it when stderr is not a terminal).
+pub(crate) fn progress_bar(enabled: bool, len: u64, prefix: String) -> indicatif::ProgressBar {
     if !enabled {
         return indicatif::ProgressBar::hidden();
     }
@@ -578,7 +575,8 @@ pub async fn run_level(
     let cfg = workload.cfg.clone();
     let start = Instant::now() + Duration::from_secs_f64(cfg.warmup_s.max(0.0));
     let window = Window { start, end: start + Duration::from_secs_f64(cfg.duration_s.max(0.001)) };
-    let level = Arc::new(Level { target: target.clone(), workload, window, first_error: Mutex::new(None), stop: AtomicBool::new(false) });
+    let level =
+        Arc::new(Level { target: target.clone(), workload, window, first_error: FirstError::default(), stop: AtomicBool::new(false) });
     let workers: Vec<_> = (0..concurrency.max(1))
         .map(|w| tokio::spawn(level.clone().worker(cfg.seed ^ ((level_index as u64) << 32) ^ ((w as u64 + 1) * 0x9E37_79B9))))
         .collect();
@@ -624,7 +622,6 @@ pub async fn run_level(
     let blocks_written = total.write.count();
     let mean_iteration_s = total.iteration.summary().mean_us / 1e6;
     let predicted = iterations_per_s * mean_iteration_s;
-    let first_error = level.first_error.lock().expect("lock").clone();
     let share = |b: f64| link_bytes_per_s.filter(|l| *l > 0.0).map(|l| b / l);
     LevelResult {
         concurrency,
@@ -638,9 +635,9 @@ pub async fn run_level(
         blocks_written,
         lookup_blocks: total.lookup_blocks,
         lookup_hit_blocks: total.lookup_hit_blocks,
-        prefix_hit_rate: if total.lookup_blocks > 0 { total.lookup_hit_blocks as f64 / total.lookup_blocks as f64 } else { 0.0 },
+        prefix_hit_rate: ratio(total.lookup_hit_blocks, total.lookup_blocks),
         errors: total.errors,
-        first_error,
+        first_error: level.first_error.get(),
         wrong_bytes: total.wrong_bytes,
         latency: LevelLatency {
             lookup: total.lookup.summary(),
@@ -648,7 +645,7 @@ pub async fn run_level(
             write: total.write.summary(),
             iteration: total.iteration.summary(),
         },
-        read_latency_by_tier: total.by_tier.iter().map(|(t, l)| (t.clone(), l.summary())).collect(),
+        read_latency_by_tier: total.by_tier.summaries(),
         histograms: LevelHistograms { lookup: total.lookup.buckets(), read: total.read.buckets(), write: total.write.buckets() },
         server: bytes.map(|(i, o)| {
             let (i, o) = (i as f64 / elapsed_s, o as f64 / elapsed_s);
