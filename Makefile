@@ -6,6 +6,8 @@
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
+#   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
+#   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -25,12 +27,12 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay sweep bench bench-http fmt lint clean-data help
+.PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help
 
 all: build
 
 help:
-	@sed -n '2,9p' Makefile
+	@sed -n '2,11p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does) and redis-server (the loadgen's Redis target is tested against it).
@@ -87,6 +89,23 @@ bench-http: build
 	  echo "installing iperf3"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
 	loadgen/scripts/bench_http.sh
+
+# Crash harness (a 4-round version runs in `make test`): 20 rounds of
+# 8 clients PUTting 1 MiB blocks, kill -9 at 0.2–1.5 s, restart, read back
+# every key. Fails on a lost or wrong block or a restart over 1 s.
+CRASH_ARGS ?= --rounds 20 --clients 8 --kill-max-ms 1500
+CRASH_SERVE_ARGS ?= --block-bytes 1048576 --disk-gb 16 --segment-mib 256 --ram-gb 0.5
+crash-test: build
+	./target/release/kvtier-loadgen crash $(CRASH_ARGS) --out target/crash -- $(CRASH_SERVE_ARGS)
+
+# Soak (not in CI): the sweep mix at concurrency 8 for SOAK_MINUTES, a sample
+# a minute, restarts every 5 minutes (SIGTERM and SIGKILL in turn). Fails
+# unless RSS, open fds and p99 stay flat; report in target/soak/report.html.
+SOAK_MINUTES ?= 30
+SOAK_ARGS ?= --concurrency 8 --working-set-mib 2048 --restart-every 5
+SOAK_SERVE_ARGS ?= --block-bytes 1048576 --disk-gb 8 --segment-mib 256 --ram-gb 1
+soak: build
+	./target/release/kvtier-loadgen soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS) --out target/soak -- $(SOAK_SERVE_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -10,12 +10,15 @@
 
 pub mod blocks;
 pub mod client;
+pub mod crash;
 pub mod keys;
 pub mod oracle;
 pub mod payload;
 pub mod replay;
 pub mod report;
+pub mod server_process;
 pub mod sharegpt;
+pub mod soak;
 pub mod stats;
 pub mod sweep;
 pub mod target;

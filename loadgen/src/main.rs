@@ -11,7 +11,7 @@ use kvtier_loadgen::client::Client;
 use kvtier_loadgen::replay::GenerationMode;
 use kvtier_loadgen::sweep::{self, Mix, SweepConfig, SweepResults};
 use kvtier_loadgen::target::Target;
-use kvtier_loadgen::{replay, report, sharegpt};
+use kvtier_loadgen::{crash, replay, report, server_process, sharegpt, soak};
 use serde::Serialize;
 
 /// Load generator for kvtier, the KV-cache block store, and for the
@@ -41,6 +41,95 @@ enum Command {
     /// Whole-block PUT or GET throughput at one concurrency: the raw
     /// transfer path, to set beside iperf3 (loopback bandwidth) or fio.
     Blocks(BlocksArgs),
+    /// Crash harness: starts `kvtier serve` on its own data directory,
+    /// drives PUT load (new keys, overwrites, verified reads) from several
+    /// clients, kill -9s the server at a random moment, restarts it and
+    /// reads back every key ever written. Fails on any acknowledged block
+    /// lost, any wrong bytes served, or a restart over the target.
+    /// Arguments after `--` go to `kvtier serve`.
+    Crash(CrashArgs),
+    /// Soak: the sweep's mixed workload at one concurrency for many
+    /// windows, restarting the server (SIGTERM and SIGKILL in turn) every
+    /// few windows; samples the server's RSS, open fds and p99 per window
+    /// and fails unless they stay flat. Arguments after `--` go to
+    /// `kvtier serve`.
+    Soak(SoakArgs),
+}
+
+#[derive(Args, Debug)]
+struct CrashArgs {
+    /// The kvtier server binary. Default: `kvtier` beside this executable.
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+    /// Data directory the server runs (and crashes) on; emptied first.
+    #[arg(long, default_value = "target/crash/data")]
+    data_dir: PathBuf,
+    /// kill -9 / restart rounds.
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
+    /// Concurrent clients (odd ones speak HTTP/1.1, even ones HTTP/2).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Earliest kill, ms after a round's load starts.
+    #[arg(long, default_value_t = 200)]
+    kill_min_ms: u64,
+    /// Latest kill, ms after a round's load starts.
+    #[arg(long, default_value_t = 3000)]
+    kill_max_ms: u64,
+    /// Share of operations that overwrite an acknowledged key.
+    #[arg(long, default_value_t = 0.2)]
+    overwrite_share: f64,
+    /// Share of operations that read an acknowledged key and verify it.
+    #[arg(long, default_value_t = 0.2)]
+    read_share: f64,
+    /// Each restart (spawn to listening) must take at most this long; the
+    /// design's target after a crash is 1 s (header scan).
+    #[arg(long, default_value_t = 1000)]
+    restart_target_ms: u64,
+    /// Seed of kill times and operation choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Directory for results.json and server.log.
+    #[arg(long, default_value = "target/crash")]
+    out: PathBuf,
+    /// Arguments for `kvtier serve` (after `--`), e.g. `-- --block-bytes
+    /// 1048576 --disk-gb 8`.
+    #[arg(last = true)]
+    serve_args: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct SoakArgs {
+    /// The kvtier server binary. Default: `kvtier` beside this executable.
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+    /// Data directory (emptied first, kept across restarts).
+    #[arg(long, default_value = "target/soak/data")]
+    data_dir: PathBuf,
+    /// Soak length in minutes (one sample per --window-s).
+    #[arg(long, default_value_t = 30.0)]
+    minutes: f64,
+    /// Seconds per sample window.
+    #[arg(long, default_value_t = 60.0)]
+    window_s: f64,
+    /// Restart the server after every this many windows (0: never).
+    #[arg(long, default_value_t = 5)]
+    restart_every: usize,
+    /// Closed-loop workers.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Working set in MiB.
+    #[arg(long, default_value_t = 2048)]
+    working_set_mib: u64,
+    /// Seed of keys and choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Directory for results.json, report.html and server.log.
+    #[arg(long, default_value = "target/soak")]
+    out: PathBuf,
+    /// Arguments for `kvtier serve` (after `--`).
+    #[arg(last = true)]
+    serve_args: Vec<String>,
 }
 
 /// Block geometry for targets that have none of their own (Redis), or to
@@ -204,6 +293,8 @@ fn main() -> ExitCode {
         Command::Sweep(args) => runtime.block_on(sweep_cmd(args)),
         Command::Replay(args) => runtime.block_on(replay_cmd(args)),
         Command::Blocks(args) => runtime.block_on(blocks_cmd(args)),
+        Command::Crash(args) => runtime.block_on(crash_cmd(args)),
+        Command::Soak(args) => runtime.block_on(soak_cmd(args)),
     };
     match result {
         Ok(code) => code,
@@ -244,6 +335,120 @@ fn is_loopback(url: &str) -> bool {
     let host = url.split("://").nth(1).unwrap_or("").split(['/', '@']).next().unwrap_or("");
     let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
     matches!(host, "localhost" | "[::1]" | "::1") || host.starts_with("127.")
+}
+
+/// Empties `dir` (a harness's own data directory) and recreates it.
+fn fresh_dir(dir: &Path) -> Result<(), String> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| format!("cannot empty {}: {e}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
+}
+
+async fn crash_cmd(args: CrashArgs) -> Result<ExitCode, String> {
+    if args.rounds == 0 || args.clients == 0 {
+        return fail_early(&args.out, "crash", "", "--rounds and --clients must be at least 1".into());
+    }
+    if args.kill_min_ms > args.kill_max_ms {
+        return fail_early(&args.out, "crash", "", "--kill-min-ms must not exceed --kill-max-ms".into());
+    }
+    fresh_dir(&args.data_dir)?;
+    let cfg = crash::CrashConfig {
+        server_bin: args.server_bin.unwrap_or_else(server_process::default_server_bin),
+        data_dir: args.data_dir,
+        out_dir: args.out.clone(),
+        serve_args: args.serve_args,
+        rounds: args.rounds,
+        clients: args.clients,
+        kill_min_ms: args.kill_min_ms,
+        kill_max_ms: args.kill_max_ms,
+        overwrite_share: args.overwrite_share.clamp(0.0, 1.0),
+        read_share: args.read_share.clamp(0.0, 1.0),
+        restart_target_ms: args.restart_target_ms,
+        seed: args.seed,
+    };
+    eprintln!(
+        "kvtier-loadgen: crash harness, {} rounds of {} clients, kill at {}–{} ms",
+        cfg.rounds, cfg.clients, cfg.kill_min_ms, cfg.kill_max_ms
+    );
+    let r = match crash::run(cfg, true).await {
+        Ok(r) => r,
+        Err(e) => return fail_early(&args.out, "crash", "", e),
+    };
+    write_out(&args.out, &r, None)?;
+    println!(
+        "crash: {} rounds, {} blocks acknowledged, {} stored at the end, lost {}, wrong {}, {} unacknowledged PUTs landed; \
+         restart p50 {:.1} ms, max {:.1} ms (target {} ms); {} corrupt slots counted (never served)",
+        r.rounds,
+        r.blocks_acknowledged,
+        r.keys_stored,
+        r.lost,
+        r.wrong,
+        r.unacknowledged_landed,
+        r.restart.p50_us as f64 / 1e3,
+        r.restart.max_us as f64 / 1e3,
+        r.restart_target_ms,
+        r.corrupt_blocks_counted
+    );
+    println!("results: {}", args.out.join("results.json").display());
+    if !r.passed {
+        for p in &r.problems {
+            eprintln!("kvtier-loadgen: {p}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn soak_cmd(args: SoakArgs) -> Result<ExitCode, String> {
+    if args.window_s <= 0.0 || args.minutes <= 0.0 {
+        return fail_early(&args.out, "soak", "", "--minutes and --window-s must be positive".into());
+    }
+    fresh_dir(&args.data_dir)?;
+    let cfg = soak::SoakConfig {
+        server_bin: args.server_bin.unwrap_or_else(server_process::default_server_bin),
+        data_dir: args.data_dir,
+        out_dir: args.out.clone(),
+        serve_args: args.serve_args,
+        windows: ((args.minutes * 60.0 / args.window_s).round() as usize).max(1),
+        window_s: args.window_s,
+        restart_every: args.restart_every,
+        concurrency: args.concurrency.max(1),
+        working_set_mib: args.working_set_mib,
+        seed: args.seed,
+    };
+    eprintln!(
+        "kvtier-loadgen: soak, {} windows of {} s at concurrency {}, restart every {} windows",
+        cfg.windows, cfg.window_s, cfg.concurrency, cfg.restart_every
+    );
+    let r = match soak::run(cfg, true).await {
+        Ok(r) => r,
+        Err(e) => return fail_early(&args.out, "soak", "", e),
+    };
+    write_out(&args.out, &r, Some(report::soak_html(&r)))?;
+    println!(
+        "soak: {} windows, {} restarts; RSS median {:.0} → {:.0} MiB ({:.2}×), fds {:.0} → {:.0}, iteration p99 {:.1} → {:.1} ms ({:.2}×); errors {}, wrong {}",
+        r.samples.len(),
+        r.restarts.len(),
+        r.rss.early / 1048576.0,
+        r.rss.late / 1048576.0,
+        r.rss.ratio,
+        r.fds.early,
+        r.fds.late,
+        r.iteration_p99.early / 1e3,
+        r.iteration_p99.late / 1e3,
+        r.iteration_p99.ratio,
+        r.errors,
+        r.wrong_bytes
+    );
+    println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
+    if !r.passed {
+        for p in &r.problems {
+            eprintln!("kvtier-loadgen: {p}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {

@@ -5,13 +5,15 @@
 //!   operation, server bandwidth against the link, latency histograms at
 //!   each target's best level, a table per level;
 //! - replay: prefix hit rate and tokens/s over time, latency histograms per
-//!   operation and per serving tier, SLA compliance per QoS class.
+//!   operation and per serving tier, SLA compliance per QoS class;
+//! - soak: RSS, open fds, p99 per operation and tokens/s per window.
 
 use std::fmt::Write as _;
 
 use plotters::prelude::*;
 
 use crate::replay::ReplayResults;
+use crate::soak::{SoakResults, SoakSample};
 use crate::stats::LatencySummary;
 use crate::sweep::{LevelResult, SweepResults};
 
@@ -546,4 +548,100 @@ mod tests {
         assert_eq!(short(12.0), "12");
         assert_eq!(short(0.05), "0.050");
     }
+}
+
+/// The soak report: RSS, open fds, p99 per operation and tokens/s per
+/// window (restarts listed and counted per row), and the verdict.
+pub fn soak_html(r: &SoakResults) -> String {
+    let mut b = String::new();
+    let c = &r.config;
+    let _ = write!(
+        b,
+        "<p class=note>{} windows of {} s · concurrency {} · working set {} MiB · block {} bytes · restart every {} windows \
+         (SIGTERM and SIGKILL in turn) · serve args: {}</p>",
+        c.windows,
+        c.window_s,
+        c.concurrency,
+        c.working_set_mib,
+        r.block_bytes,
+        c.restart_every,
+        escape(&c.serve_args.join(" "))
+    );
+    if r.passed {
+        let _ = write!(b, "<p>Verdict: <b>flat and clean</b>.</p>");
+    } else {
+        let _ = write!(b, "<p class=bad>Verdict: {}</p>", escape(&r.problems.join("; ")));
+    }
+    let _ = write!(
+        b,
+        "<table><tr><th class=l>figure</th><th>early median</th><th>late median</th><th>late / early</th></tr>\
+         <tr><td class=l>RSS MiB</td><td>{:.1}</td><td>{:.1}</td><td>{:.2}</td></tr>\
+         <tr><td class=l>open fds</td><td>{:.0}</td><td>{:.0}</td><td>{:.2}</td></tr>\
+         <tr><td class=l>iteration p99 ms</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td></tr></table>\
+         <p class=note>Early: first third of windows; late: last third. {} errors, {} wrong blocks; restarts: {}.</p>",
+        r.rss.early / 1048576.0,
+        r.rss.late / 1048576.0,
+        r.rss.ratio,
+        r.fds.early,
+        r.fds.late,
+        r.fds.ratio,
+        r.iteration_p99.early / 1e3,
+        r.iteration_p99.late / 1e3,
+        r.iteration_p99.ratio,
+        r.errors,
+        r.wrong_bytes,
+        r.restarts
+            .iter()
+            .map(|x| format!("after window {} ({}, {:.0} ms)", x.after_window, x.signal, x.restart_ms))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let minutes = |s: &SoakSample| s.elapsed_s / 60.0;
+    let line = |name: &str, color: usize, f: &dyn Fn(&SoakSample) -> f64| Series {
+        name: name.into(),
+        points: r.samples.iter().map(|s| (minutes(s), f(s))).collect(),
+        color,
+        dashed: false,
+    };
+    let axes = |title: &'static str, y_desc: &'static str| Axes { title, x_desc: "minutes", y_desc, x_log: false, y_log: false };
+    let rss = |s: &SoakSample| s.rss_bytes as f64 / 1048576.0;
+    let fds = |s: &SoakSample| s.open_fds as f64;
+    b.push_str("<div class=charts>");
+    b.push_str(&line_chart(&axes("Server RSS", "MiB"), &[line("RSS", 0, &rss)]));
+    b.push_str(&line_chart(&axes("Open file descriptors", "fds"), &[line("fds", 1, &fds)]));
+    b.push_str(&line_chart(
+        &axes("p99 latency per window", "ms"),
+        &[
+            line("lookup", 0, &|s| s.lookup_p99_us as f64 / 1e3),
+            line("read", 1, &|s| s.read_p99_us as f64 / 1e3),
+            line("write", 2, &|s| s.write_p99_us as f64 / 1e3),
+            line("iteration", 4, &|s| s.iteration_p99_us as f64 / 1e3),
+        ],
+    ));
+    b.push_str(&line_chart(&axes("Throughput", "tokens/s"), &[line("tokens/s", 0, &|s| s.tokens_per_s)]));
+    b.push_str("</div>");
+    b.push_str(
+        "<table><tr><th>window</th><th>minute</th><th>restarts</th><th>RSS MiB</th><th>fds</th><th>tokens/s</th>\
+         <th>lookup p99 ms</th><th>read p99 ms</th><th>write p99 ms</th><th>iteration p99 ms</th><th>errors</th><th>wrong</th></tr>",
+    );
+    for s in &r.samples {
+        let _ = write!(
+            b,
+            "<tr><td>{}</td><td>{:.1}</td><td>{}</td><td>{:.1}</td><td>{}</td><td>{:.0}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            s.window,
+            minutes(s),
+            s.restarts,
+            rss(s),
+            s.open_fds,
+            s.tokens_per_s,
+            ms(s.lookup_p99_us),
+            ms(s.read_p99_us),
+            ms(s.write_p99_us),
+            ms(s.iteration_p99_us),
+            s.errors,
+            s.wrong_bytes
+        );
+    }
+    b.push_str("</table>");
+    page("kvtier-loadgen soak", &b)
 }

@@ -1,0 +1,132 @@
+//! A `kvtier serve` child process that the crash and soak harnesses start,
+//! kill and restart, with the figures they sample from `/proc`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long [`ServerProcess::start`] waits for the "listening" line.
+pub const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Bytes of the server log quoted when it fails to start.
+const LOG_TAIL_BYTES: u64 = 4096;
+
+/// A running `kvtier serve`.
+pub struct ServerProcess {
+    child: Option<Child>,
+    url: String,
+    /// From spawn to the "kvtier listening on" line: the restart time.
+    pub start_time: Duration,
+}
+
+/// The default server binary: `kvtier` beside the running executable
+/// (`target/release/kvtier` for `target/release/kvtier-loadgen`).
+pub fn default_server_bin() -> PathBuf {
+    std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("kvtier"))).unwrap_or_else(|| PathBuf::from("kvtier"))
+}
+
+impl ServerProcess {
+    /// Runs `BIN serve ARGS` with stderr appended to `log` and waits for its
+    /// "kvtier listening on URL" line.
+    ///
+    /// # Errors
+    /// A message with the exit status and the log's tail when the process
+    /// cannot be spawned, exits, or does not listen within
+    /// [`START_TIMEOUT`].
+    pub fn start(bin: &Path, args: &[String], log: &Path) -> Result<ServerProcess, String> {
+        let log_file = OpenOptions::new().create(true).append(true).open(log).map_err(|e| format!("cannot open {}: {e}", log.display()))?;
+        let started = Instant::now();
+        let mut child = Command::new(bin)
+            .arg("serve")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file))
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("kvtier listening on ") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                }
+            }
+        });
+        match rx.recv_timeout(START_TIMEOUT) {
+            Ok(url) => Ok(ServerProcess { child: Some(child), url, start_time: started.elapsed() }),
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait().ok();
+                Err(format!("{} serve exited ({status:?}) before listening; its log ends:\n{}", bin.display(), log_tail(log)))
+            }
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGKILL and reap: a crash, as far as the store can tell.
+    pub fn kill9(mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM (a clean stop: snapshots written, RAM flushed), then wait.
+    ///
+    /// # Errors
+    /// When waiting for the child fails.
+    pub fn stop(mut self) -> std::io::Result<ExitStatus> {
+        let mut child = self.child.take().expect("a running child");
+        // SAFETY: kill(2) on the pid of our own unreaped child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait()
+    }
+
+    /// Resident set size in bytes (`VmRSS` of `/proc/PID/status`).
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()?;
+        Some(kib * 1024)
+    }
+
+    /// Open file descriptors (entries of `/proc/PID/fd`).
+    pub fn open_fds(&self) -> Option<u64> {
+        Some(std::fs::read_dir(format!("/proc/{}/fd", self.pid())).ok()?.count() as u64)
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The last few KiB of `log`, for error messages.
+pub fn log_tail(log: &Path) -> String {
+    let Ok(mut f) = File::open(log) else { return String::new() };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)));
+    let mut s = String::new();
+    let _ = f.read_to_string(&mut s);
+    s
+}
+
+/// Lines of `log` that contain `needle` (e.g. "corrupt").
+pub fn log_lines_with(log: &Path, needle: &str) -> Vec<String> {
+    std::fs::read_to_string(log).map(|s| s.lines().filter(|l| l.contains(needle)).map(str::to_string).collect()).unwrap_or_default()
+}
