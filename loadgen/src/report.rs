@@ -523,33 +523,6 @@ pub fn replay_html(r: &ReplayResults) -> String {
     page("kvtier-loadgen replay", &b)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn charts_render_svg_with_every_series_named() {
-        let s = [
-            Series { name: "alpha".into(), points: vec![(1.0, 10.0), (2.0, 20.0), (4.0, 25.0)], color: 0, dashed: false },
-            Series { name: "beta".into(), points: vec![(1.0, 5.0), (4.0, 30.0)], color: 1, dashed: true },
-        ];
-        for (x_log, y_log) in [(false, false), (true, false), (true, true)] {
-            let svg = line_chart(&Axes { title: "t<1>", x_desc: "x", y_desc: "y", x_log, y_log }, &s);
-            assert!(svg.starts_with("<svg") && svg.contains("alpha") && svg.contains("beta"), "{svg:.200}");
-            assert!(svg.contains("<polyline") || svg.contains("<path"), "no line drawn");
-        }
-        assert!(line_chart(&Axes { title: "none", x_desc: "", y_desc: "", x_log: true, y_log: true }, &[]).contains("no data"));
-    }
-
-    #[test]
-    fn short_numbers() {
-        assert_eq!(short(1500.0), "1.5k");
-        assert_eq!(short(2_000_000.0), "2M");
-        assert_eq!(short(12.0), "12");
-        assert_eq!(short(0.05), "0.050");
-    }
-}
-
 /// The soak report: RSS, open fds, p99 per operation and tokens/s per
 /// window (restarts listed and counted per row), and the verdict.
 pub fn soak_html(r: &SoakResults) -> String {
@@ -644,4 +617,31 @@ pub fn soak_html(r: &SoakResults) -> String {
     }
     b.push_str("</table>");
     page("kvtier-loadgen soak", &b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charts_render_svg_with_every_series_named() {
+        let s = [
+            Series { name: "alpha".into(), points: vec![(1.0, 10.0), (2.0, 20.0), (4.0, 25.0)], color: 0, dashed: false },
+            Series { name: "beta".into(), points: vec![(1.0, 5.0), (4.0, 30.0)], color: 1, dashed: true },
+        ];
+        for (x_log, y_log) in [(false, false), (true, false), (true, true)] {
+            let svg = line_chart(&Axes { title: "t<1>", x_desc: "x", y_desc: "y", x_log, y_log }, &s);
+            assert!(svg.starts_with("<svg") && svg.contains("alpha") && svg.contains("beta"), "{svg:.200}");
+            assert!(svg.contains("<polyline") || svg.contains("<path"), "no line drawn");
+        }
+        assert!(line_chart(&Axes { title: "none", x_desc: "", y_desc: "", x_log: true, y_log: true }, &[]).contains("no data"));
+    }
+
+    #[test]
+    fn short_numbers() {
+        assert_eq!(short(1500.0), "1.5k");
+        assert_eq!(short(2_000_000.0), "2M");
+        assert_eq!(short(12.0), "12");
+        assert_eq!(short(0.05), "0.050");
+    }
 }

@@ -146,7 +146,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    if n % 2 == 1 {
+    if !n.is_multiple_of(2) {
         v[n / 2]
     } else {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
@@ -239,7 +239,7 @@ pub async fn run(cfg: SoakConfig, progress: bool) -> Result<SoakResults, String>
         }
         samples.push(sample);
         if cfg.restart_every > 0 && (window + 1) % cfg.restart_every == 0 && window + 1 < cfg.windows {
-            let signal = if restarts.len() % 2 == 0 { "sigterm" } else { "sigkill" };
+            let signal = if restarts.len().is_multiple_of(2) { "sigterm" } else { "sigkill" };
             drop(target);
             if signal == "sigterm" {
                 server.stop().map_err(|e| format!("stopping the server: {e}"))?;
