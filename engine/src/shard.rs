@@ -106,6 +106,7 @@ struct Counters {
     misses: Cell<u64>,
     deletes: Cell<u64>,
     corrupt_blocks: Cell<u64>,
+    disk_full_refusals: Cell<u64>,
     hash_collisions: Cell<u64>,
     reclaimed_segments: Cell<u64>,
     evicted_blocks: Cell<u64>,
@@ -174,6 +175,9 @@ pub struct ShardStats {
     pub deletes: u64,
     /// Reads whose CRC-32 failed; the block was dropped, never served.
     pub corrupt_blocks: u64,
+    /// Writes refused with [`Error::DiskFull`] because the filesystem had
+    /// no room for a new segment (HTTP 507).
+    pub disk_full_refusals: u64,
     /// Reads whose header held another key with the same 128-bit hash.
     pub hash_collisions: u64,
     /// Segments reclaimed because the log was full.
@@ -237,6 +241,8 @@ pub struct Shard {
     pub(crate) segments: RefCell<Vec<Option<Rc<Segment>>>>,
     /// Full segments, oldest life first: the reclaim order.
     pub(crate) sealed: RefCell<VecDeque<u32>>,
+    /// The filesystem refused the last segment creation (log once).
+    fs_full: Cell<bool>,
     /// Segments with no live slots, ready to become the head.
     pub(crate) free: RefCell<Vec<u32>>,
     /// The segment being appended to.
@@ -295,6 +301,7 @@ impl Shard {
             index: RefCell::new(Index::with_capacity(capacity_blocks.min(1 << 20))),
             segments: RefCell::new(Vec::new()),
             sealed: RefCell::new(VecDeque::new()),
+            fs_full: Cell::new(false),
             free: RefCell::new(Vec::new()),
             head: Cell::new(None),
             next_seq: Cell::new(1),
@@ -559,10 +566,42 @@ impl Shard {
         let created = self.segments.borrow().len() as u32;
         if created < self.cfg.segments_max {
             match self.create_segment(created).await {
-                Ok(()) => return Ok(created),
-                // The filesystem is full before our share is: reclaim instead.
-                Err(Error::DiskFull(why)) if !self.sealed.borrow().is_empty() => {
-                    tracing::warn!(shard = self.id(), "segment {created} not created ({why}); reclaiming the oldest instead");
+                Ok(()) => {
+                    if self.fs_full.replace(false) {
+                        tracing::info!(shard = self.id(), "filesystem has room again: segment {created} created");
+                    }
+                    return Ok(created);
+                }
+                // The filesystem is full before our share is. Evicting the
+                // oldest blocks would shrink the cache below what the
+                // operator asked for without saying so: refuse the write
+                // (507) and keep every stored block, unless the oldest
+                // segment holds nothing live any more.
+                Err(Error::DiskFull(why)) => {
+                    let oldest = self.sealed.borrow().front().copied();
+                    let reusable = oldest.filter(|id| !self.index.borrow().iter().any(|(_, e)| e.segment == *id));
+                    let Some(id) = reusable else {
+                        bump(&self.counters.disk_full_refusals, 1);
+                        // Once per episode, not once per refused write.
+                        if !self.fs_full.replace(true) {
+                            tracing::warn!(
+                                shard = self.id(),
+                                "filesystem full: segment {created} not created ({why}); refusing writes with 507 until space frees"
+                            );
+                        }
+                        return Err(Error::DiskFull(format!(
+                            "the filesystem holding {} is full: shard {} could not add segment {created} of {} MiB ({why}); \
+                             every stored block stays readable. Free space on the filesystem, or restart with a --disk-gb \
+                             no larger than the space there so that the log reclaims its oldest segments",
+                            self.cfg.dir.display(),
+                            self.id(),
+                            self.cfg.segment_bytes >> 20,
+                        )));
+                    };
+                    tracing::info!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
+                    self.sealed.borrow_mut().pop_front();
+                    self.reclaim(id).await?;
+                    return Ok(id);
                 }
                 Err(e) => return Err(e),
             }
@@ -984,6 +1023,7 @@ impl Shard {
             misses: c.misses.get(),
             deletes: c.deletes.get(),
             corrupt_blocks: c.corrupt_blocks.get(),
+            disk_full_refusals: c.disk_full_refusals.get(),
             hash_collisions: c.hash_collisions.get(),
             reclaimed_segments: c.reclaimed_segments.get(),
             evicted_blocks: c.evicted_blocks.get(),

@@ -247,7 +247,12 @@ pub async fn run(cfg: CrashConfig, progress: bool) -> Result<CrashResults, Strin
         let (bin, args, log) = (cfg.server_bin.clone(), args.clone(), log.clone());
         move || {
             let (bin, args, log) = (bin.clone(), args.clone(), log.clone());
-            async move { tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log)).await.expect("start task") }
+            async move {
+                tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log))
+                    .await
+                    .expect("start task")
+                    .map_err(String::from)
+            }
         }
     };
     let mut server = start().await?;

@@ -14,6 +14,28 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bytes of the server log quoted when it fails to start.
 const LOG_TAIL_BYTES: u64 = 4096;
 
+/// Why [`ServerProcess::start`] failed.
+#[derive(Debug)]
+pub struct StartError {
+    /// The exit status, when the process ran and exited (or was killed
+    /// after the timeout).
+    pub status: Option<ExitStatus>,
+    /// What went wrong, with the log's tail.
+    pub message: String,
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<StartError> for String {
+    fn from(e: StartError) -> String {
+        e.message
+    }
+}
+
 /// A running `kvtier serve`.
 pub struct ServerProcess {
     child: Option<Child>,
@@ -33,11 +55,16 @@ impl ServerProcess {
     /// "kvtier listening on URL" line.
     ///
     /// # Errors
-    /// A message with the exit status and the log's tail when the process
-    /// cannot be spawned, exits, or does not listen within
+    /// [`StartError`] with the exit status and the log's tail when the
+    /// process cannot be spawned, exits, or does not listen within
     /// [`START_TIMEOUT`].
-    pub fn start(bin: &Path, args: &[String], log: &Path) -> Result<ServerProcess, String> {
-        let log_file = OpenOptions::new().create(true).append(true).open(log).map_err(|e| format!("cannot open {}: {e}", log.display()))?;
+    pub fn start(bin: &Path, args: &[String], log: &Path) -> Result<ServerProcess, StartError> {
+        let failed = |status, message| StartError { status, message };
+        let log_file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| failed(None, format!("cannot open {}: {e}", log.display())))?;
         let started = Instant::now();
         let mut child = Command::new(bin)
             .arg("serve")
@@ -45,7 +72,7 @@ impl ServerProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file))
             .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
+            .map_err(|e| failed(None, format!("cannot run {}: {e}", bin.display())))?;
         let stdout = child.stdout.take().expect("stdout is piped");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -60,7 +87,10 @@ impl ServerProcess {
             Err(_) => {
                 let _ = child.kill();
                 let status = child.wait().ok();
-                Err(format!("{} serve exited ({status:?}) before listening; its log ends:\n{}", bin.display(), log_tail(log)))
+                Err(failed(
+                    status,
+                    format!("{} serve exited ({status:?}) before listening; its log ends:\n{}", bin.display(), log_tail(log)),
+                ))
             }
         }
     }

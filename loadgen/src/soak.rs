@@ -174,7 +174,9 @@ pub async fn run(cfg: SoakConfig, progress: bool) -> Result<SoakResults, String>
     args.extend(cfg.serve_args.iter().cloned());
     let start = || {
         let (bin, args, log) = (cfg.server_bin.clone(), args.clone(), log.clone());
-        async move { tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log)).await.expect("start task") }
+        async move {
+            tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log)).await.expect("start task").map_err(String::from)
+        }
     };
     let concurrency = cfg.concurrency.max(1);
     let open = |url: String| async move { Target::open(&url, false, 1, concurrency).await.map(Arc::new).map_err(|e| e.to_string()) };

@@ -31,11 +31,19 @@ pub const H2_FRAME_BYTES_MAX: u32 = 1 << 20;
 /// Response bytes h2 buffers per stream before applying back-pressure.
 pub const H2_SEND_BUFFER_BYTES: usize = 4 << 20;
 
-/// Largest request header block (HTTP/2 header list, HTTP/1 buffer).
+/// Largest request header block, counted as HTTP/2 does (name + value +
+/// 32 bytes per field): HTTP/2's header-list limit, and checked per request
+/// for HTTP/1 (431).
 pub const HEADER_BYTES_MAX: u32 = 16 << 10;
 
-/// Time an HTTP/1 client has to send its request headers.
+/// Time an HTTP/1 client has to send its request headers
+/// (`--header-timeout-s`); a client trickling them (slowloris) is cut off.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Time a request body has to arrive in full once its handler starts
+/// reading it (`--body-timeout-s`): a 16 MiB block needs ~2.2 Mbit/s to
+/// make it. Past it the request answers 408 and nothing is stored.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Interval of HTTP/2 keep-alive pings; a peer that does not answer within
 /// [`H2_KEEP_ALIVE_TIMEOUT`] is dropped.

@@ -75,6 +75,14 @@ struct ServeArgs {
     /// flight (HTTP/2 pings do not count as use).
     #[arg(long, default_value_t = limits::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
     idle_timeout_s: f64,
+    /// HTTP/1.1 request headers must arrive within this many seconds (a
+    /// client trickling them is disconnected).
+    #[arg(long, default_value_t = limits::HEADER_READ_TIMEOUT.as_secs_f64())]
+    header_timeout_s: f64,
+    /// A request body must arrive in full within this many seconds, else
+    /// 408 and nothing is stored.
+    #[arg(long, default_value_t = limits::BODY_READ_TIMEOUT.as_secs_f64())]
+    body_timeout_s: f64,
     /// Log filter: error, warn, info, debug, trace, or a tracing
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
@@ -283,8 +291,14 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
-    if !(args.idle_timeout_s.is_finite() && args.idle_timeout_s > 0.0) {
-        return Err(format!("--idle-timeout-s must be a positive number of seconds, got {}", args.idle_timeout_s));
+    for (flag, value) in [
+        ("--idle-timeout-s", args.idle_timeout_s),
+        ("--header-timeout-s", args.header_timeout_s),
+        ("--body-timeout-s", args.body_timeout_s),
+    ] {
+        if !(value.is_finite() && value > 0.0) {
+            return Err(format!("{flag} must be a positive number of seconds, got {value}"));
+        }
     }
     let config = args.store.config()?;
     let _lock = lock_data_dir(&config.data_dir)?;
@@ -305,6 +319,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         ready: Mutex::new(ready_tx),
         http: metrics::HttpStats::new(config.shards),
         idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
+        header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
+        body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
     });
     let (shards, geometry, data_dir) = (config.shards, config.geometry.clone(), config.data_dir.clone());
     let engine = {

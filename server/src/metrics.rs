@@ -314,6 +314,13 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     shard_counter(&mut registry, "shard_misses", "Block reads that did not", engine, |s| s.misses);
     shard_counter(&mut registry, "shard_deletes", "Blocks deleted", engine, |s| s.deletes);
     shard_counter(&mut registry, "shard_corrupt_blocks", "Blocks that failed their CRC-32 and were dropped", engine, |s| s.corrupt_blocks);
+    shard_counter(
+        &mut registry,
+        "shard_disk_full_refusals",
+        "Writes refused (507) because the filesystem had no room for a new segment",
+        engine,
+        |s| s.disk_full_refusals,
+    );
     shard_counter(&mut registry, "shard_evicted_blocks", "Blocks dropped by reclaim", engine, |s| s.evicted_blocks);
     shard_counter(&mut registry, "shard_second_chance_blocks", "Blocks kept by reclaim because they were read", engine, |s| {
         s.second_chance_blocks

@@ -39,6 +39,8 @@ pub struct Ctx {
     pub auth_token: Option<Rc<[u8]>>,
     /// Request metrics of every shard (this one records into its own).
     pub http: std::sync::Arc<HttpStats>,
+    /// A request body must arrive in full within this.
+    pub body_timeout: std::time::Duration,
 }
 
 /// Response type of every route.
@@ -120,6 +122,16 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
 }
 
 async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+    // HTTP/2 enforces this as its header-list size; HTTP/1's read buffer is
+    // larger (body throughput), so the header block is measured here.
+    let header_bytes: usize = req.headers().iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum();
+    if header_bytes > limits::HEADER_BYTES_MAX as usize {
+        return error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers_too_large",
+            format!("request headers take {header_bytes} bytes; the limit is {}", limits::HEADER_BYTES_MAX),
+        );
+    }
     if let Some(token) = &ctx.auth_token {
         if !authorized(&req, token) {
             let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
@@ -195,8 +207,23 @@ fn declared_length(req: &Request<Incoming>, expected: u64, what: &str) -> Result
 }
 
 /// Reads a body of at most `limit` bytes as the frames hyper delivered (no
-/// copy). A body longer than `limit` is refused as soon as it is seen.
-async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u64), Reply> {
+/// copy). A body longer than `limit` is refused as soon as it is seen (413);
+/// one that has not ended within `ctx.body_timeout` answers 408; a broken
+/// one (the peer closed early, a protocol error) 400.
+async fn read_body(ctx: &Ctx, req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u64), Reply> {
+    let timeout = ctx.body_timeout;
+    futures_lite::future::or(read_body_frames(req, limit), async move {
+        glommio::timer::sleep(timeout).await;
+        Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!("the request body did not arrive within {} s (--body-timeout-s); nothing was stored", timeout.as_secs_f64()),
+        ))
+    })
+    .await
+}
+
+async fn read_body_frames(req: Request<Incoming>, limit: u64) -> Result<(Vec<Bytes>, u64), Reply> {
     let mut body = req.into_body();
     let (mut chunks, mut total) = (Vec::new(), 0u64);
     while let Some(frame) = body.frame().await {
@@ -224,7 +251,7 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
     if declared != block_bytes {
         return engine_error(&Error::WrongSize { expected: block_bytes, got: declared });
     }
-    let (chunks, got) = match read_body(req, block_bytes).await {
+    let (chunks, got) = match read_body(ctx, req, block_bytes).await {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -282,7 +309,7 @@ struct LookupRequest {
 
 /// Reads and checks a `{"keys":[...]}` body (lookup, prefetch): size,
 /// JSON shape, key count, every key valid.
-async fn read_keys(req: Request<Incoming>) -> Result<Vec<String>, Reply> {
+async fn read_keys(ctx: &Ctx, req: Request<Incoming>) -> Result<Vec<String>, Reply> {
     if let Some(Ok(declared)) = req.headers().get(header::CONTENT_LENGTH).map(|v| v.to_str().map(|s| s.parse::<u64>())) {
         if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
             return Err(error(
@@ -292,7 +319,7 @@ async fn read_keys(req: Request<Incoming>) -> Result<Vec<String>, Reply> {
             ));
         }
     }
-    let (chunks, _) = read_body(req, limits::LOOKUP_BODY_BYTES_MAX).await?;
+    let (chunks, _) = read_body(ctx, req, limits::LOOKUP_BODY_BYTES_MAX).await?;
     let body: Vec<u8> = chunks.concat();
     let parsed: LookupRequest = serde_json::from_slice(&body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}")))?;
@@ -312,7 +339,7 @@ async fn read_keys(req: Request<Incoming>) -> Result<Vec<String>, Reply> {
 }
 
 async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    let keys = match read_keys(req).await {
+    let keys = match read_keys(ctx, req).await {
         Ok(k) => k,
         Err(r) => return r,
     };
@@ -329,7 +356,7 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
 /// `POST /v1/prefetch`: promotes the stored keys toward RAM in the
 /// background; 202 with how many were found.
 async fn prefetch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    let keys = match read_keys(req).await {
+    let keys = match read_keys(ctx, req).await {
         Ok(k) => k,
         Err(r) => return r,
     };
@@ -359,6 +386,10 @@ async fn stats(ctx: &Ctx) -> Reply {
             "misses": sum(|s| s.misses),
             "deletes": sum(|s| s.deletes),
             "corrupt_blocks": sum(|s| s.corrupt_blocks),
+            "disk_full_refusals": sum(|s| s.disk_full_refusals),
+            "invalid_headers_at_start": sum(|s| s.recovery.headers_invalid),
+            "foreign_files_at_start": sum(|s| s.recovery.foreign_files),
+            "invalid_snapshots_at_start": sum(|s| s.recovery.snapshot_invalid as u64),
             "evicted_blocks": sum(|s| s.evicted_blocks),
             "bytes_written": sum(|s| s.bytes_written),
             "bytes_read": sum(|s| s.bytes_read),

@@ -38,6 +38,10 @@ pub struct Shared {
     pub http: Arc<HttpStats>,
     /// Close a connection after this long without a request in flight.
     pub idle_timeout: Duration,
+    /// HTTP/1 request headers must arrive within this.
+    pub header_timeout: Duration,
+    /// A request body must arrive within this (else 408).
+    pub body_timeout: Duration,
 }
 
 /// What a connection's watchdog needs to know about its use.
@@ -82,11 +86,11 @@ async fn shutdown_requested(shared: &Shared) {
     }
 }
 
-fn builder() -> auto::Builder<LocalExec> {
+fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
     let mut b = auto::Builder::new(LocalExec);
     b.http1()
         .timer(GlommioTimer)
-        .header_read_timeout(limits::HEADER_READ_TIMEOUT)
+        .header_read_timeout(header_timeout)
         .max_buf_size(limits::HEADER_BYTES_MAX as usize + (64 << 10))
         .keep_alive(true);
     b.http2()
@@ -143,10 +147,14 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             return;
         }
     }
-    let ctx =
-        Rc::new(Ctx { store: store.clone(), auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])), http: shared.http.clone() });
+    let ctx = Rc::new(Ctx {
+        store: store.clone(),
+        auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
+        http: shared.http.clone(),
+        body_timeout: shared.body_timeout,
+    });
     let shard_id = store.shard_id();
-    let builder = builder();
+    let builder = builder(shared.header_timeout);
     let graceful = GracefulShutdown::new();
     let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
     loop {

@@ -2,18 +2,20 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::ExitStatus;
+
+use kvtier_loadgen::server_process::ServerProcess;
 
 /// Block size the tests use: 64 KiB keeps them fast.
 pub const BLOCK_BYTES: u64 = 65_536;
 
-/// A running server on an ephemeral loopback port.
+/// A running server on an ephemeral loopback port; its stderr goes to a
+/// temporary log file (never a pipe nobody drains, which would stall the
+/// server once it fills).
 pub struct Server {
-    child: Option<Child>,
+    process: Option<ServerProcess>,
+    log: tempfile::NamedTempFile,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
     /// Its data directory.
@@ -56,65 +58,37 @@ pub fn start(args: &[String]) -> Server {
 /// stops before it listens.
 pub fn try_start(args: &[String]) -> Result<Server, (Option<ExitStatus>, String)> {
     let data_dir = args.iter().position(|a| a == "--data-dir").map(|i| PathBuf::from(&args[i + 1])).unwrap_or_default();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .arg("serve")
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvtier");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix("kvtier listening on ") {
-                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
-            }
-        }
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(url) => Ok(Server { child: Some(child), url, data_dir }),
-        Err(_) => {
-            let _ = child.kill();
-            let status = child.wait().ok();
-            let mut stderr = String::new();
-            use std::io::Read;
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut stderr);
-            }
-            Err((status, stderr))
-        }
+    let log = tempfile::NamedTempFile::new().expect("temporary log file");
+    match ServerProcess::start(Path::new(env!("CARGO_BIN_EXE_kvtier")), args, log.path()) {
+        Ok(process) => Ok(Server { url: process.url().to_string(), process: Some(process), log, data_dir }),
+        Err(e) => Err((e.status, std::fs::read_to_string(log.path()).unwrap_or(e.message))),
     }
 }
 
 impl Server {
     /// SIGTERM, then wait for the exit status.
     pub fn stop(mut self) -> ExitStatus {
-        let mut child = self.child.take().unwrap();
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        child.wait().expect("wait for kvtier")
+        self.process.take().unwrap().stop().expect("wait for kvtier")
     }
 
     /// SIGKILL: a crash, as far as the store can tell.
     pub fn crash(mut self) {
-        let mut child = self.child.take().unwrap();
-        child.kill().unwrap();
-        child.wait().unwrap();
+        self.process.take().unwrap().kill9();
     }
 
     /// Process id.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
+        self.process.as_ref().unwrap().pid()
     }
-}
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+    /// Resident set size in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        self.process.as_ref().unwrap().rss_bytes().expect("VmRSS in /proc")
+    }
+
+    /// Everything the server wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 }
 

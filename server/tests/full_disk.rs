@@ -1,0 +1,191 @@
+//! A full filesystem: a small loop-mounted ext4 image made by the test.
+//! PUT answers 507 with a clear message once space is gone, every stored
+//! block still reads back (also after a restart and through fsck), PUTs
+//! succeed again once space is freed, and a --disk-gb that fits the space
+//! turns the full filesystem back into ordinary log reclaim.
+//!
+//! Needs root, mkfs.ext4 and loop devices; without them the test says so
+//! and skips.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{client, payload, start, test_args, Server};
+use http::{Method, StatusCode};
+use kvtier_loadgen::client::{ChunkedBody, Client};
+use serde_json::Value;
+
+/// Image size: room for a handful of 8 MiB segments after ext4's overhead.
+const IMAGE_MIB: u64 = 48;
+/// A file the test deletes to free space.
+const FILLER_MIB: u64 = 12;
+
+/// A loop-mounted ext4 filesystem, unmounted on drop.
+struct LoopFs {
+    mnt: PathBuf,
+}
+
+impl LoopFs {
+    fn make(dir: &Path) -> Result<LoopFs, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root: cannot mount a loop device".into());
+        }
+        let img = dir.join("fs.img");
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+        let f = std::fs::File::create(&img).map_err(|e| e.to_string())?;
+        f.set_len(IMAGE_MIB << 20).map_err(|e| e.to_string())?;
+        let run = |cmd: &mut Command| -> Result<(), String> {
+            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr)))
+            }
+        };
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img))?;
+        run(Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt))?;
+        Ok(LoopFs { mnt })
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mnt).status();
+    }
+}
+
+async fn put(c: &Client, key: &str) -> (StatusCode, Value) {
+    let a = c.send(Method::PUT, &format!("/v1/blocks/{key}"), ChunkedBody::new(vec![payload(key)]), None).await.unwrap();
+    let v = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+    (a.status, v)
+}
+
+/// PUTs new keys `{prefix}-N` until 30 in a row are refused; returns the
+/// keys stored and the last refusal's body.
+async fn fill(c: &Client, prefix: &str) -> (Vec<String>, Value) {
+    let (mut stored, mut refused_in_a_row) = (Vec::new(), 0);
+    for i in 0..5000 {
+        let key = format!("{prefix}-{i}");
+        let (status, body) = put(c, &key).await;
+        match status {
+            StatusCode::CREATED => {
+                stored.push(key);
+                refused_in_a_row = 0;
+            }
+            StatusCode::INSUFFICIENT_STORAGE => {
+                refused_in_a_row += 1;
+                if refused_in_a_row == 30 {
+                    return (stored, body);
+                }
+            }
+            other => panic!("PUT {key}: {other} {body}"),
+        }
+    }
+    panic!("5000 PUTs never filled a {IMAGE_MIB} MiB filesystem");
+}
+
+async fn assert_all_read_back(c: &Client, keys: &[String]) {
+    for key in keys {
+        let (body, _) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} lost"));
+        assert!(body == payload(key), "{key} read back wrong");
+    }
+}
+
+/// One shard, so that the disk share of the last step maps onto exactly
+/// the segments the filesystem held.
+fn args(data: &Path, disk_gb: &str) -> Vec<String> {
+    let mut a = test_args(data);
+    for (flag, value) in [("--disk-gb", disk_gb), ("--shards", "1")] {
+        let i = a.iter().position(|x| x == flag).unwrap();
+        a[i + 1] = value.into();
+    }
+    a
+}
+
+fn fsck_clean(data: &Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(["fsck", "--data-dir"]).arg(data).output().unwrap();
+    assert!(out.status.success(), "fsck after ENOSPC: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+async fn stats(server: &Server) -> Value {
+    client(server, false).stats().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = match LoopFs::make(dir.path()) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("skipping the full-disk test: {why}");
+            return;
+        }
+    };
+    let filler = fs.mnt.join("filler");
+    std::fs::write(&filler, vec![7u8; (FILLER_MIB << 20) as usize]).unwrap();
+    let data = fs.mnt.join("data");
+    // The disk share (1 GiB) is far above the filesystem (48 MiB).
+    let server = start(&args(&data, "1"));
+    let c = client(&server, false);
+    let (stored, refusal) = fill(&c, "a").await;
+    assert!(stored.len() > 100, "only {} blocks fit", stored.len());
+    assert_eq!(refusal["error"]["code"], "disk_full", "{refusal}");
+    let message = refusal["error"]["message"].as_str().unwrap();
+    assert!(message.contains("is full") && message.contains("stays readable") && message.contains("--disk-gb"), "{message}");
+    assert_all_read_back(&c, &stored).await;
+    let s = stats(&server).await;
+    assert!(s["totals"]["disk_full_refusals"].as_u64().unwrap() >= 30, "{}", s["totals"]);
+    assert_eq!(s["totals"]["evicted_blocks"], 0, "nothing stored was evicted to make room");
+    let metrics = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
+    assert!(String::from_utf8_lossy(&metrics.body).contains("kvtier_shard_disk_full_refusals"));
+    // Over HTTP/1.1 too, and a DELETE of an unknown key is still a 404.
+    let h1 = client(&server, true);
+    assert_eq!(put(&h1, "a-h1-extra").await.0, StatusCode::INSUFFICIENT_STORAGE);
+    let del = c.send(Method::DELETE, "/v1/blocks/never-stored", ChunkedBody::default(), None).await.unwrap();
+    assert_eq!(del.status, StatusCode::NOT_FOUND);
+
+    // A clean stop on the full filesystem, fsck, a restart: all there.
+    assert!(server.stop().success());
+    fsck_clean(&data);
+    let server = start(&args(&data, "1"));
+    let c = client(&server, false);
+    assert_all_read_back(&c, &stored).await;
+    assert_eq!(put(&c, "a-after-restart").await.0, StatusCode::INSUFFICIENT_STORAGE);
+
+    // Space freed on the filesystem: PUTs succeed again, without a restart.
+    std::fs::remove_file(&filler).unwrap();
+    let (more, _) = fill(&c, "b").await;
+    assert!(more.len() > 50, "freeing {FILLER_MIB} MiB let only {} blocks in", more.len());
+    assert_all_read_back(&c, &stored).await;
+    assert_all_read_back(&c, &more).await;
+    let disk_bytes = stats(&server).await["totals"]["disk_bytes"].as_u64().unwrap();
+
+    // A crash on the full filesystem loses nothing acknowledged either.
+    server.crash();
+    fsck_clean(&data);
+    // A disk share that fits what the filesystem holds: the full log
+    // reclaims its oldest segments as usual, and PUTs succeed.
+    let fits = format!("{}", disk_bytes as f64 / (1u64 << 30) as f64);
+    let server = start(&args(&data, &fits));
+    let c = client(&server, false);
+    let fresh: Vec<String> = (0..200).map(|i| format!("c-{i}")).collect();
+    for key in &fresh {
+        let (status, body) = put(&c, key).await;
+        assert_eq!(status, StatusCode::CREATED, "PUT {key} with --disk-gb {fits}: {body}");
+    }
+    assert_all_read_back(&c, &fresh).await;
+    let s = stats(&server).await;
+    assert!(s["totals"]["evicted_blocks"].as_u64().unwrap() > 0, "{}", s["totals"]);
+    // Evicted blocks are misses, never wrong bytes.
+    for key in stored.iter().chain(&more) {
+        if let Some((body, _)) = c.get(key).await.unwrap() {
+            assert!(body == payload(key), "{key} read back wrong after reclaim");
+        }
+    }
+    assert!(server.stop().success());
+    fsck_clean(&data);
+}
