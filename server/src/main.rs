@@ -41,7 +41,7 @@ struct Cli {
 enum Command {
     /// Start the sidecar: open (or create) the data directory and serve the
     /// block API until SIGTERM or SIGINT.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a data directory's geometry and segment usage, then exit.
     Info(InfoArgs),
     /// Verify every slot header and payload CRC-32 of a stopped store and
@@ -216,7 +216,7 @@ impl StoreArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Info(args) => info(&args.data_dir),
         Command::Fsck(args) => match fsck(&args) {
             Ok(true) => Ok(()),
