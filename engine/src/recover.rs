@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::fs;
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
@@ -68,7 +69,10 @@ fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32,
             continue;
         };
         match segment::read_superblock(&path)? {
-            Some(sb) if sb.belongs_to(cfg.shard_id, id, shard.slot_bytes, cfg.segment_bytes) => found.push((id, sb, path)),
+            Some(sb) if sb.belongs_to(cfg.shard_id, id, shard.slot_bytes, cfg.segment_bytes) => {
+                restore_length(&path, cfg.segment_bytes, cfg.shard_id, report)?;
+                found.push((id, sb, path));
+            }
             other => {
                 report.foreign_files += 1;
                 tracing::warn!(shard = cfg.shard_id, "ignoring {}: not a segment of this store (superblock {other:?})", path.display());
@@ -77,6 +81,35 @@ fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32,
     }
     found.sort_by_key(|(id, _, _)| *id);
     Ok(found)
+}
+
+/// A segment file shorter than `segment_bytes` was truncated (by hand, a
+/// copy cut short, a filesystem repair): the slots past its end are gone.
+/// Its length is restored (preallocated, else sparse) so that every slot
+/// reads back, the lost ones as empty and the one cut in half as a block
+/// whose CRC-32 fails; counted and logged.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened or extended.
+fn restore_length(path: &Path, segment_bytes: u64, shard_id: u32, report: &mut RecoveryReport) -> Result<()> {
+    let io = |e| Error::io(format!("restoring the length of {}", path.display()), e);
+    let f = fs::OpenOptions::new().write(true).open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    if len >= segment_bytes {
+        return Ok(());
+    }
+    report.segments_truncated += 1;
+    tracing::warn!(
+        shard = shard_id,
+        "{} is truncated ({len} of {segment_bytes} bytes): slots past byte {len} are lost; restoring its length",
+        path.display()
+    );
+    // SAFETY: fallocate on an fd we own; mode 0 allocates and extends.
+    let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, segment_bytes as libc::off_t) };
+    if rc != 0 {
+        f.set_len(segment_bytes).map_err(io)?;
+    }
+    f.sync_all().map_err(io)
 }
 
 /// Reads `index.snapshot`; `None` (counted, logged) when absent or unusable.

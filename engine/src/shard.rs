@@ -142,6 +142,9 @@ pub struct RecoveryReport {
     /// Files in the shard directory that are not valid segments of this
     /// store (left untouched).
     pub foreign_files: u64,
+    /// Segment files found shorter than a segment (their lost slots read
+    /// as empty; their length is restored).
+    pub segments_truncated: u64,
     /// Wall time of the recovery in milliseconds.
     pub duration_ms: f64,
 }

@@ -389,6 +389,7 @@ async fn stats(ctx: &Ctx) -> Reply {
             "disk_full_refusals": sum(|s| s.disk_full_refusals),
             "invalid_headers_at_start": sum(|s| s.recovery.headers_invalid),
             "foreign_files_at_start": sum(|s| s.recovery.foreign_files),
+            "truncated_segments_at_start": sum(|s| s.recovery.segments_truncated),
             "invalid_snapshots_at_start": sum(|s| s.recovery.snapshot_invalid as u64),
             "evicted_blocks": sum(|s| s.evicted_blocks),
             "bytes_written": sum(|s| s.bytes_written),
