@@ -601,7 +601,7 @@ impl Shard {
                             self.cfg.segment_bytes >> 20,
                         )));
                     };
-                    tracing::info!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
+                    tracing::warn!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
                     self.sealed.borrow_mut().pop_front();
                     self.reclaim(id).await?;
                     return Ok(id);

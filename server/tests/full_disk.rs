@@ -131,7 +131,19 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     // The disk share (1 GiB) is far above the filesystem (48 MiB).
     let server = start(&args(&data, "1"));
     let c = client(&server, false);
-    let (stored, refusal) = fill(&c, "a").await;
+    // 150 blocks written twice: the first segment (120 slots of 64 KiB)
+    // then holds only superseded copies, so when the filesystem fills, the
+    // log reuses it rather than refusing.
+    let rewritten: Vec<String> = (0..150).map(|i| format!("x-{i}")).collect();
+    for round in 0..2 {
+        for key in &rewritten {
+            let expected = if round == 0 { StatusCode::CREATED } else { StatusCode::OK };
+            assert_eq!(put(&c, key).await.0, expected, "{key}");
+        }
+    }
+    let (mut stored, refusal) = fill(&c, "a").await;
+    assert!(server.log().contains("reusing segment 0, which holds no live block"), "{}", server.log());
+    stored.extend(rewritten);
     assert!(stored.len() > 100, "only {} blocks fit", stored.len());
     assert_eq!(refusal["error"]["code"], "disk_full", "{refusal}");
     let message = refusal["error"]["message"].as_str().unwrap();
