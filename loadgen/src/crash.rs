@@ -188,14 +188,28 @@ impl Shared {
         }
     }
 
+    /// The oldest version a read of `key` sent now may return: the last
+    /// acknowledged one, else the oldest in flight.
+    fn oldest_allowed(&self, key: &str) -> Option<u32> {
+        self.keys.lock().unwrap().get(key).and_then(|s| s.allowed().min())
+    }
+
     /// Checks a read of `key` against what may be stored; counts lost and
-    /// wrong. Returns the version found.
-    fn check_read(&self, key: &str, body: Option<&[u8]>, when: &str) -> Option<u32> {
+    /// wrong. Returns the version found. `since`: for a read that ran
+    /// concurrently with overwrites, the oldest version allowed when it was
+    /// sent ([`Shared::oldest_allowed`]); any version from it to the newest
+    /// allowed now was PUT during the read and may be returned (an older
+    /// one is a stale read: wrong).
+    fn check_read(&self, key: &str, body: Option<&[u8]>, since: Option<u32>, when: &str) -> Option<u32> {
         let keys = self.keys.lock().unwrap();
         let state = keys.get(key);
         match (body, state) {
             (Some(b), Some(s)) => {
-                let found = s.allowed().find(|&v| self.matches(key, v, b));
+                let newest = s.allowed().max();
+                let found = match (since, newest) {
+                    (Some(lo), Some(hi)) => (lo..=hi.max(lo)).find(|&v| self.matches(key, v, b)),
+                    _ => s.allowed().find(|&v| self.matches(key, v, b)),
+                };
                 if found.is_none() {
                     self.wrong.fetch_add(1, Ordering::Relaxed);
                     self.problem(format!("{when}: {key} returned {} bytes that were never PUT for it", b.len()));
@@ -438,10 +452,11 @@ impl Worker {
     }
 
     async fn read(&self, key: &str) {
+        let since = self.shared.oldest_allowed(key);
         match self.client.get(key).await {
             Ok(got) => {
                 self.counters.reads.fetch_add(1, Ordering::Relaxed);
-                self.shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), "read under load");
+                self.shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), since, "read under load");
             }
             Err(e) => {
                 self.first_error.note(e.to_string());
@@ -504,7 +519,7 @@ async fn verify_all(shared: &Arc<Shared>, url: &str, workers: usize, round: usiz
                 let Some(key) = keys.get(i) else { return Ok(()) };
                 let got = client.get(key).await.map_err(|e| format!("verifying {key} after restart {round}: {e}"))?;
                 let when = format!("after restart {round}");
-                let found = shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), &when);
+                let found = shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), None, &when);
                 let mut map = shared.keys.lock().unwrap();
                 let s = map.get_mut(key).expect("key listed");
                 match found {
@@ -560,22 +575,33 @@ mod tests {
         s.keys.lock().unwrap().insert("a".into(), KeyState { acked: Some(1), pending: vec![2], next: 3, busy: false });
         s.keys.lock().unwrap().insert("b".into(), KeyState { acked: None, pending: vec![0], next: 1, busy: false });
         // The acknowledged version and the one in flight are both fine.
-        assert_eq!(s.check_read("a", Some(&body("a", 1)), "t"), Some(1));
-        assert_eq!(s.check_read("a", Some(&body("a", 2)), "t"), Some(2));
+        assert_eq!(s.check_read("a", Some(&body("a", 1)), None, "t"), Some(1));
+        assert_eq!(s.check_read("a", Some(&body("a", 2)), None, "t"), Some(2));
         // An older version, another key's bytes, a torn block: wrong.
-        assert_eq!(s.check_read("a", Some(&body("a", 0)), "t"), None);
-        assert_eq!(s.check_read("a", Some(&body("b", 1)), "t"), None);
+        assert_eq!(s.check_read("a", Some(&body("a", 0)), None, "t"), None);
+        assert_eq!(s.check_read("a", Some(&body("b", 1)), None, "t"), None);
         let mut torn = body("a", 1);
         torn[3000] ^= 1;
-        assert_eq!(s.check_read("a", Some(&torn), "t"), None);
+        assert_eq!(s.check_read("a", Some(&torn), None, "t"), None);
         assert_eq!(s.wrong.load(Ordering::Relaxed), 3);
         // Gone after an acknowledgement: lost; never acknowledged: allowed.
-        assert_eq!(s.check_read("a", None, "t"), None);
-        assert_eq!(s.check_read("b", None, "t"), None);
+        assert_eq!(s.check_read("a", None, None, "t"), None);
+        assert_eq!(s.check_read("b", None, None, "t"), None);
         assert_eq!(s.lost.load(Ordering::Relaxed), 1);
         // Bytes for a key never written at all: wrong.
-        assert_eq!(s.check_read("c", Some(&body("c", 0)), "t"), None);
+        assert_eq!(s.check_read("c", Some(&body("c", 0)), None, "t"), None);
         assert_eq!(s.wrong.load(Ordering::Relaxed), 4);
         assert_eq!(s.problems.lock().unwrap().len(), 5);
+        // A read sent while version 1 was the newest acknowledged, answered
+        // after versions 2 and 3 were acknowledged: 1, 2 or 3 are all
+        // fine; 0 is a stale read.
+        s.keys.lock().unwrap().insert("d".into(), KeyState { acked: Some(1), pending: vec![], next: 2, busy: false });
+        let since = s.oldest_allowed("d");
+        s.keys.lock().unwrap().insert("d".into(), KeyState { acked: Some(3), pending: vec![], next: 4, busy: false });
+        for v in 1..=3 {
+            assert_eq!(s.check_read("d", Some(&body("d", v)), since, "t"), Some(v));
+        }
+        assert_eq!(s.check_read("d", Some(&body("d", 0)), since, "t"), None);
+        assert_eq!(s.wrong.load(Ordering::Relaxed), 5);
     }
 }
