@@ -446,18 +446,16 @@ impl Shard {
         Ok(written)
     }
 
-    /// Writes a block to the log only. `chunks` together must be exactly
-    /// `block_bytes` long; they are copied once, into the aligned buffer
-    /// that is written.
+    /// Writes a block to the log only. `chunks` together are exactly
+    /// `block_bytes` long ([`Shard::put`] checked; demotions pass a whole
+    /// RAM slot); they are copied once, into the aligned buffer that is
+    /// written.
     ///
     /// # Errors
-    /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`].
+    /// [`Error::DiskFull`], [`Error::Io`].
     async fn put_nvme(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
-        let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
-        if got != block_bytes {
-            return Err(Error::WrongSize { expected: block_bytes, got });
-        }
+        debug_assert_eq!(chunks.iter().map(|c| c.len() as u64).sum::<u64>(), block_bytes);
         let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
         let mut buf = self.take_write_buffer();
         let bytes = buf.as_bytes_mut();
@@ -775,8 +773,8 @@ impl Shard {
         match self.read_block(key, hash).await {
             Ok(bytes) => {
                 bump(&self.nvme_counters.hits, 1);
-                if self.cfg.promote && self.cache(key, hash, &[&bytes], false).await.unwrap_or(false) {
-                    bump(&self.ram_counters.promotions, 1);
+                if self.cfg.promote {
+                    self.promote(key, hash, &bytes).await;
                 }
                 Ok((bytes, Tier::Nvme))
             }
@@ -799,12 +797,19 @@ impl Shard {
         }
         match self.read_block(key, hash).await {
             Ok(bytes) => {
-                if self.cache(key, hash, &[&bytes], false).await.unwrap_or(false) {
-                    bump(&self.ram_counters.promotions, 1);
-                }
+                self.promote(key, hash, &bytes).await;
                 true
             }
             Err(_) => false,
+        }
+    }
+
+    /// Copies a block just read from the log into RAM, counted as a
+    /// promotion when a slot took it. Best effort: a failure to make room
+    /// leaves the block in the log only.
+    async fn promote(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
+        if self.cache(key, hash, &[bytes], false).await.unwrap_or(false) {
+            bump(&self.ram_counters.promotions, 1);
         }
     }
 
@@ -1014,8 +1019,8 @@ impl Shard {
         let wall_s = self.started.elapsed().as_secs_f64();
         ShardStats {
             shard: self.id(),
-            blocks: self.index.borrow().len() as u64,
-            capacity_blocks: self.cfg.segments_max as u64 * self.slots_per_segment as u64,
+            blocks: nvme.used_blocks,
+            capacity_blocks: nvme.capacity_blocks,
             segments,
             segments_max: self.cfg.segments_max,
             disk_bytes: segments as u64 * self.cfg.segment_bytes,

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::Client;
 use crate::payload::Payloads;
-use crate::server_process::{log_lines_with, ServerProcess};
+use crate::server_process::{log_lines_with, Launcher};
 use crate::stats::{FirstError, LatencySummary, OpLatency};
 
 /// Distinct payload generators; version `v` uses `v % VERSIONS`.
@@ -245,31 +245,11 @@ struct RoundCounters {
 /// A message when the server cannot start or restart, or its geometry
 /// cannot be read; the verdict itself is in [`CrashResults::passed`].
 pub async fn run(cfg: CrashConfig, progress: bool) -> Result<CrashResults, String> {
-    std::fs::create_dir_all(&cfg.out_dir).map_err(|e| format!("cannot create {}: {e}", cfg.out_dir.display()))?;
-    let log = cfg.out_dir.join("server.log");
-    let _ = std::fs::remove_file(&log);
-    let mut args: Vec<String> = vec![
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--data-dir".into(),
-        cfg.data_dir.display().to_string(),
-        "--write-policy".into(),
-        "through".into(),
-    ];
-    args.extend(cfg.serve_args.iter().cloned());
-    let start = {
-        let (bin, args, log) = (cfg.server_bin.clone(), args.clone(), log.clone());
-        move || {
-            let (bin, args, log) = (bin.clone(), args.clone(), log.clone());
-            async move {
-                tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log))
-                    .await
-                    .expect("start task")
-                    .map_err(String::from)
-            }
-        }
-    };
-    let mut server = start().await?;
+    let extra: Vec<String> =
+        ["--write-policy".to_string(), "through".to_string()].into_iter().chain(cfg.serve_args.iter().cloned()).collect();
+    let launcher = Launcher::new(&cfg.server_bin, &cfg.data_dir, &cfg.out_dir, &extra)?;
+    let log = launcher.log();
+    let mut server = launcher.start().await?;
     let client = Client::new(server.url(), false, 1).map_err(|e| e.to_string())?;
     let stats = client.stats().await.map_err(|e| e.to_string())?;
     let block_bytes = stats["geometry"]["block_bytes"].as_u64().ok_or("no geometry in /v1/stats")?;
@@ -330,7 +310,7 @@ pub async fn run(cfg: CrashConfig, progress: bool) -> Result<CrashResults, Strin
         for t in tasks {
             let _ = t.await;
         }
-        server = start().await?;
+        server = launcher.start().await?;
         let restart_ms = server.start_time.as_secs_f64() * 1e3;
         restart.record(server.start_time.as_micros() as u64);
         if restart_ms > cfg.restart_target_ms as f64 {
@@ -391,7 +371,7 @@ pub async fn run(cfg: CrashConfig, progress: bool) -> Result<CrashResults, Strin
         restart: restart.summary(),
         restart_target_ms: cfg.restart_target_ms,
         corrupt_blocks_counted,
-        damage_log_lines: log_lines_with(&log, "corrupt").len() + log_lines_with(&log, "torn").len(),
+        damage_log_lines: log_lines_with(log, "corrupt").len() + log_lines_with(log, "torn").len(),
         per_round,
         passed: lost == 0 && wrong == 0 && restarts_over == 0 && evicted == 0,
         problems,

@@ -345,6 +345,18 @@ fn fresh_dir(dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
 }
 
+/// A harness's exit status: success when it passed, else failure with each
+/// problem on stderr.
+fn verdict(passed: bool, problems: &[String]) -> ExitCode {
+    if passed {
+        return ExitCode::SUCCESS;
+    }
+    for p in problems {
+        eprintln!("kvtier-loadgen: {p}");
+    }
+    ExitCode::FAILURE
+}
+
 async fn crash_cmd(args: CrashArgs) -> Result<ExitCode, String> {
     if args.rounds == 0 || args.clients == 0 {
         return fail_early(&args.out, "crash", "", "--rounds and --clients must be at least 1".into());
@@ -391,13 +403,7 @@ async fn crash_cmd(args: CrashArgs) -> Result<ExitCode, String> {
         r.corrupt_blocks_counted
     );
     println!("results: {}", args.out.join("results.json").display());
-    if !r.passed {
-        for p in &r.problems {
-            eprintln!("kvtier-loadgen: {p}");
-        }
-        return Ok(ExitCode::FAILURE);
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(verdict(r.passed, &r.problems))
 }
 
 async fn soak_cmd(args: SoakArgs) -> Result<ExitCode, String> {
@@ -442,13 +448,7 @@ async fn soak_cmd(args: SoakArgs) -> Result<ExitCode, String> {
         r.wrong_bytes
     );
     println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
-    if !r.passed {
-        for p in &r.problems {
-            eprintln!("kvtier-loadgen: {p}");
-        }
-        return Ok(ExitCode::FAILURE);
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(verdict(r.passed, &r.problems))
 }
 
 async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {

@@ -171,13 +171,19 @@ fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
-/// A histogram (`[upper_us, count]`) as `(upper_us, % of operations)`.
-fn percent_points(buckets: &[(u64, u64)]) -> Vec<(f64, f64)> {
-    let total: u64 = buckets.iter().map(|b| b.1).sum();
-    if total == 0 {
-        return Vec::new();
-    }
-    buckets.iter().map(|&(us, n)| (us as f64, 100.0 * n as f64 / total as f64)).collect()
+/// Latency distributions (`[upper_us, count]` buckets per name) as one
+/// series each of `(upper_us, % of operations)`, colored from `first_color`.
+fn distribution_series<'a>(named: impl IntoIterator<Item = (&'a str, &'a [(u64, u64)])>, first_color: usize) -> Vec<Series> {
+    named
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, buckets))| {
+            let total: u64 = buckets.iter().map(|b| b.1).sum();
+            let points =
+                if total == 0 { Vec::new() } else { buckets.iter().map(|&(us, n)| (us as f64, 100.0 * n as f64 / total as f64)).collect() };
+            Series { name: name.to_string(), points, color: first_color + i, dashed: false }
+        })
+        .collect()
 }
 
 fn ms(us: u64) -> String {
@@ -335,11 +341,7 @@ pub fn sweep_html(r: &SweepResults) -> String {
     for t in &r.targets {
         let Some(best) = t.levels.iter().max_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s)) else { continue };
         let h = &best.histograms;
-        let series: Vec<Series> = [("lookup", &h.lookup), ("read", &h.read), ("write", &h.write)]
-            .iter()
-            .enumerate()
-            .map(|(i, (op, buckets))| Series { name: op.to_string(), points: percent_points(buckets), color: i, dashed: false })
-            .collect();
+        let series = distribution_series([("lookup", &h.lookup[..]), ("read", &h.read[..]), ("write", &h.write[..])], 0);
         let title = format!("{} at c={}", t.target, best.concurrency);
         b.push_str(&line_chart(
             &Axes {
@@ -505,19 +507,10 @@ pub fn replay_html(r: &ReplayResults) -> String {
     ));
     b.push_str("</div><h2>Latency distributions</h2><div class=charts>");
     let h = &r.histograms;
-    let ops: Vec<Series> = [("lookup", &h.lookup), ("GET", &h.get), ("PUT", &h.put)]
-        .iter()
-        .enumerate()
-        .map(|(i, (n, bk))| Series { name: n.to_string(), points: percent_points(bk), color: i, dashed: false })
-        .collect();
+    let ops = distribution_series([("lookup", &h.lookup[..]), ("GET", &h.get[..]), ("PUT", &h.put[..])], 0);
     let x_desc = "latency µs (bucket upper bound, powers of 2)";
     b.push_str(&line_chart(&Axes { title: "per operation", x_desc, y_desc: "% of operations", x_log: true, y_log: false }, &ops));
-    let tiers: Vec<Series> = h
-        .get_by_tier
-        .iter()
-        .enumerate()
-        .map(|(i, (tier, bk))| Series { name: tier.clone(), points: percent_points(bk), color: i + 3, dashed: false })
-        .collect();
+    let tiers = distribution_series(h.get_by_tier.iter().map(|(tier, bk)| (tier.as_str(), &bk[..])), 3);
     b.push_str(&line_chart(&Axes { title: "GET per serving tier", x_desc, y_desc: "% of GETs", x_log: true, y_log: false }, &tiers));
     b.push_str("</div>");
     page("kvtier-loadgen replay", &b)

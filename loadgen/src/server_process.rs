@@ -137,6 +137,46 @@ impl ServerProcess {
     }
 }
 
+/// One `kvtier serve` configuration that a harness starts again and again:
+/// its arguments, its log file (`OUT/server.log`), and the blocking wait for
+/// the "listening" line kept off the async runtime's threads.
+pub struct Launcher {
+    bin: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+}
+
+impl Launcher {
+    /// Creates `out_dir`, empties `server.log` there, and prepares `BIN serve
+    /// --listen 127.0.0.1:0 --data-dir DATA EXTRA...` (a later flag in
+    /// `extra` overrides an earlier one).
+    ///
+    /// # Errors
+    /// When `out_dir` cannot be created.
+    pub fn new(bin: &Path, data_dir: &Path, out_dir: &Path, extra: &[String]) -> Result<Launcher, String> {
+        std::fs::create_dir_all(out_dir).map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
+        let log = out_dir.join("server.log");
+        let _ = std::fs::remove_file(&log);
+        let mut args: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into(), "--data-dir".into(), data_dir.display().to_string()];
+        args.extend(extra.iter().cloned());
+        Ok(Launcher { bin: bin.to_path_buf(), args, log })
+    }
+
+    /// The server's log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Starts the server (see [`ServerProcess::start`]).
+    ///
+    /// # Errors
+    /// The [`StartError`]'s message.
+    pub async fn start(&self) -> Result<ServerProcess, String> {
+        let (bin, args, log) = (self.bin.clone(), self.args.clone(), self.log.clone());
+        tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log)).await.expect("start task").map_err(String::from)
+    }
+}
+
 impl Drop for ServerProcess {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {

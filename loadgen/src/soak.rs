@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::server_process::ServerProcess;
+use crate::server_process::Launcher;
 use crate::sweep::{self, SweepConfig, Workload};
 use crate::target::Target;
 
@@ -167,20 +167,10 @@ pub fn drift(v: &[f64]) -> Drift {
 /// A message when the server cannot start or restart, or its geometry
 /// cannot be read, or the working set cannot be stored.
 pub async fn run(cfg: SoakConfig, progress: bool) -> Result<SoakResults, String> {
-    std::fs::create_dir_all(&cfg.out_dir).map_err(|e| format!("cannot create {}: {e}", cfg.out_dir.display()))?;
-    let log = cfg.out_dir.join("server.log");
-    let _ = std::fs::remove_file(&log);
-    let mut args: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into(), "--data-dir".into(), cfg.data_dir.display().to_string()];
-    args.extend(cfg.serve_args.iter().cloned());
-    let start = || {
-        let (bin, args, log) = (cfg.server_bin.clone(), args.clone(), log.clone());
-        async move {
-            tokio::task::spawn_blocking(move || ServerProcess::start(&bin, &args, &log)).await.expect("start task").map_err(String::from)
-        }
-    };
+    let launcher = Launcher::new(&cfg.server_bin, &cfg.data_dir, &cfg.out_dir, &cfg.serve_args)?;
     let concurrency = cfg.concurrency.max(1);
     let open = |url: String| async move { Target::open(&url, false, 1, concurrency).await.map(Arc::new).map_err(|e| e.to_string()) };
-    let mut server = start().await?;
+    let mut server = launcher.start().await?;
     let mut target = open(server.url().to_string()).await?;
     let (block_bytes, block_tokens, model) =
         target.geometry().await.map_err(|e| e.to_string())?.ok_or("the server reported no geometry")?;
@@ -248,7 +238,7 @@ pub async fn run(cfg: SoakConfig, progress: bool) -> Result<SoakResults, String>
             } else {
                 server.kill9();
             }
-            server = start().await?;
+            server = launcher.start().await?;
             target = open(server.url().to_string()).await?;
             let restart_ms = server.start_time.as_secs_f64() * 1e3;
             if progress {

@@ -21,7 +21,7 @@ use std::convert::Infallible;
 use std::rc::Rc;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use kvtier_engine::{Error, PutOutcome, Store};
@@ -122,9 +122,11 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
 }
 
 async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    // HTTP/2 enforces this as its header-list size; HTTP/1's read buffer is
-    // larger (body throughput), so the header block is measured here.
-    let header_bytes: usize = req.headers().iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum();
+    // HTTP/2 enforces this as its header-list size before a request gets
+    // here; HTTP/1's read buffer is larger (body throughput), so its header
+    // block is measured here.
+    let header_bytes: usize =
+        if req.version() < Version::HTTP_2 { req.headers().iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum() } else { 0 };
     if header_bytes > limits::HEADER_BYTES_MAX as usize {
         return error(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -84,14 +84,11 @@ async fn bad_requests_get_clear_errors_and_lose_nothing() {
     // No Content-Length (chunked HTTP/1.1): 411 naming the expected size.
     let addr = server.url.trim_start_matches("http://").to_string();
     let reply = tokio::task::spawn_blocking(move || {
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.write_all(
+        common::exchange(
+            &addr,
             b"PUT /v1/blocks/chunked HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            std::time::Duration::from_secs(10),
         )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
     })
     .await
     .unwrap();
@@ -276,13 +273,7 @@ async fn corrupt_block_is_a_miss_and_fsck_names_it() {
     let seg = dir.path().join("shard-000/seg-000000.kvt");
     let slot_bytes = 4096 + BLOCK_BYTES;
     let offset = 4096 + slot_bytes + 4096 + 1234;
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(&seg).unwrap();
-        let mut b = [0u8; 1];
-        f.read_exact_at(&mut b, offset).unwrap();
-        f.write_all_at(&[b[0] ^ 0x5A], offset).unwrap();
-    }
+    common::flip_byte(&seg, offset);
     let damaged = fsck(dir.path());
     let out = String::from_utf8_lossy(&damaged.stdout);
     assert_eq!(damaged.status.code(), Some(1), "{out}");

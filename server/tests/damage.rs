@@ -9,11 +9,10 @@ mod common;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::OpenOptions;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::{client, payload, start, test_args, BLOCK_BYTES};
+use common::{client, flip_byte, fsck_json, payload, start, test_args, BLOCK_BYTES};
 use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
 use serde_json::Value;
 
@@ -55,22 +54,6 @@ fn locate(data: &Path) -> HashMap<String, Location> {
     found.into_iter().map(|(k, (_, l))| (k, l)).collect()
 }
 
-fn flip_byte(path: &Path, offset: u64) {
-    let mut f = OpenOptions::new().read(true).write(true).open(path).unwrap();
-    let mut b = [0u8; 1];
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.read_exact(&mut b).unwrap();
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.write_all(&[b[0] ^ 0x5a]).unwrap();
-}
-
-fn fsck(data: &Path) -> (bool, Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(["fsck", "--json", "--data-dir"]).arg(data).output().unwrap();
-    let report =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fsck --json ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    (out.status.success(), report)
-}
-
 /// (shard, slot) of every damaged record fsck lists, with its key if named.
 fn damaged(report: &Value) -> BTreeSet<(u64, u64, Option<String>)> {
     report["damaged"]
@@ -93,7 +76,7 @@ async fn damaged_files_are_found_by_fsck_and_never_served() {
         c.put(k, vec![payload(k)]).await.unwrap();
     }
     assert!(server.stop().success());
-    let (clean, report) = fsck(&data);
+    let (clean, report) = fsck_json(&data);
     assert!(clean && damaged(&report).is_empty(), "{report}");
 
     // Pick victims: A (payload) and B (header) on shard 0, C (truncated,
@@ -127,7 +110,7 @@ async fn damaged_files_are_found_by_fsck_and_never_served() {
     std::fs::write(data.join("stray.bin"), b"stray").unwrap();
 
     // fsck names exactly the three damaged records (B's key is unreadable).
-    let (clean, report) = fsck(&data);
+    let (clean, report) = fsck_json(&data);
     assert!(!clean, "fsck exits 1 on damage");
     let expected: BTreeSet<(u64, u64, Option<String>)> =
         [(0, la.2 as u64, Some(a.clone())), (0, lb.2 as u64, None), (1, lc.2 as u64, Some(c_key.clone()))].into_iter().collect();

@@ -107,8 +107,8 @@ fn args(data: &Path, disk_gb: &str) -> Vec<String> {
 }
 
 fn fsck_clean(data: &Path) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(["fsck", "--data-dir"]).arg(data).output().unwrap();
-    assert!(out.status.success(), "fsck after ENOSPC: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (clean, report) = common::fsck_json(data);
+    assert!(clean, "fsck after ENOSPC: {report}");
 }
 
 async fn stats(server: &Server) -> Value {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{client, payload, start, test_args, Server, BLOCK_BYTES};
+use common::{client, exchange, payload, read_until_quiet, start, status_of, test_args, Server, BLOCK_BYTES};
 use http::{Method, StatusCode};
 use kvtier_loadgen::client::ChunkedBody;
 
@@ -27,34 +27,6 @@ fn hostile_args(dir: &std::path::Path) -> Vec<String> {
 
 fn addr(server: &Server) -> String {
     server.url.trim_start_matches("http://").to_string()
-}
-
-/// Sends `request` on a fresh connection and returns everything read until
-/// the server closes or `wait` passes without a byte.
-fn exchange(addr: &str, request: &[u8], wait: Duration) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(wait)).unwrap();
-    // The server may answer and close before taking all of a huge request.
-    let _ = s.write_all(request);
-    read_until_quiet(&mut s)
-}
-
-fn read_until_quiet(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 65536];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => out.extend_from_slice(&buf[..n]),
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Status code of the first HTTP/1 response in `reply`, or 0 when the
-/// server closed without answering.
-fn status_of(reply: &str) -> u16 {
-    reply.strip_prefix("HTTP/1.1 ").and_then(|r| r.get(..3)).and_then(|c| c.parse().ok()).unwrap_or(0)
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {

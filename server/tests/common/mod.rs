@@ -106,3 +106,54 @@ pub fn payload(key: &str) -> bytes::Bytes {
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
+
+/// Flips the bits of one byte of `path` at `offset` (0x5a), as a bad sector
+/// or a stray write would.
+pub fn flip_byte(path: &Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5a], offset).unwrap();
+}
+
+/// `kvtier fsck --json` of a stopped store: (exit status 0, the report).
+pub fn fsck_json(data_dir: &Path) -> (bool, serde_json::Value) {
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvtier")).args(["fsck", "--json", "--data-dir"]).arg(data_dir).output().unwrap();
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("fsck --json ({e}): {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+    (out.status.success(), report)
+}
+
+/// Sends raw `request` bytes on a fresh connection to `addr` (HOST:PORT) and
+/// returns everything read until the server closes or `wait` passes
+/// without a byte.
+pub fn exchange(addr: &str, request: &[u8], wait: std::time::Duration) -> String {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(wait)).unwrap();
+    // The server may answer and close before taking all of a huge request.
+    let _ = s.write_all(request);
+    read_until_quiet(&mut s)
+}
+
+/// Reads `s` until the peer closes or its read timeout passes.
+pub fn read_until_quiet(s: &mut std::net::TcpStream) -> String {
+    use std::io::Read;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Status code of the first HTTP/1 response in `reply`, or 0 when the
+/// server closed without answering.
+pub fn status_of(reply: &str) -> u16 {
+    reply.strip_prefix("HTTP/1.1 ").and_then(|r| r.get(..3)).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
