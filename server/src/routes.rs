@@ -138,6 +138,9 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
         if !authorized(&req, token) {
             let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
             r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            if req.method() == Method::PUT {
+                return refuse_put(ctx, req, r).await;
+            }
             return r;
         }
     }
@@ -241,17 +244,57 @@ async fn read_body_frames(req: Request<Incoming>, limit: u64) -> Result<(Vec<Byt
     Ok((chunks, total))
 }
 
+/// Answers a PUT refused before its body was read, after reading and
+/// discarding that body (at most `block_bytes`, within the body timeout).
+///
+/// An answer sent while the client is still sending ends the HTTP/2 stream
+/// with RST_STREAM(NO_ERROR); curl 7.88 then reports error 92 and drops the
+/// status. Once the body has arrived the stream closes normally and every
+/// client sees the status. A body declared larger than a block is refused
+/// without this (413): the client may be reset. An HTTP/1 client that sent
+/// `Expect: 100-continue` has not sent its body and will not: it gets the
+/// answer at once.
+async fn refuse_put(ctx: &Ctx, req: Request<Incoming>, reply: Reply) -> Reply {
+    let waits_for_continue = req.version() < Version::HTTP_2
+        && req.headers().get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if waits_for_continue {
+        return reply;
+    }
+    let limit = ctx.store.geometry().block_bytes;
+    let timeout = ctx.body_timeout;
+    let mut body = req.into_body();
+    let discard = async {
+        let mut total = 0u64;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                total += data.len() as u64;
+                if total > limit {
+                    break;
+                }
+            }
+        }
+    };
+    futures_lite::future::or(discard, async {
+        glommio::timer::sleep(timeout).await;
+    })
+    .await;
+    reply
+}
+
 async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
     if let Err(e) = kvtier_engine::key::validate(key) {
-        return engine_error(&e);
+        return refuse_put(ctx, req, engine_error(&e)).await;
     }
     let block_bytes = ctx.store.geometry().block_bytes;
     let declared = match declared_length(&req, block_bytes, "PUT") {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(r) => return refuse_put(ctx, req, r).await,
     };
-    if declared != block_bytes {
+    if declared > block_bytes {
         return engine_error(&Error::WrongSize { expected: block_bytes, got: declared });
+    }
+    if declared < block_bytes {
+        return refuse_put(ctx, req, engine_error(&Error::WrongSize { expected: block_bytes, got: declared })).await;
     }
     let (chunks, got) = match read_body(ctx, req, block_bytes).await {
         Ok(b) => b,
