@@ -39,8 +39,34 @@ pub const IO_DEPTH_DEFAULT: usize = 32;
 /// Default interval between index snapshots, in seconds.
 pub const SNAPSHOT_SECS_DEFAULT: u64 = 60;
 
-/// Default segment file size: 1 GiB (DESIGN §3).
+/// Largest segment file size, and the one a large disk share gets: 1 GiB
+/// (DESIGN §3).
 pub const SEGMENT_BYTES_DEFAULT: u64 = 1 << 30;
+
+/// Segments each shard gets at least when the segment size is chosen from
+/// the disk share ([`auto_segment_bytes`]): reclaim then drops at most an
+/// eighth of the shard's log at a time.
+pub const SEGMENTS_PER_SHARD_AUTO: u64 = 8;
+
+/// Slots a segment holds at least when its size is chosen from the disk
+/// share, so a segment is never a handful of blocks.
+pub const SEGMENT_SLOTS_MIN_AUTO: u64 = 4;
+
+/// The segment size for a new store when none is given: the largest power
+/// of two no larger than [`SEGMENT_BYTES_DEFAULT`] that gives each shard at
+/// least [`SEGMENTS_PER_SHARD_AUTO`] segments of its `disk_bytes / shards`,
+/// but never smaller than the power of two holding the superblock and
+/// [`SEGMENT_SLOTS_MIN_AUTO`] slots of `block_bytes` (a disk share too small
+/// for two of those is then refused by the shard, naming the sizes).
+pub fn auto_segment_bytes(disk_bytes: u64, shards: usize, block_bytes: u64) -> u64 {
+    let per_shard = disk_bytes / shards.max(1) as u64;
+    let floor = (crate::slot::PAGE_BYTES + SEGMENT_SLOTS_MIN_AUTO * crate::slot::slot_bytes(block_bytes)).next_power_of_two();
+    let mut segment = SEGMENT_BYTES_DEFAULT;
+    while segment > floor && per_shard / segment < SEGMENTS_PER_SHARD_AUTO {
+        segment /= 2;
+    }
+    segment.max(floor)
+}
 
 /// How a store is opened.
 #[derive(Debug, Clone)]
@@ -470,5 +496,38 @@ where
     match first_error {
         Some(e) => Err(e),
         None => Ok(outputs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn auto_segment_size_gives_each_shard_eight_segments() {
+        // The case: 1 GiB on 2 shards, 1.2 MB blocks: 64 MiB, 8 each.
+        assert_eq!(auto_segment_bytes(GIB, 2, 1_228_800), 64 * MIB);
+        assert_eq!(auto_segment_bytes(2 * GIB, 2, 1_228_800), 128 * MIB);
+        // Large shares keep the 1 GiB default.
+        assert_eq!(auto_segment_bytes(16 * GIB, 2, 16 * MIB), GIB);
+        assert_eq!(auto_segment_bytes(1024 * GIB, 2, 16 * MIB), GIB);
+        // Not a power of two of disk: still at least 8 segments a shard.
+        let s = auto_segment_bytes(3 * GIB, 4, 65_536);
+        assert!(s.is_power_of_two() && 3 * GIB / 4 / s >= SEGMENTS_PER_SHARD_AUTO, "{s}");
+        assert!(3 * GIB / 4 / (2 * s) < SEGMENTS_PER_SHARD_AUTO, "{s} is not the largest");
+    }
+
+    #[test]
+    fn auto_segment_size_never_drops_below_four_slots() {
+        // 16 MiB blocks on a 1 GiB share of 2 shards: 512 MiB / 8 = 64 MiB
+        // holds 3 slots, so the floor (4 slots + superblock → 128 MiB) wins.
+        let s = auto_segment_bytes(GIB, 2, 16 * MIB);
+        assert_eq!(s, 128 * MIB);
+        assert!((s - crate::slot::PAGE_BYTES) / crate::slot::slot_bytes(16 * MIB) >= SEGMENT_SLOTS_MIN_AUTO);
+        // A tiny share gets the floor; the shard refuses it if two do not fit.
+        assert_eq!(auto_segment_bytes(MIB, 2, 65_536), MIB);
     }
 }
