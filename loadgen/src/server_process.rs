@@ -40,6 +40,8 @@ impl From<StartError> for String {
 pub struct ServerProcess {
     child: Option<Child>,
     url: String,
+    /// The whole "kvtier listening on ..." line.
+    listening_line: String,
     /// From spawn to the "kvtier listening on" line: the restart time.
     pub start_time: Duration,
 }
@@ -78,12 +80,12 @@ impl ServerProcess {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Some(rest) = line.strip_prefix("kvtier listening on ") {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                    let _ = tx.send((rest.split_whitespace().next().unwrap_or_default().to_string(), line.clone()));
                 }
             }
         });
         match rx.recv_timeout(START_TIMEOUT) {
-            Ok(url) => Ok(ServerProcess { child: Some(child), url, start_time: started.elapsed() }),
+            Ok((url, listening_line)) => Ok(ServerProcess { child: Some(child), url, listening_line, start_time: started.elapsed() }),
             Err(_) => {
                 let _ = child.kill();
                 let status = child.wait().ok();
@@ -98,6 +100,11 @@ impl ServerProcess {
     /// `http://127.0.0.1:PORT`.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The server's whole "kvtier listening on ..." start-up line.
+    pub fn listening_line(&self) -> &str {
+        &self.listening_line
     }
 
     /// Process id.

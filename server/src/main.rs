@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
-use kvtier_engine::store::{IO_DEPTH_DEFAULT, SEGMENT_BYTES_DEFAULT, SNAPSHOT_SECS_DEFAULT};
+use kvtier_engine::store::{auto_segment_bytes, IO_DEPTH_DEFAULT, SNAPSHOT_SECS_DEFAULT};
 use kvtier_engine::StoreConfig;
 
 #[global_allocator]
@@ -114,7 +114,8 @@ struct StoreArgs {
     #[arg(long, default_value_t = 16.0)]
     disk_gb: f64,
     /// Size of one segment file in MiB. Default: the existing store's, else
-    /// 1024.
+    /// the largest power of two up to 1024 that gives each shard at least 8
+    /// segments of its --disk-gb share (and holds at least 4 blocks).
     #[arg(long)]
     segment_mib: Option<u64>,
     /// fdatasync after every write, for durability across power loss (a
@@ -175,7 +176,7 @@ struct InfoArgs {
 impl StoreArgs {
     /// The store configuration, taking unset values from an existing
     /// store.json so `kvtier serve --data-dir D` reopens D as it was made.
-    fn config(&self) -> Result<StoreConfig, String> {
+    fn config(&self) -> Result<(StoreConfig, SegmentOrigin), String> {
         let stored = StoreManifest::read(&self.data_dir).ok();
         let geometry = match (&self.model, self.block_bytes, &stored) {
             (Some(model), _, _) => Geometry::from_model(model, self.block_tokens),
@@ -186,18 +187,23 @@ impl StoreArgs {
         .map_err(|e| e.to_string())?;
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let shards = self.shards.or(stored.as_ref().map(|m| m.shards as usize)).unwrap_or(cpus);
-        let segment_bytes = self.segment_mib.map(|m| m << 20).or(stored.as_ref().map(|m| m.segment_bytes)).unwrap_or(SEGMENT_BYTES_DEFAULT);
         if self.disk_gb.is_nan() || self.disk_gb <= 0.0 {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
+        let disk_bytes = (self.disk_gb * (1u64 << 30) as f64) as u64;
+        let (segment_bytes, segment_origin) = match (self.segment_mib, &stored) {
+            (Some(mib), _) => (mib << 20, SegmentOrigin::Flag),
+            (None, Some(m)) => (m.segment_bytes, SegmentOrigin::Stored),
+            (None, None) => (auto_segment_bytes(disk_bytes, shards, geometry.block_bytes), SegmentOrigin::Chosen),
+        };
         if self.ram_gb.is_nan() || self.ram_gb < 0.0 {
             return Err(format!("--ram-gb must be 0 or more, got {}", self.ram_gb));
         }
-        Ok(StoreConfig {
+        let config = StoreConfig {
             data_dir: self.data_dir.clone(),
             geometry,
             shards,
-            disk_bytes: (self.disk_gb * (1u64 << 30) as f64) as u64,
+            disk_bytes,
             segment_bytes,
             sync: self.sync,
             io_depth_max: self.io_depth,
@@ -209,7 +215,29 @@ impl StoreArgs {
                 WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,
             },
             promote: self.promote == OnOff::On,
-        })
+        };
+        Ok((config, segment_origin))
+    }
+}
+
+/// Where the segment size of a start came from (said in the start-up line).
+#[derive(Debug, Clone, Copy)]
+enum SegmentOrigin {
+    /// `--segment-mib`.
+    Flag,
+    /// The existing store's `store.json`.
+    Stored,
+    /// Chosen from `--disk-gb` and the shard count for a new store.
+    Chosen,
+}
+
+impl SegmentOrigin {
+    fn describe(self) -> &'static str {
+        match self {
+            SegmentOrigin::Flag => "from --segment-mib",
+            SegmentOrigin::Stored => "from store.json",
+            SegmentOrigin::Chosen => "chosen from --disk-gb and the shard count",
+        }
     }
 }
 
@@ -233,19 +261,97 @@ fn main() -> ExitCode {
     }
 }
 
-/// Fails when something already accepts connections on `addr`. A bind
-/// cannot tell: glommio binds with SO_REUSEPORT, which would share the port
-/// with a live kvtier, and a plain bind is refused by the previous run's
+/// How long a live server has to answer the start-up probe's
+/// `GET /healthz` before the listener is taken for an orphan.
+const PROBE_ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long start-up waits for an orphaned listening socket (a killed
+/// process's, which io_uring tears down asynchronously) to go away.
+const ORPHAN_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What answers on a port.
+#[derive(Debug, PartialEq, Eq)]
+enum PortState {
+    /// Nothing accepts connections there.
+    Free,
+    /// A connection is accepted but nobody answers a request on it: the
+    /// listening socket of a process that is gone (after `kill -9`,
+    /// io_uring keeps it accepting for about a second).
+    Orphaned,
+    /// A live server answered.
+    Live,
+}
+
+/// Connects to `probe` and, if that works, sends `GET /healthz` and waits up
+/// to [`PROBE_ANSWER_TIMEOUT`] for any HTTP answer.
+fn probe_port(probe: SocketAddr) -> PortState {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&probe, PROBE_ANSWER_TIMEOUT) else {
+        return PortState::Free;
+    };
+    let _ = stream.set_read_timeout(Some(PROBE_ANSWER_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(PROBE_ANSWER_TIMEOUT));
+    if stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: kvtier-start-probe\r\nConnection: close\r\n\r\n").is_err() {
+        return PortState::Orphaned;
+    }
+    let mut answer = [0u8; 5];
+    let mut got = 0;
+    let deadline = std::time::Instant::now() + PROBE_ANSWER_TIMEOUT;
+    while got < answer.len() && std::time::Instant::now() < deadline {
+        match stream.read(&mut answer[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    // Any HTTP answer (even 401 from a server with a token) is a live server;
+    // so is any other byte: some other program owns the port.
+    if got > 0 {
+        PortState::Live
+    } else {
+        PortState::Orphaned
+    }
+}
+
+/// Fails when a live server accepts connections on `addr`. A bind cannot
+/// tell: glommio binds with SO_REUSEPORT, which would share the port with a
+/// live kvtier, and a plain bind is refused by the previous run's
 /// connections still in TIME-WAIT (a restart right after a stop).
-fn port_is_free(addr: SocketAddr) -> std::io::Result<()> {
+///
+/// A listener that accepts but does not answer `GET /healthz` is the
+/// orphaned socket of a process that is gone (`kill -9`): wait up to
+/// [`ORPHAN_WAIT_MAX`] for it to close, so that no connection lands in its
+/// backlog once we listen beside it, then go ahead either way.
+fn port_is_free(addr: SocketAddr) -> Result<(), String> {
     let probe = match addr.ip() {
         ip if ip.is_unspecified() && addr.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
         ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
         _ => addr,
     };
-    match std::net::TcpStream::connect_timeout(&probe, std::time::Duration::from_millis(500)) {
-        Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "a server already accepts connections there")),
-        Err(_) => Ok(()),
+    let started = std::time::Instant::now();
+    let mut warned = false;
+    loop {
+        match probe_port(probe) {
+            PortState::Free => {
+                if warned {
+                    tracing::info!("the orphaned listener on {addr} closed after {} ms", started.elapsed().as_millis());
+                }
+                return Ok(());
+            }
+            PortState::Live => return Err("a server already accepts connections there and answers requests".into()),
+            PortState::Orphaned if started.elapsed() >= ORPHAN_WAIT_MAX => {
+                tracing::warn!("a listener on {addr} still accepts without answering after {ORPHAN_WAIT_MAX:?}; listening beside it");
+                return Ok(());
+            }
+            PortState::Orphaned => {
+                if !warned {
+                    tracing::warn!(
+                        "a listener on {addr} accepts connections but does not answer (a killed process's socket, closing); waiting for it"
+                    );
+                    warned = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
     }
 }
 
@@ -300,7 +406,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             return Err(format!("{flag} must be a positive number of seconds, got {value}"));
         }
     }
-    let config = args.store.config()?;
+    let (config, segment_origin) = args.store.config()?;
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that nothing listens on it.
@@ -322,7 +428,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
     });
-    let (shards, geometry, data_dir) = (config.shards, config.geometry.clone(), config.data_dir.clone());
+    let (shards, geometry, data_dir, segment_bytes) =
+        (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);
     let engine = {
         let shared = shared.clone();
         std::thread::Builder::new()
@@ -361,12 +468,14 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     let addr = addr.expect("bound");
     println!(
-        "kvtier listening on http://{addr} (h2c and HTTP/1.1; {shards} shards; model {}; block_bytes {}; data dir {})",
+        "kvtier listening on http://{addr} (h2c and HTTP/1.1; {shards} shards; model {}; block_bytes {}; segment_bytes {} {}; data dir {})",
         geometry.model,
         geometry.block_bytes,
+        segment_bytes,
+        segment_origin.describe(),
         data_dir.display()
     );
-    tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, "serving");
+    tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, segment_bytes, "serving");
 
     {
         let shared = shared.clone();

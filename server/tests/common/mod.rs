@@ -76,6 +76,11 @@ impl Server {
         self.process.take().unwrap().kill9();
     }
 
+    /// The server's "kvtier listening on ..." start-up line.
+    pub fn listening_line(&self) -> String {
+        self.process.as_ref().unwrap().listening_line().to_string()
+    }
+
     /// Process id.
     pub fn pid(&self) -> u32 {
         self.process.as_ref().unwrap().pid()
