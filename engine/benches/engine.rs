@@ -174,6 +174,7 @@ fn main() {
             segment_bytes,
             sync: false,
             io_depth_max: *plan.depths.iter().max().unwrap(),
+            io_queue_max: usize::MAX,
             pin_cpus: true,
             snapshot_secs: 0,
             ram_bytes: 0,

@@ -57,6 +57,10 @@ pub enum Error {
     /// segment too small to hold one slot). The message says which setting.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The owning shard already has as many block I/Os waiting as it
+    /// admits (`io_queue_max`); nothing was done. Retry after a moment.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
     /// The store is shutting down or a shard is gone; retry against a
     /// restarted process.
     #[error("store is shutting down")]

@@ -75,6 +75,9 @@ pub struct ShardConfig {
     pub sync: bool,
     /// Most block reads and writes in flight at once on this shard.
     pub io_depth_max: usize,
+    /// Most client block I/Os waiting for one of those; past it a client
+    /// operation is refused ([`Error::Overloaded`]).
+    pub io_queue_max: usize,
     /// Write an index snapshot this often (0: only at clean close).
     pub snapshot_secs: u64,
     /// Slots of the RAM tier (0: no RAM tier).
@@ -114,6 +117,8 @@ struct Counters {
     bytes_written: Cell<u64>,
     bytes_read: Cell<u64>,
     io_in_flight: Cell<u64>,
+    io_queued: Cell<u64>,
+    io_queue_refusals: Cell<u64>,
     snapshots_written: Cell<u64>,
     forwarded_requests: Cell<u64>,
 }
@@ -196,6 +201,11 @@ pub struct ShardStats {
     pub bytes_read: u64,
     /// Block reads and writes in flight now.
     pub io_in_flight: u64,
+    /// Block I/Os waiting for an I/O permit now.
+    pub io_queued: u64,
+    /// Client operations refused because `io_queue_max` I/Os were already
+    /// waiting (HTTP 503 with Retry-After).
+    pub io_queue_refusals: u64,
     /// Index snapshots written since start.
     pub snapshots_written: u64,
     /// Operations this shard's connections sent to the shard owning the key.
@@ -324,6 +334,36 @@ impl Shard {
         })
     }
 
+    /// Takes one of the `io_depth_max` I/O permits, waiting for it. A client
+    /// operation (`refusable`) that would wait behind `io_queue_max` others
+    /// is refused instead and counted, so the queue stays bounded; internal
+    /// I/O (demotions, the flush at close) always waits.
+    ///
+    /// # Errors
+    /// [`Error::Overloaded`], [`Error::ShuttingDown`].
+    async fn io_permit(&self, refusable: bool) -> Result<glommio::sync::Permit<'_>> {
+        let queued = self.counters.io_queued.get();
+        if refusable && self.io_permits.available() == 0 && queued >= self.cfg.io_queue_max as u64 {
+            bump(&self.counters.io_queue_refusals, 1);
+            return Err(Error::Overloaded(format!(
+                "shard {} has {} block I/Os in flight and {queued} waiting (--io-queue-max {}); retry shortly",
+                self.id(),
+                self.cfg.io_depth_max,
+                self.cfg.io_queue_max
+            )));
+        }
+        self.counters.io_queued.set(queued + 1);
+        // Undone on every exit, including the waiting future being dropped.
+        struct Waiting<'a>(&'a Cell<u64>);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.set(self.0.get() - 1);
+            }
+        }
+        let _waiting = Waiting(&self.counters.io_queued);
+        self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)
+    }
+
     /// Counts an operation sent to another shard.
     pub fn count_forwarded(&self) {
         bump(&self.counters.forwarded_requests, 1);
@@ -372,7 +412,7 @@ impl Shard {
                 return Ok(if existed { PutOutcome::Replaced } else { PutOutcome::Created });
             }
         }
-        let outcome = self.put_nvme(key, hash, chunks).await?;
+        let outcome = self.put_nvme(key, hash, chunks, true).await?;
         let in_ram = self.cache(key, hash, &parts, false).await?;
         if !in_ram {
             // No RAM slot to give: an older copy there must not outlive
@@ -418,7 +458,7 @@ impl Shard {
             // Write-back: the victim is only in RAM; write it to the log
             // first. It stays readable from RAM meanwhile.
             let bytes = ram.borrow_mut().begin_demotion(victim.slot);
-            let written = self.put_nvme(&victim.key, victim.hash, &[bytes]).await;
+            let written = self.put_nvme(&victim.key, victim.hash, &[bytes], false).await;
             ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
             written?;
             bump(&self.ram_counters.demotions, 1);
@@ -438,7 +478,7 @@ impl Shard {
         let mut written = 0;
         for v in dirty {
             let bytes = ram.borrow_mut().begin_demotion(v.slot);
-            let r = self.put_nvme(&v.key, v.hash, &[bytes]).await;
+            let r = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
             ram.borrow_mut().end_flush(v.slot, r.is_ok());
             r?;
             written += 1;
@@ -453,10 +493,10 @@ impl Shard {
     ///
     /// # Errors
     /// [`Error::DiskFull`], [`Error::Io`].
-    async fn put_nvme(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
+    async fn put_nvme(&self, key: &str, hash: BlockHash, chunks: &[Bytes], refusable: bool) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         debug_assert_eq!(chunks.iter().map(|c| c.len() as u64).sum::<u64>(), block_bytes);
-        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permit(refusable).await?;
         let mut buf = self.take_write_buffer();
         let bytes = buf.as_bytes_mut();
         let mut crc = crc32fast::Hasher::new();
@@ -824,7 +864,7 @@ impl Shard {
             glommio::timer::sleep(RECLAIM_POLL).await;
         };
         let _reader = InFlight::enter(&segment.readers);
-        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permit(true).await?;
         let started = Instant::now();
         let block_bytes = self.cfg.geometry.block_bytes;
         bump(&self.counters.io_in_flight, 1);
@@ -912,7 +952,7 @@ impl Shard {
         if !self.index.borrow().contains(&hash) {
             return Err(Error::NotFound);
         }
-        let _permit = self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+        let _permit = self.io_permit(true).await?;
         let buf = glommio::allocate_dma_buffer(PAGE_BYTES as usize);
         let header = SlotHeader {
             kind: RecordKind::Tombstone,
@@ -1039,6 +1079,8 @@ impl Shard {
             bytes_written: c.bytes_written.get(),
             bytes_read: c.bytes_read.get(),
             io_in_flight: c.io_in_flight.get(),
+            io_queued: c.io_queued.get(),
+            io_queue_refusals: c.io_queue_refusals.get(),
             snapshots_written: c.snapshots_written.get(),
             forwarded_requests: c.forwarded_requests.get(),
             reactor_busy_s: busy_s,

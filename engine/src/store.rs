@@ -36,6 +36,11 @@ const IO_MEMORY_BYTES: usize = 64 << 20;
 /// Default number of block reads and writes in flight per shard.
 pub const IO_DEPTH_DEFAULT: usize = 32;
 
+/// Default number of block I/Os allowed to wait for one of the `io_depth`
+/// permits per shard; past it a client operation is refused
+/// ([`Error::Overloaded`]) instead of queueing.
+pub const IO_QUEUE_MAX_DEFAULT: usize = 1024;
+
 /// Default interval between index snapshots, in seconds.
 pub const SNAPSHOT_SECS_DEFAULT: u64 = 60;
 
@@ -85,6 +90,9 @@ pub struct StoreConfig {
     pub sync: bool,
     /// Block I/Os in flight per shard.
     pub io_depth_max: usize,
+    /// Client block I/Os allowed to wait for an I/O permit per shard;
+    /// past it they are refused with [`Error::Overloaded`].
+    pub io_queue_max: usize,
     /// Pin shard `i` to CPU `i mod cpus`.
     pub pin_cpus: bool,
     /// Write each shard's index snapshot this often, in seconds (0: only at
@@ -120,6 +128,7 @@ impl StoreConfig {
             segments_max: (per_shard / self.segment_bytes).min(u32::MAX as u64) as u32,
             sync: self.sync,
             io_depth_max: self.io_depth_max,
+            io_queue_max: self.io_queue_max,
             snapshot_secs: self.snapshot_secs,
             ram_blocks: self.ram_blocks_per_shard(),
             write_policy: self.write_policy,
@@ -527,7 +536,8 @@ mod tests {
         let s = auto_segment_bytes(GIB, 2, 16 * MIB);
         assert_eq!(s, 128 * MIB);
         assert!((s - crate::slot::PAGE_BYTES) / crate::slot::slot_bytes(16 * MIB) >= SEGMENT_SLOTS_MIN_AUTO);
-        // A tiny share gets the floor; the shard refuses it if two do not fit.
-        assert_eq!(auto_segment_bytes(MIB, 2, 65_536), MIB);
+        // A tiny share gets the floor (4 slots of 68 KiB + 4 KiB → 512 KiB);
+        // the shard then refuses a share that does not hold two of them.
+        assert_eq!(auto_segment_bytes(MIB, 2, 65_536), 512 << 10);
     }
 }

@@ -19,6 +19,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         segment_bytes,
         sync: false,
         io_depth_max: 16,
+        io_queue_max: kvtier_engine::store::IO_QUEUE_MAX_DEFAULT,
         pin_cpus: false,
         snapshot_secs: 0,
         ram_bytes: 0,
@@ -552,6 +553,32 @@ fn a_response_holding_a_ram_slot_keeps_its_bytes_while_eviction_runs() {
             assert_eq!((ram.capacity_blocks, ram.used_blocks), (4, 4), "{ram:?}");
             assert!(ram.demotions >= 38, "{ram:?}");
         }
+    })
+    .unwrap();
+}
+
+#[test]
+fn client_io_past_the_queue_limit_is_refused_not_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8192, 1, 1 << 20, 8 << 20);
+    // One I/O at a time, two waiting: of 8 PUTs issued together, the first
+    // runs, the next two wait, the other five are refused at once.
+    cfg.io_depth_max = 1;
+    cfg.io_queue_max = 2;
+    on_shard0(cfg, |store| async move {
+        let puts = (0..8).map(|i| {
+            let store = store.clone();
+            async move { store.put(&format!("q{i}"), vec![payload("q", 8192)]).await }
+        });
+        let results = futures::future::join_all(puts).await;
+        let stored = results.iter().filter(|r| r.is_ok()).count();
+        let refused = results.iter().filter(|r| matches!(r, Err(Error::Overloaded(m)) if m.contains("--io-queue-max 2"))).count();
+        assert_eq!((stored, refused), (3, 5), "{results:?}");
+        let stats = &store.stats().await.unwrap()[0];
+        assert_eq!((stats.io_queue_refusals, stats.io_queued, stats.puts), (5, 0, 3));
+        // Refused means nothing was stored, and the queue is free again.
+        assert!(matches!(store.get("q7").await, Err(Error::NotFound)));
+        assert_eq!(store.put("q7", vec![payload("q", 8192)]).await.unwrap(), PutOutcome::Created);
     })
     .unwrap();
 }
