@@ -62,3 +62,12 @@ pub const CONNECTIONS_PER_SHARD_MAX: usize = 1024;
 
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// PUT body bytes a shard admits at once by default (`--put-inflight-mib`):
+/// 1 GiB is 64 llama3.1-8b blocks of 16 MiB, twice the default I/O depth.
+/// Past it a PUT answers 503 with [`RETRY_AFTER_S`].
+pub const PUT_INFLIGHT_BYTES_DEFAULT: u64 = 1 << 30;
+
+/// `Retry-After` of a 503 refusal for overload, in seconds (the smallest
+/// nonzero value the header can say).
+pub const RETRY_AFTER_S: u64 = 1;

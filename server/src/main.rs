@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
-use kvtier_engine::store::{auto_segment_bytes, IO_DEPTH_DEFAULT, SNAPSHOT_SECS_DEFAULT};
+use kvtier_engine::store::{auto_segment_bytes, IO_DEPTH_DEFAULT, IO_QUEUE_MAX_DEFAULT, SNAPSHOT_SECS_DEFAULT};
 use kvtier_engine::StoreConfig;
 
 #[global_allocator]
@@ -83,6 +83,12 @@ struct ServeArgs {
     /// 408 and nothing is stored.
     #[arg(long, default_value_t = limits::BODY_READ_TIMEOUT.as_secs_f64())]
     body_timeout_s: f64,
+    /// PUT body bytes a shard admits at once (declared lengths of PUTs
+    /// received on its connections and not yet answered), in MiB. A PUT
+    /// past it is refused with 503 and Retry-After before its body is read;
+    /// one PUT is always admitted.
+    #[arg(long, default_value_t = limits::PUT_INFLIGHT_BYTES_DEFAULT >> 20)]
+    put_inflight_mib: u64,
     /// Log filter: error, warn, info, debug, trace, or a tracing
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
@@ -125,6 +131,11 @@ struct StoreArgs {
     /// Block reads and writes in flight per shard.
     #[arg(long, default_value_t = IO_DEPTH_DEFAULT)]
     io_depth: usize,
+    /// Client block reads and writes allowed to wait for one of the
+    /// --io-depth slots per shard; past it they are refused with 503 and
+    /// Retry-After instead of queueing.
+    #[arg(long, default_value_t = IO_QUEUE_MAX_DEFAULT)]
+    io_queue_max: usize,
     /// Pin shard i to CPU i (mod the CPU count).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pin_cpus: bool,
@@ -207,6 +218,7 @@ impl StoreArgs {
             segment_bytes,
             sync: self.sync,
             io_depth_max: self.io_depth,
+            io_queue_max: self.io_queue_max,
             pin_cpus: self.pin_cpus,
             snapshot_secs: self.snapshot_secs,
             ram_bytes: (self.ram_gb * (1u64 << 30) as f64) as u64,
@@ -406,6 +418,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             return Err(format!("{flag} must be a positive number of seconds, got {value}"));
         }
     }
+    if args.put_inflight_mib == 0 {
+        return Err("--put-inflight-mib must be at least 1".into());
+    }
     let (config, segment_origin) = args.store.config()?;
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
@@ -427,6 +442,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
+        put_inflight_bytes_max: args.put_inflight_mib << 20,
     });
     let (shards, geometry, data_dir, segment_bytes) =
         (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);

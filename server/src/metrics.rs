@@ -107,6 +107,9 @@ pub struct ShardHttpStats {
     pub connections_open: AtomicU64,
     /// Connections accepted since start.
     pub connections_total: AtomicU64,
+    /// PUTs refused with 503 because the shard's PUT bytes in flight were at
+    /// `--put-inflight-mib`.
+    pub put_bytes_refusals: AtomicU64,
 }
 
 /// Every shard's HTTP counters.
@@ -125,6 +128,7 @@ impl HttpStats {
                     bytes_out: AtomicU64::new(0),
                     connections_open: AtomicU64::new(0),
                     connections_total: AtomicU64::new(0),
+                    put_bytes_refusals: AtomicU64::new(0),
                 })
                 .collect(),
         })
@@ -133,6 +137,11 @@ impl HttpStats {
     /// One shard's counters.
     pub fn shard(&self, shard: usize) -> &ShardHttpStats {
         &self.shards[shard]
+    }
+
+    /// PUTs refused for PUT bytes in flight, summed over shards.
+    pub fn put_bytes_refusals(&self) -> u64 {
+        self.shards.iter().map(|s| s.put_bytes_refusals.load(Ordering::Relaxed)).sum()
     }
 
     /// Records one finished request.
@@ -200,6 +209,7 @@ impl HttpStats {
                     "connections_total": s.connections_total.load(Ordering::Relaxed),
                     "bytes_in": s.bytes_in.load(Ordering::Relaxed),
                     "bytes_out": s.bytes_out.load(Ordering::Relaxed),
+                    "put_bytes_refusals": s.put_bytes_refusals.load(Ordering::Relaxed),
                 })
             })
             .collect()
@@ -287,17 +297,24 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     let bytes_out = Family::<ShardLabel, Counter>::default();
     let open = Family::<ShardLabel, Gauge>::default();
     let accepted = Family::<ShardLabel, Counter>::default();
+    let put_refusals = Family::<ShardLabel, Counter>::default();
     for (i, s) in http.shards.iter().enumerate() {
         let label = ShardLabel { shard: i.to_string() };
         bytes_in.get_or_create(&label).inc_by(s.bytes_in.load(Ordering::Relaxed));
         bytes_out.get_or_create(&label).inc_by(s.bytes_out.load(Ordering::Relaxed));
         open.get_or_create(&label).set(s.connections_open.load(Ordering::Relaxed) as i64);
         accepted.get_or_create(&label).inc_by(s.connections_total.load(Ordering::Relaxed));
+        put_refusals.get_or_create(&label).inc_by(s.put_bytes_refusals.load(Ordering::Relaxed));
     }
     registry.register("http_body_bytes_in", "Request body bytes received", bytes_in);
     registry.register("http_body_bytes_out", "Response body bytes sent", bytes_out);
     registry.register("http_connections_open", "Connections open now", open);
     registry.register("http_connections_accepted", "Connections accepted", accepted);
+    registry.register(
+        "http_put_bytes_refusals",
+        "PUTs refused with 503 because the shard held --put-inflight-mib of PUT bodies",
+        put_refusals,
+    );
 
     // Engine, per shard.
     shard_gauge(&mut registry, "shard_blocks", "Blocks stored", engine, |s| s.blocks as f64);
@@ -305,6 +322,14 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     shard_gauge(&mut registry, "shard_disk_bytes", "Bytes of segment files", engine, |s| s.disk_bytes as f64);
     shard_gauge(&mut registry, "shard_index_bytes", "Heap bytes of the index", engine, |s| s.index_bytes as f64);
     shard_gauge(&mut registry, "shard_io_in_flight", "Block reads and writes in flight", engine, |s| s.io_in_flight as f64);
+    shard_gauge(&mut registry, "shard_io_queued", "Block reads and writes waiting for an I/O slot", engine, |s| s.io_queued as f64);
+    shard_counter(
+        &mut registry,
+        "shard_io_queue_refusals",
+        "Block operations refused with 503 because --io-queue-max I/Os were already waiting",
+        engine,
+        |s| s.io_queue_refusals,
+    );
     shard_gauge(&mut registry, "shard_reactor_utilization", "Executor busy time over wall time since start", engine, |s| {
         s.reactor_utilization
     });

@@ -41,6 +41,31 @@ pub struct Ctx {
     pub http: std::sync::Arc<HttpStats>,
     /// A request body must arrive in full within this.
     pub body_timeout: std::time::Duration,
+    /// PUT body bytes this shard admits at once (`--put-inflight-mib`).
+    pub put_inflight_bytes_max: u64,
+    /// Declared body bytes of the PUTs admitted and not yet answered.
+    pub put_inflight_bytes: std::cell::Cell<u64>,
+}
+
+/// An admitted PUT's share of [`Ctx::put_inflight_bytes`], given back when
+/// the handler ends, however it ends (a reset stream drops it mid-body).
+struct PutAdmission<'a> {
+    ctx: &'a Ctx,
+    bytes: u64,
+}
+
+impl Drop for PutAdmission<'_> {
+    fn drop(&mut self) {
+        let c = &self.ctx.put_inflight_bytes;
+        c.set(c.get() - self.bytes);
+    }
+}
+
+/// 503 `overloaded` with `Retry-After`: the client should retry later.
+fn overloaded(message: String) -> Reply {
+    let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message);
+    r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(limits::RETRY_AFTER_S));
+    r
 }
 
 /// Response type of every route.
@@ -76,6 +101,7 @@ pub fn engine_error(e: &Error) -> Reply {
         // A corrupt block is a miss for the client: it recomputes the block.
         Error::Corrupt { .. } => (StatusCode::NOT_FOUND, "corrupt_block"),
         Error::DiskFull(_) => (StatusCode::INSUFFICIENT_STORAGE, "disk_full"),
+        Error::Overloaded(m) => return overloaded(m.clone()),
         Error::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
         Error::GeometryMismatch { .. } | Error::Config(_) | Error::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
@@ -296,6 +322,19 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
     if declared < block_bytes {
         return refuse_put(ctx, req, engine_error(&Error::WrongSize { expected: block_bytes, got: declared })).await;
     }
+    // Admission: refused before a body byte is read, so an overloaded shard
+    // holds no more PUT bodies than its limit (one PUT always gets in).
+    let inflight = ctx.put_inflight_bytes.get();
+    if inflight > 0 && inflight + declared > ctx.put_inflight_bytes_max {
+        ctx.http.shard(ctx.store.shard_id()).put_bytes_refusals.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return overloaded(format!(
+            "shard {} already holds {inflight} bytes of PUT bodies in flight (--put-inflight-mib {}); retry shortly",
+            ctx.store.shard_id(),
+            ctx.put_inflight_bytes_max >> 20
+        ));
+    }
+    ctx.put_inflight_bytes.set(inflight + declared);
+    let _admission = PutAdmission { ctx, bytes: declared };
     let (chunks, got) = match read_body(ctx, req, block_bytes).await {
         Ok(b) => b,
         Err(r) => return r,
@@ -432,6 +471,8 @@ async fn stats(ctx: &Ctx) -> Reply {
             "deletes": sum(|s| s.deletes),
             "corrupt_blocks": sum(|s| s.corrupt_blocks),
             "disk_full_refusals": sum(|s| s.disk_full_refusals),
+            "io_queue_refusals": sum(|s| s.io_queue_refusals),
+            "put_bytes_refusals": ctx.http.put_bytes_refusals(),
             "invalid_headers_at_start": sum(|s| s.recovery.headers_invalid),
             "foreign_files_at_start": sum(|s| s.recovery.foreign_files),
             "truncated_segments_at_start": sum(|s| s.recovery.segments_truncated),

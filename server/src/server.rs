@@ -42,6 +42,8 @@ pub struct Shared {
     pub header_timeout: Duration,
     /// A request body must arrive within this (else 408).
     pub body_timeout: Duration,
+    /// PUT body bytes each shard admits at once (else 503).
+    pub put_inflight_bytes_max: u64,
 }
 
 /// What a connection's watchdog needs to know about its use.
@@ -152,6 +154,8 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
         http: shared.http.clone(),
         body_timeout: shared.body_timeout,
+        put_inflight_bytes_max: shared.put_inflight_bytes_max,
+        put_inflight_bytes: Cell::new(0),
     });
     let shard_id = store.shard_id();
     let builder = builder(shared.header_timeout);
