@@ -9,8 +9,9 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, Method, Request, StatusCode};
@@ -20,6 +21,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::Value;
+
+/// Times a request refused with 503 and `Retry-After` (server overload) is
+/// sent again, after the delay the server asked for, before the refusal is
+/// returned as an error.
+pub const OVERLOAD_RETRIES_MAX: u32 = 8;
+
+/// Longest `Retry-After` honoured; a longer one is cut to this.
+pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(10);
 
 /// SETTINGS_MAX_FRAME_SIZE this client advertises: 1 MiB.
 pub const H2_FRAME_BYTES_MAX: u32 = 1 << 20;
@@ -112,6 +121,9 @@ pub struct Answer {
     pub tier: Option<String>,
     /// The whole body.
     pub body: Bytes,
+    /// `Retry-After` in seconds, if sent (kvtier sends it with a 503 when
+    /// overloaded).
+    pub retry_after: Option<Duration>,
 }
 
 /// A kvtier client over one or more connections.
@@ -120,6 +132,8 @@ pub struct Client {
     base: String,
     next: AtomicUsize,
     http1: bool,
+    /// 503 answers with `Retry-After` received (each was retried after it).
+    refusals: AtomicU64,
 }
 
 impl Client {
@@ -151,7 +165,7 @@ impl Client {
                 b.build(connector)
             })
             .collect();
-        Ok(Client { clients, base, next: AtomicUsize::new(0), http1 })
+        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0) })
     }
 
     /// `"h2c"` or `"http/1.1"`.
@@ -202,8 +216,47 @@ impl Client {
         let resp = client.request(req).await.map_err(|e| transport(&e))?;
         let status = resp.status();
         let tier = resp.headers().get("x-kvtier-tier").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let retry_after =
+            resp.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok()).map(Duration::from_secs);
         let body = resp.into_body().collect().await.map_err(|e| transport(&e))?.to_bytes();
-        Ok(Answer { status, tier, body })
+        Ok(Answer { status, tier, body, retry_after })
+    }
+
+    /// Sends a request like [`Client::send`]; a 503 with `Retry-After`
+    /// (kvtier's backpressure) is counted in [`Client::refusals`] and sent
+    /// again after that delay (at most [`RETRY_AFTER_MAX`]), up to
+    /// [`OVERLOAD_RETRIES_MAX`] times; the last answer is returned.
+    ///
+    /// # Errors
+    /// As [`Client::send`].
+    pub async fn send_honouring_retry_after(
+        &self,
+        method: Method,
+        path: &str,
+        chunks: Vec<Bytes>,
+        content_type: Option<&str>,
+    ) -> Result<Answer, ClientError> {
+        let mut retries = 0;
+        loop {
+            let a = self.send(method.clone(), path, ChunkedBody::new(chunks.clone()), content_type).await?;
+            match a.retry_after {
+                Some(delay) if a.status == StatusCode::SERVICE_UNAVAILABLE => {
+                    self.refusals.fetch_add(1, Ordering::Relaxed);
+                    if retries == OVERLOAD_RETRIES_MAX {
+                        return Ok(a);
+                    }
+                    retries += 1;
+                    tokio::time::sleep(delay.min(RETRY_AFTER_MAX)).await;
+                }
+                _ => return Ok(a),
+            }
+        }
+    }
+
+    /// 503 answers with `Retry-After` (server overload) this client has
+    /// received; each was retried after the delay asked for.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
     }
 
     fn unexpected(method: Method, path: &str, a: Answer) -> ClientError {
@@ -216,7 +269,7 @@ impl Client {
     /// [`ClientError::Status`] for any other status; transport errors.
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<StatusCode, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self.send(Method::PUT, &path, ChunkedBody::new(chunks), Some("application/octet-stream")).await?;
+        let a = self.send_honouring_retry_after(Method::PUT, &path, chunks, Some("application/octet-stream")).await?;
         match a.status {
             StatusCode::CREATED | StatusCode::OK => Ok(a.status),
             _ => Err(Self::unexpected(Method::PUT, &path, a)),
@@ -229,7 +282,7 @@ impl Client {
     /// [`ClientError::Status`] for statuses other than 200 and 404.
     pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Option<String>)>, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self.send(Method::GET, &path, ChunkedBody::default(), None).await?;
+        let a = self.send_honouring_retry_after(Method::GET, &path, Vec::new(), None).await?;
         match a.status {
             StatusCode::OK => Ok(Some((a.body, a.tier))),
             StatusCode::NOT_FOUND => Ok(None),
@@ -245,7 +298,7 @@ impl Client {
     pub async fn lookup(&self, keys: &[String]) -> Result<usize, ClientError> {
         let path = "/v1/lookup";
         let body = serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
-        let a = self.send(Method::POST, path, ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await?;
+        let a = self.send_honouring_retry_after(Method::POST, path, vec![Bytes::from(body)], Some("application/json")).await?;
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::POST, path, a));
         }

@@ -675,10 +675,11 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
     write_out(&args.out, &results, Some(report::replay_html(&results)))?;
     println!(
-        "replay: {} turns, {} requests ({} errors) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
+        "replay: {} turns, {} requests ({} errors, {} refused with 503 and retried) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
         results.turns,
         results.requests,
         results.errors,
+        results.refusals,
         results.elapsed_s,
         results.prefix_hit_rate * 100.0,
         results.tokens_per_s,

@@ -319,6 +319,10 @@ pub struct ReplayResults {
     pub requests: u64,
     /// Failed requests (transport errors, unexpected statuses).
     pub errors: u64,
+    /// Requests the server refused with 503 and `Retry-After` (overload);
+    /// each was sent again after the delay, which counts in its latency.
+    #[serde(default)]
+    pub refusals: u64,
     /// The first error seen, for the report.
     pub first_error: Option<String>,
     /// GETs of a key the lookup had just reported stored that answered 404
@@ -733,6 +737,7 @@ pub async fn run(
         puts: total.put.count(),
         requests: total.lookup.count() + total.get.count() + total.put.count() + total.errors,
         errors: total.errors,
+        refusals: target.refusals(),
         error: (gave_up == users).then(|| {
             format!("every user gave up after {USER_ERRORS_MAX} failed requests in a row: {}", first_error.clone().unwrap_or_default())
         }),

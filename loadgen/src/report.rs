@@ -422,13 +422,14 @@ pub fn replay_html(r: &ReplayResults) -> String {
     }
     let _ = write!(
         b,
-        "<table><tr><th>turns</th><th>requests</th><th>errors</th><th>wrong bytes</th><th>prefix hit rate</th><th>tokens/s</th>\
-         <th>storage tokens/s</th><th>read GB/s</th><th>write GB/s</th></tr><tr><td>{}</td><td>{}</td><td{}>{}</td><td>{}</td><td>{:.1}%</td>\
+        "<table><tr><th>turns</th><th>requests</th><th>errors</th><th>503 refusals (retried)</th><th>wrong bytes</th><th>prefix hit rate</th><th>tokens/s</th>\
+         <th>storage tokens/s</th><th>read GB/s</th><th>write GB/s</th></tr><tr><td>{}</td><td>{}</td><td{}>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td>\
          <td>{:.0}</td><td>{:.0}</td><td>{:.2}</td><td>{:.2}</td></tr></table>",
         r.turns,
         r.requests,
         if r.errors > 0 { " class=bad" } else { "" },
         r.errors,
+        r.refusals,
         r.wrong_bytes,
         r.prefix_hit_rate * 100.0,
         r.tokens_per_s,

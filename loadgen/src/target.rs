@@ -157,6 +157,15 @@ impl Target {
         }
     }
 
+    /// Requests the server refused with 503 and `Retry-After` (kvtier's
+    /// backpressure); each was sent again after the delay. 0 for Redis.
+    pub fn refusals(&self) -> u64 {
+        match self {
+            Target::Kvtier(c) => c.refusals(),
+            Target::Redis(_) => 0,
+        }
+    }
+
     /// The target URL.
     pub fn url(&self) -> &str {
         match self {
