@@ -1,0 +1,114 @@
+"""Errors raised by the kvtier client.
+
+Every error the server answers is JSON ``{"error":{"code":...,"message":...}}``
+with one HTTP status (docs/API.md, "Errors"). The client turns each into a
+:class:`KvtierError` subclass that carries the status, the server's ``code``
+and its message. A miss (404 ``not_found`` or ``corrupt_block``) is never an
+exception: ``get`` answers ``None``, ``get_into`` and ``exists`` ``False``.
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base class of every error the client raises.
+
+    Attributes:
+        status: the HTTP status the server answered, or ``None`` when the
+            error was found before or without an answer (a bad key checked
+            locally, a connection that failed).
+        code: the server's error code (``"invalid_key"``, ``"disk_full"``, …),
+            or a client-side code (``"connection_failed"``, ``"buffer_too_small"``).
+        message: what went wrong, in the server's words where it answered.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, code: str = "error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status} " if self.status is not None else ""
+        return f"{where}{self.code}: {self.message}"
+
+
+class InvalidKeyError(KvtierError, ValueError):
+    """A key breaks the rules: 1 to 256 bytes of ``[A-Za-z0-9._~-]``, not
+    ``.`` or ``..`` (docs/API.md, "Keys"). Checked before sending; the server's
+    400 ``invalid_key`` maps here too."""
+
+
+class BlockSizeError(KvtierError, ValueError):
+    """A block is not ``block_bytes`` long: a PUT body of the wrong size
+    (server: 411 ``length_required``, 413 ``body_too_large``, 422
+    ``wrong_block_size``; also checked before sending), or a ``get_into``
+    buffer smaller than the block (``buffer_too_small``)."""
+
+
+class UnauthorizedError(KvtierError):
+    """401 ``unauthorized``: the server wants ``Authorization: Bearer <token>``
+    and the client sent none or a wrong one (``Client(token=...)``)."""
+
+
+class DiskFullError(KvtierError):
+    """507 ``disk_full``: the server's filesystem has no room for a new
+    segment. Nothing stored is lost; reads go on (docs/OPERATIONS.md)."""
+
+
+class OverloadedError(KvtierError):
+    """503 or 429: the server is shutting down or over an admission limit.
+
+    Attributes:
+        retry_after_s: seconds the server asked the client to wait
+            (``Retry-After``), or ``None`` when it named none.
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, code: str = "error", retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message, status=status, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class BadRequestError(KvtierError):
+    """Any other 4xx: a malformed request (``bad_json``, ``too_many_keys``, …)."""
+
+
+class ServerError(KvtierError):
+    """A 5xx other than 503/507, e.g. 500 ``internal`` after an I/O error."""
+
+
+class KvtierConnectionError(KvtierError, ConnectionError):
+    """The server could not be reached, or the connection broke mid-request,
+    on every try (``Client(retries=...)``). ``code`` is ``connection_failed``."""
+
+
+#: Server error codes with a class of their own; other codes go by status.
+_BY_CODE: dict[str, type[KvtierError]] = {
+    "invalid_key": InvalidKeyError,
+    "wrong_block_size": BlockSizeError,
+    "length_required": BlockSizeError,
+    "unauthorized": UnauthorizedError,
+    "disk_full": DiskFullError,
+    # A PUT body longer than block_bytes. (The lookup body limit answers the
+    # same code, but the client splits lookups below it.)
+    "body_too_large": BlockSizeError,
+}
+
+
+def error_from_response(status: int, code: str, message: str, retry_after_s: float | None = None) -> KvtierError:
+    """The error for a non-success answer: by the server's code first, then by
+    status (``retry_after_s`` from a ``Retry-After`` header, for 429/503)."""
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(message, status=status, code=code)
+    if status in (429, 503):
+        return OverloadedError(message, status=status, code=code, retry_after_s=retry_after_s)
+    if status == 401:
+        return UnauthorizedError(message, status=status, code=code)
+    if status == 507:
+        return DiskFullError(message, status=status, code=code)
+    if 400 <= status < 500:
+        return BadRequestError(message, status=status, code=code)
+    return ServerError(message, status=status, code=code)

@@ -1,0 +1,46 @@
+"""Fixtures: a real `kvtier serve` on loopback ($KVTIER_BIN, see kvtier.testing)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import kvtier
+from kvtier.testing import ServerProcess
+
+#: Small blocks keep the tests quick on a debug build; the client's code path
+#: is the same at 16 MiB (make bench-python runs that size).
+BLOCK_BYTES = 65536
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(block_bytes=BLOCK_BYTES) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[kvtier.Client]:
+    with kvtier.Client(server.url, connections=4, timeout_s=10) as c:
+        yield c
+
+
+def block(seed: int, nbytes: int = BLOCK_BYTES) -> bytes:
+    """A block whose bytes depend on `seed` (so a wrong block is caught)."""
+    pattern = seed.to_bytes(4, "little") + bytes(range(7, 7 + 60))
+    return (pattern * (nbytes // len(pattern) + 1))[:nbytes]
+
+
+def start_on_same_port(server: ServerProcess, attempts: int = 10) -> None:
+    """Restarts `server` on its port; a just-killed server's socket can
+    linger for about a second (io_uring), which older servers refuse."""
+    for i in range(attempts):
+        try:
+            server.start()
+            return
+        except RuntimeError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.3)
