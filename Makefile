@@ -8,6 +8,8 @@
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
+#   make test-python  the Python client and LMCache plugin against a real kvtier (in make test)
+#   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -27,12 +29,13 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help
+.PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
+	python-env test-python bench-python
 
 all: build
 
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '2,13p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does) and redis-server (the loadgen's Redis target is tested against it).
@@ -57,8 +60,37 @@ build:
 run: build
 	./target/release/kvtier serve --listen $(LISTEN) --data-dir $(DATA_DIR) $(SERVE_ARGS)
 
-test: deps
+test: deps python-env
 	$(CARGO) test --workspace
+	$(MAKE) --no-print-directory test-python
+
+# The Python package (clients/python) and its LMCache plugin, in a virtualenv
+# under target/ made once and reused (lmcache pulls torch: several GB, a few
+# minutes the first time). Re-made when the pins change.
+PY_LMCACHE := target/py-lmcache
+$(PY_LMCACHE)/.installed: clients/python/requirements-lmcache.txt clients/python/pyproject.toml
+	@echo "installing the Python test environment in $(PY_LMCACHE) (lmcache, torch: a few minutes the first time)"
+	$(PYTHON) -m venv $(PY_LMCACHE)
+	$(PY_LMCACHE)/bin/pip install --quiet --disable-pip-version-check -r clients/python/requirements-lmcache.txt
+	$(PY_LMCACHE)/bin/pip install --quiet --disable-pip-version-check --no-deps -e clients/python
+	touch $@
+
+python-env: $(PY_LMCACHE)/.installed
+
+# Lint, then every Python test against the debug kvtier that cargo test built.
+test-python: python-env
+	$(CARGO) build --quiet -p kvtier-server
+	$(PY_LMCACHE)/bin/ruff check clients/python
+	$(PY_LMCACHE)/bin/ruff format --check clients/python
+	cd clients/python && KVTIER_BIN=$(CURDIR)/target/debug/kvtier $(CURDIR)/$(PY_LMCACHE)/bin/python -m pytest -p no:cacheprovider -q
+
+# Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
+# plain http.client pool, kvtier-loadgen blocks and one file per block
+# (warm and cold page cache), in one run; BENCH_PYTHON_ARGS e.g. "--pairs 5".
+BENCH_PYTHON_ARGS ?=
+bench-python: build python-env
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
+	  $(PY_LMCACHE)/bin/python clients/python/bench/bench_python.py --out target/bench/python $(BENCH_PYTHON_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data

@@ -56,6 +56,33 @@ mod tests {
         assert_eq!(chain(&tokens, 128), ["1c305dda8633d9730a8ad3bf8a1f74b1", "f68c49c05fb7fd4bbb346170ce403587"]);
     }
 
+    /// The key-spec vectors the Python client asserts too
+    /// (`tests/data/key_vectors.json`, docs/KEYS.md): every chain, and every
+    /// namespace fingerprint as `xxh3_64` of its canonical text.
+    #[test]
+    fn matches_the_shared_key_vectors() {
+        let vectors: serde_json::Value = serde_json::from_str(include_str!("../../tests/data/key_vectors.json")).expect("valid JSON");
+        let chains = vectors["chains"].as_array().expect("chains");
+        assert!(!chains.is_empty());
+        for case in chains {
+            let first = case["first_token"].as_u64().expect("first_token") as u32;
+            let count = case["tokens"].as_u64().expect("tokens") as u32;
+            let block_tokens = case["block_tokens"].as_u64().expect("block_tokens") as usize;
+            let tokens: Vec<u32> = (first..first + count).collect();
+            let keys: Vec<String> = case["keys"].as_array().expect("keys").iter().map(|k| k.as_str().expect("key").to_string()).collect();
+            assert_eq!(chain(&tokens, block_tokens), keys, "chain from token {first}");
+        }
+        let namespaces = vectors["namespaces"].as_array().expect("namespaces");
+        assert!(!namespaces.is_empty());
+        for case in namespaces {
+            let canonical = case["canonical"].as_str().expect("canonical");
+            let fingerprint = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(canonical.as_bytes()));
+            assert_eq!(fingerprint, case["fingerprint"].as_str().expect("fingerprint"));
+            let key = format!("{fingerprint}-{}", case["block_id_hex"].as_str().expect("block_id_hex"));
+            assert_eq!(key, case["key"].as_str().expect("key"));
+        }
+    }
+
     #[test]
     fn chain_shares_prefixes_and_ignores_partial_blocks() {
         let a: Vec<u32> = (0..300).collect();

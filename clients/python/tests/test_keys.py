@@ -25,6 +25,7 @@ def test_chain_matches_shared_vectors(case):
 @pytest.mark.parametrize("case", VECTORS["namespaces"], ids=lambda c: c["fingerprint"])
 def test_namespace_matches_shared_vectors(case):
     ns = Namespace(**case["namespace"])
+    assert ns.canonical() == case["canonical"]
     assert ns.fingerprint == case["fingerprint"]
     assert ns.key(bytes.fromhex(case["block_id_hex"])) == case["key"]
 

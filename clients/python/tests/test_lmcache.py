@@ -1,0 +1,252 @@
+"""kvtier.lmcache under the real lmcache 0.5.6 on CPU, against a real kvtier.
+
+The connector is loaded the way an engine loads it: LMCache's own
+CreateStorageBackends reads `remote_storage_plugins` and `extra_config`,
+imports kvtier.lmcache by name and builds a RemoteBackend for `plugin://kvtier`.
+Nothing here stands in for an LMCache class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import start_on_same_port
+
+lmcache = pytest.importorskip("lmcache", reason="needs the pinned lmcache (make test installs it)")
+import torch  # noqa: E402
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.lmcache import KvtierConnector  # noqa: E402
+from kvtier.testing import ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.lmcache
+
+MODEL = "test-org/tiny-llama"
+CHUNK_TOKENS = 16
+# LMCache's vLLM layout (layers, K/V, tokens, kv heads, head dim), bfloat16:
+# a full chunk is 2 × 2 × 16 × 2 × 8 × 2 bytes = 2,048 bytes = one kvtier block.
+KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 8)
+CHUNK_BYTES = 2 * 2 * CHUNK_TOKENS * 2 * 8 * 2
+
+
+def lmcache_config(url: str, **extra: object) -> LMCacheEngineConfig:
+    return LMCacheEngineConfig.from_dict(
+        {
+            "chunk_size": CHUNK_TOKENS,
+            "local_cpu": False,
+            "max_local_cpu_size": 0.01,
+            "remote_serde": "naive",
+            "remote_storage_plugins": ["kvtier"],
+            "extra_config": {
+                "remote_storage_plugin.kvtier.module_path": "kvtier.lmcache",
+                "remote_storage_plugin.kvtier.class_name": "KvtierConnector",
+                "remote_storage_plugin.kvtier.url": url,
+                "remote_storage_plugin.kvtier.timeout_s": 5,
+                "save_chunk_meta": False,
+                **extra,
+            },
+        }
+    )
+
+
+def metadata(world_size: int = 1, worker_id: int = 0) -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name=MODEL,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=worker_id,
+        local_worker_id=worker_id,
+        kv_dtype=torch.bfloat16,
+        kv_shape=KV_SHAPE,
+        chunk_size=CHUNK_TOKENS,
+    )
+
+
+def key(chunk_hash: int, worker_id: int = 0, world_size: int = 1) -> CacheEngineKey:
+    return CacheEngineKey(MODEL, world_size, worker_id, chunk_hash, torch.bfloat16)
+
+
+class Loop:
+    """LMCache runs its connectors on an event loop of its own thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def kvserver() -> Iterator[ServerProcess]:
+    with ServerProcess(block_bytes=CHUNK_BYTES) as s:
+        yield s
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    lp = Loop()
+    yield lp
+    lp.stop()
+
+
+def backends(url: str, loop: Loop, meta: LMCacheMetadata | None = None, **extra: object):
+    """LMCache's own backend factory, as LMCacheEngine calls it."""
+    return CreateStorageBackends(lmcache_config(url, **extra), meta or metadata(), loop.loop, dst_device="cpu")
+
+
+def remote_of(found) -> RemoteBackend:
+    remote = found["RemoteBackend-kvtier"]
+    assert isinstance(remote, RemoteBackend)
+    return remote
+
+
+def chunk(remote: RemoteBackend, cpu, seed: int):
+    """A real LMCache MemoryObj from LMCache's CPU pool, filled with `seed`-dependent values."""
+    conn = remote.connection.getWrappedConnector()
+    obj = cpu.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
+    values = torch.arange(obj.tensor.numel(), dtype=torch.float32).reshape(obj.tensor.shape) * 0.5 + seed
+    obj.tensor.copy_(values.to(torch.bfloat16))
+    return obj
+
+
+def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, loop):
+    found = backends(kvserver.url, loop)
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    conn = remote.connection.getWrappedConnector()
+    assert isinstance(conn, KvtierConnector) and conn.full_chunk_size_bytes == CHUNK_BYTES
+
+    objs = [chunk(remote, cpu, seed) for seed in range(3)]
+    keys = [key(1000 + i) for i in range(3)]
+    expected = [o.tensor.clone() for o in objs]
+    for k, o in zip(keys, objs):
+        remote.submit_put_task(k, o).result(10)
+    assert conn.stats["puts"] == 3
+
+    for k, want in zip(keys, expected):
+        assert remote.contains(k)
+        got = remote.get_blocking(k)
+        assert got is not None and torch.equal(got.tensor, want)
+        got.ref_count_down()
+    assert not remote.contains(key(999))
+    assert remote.get_blocking(key(999)) is None
+
+    # The bytes kvtier holds are exactly LMCache's chunk: no header.
+    client = kvtier.Client(kvserver.url)
+    raw = client.get(conn.key_of(keys[0]))
+    assert raw == bytes(expected[0].contiguous().view(torch.uint8).numpy().tobytes())
+    assert conn.key_of(keys[0]).startswith(
+        kvtier.Namespace(MODEL, "torch.bfloat16", 0, 1, block_tokens=CHUNK_TOKENS).fingerprint + "-"
+    )
+
+
+def test_prefix_counts_through_batched_async_contains_and_batched_transfers(kvserver, loop):
+    found = backends(kvserver.url, loop)
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    conn = remote.connection.getWrappedConnector()
+    chain = [key(5000 + i) for i in range(6)]
+    objs = [chunk(remote, cpu, 10 + i) for i in range(4)]
+    want = [o.tensor.clone() for o in objs]
+    loop.run(conn.batched_put(chain[:4], objs))
+
+    assert loop.run(remote.batched_async_contains("lookup-1", chain)) == 4
+    assert loop.run(remote.batched_async_contains("lookup-2", chain[4:])) == 0
+    assert loop.run(remote.batched_async_contains("lookup-3", [])) == 0
+    assert remote.batched_contains(chain) == 4
+    got = loop.run(remote.batched_get_non_blocking("lookup-1", chain))
+    assert len(got) == 4 and all(torch.equal(g.tensor, w) for g, w in zip(got, want))
+    for g in got:
+        g.ref_count_down()
+    got = loop.run(conn.batched_get(chain[3:5]))
+    assert torch.equal(got[0].tensor, want[3]) and got[1] is None
+    got[0].ref_count_down()
+    # A chunk removed from the middle ends the prefix there.
+    assert conn.remove_sync(chain[1])
+    assert loop.run(remote.batched_async_contains("lookup-4", chain)) == 1
+    assert loop.run(conn.ping()) == 0
+    assert loop.run(conn.list()) == []
+
+
+def test_workers_and_models_never_read_each_others_chunks(kvserver, loop):
+    found0 = backends(kvserver.url, loop, metadata(world_size=2, worker_id=0))
+    remote0, cpu0 = remote_of(found0), found0["LocalCPUBackend"]
+    remote0.submit_put_task(key(7, 0, 2), chunk(remote0, cpu0, 1)).result(10)
+    assert remote0.contains(key(7, 0, 2))
+    assert not remote0.contains(key(7, 1, 2))  # same hash, other TP rank
+    assert not remote0.contains(key(7, 0, 1))  # same hash, other world size
+    other_model = CacheEngineKey("other/model", 2, 0, 7, torch.bfloat16)
+    assert not remote0.contains(other_model)
+
+
+def test_partial_chunks_are_skipped(kvserver, loop):
+    found = backends(kvserver.url, loop)
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    conn = remote.connection.getWrappedConnector()
+    shapes = [torch.Size([2, 2, CHUNK_TOKENS // 2, 16])]
+    partial = cpu.allocate(shapes, conn.meta_dtypes, conn.meta_fmt)
+    loop.run(conn.put(key(4242), partial))
+    assert conn.stats["puts_skipped_partial"] == 1
+    assert not remote.contains(key(4242))
+
+
+def test_a_store_of_another_block_size_is_refused_with_both_numbers(loop, caplog):
+    with ServerProcess(block_bytes=CHUNK_BYTES * 2) as wrong:
+        with caplog.at_level(logging.ERROR):
+            found = backends(wrong.url, loop)
+        assert "RemoteBackend-kvtier" not in found or found["RemoteBackend-kvtier"].connection is None
+        text = caplog.text
+        assert str(CHUNK_BYTES * 2) in text and str(CHUNK_BYTES) in text and "--block-bytes" in text
+
+
+def test_save_chunk_meta_on_is_refused(kvserver, loop, caplog):
+    with caplog.at_level(logging.ERROR):
+        found = backends(kvserver.url, loop, save_chunk_meta=True)
+    assert "RemoteBackend-kvtier" not in found or found["RemoteBackend-kvtier"].connection is None
+    assert "save_chunk_meta: false" in caplog.text
+
+
+def test_a_stopped_server_gives_misses_not_exceptions(loop, caplog):
+    server = ServerProcess(block_bytes=CHUNK_BYTES).start()
+    try:
+        found = backends(server.url, loop, **{"remote_storage_plugin.kvtier.down_s": 0.2})
+        remote, cpu = remote_of(found), found["LocalCPUBackend"]
+        conn = remote.connection.getWrappedConnector()
+        remote.submit_put_task(key(1), chunk(remote, cpu, 1)).result(10)
+        assert remote.contains(key(1))
+        server.kill()
+
+        with caplog.at_level(logging.WARNING, logger="kvtier.lmcache"):
+            assert remote.contains(key(1)) is False
+            assert remote.get_blocking(key(1)) is None
+            assert loop.run(remote.batched_async_contains("l", [key(1), key(2)])) == 0
+            assert remote.batched_contains([key(1)]) == 0
+            assert loop.run(conn.ping()) == 1
+            # A put fails in LMCache's put task (counted there), not in the caller.
+            remote.submit_put_task(key(2), chunk(remote, cpu, 2))
+        assert conn.stats["errors"] >= 1
+        assert "answered as a miss" in caplog.text
+        assert remote.get_blocking_failed_count >= 1
+
+        # Back up (same port and data): hits again once down_s has passed.
+        start_on_same_port(server)
+        end = time.monotonic() + 10
+        while not remote.contains(key(1)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert remote.contains(key(1))
+    finally:
+        server.stop()
