@@ -245,3 +245,17 @@ def test_a_server_killed_mid_batch_fails_the_batch_and_the_client_recovers():
         start_on_same_port(s)
         assert c.get_many([f"kill-{i}" for i in range(8)]) == [block(i) for i in range(8)]
         c.close()
+
+
+def test_get_into_a_torch_tensor(client):
+    torch = pytest.importorskip("torch")
+    client.put("torch-1", block(9))
+    t = torch.empty(BLOCK_BYTES // 2, dtype=torch.bfloat16)
+    assert client.get_into("torch-1", t)
+    assert t.view(torch.uint8).numpy().tobytes() == block(9)
+    rows = torch.zeros(3, BLOCK_BYTES, dtype=torch.uint8)
+    assert client.get_into("torch-1", rows[1])  # a row of a pool: only that row changes
+    assert rows[1].numpy().tobytes() == block(9) and not rows[0].any() and not rows[2].any()
+    assert client.put("torch-2", rows[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        client.get_into("torch-1", rows[:, 0])

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import start_on_same_port
@@ -250,3 +252,48 @@ def test_a_stopped_server_gives_misses_not_exceptions(loop, caplog):
         assert remote.contains(key(1))
     finally:
         server.stop()
+
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "INTEGRATIONS.md"
+
+
+def documented_block(marker: str) -> str:
+    """The fenced block right after `<!-- marker -->` in docs/INTEGRATIONS.md."""
+    text = DOCS.read_text()
+    after = text[text.index(f"<!-- {marker} -->") :]
+    start = after.index("```")
+    body = after[after.index("\n", start) + 1 :]
+    return body[: body.index("```")]
+
+
+def check_documented_config(config: LMCacheEngineConfig, server: ServerProcess, loop: Loop) -> None:
+    """The documented settings, pointed at the test server and its small chunks."""
+    assert config.remote_storage_plugins == ["kvtier"]
+    assert config.extra_config["remote_storage_plugin.kvtier.url"] == "http://127.0.0.1:8085"
+    assert config.extra_config["save_chunk_meta"] is False
+    assert config.chunk_size == 128
+    object.__setattr__(config, "chunk_size", CHUNK_TOKENS)
+    object.__setattr__(config, "max_local_cpu_size", 0.01)
+    config.extra_config["remote_storage_plugin.kvtier.url"] = server.url
+    found = CreateStorageBackends(config, metadata(), loop.loop, dst_device="cpu")
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    obj = chunk(remote, cpu, 3)
+    want = obj.tensor.clone()
+    remote.submit_put_task(key(31337), obj).result(10)
+    got = remote.get_blocking(key(31337))
+    assert got is not None and torch.equal(got.tensor, want)
+    got.ref_count_down()
+
+
+def test_the_documented_yaml_configures_lmcache(kvserver, loop, tmp_path):
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(documented_block("lmcache-yaml"))
+    check_documented_config(LMCacheEngineConfig.from_file(str(path)), kvserver, loop)
+
+
+def test_the_documented_environment_configures_lmcache(kvserver, loop, monkeypatch):
+    for line in documented_block("lmcache-env").splitlines():
+        assert line.startswith("export ")
+        name, value = line[len("export ") :].split("=", 1)
+        monkeypatch.setenv(name, shlex.split(value)[0])
+    check_documented_config(LMCacheEngineConfig.from_env(), kvserver, loop)
