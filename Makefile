@@ -79,10 +79,11 @@ python-env: $(PY_LMCACHE)/.installed
 
 # Lint, then every Python test against the debug kvtier that cargo test built.
 test-python: python-env
-	$(CARGO) build --quiet -p kvtier-server
+	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
 	$(PY_LMCACHE)/bin/ruff check clients/python
 	$(PY_LMCACHE)/bin/ruff format --check clients/python
-	cd clients/python && KVTIER_BIN=$(CURDIR)/target/debug/kvtier $(CURDIR)/$(PY_LMCACHE)/bin/python -m pytest -p no:cacheprovider -q
+	cd clients/python && KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen \
+	  $(CURDIR)/$(PY_LMCACHE)/bin/python -m pytest -p no:cacheprovider -q
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
 # plain http.client pool, kvtier-loadgen blocks and one file per block

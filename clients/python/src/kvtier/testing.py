@@ -100,6 +100,7 @@ class ServerProcess:
             RuntimeError: it exited or did not listen within ``START_TIMEOUT_S``;
                 the message holds the end of its log.
         """
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log)
         log.close()

@@ -1,0 +1,479 @@
+"""kvtier as a secondary tier of vLLM's native KV offloading (vLLM 0.32.x).
+
+vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` keeps a CPU
+primary tier and cascades every chunk it stores there to its secondary tiers;
+a chunk found only in a secondary tier is loaded back into the primary tier.
+This module is such a tier, loaded out of tree by vLLM's tier factory (no
+patch to vLLM; docs/INTEGRATIONS.md has the full command line)::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec",
+        "block_size":128,"cpu_bytes_to_use":17179869184,
+        "secondary_tiers":[{"type":"KvtierTier","module_path":"kvtier.vllm",
+                            "url":"http://127.0.0.1:8085"}]}}'
+
+One chunk row of the primary CPU view is one kvtier block, bytes as vLLM
+laid them out (every worker's slice, padded to the page size): the store's
+``block_bytes`` must equal the row stride, checked at start with both numbers
+named when they differ.
+
+Keys: vLLM's ``OffloadKey`` (the block hash of the chunk's last block and the
+KV cache group index) under a namespace fingerprint (docs/KEYS.md) of the
+model, KV dtype, parallel layout, tokens per chunk and KV cache groups, the
+fields vLLM's own file-system tier names its directory by.
+
+Nothing here blocks vLLM's scheduler: ``lookup`` answers from a per-step
+batch that one background thread resolves with one ``POST /v1/lookup`` per
+request chain (``RETRY`` until it has), and stores and loads run on the
+client's connection pool and complete through ``get_finished_jobs``. A failed
+or refused transfer is a failed job (vLLM recomputes, and a failed load marks
+its keys missing so vLLM does not ask again); a kvtier that is down costs
+misses and a rate-limited warning, never a stalled scheduler.
+
+Settings (keys of the tier's entry in ``secondary_tiers``):
+
+=================  ========================  ==========================================
+key                default                   meaning
+=================  ========================  ==========================================
+``url``            ``http://127.0.0.1:8085``  the kvtier server
+``token_file``     none                      file holding the bearer token
+``connections``    8                         HTTP/1.1 connections (chunks in flight)
+``timeout_s``      10                        per socket operation; then a failed job
+``retries``        1                         new-connection retries after a reset
+``down_s``         1                         after a connection failure, fail jobs and
+                                             answer misses for this long untried
+``locality``       none                      ``LOCAL`` or ``REMOTE``, as for vLLM's tiers
+=================  ========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .client import Client
+from .errors import KvtierConnectionError, KvtierError
+from .keys import Namespace
+
+logger = logging.getLogger("kvtier.vllm")
+
+#: At most one warning of each kind per this many seconds.
+WARN_INTERVAL_S = 10.0
+
+
+class _RateLimitedWarnings:
+    """Logs a warning of each kind at most once per ``WARN_INTERVAL_S``, with
+    how many were held back since: a down server must not flood the log."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like it since the last warning)" if held else ""
+        logger.warning("kvtier %s: %s%s", kind, message, suffix)
+
+
+def namespace_of(offloading_spec: OffloadingSpec) -> Namespace:
+    """The namespace of a vLLM offloading configuration.
+
+    The fields are those vLLM's file-system tier hashes into its directory
+    name (``FileMapper``, parallelism-agnostic where vLLM says the chunk
+    bytes are): model, KV dtype, tokens per hash and blocks per chunk, TP, PP,
+    PCP and DCP sizes, KV cache groups, canonical layout. Rank is not in it:
+    the scheduler stores whole chunks, every worker's slice in one row.
+    """
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="",
+        offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=True,
+    )
+    fields = mapper.get_run_config()
+    rest = {k: v for k, v in fields.items() if k not in ("model_name", "dtype", "tp_size", "pp_size")}
+    return Namespace(
+        model=str(fields["model_name"]),
+        dtype=str(fields["dtype"]),
+        tp_size=int(fields["tp_size"]),
+        pp_size=int(fields["pp_size"]),
+        block_tokens=int(fields["tokens_per_hash"]) * int(fields["blocks_per_file"]),
+        extra="vllm-offload:" + json.dumps(rest, sort_keys=True, separators=(",", ":")),
+    )
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's own async lookup machinery (a per-step batch, one worker
+    thread); each request's keys of a step go to kvtier as one chain."""
+
+    def __init__(self, tier: KvtierTier) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.lookup_chain(keys, req_context)
+
+
+class _Job:
+    """An in-flight transfer job: which chunks are done, which failed."""
+
+    __slots__ = ("job", "keys", "loaded", "remaining", "failed", "missed")
+
+    def __init__(self, job: TransferJob, keys: list[OffloadKey]) -> None:
+        self.job = job
+        self.keys = keys
+        self.loaded = [False] * len(keys)
+        self.remaining = len(keys)
+        self.failed = 0
+        self.missed = 0
+
+
+class KvtierTier(SecondaryTierManager):
+    """vLLM ``SecondaryTierManager`` over a kvtier server.
+
+    Built by vLLM's ``SecondaryTierFactory`` from a ``secondary_tiers`` entry
+    ``{"type": "KvtierTier", "module_path": "kvtier.vllm", ...}``; the other
+    keys of the entry are the settings in the module docstring.
+
+    Raises (at construction, so vLLM refuses to start on a configuration a
+    retry cannot fix):
+        ValueError: the server's ``block_bytes`` is not the primary view's row
+            stride (both named), or ``locality`` is not ``LOCAL``/``REMOTE``.
+
+    Attributes:
+        namespace: the key namespace (see :func:`namespace_of`).
+        stats: counters (``lookups``, ``lookup_hits``, ``stores``,
+            ``stored_chunks``, ``loads``, ``loaded_chunks``, ``load_misses``,
+            ``failed_jobs``, ``errors``) for tests and debugging.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        *,
+        url: str = "http://127.0.0.1:8085",
+        token_file: str | None = None,
+        connections: int = 8,
+        timeout_s: float = 10.0,
+        retries: int = 1,
+        down_s: float = 1.0,
+        locality: str | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self.url = url
+        token = Path(token_file).read_text().strip() if token_file else None
+        self.client = Client(url, token=token, connections=connections, timeout_s=timeout_s, retries=retries)
+        self.down_s = float(down_s)
+        self.namespace = namespace_of(offloading_spec)
+        self._fingerprint = self.namespace.fingerprint
+        # One flat byte view over the primary tier: row c is chunk c.
+        self._rows = (
+            primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" else primary_kv_view
+        )
+        self._num_chunks = self._rows.nbytes // self.block_size_bytes
+        self._down_until = 0.0
+        self._geometry_checked = False
+        self._geometry_error: str | None = None
+        self._warnings = _RateLimitedWarnings()
+        self.stats = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_hits",
+                "stores",
+                "stored_chunks",
+                "loads",
+                "loaded_chunks",
+                "load_misses",
+                "failed_jobs",
+                "errors",
+            ),
+            0,
+        )
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
+        self._closed = False
+        self._check_geometry(at_start=True)
+        self._lookups = _Lookups(self)
+        logger.info(
+            "kvtier tier %s: chunks of %d bytes, namespace %s",
+            url,
+            self.block_size_bytes,
+            self._fingerprint,
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def key_of(self, key: OffloadKey) -> str:
+        """The kvtier key of a vLLM ``OffloadKey`` (block hash ‖ group index)."""
+        return f"{self._fingerprint}-{bytes(key).hex()}"
+
+    def _check_geometry(self, at_start: bool = False) -> bool:
+        """Compares the server's ``block_bytes`` with the row stride once the
+        server answers. At start a mismatch raises; later (the server was down
+        at start) it is logged and every transfer fails."""
+        if self._geometry_checked:
+            return self._geometry_error is None
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            block_bytes = self.client.block_bytes
+        except KvtierError as e:
+            self._failed("start" if at_start else "geometry", e)
+            return False
+        self._geometry_checked = True
+        if block_bytes != self.block_size_bytes:
+            self._geometry_error = (
+                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but a chunk row of vLLM's CPU "
+                f"offloading tier is {self.block_size_bytes} bytes: start kvtier with --block-bytes "
+                f"{self.block_size_bytes} on a new data directory, or change block_size"
+            )
+            if at_start:
+                raise ValueError(self._geometry_error)
+            logger.error("%s; every kvtier transfer fails until then", self._geometry_error)
+            return False
+        return True
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """Counts and (rate-limited) logs a failure; a connection failure also
+        marks the server down for ``down_s``."""
+        with self._lock:
+            self.stats["errors"] += 1
+        if isinstance(error, KvtierConnectionError) and error.code != "server_down":
+            self._down_until = time.monotonic() + self.down_s
+        self._warnings.warn(what, f"{self.url}: {error}")
+
+    def _ready(self) -> None:
+        """Raises unless a transfer may be tried now."""
+        if time.monotonic() < self._down_until:
+            raise KvtierConnectionError(f"{self.url} is marked down after a failure", code="server_down")
+        if not self._check_geometry():
+            raise KvtierError(self._geometry_error or f"{self.url} cannot be reached", code="geometry")
+
+    def _row(self, chunk_id: int) -> memoryview:
+        if not 0 <= chunk_id < self._num_chunks:
+            raise IndexError(f"chunk id {chunk_id} is outside the primary tier's {self._num_chunks} chunks")
+        start = chunk_id * self.block_size_bytes
+        return self._rows[start : start + self.block_size_bytes]
+
+    # ------------------------------------------------------------- lookup
+
+    def lookup_chain(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
+        """Which of one request's keys are stored, as a prefix: the keys of
+        each KV cache group, in token order, are one chain and one
+        ``POST /v1/lookup``. Runs on vLLM's lookup thread; all ``False`` when
+        kvtier fails."""
+        found = [False] * len(keys)
+        by_group: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_group.setdefault(get_offload_group_idx(key), []).append(i)
+        for indices in by_group.values():
+            positions = [req_context.get_offload_key_position(keys[i]) for i in indices]
+            if all(p is not None for p in positions):
+                indices = [i for _, i in sorted(zip(positions, indices))]  # type: ignore[type-var]
+            try:
+                self._ready()
+                hits = self.client.lookup([self.key_of(keys[i]) for i in indices])
+            except KvtierError as e:
+                self._failed("lookup", e)
+                hits = 0
+            for i in indices[:hits]:
+                found[i] = True
+        with self._lock:
+            self.stats["lookups"] += len(keys)
+            self.stats["lookup_hits"] += sum(found)
+        return found
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """``HIT``/``MISS`` once this step's batch has been looked up,
+        ``RETRY`` until then (never waits on kvtier)."""
+        result = self._lookups.lookup(key, req_context)
+        if result is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if result else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Sends this step's lookups to the lookup thread."""
+        self._lookups.flush()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Chunk-level offloading, vLLM's default."""
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Releases the request's lookup state."""
+        self._lookups.cleanup(req_context.req_id)
+
+    # ---------------------------------------------------------- transfers
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Stores the job's chunk rows under their keys, one PUT per chunk on
+        the client's pool; returns at once."""
+        self._submit(job_metadata, load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Reads the job's chunks straight into their primary rows (no
+        intermediate copy), one GET per chunk on the client's pool; returns
+        at once."""
+        self._submit(job_metadata, load=True)
+
+    def _submit(self, job: TransferJob, load: bool) -> None:
+        keys = list(job.keys)
+        chunk_ids = [int(c) for c in job.chunk_ids]
+        state = _Job(job, keys)
+        with self._lock:
+            self._in_flight += 1
+            self.stats["loads" if load else "stores"] += 1
+        if len(keys) != len(chunk_ids):
+            logger.error("kvtier: job %s has %d keys but %d chunk ids", job.job_id, len(keys), len(chunk_ids))
+            state.failed, state.remaining = len(keys) or 1, 0
+            self._finish(state)
+            return
+        if not keys:
+            self._finish(state)
+            return
+        work = self._load_one if load else self._store_one
+        for i, (key, chunk_id) in enumerate(zip(keys, chunk_ids, strict=True)):
+            try:
+                future = self.client.executor().submit(work, key, chunk_id)
+            except RuntimeError as e:  # the pool is shut down
+                self._chunk_done(state, i, None, e)
+                continue
+            future.add_done_callback(lambda f, i=i: self._chunk_done(state, i, f, None))
+
+    def _store_one(self, key: OffloadKey, chunk_id: int) -> bool:
+        self._ready()
+        self.client.put(self.key_of(key), self._row(chunk_id))
+        return True
+
+    def _load_one(self, key: OffloadKey, chunk_id: int) -> bool:
+        self._ready()
+        return self.client.get_into(self.key_of(key), self._row(chunk_id))
+
+    def _chunk_done(self, state: _Job, i: int, future: Future[bool] | None, error: BaseException | None) -> None:
+        """Records one chunk's outcome; the last one finishes the job."""
+        ok = False
+        if error is None and future is not None:
+            error = future.exception() if not future.cancelled() else RuntimeError("cancelled")
+            ok = error is None and bool(future.result())
+        if error is not None:
+            if isinstance(error, KvtierError):
+                self._failed("load" if state.job.is_promotion else "store", error)
+            else:
+                logger.error("kvtier: chunk %d of job %s failed: %r", i, state.job.job_id, error)
+        with self._lock:
+            state.loaded[i] = ok
+            if error is not None:
+                state.failed += 1
+            elif not ok:
+                state.missed += 1
+            state.remaining -= 1
+            last = state.remaining == 0
+        if last:
+            self._finish(state)
+
+    def _finish(self, state: _Job) -> None:
+        job = state.job
+        ok = [k for k, done in zip(state.keys, state.loaded, strict=True) if done]
+        success = not state.failed and not state.missed
+        failed_keys: list[OffloadKey] = []
+        successful_keys: tuple[OffloadKey, ...] | None = None
+        if job.is_promotion and not success:
+            failed_keys = [k for k, done in zip(state.keys, state.loaded, strict=True) if not done]
+            successful_keys = tuple(ok) or None
+        result = JobResult(
+            job_id=job.job_id,
+            success=success,
+            successful_keys=successful_keys,
+            transfer_time=time.monotonic() - job.submit_time,
+            transfer_bytes=len(ok) * self.block_size_bytes if ok else None,
+        )
+        with self._lock:
+            if job.is_promotion:
+                self.stats["loaded_chunks"] += len(ok)
+                self.stats["load_misses"] += state.missed
+            else:
+                self.stats["stored_chunks"] += len(ok)
+            if not success:
+                self.stats["failed_jobs"] += 1
+            self._finished.put((result, failed_keys))
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every job finished since the last call. A failed load marks its
+        missing keys as misses, so vLLM does not promote them again."""
+        results: list[JobResult] = []
+        while True:
+            try:
+                result, failed_keys = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            if failed_keys:
+                self._lookups.mark_miss(failed_keys)
+            results.append(result)
+        return results
+
+    def has_pending_work(self) -> bool:
+        """While transfers are in flight or unreported, vLLM keeps stepping."""
+        with self._lock:
+            return self._in_flight > 0 or not self._finished.empty()
+
+    def drain_jobs(self) -> None:
+        """Waits until every submitted job has finished (each chunk is bounded
+        by the client's timeout, so this ends even if kvtier hangs)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: kvtier keeps its own recency (a read counts as a use)."""
+        return
+
+    def shutdown(self) -> None:
+        """Stops the lookup thread, waits for running transfers, closes the client."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lookups.shutdown()
+        self.drain_jobs()
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<KvtierTier {self.url} {self.block_size_bytes} B/chunk>"
