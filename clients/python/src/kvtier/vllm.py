@@ -56,7 +56,7 @@ import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -147,7 +147,7 @@ class _Lookups(AsyncLookupManager):
 class _Job:
     """An in-flight transfer job: which chunks are done, which failed."""
 
-    __slots__ = ("job", "keys", "loaded", "remaining", "failed", "missed")
+    __slots__ = ("failed", "job", "keys", "loaded", "missed", "remaining")
 
     def __init__(self, job: TransferJob, keys: list[OffloadKey]) -> None:
         self.job = job
@@ -307,7 +307,7 @@ class KvtierTier(SecondaryTierManager):
         for indices in by_group.values():
             positions = [req_context.get_offload_key_position(keys[i]) for i in indices]
             if all(p is not None for p in positions):
-                indices = [i for _, i in sorted(zip(positions, indices))]  # type: ignore[type-var]
+                indices = [i for _, i in sorted(zip(positions, indices, strict=True))]  # type: ignore[type-var]
             try:
                 self._ready()
                 hits = self.client.lookup([self.key_of(keys[i]) for i in indices])
@@ -467,13 +467,17 @@ class KvtierTier(SecondaryTierManager):
         return
 
     def shutdown(self) -> None:
-        """Stops the lookup thread, waits for running transfers, closes the client."""
+        """Stops the lookup thread, waits for running transfers, closes the
+        client and releases its view of the primary tier (vLLM unmaps the
+        primary tier after its secondary tiers have shut down)."""
         if self._closed:
             return
         self._closed = True
         self._lookups.shutdown()
         self.drain_jobs()
         self.client.close()
+        if self._rows is not self._primary_kv_view:
+            self._rows.release()
 
     def __repr__(self) -> str:
         return f"<KvtierTier {self.url} {self.block_size_bytes} B/chunk>"
