@@ -188,6 +188,14 @@ pub struct Segment {
     /// Reclaim is moving this segment's surviving blocks to new slots:
     /// reads of it wait, then look their block up again.
     pub compacting: Cell<bool>,
+    /// While compacting: the new life's first sequence number. Reads of a
+    /// block below it (a survivor not yet moved) wait; blocks written in
+    /// the new life are read at once.
+    pub compact_below_seq: Cell<u64>,
+    /// While compacting: the old slot of the next survivor the copy has yet
+    /// to read (`u32::MAX`: none). A write into a slot at or past it waits,
+    /// so that no survivor is overwritten before it is read.
+    pub copy_next_old_slot: Cell<u32>,
     /// Per slot: the block there was read since it was written (it gets a
     /// second chance when the segment is reclaimed).
     pub referenced: RefCell<Vec<bool>>,
@@ -215,6 +223,8 @@ impl Segment {
             readers: Cell::new(0),
             writers: Cell::new(0),
             compacting: Cell::new(false),
+            compact_below_seq: Cell::new(0),
+            copy_next_old_slot: Cell::new(u32::MAX),
             referenced: RefCell::new(vec![false; slots as usize]),
             slot_bytes,
         })

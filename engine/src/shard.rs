@@ -268,6 +268,9 @@ pub struct Shard {
     pub(crate) max_seq: RefCell<Vec<u64>>,
     alloc_lock: Semaphore,
     io_permits: Semaphore,
+    /// The shard itself, once shared ([`Shard::share`]): survivor copies
+    /// run as tasks of their own.
+    me: RefCell<std::rc::Weak<Shard>>,
     /// Slot-sized DMA buffers kept between writes (at most `io_depth_max`),
     /// so steady-state PUTs allocate nothing.
     buffers: RefCell<Vec<DmaBuffer>>,
@@ -321,6 +324,7 @@ impl Shard {
             inflight: RefCell::new(BTreeMap::new()),
             max_seq: RefCell::new(Vec::new()),
             alloc_lock: Semaphore::new(1),
+            me: RefCell::new(std::rc::Weak::new()),
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
             buffers: RefCell::new(Vec::new()),
             read_buffers: BufferPool::new(cfg.geometry.block_bytes),
@@ -362,6 +366,14 @@ impl Shard {
         }
         let _waiting = Waiting(&self.counters.io_queued);
         self.io_permits.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Wraps the opened shard in the `Rc` every task shares, so that it
+    /// can run work that outlives the request that started it.
+    pub fn share(self) -> Rc<Shard> {
+        let shard = Rc::new(self);
+        *shard.me.borrow_mut() = Rc::downgrade(&shard);
+        shard
     }
 
     /// Counts an operation sent to another shard.
@@ -532,6 +544,11 @@ impl Shard {
         // our seq as in flight; the guards undo both on every exit path.
         let _writer = InFlight::adopt(&segment.writers);
         let _inflight = InFlightSeq { shard: self, seq };
+        // Our slot may still hold a survivor of this segment's reclaim that
+        // has not been read yet: wait until the copy is past it.
+        while segment.copy_next_old_slot.get() <= slot {
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        }
         header.seq = seq;
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
         let len = buf.len() as u64;
@@ -564,8 +581,30 @@ impl Shard {
     /// (a free segment, a newly created one, or the oldest one reclaimed)
     /// when it is full. The caller is counted as a writer of the returned
     /// segment until it drops an [`InFlight::adopt`] guard of it.
+    ///
+    /// A reclaim that keeps survivors hands their copy to a task of its
+    /// own and releases the slot lock first: other writers take slots after
+    /// the survivors' while they move (each waits only until the copy has
+    /// read the old slot it is about to overwrite, see [`Shard::append`]);
+    /// the writer that triggered the reclaim waits for the copy, then takes
+    /// its slot like any other.
     async fn allocate_slot(&self) -> Result<(Rc<Segment>, u32, u64)> {
-        let _lock = self.alloc_lock.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+        loop {
+            let compaction = {
+                let _lock = self.alloc_lock.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+                match self.allocate_slot_locked().await? {
+                    Ok(slot) => return Ok(slot),
+                    Err(compaction) => compaction,
+                }
+            };
+            self.run_compaction(compaction).await;
+        }
+    }
+
+    /// [`Shard::allocate_slot`] under the slot lock: a slot, or the
+    /// survivors a reclaim left to move (the head is then that segment, with
+    /// their slots reserved).
+    async fn allocate_slot_locked(&self) -> Result<std::result::Result<(Rc<Segment>, u32, u64), Compaction>> {
         // Bounded: each pass either returns or installs a new head with free
         // slots; the second pass always finds room.
         for _ in 0..3 {
@@ -578,20 +617,37 @@ impl Shard {
                     let seq = self.next_seq.get();
                     self.next_seq.set(seq + 1);
                     self.inflight.borrow_mut().insert(seq, (id, used));
-                    return Ok((segment, used, seq));
+                    return Ok(Ok((segment, used, seq)));
                 }
                 self.sealed.borrow_mut().push_back(id);
                 self.head.set(None);
             }
-            let next = self.next_head().await?;
+            let (next, compaction) = self.next_head().await?;
             self.head.set(Some(next));
+            if let Some(c) = compaction {
+                return Ok(Err(c));
+            }
         }
         unreachable!("a fresh head segment always has a free slot")
     }
 
+    /// Moves a reclaim's survivors in a task of its own (so that a writer
+    /// that gives up waiting cannot leave the move half done) and waits for
+    /// it.
+    async fn run_compaction(&self, compaction: Compaction) {
+        let shard = self.me.borrow().upgrade();
+        match shard {
+            Some(shard) => {
+                let task = glommio::spawn_local(async move { shard.move_survivors(compaction).await }).detach();
+                task.await;
+            }
+            None => self.move_survivors(compaction).await,
+        }
+    }
+
     /// Finds the segment to append to next: a free one, else a new file if
     /// the disk share allows, else the oldest sealed segment, reclaimed.
-    async fn next_head(&self) -> Result<u32> {
+    async fn next_head(&self) -> Result<(u32, Option<Compaction>)> {
         let free = self.free.borrow_mut().pop();
         if let Some(id) = free {
             let segment = self.segment(id);
@@ -602,7 +658,7 @@ impl Shard {
                 segment.first_seq.set(self.next_seq.get());
                 segment.write_superblock(&self.superblock(id, self.next_seq.get())).await?;
             }
-            return Ok(id);
+            return Ok((id, None));
         }
         let created = self.segments.borrow().len() as u32;
         if created < self.cfg.segments_max {
@@ -611,7 +667,7 @@ impl Shard {
                     if self.fs_full.replace(false) {
                         tracing::info!(shard = self.id(), "filesystem has room again: segment {created} created");
                     }
-                    return Ok(created);
+                    return Ok((created, None));
                 }
                 // The filesystem is full before our share is. Evicting the
                 // oldest blocks would shrink the cache below what the
@@ -641,8 +697,8 @@ impl Shard {
                     };
                     tracing::warn!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
                     self.sealed.borrow_mut().pop_front();
-                    self.reclaim(id).await?;
-                    return Ok(id);
+                    let compaction = self.reclaim(id).await?;
+                    return Ok((id, compaction));
                 }
                 Err(e) => return Err(e),
             }
@@ -650,8 +706,8 @@ impl Shard {
         let oldest = self.sealed.borrow_mut().pop_front();
         match oldest {
             Some(id) => {
-                self.reclaim(id).await?;
-                Ok(id)
+                let compaction = self.reclaim(id).await?;
+                Ok((id, compaction))
             }
             None => Err(Error::DiskFull("no segment can be created or reclaimed".into())),
         }
@@ -670,11 +726,17 @@ impl Shard {
         Ok(())
     }
 
-    /// Empties the oldest segment for reuse: waits for writes into it to
-    /// land, drops its blocks from the index, waits for reads of it to
-    /// finish, then starts its new life with a new superblock.
-    async fn reclaim(&self, id: u32) -> Result<()> {
+    /// Empties the oldest segment for reuse, under the slot lock: waits for
+    /// writes into it to land, drops its blocks from the index but the
+    /// survivors, waits for reads of it to finish, then starts its new life
+    /// with a new superblock and reserves the first slots and sequence
+    /// numbers of that life for the survivors. Moving them is left to the
+    /// caller ([`Shard::move_survivors`], without the lock); `None` when
+    /// there are none.
+    async fn reclaim(&self, id: u32) -> Result<Option<Compaction>> {
         let segment = self.segment(id);
+        // Writers include the survivor copy of this segment's previous
+        // reclaim, should it still run.
         while segment.writers.get() > 0 {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
@@ -695,40 +757,86 @@ impl Shard {
             }
             before - index.len()
         };
+        // Nothing else takes sequence numbers while we hold the slot lock:
+        // this is the new life's first.
+        let first_seq = self.next_seq.get();
+        segment.compact_below_seq.set(first_seq);
         segment.compacting.set(true);
         while segment.readers.get() > 0 {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
-        let result = self.compact(&segment, &survivors).await;
-        segment.compacting.set(false);
-        if let Err(e) = result {
-            // Drop whatever did not move; keep the segment for a retry.
+        if let Err(e) = segment.write_superblock(&self.superblock(segment.id, first_seq)).await {
+            // Drop the survivors; keep the segment for a retry.
+            segment.compacting.set(false);
             self.index.borrow_mut().remove_segment(id);
             segment.slots_used.set(self.slots_per_segment);
             self.sealed.borrow_mut().push_front(id);
             return Err(e);
         }
+        segment.first_seq.set(first_seq);
+        segment.referenced.borrow_mut().fill(false);
         bump(&self.counters.reclaimed_segments, 1);
         bump(&self.counters.evicted_blocks, evicted as u64);
         tracing::debug!(shard = self.id(), segment = id, evicted, kept = survivors.len(), "reclaimed segment");
-        Ok(())
+        if survivors.is_empty() {
+            segment.compacting.set(false);
+            segment.slots_used.set(0);
+            return Ok(None);
+        }
+        // Survivor j goes to slot j with sequence number first_seq + j, below
+        // any write after this reclaim, so a newer PUT or DELETE of its key
+        // wins on recovery whichever lands first. In flight until written, so
+        // a snapshot taken meanwhile does not claim to cover them.
+        let n = survivors.len() as u32;
+        {
+            let mut inflight = self.inflight.borrow_mut();
+            for j in 0..n {
+                inflight.insert(first_seq + j as u64, (id, j));
+            }
+        }
+        self.next_seq.set(first_seq + n as u64);
+        segment.slots_used.set(n);
+        segment.copy_next_old_slot.set(survivors[0].1.slot);
+        segment.writers.set(segment.writers.get() + 1);
+        Ok(Some(Compaction { segment, survivors, first_seq }))
     }
 
-    /// Starts `segment`'s new life and rewrites `survivors` (sorted by slot)
-    /// into its first slots. Slot `j` of the new life is never above the
-    /// survivor's old slot `i`, so each survivor is read before anything
-    /// overwrites it. A survivor that fails its checks is dropped.
-    async fn compact(&self, segment: &Rc<Segment>, survivors: &[(BlockHash, Entry)]) -> Result<()> {
-        let first_seq = self.next_seq.get();
-        segment.write_superblock(&self.superblock(segment.id, first_seq)).await?;
-        segment.first_seq.set(first_seq);
-        segment.slots_used.set(0);
-        segment.referenced.borrow_mut().fill(false);
+    /// Rewrites a reclaim's survivors (sorted by old slot) into the first
+    /// slots of the segment's new life, with the sequence numbers reserved
+    /// for them. Slot `j` of the new life is never above the survivor's old
+    /// slot `i`, so each survivor is read before anything overwrites it:
+    /// the copy itself writes only slots below the next old slot it reads,
+    /// and writers of later slots wait for that read
+    /// (`copy_next_old_slot`). A survivor that fails its checks, or whose
+    /// read or write fails, is dropped; a survivor whose key was written or
+    /// deleted meanwhile is copied but stays superseded (its sequence
+    /// number is the lower).
+    async fn move_survivors(&self, c: Compaction) {
+        let Compaction { segment, survivors, first_seq } = c;
+        let _writer = InFlight::adopt(&segment.writers);
         let block_bytes = self.cfg.geometry.block_bytes;
         for (j, (hash, old)) in survivors.iter().enumerate() {
+            let seq = first_seq + j as u64;
+            let _inflight = InFlightSeq { shard: self, seq };
+            let next_old_slot = survivors.get(j + 1).map_or(u32::MAX, |(_, e)| e.slot);
             let j = j as u32;
             debug_assert!(j <= old.slot);
-            let data = segment.read_slot(old.slot, self.slot_bytes).await?;
+            let read = segment.read_slot(old.slot, self.slot_bytes).await;
+            // The old slot is read: writes into it may go ahead.
+            segment.copy_next_old_slot.set(next_old_slot);
+            let data = match read {
+                Ok(d) => d,
+                Err(e) => {
+                    self.index.borrow_mut().remove_exact(hash, *old);
+                    tracing::error!(
+                        shard = self.id(),
+                        segment = segment.id,
+                        slot = old.slot,
+                        "reading a survivor during reclaim failed; dropped: {e}"
+                    );
+                    continue;
+                }
+            };
             let header = SlotHeader::decode(&data[..PAGE_BYTES as usize]).ok().filter(|h| {
                 h.seq == old.seq && crc32fast::hash(&data[PAGE_BYTES as usize..(PAGE_BYTES + block_bytes) as usize]) == h.payload_crc
             });
@@ -738,21 +846,24 @@ impl Shard {
                 tracing::error!(shard = self.id(), segment = segment.id, slot = old.slot, "corrupt block dropped during reclaim");
                 continue;
             };
-            let seq = self.next_seq.get();
-            self.next_seq.set(seq + 1);
-            // In flight like any write, so a snapshot taken meanwhile does
-            // not claim to cover it.
-            self.inflight.borrow_mut().insert(seq, (segment.id, j));
-            let _inflight = InFlightSeq { shard: self, seq };
             header.seq = seq;
             let mut buf = self.take_write_buffer();
             buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
+            drop(data);
             header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
             let buf = Rc::new(buf);
             let written = segment.write_slot(buf.clone(), j).await;
             self.recycle(buf);
-            written?;
-            segment.slots_used.set(j + 1);
+            if let Err(e) = written {
+                self.index.borrow_mut().remove_exact(hash, *old);
+                tracing::error!(
+                    shard = self.id(),
+                    segment = segment.id,
+                    slot = j,
+                    "writing a survivor during reclaim failed; dropped: {e}"
+                );
+                continue;
+            }
             self.note_seq(segment.id, seq);
             let moved = Entry { segment: segment.id, slot: j, seq };
             if self.index.borrow_mut().remove_exact(hash, *old) {
@@ -760,7 +871,8 @@ impl Shard {
             }
             bump(&self.counters.second_chance_blocks, 1);
         }
-        Ok(())
+        segment.copy_next_old_slot.set(u32::MAX);
+        segment.compacting.set(false);
     }
 
     /// A slot-sized DMA buffer: a pooled one, or a new one when the pool is
@@ -858,7 +970,8 @@ impl Shard {
         let (entry, segment) = loop {
             let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
             let segment = self.segment(entry.segment);
-            if !segment.compacting.get() {
+            // Only blocks of the old life wait: those still to be moved.
+            if !(segment.compacting.get() && entry.seq < segment.compact_below_seq.get()) {
                 break (entry, segment);
             }
             glommio::timer::sleep(RECLAIM_POLL).await;
@@ -1134,6 +1247,17 @@ impl Shard {
             }
         }
     }
+}
+
+/// A reclaim's survivors, still to be moved into the first slots of the
+/// segment's new life ([`Shard::move_survivors`]).
+struct Compaction {
+    segment: Rc<Segment>,
+    /// Sorted by old slot.
+    survivors: Vec<(BlockHash, Entry)>,
+    /// The new life's first sequence number, reserved with the next
+    /// `survivors.len()` for them.
+    first_seq: u64,
 }
 
 /// Removes a write's sequence number from the in-flight set when dropped.

@@ -433,7 +433,7 @@ where
                 // (or failed to) before any serves.
                 let (senders, mut receivers) = mesh.join().await.map_err(|_| Error::ShuttingDown)?;
                 let shard = match opened {
-                    Ok(s) => Some(Rc::new(s)),
+                    Ok(s) => Some(s.share()),
                     Err(e) => {
                         senders.close();
                         return Err(e);

@@ -582,3 +582,69 @@ fn client_io_past_the_queue_limit_is_refused_not_queued() {
     })
     .unwrap();
 }
+
+/// What `writes_go_ahead_while_reclaim_moves_survivors...` leaves: k12
+/// rewritten and k13 deleted while they were being moved, the other
+/// survivors (k8..k15) kept, k0..k7 evicted.
+async fn check_after_concurrent_reclaim(store: Rc<Store>) {
+    let old = |k: &str| payload(k, 65_536);
+    assert_eq!(store.get("k12").await.unwrap().bytes, payload("k12-new", 65_536));
+    assert!(matches!(store.get("k13").await, Err(Error::NotFound)));
+    for i in (8..12).chain(14..16) {
+        let k = format!("k{i}");
+        assert_eq!(store.get(&k).await.unwrap().bytes, old(&k), "{k}");
+    }
+    for i in 0..8 {
+        assert!(matches!(store.get(&format!("k{i}")).await, Err(Error::NotFound)), "k{i} was evicted");
+    }
+    for k in ["t", "u", "f0", "f15"] {
+        assert_eq!(store.get(k).await.unwrap().bytes, old(k), "{k}");
+    }
+}
+
+#[test]
+fn writes_go_ahead_while_reclaim_moves_survivors_and_newer_writes_win_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    // 16 slots of 64 KiB per segment, 2 segments: the 33rd PUT reclaims
+    // segment 0.
+    let segment = PAGE_BYTES + 16 * (65_536 + PAGE_BYTES);
+    let cfg = config(dir.path(), 65_536, 1, segment, 2 * segment);
+    on_shard0(cfg.clone(), |store| async move {
+        let old = |k: &str| payload(k, 65_536);
+        for i in 0..16 {
+            let k = format!("k{i}");
+            store.put(&k, vec![old(&k)]).await.unwrap();
+        }
+        for i in 8..16 {
+            store.get(&format!("k{i}")).await.unwrap(); // slots 8..15 survive
+        }
+        for i in 0..16 {
+            let k = format!("f{i}");
+            store.put(&k, vec![old(&k)]).await.unwrap();
+        }
+        // "t" reclaims segment 0 and waits for its 8 survivors to move;
+        // the others take slots 8, 9, 10 meanwhile, each waiting only for
+        // the survivor in its slot to be read.
+        let t = store.put("t", vec![old("t")]);
+        let u = async {
+            store.put("u", vec![old("u")]).await.unwrap();
+            store.stats().await.unwrap()[0].second_chance_blocks
+        };
+        let k12 = store.put("k12", vec![payload("k12-new", 65_536)]);
+        let k13 = store.delete("k13");
+        let (t, moved_when_u_landed, k12, k13) = futures::join!(t, u, k12, k13);
+        assert_eq!((t.unwrap(), k12.unwrap()), (PutOutcome::Created, PutOutcome::Replaced));
+        k13.unwrap();
+        assert!(moved_when_u_landed < 8, "a PUT waited for the whole survivor copy ({moved_when_u_landed} of 8 moved)");
+        let s = &store.stats().await.unwrap()[0];
+        assert_eq!((s.reclaimed_segments, s.evicted_blocks, s.corrupt_blocks), (1, 8, 0), "{s:?}");
+        check_after_concurrent_reclaim(store).await;
+    })
+    .unwrap();
+    // Whether each survivor moved before or after the newer PUT or DELETE
+    // of its key, the newer one wins after a restart too, from the snapshot
+    // or from a header scan alone.
+    on_shard0(cfg.clone(), check_after_concurrent_reclaim).unwrap();
+    remove_snapshots(dir.path());
+    on_shard0(cfg, check_after_concurrent_reclaim).unwrap();
+}
