@@ -124,7 +124,7 @@ class AsyncClient:
         """
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
-        return await _gather([self.get_into(key, buf) for key, buf in zip(keys, bufs, strict=False)])
+        return await _gather([self.get_into(key, buf) for key, buf in zip(keys, bufs, strict=True)])
 
 
 async def _gather(coros: list[Any]) -> list[Any]:

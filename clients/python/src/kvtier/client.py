@@ -21,8 +21,8 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -478,13 +478,38 @@ class Client:
         Returns each put's answer in order. On the first error, puts not yet
         started are skipped and the error is raised once the running ones
         finish (puts before it may have been stored)."""
-        futures = [self.executor().submit(self.put, key, data) for key, data in items]
-        return _results(futures)
+        return self._map(self.put, list(items))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of each key, in parallel over the pool; ``None`` per miss."""
-        futures = [self.executor().submit(self.get, key) for key in keys]
-        return _results(futures)
+        return self._map(self.get, [(key,) for key in keys])
+
+    def _map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*args)`` for every ``args`` in ``calls``, in parallel; results
+        in order. The calling thread runs the first call itself (a batch of
+        one costs no thread hand-off) while the pool runs the rest. On the
+        first failure the calls not yet started are cancelled (a batch against
+        a dead server ends at once), the running ones are waited for, and the
+        failure is raised."""
+        if not calls:
+            return []
+        futures = [self.executor().submit(fn, *args) for args in calls[1:]]
+        try:
+            first = fn(*calls[0])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending:
+            for future in pending:
+                future.cancel()
+            wait(pending)
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        return [first, *(future.result() for future in futures)]
 
     def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[bool]:
         """:meth:`get_into` of ``keys[i]`` into ``bufs[i]``, in parallel over
@@ -495,21 +520,4 @@ class Client:
         """
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
-        futures = [self.executor().submit(self.get_into, key, buf) for key, buf in zip(keys, bufs, strict=False)]
-        return _results(futures)
-
-
-def _results(futures: list[Future[Any]]) -> list[Any]:
-    """Every future's result in order. On the first failure the calls not yet
-    started are cancelled (a batch against a dead server ends at once, not
-    after every item has timed out), the running ones are waited for, and the
-    failure is raised."""
-    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    if pending:
-        for future in pending:
-            future.cancel()
-        wait(pending)
-    for future in futures:
-        if not future.cancelled() and future.exception() is not None:
-            raise future.exception()  # type: ignore[misc]
-    return [future.result() for future in futures]
+        return self._map(self.get_into, list(zip(keys, bufs, strict=True)))

@@ -263,7 +263,7 @@ class KvtierConnector(RemoteConnector):
         """:meth:`put` of every pair, concurrently; raises the first failure
         once all have finished."""
         results = await asyncio.gather(
-            *(self.put(k, m) for k, m in zip(keys, memory_objs, strict=False)), return_exceptions=True
+            *(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True)), return_exceptions=True
         )
         for result in results:
             if isinstance(result, BaseException):
