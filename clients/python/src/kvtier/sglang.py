@@ -1,0 +1,390 @@
+"""kvtier as an SGLang HiCache storage backend (sglang 0.5.x).
+
+SGLang's hierarchical cache keeps KV pages in GPU memory, then in a host
+memory pool, then in a storage backend; this module is such a backend,
+loaded by name without patching SGLang (docs/INTEGRATIONS.md has the full
+command line)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name":"kvtier",
+        "module_path":"kvtier.sglang","class_name":"KvtierHiCacheStorage",
+        "url":"http://127.0.0.1:8085"}'
+
+One HiCache page is one kvtier block, the flat K+V page SGLang hands its
+storage backends: the store's ``block_bytes`` must equal the host pool's page
+size in bytes (``get_size_per_token() * page_size``), checked when SGLang
+registers its host pool, with both numbers named when they differ.
+
+Keys: SGLang's page hash (a SHA-256 chain over pages, 64 hex digits) under a
+namespace fingerprint (docs/KEYS.md) of the model, KV dtype, TP rank and size
+(``0/1`` for MLA models, whose KV every TP rank holds whole), PP rank and
+size, page size, and the host layout and context-parallel shard.
+
+``batch_exists`` is one ``POST /v1/lookup`` for the whole chain of pages;
+``batch_get`` reads each page straight into the tensor SGLang hands as its
+target (no intermediate copy); ``batch_set`` first asks which leading pages
+are already stored (one lookup) and PUTs the rest, in parallel over the
+client's connection pool. A kvtier that is down, slow or answering 5xx costs
+misses (``batch_exists`` 0, ``get`` ``None``, ``set`` ``False``) and a
+rate-limited warning, never an exception into SGLang's storage threads.
+
+Settings, keys of ``--hicache-storage-backend-extra-config`` next to the
+three SGLang needs:
+
+=================  ========================  ==========================================
+key                default                   meaning
+=================  ========================  ==========================================
+``url``            ``http://127.0.0.1:8085``  the kvtier server
+``token_file``     none                      file holding the bearer token
+``connections``    8                         HTTP/1.1 connections (pages in flight)
+``timeout_s``      10                        per socket operation; then a miss
+``retries``        1                         new-connection retries after a reset
+``down_s``         1                         after a connection failure, answer misses
+                                             for this long without trying
+``skip_existing``  true                      ``batch_set`` skips leading stored pages
+``page_size``      host pool's               tokens per page, for use without a host
+                                             pool (tests, tools)
+``dtype``          host pool's               KV dtype name, likewise
+=================  ========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from .client import Client
+from .errors import KvtierConnectionError, KvtierError
+from .keys import Namespace
+
+logger = logging.getLogger("kvtier.sglang")
+
+#: At most one warning of each kind per this many seconds.
+WARN_INTERVAL_S = 10.0
+
+T = TypeVar("T")
+
+
+class _RateLimitedWarnings:
+    """Logs a warning of each kind at most once per ``WARN_INTERVAL_S``, with
+    how many were held back since: a down server must not flood the log."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like it since the last warning)" if held else ""
+        logger.warning("kvtier %s: %s%s", kind, message, suffix)
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(value)
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over a kvtier server.
+
+    Built by SGLang's ``StorageBackendFactory`` for ``dynamic`` as
+    ``KvtierHiCacheStorage(storage_config, kwargs)``; its settings are the
+    keys of ``storage_config.extra_config`` (module docstring). SGLang then
+    calls :meth:`register_mem_pool_host`, which fixes the page size and dtype
+    of the keys and checks the server's ``block_bytes``.
+
+    Raises:
+        ValueError: from :meth:`register_mem_pool_host` when the server's
+            ``block_bytes`` is not the host pool's page size (both named),
+            which makes SGLang refuse to attach the backend.
+
+    Attributes:
+        stats: counters (``exists_queries``, ``exists_hits``, ``gets``,
+            ``hits``, ``misses``, ``sets``, ``sets_skipped``, ``errors``).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        settings = dict(storage_config.extra_config or {})
+        self.url = str(settings.get("url", "http://127.0.0.1:8085"))
+        token_file = settings.get("token_file")
+        token = Path(str(token_file)).read_text().strip() if token_file else None
+        self.client = Client(
+            self.url,
+            token=token,
+            connections=int(settings.get("connections", 8)),
+            timeout_s=float(settings.get("timeout_s", 10.0)),
+            retries=int(settings.get("retries", 1)),
+        )
+        self.down_s = float(settings.get("down_s", 1.0))
+        self.skip_existing = _truthy(settings.get("skip_existing", True))
+        self._page_size: int | None = int(settings["page_size"]) if settings.get("page_size") else None
+        self._dtype: str | None = str(settings["dtype"]) if settings.get("dtype") else None
+        self._layout = ""
+        self.page_bytes: int | None = None
+        self._namespace: Namespace | None = None
+        self._fingerprint = ""
+        self._down_until = 0.0
+        self._geometry_checked = False
+        self._warnings = _RateLimitedWarnings()
+        self._lock = threading.Lock()
+        self.stats = dict.fromkeys(
+            ("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped", "errors"), 0
+        )
+
+    # ------------------------------------------------------------ set-up
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang hands its host KV pool: the page size, dtype and layout of
+        the keys come from it, and the server's ``block_bytes`` must be its
+        page size in bytes (checked now if the server answers, else at the
+        first transfer)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._page_size = int(getattr(mem_pool_host, "page_size", 0) or 0) or self._page_size
+        dtype = getattr(mem_pool_host, "dtype", None)
+        if dtype is not None:
+            self._dtype = str(dtype)
+        self._layout = str(getattr(mem_pool_host, "layout", "") or "")
+        self.page_bytes = _page_bytes(mem_pool_host)
+        self._namespace = None
+        self._geometry_checked = False
+        self._check_geometry(at_start=True)
+
+    @property
+    def namespace(self) -> Namespace:
+        """The key namespace: model, dtype, TP/PP layout, page size, host
+        layout and context-parallel shard (see the module docstring).
+
+        Raises:
+            ValueError: no page size is known (no host pool registered and no
+                ``page_size`` setting).
+        """
+        if self._namespace is None:
+            if not self._page_size:
+                raise ValueError(
+                    "kvtier: the page size is unknown; SGLang registers its host pool first, "
+                    "or set page_size in the extra config"
+                )
+            cfg = self.storage_config
+            extra = [f"sglang-hicache:layout={self._layout}"]
+            if cfg.attn_cp_size > 1:
+                extra.append(f"cp={cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+            if cfg.dcp_size > 1:
+                extra.append(f"dcp={cfg.dcp_rank}/{cfg.dcp_size}/page{cfg.logical_page_size}")
+            mla = bool(cfg.is_mla_model)
+            self._namespace = Namespace(
+                model=cfg.model_name or "",
+                dtype=self._dtype or "",
+                tp_rank=0 if mla else cfg.tp_rank,
+                tp_size=1 if mla else cfg.tp_size,
+                pp_rank=cfg.pp_rank,
+                pp_size=cfg.pp_size,
+                block_tokens=self._page_size,
+                extra=";".join(extra),
+            )
+            self._fingerprint = self._namespace.fingerprint
+        return self._namespace
+
+    def key_of(self, key: str) -> str:
+        """The kvtier key of an SGLang page hash."""
+        return self.namespace.key(key)
+
+    def _check_geometry(self, at_start: bool = False) -> bool:
+        """Compares the server's ``block_bytes`` with the host page size once
+        the server answers (nothing to compare without a host pool)."""
+        if self._geometry_checked or self.page_bytes is None:
+            return True
+        try:
+            block_bytes = self.client.block_bytes
+        except KvtierError as e:
+            self._failed("start" if at_start else "geometry", e)
+            return False
+        if block_bytes != self.page_bytes:
+            message = (
+                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but an SGLang HiCache page here is "
+                f"{self.page_bytes} bytes (page_size {self._page_size} tokens): start kvtier with --block-bytes "
+                f"{self.page_bytes} on a new data directory, or change --page-size"
+            )
+            if at_start:
+                raise ValueError(message)
+            self._warnings.warn("geometry", message)
+            return False
+        self._geometry_checked = True
+        return True
+
+    def _ready(self) -> bool:
+        """Whether to try kvtier now: not marked down, geometry checked."""
+        return time.monotonic() >= self._down_until and self._check_geometry()
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """Counts and (rate-limited) logs a failure; a connection failure also
+        marks the server down for ``down_s``."""
+        with self._lock:
+            self.stats["errors"] += 1
+        if isinstance(error, KvtierConnectionError):
+            self._down_until = time.monotonic() + self.down_s
+        self._warnings.warn(what, f"{self.url}: {error}; answered as a miss")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self.stats[name] += delta
+
+    def _parallel(self, what: str, fn: Callable[..., T], items: Sequence[tuple[Any, ...]], failed: T) -> list[T]:
+        """``fn(*item)`` for every item over the client's pool; ``failed`` for
+        an item whose call raised (after the first failure marks the server
+        down, the rest fail without trying)."""
+        if len(items) == 1:
+            return [self._guard(what, fn, items[0], failed)]
+        pool = self.client.executor()
+        futures: list[Future[T]] = [pool.submit(self._guard, what, fn, item, failed) for item in items]
+        return [f.result() for f in futures]
+
+    def _guard(self, what: str, fn: Callable[..., T], item: tuple[Any, ...], failed: T) -> T:
+        if time.monotonic() < self._down_until:
+            return failed
+        try:
+            return fn(*item)
+        except (KvtierError, TypeError, ValueError) as e:  # also a buffer kvtier cannot read or fill
+            self._failed(what, e)
+            return failed
+
+    # ------------------------------------------------------------ reads
+
+    def exists(self, key: str) -> bool:
+        """Whether the page is stored (one HEAD); ``False`` when kvtier fails."""
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading pages of the chain ``keys`` that are stored: one
+        ``POST /v1/lookup``. 0 when kvtier fails."""
+        if not keys:
+            return 0
+        self._count(exists_queries=len(keys))
+        try:
+            if not self._ready():
+                return 0
+            hits = self.client.lookup([self.key_of(k) for k in keys])
+        except KvtierError as e:
+            self._failed("lookup", e)
+            return 0
+        self._count(exists_hits=hits)
+        return hits
+
+    def _get_one(self, key: str, target: Any) -> Any:
+        if target is None:
+            data = self.client.get(self.key_of(key))
+            return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return target if self.client.get_into(self.key_of(key), target) else None
+
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> Any:
+        """The page, read straight into ``target_location`` (a CPU tensor of
+        at least a page) when given, else a new ``uint8`` tensor; ``None`` on
+        a miss or a kvtier failure."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[Any]:
+        """:meth:`get` of every page, in parallel over the pool; each result
+        is its target tensor (filled) or ``None``."""
+        if not keys:
+            return []
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(targets)} target locations")
+        self._count(gets=len(keys))
+        if not self._ready():
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        results = self._parallel("get", self._get_one, list(zip(keys, targets, strict=True)), None)
+        hits = sum(r is not None for r in results)
+        self._count(hits=hits, misses=len(keys) - hits)
+        return results
+
+    # ----------------------------------------------------------- writes
+
+    def _set_one(self, key: str, value: Any) -> bool:
+        self.client.put(self.key_of(key), value)
+        return True
+
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
+        """Stores one page (``value``, or ``target_location`` when ``value``
+        is ``None``): ``True`` when stored, ``False`` when kvtier failed or
+        refused it (a page of another size is refused, both sizes logged)."""
+        return self.batch_set([key], [value if value is not None else target_location])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Stores every page (CPU tensors, one per key), in parallel over the
+        pool, after one lookup skips the leading pages already stored.
+        ``True`` when all are stored."""
+        if not keys:
+            return True
+        pages = list(values) if values is not None else list(target_locations or [])
+        if len(pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} values")
+        if not self._ready():
+            return False
+        start = 0
+        if self.skip_existing and len(keys) > 1:
+            try:
+                start = self.client.lookup([self.key_of(k) for k in keys])
+            except KvtierError as e:
+                self._failed("set", e)
+                return False
+        self._count(sets=len(keys) - start, sets_skipped=start)
+        results = self._parallel("set", self._set_one, list(zip(keys[start:], pages[start:], strict=True)), False)
+        return all(results)
+
+    # ------------------------------------------------------------ misc
+
+    def clear(self) -> None:
+        """Nothing: kvtier does not enumerate or bulk-delete its keys (evict
+        by capacity, or start it on a new data directory)."""
+        logger.info("kvtier: clear() is a no-op; blocks stay until kvtier evicts them")
+
+    def get_stats(self) -> None:
+        """No SGLang storage metrics; see :attr:`stats` and kvtier's own."""
+        return None
+
+    def close(self) -> None:
+        """Closes the client's connections."""
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<KvtierHiCacheStorage {self.url}>"
+
+
+def _page_bytes(mem_pool_host: Any) -> int | None:
+    """Bytes of one flat HiCache page of ``mem_pool_host``: the size of the
+    page SGLang hands its storage backends (``get_data_page``), which for
+    every host pool is ``get_size_per_token() * page_size``."""
+    size_per_token = getattr(mem_pool_host, "get_size_per_token", None)
+    page_size = getattr(mem_pool_host, "page_size", None)
+    if callable(size_per_token) and page_size:
+        return int(size_per_token()) * int(page_size)
+    return None

@@ -1,0 +1,253 @@
+"""kvtier.sglang under the real sglang 0.5.23 on CPU, against a real kvtier.
+
+The backend is built the way SGLang builds it: StorageBackendFactory's
+`dynamic` backend reads the documented extra config, imports kvtier.sglang by
+name and constructs the class. Pages come from SGLang's own host KV pool
+(MHATokenToKVPoolHost over an MHATokenToKVPool on the CPU) and are moved the
+way HiCacheController's generic page path moves them; page keys are SGLang's
+own chained page hashes. Nothing here stands in for an SGLang class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import start_on_same_port
+
+with warnings.catch_warnings():  # sglang's imports warn about every missing GPU kernel
+    warnings.simplefilter("ignore")
+    sglang = pytest.importorskip("sglang", reason="needs the pinned sglang (make test-sglang installs it)")
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+import kvtier
+from kvtier.sglang import KvtierHiCacheStorage
+from kvtier.testing import ServerProcess
+
+# SGLang builds its page hash (a C++ extension) on first use with the ninja
+# its virtualenv installs: put that on PATH as activating the virtualenv would.
+if shutil.which("ninja") is None:
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+MODEL = "test-org/tiny-llama"
+PAGE_TOKENS = 16
+LAYERS, HEADS, HEAD_DIM = 2, 2, 32
+# A flat HiCache page: K and V × 2 layers × 16 tokens × 2 heads × 32 dims × bf16.
+PAGE_BYTES = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+
+# The documented flag (docs/INTEGRATIONS.md), with the test server's URL.
+EXTRA_CONFIG = json.loads(
+    '{"backend_name":"kvtier","module_path":"kvtier.sglang","class_name":"KvtierHiCacheStorage",'
+    '"url":"http://127.0.0.1:8085"}'
+)
+
+
+def storage_config(url: str, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra: object):
+    """What HiCacheController._generate_storage_config hands the factory."""
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=extra.pop("model", MODEL),
+        extra_config={**EXTRA_CONFIG, "url": url, "timeout_s": 5, **extra},
+    )
+
+
+def backend(url: str, **kw: object) -> KvtierHiCacheStorage:
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(url, **kw), None)
+    assert isinstance(b, KvtierHiCacheStorage)
+    return b
+
+
+def host_pool(layout: str = "layer_first") -> MHATokenToKVPoolHost:
+    """SGLang's host KV pool over a device pool, both on the CPU."""
+    device = MHATokenToKVPool(
+        256, PAGE_TOKENS, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False, v_head_dim=HEAD_DIM
+    )
+    return MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE_TOKENS,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        write_back_staging=device.hicache_write_back_staging,
+    )
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    """SGLang's storage keys of every full page of `tokens` (a sha256 chain)."""
+    return get_storage_hash_str(tokens, None, page_size=PAGE_TOKENS)
+
+
+def page(seed: int) -> torch.Tensor:
+    """A flat page (bf16) whose values depend on `seed`."""
+    return (torch.arange(PAGE_BYTES // 2, dtype=torch.float32) * 0.25 + seed).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kvserver() -> Iterator[ServerProcess]:
+    with ServerProcess(block_bytes=PAGE_BYTES) as s:
+        yield s
+
+
+@pytest.fixture
+def store(kvserver) -> Iterator[KvtierHiCacheStorage]:
+    b = backend(kvserver.url, page_size=PAGE_TOKENS, dtype="torch.bfloat16")
+    yield b
+    b.close()
+
+
+def test_sglang_builds_the_backend_from_the_documented_config(kvserver):
+    b = backend(kvserver.url)
+    try:
+        assert isinstance(b, HiCacheStorage) and b.url == kvserver.url
+        host = host_pool()
+        b.register_mem_pool_host(host)  # what HiCacheController does next
+        assert b.page_bytes == PAGE_BYTES == host.get_dummy_flat_data_page().nbytes
+        assert b.page_bytes == kvtier.Client(kvserver.url).block_bytes
+        ns = b.namespace
+        assert (ns.model, ns.dtype, ns.block_tokens, ns.tp_size) == (MODEL, "torch.bfloat16", PAGE_TOKENS, 1)
+    finally:
+        b.close()
+
+
+def test_set_then_batch_exists_counts_the_stored_prefix_and_batch_get_reads_into_targets(store):
+    keys = page_hashes(list(range(5 * PAGE_TOKENS)))
+    assert len(keys) == 5 and all(len(k) == 64 for k in keys)
+    pages = [page(i) for i in range(5)]
+    assert store.batch_exists(keys) == 0
+    assert store.batch_set(keys[:3], pages[:3])
+    assert store.set(keys[4], pages[4])  # a gap at keys[3]
+
+    assert store.batch_exists(keys) == 3
+    assert store.batch_exists(keys[:2]) == 2
+    assert store.batch_exists(keys[3:]) == 0
+    assert store.batch_exists(keys[4:]) == 1
+    assert store.batch_exists([]) == 0
+    assert store.exists(keys[4]) and not store.exists(keys[3])
+
+    targets = [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in keys]
+    got = store.batch_get(keys, targets)
+    for i in (0, 1, 2, 4):
+        assert got[i] is targets[i] and torch.equal(targets[i], pages[i])  # read in place, no copy
+    assert got[3] is None and not targets[3].any()
+
+    plain = store.get(keys[1])  # no target: a new uint8 tensor
+    assert plain.dtype == torch.uint8 and bytes(plain.numpy()) == bytes(pages[1].view(torch.uint8).numpy())
+    assert store.stats["hits"] == 5 and store.stats["misses"] == 1
+
+
+def test_batch_set_skips_the_leading_pages_already_stored(store):
+    keys = page_hashes(list(range(1000, 1000 + 4 * PAGE_TOKENS)))
+    pages = [page(10 + i) for i in range(4)]
+    assert store.batch_set(keys[:2], pages[:2])
+    sets = store.stats["sets"]
+    assert store.batch_set(keys, pages)
+    assert store.stats["sets"] - sets == 2 and store.stats["sets_skipped"] == 2
+    assert store.batch_exists(keys) == 4
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_pool_pages_round_trip_the_way_the_cache_controller_moves_them(kvserver, layout):
+    b = backend(kvserver.url)
+    host = host_pool(layout)
+    b.register_mem_pool_host(host)
+    try:
+        tokens = list(range(5000, 5000 + 3 * PAGE_TOKENS))
+        keys = page_hashes(tokens)
+        written = host.alloc(len(keys) * PAGE_TOKENS)
+        host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.kv_buffer.dtype))
+        want = [host.get_data_page(written[i * PAGE_TOKENS]).clone() for i in range(len(keys))]
+        # HiCacheController._generic_page_set
+        assert b.batch_set(keys, [host.get_data_page(written[i * PAGE_TOKENS]) for i in range(len(keys))])
+
+        # HiCacheController._storage_hit_query, then _generic_page_get into other host pages
+        assert b.batch_exists(keys) == 3
+        read = host.alloc(len(keys) * PAGE_TOKENS)
+        dummy = [host.get_dummy_flat_data_page() for _ in keys]
+        got = b.batch_get(keys, dummy)
+        for i in range(len(keys)):
+            assert got[i] is dummy[i]
+            host.set_from_flat_data_page(read[i * PAGE_TOKENS], got[i])
+            assert torch.equal(host.get_data_page(read[i * PAGE_TOKENS]), want[i])
+    finally:
+        b.close()
+
+
+def test_ranks_models_and_layouts_never_read_each_others_pages(kvserver):
+    key = page_hashes(list(range(PAGE_TOKENS)))[0]
+
+    def kvkey(layout: str = "layer_first", **kw: object) -> str:
+        b = backend(kvserver.url, **kw)
+        b.register_mem_pool_host(host_pool(layout))
+        b.close()
+        return b.key_of(key)
+
+    base = kvkey()
+    others = {kvkey(tp_rank=1, tp_size=2), kvkey(tp_rank=0, tp_size=2), kvkey(model="other/model"), kvkey("page_first")}
+    assert len(others | {base}) == 5
+    # MLA: every TP rank holds the whole latent KV, so ranks share pages.
+    assert kvkey(mla=True, tp_rank=1, tp_size=2) == kvkey(mla=True, tp_rank=0, tp_size=2)
+
+
+def test_a_store_of_another_page_size_is_refused_with_both_numbers(caplog):
+    with ServerProcess(block_bytes=PAGE_BYTES * 2) as other:
+        b = backend(other.url)
+        try:
+            with pytest.raises(ValueError, match=rf"{PAGE_BYTES * 2} bytes.*{PAGE_BYTES} bytes.*--block-bytes"):
+                b.register_mem_pool_host(host_pool())
+        finally:
+            b.close()
+        # Without a host pool the sizes meet at the first set: refused, not raised.
+        b = backend(other.url, page_size=PAGE_TOKENS)
+        caplog.set_level(logging.WARNING, logger="kvtier.sglang")
+        assert not b.set(page_hashes(list(range(PAGE_TOKENS)))[0], page(1))
+        assert any(str(PAGE_BYTES * 2) in r.getMessage() and str(PAGE_BYTES) in r.getMessage() for r in caplog.records)
+        b.close()
+
+
+def test_a_stopped_server_gives_misses_not_exceptions(caplog):
+    server = ServerProcess(block_bytes=PAGE_BYTES).start()
+    b = backend(server.url, page_size=PAGE_TOKENS, down_s=0.5, timeout_s=2)
+    try:
+        keys = page_hashes(list(range(9000, 9000 + 2 * PAGE_TOKENS)))
+        assert b.batch_set(keys, [page(1), page(2)])
+        server.kill()
+        caplog.set_level(logging.WARNING, logger="kvtier.sglang")
+        started = time.monotonic()
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get(keys, [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in keys]) == [None, None]
+        assert not b.batch_set(keys, [page(1), page(2)])
+        assert not b.exists(keys[0]) and b.get(keys[0]) is None
+        assert time.monotonic() - started < 5
+        assert any("kvtier" in r.getMessage() for r in caplog.records)
+
+        start_on_same_port(server)
+        time.sleep(0.6)
+        assert b.batch_exists(keys) == 2
+    finally:
+        b.close()
+        server.stop()
