@@ -229,6 +229,11 @@ def test_a_store_of_another_page_size_is_refused_with_both_numbers(caplog):
         b.close()
 
 
+def test_interface_v1_is_refused_at_start(kvserver):
+    with pytest.raises(ValueError, match="interface_v1"):
+        StorageBackendFactory.create_backend("dynamic", storage_config(kvserver.url, interface_v1=1), None)
+
+
 def test_a_stopped_server_gives_misses_not_exceptions(caplog):
     server = ServerProcess(block_bytes=PAGE_BYTES).start()
     b = backend(server.url, page_size=PAGE_TOKENS, down_s=0.5, timeout_s=2)

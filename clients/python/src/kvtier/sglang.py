@@ -110,9 +110,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
     of the keys and checks the server's ``block_bytes``.
 
     Raises:
-        ValueError: from :meth:`register_mem_pool_host` when the server's
-            ``block_bytes`` is not the host pool's page size (both named),
-            which makes SGLang refuse to attach the backend.
+        ValueError: at construction when the extra config asks for
+            ``interface_v1``; from :meth:`register_mem_pool_host` when the
+            server's ``block_bytes`` is not the host pool's page size (both
+            named). Either makes SGLang refuse to attach the backend.
 
     Attributes:
         stats: counters (``exists_queries``, ``exists_hits``, ``gets``,
@@ -122,6 +123,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         settings = dict(storage_config.extra_config or {})
+        if _truthy(settings.get("interface_v1", 0)):
+            raise ValueError(
+                "kvtier.sglang implements HiCache's generic page interface, not interface_v1 "
+                "(zero-copy batch_get_v1/batch_set_v1): remove interface_v1 from the extra config"
+            )
         self.url = str(settings.get("url", "http://127.0.0.1:8085"))
         token_file = settings.get("token_file")
         token = Path(str(token_file)).read_text().strip() if token_file else None
