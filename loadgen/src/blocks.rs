@@ -95,7 +95,7 @@ pub async fn run(
                             rng ^= rng >> 7;
                             rng ^= rng << 17;
                             let key = format!("blocks-{block_bytes}-{}", rng % working_set as u64);
-                            matches!(client.get(&key).await, Ok(Some((body, _))) if payloads.verify(&key, &body, false))
+                            matches!(client.get(&key).await, Ok(Some((body, _))) if payloads.verify_body(&key, &body, false))
                         }
                     };
                     if ok {

@@ -32,6 +32,8 @@ pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(10);
 
 /// SETTINGS_MAX_FRAME_SIZE this client advertises: 1 MiB.
 pub const H2_FRAME_BYTES_MAX: u32 = 1 << 20;
+/// Largest HTTP/1 read buffer: 4 MiB.
+pub const H1_READ_BUFFER_BYTES_MAX: usize = 4 << 20;
 /// Per-stream receive window: one 16 MiB block.
 pub const H2_STREAM_WINDOW_BYTES: u32 = 16 << 20;
 /// Per-connection receive window: 128 MiB, so several block reads proceed
@@ -77,6 +79,64 @@ impl Body for ChunkedBody {
     }
 }
 
+/// A response body as the frames it arrived in. A 16 MiB GET arrives as
+/// dozens of frames; joining them into one buffer copied every byte a second
+/// time and made the loadgen read slower than a plain Python `http.client`
+/// pool (`make bench-python`), so readers check the frames where they are.
+#[derive(Debug, Clone, Default)]
+pub struct BodyChunks {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+impl BodyChunks {
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the body is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The frames, in order.
+    pub fn chunks(&self) -> &[Bytes] {
+        &self.chunks
+    }
+
+    /// The body as one buffer: free for a one-frame body, a copy otherwise
+    /// (for JSON answers and error messages, not block reads).
+    pub fn to_bytes(&self) -> Bytes {
+        match self.chunks.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            many => Bytes::from(many.concat()),
+        }
+    }
+
+    /// This body with `chunk` appended.
+    pub fn with(mut self, chunk: Bytes) -> Self {
+        self.push(chunk);
+        self
+    }
+
+    fn push(&mut self, chunk: Bytes) {
+        if !chunk.is_empty() {
+            self.len += chunk.len();
+            self.chunks.push(chunk);
+        }
+    }
+}
+
+impl From<Bytes> for BodyChunks {
+    fn from(bytes: Bytes) -> Self {
+        let mut body = BodyChunks::default();
+        body.push(bytes);
+        body
+    }
+}
+
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -119,8 +179,8 @@ pub struct Answer {
     pub status: StatusCode,
     /// `x-kvtier-tier`, if sent.
     pub tier: Option<String>,
-    /// The whole body.
-    pub body: Bytes,
+    /// The whole body, as the frames it arrived in.
+    pub body: BodyChunks,
     /// `Retry-After` in seconds, if sent (kvtier sends it with a 503 when
     /// overloaded).
     pub retry_after: Option<Duration>,
@@ -161,6 +221,10 @@ impl Client {
                         .http2_initial_stream_window_size(H2_STREAM_WINDOW_BYTES)
                         .http2_initial_connection_window_size(H2_CONNECTION_WINDOW_BYTES)
                         .http2_adaptive_window(false);
+                } else {
+                    // hyper's HTTP/1 reads grow to at most this per syscall
+                    // (default ~400 KiB): a 16 MiB body in fewer reads.
+                    b.http1_max_buf_size(H1_READ_BUFFER_BYTES_MAX);
                 }
                 b.build(connector)
             })
@@ -218,7 +282,13 @@ impl Client {
         let tier = resp.headers().get("x-kvtier-tier").and_then(|v| v.to_str().ok()).map(str::to_string);
         let retry_after =
             resp.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok()).map(Duration::from_secs);
-        let body = resp.into_body().collect().await.map_err(|e| transport(&e))?.to_bytes();
+        let mut incoming = resp.into_body();
+        let mut body = BodyChunks::default();
+        while let Some(frame) = incoming.frame().await {
+            if let Ok(data) = frame.map_err(|e| transport(&e))?.into_data() {
+                body.push(data);
+            }
+        }
         Ok(Answer { status, tier, body, retry_after })
     }
 
@@ -260,7 +330,12 @@ impl Client {
     }
 
     fn unexpected(method: Method, path: &str, a: Answer) -> ClientError {
-        ClientError::Status { method, path: path.to_string(), status: a.status, body: String::from_utf8_lossy(&a.body).into_owned() }
+        ClientError::Status {
+            method,
+            path: path.to_string(),
+            status: a.status,
+            body: String::from_utf8_lossy(&a.body.to_bytes()).into_owned(),
+        }
     }
 
     /// `PUT /v1/blocks/{key}`; returns 201 (created) or 200 (replaced).
@@ -280,7 +355,7 @@ impl Client {
     ///
     /// # Errors
     /// [`ClientError::Status`] for statuses other than 200 and 404.
-    pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Option<String>)>, ClientError> {
+    pub async fn get(&self, key: &str) -> Result<Option<(BodyChunks, Option<String>)>, ClientError> {
         let path = format!("/v1/blocks/{key}");
         let a = self.send_honouring_retry_after(Method::GET, &path, Vec::new(), None).await?;
         match a.status {
@@ -302,8 +377,8 @@ impl Client {
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::POST, path, a));
         }
-        let v: Value =
-            serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })?;
+        let v: Value = serde_json::from_slice(&a.body.to_bytes())
+            .map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })?;
         v["prefix_hits"]
             .as_u64()
             .map(|n| n as usize)
@@ -321,7 +396,7 @@ impl Client {
         if a.status != StatusCode::OK {
             return Err(Self::unexpected(Method::GET, path, a));
         }
-        serde_json::from_slice(&a.body).map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })
+        serde_json::from_slice(&a.body.to_bytes()).map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })
     }
 
     /// The server's block geometry: `(block_bytes, block_tokens, model)`.

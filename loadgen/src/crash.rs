@@ -436,7 +436,8 @@ impl Worker {
         match self.client.get(key).await {
             Ok(got) => {
                 self.counters.reads.fetch_add(1, Ordering::Relaxed);
-                self.shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), since, "read under load");
+                let body = got.map(|(b, _)| b.to_bytes());
+                self.shared.check_read(key, body.as_deref(), since, "read under load");
             }
             Err(e) => {
                 self.first_error.note(e.to_string());
@@ -499,7 +500,8 @@ async fn verify_all(shared: &Arc<Shared>, url: &str, workers: usize, round: usiz
                 let Some(key) = keys.get(i) else { return Ok(()) };
                 let got = client.get(key).await.map_err(|e| format!("verifying {key} after restart {round}: {e}"))?;
                 let when = format!("after restart {round}");
-                let found = shared.check_read(key, got.as_ref().map(|(b, _)| &b[..]), None, &when);
+                let body = got.as_ref().map(|(b, _)| b.to_bytes());
+                let found = shared.check_read(key, body.as_deref(), None, &when);
                 let mut map = shared.keys.lock().unwrap();
                 let s = map.get_mut(key).expect("key listed");
                 match found {

@@ -10,6 +10,7 @@
 use bytes::Bytes;
 use rand::{RngCore, SeedableRng};
 
+use crate::client::BodyChunks;
 use crate::keys::KEY_CHARS;
 
 /// Generates and checks payloads for one block size.
@@ -47,12 +48,41 @@ impl Payloads {
     /// Whether `body` is exactly the payload of `key` (the stamp is compared
     /// in full; with `full`, the rest too).
     pub fn verify(&self, key: &str, body: &[u8], full: bool) -> bool {
-        if body.len() != self.base.len() {
+        self.verify_parts(key, std::iter::once(body), body.len(), full)
+    }
+
+    /// [`Payloads::verify`] of a body kept as the frames it arrived in.
+    pub fn verify_body(&self, key: &str, body: &BodyChunks, full: bool) -> bool {
+        self.verify_parts(key, body.chunks().iter().map(|c| &c[..]), body.len(), full)
+    }
+
+    fn verify_parts<'a>(&self, key: &str, parts: impl Iterator<Item = &'a [u8]>, len: usize, full: bool) -> bool {
+        if len != self.base.len() {
             return false;
         }
         let n = self.stamp_len();
-        let expected = self.chunks(key);
-        body[..n] == expected[0][..] && (!full || body[n..] == self.base[n..])
+        let stamp = &self.chunks(key)[0];
+        let mut offset = 0;
+        for part in parts {
+            let end = offset + part.len();
+            if offset < n {
+                let k = n.min(end) - offset;
+                if part[..k] != stamp[offset..offset + k] {
+                    return false;
+                }
+            }
+            if end > n {
+                if !full {
+                    return true;
+                }
+                let from = offset.max(n);
+                if part[from - offset..] != self.base[from..end] {
+                    return false;
+                }
+            }
+            offset = end;
+        }
+        true
     }
 }
 
@@ -69,5 +99,28 @@ mod tests {
         assert!(!p.verify("k2", &body, false));
         assert_eq!(Payloads::new(4096, 7).chunks("k1").concat(), body);
         assert_ne!(Payloads::new(4096, 8).chunks("k1").concat(), body);
+    }
+
+    #[test]
+    fn bodies_in_frames_verify_like_whole_ones() {
+        let p = Payloads::new(4096, 7);
+        let whole = Bytes::from(p.chunks("k1").concat());
+        for cuts in [vec![4096], vec![1, 4095], vec![10, 30, 4056], vec![32, 1, 4063], vec![100, 100, 3896]] {
+            let mut body = BodyChunks::default();
+            let mut at = 0;
+            for cut in cuts {
+                body = body.with(whole.slice(at..at + cut));
+                at += cut;
+            }
+            assert!(p.verify_body("k1", &body, true));
+            assert!(p.verify_body("k1", &body, false));
+            assert!(!p.verify_body("k2", &body, false));
+        }
+        let mut flipped = whole.to_vec();
+        flipped[2000] ^= 1;
+        let body = BodyChunks::from(Bytes::from(flipped[..1000].to_vec())).with(Bytes::from(flipped[1000..].to_vec()));
+        assert!(p.verify_body("k1", &body, false), "a stamp check reads only the stamp");
+        assert!(!p.verify_body("k1", &body, true), "a full check finds the flipped byte");
+        assert!(!p.verify_body("k1", &BodyChunks::from(whole.slice(..4095)), false), "short");
     }
 }

@@ -565,7 +565,7 @@ impl Shared {
                                 stats.by_tier.record(&block.tier, us);
                                 self.bucket(&mut stats).blocks_read += 1;
                                 streak = 0;
-                                if !self.payloads.verify(key, &block.body, self.cfg.verify_full) {
+                                if !self.payloads.verify_body(key, &block.body, self.cfg.verify_full) {
                                     stats.wrong_bytes += 1;
                                     eprintln!("kvtier-loadgen: block {key} read back with wrong bytes");
                                 }

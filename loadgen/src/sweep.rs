@@ -470,7 +470,7 @@ impl Level {
                         }
                         match found {
                             Some(block) => {
-                                if !wl.payloads.verify(key, &block.body, false) {
+                                if !wl.payloads.verify_body(key, &block.body, false) {
                                     st.wrong_bytes += 1;
                                 }
                                 if counted {

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use redis::aio::MultiplexedConnection;
 use redis::{RedisWrite, ToRedisArgs, ToSingleRedisArg};
 
-use crate::client::{Client, ClientError};
+use crate::client::{BodyChunks, Client, ClientError};
 
 /// How long a Redis command may take before it counts as failed: 60 s (a
 /// 16 MiB value behind 63 others on one server is slow, not lost). The
@@ -115,7 +115,7 @@ pub enum Target {
 /// `"redis"` for Redis).
 pub struct ReadBlock {
     /// The block's bytes.
-    pub body: Bytes,
+    pub body: BodyChunks,
     /// Where it was served from.
     pub tier: String,
 }
@@ -227,7 +227,7 @@ impl Target {
             }
             Target::Redis(r) => {
                 let v: Option<Bytes> = redis::cmd("GET").arg(key).query_async(&mut r.conn()).await.map_err(|e| r.fail(e))?;
-                Ok(v.map(|body| ReadBlock { body, tier: "redis".into() }))
+                Ok(v.map(|body| ReadBlock { body: body.into(), tier: "redis".into() }))
             }
         }
     }
