@@ -230,7 +230,13 @@ class KvtierTier(SecondaryTierManager):
         self._in_flight = 0
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._closed = False
-        self._check_geometry(at_start=True)
+        try:
+            self._check_geometry(at_start=True)
+        except ValueError:
+            self.client.close()
+            if self._rows is not primary_kv_view:
+                self._rows.release()  # else vLLM cannot unmap its CPU tier while cleaning up
+            raise
         self._lookups = _Lookups(self)
         logger.info(
             "kvtier tier %s: chunks of %d bytes, namespace %s",
