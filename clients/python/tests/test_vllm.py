@@ -182,6 +182,19 @@ def test_vllm_builds_the_tier_from_the_documented_config(kvserver):
         manager.shutdown()  # also unmaps the primary: the tier must have let go of it
 
 
+def test_vllm_hands_the_tier_its_backpressure_detector(kvserver):
+    """`backpressure` in the tier's entry is vLLM's: it builds the detector and
+    drops stores while kvtier is slower than the configured water marks."""
+    entry = extra_config(kvserver.url, backpressure={"backpressure_cls": "EMABackpressureDetector"})
+    t = SecondaryTierFactory.create_secondary_tier(
+        entry["secondary_tiers"][0], tensor_view()[1], spec_for(kvserver.url)
+    )
+    try:
+        assert isinstance(t, KvtierTier) and t.bp_detector is not None
+    finally:
+        t.shutdown()
+
+
 def test_store_then_load_into_other_chunks_round_trips_the_bytes(tier, kvserver):
     t, tensor = tier
     tensor[:] = torch.rand(NUM_CHUNKS, ROW_BYTES // 4)
