@@ -76,7 +76,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .client import Client
 from .errors import KvtierConnectionError, KvtierError
-from .keys import Namespace
+from .keys import Namespace, block_id_hex
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -249,7 +249,7 @@ class KvtierTier(SecondaryTierManager):
 
     def key_of(self, key: OffloadKey) -> str:
         """The kvtier key of a vLLM ``OffloadKey`` (block hash ‖ group index)."""
-        return f"{self._fingerprint}-{bytes(key).hex()}"
+        return f"{self._fingerprint}-{block_id_hex(bytes(key))}"
 
     def _check_geometry(self, at_start: bool = False) -> bool:
         """Compares the server's ``block_bytes`` with the row stride once the
