@@ -15,7 +15,7 @@ use serde_json::Value;
 
 async fn send(c: &kvtier_loadgen::client::Client, m: Method, path: &str, body: Vec<Bytes>) -> (StatusCode, Option<String>, Bytes) {
     let a = c.send(m, path, ChunkedBody::new(body), None).await.unwrap();
-    (a.status, a.tier, a.body)
+    (a.status, a.tier, a.body.to_bytes())
 }
 
 fn error_code(body: &Bytes) -> String {
@@ -139,7 +139,7 @@ async fn hundred_concurrent_streams_on_one_connection() {
                 let key = format!("stream-{i}");
                 c.put(&key, vec![payload(&key)]).await.unwrap();
                 let (body, _) = c.get(&key).await.unwrap().unwrap();
-                assert_eq!(body, payload(&key));
+                assert_eq!(body.to_bytes(), payload(&key));
             })
         })
         .collect();
@@ -167,7 +167,7 @@ async fn restart_keeps_data_after_sigterm_and_after_kill_9() {
     let c = client(&server, true);
     assert!(c.get(&keys[0]).await.unwrap().is_none(), "a delete survives restart");
     for k in &keys[1..] {
-        assert_eq!(c.get(k).await.unwrap().expect(k).0, payload(k));
+        assert_eq!(c.get(k).await.unwrap().expect(k).0.to_bytes(), payload(k));
     }
     // Acknowledged writes survive a crash: every PUT was on disk (O_DIRECT)
     // before its 201.
@@ -180,7 +180,7 @@ async fn restart_keeps_data_after_sigterm_and_after_kill_9() {
     let server = start(&args);
     let c = client(&server, false);
     for k in keys[1..].iter().chain(&more) {
-        assert_eq!(c.get(k).await.unwrap().expect(k).0, payload(k));
+        assert_eq!(c.get(k).await.unwrap().expect(k).0.to_bytes(), payload(k));
     }
     assert_eq!(c.stats().await.unwrap()["totals"]["blocks"], 39);
     server.stop();
@@ -285,7 +285,7 @@ async fn corrupt_block_is_a_miss_and_fsck_names_it() {
     let (status, _, body) = send(&c, Method::GET, &format!("/v1/blocks/{}", keys[1]), vec![]).await;
     assert_eq!((status, error_code(&body).as_str()), (StatusCode::NOT_FOUND, "corrupt_block"));
     for k in [&keys[0], &keys[2]] {
-        assert_eq!(c.get(k).await.unwrap().unwrap().0, payload(k));
+        assert_eq!(c.get(k).await.unwrap().unwrap().0.to_bytes(), payload(k));
     }
     assert_eq!(c.stats().await.unwrap()["totals"]["corrupt_blocks"], 1);
     server.stop();
@@ -304,7 +304,7 @@ async fn metrics_count_requests_per_route_and_shard() {
     assert!(c.get("missing").await.unwrap().is_none());
     let a = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
     assert_eq!(a.status, StatusCode::OK);
-    let text = String::from_utf8(a.body.to_vec()).unwrap();
+    let text = String::from_utf8(a.body.to_bytes().to_vec()).unwrap();
     let value = |line_start: &str| -> f64 {
         text.lines().filter(|l| l.starts_with(line_start)).map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap()).sum()
     };

@@ -127,7 +127,7 @@ async fn damaged_files_are_found_by_fsck_and_never_served() {
             assert!(got.is_none(), "damaged {k} was served");
         } else {
             let (body, _) = got.unwrap_or_else(|| panic!("intact {k} missing"));
-            assert!(body == payload(k), "{k} served wrong bytes");
+            assert!(body.to_bytes() == payload(k), "{k} served wrong bytes");
         }
     }
     let stats = c.stats().await.unwrap();
@@ -145,14 +145,14 @@ async fn damaged_files_are_found_by_fsck_and_never_served() {
     }
     // A new PUT heals a damaged key; the others keep working.
     c.put(a, vec![payload(a)]).await.unwrap();
-    assert!(c.get(a).await.unwrap().unwrap().0 == payload(a));
+    assert!(c.get(a).await.unwrap().unwrap().0.to_bytes() == payload(a));
     assert!(server.stop().success());
 
     // After a clean restart, still consistent: the healed key reads, the
     // other damaged ones stay missing.
     let server = start(&args);
     let c = client(&server, false);
-    assert!(c.get(a).await.unwrap().unwrap().0 == payload(a));
+    assert!(c.get(a).await.unwrap().unwrap().0.to_bytes() == payload(a));
     assert!(c.get(b).await.unwrap().is_none() && c.get(c_key).await.unwrap().is_none());
     assert!(server.stop().success());
 }

@@ -60,7 +60,7 @@ impl Drop for LoopFs {
 
 async fn put(c: &Client, key: &str) -> (StatusCode, Value) {
     let a = c.send(Method::PUT, &format!("/v1/blocks/{key}"), ChunkedBody::new(vec![payload(key)]), None).await.unwrap();
-    let v = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+    let v = serde_json::from_slice(&a.body.to_bytes()).unwrap_or(Value::Null);
     (a.status, v)
 }
 
@@ -91,7 +91,7 @@ async fn fill(c: &Client, prefix: &str) -> (Vec<String>, Value) {
 async fn assert_all_read_back(c: &Client, keys: &[String]) {
     for key in keys {
         let (body, _) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} lost"));
-        assert!(body == payload(key), "{key} read back wrong");
+        assert!(body.to_bytes() == payload(key), "{key} read back wrong");
     }
 }
 
@@ -153,7 +153,7 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     assert!(s["totals"]["disk_full_refusals"].as_u64().unwrap() >= 30, "{}", s["totals"]);
     assert_eq!(s["totals"]["evicted_blocks"], 0, "nothing stored was evicted to make room");
     let metrics = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
-    assert!(String::from_utf8_lossy(&metrics.body).contains("kvtier_shard_disk_full_refusals"));
+    assert!(String::from_utf8_lossy(&metrics.body.to_bytes()).contains("kvtier_shard_disk_full_refusals"));
     // Over HTTP/1.1 too, and a DELETE of an unknown key is still a 404.
     let h1 = client(&server, true);
     assert_eq!(put(&h1, "a-h1-extra").await.0, StatusCode::INSUFFICIENT_STORAGE);
@@ -195,7 +195,7 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     // Evicted blocks are misses, never wrong bytes.
     for key in stored.iter().chain(&more) {
         if let Some((body, _)) = c.get(key).await.unwrap() {
-            assert!(body == payload(key), "{key} read back wrong after reclaim");
+            assert!(body.to_bytes() == payload(key), "{key} read back wrong after reclaim");
         }
     }
     assert!(server.stop().success());

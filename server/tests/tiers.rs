@@ -34,14 +34,14 @@ async fn tiers_of(c: &Client, keys: &[&str]) -> Vec<String> {
     let body = serde_json::to_vec(&json!({ "keys": keys })).unwrap();
     let a = c.send(Method::POST, "/v1/lookup", ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await.unwrap();
     assert_eq!(a.status, StatusCode::OK);
-    let v: Value = serde_json::from_slice(&a.body).unwrap();
+    let v: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
     v["tiers"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
 }
 
 /// GETs `key`, checks its bytes, returns the serving tier.
 async fn read_tier(c: &Client, key: &str) -> String {
     let (body, tier) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} not found"));
-    assert_eq!(body, payload(key), "{key} read back with other bytes");
+    assert_eq!(body.to_bytes(), payload(key), "{key} read back with other bytes");
     tier.expect("x-kvtier-tier")
 }
 
@@ -79,7 +79,7 @@ async fn lru_order_demotion_and_promotion() {
     let nvme = tier(&stats, "nvme");
     assert_eq!((nvme["used_blocks"].as_u64(), nvme["hits"].as_u64()), (Some(5), Some(1)), "write-through keeps every block on NVMe");
     let metrics = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
-    let text = String::from_utf8_lossy(&metrics.body);
+    let text = String::from_utf8_lossy(&metrics.body.to_bytes()).into_owned();
     assert!(text.contains("kvtier_tier_hits_total{tier=\"ram\"} 2"), "{text}");
     assert!(text.contains("kvtier_tier_used_blocks{tier=\"nvme\"} 5"), "{text}");
     server.stop();
@@ -138,7 +138,7 @@ async fn write_back_loses_only_memory_blocks_on_a_crash_and_write_through_none()
         let mut found = Vec::new();
         for k in &keys {
             if let Some((body, _)) = c.get(k).await.unwrap() {
-                assert_eq!(body, payload(k), "{policy}: {k}");
+                assert_eq!(body.to_bytes(), payload(k), "{policy}: {k}");
                 found.push(k.clone());
             }
         }
@@ -213,7 +213,7 @@ async fn prefetch_promotes_stored_blocks_in_the_background() {
     let body = serde_json::to_vec(&json!({ "keys": ["a", "never-stored"] })).unwrap();
     let a = c.send(Method::POST, "/v1/prefetch", ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await.unwrap();
     assert_eq!(a.status, StatusCode::ACCEPTED);
-    assert_eq!(serde_json::from_slice::<Value>(&a.body).unwrap(), json!({ "requested": 2, "found": 1 }));
+    assert_eq!(serde_json::from_slice::<Value>(&a.body.to_bytes()).unwrap(), json!({ "requested": 2, "found": 1 }));
     let deadline = Instant::now() + Duration::from_secs(5);
     while tiers_of(&c, &["a"]).await != ["ram"] {
         assert!(Instant::now() < deadline, "prefetch did not promote a");
@@ -223,7 +223,7 @@ async fn prefetch_promotes_stored_blocks_in_the_background() {
     assert_eq!(tier(&c.stats().await.unwrap(), "ram")["promotions"], 1);
     for (body, status) in [(&b"{\"keys\":\"a\"}"[..], StatusCode::BAD_REQUEST), (&b"{\"keys\":[\"../x\"]}"[..], StatusCode::BAD_REQUEST)] {
         let a = c.send(Method::POST, "/v1/prefetch", ChunkedBody::new(vec![Bytes::copy_from_slice(body)]), None).await.unwrap();
-        assert_eq!(a.status, status, "{}", String::from_utf8_lossy(&a.body));
+        assert_eq!(a.status, status, "{}", String::from_utf8_lossy(&a.body.to_bytes()));
     }
     let a = c.send(Method::GET, "/v1/prefetch", ChunkedBody::default(), None).await.unwrap();
     assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
