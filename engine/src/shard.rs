@@ -583,11 +583,10 @@ impl Shard {
     /// segment until it drops an [`InFlight::adopt`] guard of it.
     ///
     /// A reclaim that keeps survivors hands their copy to a task of its
-    /// own and releases the slot lock first: other writers take slots after
-    /// the survivors' while they move (each waits only until the copy has
-    /// read the old slot it is about to overwrite, see [`Shard::append`]);
-    /// the writer that triggered the reclaim waits for the copy, then takes
-    /// its slot like any other.
+    /// own and releases the slot lock first: writers, the one that
+    /// triggered the reclaim included, take slots after the survivors'
+    /// while they move, each waiting only until the copy has read the old
+    /// slot it is about to overwrite (see [`Shard::append`]).
     async fn allocate_slot(&self) -> Result<(Rc<Segment>, u32, u64)> {
         loop {
             let compaction = {
@@ -631,15 +630,15 @@ impl Shard {
         unreachable!("a fresh head segment always has a free slot")
     }
 
-    /// Moves a reclaim's survivors in a task of its own (so that a writer
-    /// that gives up waiting cannot leave the move half done) and waits for
-    /// it.
+    /// Starts moving a reclaim's survivors in a task of its own: no writer
+    /// waits for the whole move, and one that gives up waiting cannot leave
+    /// it half done. The task holds the shard, so a close waits for it.
+    /// (A shard not wrapped by [`Shard::share`] moves them inline.)
     async fn run_compaction(&self, compaction: Compaction) {
         let shard = self.me.borrow().upgrade();
         match shard {
             Some(shard) => {
-                let task = glommio::spawn_local(async move { shard.move_survivors(compaction).await }).detach();
-                task.await;
+                glommio::spawn_local(async move { shard.move_survivors(compaction).await }).detach();
             }
             None => self.move_survivors(compaction).await,
         }

@@ -407,9 +407,10 @@ fn second_chance_keeps_a_block_read_since_written_once() {
             put(format!("x{i}")).await; // fills segments 1 and 2
         }
         put("y0".into()).await; // reclaims segment 0
+                                // h1 moves in the background; a read of it waits for the move.
+        assert_eq!(store.get("h1").await.unwrap().bytes, payload("h1", 4096));
         let s = &store.stats().await.unwrap()[0];
         assert_eq!((s.reclaimed_segments, s.second_chance_blocks), (1, 1), "{s:?}");
-        assert_eq!(store.get("h1").await.unwrap().bytes, payload("h1", 4096));
         for k in ["h0", "h2", "h3"] {
             assert!(matches!(store.get(k).await, Err(Error::NotFound)), "{k} should be evicted");
         }
@@ -622,9 +623,9 @@ fn writes_go_ahead_while_reclaim_moves_survivors_and_newer_writes_win_after_rest
             let k = format!("f{i}");
             store.put(&k, vec![old(&k)]).await.unwrap();
         }
-        // "t" reclaims segment 0 and waits for its 8 survivors to move;
-        // the others take slots 8, 9, 10 meanwhile, each waiting only for
-        // the survivor in its slot to be read.
+        // "t" reclaims segment 0, whose 8 survivors then move in the
+        // background; the writes take slots 8 to 11 meanwhile, each waiting
+        // only for the survivor in its slot to be read.
         let t = store.put("t", vec![old("t")]);
         let u = async {
             store.put("u", vec![old("u")]).await.unwrap();
@@ -636,6 +637,8 @@ fn writes_go_ahead_while_reclaim_moves_survivors_and_newer_writes_win_after_rest
         assert_eq!((t.unwrap(), k12.unwrap()), (PutOutcome::Created, PutOutcome::Replaced));
         k13.unwrap();
         assert!(moved_when_u_landed < 8, "a PUT waited for the whole survivor copy ({moved_when_u_landed} of 8 moved)");
+        // Reads of the last survivor wait for its move.
+        assert_eq!(store.get("k15").await.unwrap().bytes, old("k15"));
         let s = &store.stats().await.unwrap()[0];
         assert_eq!((s.reclaimed_segments, s.evicted_blocks, s.corrupt_blocks), (1, 8, 0), "{s:?}");
         check_after_concurrent_reclaim(store).await;
