@@ -8,7 +8,7 @@
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
-#   make test-python  the Python client and LMCache plugin against a real kvtier (in make test)
+#   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
@@ -30,7 +30,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python bench-python
+	python-env test-python test-lmcache test-vllm test-sglang bench-python
 
 all: build
 
@@ -38,11 +38,14 @@ help:
 	@sed -n '2,13p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
-# does) and redis-server (the loadgen's Redis target is tested against it).
+# does), redis-server (the loadgen's Redis target is tested against it), and
+# g++ with OpenSSL's headers (SGLang builds its page hash on first use).
 deps:
 	@missing=""; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v g++ >/dev/null || missing="$$missing g++"; \
+	[ -e /usr/include/openssl/sha.h ] || missing="$$missing libssl-dev"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
@@ -64,34 +67,53 @@ test: deps python-env
 	$(CARGO) test --workspace
 	$(MAKE) --no-print-directory test-python
 
-# The Python package (clients/python) and its LMCache plugin, in a virtualenv
-# under target/ made once and reused (lmcache pulls torch: several GB, a few
-# minutes the first time). Re-made when the pins change.
-PY_LMCACHE := target/py-lmcache
-$(PY_LMCACHE)/.installed: clients/python/requirements-lmcache.txt clients/python/pyproject.toml
-	@echo "installing the Python test environment in $(PY_LMCACHE) (lmcache, torch: a few minutes the first time)"
-	$(PYTHON) -m venv $(PY_LMCACHE)
-	$(PY_LMCACHE)/bin/pip install --quiet --disable-pip-version-check -r clients/python/requirements-lmcache.txt
-	$(PY_LMCACHE)/bin/pip install --quiet --disable-pip-version-check --no-deps -e clients/python
-	touch $@
+# The Python package (clients/python) and its engine connectors, each engine
+# in its own virtualenv under target/ (they pin different torch versions),
+# made once and reused; re-made when the pins change. First run here: lmcache
+# ~4 min / 6.3 GB, vllm ~6-8 min / 8.4 GB, sglang ~12 min / 11 GB.
+define python_env
+target/py-$(1)/.installed: clients/python/requirements-$(1).txt clients/python/pyproject.toml
+	@echo "installing the $(1) test environment in target/py-$(1) (first time: several minutes, several GB)"
+	$(PYTHON) -m venv target/py-$(1)
+	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check -r clients/python/requirements-$(1).txt
+	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-deps -e clients/python
+	touch $$@
+endef
+$(foreach engine,lmcache vllm sglang,$(eval $(call python_env,$(engine))))
 
-python-env: $(PY_LMCACHE)/.installed
+python-env: target/py-lmcache/.installed target/py-vllm/.installed target/py-sglang/.installed
 
-# Lint, then every Python test against the debug kvtier that cargo test built.
-test-python: python-env
+# Every Python test runs against the debug kvtier that cargo test built.
+PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen
+PYTEST = -m pytest -p no:cacheprovider -q
+
+# Lint, then the client and the LMCache plugin (lmcache's virtualenv also has
+# ruff); then each engine's connector in its own virtualenv.
+test-lmcache: target/py-lmcache/.installed
 	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
-	$(PY_LMCACHE)/bin/ruff check clients/python
-	$(PY_LMCACHE)/bin/ruff format --check clients/python
-	cd clients/python && KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen \
-	  $(CURDIR)/$(PY_LMCACHE)/bin/python -m pytest -p no:cacheprovider -q
+	target/py-lmcache/bin/ruff check clients/python
+	target/py-lmcache/bin/ruff format --check clients/python
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-lmcache/bin/python $(PYTEST) --ignore tests/test_vllm.py --ignore tests/test_sglang.py
+
+test-vllm: target/py-vllm/.installed
+	$(CARGO) build --quiet -p kvtier-server
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm.py
+
+# SGLang JIT-builds its page hash with the virtualenv's ninja (on PATH here).
+test-sglang: target/py-sglang/.installed
+	$(CARGO) build --quiet -p kvtier-server
+	cd clients/python && PATH=$(CURDIR)/target/py-sglang/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch-extensions \
+	  $(PYTEST_ENV) $(CURDIR)/target/py-sglang/bin/python $(PYTEST) tests/test_sglang.py
+
+test-python: test-lmcache test-vllm test-sglang
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
 # plain http.client pool, kvtier-loadgen blocks and one file per block
 # (warm and cold page cache), in one run; BENCH_PYTHON_ARGS e.g. "--pairs 5".
 BENCH_PYTHON_ARGS ?=
-bench-python: build python-env
+bench-python: build target/py-lmcache/.installed
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
-	  $(PY_LMCACHE)/bin/python clients/python/bench/bench_python.py --out target/bench/python $(BENCH_PYTHON_ARGS)
+	  target/py-lmcache/bin/python clients/python/bench/bench_python.py --out target/bench/python $(BENCH_PYTHON_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data

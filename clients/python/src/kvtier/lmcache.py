@@ -47,8 +47,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +55,7 @@ from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
+from ._connector import Failures
 from .aio import AsyncClient
 from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace
@@ -65,29 +64,6 @@ logger = logging.getLogger("kvtier.lmcache")
 
 #: Prefix of this plugin's settings in LMCache's ``extra_config``.
 SETTINGS_PREFIX = "remote_storage_plugin.kvtier."
-#: At most one warning of each kind per this many seconds.
-WARN_INTERVAL_S = 10.0
-
-
-class _RateLimitedWarnings:
-    """Logs a warning of each kind at most once per ``WARN_INTERVAL_S``, with
-    how many were held back since: a down server must not flood the log."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it since the last warning)" if held else ""
-        logger.warning("kvtier %s: %s%s", kind, message, suffix)
 
 
 class KvtierConnector(RemoteConnector):
@@ -129,10 +105,9 @@ class KvtierConnector(RemoteConnector):
             retries=int(settings.get("retries", 1)),
         )
         self.down_s = float(settings.get("down_s", 1.0))
-        self._down_until = 0.0
         self.chunk_tokens = int(local_cpu_backend.metadata.chunk_size)
         self.stats = {"gets": 0, "hits": 0, "misses": 0, "puts": 0, "puts_skipped_partial": 0, "errors": 0}
-        self._warnings = _RateLimitedWarnings()
+        self._failures = Failures(logger, self.down_s)
         self._geometry_checked = False
         self._check_geometry()
 
@@ -142,7 +117,7 @@ class KvtierConnector(RemoteConnector):
         """Compares the server's ``block_bytes`` with the full chunk size once
         the server is reachable. Unreachable: ``False`` (checked again at the
         next call). Mismatch: raises."""
-        if time.monotonic() < self._down_until:
+        if self._failures.down():
             return False
         if self._geometry_checked:
             return True
@@ -163,7 +138,7 @@ class KvtierConnector(RemoteConnector):
 
     async def _ready(self) -> bool:
         """Whether to try kvtier now: not marked down, geometry checked."""
-        if time.monotonic() < self._down_until:
+        if self._failures.down():
             return False
         if self._geometry_checked:
             return True
@@ -179,9 +154,7 @@ class KvtierConnector(RemoteConnector):
         """Counts and (rate-limited) logs a failure; a connection failure also
         marks the server down for ``down_s``."""
         self.stats["errors"] += 1
-        if isinstance(error, KvtierConnectionError):
-            self._down_until = time.monotonic() + self.down_s
-        self._warnings.warn(what, f"{self.url}: {error}; answered as a miss")
+        self._failures.record(what, f"{self.url}: {error}; answered as a miss", error)
 
     # ------------------------------------------------------- RemoteConnector
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -61,37 +60,15 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from ._connector import Failures
 from .client import Client
-from .errors import KvtierConnectionError, KvtierError
+from .errors import KvtierError
 from .keys import Namespace
 
 logger = logging.getLogger("kvtier.sglang")
 
-#: At most one warning of each kind per this many seconds.
-WARN_INTERVAL_S = 10.0
 
 T = TypeVar("T")
-
-
-class _RateLimitedWarnings:
-    """Logs a warning of each kind at most once per ``WARN_INTERVAL_S``, with
-    how many were held back since: a down server must not flood the log."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it since the last warning)" if held else ""
-        logger.warning("kvtier %s: %s%s", kind, message, suffix)
 
 
 def _truthy(value: Any) -> bool:
@@ -146,9 +123,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.page_bytes: int | None = None
         self._namespace: Namespace | None = None
         self._fingerprint = ""
-        self._down_until = 0.0
         self._geometry_checked = False
-        self._warnings = _RateLimitedWarnings()
+        self._failures = Failures(logger, self.down_s)
         self._lock = threading.Lock()
         self.stats = dict.fromkeys(
             ("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped", "errors"), 0
@@ -229,23 +205,21 @@ class KvtierHiCacheStorage(HiCacheStorage):
             )
             if at_start:
                 raise ValueError(message)
-            self._warnings.warn("geometry", message)
+            self._failures.warn("geometry", message)
             return False
         self._geometry_checked = True
         return True
 
     def _ready(self) -> bool:
         """Whether to try kvtier now: not marked down, geometry checked."""
-        return time.monotonic() >= self._down_until and self._check_geometry()
+        return not self._failures.down() and self._check_geometry()
 
     def _failed(self, what: str, error: Exception) -> None:
         """Counts and (rate-limited) logs a failure; a connection failure also
         marks the server down for ``down_s``."""
         with self._lock:
             self.stats["errors"] += 1
-        if isinstance(error, KvtierConnectionError):
-            self._down_until = time.monotonic() + self.down_s
-        self._warnings.warn(what, f"{self.url}: {error}; answered as a miss")
+        self._failures.record(what, f"{self.url}: {error}; answered as a miss", error)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -263,7 +237,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return [f.result() for f in futures]
 
     def _guard(self, what: str, fn: Callable[..., T], item: tuple[Any, ...], failed: T) -> T:
-        if time.monotonic() < self._down_until:
+        if self._failures.down():
             return failed
         try:
             return fn(*item)

@@ -74,35 +74,12 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from ._connector import Failures
 from .client import Client
 from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace, block_id_hex
 
 logger = logging.getLogger("kvtier.vllm")
-
-#: At most one warning of each kind per this many seconds.
-WARN_INTERVAL_S = 10.0
-
-
-class _RateLimitedWarnings:
-    """Logs a warning of each kind at most once per ``WARN_INTERVAL_S``, with
-    how many were held back since: a down server must not flood the log."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it since the last warning)" if held else ""
-        logger.warning("kvtier %s: %s%s", kind, message, suffix)
 
 
 def namespace_of(offloading_spec: OffloadingSpec) -> Namespace:
@@ -207,10 +184,9 @@ class KvtierTier(SecondaryTierManager):
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" else primary_kv_view
         )
         self._num_chunks = self._rows.nbytes // self.block_size_bytes
-        self._down_until = 0.0
         self._geometry_checked = False
         self._geometry_error: str | None = None
-        self._warnings = _RateLimitedWarnings()
+        self._failures = Failures(logger, self.down_s)
         self.stats = dict.fromkeys(
             (
                 "lookups",
@@ -257,7 +233,7 @@ class KvtierTier(SecondaryTierManager):
         at start) it is logged and every transfer fails."""
         if self._geometry_checked:
             return self._geometry_error is None
-        if time.monotonic() < self._down_until:
+        if self._failures.down():
             return False
         try:
             block_bytes = self.client.block_bytes
@@ -282,13 +258,11 @@ class KvtierTier(SecondaryTierManager):
         marks the server down for ``down_s``."""
         with self._lock:
             self.stats["errors"] += 1
-        if isinstance(error, KvtierConnectionError) and error.code != "server_down":
-            self._down_until = time.monotonic() + self.down_s
-        self._warnings.warn(what, f"{self.url}: {error}")
+        self._failures.record(what, f"{self.url}: {error}", error)
 
     def _ready(self) -> None:
         """Raises unless a transfer may be tried now."""
-        if time.monotonic() < self._down_until:
+        if self._failures.down():
             raise KvtierConnectionError(f"{self.url} is marked down after a failure", code="server_down")
         if not self._check_geometry():
             raise KvtierError(self._geometry_error or f"{self.url} cannot be reached", code="geometry")
