@@ -1222,14 +1222,20 @@ impl Shard {
         tiers
     }
 
-    /// Writes an index snapshot, then closes every segment file. Writes are
-    /// already on the device (each was acknowledged after its `O_DIRECT`
-    /// write completed).
+    /// Writes the write-back RAM blocks to the log, waits for any survivor
+    /// move to finish, writes an index snapshot, then closes every segment
+    /// file. Writes are already on the device (each was acknowledged after
+    /// its `O_DIRECT` write completed).
     pub async fn close(&self) {
         match self.flush_ram().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(shard = self.id(), blocks = n, "write-back blocks written to the log at close"),
             Err(e) => tracing::error!(shard = self.id(), "writing write-back blocks to the log at close failed; they are lost: {e}"),
+        }
+        // That flush may have reclaimed a segment: let its survivors finish
+        // moving before the snapshot and before the files close.
+        while self.segments.borrow().iter().flatten().any(|s| s.compacting.get()) {
+            glommio::timer::sleep(RECLAIM_POLL).await;
         }
         if let Err(e) = self.write_snapshot().await {
             tracing::warn!(shard = self.id(), "index snapshot at close failed (the next start scans headers): {e}");
