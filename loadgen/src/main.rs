@@ -548,7 +548,7 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
             }
             let level = sweep::run_level(target.clone(), workload.clone(), c, i, link.bytes_per_s).await;
             println!(
-                "{} c={:<3} {:>8.1} it/s {:>10.0} tokens/s  lookup p50/p99 {}/{} µs  read {}/{} µs  write {}/{} µs  errors {}",
+                "{} c={:<3} {:>8.1} it/s {:>10.0} tokens/s  lookup p50/p99 {}/{} µs  read {}/{} µs  write {}/{} µs  errors {}  refused (503, retried) {}",
                 target.kind(),
                 c,
                 level.iterations_per_s,
@@ -559,7 +559,8 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
                 level.latency.read.p99_us,
                 level.latency.write.p50_us,
                 level.latency.write.p99_us,
-                level.errors + level.wrong_bytes
+                level.errors + level.wrong_bytes,
+                level.refusals
             );
             if level.iterations == 0 && level.errors > 0 {
                 tr.error = Some(format!(

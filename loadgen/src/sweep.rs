@@ -185,6 +185,11 @@ pub struct LevelResult {
     pub prefix_hit_rate: f64,
     /// Failed operations during the level, warm-up included.
     pub errors: u64,
+    /// Requests the server refused with 503 and `Retry-After` (overload)
+    /// during the level, warm-up included; each was sent again after the
+    /// delay, which counts in its latency.
+    #[serde(default)]
+    pub refusals: u64,
     /// The first failure's message.
     pub first_error: Option<String>,
     /// Blocks read back with bytes other than written (must be 0).
@@ -575,6 +580,7 @@ pub async fn run_level(
     let cfg = workload.cfg.clone();
     let start = Instant::now() + Duration::from_secs_f64(cfg.warmup_s.max(0.0));
     let window = Window { start, end: start + Duration::from_secs_f64(cfg.duration_s.max(0.001)) };
+    let refusals_before = target.refusals();
     let level =
         Arc::new(Level { target: target.clone(), workload, window, first_error: FirstError::default(), stop: AtomicBool::new(false) });
     let workers: Vec<_> = (0..concurrency.max(1))
@@ -637,6 +643,7 @@ pub async fn run_level(
         lookup_hit_blocks: total.lookup_hit_blocks,
         prefix_hit_rate: ratio(total.lookup_hit_blocks, total.lookup_blocks),
         errors: total.errors,
+        refusals: target.refusals().saturating_sub(refusals_before),
         first_error: level.first_error.get(),
         wrong_bytes: total.wrong_bytes,
         latency: LevelLatency {
@@ -751,6 +758,7 @@ mod tests {
             lookup_hit_blocks: 560,
             prefix_hit_rate: 0.8,
             errors,
+            refusals: 0,
             first_error: None,
             wrong_bytes: 0,
             latency: LevelLatency { lookup: lat.clone(), read: lat.clone(), write: lat.clone(), iteration: lat },
