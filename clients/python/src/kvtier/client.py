@@ -30,6 +30,7 @@ from .errors import (
     BlockSizeError,
     KvtierConnectionError,
     KvtierError,
+    ServerError,
     error_from_response,
 )
 from .keys import check_key
@@ -289,7 +290,10 @@ class Client:
         retry_after = resp.getheader("Retry-After")
         if into is not None and resp.status == 200:
             length = resp.length if resp.length is not None else -1
-            if length < 0 or length > into.nbytes:
+            if length < 0:
+                conn.close()
+                raise ServerError(f"GET {path} answered 200 without a Content-Length", status=200, code="no_length")
+            if length > into.nbytes:
                 conn.close()  # the body stays unread; the connection cannot be reused
                 raise BlockSizeError(
                     f"buffer of {into.nbytes} bytes is too small for a block of {length} bytes",
