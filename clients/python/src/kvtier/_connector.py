@@ -10,11 +10,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 from .errors import KvtierConnectionError
 
 #: At most one warning of each kind per this many seconds.
 WARN_INTERVAL_S = 10.0
+
+
+def client_options(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`~kvtier.Client` arguments of a connector's settings, with
+    the defaults every connector documents: ``url``
+    (``http://127.0.0.1:8085``), ``token_file`` (read and stripped; none),
+    ``connections`` (8), ``timeout_s`` (10), ``retries`` (1).
+
+    Raises:
+        OSError: ``token_file`` cannot be read.
+        ValueError: a number that does not parse.
+    """
+    token_file = settings.get("token_file")
+    return {
+        "url": str(settings.get("url") or "http://127.0.0.1:8085"),
+        "token": Path(str(token_file)).read_text().strip() if token_file else None,
+        "connections": int(settings.get("connections", 8)),
+        "timeout_s": float(settings.get("timeout_s", 10.0)),
+        "retries": int(settings.get("retries", 1)),
+    }
 
 
 class Failures:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -55,7 +54,7 @@ from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from ._connector import Failures
+from ._connector import Failures, client_options
 from .aio import AsyncClient
 from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace
@@ -93,17 +92,9 @@ class KvtierConnector(RemoteConnector):
                 "kvtier stores each LMCache chunk as one fixed-size block without LMCache's metadata header: "
                 "set extra_config save_chunk_meta: false (and keep use_layerwise off)"
             )
-        self.url = str(settings.get("url", "http://127.0.0.1:8085"))
-        token = None
-        if settings.get("token_file"):
-            token = Path(str(settings["token_file"])).read_text().strip()
-        self.client = AsyncClient(
-            self.url,
-            token=token,
-            connections=int(settings.get("connections", 8)),
-            timeout_s=float(settings.get("timeout_s", 10.0)),
-            retries=int(settings.get("retries", 1)),
-        )
+        options = client_options(settings)
+        self.url = options["url"]
+        self.client = AsyncClient(**options)
         self.down_s = float(settings.get("down_s", 1.0))
         self.chunk_tokens = int(local_cpu_backend.metadata.chunk_size)
         self.stats = {"gets": 0, "hits": 0, "misses": 0, "puts": 0, "puts_skipped_partial": 0, "errors": 0}

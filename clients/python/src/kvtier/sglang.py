@@ -54,13 +54,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from ._connector import Failures
+from ._connector import Failures, client_options
 from .client import Client
 from .errors import KvtierError
 from .keys import Namespace
@@ -105,16 +104,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 "kvtier.sglang implements HiCache's generic page interface, not interface_v1 "
                 "(zero-copy batch_get_v1/batch_set_v1): remove interface_v1 from the extra config"
             )
-        self.url = str(settings.get("url", "http://127.0.0.1:8085"))
-        token_file = settings.get("token_file")
-        token = Path(str(token_file)).read_text().strip() if token_file else None
-        self.client = Client(
-            self.url,
-            token=token,
-            connections=int(settings.get("connections", 8)),
-            timeout_s=float(settings.get("timeout_s", 10.0)),
-            retries=int(settings.get("retries", 1)),
-        )
+        options = client_options(settings)
+        self.url = options["url"]
+        self.client = Client(**options)
         self.down_s = float(settings.get("down_s", 1.0))
         self.skip_existing = _truthy(settings.get("skip_existing", True))
         self._page_size: int | None = int(settings["page_size"]) if settings.get("page_size") else None

@@ -55,7 +55,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -74,7 +73,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ._connector import Failures
+from ._connector import Failures, client_options
 from .client import Client
 from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace, block_id_hex
@@ -173,9 +172,17 @@ class KvtierTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
-        self.url = url
-        token = Path(token_file).read_text().strip() if token_file else None
-        self.client = Client(url, token=token, connections=connections, timeout_s=timeout_s, retries=retries)
+        options = client_options(
+            {
+                "url": url,
+                "token_file": token_file,
+                "connections": connections,
+                "timeout_s": timeout_s,
+                "retries": retries,
+            }
+        )
+        self.url = options["url"]
+        self.client = Client(**options)
         self.down_s = float(down_s)
         self.namespace = namespace_of(offloading_spec)
         self._fingerprint = self.namespace.fingerprint
