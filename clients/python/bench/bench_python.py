@@ -132,6 +132,12 @@ def result(moved: int, elapsed_s: float, client_cpu_s: float, server_cpu_s: floa
 # ------------------------------------------------------------------ part 1
 
 
+def store_blocks(server: ServerProcess, keys: list[str], block_bytes: int) -> None:
+    """Stores every key of the working set (zero blocks), 8 PUTs at a time."""
+    with kvtier.Client(server.url, connections=8) as client:
+        client.put_many((k, bytes(block_bytes)) for k in keys)
+
+
 def bench_kvtier(server: ServerProcess, keys: list[str], block_bytes: int, op: str, c: int, seconds: float) -> dict:
     client = kvtier.Client(server.url, connections=c)
     pid = server.proc.pid
@@ -289,9 +295,7 @@ def main() -> int:
             with ServerProcess(
                 block_bytes=block_bytes, ram_gb=ram_gb, disk_gb=disk_gb, data_dir=str(data_root / f"kv-{block_bytes}")
             ) as server:
-                seed = kvtier.Client(server.url, connections=8)
-                seed.put_many((k, bytes(block_bytes)) for k in keys)
-                seed.close()
+                store_blocks(server, keys, block_bytes)
                 for op in ("get", "put"):
                     for c in levels:
                         runs: dict[str, list[dict]] = {"kvtier": [], "http.client": [], "loadgen": []}
@@ -330,9 +334,7 @@ def bench_files(args: argparse.Namespace, data_root: Path, block_bytes: int, key
             disk_gb=disk_gb,
             data_dir=str(data_root / f"kvfiles-{block_bytes}-{temperature}"),
         ) as server:
-            seed = kvtier.Client(server.url, connections=8)
-            seed.put_many((k, bytes(block_bytes)) for k in keys)
-            seed.close()
+            store_blocks(server, keys, block_bytes)
             files.mkdir(exist_ok=True)
             write_files(files, keys, block_bytes)
             for c in levels:

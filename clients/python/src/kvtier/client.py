@@ -353,12 +353,8 @@ class Client:
     def get(self, key: str) -> bytes | None:
         """The block stored under ``key``, or ``None`` on a miss (404, which
         includes a block dropped for failing its CRC)."""
-        answer = self._exchange("GET", self._block_path(key))
-        if answer.status == 200:
-            return answer.body
-        if answer.status == 404:
-            return None
-        raise answer.error()
+        answer = self._read(key)
+        return None if answer is None else answer.body
 
     def get_into(self, key: str, buf: Any) -> bool:
         """Reads the block under ``key`` straight into ``buf`` (a writable,
@@ -375,14 +371,7 @@ class Client:
             BlockSizeError: ``buf`` is smaller than the block.
             TypeError, ValueError: ``buf`` is read-only or not contiguous.
         """
-        path = self._block_path(key)
-        view = byte_view(buf, writable=True)
-        answer = self._exchange("GET", path, into=view)
-        if answer.status == 200:
-            return True
-        if answer.status == 404:
-            return False
-        raise answer.error()
+        return self._read(key, byte_view(buf, writable=True)) is not None
 
     def exists(self, key: str) -> bool:
         """Whether a block is stored under ``key`` (HEAD; moves nothing)."""
@@ -402,9 +391,15 @@ class Client:
     def tier_of(self, key: str) -> str | None:
         """Reads ``key`` and answers the tier it was served from (``"ram"``,
         ``"nvme"``, …), or ``None`` on a miss. For tests and diagnostics."""
-        answer = self._exchange("GET", self._block_path(key))
+        answer = self._read(key)
+        return None if answer is None else answer.tier
+
+    def _read(self, key: str, into: memoryview | None = None) -> _Answer | None:
+        """One GET: the answer of a hit (its body read into ``into`` when
+        given), ``None`` on a miss (404); any other status raises its error."""
+        answer = self._exchange("GET", self._block_path(key), into=into)
         if answer.status == 200:
-            return answer.tier
+            return answer
         if answer.status == 404:
             return None
         raise answer.error()
