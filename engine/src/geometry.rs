@@ -18,7 +18,10 @@ use crate::error::{Error, Result};
 pub const BLOCK_TOKENS_DEFAULT: u32 = 128;
 
 /// Version of `store.json` and of the on-disk segment format (docs/FORMAT.md).
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: slot headers carry a CRC-32 per chunk. A version 1 store opens and
+/// serves (its slots by their whole-block CRC) and is marked 2 on open,
+/// since new slots are written in the new layout.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The model whose geometry a store uses when none is given.
 pub const MODEL_DEFAULT: &str = "llama3.1-8b";
@@ -155,7 +158,9 @@ impl StoreManifest {
 
     /// Creates `store.json` in `dir` if absent (atomically: temp file, fsync,
     /// rename, fsync of the directory), or checks the existing one against
-    /// `self`.
+    /// `self`. An older store's manifest is rewritten with the current
+    /// [`FORMAT_VERSION`] (its slots still read; new ones use the new
+    /// layout, which an older kvtier must then refuse).
     ///
     /// # Errors
     /// [`Error::GeometryMismatch`] naming the stored and requested values of
@@ -169,22 +174,39 @@ impl StoreManifest {
                 let stored: StoreManifest = serde_json::from_slice(&bytes)
                     .map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))?;
                 self.check_against(dir, &stored)?;
+                if stored.format_version < FORMAT_VERSION {
+                    let upgraded = StoreManifest { format_version: FORMAT_VERSION, ..stored.clone() };
+                    upgraded.write(dir)?;
+                    tracing::info!(
+                        dir = %dir.display(),
+                        "store format {} upgraded to {FORMAT_VERSION}: existing blocks read as before, new ones carry per-chunk CRC-32s",
+                        stored.format_version
+                    );
+                    return Ok(upgraded);
+                }
                 Ok(stored)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
-                let body = serde_json::to_vec_pretty(self).expect("manifest serializes");
-                let mut f = fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-                f.write_all(&body)
-                    .and_then(|_| f.write_all(b"\n"))
-                    .and_then(|_| f.sync_all())
-                    .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-                fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
-                fsync_dir(dir)?;
+                self.write(dir)?;
                 Ok(self.clone())
             }
             Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
         }
+    }
+
+    /// Writes `store.json` atomically: temp file, fsync, rename, fsync of
+    /// the directory.
+    fn write(&self, dir: &Path) -> Result<()> {
+        let path = Self::path(dir);
+        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
+        let body = serde_json::to_vec_pretty(self).expect("manifest serializes");
+        let mut f = fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+        f.write_all(&body)
+            .and_then(|_| f.write_all(b"\n"))
+            .and_then(|_| f.sync_all())
+            .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+        fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
+        fsync_dir(dir)
     }
 
     fn check_against(&self, dir: &Path, stored: &StoreManifest) -> Result<()> {
@@ -273,5 +295,24 @@ mod tests {
         c.shards = 4;
         let msg = c.create_or_check(dir.path()).unwrap_err().to_string();
         assert!(msg.contains("shards = 2") && msg.contains("but 4"), "{msg}");
+    }
+
+    #[test]
+    fn an_older_store_is_marked_current_and_a_newer_one_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = StoreManifest {
+            format_version: 1,
+            geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
+            shards: 2,
+            segment_bytes: 1 << 20,
+        };
+        v1.write(dir.path()).unwrap();
+        let current = StoreManifest { format_version: FORMAT_VERSION, ..v1.clone() };
+        assert_eq!(current.create_or_check(dir.path()).unwrap().format_version, FORMAT_VERSION);
+        assert_eq!(StoreManifest::read(dir.path()).unwrap().format_version, FORMAT_VERSION);
+        let newer = StoreManifest { format_version: FORMAT_VERSION + 1, ..v1 };
+        newer.write(dir.path()).unwrap();
+        let msg = current.create_or_check(dir.path()).unwrap_err().to_string();
+        assert!(msg.contains(&format!("format version {}", FORMAT_VERSION + 1)), "{msg}");
     }
 }

@@ -14,6 +14,7 @@
 //! - [`ram`]: the RAM tier: a slot arena with LRU order and zero-copy reads.
 //! - [`tier`]: tier names, write policy, per-tier counters.
 //! - [`shard`]: one shard's write path, read path and reclaim.
+//! - [`stream`]: a block on its way out, whole or as verified chunks.
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
@@ -34,10 +35,12 @@ pub mod segment;
 pub mod shard;
 pub mod slot;
 pub mod store;
+pub mod stream;
 pub mod tier;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};
 pub use shard::{PutOutcome, ShardStats};
 pub use store::{run, Block, Store, StoreConfig};
+pub use stream::{BlockBody, ChunkStream};
 pub use tier::{Tier, TierStats, WritePolicy};

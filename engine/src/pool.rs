@@ -1,4 +1,5 @@
-//! Reusable block buffers for GET responses.
+//! Reusable buffers for GET responses: whole blocks (format 1 slots) and
+//! chunks (format 2 slots, streamed).
 //!
 //! A GET copies the verified payload out of the DMA read buffer into a
 //! `Bytes` the HTTP layer can send from any thread. Allocating that buffer
@@ -17,30 +18,31 @@ use bytes::Bytes;
 /// default 16 MiB). Bursts beyond it allocate, and those buffers are freed.
 pub const POOL_BYTES_MAX: u64 = 128 << 20;
 
-/// A pool of `block_bytes` buffers.
+/// A pool of buffers of `buffer_bytes` each.
 #[derive(Debug)]
 pub struct BufferPool {
-    block_bytes: usize,
+    buffer_bytes: usize,
     idle_max: usize,
     idle: Mutex<Vec<Vec<u8>>>,
 }
 
 impl BufferPool {
-    /// A pool for blocks of `block_bytes`, keeping at most
-    /// [`POOL_BYTES_MAX`] of idle buffers (at least one).
-    pub fn new(block_bytes: u64) -> Arc<Self> {
-        let idle_max = (POOL_BYTES_MAX / block_bytes.max(1)).max(1) as usize;
-        Arc::new(BufferPool { block_bytes: block_bytes as usize, idle_max, idle: Mutex::new(Vec::new()) })
+    /// A pool of `buffer_bytes` buffers (a block, or a chunk), keeping at
+    /// most [`POOL_BYTES_MAX`] of idle buffers (at least one).
+    pub fn new(buffer_bytes: u64) -> Arc<Self> {
+        let idle_max = (POOL_BYTES_MAX / buffer_bytes.max(1)).max(1) as usize;
+        Arc::new(BufferPool { buffer_bytes: buffer_bytes as usize, idle_max, idle: Mutex::new(Vec::new()) })
     }
 
-    /// Copies `parts` (together exactly `block_bytes`) into a pooled buffer
+    /// Copies `parts` (together at most `buffer_bytes`) into a pooled buffer
     /// in cache-sized steps, handing each step to `inspect` just before it
     /// is copied, so a checksum and the copy read the bytes while they are
     /// hot in cache rather than in two passes over the whole block.
     pub fn copy_parts(self: &Arc<Self>, parts: &[&[u8]], mut inspect: impl FnMut(&[u8])) -> Bytes {
         const STEP_BYTES: usize = 256 << 10;
-        assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), self.block_bytes, "pooled buffers hold whole blocks");
-        let mut buf = self.idle.lock().expect("pool lock").pop().unwrap_or_else(|| vec![0u8; self.block_bytes]);
+        let len = parts.iter().map(|p| p.len()).sum::<usize>();
+        assert!(len <= self.buffer_bytes, "{len} bytes do not fit a pooled buffer of {}", self.buffer_bytes);
+        let mut buf = self.idle.lock().expect("pool lock").pop().unwrap_or_else(|| vec![0u8; self.buffer_bytes]);
         let mut at = 0;
         for part in parts {
             for step in part.chunks(STEP_BYTES) {
@@ -49,7 +51,7 @@ impl BufferPool {
                 at += step.len();
             }
         }
-        Bytes::from_owner(Pooled { buf, pool: self.clone() })
+        Bytes::from_owner(Pooled { buf, len, pool: self.clone() })
     }
 
     /// Idle buffers now.
@@ -60,12 +62,13 @@ impl BufferPool {
 
 struct Pooled {
     buf: Vec<u8>,
+    len: usize,
     pool: Arc<BufferPool>,
 }
 
 impl AsRef<[u8]> for Pooled {
     fn as_ref(&self) -> &[u8] {
-        &self.buf
+        &self.buf[..self.len]
     }
 }
 
@@ -91,7 +94,8 @@ mod tests {
         assert_eq!(pool.idle(), 0, "a slice still holds the buffer");
         std::thread::spawn(move || drop(b)).join().unwrap();
         assert_eq!(pool.idle(), 1);
-        let c = pool.copy_parts(&[&[9u8; 2048], &[9u8; 2048]], |_| {});
+        let c = pool.copy_parts(&[&[9u8; 2048], &[9u8; 1000]], |_| {});
+        assert_eq!(c.len(), 3048, "a short last chunk keeps its length");
         assert!(c.iter().all(|x| *x == 9));
         assert_eq!(pool.idle(), 0, "the idle buffer was reused");
     }

@@ -132,8 +132,34 @@ impl Arena {
 
     /// A `Bytes` over `slot`, pinning it until the last clone drops.
     fn pin(self: &Arc<Self>, slot: u32) -> Bytes {
+        self.pin_range(slot, 0, self.slot_bytes)
+    }
+
+    /// A `Bytes` over `len` bytes of `slot` from `offset`, pinning the slot
+    /// until the last clone drops. A slot being filled chunk by chunk hands
+    /// out each filled range while later ranges are still written: the
+    /// ranges never overlap, so no byte a reader holds is written.
+    fn pin_range(self: &Arc<Self>, slot: u32, offset: usize, len: usize) -> Bytes {
+        assert!(offset + len <= self.slot_bytes, "range within the slot");
         self.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
-        Bytes::from_owner(SlotRef { arena: self.clone(), slot })
+        Bytes::from_owner(SlotRef { arena: self.clone(), slot, offset, len })
+    }
+
+    /// Copies `bytes` to `offset` in `slot`, handing each 256 KiB step to
+    /// `inspect` just before it is copied (a CRC reads it while hot). The
+    /// range must not have been handed out ([`Arena::pin_range`]) and the
+    /// slot must be unreachable by lookups (reserved, not mapped).
+    fn fill_range(&self, slot: u32, offset: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
+        const STEP_BYTES: usize = 256 << 10;
+        assert!(offset + bytes.len() <= self.slot_bytes, "block larger than a RAM slot");
+        let mut at = offset;
+        for step in bytes.chunks(STEP_BYTES) {
+            inspect(step);
+            // SAFETY: in bounds (checked above); no reader holds this range
+            // (the caller's protocol, above).
+            unsafe { std::ptr::copy_nonoverlapping(step.as_ptr(), self.slot_ptr(slot).add(at), step.len()) };
+            at += step.len();
+        }
     }
 
     /// Copies `parts` (together `slot_bytes`) into an unpinned slot that no
@@ -142,10 +168,7 @@ impl Arena {
         assert!(!self.pinned(slot), "a pinned RAM slot is never written");
         let mut at = 0;
         for p in parts {
-            assert!(at + p.len() <= self.slot_bytes, "block larger than a RAM slot");
-            // SAFETY: in bounds (checked above); the slot is unreachable by
-            // readers (not mapped, not pinned) per the module protocol.
-            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.slot_ptr(slot).add(at), p.len()) };
+            self.fill_range(slot, at, p, |_| {});
             at += p.len();
         }
     }
@@ -163,12 +186,15 @@ impl Drop for Arena {
 struct SlotRef {
     arena: Arc<Arena>,
     slot: u32,
+    offset: usize,
+    len: usize,
 }
 
 impl AsRef<[u8]> for SlotRef {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: the slot is pinned while this exists, so nothing writes it.
-        unsafe { std::slice::from_raw_parts(self.arena.slot_ptr(self.slot), self.arena.slot_bytes) }
+        // SAFETY: the slot is pinned while this exists, so nothing writes
+        // this range (`pin_range` checked it lies inside the slot).
+        unsafe { std::slice::from_raw_parts(self.arena.slot_ptr(self.slot).add(self.offset), self.len) }
     }
 }
 
@@ -412,6 +438,41 @@ impl RamTier {
         *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false };
         self.map.insert(hash, slot);
         self.push_front(slot);
+    }
+
+    /// Copies the next verified chunk of a block being promoted into
+    /// `slot` (from [`RamTier::take_free`], not yet installed) at `offset`,
+    /// and returns it as a `Bytes` over the slot: the response sends the
+    /// RAM copy, so promotion costs no second copy. `inspect` sees each
+    /// 256 KiB step just before it is copied.
+    pub fn fill_chunk(&mut self, slot: u32, offset: usize, bytes: &[u8], inspect: impl FnMut(&[u8])) -> Bytes {
+        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
+        self.arena.fill_range(slot, offset, bytes, inspect);
+        self.arena.pin_range(slot, offset, bytes.len())
+    }
+
+    /// Makes `slot`, filled with [`RamTier::fill_chunk`], the most recently
+    /// used block of `hash`. The caller checked no copy of `hash` is held
+    /// (a newer one may have been stored while the chunks were read).
+    pub fn install_filled(&mut self, slot: u32, key: &str, hash: BlockHash) {
+        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
+        debug_assert!(!self.map.contains_key(&hash));
+        let m = &mut self.meta[slot as usize];
+        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty: false, demoting: false };
+        self.map.insert(hash, slot);
+        self.push_front(slot);
+    }
+
+    /// Gives back a slot from [`RamTier::take_free`] that will not be
+    /// installed: free now, or once responses holding its chunks drop them.
+    pub fn abandon(&mut self, slot: u32) {
+        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
+        if self.arena.pinned(slot) {
+            self.meta[slot as usize].state = SlotState::Retired;
+            self.retired.push(slot);
+        } else {
+            self.free.push(slot);
+        }
     }
 
     /// Dirty blocks (write-back), least recently used first, for a clean

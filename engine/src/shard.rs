@@ -10,9 +10,12 @@
 //! The index changes only after the write completes, so a reader sees the
 //! old block or the new one, never a slot in flight.
 //!
-//! Read path ([`Shard::get`]): one aligned read of header and payload, check
-//! the header (CRC, sequence number, full key), then the payload CRC-32, and
-//! only then copy the payload out.
+//! Read path ([`Shard::get`]): the slot's chunks are read with several reads
+//! in flight; the first (with the header) is checked (header CRC, sequence
+//! number, full key, the chunk's CRC-32) before the GET answers at all, and
+//! each later chunk is sent as soon as its own CRC-32 matches
+//! ([`crate::stream`]). A format 1 slot (whole-block CRC only) is read and
+//! checked whole before it is sent.
 //!
 //! Above the log sits the RAM tier ([`crate::ram`], `ram_blocks` slots):
 //! PUTs land there too (write-through: after the NVMe write; write-back:
@@ -29,7 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use glommio::io::DmaBuffer;
+use futures::channel::mpsc;
+use futures::stream::{FuturesOrdered, StreamExt};
+use glommio::io::{DmaBuffer, ReadResult};
 use glommio::sync::Semaphore;
 use serde::Serialize;
 
@@ -41,17 +46,20 @@ use crate::key::BlockHash;
 use crate::pool::BufferPool;
 use crate::ram::RamTier;
 use crate::segment::{self, InFlight, Segment, Superblock};
-use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::stream::{BlockBody, ChunkStream};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
 const RECLAIM_POLL: Duration = Duration::from_micros(200);
 
-/// A block read is split into concurrent reads of at most this many bytes:
-/// each fits glommio's registered I/O memory, and the device works on
-/// several at once (one 16 MiB read ran at ~0.5× fio's throughput here).
-const READ_CHUNK_BYTES: u64 = 4 << 20;
+/// Reads of one block in flight at once, one per chunk (1 MiB each, so a
+/// 16 MiB block keeps the device busy with all of it, as fio's one 16 MiB
+/// read does once the kernel splits it). Chunks are checked and sent in
+/// order as the reads complete. One 16 MiB read ran at ~0.5× fio's
+/// throughput here; split reads let the device work on several at once.
+const READ_AHEAD_CHUNKS: usize = 16;
 
 /// At most this fraction of a reclaimed segment's slots is kept by second
 /// chance, so every reclaim frees at least half a segment even when every
@@ -274,8 +282,14 @@ pub struct Shard {
     /// Slot-sized DMA buffers kept between writes (at most `io_depth_max`),
     /// so steady-state PUTs allocate nothing.
     buffers: RefCell<Vec<DmaBuffer>>,
-    /// Buffers GET responses are copied into (see [`crate::pool`]).
+    /// Buffers GET responses of format 1 slots are copied into (see
+    /// [`crate::pool`]).
     read_buffers: Arc<BufferPool>,
+    /// Payload bytes per chunk CRC-32 of the slots this shard writes
+    /// ([`slot::chunk_bytes_for`]).
+    chunk_bytes: u32,
+    /// Buffers streamed chunks are copied into.
+    chunk_buffers: Arc<BufferPool>,
     counters: Counters,
     pub(crate) recovery: RefCell<RecoveryReport>,
     started: Instant,
@@ -307,6 +321,12 @@ impl Shard {
             )));
         }
         let capacity_blocks = cfg.segments_max as usize * slots_per_segment as usize;
+        if !Index::fits(cfg.segments_max as u64 * 2, slots_per_segment) {
+            return Err(Error::Config(format!(
+                "a shard of {} segments of {slots_per_segment} slots has more slots than its index addresses (2^32 slot numbers, with room for twice the segments); use more shards (--shards) or less disk per shard (--disk-gb)",
+                cfg.segments_max
+            )));
+        }
         let ram = match cfg.ram_blocks {
             0 => None,
             n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
@@ -314,7 +334,7 @@ impl Shard {
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
-            index: RefCell::new(Index::with_capacity(capacity_blocks.min(1 << 20))),
+            index: RefCell::new(Index::new(capacity_blocks.min(1 << 20), slots_per_segment)),
             segments: RefCell::new(Vec::new()),
             sealed: RefCell::new(VecDeque::new()),
             fs_full: Cell::new(false),
@@ -328,6 +348,8 @@ impl Shard {
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
             buffers: RefCell::new(Vec::new()),
             read_buffers: BufferPool::new(cfg.geometry.block_bytes),
+            chunk_bytes: slot::chunk_bytes_for(cfg.geometry.block_bytes),
+            chunk_buffers: BufferPool::new(slot::chunk_bytes_for(cfg.geometry.block_bytes).min(cfg.geometry.block_bytes as u32) as u64),
             counters: Counters::default(),
             recovery: RefCell::new(RecoveryReport::default()),
             started: Instant::now(),
@@ -511,22 +533,25 @@ impl Shard {
         let _permit = self.io_permit(refusable).await?;
         let mut buf = self.take_write_buffer();
         let bytes = buf.as_bytes_mut();
-        let mut crc = crc32fast::Hasher::new();
+        let mut crcs = ChunkHasher::new(self.chunk_bytes);
         let mut at = PAGE_BYTES as usize;
         for chunk in chunks {
             bytes[at..at + chunk.len()].copy_from_slice(chunk);
-            crc.update(chunk);
+            crcs.update(chunk);
             at += chunk.len();
         }
         bytes[at..].fill(0);
+        let (payload_crc, chunk_crcs) = crcs.finish();
         let header = SlotHeader {
             kind: RecordKind::Block,
             seq: 0,
             hash,
             payload_len: block_bytes,
-            payload_crc: crc.finalize(),
+            payload_crc,
             write_time_us: slot::now_us(),
             key: key.as_bytes().to_vec(),
+            chunk_bytes: self.chunk_bytes,
+            chunk_crcs,
         };
         let (entry, replaced) = self.append(buf, header).await?;
         bump(&self.counters.puts, 1);
@@ -743,7 +768,7 @@ impl Shard {
         // share of the segment; the rest leave the index.
         let mut survivors: Vec<(BlockHash, Entry)> = {
             let referenced = segment.referenced.borrow();
-            self.index.borrow().iter().filter(|(_, e)| e.segment == id && referenced[e.slot as usize]).map(|(h, e)| (*h, *e)).collect()
+            self.index.borrow().iter().filter(|(_, e)| e.segment == id && referenced[e.slot as usize]).collect()
         };
         survivors.sort_by_key(|(_, e)| e.slot);
         survivors.truncate((self.slots_per_segment / SECOND_CHANCE_SHARE) as usize);
@@ -836,9 +861,14 @@ impl Shard {
                     continue;
                 }
             };
-            let header = SlotHeader::decode(&data[..PAGE_BYTES as usize]).ok().filter(|h| {
-                h.seq == old.seq && crc32fast::hash(&data[PAGE_BYTES as usize..(PAGE_BYTES + block_bytes) as usize]) == h.payload_crc
-            });
+            // Both CRCs are checked; a format 1 survivor gets chunk CRCs in
+            // its new slot, so it streams from then on.
+            let mut crcs = ChunkHasher::new(self.chunk_bytes);
+            crcs.update(&data[PAGE_BYTES as usize..(PAGE_BYTES + block_bytes) as usize]);
+            let (payload_crc, chunk_crcs) = crcs.finish();
+            let header = SlotHeader::decode(&data[..PAGE_BYTES as usize])
+                .ok()
+                .filter(|h| h.seq == old.seq && payload_crc == h.payload_crc && (h.chunk_crcs.is_empty() || h.chunk_crcs == chunk_crcs));
             let Some(mut header) = header else {
                 self.index.borrow_mut().remove_exact(hash, *old);
                 bump(&self.counters.corrupt_blocks, 1);
@@ -846,6 +876,8 @@ impl Shard {
                 continue;
             };
             header.seq = seq;
+            header.chunk_bytes = self.chunk_bytes;
+            header.chunk_crcs = chunk_crcs;
             let mut buf = self.take_write_buffer();
             buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
             drop(data);
@@ -890,13 +922,18 @@ impl Shard {
         }
     }
 
-    /// Reads a block, verifying the header and the payload CRC-32 first.
+    /// Reads a block: from RAM (whole, zero-copy), else from the log as a
+    /// stream of chunks, each checked against its CRC-32 before it is
+    /// handed over. The answer comes once the header and the first chunk
+    /// have passed their checks, so a block that is missing or whose start
+    /// is damaged is an error here, never a started response.
     ///
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::Corrupt`] when the
     /// record fails its checks (the entry is dropped and counted);
-    /// [`Error::Io`].
-    pub async fn get(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
+    /// [`Error::Io`]; [`Error::Overloaded`]. A chunk failing later arrives
+    /// as an `Err` item of the stream (see [`crate::stream`]).
+    pub async fn get(&self, key: &str, hash: BlockHash) -> Result<(BlockBody, Tier)> {
         bump(&self.counters.gets, 1);
         let result = self.read_tiered(key, hash).await;
         match &result {
@@ -909,7 +946,7 @@ impl Shard {
 
     /// RAM first, then the log; a block read from the log is promoted into
     /// RAM when `promote` is on.
-    async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
+    async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(BlockBody, Tier)> {
         if let Some(ram) = &self.ram {
             let started = Instant::now();
             if let Some(bytes) = ram.borrow_mut().get(key, &hash) {
@@ -917,17 +954,14 @@ impl Shard {
                 bump(&c.hits, 1);
                 bump(&c.bytes_out, bytes.len() as u64);
                 record_us(&c.read_us, started.elapsed().as_micros());
-                return Ok((bytes, Tier::Ram));
+                return Ok((BlockBody::Whole(bytes), Tier::Ram));
             }
             bump(&self.ram_counters.misses, 1);
         }
-        match self.read_block(key, hash).await {
-            Ok(bytes) => {
+        match self.read_block(key, hash, self.cfg.promote).await {
+            Ok(body) => {
                 bump(&self.nvme_counters.hits, 1);
-                if self.cfg.promote {
-                    self.promote(key, hash, &bytes).await;
-                }
-                Ok((bytes, Tier::Nvme))
+                Ok((body, Tier::Nvme))
             }
             Err(e) => {
                 if matches!(e, Error::NotFound | Error::Corrupt { .. }) {
@@ -940,15 +974,20 @@ impl Shard {
 
     /// Promotes a stored block into RAM (a prefetch): a block already in
     /// RAM becomes most recently used; one only in the log is read (CRC
-    /// checked) and copied into RAM. Returns whether the block is stored.
+    /// checked) into RAM. Returns whether the block is stored.
     pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
         let Some(ram) = &self.ram else { return self.contains(&hash).is_some() };
         if ram.borrow_mut().get(key, &hash).is_some() {
             return true;
         }
-        match self.read_block(key, hash).await {
-            Ok(bytes) => {
-                self.promote(key, hash, &bytes).await;
+        match self.read_block(key, hash, true).await {
+            Ok(BlockBody::Whole(_)) => true,
+            Ok(BlockBody::Chunks(mut chunks)) => {
+                while let Some(chunk) = chunks.next().await {
+                    if chunk.is_err() {
+                        return false;
+                    }
+                }
                 true
             }
             Err(_) => false,
@@ -957,17 +996,82 @@ impl Shard {
 
     /// Copies a block just read from the log into RAM, counted as a
     /// promotion when a slot took it. Best effort: a failure to make room
-    /// leaves the block in the log only.
-    async fn promote(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
-        if self.cache(key, hash, &[bytes], false).await.unwrap_or(false) {
+    /// leaves the block in the log only. Used when no slot could be taken
+    /// before the read (write-back: every candidate is dirty and must be
+    /// written to the log first) and for format 1 slots.
+    async fn promote(&self, key: &str, hash: BlockHash, parts: &[&[u8]], entry: Entry) {
+        if !self.still_newest(&hash, entry) {
+            return;
+        }
+        if self.cache(key, hash, parts, false).await.unwrap_or(false) {
             bump(&self.ram_counters.promotions, 1);
         }
     }
 
-    async fn read_block(&self, key: &str, hash: BlockHash) -> Result<Bytes> {
+    /// Whether a block read from `entry` may go into RAM: the index still
+    /// points at that record and RAM holds no copy (a PUT or DELETE while
+    /// the block was read must not be undone by an older copy; in
+    /// write-back a newer copy may be in RAM only).
+    fn still_newest(&self, hash: &BlockHash, entry: Entry) -> bool {
+        self.index.borrow().get(hash) == Some(entry) && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(hash))
+    }
+
+    /// A RAM slot to promote into, taken before the read so the chunks are
+    /// copied straight into it: a free slot, or the least recently used
+    /// block's if the log has it (clean). `None` when there is no RAM tier
+    /// or the victim is only in RAM (write-back), which takes a log write
+    /// to move: then the block is promoted after the read by [`Shard::promote`].
+    fn take_ram_slot(&self) -> Option<u32> {
+        let mut ram = self.ram.as_ref()?.borrow_mut();
+        loop {
+            if let Some(slot) = ram.take_free() {
+                return Some(slot);
+            }
+            match ram.victim() {
+                Some(v) if !v.dirty => {
+                    ram.evict(v.slot);
+                    bump(&self.ram_counters.demotions, 1);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// Starts reading a block from the log on a task of its own and waits
+    /// for its first chunk (with `promote`, into a RAM slot; see
+    /// [`Shard::stream_slot`]).
+    async fn read_block(&self, key: &str, hash: BlockHash, promote: bool) -> Result<BlockBody> {
+        let me = self.me.borrow().upgrade().expect("a serving shard is shared");
+        let block_bytes = self.cfg.geometry.block_bytes;
+        let chunks = slot::chunk_count(block_bytes, self.chunk_bytes) as usize;
+        let (tx, mut rx) = mpsc::channel(chunks);
+        let key = key.to_string();
+        glommio::spawn_local(async move { me.stream_slot(&key, hash, promote, tx).await }).detach();
+        match rx.next().await {
+            Some(Ok(first)) if first.len() as u64 == block_bytes => Ok(BlockBody::Whole(first)),
+            Some(Ok(first)) => Ok(BlockBody::Chunks(ChunkStream::new(block_bytes, first, rx))),
+            Some(Err(e)) => Err(e),
+            None => Err(Error::ShuttingDown),
+        }
+    }
+
+    /// Reads the slot of `hash` and sends its payload on `tx` in order: one
+    /// message per verified chunk, or one `Err` and nothing after it. The
+    /// channel holds every chunk of a block, so the reads never wait for
+    /// the client: the segment is released as soon as the device is done,
+    /// whatever the network does. Reads are issued [`READ_AHEAD_CHUNKS`] at
+    /// a time: the first covers the header page and chunk 0, each later one
+    /// a chunk (all page-aligned: chunks are multiples of 4 KiB).
+    ///
+    /// A format 1 slot (no chunk CRCs) is read whole, checked against its
+    /// whole-block CRC-32 and sent as one message.
+    async fn stream_slot(&self, key: &str, hash: BlockHash, promote: bool, mut tx: mpsc::Sender<Result<Bytes>>) {
         // A segment being compacted moves its blocks: wait, then look again.
         let (entry, segment) = loop {
-            let entry = self.index.borrow().get(&hash).ok_or(Error::NotFound)?;
+            let Some(entry) = self.index.borrow().get(&hash) else {
+                let _ = tx.try_send(Err(Error::NotFound));
+                return;
+            };
             let segment = self.segment(entry.segment);
             // Only blocks of the old life wait: those still to be moved.
             if !(segment.compacting.get() && entry.seq < segment.compact_below_seq.get()) {
@@ -976,56 +1080,185 @@ impl Shard {
             glommio::timer::sleep(RECLAIM_POLL).await;
         };
         let _reader = InFlight::enter(&segment.readers);
-        let _permit = self.io_permit(true).await?;
+        let _permit = match self.io_permit(true).await {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = tx.try_send(Err(e));
+                return;
+            }
+        };
         let started = Instant::now();
         let block_bytes = self.cfg.geometry.block_bytes;
+        let chunk_bytes = self.chunk_bytes as u64;
+        let chunks = slot::chunk_count(block_bytes, self.chunk_bytes) as usize;
+        let padded = slot::round_up_page(block_bytes);
+        // Slot byte range of read i: the header page travels with chunk 0.
+        let range = |i: usize| {
+            let from = PAGE_BYTES + i as u64 * chunk_bytes;
+            let to = PAGE_BYTES + ((i as u64 + 1) * chunk_bytes).min(padded);
+            if i == 0 {
+                (0, to)
+            } else {
+                (from, to - from)
+            }
+        };
+        // Payload bytes of chunk i within its read.
+        let payload = move |i: usize, read: &ReadResult| -> std::ops::Range<usize> {
+            let skip = if i == 0 { PAGE_BYTES as usize } else { 0 };
+            let len = (block_bytes - i as u64 * chunk_bytes).min(chunk_bytes) as usize;
+            skip..skip + len.min(read.len() - skip)
+        };
+        let mut reads = FuturesOrdered::new();
+        let mut issued = 0;
+        let issue = |reads: &mut FuturesOrdered<_>, issued: &mut usize| {
+            if *issued < chunks {
+                let (offset, len) = range(*issued);
+                reads.push_back(segment.read_slot_range(entry.slot, offset, len));
+                *issued += 1;
+            }
+        };
+        for _ in 0..READ_AHEAD_CHUNKS {
+            issue(&mut reads, &mut issued);
+        }
         bump(&self.counters.io_in_flight, 1);
-        let total = slot::slot_bytes(block_bytes);
-        let reads = (0..total)
-            .step_by(READ_CHUNK_BYTES as usize)
-            .map(|offset| segment.read_slot_range(entry.slot, offset, READ_CHUNK_BYTES.min(total - offset)));
-        let read: Result<Vec<_>> = futures::future::join_all(reads).await.into_iter().collect();
-        self.counters.io_in_flight.set(self.counters.io_in_flight.get() - 1);
-        let chunks = read?;
-        bump(&self.counters.bytes_read, total);
-        let header = match SlotHeader::decode(&chunks[0][..PAGE_BYTES as usize]) {
+        let _io = InFlightIo(&self.counters.io_in_flight);
+        let first = match reads.next().await.expect("one read issued") {
+            Ok(r) => r,
+            Err(e) => return self.end_stream(&mut tx, Err(e), &mut reads).await,
+        };
+        issue(&mut reads, &mut issued);
+        let header = match SlotHeader::decode(&first[..PAGE_BYTES as usize]) {
             Ok(h) => h,
-            Err(fault) => return Err(self.drop_corrupt(hash, entry, &format!("slot header invalid ({fault:?})"))),
+            Err(fault) => {
+                let e = self.drop_corrupt(hash, entry, &format!("slot header invalid ({fault:?})"));
+                return self.end_stream(&mut tx, Err(e), &mut reads).await;
+            }
         };
         if header.seq != entry.seq || header.kind != RecordKind::Block || header.payload_len != block_bytes {
-            return Err(self.drop_corrupt(
-                hash,
-                entry,
-                &format!("slot holds seq {} kind {:?}, index expected seq {}", header.seq, header.kind, entry.seq),
-            ));
+            let why = format!("slot holds seq {} kind {:?}, index expected seq {}", header.seq, header.kind, entry.seq);
+            let e = self.drop_corrupt(hash, entry, &why);
+            return self.end_stream(&mut tx, Err(e), &mut reads).await;
         }
         if header.key != key.as_bytes() {
             // Another key with the same 128-bit hash: never serve it.
             bump(&self.counters.hash_collisions, 1);
             tracing::warn!(shard = self.id(), key, "block hash collision; answering as a miss");
-            return Err(Error::NotFound);
+            return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
         }
-        // The payload is bytes PAGE_BYTES..PAGE_BYTES + block_bytes of the
-        // slot, spread over the chunks.
-        let payload_end = (PAGE_BYTES + block_bytes) as usize;
-        let parts: Vec<&[u8]> = chunks
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let start = i * READ_CHUNK_BYTES as usize;
-                let from = (PAGE_BYTES as usize).saturating_sub(start).min(c.len());
-                let to = payload_end.saturating_sub(start).min(c.len());
-                &c[from..to.max(from)]
-            })
-            .collect();
-        let mut crc = crc32fast::Hasher::new();
-        let bytes = self.read_buffers.copy_parts(&parts, |step| crc.update(step));
-        if crc.finalize() != header.payload_crc {
-            return Err(self.drop_corrupt(hash, entry, "payload CRC-32 mismatch"));
+        if header.chunk_bytes as u64 != chunk_bytes || header.chunk_crcs.len() != chunks {
+            // Format 1 (or another chunk size): check the whole block first.
+            let mut all = vec![first];
+            while let Some(read) = reads.next().await {
+                issue(&mut reads, &mut issued);
+                match read {
+                    Ok(r) => all.push(r),
+                    Err(e) => return self.end_stream(&mut tx, Err(e), &mut reads).await,
+                }
+            }
+            let parts: Vec<&[u8]> = all.iter().enumerate().map(|(i, r)| &r[payload(i, r)]).collect();
+            let mut crc = crc32fast::Hasher::new();
+            let bytes = self.read_buffers.copy_parts(&parts, |step| crc.update(step));
+            drop(parts);
+            if crc.finalize() != header.payload_crc {
+                let e = self.drop_corrupt(hash, entry, "payload CRC-32 mismatch");
+                return self.end_stream(&mut tx, Err(e), &mut reads).await;
+            }
+            self.read_done(&segment, entry, started);
+            if promote {
+                self.promote(key, hash, &[&bytes], entry).await;
+            }
+            let _ = tx.try_send(Ok(bytes));
+            return;
         }
+        let mut ram_slot = if promote && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
+        // Without a slot taken up front, chunks are kept for `promote`.
+        let mut kept = Vec::new();
+        let mut next = Some(Ok(first));
+        for i in 0..chunks {
+            let read = match next.take() {
+                Some(r) => r,
+                None => {
+                    let r = reads.next().await.expect("a read per chunk");
+                    issue(&mut reads, &mut issued);
+                    r
+                }
+            };
+            let read = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.abandon_ram_slot(ram_slot.take());
+                    return self.end_stream(&mut tx, Err(e), &mut reads).await;
+                }
+            };
+            let bytes = &read[payload(i, &read)];
+            let mut crc = crc32fast::Hasher::new();
+            let chunk = match ram_slot {
+                Some(s) => self
+                    .ram
+                    .as_ref()
+                    .expect("RAM tier")
+                    .borrow_mut()
+                    .fill_chunk(s, i * chunk_bytes as usize, bytes, |step| crc.update(step)),
+                None => self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step)),
+            };
+            drop(read);
+            if crc.finalize() != header.chunk_crcs[i] {
+                drop(chunk);
+                self.abandon_ram_slot(ram_slot.take());
+                let e = self.drop_corrupt(hash, entry, &format!("CRC-32 mismatch in chunk {i} of {chunks}"));
+                return self.end_stream(&mut tx, Err(e), &mut reads).await;
+            }
+            if i + 1 == chunks {
+                // Promotion lands before the last chunk leaves, so a client
+                // that has the whole block finds it in RAM.
+                self.read_done(&segment, entry, started);
+                if let Some(s) = ram_slot.take() {
+                    if self.still_newest(&hash, entry) {
+                        self.ram.as_ref().expect("RAM tier").borrow_mut().install_filled(s, key, hash);
+                        bump(&self.ram_counters.promotions, 1);
+                        bump(&self.ram_counters.bytes_in, block_bytes);
+                    } else {
+                        self.abandon_ram_slot(Some(s));
+                    }
+                } else if promote {
+                    kept.push(chunk.clone());
+                    let parts: Vec<&[u8]> = kept.iter().map(|c| &c[..]).collect();
+                    self.promote(key, hash, &parts, entry).await;
+                }
+            } else if promote && ram_slot.is_none() {
+                kept.push(chunk.clone());
+            }
+            if tx.try_send(Ok(chunk)).is_err() {
+                // The client went away: stop, and leave RAM as it was.
+                self.abandon_ram_slot(ram_slot.take());
+                return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
+            }
+        }
+    }
+
+    /// Sends `result` (if the receiver still listens) and waits for reads
+    /// still in flight, so no read outlives the segment guard it runs under.
+    async fn end_stream<F>(&self, tx: &mut mpsc::Sender<Result<Bytes>>, result: Result<Bytes>, reads: &mut FuturesOrdered<F>)
+    where
+        F: std::future::Future,
+    {
+        let _ = tx.try_send(result);
+        tx.close_channel();
+        while reads.next().await.is_some() {}
+    }
+
+    fn abandon_ram_slot(&self, slot: Option<u32>) {
+        if let (Some(s), Some(ram)) = (slot, &self.ram) {
+            ram.borrow_mut().abandon(s);
+        }
+    }
+
+    /// Bookkeeping of a block read in full and verified: second-chance
+    /// flag, bytes read, read latency.
+    fn read_done(&self, segment: &Segment, entry: Entry, started: Instant) {
         segment.referenced.borrow_mut()[entry.slot as usize] = true;
+        bump(&self.counters.bytes_read, self.slot_bytes);
         record_us(&self.nvme_counters.read_us, started.elapsed().as_micros());
-        Ok(bytes)
     }
 
     fn drop_corrupt(&self, hash: BlockHash, entry: Entry, why: &str) -> Error {
@@ -1074,6 +1307,8 @@ impl Shard {
             payload_crc: 0,
             write_time_us: slot::now_us(),
             key: key.as_bytes().to_vec(),
+            chunk_bytes: 0,
+            chunk_crcs: Vec::new(),
         };
         let (_, existed) = self.append(buf, header).await?;
         if !existed {
@@ -1266,6 +1501,15 @@ struct Compaction {
 }
 
 /// Removes a write's sequence number from the in-flight set when dropped.
+/// Counts a block read in `io_in_flight` until dropped.
+struct InFlightIo<'a>(&'a Cell<u64>);
+
+impl Drop for InFlightIo<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
+}
+
 struct InFlightSeq<'a> {
     shard: &'a Shard,
     seq: u64,

@@ -6,8 +6,10 @@
 //! The header carries the full key (so a 128-bit hash collision is caught at
 //! read time), a per-shard sequence number (so recovery keeps the newest
 //! record of a key and ignores slots left over from a segment's earlier
-//! life), the payload's CRC-32 (checked before a byte is served) and a CRC-32
-//! of the header itself (so a torn or stale header is never believed).
+//! life), the payload's CRC-32, a CRC-32 per chunk of the payload (format 2:
+//! each chunk is checked as soon as it is read, so a GET streams verified
+//! chunks instead of waiting for the whole block) and a CRC-32 of the header
+//! itself (so a torn or stale header is never believed).
 
 use crate::key::{BlockHash, KEY_BYTES_MAX};
 
@@ -18,8 +20,19 @@ pub const PAGE_BYTES: u64 = 4096;
 /// `"KVSL"`: first four bytes of every slot header.
 pub const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"KVSL");
 
-/// Version of the slot header layout.
-pub const SLOT_VERSION: u16 = 1;
+/// Version of the slot header layout written now: 2 adds the chunk size and
+/// the per-chunk CRC-32s. Version 1 headers (whole-payload CRC only) still
+/// decode, with no chunk CRCs.
+pub const SLOT_VERSION: u16 = 2;
+
+/// Payload bytes covered by one chunk CRC-32 when the block is small enough:
+/// 1 MiB, the unit a GET reads, verifies and sends (16 chunks for a 16 MiB
+/// block; a 1.2 MB block is one full chunk and one of 180 KiB).
+pub const CHUNK_BYTES_DEFAULT: u32 = 1 << 20;
+
+/// Most chunk CRC-32s a header page holds: the 4-byte CRCs fill the page
+/// from [`OFF_CHUNK_CRCS`] to the header's own CRC.
+pub const CHUNK_CRCS_MAX: usize = (OFF_HEADER_CRC - OFF_CHUNK_CRCS) / 4;
 
 // Header field offsets (bytes from the start of the slot).
 const OFF_MAGIC: usize = 0; // u32
@@ -31,7 +44,10 @@ const OFF_PAYLOAD_LEN: usize = 32; // u64
 const OFF_PAYLOAD_CRC: usize = 40; // u32
 const OFF_KEY_LEN: usize = 44; // u16
 const OFF_WRITE_TIME: usize = 48; // u64, microseconds since the Unix epoch
+const OFF_CHUNK_BYTES: usize = 56; // u32, version 2 (0 in version 1 and for tombstones)
+const OFF_CHUNK_COUNT: usize = 60; // u32, version 2
 const OFF_KEY: usize = 64; // KEY_BYTES_MAX bytes
+const OFF_CHUNK_CRCS: usize = OFF_KEY + KEY_BYTES_MAX; // u32 × chunk count, version 2
 /// Offset of the header's own CRC-32, which covers bytes `0..OFF_HEADER_CRC`.
 const OFF_HEADER_CRC: usize = PAGE_BYTES as usize - 4;
 
@@ -65,6 +81,12 @@ pub struct SlotHeader {
     pub write_time_us: u64,
     /// The full key, 1..=[`KEY_BYTES_MAX`] bytes.
     pub key: Vec<u8>,
+    /// Payload bytes per chunk CRC ([`chunk_bytes_for`]); 0 when the record
+    /// has no chunk CRCs (a version 1 slot, or a tombstone).
+    pub chunk_bytes: u32,
+    /// CRC-32 of each `chunk_bytes` chunk of the payload in order (the last
+    /// one may be shorter); empty when `chunk_bytes` is 0.
+    pub chunk_crcs: Vec<u32>,
 }
 
 /// Why a 4 KiB page is not a usable slot header.
@@ -77,7 +99,7 @@ pub enum HeaderFault {
     /// Magic right, CRC wrong: torn or damaged.
     BadCrc,
     /// CRC right but a field is out of range (unknown version or kind, key
-    /// length over the limit).
+    /// length over the limit, chunk CRCs that do not cover the payload).
     BadField,
 }
 
@@ -92,6 +114,7 @@ impl SlotHeader {
         assert!(page.len() >= PAGE_BYTES as usize, "header page is {} bytes", page.len());
         assert!(!self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX, "key length {}", self.key.len());
         assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
+        assert_eq!(self.chunk_crcs.len() as u64, chunk_count(self.payload_len, self.chunk_bytes), "chunk CRCs cover the payload");
         let page = &mut page[..PAGE_BYTES as usize];
         page.fill(0);
         put(page, OFF_MAGIC, &SLOT_MAGIC.to_le_bytes());
@@ -103,7 +126,12 @@ impl SlotHeader {
         put(page, OFF_PAYLOAD_CRC, &self.payload_crc.to_le_bytes());
         put(page, OFF_KEY_LEN, &(self.key.len() as u16).to_le_bytes());
         put(page, OFF_WRITE_TIME, &self.write_time_us.to_le_bytes());
+        put(page, OFF_CHUNK_BYTES, &self.chunk_bytes.to_le_bytes());
+        put(page, OFF_CHUNK_COUNT, &(self.chunk_crcs.len() as u32).to_le_bytes());
         put(page, OFF_KEY, &self.key);
+        for (i, crc) in self.chunk_crcs.iter().enumerate() {
+            put(page, OFF_CHUNK_CRCS + 4 * i, &crc.to_le_bytes());
+        }
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
         put(page, OFF_HEADER_CRC, &crc.to_le_bytes());
         // Pair assertion: what we are about to write must read back as itself.
@@ -131,17 +159,28 @@ impl SlotHeader {
             _ => return Err(HeaderFault::BadField),
         };
         let key_len = u16::from_le_bytes(get(page, OFF_KEY_LEN)) as usize;
-        if u16::from_le_bytes(get(page, OFF_VERSION)) != SLOT_VERSION || key_len == 0 || key_len > KEY_BYTES_MAX {
+        let version = u16::from_le_bytes(get(page, OFF_VERSION));
+        if !(1..=SLOT_VERSION).contains(&version) || key_len == 0 || key_len > KEY_BYTES_MAX {
+            return Err(HeaderFault::BadField);
+        }
+        let payload_len = u64::from_le_bytes(get(page, OFF_PAYLOAD_LEN));
+        let (chunk_bytes, count) = match version {
+            1 => (0, 0),
+            _ => (u32::from_le_bytes(get(page, OFF_CHUNK_BYTES)), u32::from_le_bytes(get(page, OFF_CHUNK_COUNT)) as usize),
+        };
+        if count > CHUNK_CRCS_MAX || count as u64 != chunk_count(payload_len, chunk_bytes) {
             return Err(HeaderFault::BadField);
         }
         Ok(SlotHeader {
             kind,
             seq: u64::from_le_bytes(get(page, OFF_SEQ)),
             hash: BlockHash(u128::from_le_bytes(get(page, OFF_HASH))),
-            payload_len: u64::from_le_bytes(get(page, OFF_PAYLOAD_LEN)),
+            payload_len,
             payload_crc: u32::from_le_bytes(get(page, OFF_PAYLOAD_CRC)),
             write_time_us: u64::from_le_bytes(get(page, OFF_WRITE_TIME)),
             key: page[OFF_KEY..OFF_KEY + key_len].to_vec(),
+            chunk_bytes,
+            chunk_crcs: (0..count).map(|i| u32::from_le_bytes(get(page, OFF_CHUNK_CRCS + 4 * i))).collect(),
         })
     }
 }
@@ -156,6 +195,82 @@ impl SlotHeader {
                 RecordKind::Block => self.payload_len == block_bytes,
                 RecordKind::Tombstone => self.payload_len == 0,
             }
+    }
+}
+
+/// Payload bytes per chunk CRC for blocks of `block_bytes`:
+/// [`CHUNK_BYTES_DEFAULT`], doubled until the chunk count fits in a header
+/// page ([`CHUNK_CRCS_MAX`]; only blocks over 943 MiB need 2 MiB chunks).
+pub const fn chunk_bytes_for(block_bytes: u64) -> u32 {
+    let mut chunk = CHUNK_BYTES_DEFAULT as u64;
+    while block_bytes.div_ceil(chunk) > CHUNK_CRCS_MAX as u64 {
+        chunk *= 2;
+    }
+    chunk as u32
+}
+
+/// Number of chunks of `chunk_bytes` in a payload of `payload_len` (0 when
+/// `chunk_bytes` is 0: no chunk CRCs).
+pub const fn chunk_count(payload_len: u64, chunk_bytes: u32) -> u64 {
+    if chunk_bytes == 0 {
+        0
+    } else {
+        payload_len.div_ceil(chunk_bytes as u64)
+    }
+}
+
+/// Computes a payload's CRC-32 and its per-chunk CRC-32s in one pass over
+/// bytes fed in pieces of any size (a PUT body arrives as the frames the
+/// client sent). The whole-payload CRC is combined from the chunk CRCs
+/// (`crc32fast::Hasher::combine`), so no byte is hashed twice.
+pub struct ChunkHasher {
+    chunk_bytes: u64,
+    in_chunk: u64,
+    chunk: crc32fast::Hasher,
+    whole: crc32fast::Hasher,
+    crcs: Vec<u32>,
+}
+
+impl ChunkHasher {
+    /// A hasher for chunks of `chunk_bytes` (> 0).
+    pub fn new(chunk_bytes: u32) -> Self {
+        assert!(chunk_bytes > 0, "chunk_bytes is positive");
+        ChunkHasher {
+            chunk_bytes: chunk_bytes as u64,
+            in_chunk: 0,
+            chunk: crc32fast::Hasher::new(),
+            whole: crc32fast::Hasher::new(),
+            crcs: Vec::new(),
+        }
+    }
+
+    /// Feeds the next bytes of the payload.
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let take = ((self.chunk_bytes - self.in_chunk) as usize).min(bytes.len());
+            self.chunk.update(&bytes[..take]);
+            self.in_chunk += take as u64;
+            bytes = &bytes[take..];
+            if self.in_chunk == self.chunk_bytes {
+                self.end_chunk();
+            }
+        }
+    }
+
+    fn end_chunk(&mut self) {
+        let done = std::mem::replace(&mut self.chunk, crc32fast::Hasher::new());
+        self.whole.combine(&done);
+        self.crcs.push(done.finalize());
+        self.in_chunk = 0;
+    }
+
+    /// The whole-payload CRC-32 and the chunk CRC-32s (the last chunk may
+    /// be short).
+    pub fn finish(mut self) -> (u32, Vec<u32>) {
+        if self.in_chunk > 0 {
+            self.end_chunk();
+        }
+        (self.whole.finalize(), self.crcs)
     }
 }
 
@@ -189,14 +304,19 @@ mod tests {
     use proptest::prelude::*;
 
     fn header(key: Vec<u8>, seq: u64, payload_len: u64, crc: u32, tomb: bool) -> SlotHeader {
+        let payload_len = if tomb { 0 } else { payload_len % (super::super::geometry::BLOCK_BYTES_MAX + 1) };
+        let chunk_bytes = if tomb { 0 } else { chunk_bytes_for(payload_len) };
+        let chunks = chunk_count(payload_len, chunk_bytes);
         SlotHeader {
             kind: if tomb { RecordKind::Tombstone } else { RecordKind::Block },
             seq,
             hash: BlockHash::of(&key),
-            payload_len: if tomb { 0 } else { payload_len },
+            payload_len,
             payload_crc: crc,
             write_time_us: 1_700_000_000_000_000,
             key,
+            chunk_bytes,
+            chunk_crcs: (0..chunks).map(|i| crc ^ i as u32).collect(),
         }
     }
 
@@ -226,6 +346,54 @@ mod tests {
     fn empty_page_is_empty_not_corrupt() {
         assert_eq!(SlotHeader::decode(&[0u8; 4096]), Err(HeaderFault::Empty));
         assert_eq!(SlotHeader::decode(&[7u8; 4096]), Err(HeaderFault::BadMagic));
+    }
+
+    #[test]
+    fn version_1_headers_still_decode_without_chunk_crcs() {
+        // A version 1 header as the previous release wrote it: bytes 56..64
+        // zero, nothing after the key.
+        let mut h = header(b"old-block".to_vec(), 7, 16 << 20, 0x1234_5678, false);
+        h.chunk_bytes = 0;
+        h.chunk_crcs.clear();
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        h.encode(&mut page);
+        put(&mut page, OFF_VERSION, &1u16.to_le_bytes());
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&page), Ok(h));
+        // A version 3 header is not ours.
+        put(&mut page, OFF_VERSION, &3u16.to_le_bytes());
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
+    }
+
+    proptest! {
+        #[test]
+        fn chunk_hasher_matches_hashing_each_chunk(len in 0usize..40_000, cut in 1usize..9_000, chunk in 1u32..5_000) {
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let mut h = ChunkHasher::new(chunk);
+            for piece in data.chunks(cut) {
+                h.update(piece);
+            }
+            let (whole, crcs) = h.finish();
+            prop_assert_eq!(whole, crc32fast::hash(&data));
+            let expect: Vec<u32> = data.chunks(chunk as usize).map(crc32fast::hash).collect();
+            prop_assert_eq!(crcs, expect);
+        }
+    }
+
+    #[test]
+    fn chunk_sizes_fit_every_block_size() {
+        assert_eq!(chunk_bytes_for(16 << 20), 1 << 20);
+        assert_eq!(chunk_count(16 << 20, 1 << 20), 16);
+        assert_eq!(chunk_count(1_228_800, 1 << 20), 2);
+        assert_eq!(chunk_count(4096, 1 << 20), 1);
+        assert_eq!(chunk_bytes_for(943 << 20), 1 << 20);
+        assert_eq!(chunk_bytes_for(944 << 20), 2 << 20);
+        let max = super::super::geometry::BLOCK_BYTES_MAX;
+        assert!(chunk_count(max, chunk_bytes_for(max)) <= CHUNK_CRCS_MAX as u64);
+        assert_eq!(CHUNK_CRCS_MAX, 943);
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::key::{self, BlockHash};
 use crate::recover;
 use crate::shard::{PutOutcome, Shard, ShardConfig, ShardStats};
+use crate::stream::BlockBody;
 pub use crate::tier::{Tier, WritePolicy};
 
 /// Messages queued per shard pair before a sender waits.
@@ -154,7 +155,7 @@ enum Op {
 
 enum Reply {
     Put(Result<PutOutcome>),
-    Get(Result<(Bytes, Tier)>),
+    Get(Result<(BlockBody, Tier)>),
     Delete(Result<()>),
     Contains(Vec<Option<Tier>>),
     Prefetch(usize),
@@ -235,24 +236,37 @@ impl Store {
         }
     }
 
-    /// Reads the block stored under `key`.
+    /// Reads the block stored under `key` into one buffer (a block from the
+    /// log is collected from its chunks: one copy more than
+    /// [`Store::get_stream`], which the server uses).
     ///
     /// # Errors
     /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::Corrupt`] (treat
     /// as a miss), [`Error::Io`], [`Error::ShuttingDown`].
     pub async fn get(&self, key: &str) -> Result<Block> {
+        let (body, tier) = self.get_stream(key).await?;
+        Ok(Block { bytes: body.collect().await?, tier })
+    }
+
+    /// Reads the block stored under `key` as it comes off its tier: whole
+    /// from RAM, or as chunks from the log, each verified before it is
+    /// yielded (see [`crate::stream`]). Returns once the first chunk has
+    /// passed its checks.
+    ///
+    /// # Errors
+    /// As [`Store::get`] for the start of the block; a chunk failing later
+    /// is an `Err` item of the stream.
+    pub async fn get_stream(&self, key: &str) -> Result<(BlockBody, Tier)> {
         key::validate(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        let (bytes, tier) = if owner == self.shard_id() {
-            self.shard.get(key, hash).await
-        } else {
-            match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
-                Reply::Get(r) => r,
-                _ => unreachable!("get answered with another reply"),
-            }
-        }?;
-        Ok(Block { bytes, tier })
+        if owner == self.shard_id() {
+            return self.shard.get(key, hash).await;
+        }
+        match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
+            Reply::Get(r) => r,
+            _ => unreachable!("get answered with another reply"),
+        }
     }
 
     /// Deletes the block under `key` (a tombstone is logged).

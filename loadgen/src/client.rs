@@ -171,6 +171,20 @@ pub enum ClientError {
         /// What was wrong.
         message: String,
     },
+    /// The server cut the response off: its body ended before
+    /// `Content-Length` (HTTP/1.1: the connection closed), or it reset the
+    /// HTTP/2 stream, possibly before the head arrived. kvtier does this
+    /// when a block's chunk fails its CRC-32 mid-stream; a GET counts it as
+    /// a miss ([`Client::get`]).
+    #[error("{path}: the server cut the response off (status {status:?}): {message}")]
+    BodyCut {
+        /// Request path.
+        path: String,
+        /// Response status, if the head arrived.
+        status: Option<StatusCode>,
+        /// The transport error.
+        message: String,
+    },
 }
 
 /// A response: status, the `x-kvtier-tier` header, body.
@@ -194,6 +208,7 @@ pub struct Client {
     http1: bool,
     /// 503 answers with `Retry-After` received (each was retried after it).
     refusals: AtomicU64,
+    body_cuts: AtomicU64,
 }
 
 impl Client {
@@ -229,7 +244,7 @@ impl Client {
                 b.build(connector)
             })
             .collect();
-        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0) })
+        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0), body_cuts: AtomicU64::new(0) })
     }
 
     /// `"h2c"` or `"http/1.1"`.
@@ -259,7 +274,8 @@ impl Client {
     /// Sends one request and reads the whole answer.
     ///
     /// # Errors
-    /// [`ClientError::Transport`] when the exchange fails.
+    /// [`ClientError::Transport`] when the exchange fails before the
+    /// response head; [`ClientError::BodyCut`] when the body is cut off.
     pub async fn send(&self, method: Method, path: &str, body: ChunkedBody, content_type: Option<&str>) -> Result<Answer, ClientError> {
         let transport = |e: &dyn std::error::Error| {
             let mut message = e.to_string();
@@ -277,7 +293,12 @@ impl Client {
         }
         let req = req.body(body).map_err(|e| transport(&e))?;
         let client = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()];
-        let resp = client.request(req).await.map_err(|e| transport(&e))?;
+        let resp = client.request(req).await.map_err(|e| match transport(&e) {
+            ClientError::Transport { message, .. } if reset_by_server(&e) => {
+                ClientError::BodyCut { path: path.to_string(), status: None, message }
+            }
+            other => other,
+        })?;
         let status = resp.status();
         let tier = resp.headers().get("x-kvtier-tier").and_then(|v| v.to_str().ok()).map(str::to_string);
         let retry_after =
@@ -285,7 +306,11 @@ impl Client {
         let mut incoming = resp.into_body();
         let mut body = BodyChunks::default();
         while let Some(frame) = incoming.frame().await {
-            if let Ok(data) = frame.map_err(|e| transport(&e))?.into_data() {
+            let frame = frame.map_err(|e| match transport(&e) {
+                ClientError::Transport { message, .. } => ClientError::BodyCut { path: path.to_string(), status: Some(status), message },
+                other => other,
+            })?;
+            if let Ok(data) = frame.into_data() {
                 body.push(data);
             }
         }
@@ -329,6 +354,12 @@ impl Client {
         self.refusals.load(Ordering::Relaxed)
     }
 
+    /// GETs whose body the server cut off (a chunk failed its CRC-32
+    /// mid-stream), each counted as a miss by [`Client::get`].
+    pub fn body_cuts(&self) -> u64 {
+        self.body_cuts.load(Ordering::Relaxed)
+    }
+
     fn unexpected(method: Method, path: &str, a: Answer) -> ClientError {
         ClientError::Status {
             method,
@@ -357,7 +388,15 @@ impl Client {
     /// [`ClientError::Status`] for statuses other than 200 and 404.
     pub async fn get(&self, key: &str) -> Result<Option<(BodyChunks, Option<String>)>, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self.send_honouring_retry_after(Method::GET, &path, Vec::new(), None).await?;
+        let a = match self.send_honouring_retry_after(Method::GET, &path, Vec::new(), None).await {
+            // A block whose chunk failed its check mid-stream: dropped by
+            // the server, a miss for us.
+            Err(ClientError::BodyCut { status: Some(StatusCode::OK) | None, .. }) => {
+                self.body_cuts.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            a => a?,
+        };
         match a.status {
             StatusCode::OK => Ok(Some((a.body, a.tier))),
             StatusCode::NOT_FOUND => Ok(None),
@@ -412,4 +451,17 @@ impl Client {
             _ => Err(ClientError::BadResponse { path: "/v1/stats".into(), message: format!("no geometry in {v}") }),
         }
     }
+}
+
+/// Whether `e` is the server resetting one HTTP/2 stream (not the
+/// connection failing): an `h2::Error` from the peer among its causes.
+fn reset_by_server(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(h2) = c.downcast_ref::<h2::Error>() {
+            return h2.is_reset() && h2.is_remote();
+        }
+        cause = c.source();
+    }
+    false
 }

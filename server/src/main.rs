@@ -3,6 +3,7 @@
 //! `kvtier serve` starts the block API on one port (HTTP/2 with prior
 //! knowledge and HTTP/1.1); `kvtier info` describes a data directory.
 
+mod body;
 mod http;
 mod limits;
 mod metrics;

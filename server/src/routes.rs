@@ -22,12 +22,13 @@ use std::rc::Rc;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvtier_engine::{Error, PutOutcome, Store};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use crate::body::ReplyBody;
 use crate::limits;
 use crate::metrics::{HttpStats, Route};
 
@@ -69,7 +70,7 @@ fn overloaded(message: String) -> Reply {
 }
 
 /// Response type of every route.
-pub type Reply = Response<Full<Bytes>>;
+pub type Reply = Response<ReplyBody>;
 
 /// Header naming the tier a GET was served from.
 pub const TIER_HEADER: &str = "x-kvtier-tier";
@@ -87,7 +88,7 @@ fn json_reply(status: StatusCode, body: &impl Serialize) -> Reply {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(bytes)))
+        .body(ReplyBody::full(bytes))
         .expect("valid response")
 }
 
@@ -197,7 +198,7 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     if is_head {
         // HTTP/1 drops a HEAD response's body, but hyper's HTTP/2 server
         // would send it as DATA frames, which clients reject: send none.
-        *reply.body_mut() = Full::new(Bytes::new());
+        *reply.body_mut() = ReplyBody::empty();
     }
     reply
 }
@@ -351,14 +352,17 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
     }
 }
 
+/// A block, answered once its first chunk has passed its CRC-32 check and
+/// streamed from there ([`ReplyBody`]): a damaged later chunk resets the
+/// response instead of completing it.
 async fn get_block(ctx: &Ctx, key: &str) -> Reply {
-    match ctx.store.get(key).await {
-        Ok(block) => Response::builder()
+    match ctx.store.get_stream(key).await {
+        Ok((body, tier)) => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
-            .header(header::CONTENT_LENGTH, block.bytes.len())
-            .header(TIER_HEADER, block.tier.as_str())
-            .body(Full::new(block.bytes))
+            .header(header::CONTENT_LENGTH, body.len())
+            .header(TIER_HEADER, tier.as_str())
+            .body(ReplyBody::block(body))
             .expect("valid response"),
         Err(e) => engine_error(&e),
     }
@@ -370,7 +374,7 @@ async fn head_block(ctx: &Ctx, key: &str) -> Reply {
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
             .header(header::CONTENT_LENGTH, ctx.store.geometry().block_bytes)
-            .body(Full::new(Bytes::new()))
+            .body(ReplyBody::empty())
             .expect("valid response"),
         Ok(_) => engine_error(&Error::NotFound),
         Err(e) => engine_error(&e),
@@ -379,7 +383,7 @@ async fn head_block(ctx: &Ctx, key: &str) -> Reply {
 
 async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
     match ctx.store.delete(key).await {
-        Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(Full::new(Bytes::new())).expect("valid response"),
+        Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(ReplyBody::empty()).expect("valid response"),
         Err(e) => engine_error(&e),
     }
 }
@@ -514,6 +518,6 @@ async fn metrics(ctx: &Ctx) -> Reply {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")
-        .body(Full::new(Bytes::from(text)))
+        .body(ReplyBody::full(text))
         .expect("valid response")
 }

@@ -7,52 +7,12 @@
 
 mod common;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::fs::OpenOptions;
-use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
 
-use common::{client, flip_byte, fsck_json, payload, start, test_args, BLOCK_BYTES};
-use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
+use common::{client, flip_byte, fsck_json, locate, payload, start, test_args, Location, BLOCK_BYTES};
+use kvtier_engine::slot::PAGE_BYTES;
 use serde_json::Value;
-
-/// Where a key's slot is: (segment file, shard, slot index, byte offset).
-type Location = (PathBuf, u32, u32, u64);
-
-fn slot_offset(slot: u32) -> u64 {
-    PAGE_BYTES + slot as u64 * (PAGE_BYTES + BLOCK_BYTES)
-}
-
-/// Reads every slot header of every segment: key → its newest location.
-fn locate(data: &Path) -> HashMap<String, Location> {
-    let mut found: HashMap<String, (u64, Location)> = HashMap::new();
-    for shard in 0..2u32 {
-        let dir = data.join(format!("shard-{shard:03}"));
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().and_then(|e| e.to_str()) != Some("kvt") {
-                continue;
-            }
-            let mut f = std::fs::File::open(&path).unwrap();
-            let len = f.metadata().unwrap().len();
-            let mut page = vec![0u8; PAGE_BYTES as usize];
-            for slot in 0.. {
-                let at = slot_offset(slot);
-                if at + PAGE_BYTES > len {
-                    break;
-                }
-                f.seek(SeekFrom::Start(at)).unwrap();
-                f.read_exact(&mut page).unwrap();
-                let Ok(h) = SlotHeader::decode(&page) else { break };
-                let key = String::from_utf8(h.key.clone()).unwrap();
-                if found.get(&key).is_none_or(|(seq, _)| h.seq > *seq) {
-                    found.insert(key, (h.seq, (path.clone(), shard, slot, at)));
-                }
-            }
-        }
-    }
-    found.into_iter().map(|(k, (_, l))| (k, l)).collect()
-}
 
 /// (shard, slot) of every damaged record fsck lists, with its key if named.
 fn damaged(report: &Value) -> BTreeSet<(u64, u64, Option<String>)> {
@@ -81,7 +41,7 @@ async fn damaged_files_are_found_by_fsck_and_never_served() {
 
     // Pick victims: A (payload) and B (header) on shard 0, C (truncated,
     // the last slot written) on shard 1.
-    let at = locate(&data);
+    let at = locate(&data, BLOCK_BYTES);
     assert_eq!(at.len(), keys.len());
     let on = |shard: u32| {
         let mut v: Vec<(&String, &Location)> = at.iter().filter(|(_, l)| l.1 == shard).collect();

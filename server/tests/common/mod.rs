@@ -122,6 +122,43 @@ pub fn flip_byte(path: &Path, offset: u64) {
     f.write_all_at(&[b[0] ^ 0x5a], offset).unwrap();
 }
 
+/// Where a key's slot is: (segment file, shard, slot index, byte offset).
+pub type Location = (PathBuf, u32, u32, u64);
+
+/// Reads every slot header of every segment of a stopped two-shard store
+/// of `block_bytes` blocks: key → its newest location.
+pub fn locate(data: &Path, block_bytes: u64) -> std::collections::HashMap<String, Location> {
+    use kvtier_engine::slot::{slot_bytes, SlotHeader, PAGE_BYTES};
+    use std::io::{Read, Seek, SeekFrom};
+    let mut found: std::collections::HashMap<String, (u64, Location)> = Default::default();
+    for shard in 0..2u32 {
+        let dir = data.join(format!("shard-{shard:03}"));
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("kvt") {
+                continue;
+            }
+            let mut f = std::fs::File::open(&path).unwrap();
+            let len = f.metadata().unwrap().len();
+            let mut page = vec![0u8; PAGE_BYTES as usize];
+            for slot in 0.. {
+                let at = PAGE_BYTES + slot as u64 * slot_bytes(block_bytes);
+                if at + PAGE_BYTES > len {
+                    break;
+                }
+                f.seek(SeekFrom::Start(at)).unwrap();
+                f.read_exact(&mut page).unwrap();
+                let Ok(h) = SlotHeader::decode(&page) else { break };
+                let key = String::from_utf8(h.key.clone()).unwrap();
+                if found.get(&key).is_none_or(|(seq, _)| h.seq > *seq) {
+                    found.insert(key, (h.seq, (path.clone(), shard, slot, at)));
+                }
+            }
+        }
+    }
+    found.into_iter().map(|(k, (_, l))| (k, l)).collect()
+}
+
 /// `kvtier fsck --json` of a stopped store: (exit status 0, the report).
 pub fn fsck_json(data_dir: &Path) -> (bool, serde_json::Value) {
     let out =

@@ -1,0 +1,182 @@
+//! A block on its way to a client: whole, or as verified chunks.
+//!
+//! A block read from the log is not sent after the whole of it has been read
+//! and checked: the shard that owns it reads its chunks (format 2 slots carry
+//! a CRC-32 per chunk, `crate::slot::CHUNK_BYTES_DEFAULT` = 1 MiB), checks
+//! each as soon as it is read and hands it over at once, with the next reads
+//! already in flight, so device time and network time overlap. A
+//! [`ChunkStream`] is the receiving end. It is `Send`: a GET that arrived on
+//! another shard streams across the shard mesh.
+//!
+//! A chunk that fails its CRC-32 never leaves the shard: the stream yields
+//! [`Error::Corrupt`] instead (the block has been dropped and counted), and
+//! the HTTP layer resets the response (HTTP/2 `RST_STREAM`, HTTP/1.1 closes
+//! the connection before the declared `Content-Length`), which clients treat
+//! as a miss.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use futures::channel::mpsc;
+use futures::{Stream, StreamExt};
+
+use crate::error::{Error, Result};
+
+/// The payload of a block read back.
+#[derive(Debug)]
+pub enum BlockBody {
+    /// The whole block in one buffer: a RAM-tier slot (zero-copy), or a
+    /// format 1 slot (whole-block CRC only, so checked before it is sent).
+    Whole(Bytes),
+    /// Verified chunks in order, the first already read.
+    Chunks(ChunkStream),
+}
+
+impl BlockBody {
+    /// Payload length in bytes (`block_bytes`).
+    pub fn len(&self) -> u64 {
+        match self {
+            BlockBody::Whole(b) => b.len() as u64,
+            BlockBody::Chunks(s) => s.len,
+        }
+    }
+
+    /// Whether the payload is empty (never, for a stored block).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole payload in one buffer: free for [`BlockBody::Whole`], one
+    /// copy of every chunk for [`BlockBody::Chunks`] (for callers that need
+    /// contiguous bytes; the server sends the chunks as they come).
+    ///
+    /// # Errors
+    /// The stream's error: [`Error::Corrupt`] when a chunk failed its check,
+    /// [`Error::Io`] when a read failed or the stream ended short.
+    pub async fn collect(self) -> Result<Bytes> {
+        match self {
+            BlockBody::Whole(b) => Ok(b),
+            BlockBody::Chunks(mut s) => {
+                let mut out = BytesMut::with_capacity(s.len as usize);
+                while let Some(chunk) = s.next().await {
+                    out.extend_from_slice(&chunk?);
+                }
+                Ok(out.freeze())
+            }
+        }
+    }
+}
+
+/// Verified chunks of one block, in order. Yields `Ok(chunk)` until
+/// [`ChunkStream::len`] bytes have come, then ends; or one `Err` and ends.
+/// A stream the shard abandons (shutdown) yields an [`Error::Io`] naming
+/// how far it got, never a silent short block.
+#[derive(Debug)]
+pub struct ChunkStream {
+    len: u64,
+    sent: u64,
+    first: Option<Bytes>,
+    rest: mpsc::Receiver<Result<Bytes>>,
+    ended: bool,
+}
+
+impl ChunkStream {
+    /// A stream of `len` bytes whose first chunk is `first`, the rest to
+    /// come on `rest`.
+    pub(crate) fn new(len: u64, first: Bytes, rest: mpsc::Receiver<Result<Bytes>>) -> Self {
+        ChunkStream { len, sent: 0, first: Some(first), rest, ended: false }
+    }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes not yet yielded.
+    pub fn remaining(&self) -> u64 {
+        self.len - self.sent
+    }
+
+    fn yielded(&mut self, item: Result<Bytes>) -> Poll<Option<Result<Bytes>>> {
+        match &item {
+            Ok(chunk) if self.sent + chunk.len() as u64 <= self.len => self.sent += chunk.len() as u64,
+            Ok(chunk) => {
+                self.ended = true;
+                return Poll::Ready(Some(Err(short(format!(
+                    "a chunk of {} bytes after {} of {} bytes overruns the block",
+                    chunk.len(),
+                    self.sent,
+                    self.len
+                )))));
+            }
+            Err(_) => self.ended = true,
+        }
+        Poll::Ready(Some(item))
+    }
+}
+
+fn short(what: String) -> Error {
+    Error::Io { context: "streaming a block".into(), source: std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what) }
+}
+
+impl Stream for ChunkStream {
+    type Item = Result<Bytes>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
+        if self.ended || self.sent == self.len && self.first.is_none() {
+            return Poll::Ready(None);
+        }
+        if let Some(first) = self.first.take() {
+            return self.yielded(Ok(first));
+        }
+        match self.rest.poll_next_unpin(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(item)) => self.yielded(item),
+            Poll::Ready(None) => {
+                self.ended = true;
+                let what = format!("the shard stopped after {} of {} bytes", self.sent, self.len);
+                Poll::Ready(Some(Err(short(what))))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(len: u64, first: &'static [u8], rest: Vec<Result<Bytes>>) -> ChunkStream {
+        let (mut tx, rx) = mpsc::channel(rest.len().max(1));
+        for item in rest {
+            tx.try_send(item).unwrap();
+        }
+        ChunkStream::new(len, Bytes::from_static(first), rx)
+    }
+
+    #[test]
+    fn chunks_come_in_order_and_the_stream_ends_at_the_length() {
+        let s = stream(6, b"ab", vec![Ok(Bytes::from_static(b"cd")), Ok(Bytes::from_static(b"ef"))]);
+        let got = futures::executor::block_on(BlockBody::Chunks(s).collect()).unwrap();
+        assert_eq!(&got[..], b"abcdef");
+    }
+
+    #[test]
+    fn an_error_or_a_short_stream_is_never_a_complete_block() {
+        let s = stream(6, b"ab", vec![Err(Error::Corrupt { segment: 1, slot: 2 })]);
+        let e = futures::executor::block_on(BlockBody::Chunks(s).collect()).unwrap_err();
+        assert!(matches!(e, Error::Corrupt { segment: 1, slot: 2 }), "{e}");
+        // The sender dropped after 4 of 6 bytes.
+        let s = stream(6, b"ab", vec![Ok(Bytes::from_static(b"cd"))]);
+        let e = futures::executor::block_on(BlockBody::Chunks(s).collect()).unwrap_err();
+        assert!(e.to_string().contains("4 of 6 bytes"), "{e}");
+        // Too many bytes.
+        let s = stream(3, b"ab", vec![Ok(Bytes::from_static(b"cd"))]);
+        assert!(futures::executor::block_on(BlockBody::Chunks(s).collect()).is_err());
+    }
+}

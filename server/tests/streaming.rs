@@ -1,0 +1,197 @@
+//! Streamed GETs from the log: a block of several chunks is sent chunk by
+//! chunk, each checked against its own CRC-32 first. A damaged chunk at
+//! any position (first, middle, last) never reaches a client as a
+//! complete response: the first chunk's damage is a clean 404, a later
+//! one resets the response after the chunks before it (all of them
+//! right), over HTTP/2 and HTTP/1.1. And a store written in format 1
+//! (whole-block CRC only) still opens and serves.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use common::{flip_byte, fsck_json, locate, start, Server};
+use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
+use kvtier_loadgen::client::Client;
+
+/// 3.5 MiB: chunks 0, 1 and 2 of 1 MiB and a short last chunk 3.
+const BLOCK_BYTES: u64 = 7 << 19;
+const CHUNK_BYTES: u64 = 1 << 20;
+
+fn args(data: &Path) -> Vec<String> {
+    let mut a = common::test_args(data);
+    let set = |a: &mut Vec<String>, flag: &str, value: &str| {
+        let i = a.iter().position(|x| x == flag).unwrap();
+        a[i + 1] = value.to_string();
+    };
+    set(&mut a, "--block-bytes", &BLOCK_BYTES.to_string());
+    set(&mut a, "--segment-mib", "16");
+    a
+}
+
+fn payload(key: &str) -> bytes::Bytes {
+    kvtier_loadgen::payload::Payloads::new(BLOCK_BYTES as usize, 1).chunks(key).concat().into()
+}
+
+fn client(server: &Server, http1: bool) -> Client {
+    Client::new(&server.url, http1, 1).unwrap()
+}
+
+/// A raw HTTP/1.1 GET: (status, declared Content-Length, body bytes
+/// received before the server closed).
+fn raw_http1_get(url: &str, key: &str) -> (u16, u64, Vec<u8>) {
+    let addr = url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    write!(s, "GET /v1/blocks/{key} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut all = Vec::new();
+    let _ = s.read_to_end(&mut all);
+    let end = all.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head") + 4;
+    let head = String::from_utf8_lossy(&all[..end]).to_lowercase();
+    let status = head[9..12].parse().unwrap();
+    let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).map(|v| v.trim().parse().unwrap()).unwrap_or(0);
+    (status, length, all[end..].to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_chunk_anywhere_never_completes_a_response_and_earlier_chunks_are_right() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let args = args(&data);
+    // Per position, one victim read over HTTP/2 and one over HTTP/1.1 (a
+    // damaged block is dropped at its first read), and intact blocks.
+    let positions = [("first", 100), ("middle", 2 * CHUNK_BYTES + 5_000), ("last", BLOCK_BYTES - 10)];
+    let victims: Vec<(String, u64, bool)> =
+        positions.iter().flat_map(|(name, at)| [(format!("{name}-h2"), *at, false), (format!("{name}-h1"), *at, true)]).collect();
+    let intact: Vec<String> = (0..4).map(|i| format!("intact-{i}")).collect();
+    let server = start(&args);
+    let c = client(&server, false);
+    for k in victims.iter().map(|v| &v.0).chain(&intact) {
+        c.put(k, vec![payload(k)]).await.unwrap();
+    }
+    // Streamed from the log, in chunks, byte-exact, over both protocols.
+    for http1 in [false, true] {
+        let (body, tier) = client(&server, http1).get(&intact[0]).await.unwrap().unwrap();
+        assert_eq!(tier.as_deref(), Some("nvme"));
+        assert!(body.to_bytes() == payload(&intact[0]));
+    }
+    assert!(server.stop().success());
+    let (clean, report) = fsck_json(&data);
+    assert!(clean, "{report}");
+
+    let at = locate(&data, BLOCK_BYTES);
+    for (key, offset, _) in &victims {
+        let l = &at[key];
+        flip_byte(&l.0, l.3 + PAGE_BYTES + offset);
+    }
+    // fsck names each damaged chunk.
+    let (clean, report) = fsck_json(&data);
+    assert!(!clean);
+    let whys: Vec<String> = report["damaged"].as_array().unwrap().iter().map(|d| d["problem"].as_str().unwrap().to_string()).collect();
+    assert_eq!(whys.len(), victims.len(), "{report}");
+    for chunk in [0, 2, 3] {
+        let named = format!("chunk {chunk} of 4");
+        assert_eq!(whys.iter().filter(|w| w.contains(&named)).count(), 2, "{named}: {whys:?}");
+    }
+
+    let server = start(&args);
+    for (key, offset, http1) in &victims {
+        let expected = payload(key);
+        let first_chunk = *offset < CHUNK_BYTES;
+        if *http1 {
+            let (status, length, got) = raw_http1_get(&server.url, key);
+            if first_chunk {
+                assert_eq!(status, 404, "{key}");
+            } else {
+                assert_eq!((status, length), (200, BLOCK_BYTES), "{key}");
+                assert!((got.len() as u64) < BLOCK_BYTES, "{key}: a complete response with a damaged chunk");
+                assert!(got[..] == expected[..got.len()], "{key}: a wrong byte was sent");
+                let damaged_chunk = offset / CHUNK_BYTES;
+                assert!(got.len() as u64 <= damaged_chunk * CHUNK_BYTES, "{key}: bytes of the damaged chunk were sent");
+            }
+        } else {
+            // The loadgen's GET: a cut-off or reset response is a miss,
+            // counted in body_cuts; the first chunk's damage a plain 404.
+            let h2 = client(&server, false);
+            assert!(h2.get(key).await.unwrap().is_none(), "{key}: served");
+            assert_eq!(h2.body_cuts(), if first_chunk { 0 } else { 1 }, "{key}");
+        }
+        // Dropped: a miss from now on, for either client.
+        assert!(client(&server, false).get(key).await.unwrap().is_none(), "{key}");
+    }
+    let c = client(&server, false);
+    for k in &intact {
+        let (body, _) = c.get(k).await.unwrap().unwrap();
+        assert!(body.to_bytes() == payload(k), "{k}");
+    }
+    let stats = c.stats().await.unwrap();
+    assert_eq!(stats["totals"]["corrupt_blocks"], victims.len() as u64, "{}", stats["totals"]);
+    assert!(server.log().contains("CRC-32 mismatch in chunk 2 of 4"), "{}", server.log());
+    assert!(server.stop().success());
+}
+
+/// Rewrites every slot header of a stopped store as format 1 wrote it
+/// (version 1, no chunk size or chunk CRCs) and marks `store.json` format 1.
+fn downgrade_to_format_1(data: &Path, block_bytes: u64) {
+    use std::os::unix::fs::FileExt;
+    for (_, (path, _, _, at)) in locate(data, block_bytes) {
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        f.read_exact_at(&mut page, at).unwrap();
+        let mut h = SlotHeader::decode(&page).unwrap();
+        assert_eq!(h.chunk_crcs.len(), 4, "written as format 2");
+        h.chunk_bytes = 0;
+        h.chunk_crcs.clear();
+        h.encode(&mut page);
+        page[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let crc = crc32fast::hash(&page[..4092]);
+        page[4092..].copy_from_slice(&crc.to_le_bytes());
+        f.write_all_at(&page, at).unwrap();
+    }
+    let manifest = data.join("store.json");
+    let text = std::fs::read_to_string(&manifest).unwrap().replace("\"format_version\": 2", "\"format_version\": 1");
+    std::fs::write(&manifest, text).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_1_store_opens_serves_every_block_and_takes_format_2_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let args = args(&data);
+    let keys: Vec<String> = (0..6).map(|i| format!("old-{i}")).collect();
+    let server = start(&args);
+    let c = client(&server, true);
+    for k in &keys {
+        c.put(k, vec![payload(k)]).await.unwrap();
+    }
+    assert!(server.stop().success());
+    downgrade_to_format_1(&data, BLOCK_BYTES);
+    let (clean, report) = fsck_json(&data);
+    assert!(clean, "fsck reads format 1: {report}");
+
+    let server = start(&args);
+    for http1 in [false, true] {
+        let c = client(&server, http1);
+        for k in &keys {
+            let (body, _) = c.get(k).await.unwrap().unwrap_or_else(|| panic!("{k} missing"));
+            assert!(body.to_bytes() == payload(k), "{k}");
+        }
+    }
+    let manifest = std::fs::read_to_string(data.join("store.json")).unwrap();
+    assert!(manifest.contains("\"format_version\": 2"), "{manifest}");
+    client(&server, false).put("new-0", vec![payload("new-0")]).await.unwrap();
+    assert!(server.stop().success());
+    let (clean, report) = fsck_json(&data);
+    assert!(clean, "{report}");
+    // Old slots stay format 1 (read whole), the new one is format 2.
+    let at = locate(&data, BLOCK_BYTES);
+    let chunks_of = |k: &str| {
+        use std::os::unix::fs::FileExt;
+        let (path, _, _, offset) = &at[k];
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        std::fs::File::open(path).unwrap().read_exact_at(&mut page, *offset).unwrap();
+        SlotHeader::decode(&page).unwrap().chunk_crcs.len()
+    };
+    assert_eq!((chunks_of("old-0"), chunks_of("new-0")), (0, 4));
+}
