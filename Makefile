@@ -5,7 +5,7 @@
 #   make replay   replay ShareGPT V3 against the running sidecar (report in target/loadgen/replay/)
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
-#   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
+#   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio (target/bench/http/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
@@ -138,11 +138,13 @@ bench:
 	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
 
 # Whole-block PUT/GET at 1.2 MB and 16 MiB, h2c and HTTP/1.1, concurrency
-# 1 and 16, beside iperf3 loopback bandwidth, in 3 pairs.
+# 1 and 16, beside iperf3 loopback bandwidth (and, for GETs from the NVMe
+# log, fio O_DIRECT reads at the same block size and depth), in 3 pairs.
+# KVTIER_BEFORE=path/to/old/kvtier adds an older build's NVMe GETs.
 bench-http: build
-	@command -v iperf3 >/dev/null || { \
-	  echo "installing iperf3"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
+	@missing=""; command -v iperf3 >/dev/null || missing="iperf3"; command -v fio >/dev/null || missing="$$missing fio"; \
+	if [ -n "$$missing" ]; then echo "installing $$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 	loadgen/scripts/bench_http.sh
 
 # Crash harness (a 4-round version runs in `make test`): 20 rounds of

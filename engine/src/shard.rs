@@ -1079,14 +1079,18 @@ impl Shard {
             }
             glommio::timer::sleep(RECLAIM_POLL).await;
         };
-        let _reader = InFlight::enter(&segment.readers);
-        let _permit = match self.io_permit(true).await {
+        let reader = InFlight::enter(&segment.readers);
+        let permit = match self.io_permit(true).await {
             Ok(p) => p,
             Err(e) => {
                 let _ = tx.try_send(Err(e));
                 return;
             }
         };
+        // Released once every read is done, before a promotion that may
+        // itself need I/O permits (a write-back demotion): holding one
+        // while waiting for another could starve the shard.
+        let mut io_guards = Some((reader, permit));
         let started = Instant::now();
         let block_bytes = self.cfg.geometry.block_bytes;
         let chunk_bytes = self.chunk_bytes as u64;
@@ -1164,6 +1168,7 @@ impl Shard {
                 return self.end_stream(&mut tx, Err(e), &mut reads).await;
             }
             self.read_done(&segment, entry, started);
+            drop(io_guards.take());
             if promote {
                 self.promote(key, hash, &[&bytes], entry).await;
             }
@@ -1212,6 +1217,7 @@ impl Shard {
                 // Promotion lands before the last chunk leaves, so a client
                 // that has the whole block finds it in RAM.
                 self.read_done(&segment, entry, started);
+                drop(io_guards.take());
                 if let Some(s) = ram_slot.take() {
                     if self.still_newest(&hash, entry) {
                         self.ram.as_ref().expect("RAM tier").borrow_mut().install_filled(s, key, hash);

@@ -6,10 +6,17 @@
 # median ratio over the pairs and its range.
 #
 # Each size runs twice: with a 2 GiB RAM tier (GETs served from RAM, PUTs
-# written through to NVMe) and with none (GETs read from NVMe).
+# written through to NVMe) and with none (GETs read from NVMe). Without a
+# RAM tier each pair also runs fio: O_DIRECT random reads (io_uring) of the
+# same block size at the same depth as the GET concurrency, over a file of
+# the size of the GETs' working set, on the data directory's filesystem: the
+# device's own speed, which an NVMe-tier GET is compared with.
+#
+# KVTIER_BEFORE=path/to/kvtier (optional): an older build, run beside this
+# one on the same NVMe-only cases (GETs only), for a before/after table.
 #
 # Settings (environment): SIZES, RAM_GB_LIST, CONCURRENCY, PAIRS,
-# SECONDS_PER, OUT.
+# SECONDS_PER, OUT, KVTIER_BEFORE.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SIZES=${SIZES:-"1228800 16777216"}
@@ -18,6 +25,7 @@ CONCURRENCY=${CONCURRENCY:-"1 16"}
 PAIRS=${PAIRS:-3}
 SECONDS_PER=${SECONDS_PER:-5}
 OUT=${OUT:-target/bench/http}
+KVTIER_BEFORE=${KVTIER_BEFORE:-}
 BIN=target/release
 IPERF_PORT=5299
 # iperf3 takes whole seconds (and runs forever on -t 0).
@@ -39,29 +47,48 @@ cleanup() {
 trap cleanup EXIT
 sleep 0.5
 
+# The loadgen's GET working set: max(4 x concurrency, 16) blocks, at most 1 GiB.
+working_set_bytes() { python3 -c "import sys; s,c=int(sys.argv[1]),int(sys.argv[2]); print(min(max(4*c,16), max(1,(1<<30)//s))*s)" "$1" "$2"; }
+
 for size in $SIZES; do
 for ram in $RAM_GB_LIST; do
   tier=$([ "$ram" = 0 ] && echo nvme || echo ram)
+  variants=kvtier
+  if [ "$ram" = 0 ] && [ -n "$KVTIER_BEFORE" ]; then variants="kvtier before"; fi
+  for variant in $variants; do
+  bin=$BIN/kvtier; ops="put get"
+  if [ "$variant" = before ]; then bin=$KVTIER_BEFORE; ops=get; fi
   DATA=$(mktemp -d)
-  $BIN/kvtier serve --listen 127.0.0.1:0 --data-dir "$DATA" --block-bytes "$size" --disk-gb 8 --segment-mib 512 --ram-gb "$ram" \
-    --log-level warn >"$OUT/serve-$size-$tier.out" 2>"$OUT/serve-$size-$tier.err" &
+  $bin serve --listen 127.0.0.1:0 --data-dir "$DATA" --block-bytes "$size" --disk-gb 8 --segment-mib 512 --ram-gb "$ram" \
+    --log-level warn >"$OUT/serve-$size-$tier-$variant.out" 2>"$OUT/serve-$size-$tier-$variant.err" &
   SERVER_PID=$!
-  for _ in $(seq 100); do grep -q listening "$OUT/serve-$size-$tier.out" && break; sleep 0.1; done
-  url=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$size-$tier.out")
+  for _ in $(seq 100); do grep -q listening "$OUT/serve-$size-$tier-$variant.out" && break; sleep 0.1; done
+  url=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$size-$tier-$variant.out")
   for pair in $(seq "$PAIRS"); do
-    iperf3 -c 127.0.0.1 -p $IPERF_PORT -t "$SECONDS_PER" -J >"$OUT/iperf3-$size-$tier-$pair.json"
+    if [ "$variant" = kvtier ]; then
+      iperf3 -c 127.0.0.1 -p $IPERF_PORT -t "$SECONDS_PER" -J >"$OUT/iperf3-$size-$tier-$pair.json"
+      if [ "$tier" = nvme ]; then
+        for c in $CONCURRENCY; do
+          fio --name=ref --filename="$DATA/fio.dat" --size="$(working_set_bytes "$size" "$c")" --bs="$size" --rw=randread \
+            --direct=1 --ioengine=io_uring --iodepth="$c" --runtime="$SECONDS_PER" --time_based --output-format=json \
+            >"$OUT/fio-$size-$c-$pair.json"
+          rm -f "$DATA/fio.dat"
+        done
+      fi
+    fi
     for proto in h2c http1; do
       flag=""; [ $proto = http1 ] && flag="--http1"
       for c in $CONCURRENCY; do
-        for op in put get; do
+        for op in $ops; do
           $BIN/kvtier-loadgen blocks --target "$url" --op $op --concurrency "$c" --duration-s "$SECONDS_PER" $flag \
-            --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair" | tee -a "$OUT/log.txt"
+            --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair-$variant" | tee -a "$OUT/log.txt"
         done
       done
     done
   done
   kill -TERM $SERVER_PID; wait $SERVER_PID || true; SERVER_PID=
   rm -rf "$DATA"; DATA=
+  done
 done
 done
 
@@ -72,23 +99,32 @@ iperf = {}
 for f in glob.glob(f"{out}/iperf3-*-*.json"):
     size, tier, pair = os.path.basename(f)[len("iperf3-"):-len(".json")].split("-")
     iperf[(size, tier, pair)] = json.load(open(f))["end"]["sum_received"]["bits_per_second"] / 8
+fio = {}
+for f in glob.glob(f"{out}/fio-*-*-*.json"):
+    size, c, pair = os.path.basename(f)[len("fio-"):-len(".json")].split("-")
+    fio[(size, c, pair)] = json.load(open(f))["jobs"][0]["read"]["bw_bytes"]
 cases = {}
 for f in glob.glob(f"{out}/case-*/results.json"):
-    size, tier, proto, c, op, pair = os.path.basename(os.path.dirname(f))[len("case-"):].split("-")
+    size, tier, proto, c, op, pair, variant = os.path.basename(os.path.dirname(f))[len("case-"):].split("-")
     r = json.load(open(f))
-    cases.setdefault((int(size), tier, proto, int(c), op), []).append((r["bytes_per_s"], iperf[(size, tier, pair)], r["latency"]["p50_us"], r["errors"]))
+    cases.setdefault((int(size), tier, proto, int(c), op, variant), []).append(dict(
+        kvtier=r["bytes_per_s"], iperf3=iperf[(size, tier, pair)], fio=fio.get((size, c, pair)),
+        p50_us=r["latency"]["p50_us"], p99_us=r["latency"]["p99_us"], errors=r["errors"]))
+med = statistics.median
 rows = []
-print(f"{'block':>10} {'tier':>5} {'proto':>6} {'conc':>4} {'op':>4} {'kvtier MB/s':>12} {'iperf3 MB/s':>12} {'ratio':>6}  range        p50 ms")
-for (size, tier, proto, c, op), v in sorted(cases.items()):
-    ratios = [b / i for b, i, _, _ in v]
-    row = dict(block_bytes=size, tier=tier, protocol=proto, concurrency=c, op=op,
-               kvtier_bytes_per_s=[b for b, *_ in v], iperf3_bytes_per_s=[i for _, i, *_ in v],
-               ratios=ratios, ratio_median=statistics.median(ratios), errors=sum(e for *_, e in v),
-               p50_us_median=statistics.median(p for _, _, p, _ in v))
+print(f"{'block':>10} {'tier':>5} {'proto':>6} {'conc':>4} {'op':>4} {'build':>6} {'MB/s':>7} {'/iperf3':>8} {'/fio':>6}  /fio range  {'p50 ms':>7} {'p99 ms':>7}")
+for (size, tier, proto, c, op, variant), v in sorted(cases.items()):
+    vs_iperf = [x["kvtier"] / x["iperf3"] for x in v]
+    vs_fio = [x["kvtier"] / x["fio"] for x in v if x["fio"]]
+    row = dict(block_bytes=size, tier=tier, protocol=proto, concurrency=c, op=op, build=variant,
+               kvtier_bytes_per_s=[x["kvtier"] for x in v], iperf3_bytes_per_s=[x["iperf3"] for x in v],
+               fio_bytes_per_s=[x["fio"] for x in v if x["fio"]],
+               ratios=vs_iperf, ratio_median=med(vs_iperf), fio_ratios=vs_fio, fio_ratio_median=med(vs_fio) if vs_fio else None,
+               errors=sum(x["errors"] for x in v), p50_us_median=med(x["p50_us"] for x in v), p99_us_median=med(x["p99_us"] for x in v))
     rows.append(row)
-    print(f"{size:>10} {tier:>5} {proto:>6} {c:>4} {op:>4} {statistics.median(row['kvtier_bytes_per_s'])/1e6:>12.0f} "
-          f"{statistics.median(row['iperf3_bytes_per_s'])/1e6:>12.0f} {row['ratio_median']:>6.2f}  "
-          f"{min(ratios):.2f}-{max(ratios):.2f}  {row['p50_us_median']/1000:>8.1f}")
+    fio_cols = f"{row['fio_ratio_median']:>6.2f}  {min(vs_fio):.2f}-{max(vs_fio):.2f}" if vs_fio else f"{'':>6}  {'':>9}"
+    print(f"{size:>10} {tier:>5} {proto:>6} {c:>4} {op:>4} {variant:>6} {med(row['kvtier_bytes_per_s'])/1e6:>7.0f} "
+          f"{row['ratio_median']:>8.2f} {fio_cols}  {row['p50_us_median']/1000:>7.1f} {row['p99_us_median']/1000:>7.1f}")
 json.dump(rows, open(f"{out}/summary.json", "w"), indent=1)
 print(f"wrote {out}/summary.json")
 PY

@@ -195,3 +195,41 @@ async fn a_format_1_store_opens_serves_every_block_and_takes_format_2_writes() {
     };
     assert_eq!((chunks_of("old-0"), chunks_of("new-0")), (0, 4));
 }
+
+/// A block promoted on read is copied chunk by chunk into its RAM slot and
+/// sent from there; the next GET is a RAM hit with the same bytes, under
+/// both write policies (write-back: RAM's victims must reach the log first,
+/// so the chunks are copied into RAM after the read instead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_block_streams_from_its_ram_slot_and_is_then_a_ram_hit() {
+    for policy in ["through", "back"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = args(&dir.path().join("data"));
+        // Two blocks of RAM per shard.
+        let ram = args.iter().position(|a| a == "--ram-gb").unwrap();
+        args[ram + 1] = ((4 * BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string();
+        args.extend(["--write-policy".to_string(), policy.to_string()]);
+        let server = start(&args);
+        let c = client(&server, false);
+        let keys: Vec<String> = (0..10).map(|i| format!("promo-{i}")).collect();
+        for k in &keys {
+            c.put(k, vec![payload(k)]).await.unwrap();
+        }
+        let mut from_nvme = 0;
+        for k in &keys {
+            let (body, tier) = c.get(k).await.unwrap().unwrap();
+            assert!(body.to_bytes() == payload(k), "{policy}: {k}");
+            if tier.as_deref() == Some("nvme") {
+                from_nvme += 1;
+                let (again, tier) = c.get(k).await.unwrap().unwrap();
+                assert_eq!(tier.as_deref(), Some("ram"), "{policy}: {k} was not promoted");
+                assert!(again.to_bytes() == payload(k), "{policy}: {k} wrong from RAM");
+            }
+        }
+        assert!(from_nvme >= 4, "{policy}: only {from_nvme} GETs reached the log");
+        let stats = c.stats().await.unwrap();
+        let ram = stats["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "ram").unwrap().clone();
+        assert!(ram["promotions"].as_u64().unwrap() >= from_nvme, "{policy}: {ram}");
+        assert!(server.stop().success());
+    }
+}

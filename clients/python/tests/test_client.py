@@ -259,3 +259,55 @@ def test_get_into_a_torch_tensor(client):
     assert client.put("torch-2", rows[1])
     with pytest.raises(ValueError, match="contiguous"):
         client.get_into("torch-1", rows[:, 0])
+
+
+def _flip_payload_byte(data_dir, key: str, block_bytes: int, payload_offset: int) -> None:
+    """Flips one payload byte of `key`'s slot in a stopped store: the slot
+    header (docs/FORMAT.md) names the key at byte 64, its length at 44."""
+    page = 4096
+    slot_bytes = page + -(-block_bytes // page) * page
+    for seg in sorted(data_dir.glob("shard-*/seg-*.kvt")):
+        with open(seg, "r+b") as f:
+            for slot in range((seg.stat().st_size - page) // slot_bytes):
+                at = page + slot * slot_bytes
+                f.seek(at)
+                header = f.read(page)
+                key_len = int.from_bytes(header[44:46], "little")
+                if header[64 : 64 + key_len] == key.encode():
+                    f.seek(at + page + payload_offset)
+                    b = f.read(1)
+                    f.seek(at + page + payload_offset)
+                    f.write(bytes([b[0] ^ 0x5A]))
+                    return
+    raise AssertionError(f"no slot holds {key}")
+
+
+def test_a_block_cut_off_mid_stream_is_a_miss_never_wrong_bytes(tmp_path):
+    """A chunk failing its CRC-32 on the server ends the response short of
+    its Content-Length after the chunks before it; the client retries, the
+    server has dropped the block, and the answer is a miss."""
+    block_bytes = 7 << 19  # 3.5 MiB: four CRC chunks of at most 1 MiB
+    data = tmp_path / "data"
+    s = ServerProcess(block_bytes=block_bytes, ram_gb=0, data_dir=str(data), args=("--segment-mib", "16"))
+    s.start()
+    try:
+        payloads = {
+            k: np.random.default_rng(i).bytes(block_bytes) for i, k in enumerate(["cut-get", "cut-into", "intact"])
+        }
+        c = kvtier.Client(s.url)
+        for k, v in payloads.items():
+            c.put(k, v)
+        c.close()
+        s.stop()
+        _flip_payload_byte(data, "cut-get", block_bytes, 2 * (1 << 20) + 5)
+        _flip_payload_byte(data, "cut-into", block_bytes, block_bytes - 1)
+        s.start()
+        c = kvtier.Client(s.url, retries=1)
+        assert c.get("cut-get") is None
+        buf = bytearray(block_bytes)
+        assert c.get_into("cut-into", buf) is False
+        assert c.get("intact") == payloads["intact"]
+        assert c.stats()["totals"]["corrupt_blocks"] == 2
+        c.close()
+    finally:
+        s.stop()
