@@ -22,7 +22,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvtier_engine::{Error, Geometry, Store, StoreConfig};
+use futures::StreamExt;
+use kvtier_engine::{BlockBody, Error, Geometry, Store, StoreConfig};
 use serde::Serialize;
 
 // The server's allocator, so buffer costs match what `kvtier serve` pays.
@@ -143,8 +144,15 @@ async fn engine(store: &Rc<Store>, write: bool, depth: usize, seconds: f64, body
                         let w = written.borrow();
                         w[(rng % w.len() as u64) as usize].clone()
                     };
-                    match store.get(&key).await {
-                        Ok(b) => moved.set(moved.get() + b.bytes.len() as u64),
+                    // Every verified chunk is taken as the server would send
+                    // it; none is copied again.
+                    match store.get_stream(&key).await {
+                        Ok((BlockBody::Whole(b), _)) => moved.set(moved.get() + b.len() as u64),
+                        Ok((BlockBody::Chunks(mut chunks), _)) => {
+                            while let Some(chunk) = chunks.next().await {
+                                moved.set(moved.get() + chunk.expect("chunk").len() as u64);
+                            }
+                        }
                         Err(Error::NotFound) => {} // reclaimed by the write phase
                         Err(e) => panic!("get: {e}"),
                     }

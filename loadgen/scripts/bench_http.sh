@@ -12,8 +12,9 @@
 # the size of the GETs' working set, on the data directory's filesystem: the
 # device's own speed, which an NVMe-tier GET is compared with.
 #
-# KVTIER_BEFORE=path/to/kvtier (optional): an older build, run beside this
-# one on the same NVMe-only cases (GETs only), for a before/after table.
+# KVTIER_BEFORE=path/to/kvtier (optional): an older build, serving beside
+# this one on the NVMe-only cases and measured in the same pairs (GETs
+# only), for a before/after table.
 #
 # Settings (environment): SIZES, RAM_GB_LIST, CONCURRENCY, PAIRS,
 # SECONDS_PER, OUT, KVTIER_BEFORE.
@@ -37,12 +38,12 @@ fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 iperf3 -s -p $IPERF_PORT >"$OUT/iperf3-server.log" 2>&1 &
 IPERF_PID=$!
-SERVER_PID=
-DATA=
+PIDS=()
+DIRS=()
 cleanup() {
   kill $IPERF_PID 2>/dev/null || true
-  if [ -n "$SERVER_PID" ]; then kill $SERVER_PID 2>/dev/null || true; fi
-  if [ -n "$DATA" ]; then rm -rf "$DATA"; fi
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for d in "${DIRS[@]}"; do rm -rf "$d"; done
 }
 trap cleanup EXIT
 sleep 0.5
@@ -50,45 +51,53 @@ sleep 0.5
 # The loadgen's GET working set: max(4 x concurrency, 16) blocks, at most 1 GiB.
 working_set_bytes() { python3 -c "import sys; s,c=int(sys.argv[1]),int(sys.argv[2]); print(min(max(4*c,16), max(1,(1<<30)//s))*s)" "$1" "$2"; }
 
+# Starts `kvtier serve` ($1: binary, $2: block bytes, $3: RAM GiB, $4: log
+# name) on a fresh data directory; sets $url.
+start_server() {
+  local dir; dir=$(mktemp -d); DIRS+=("$dir")
+  "$1" serve --listen 127.0.0.1:0 --data-dir "$dir" --block-bytes "$2" --disk-gb 8 --segment-mib 512 --ram-gb "$3" \
+    --log-level warn >"$OUT/serve-$4.out" 2>"$OUT/serve-$4.err" &
+  PIDS+=($!)
+  for _ in $(seq 100); do grep -q listening "$OUT/serve-$4.out" && break; sleep 0.1; done
+  url=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$4.out")
+}
+
 for size in $SIZES; do
 for ram in $RAM_GB_LIST; do
   tier=$([ "$ram" = 0 ] && echo nvme || echo ram)
+  # Every build under test serves at once, so each pair measures them (and
+  # fio) within the same minute.
+  declare -A urls=()
+  start_server "$BIN/kvtier" "$size" "$ram" "$size-$tier-kvtier"; urls[kvtier]=$url
   variants=kvtier
-  if [ "$ram" = 0 ] && [ -n "$KVTIER_BEFORE" ]; then variants="kvtier before"; fi
-  for variant in $variants; do
-  bin=$BIN/kvtier; ops="put get"
-  if [ "$variant" = before ]; then bin=$KVTIER_BEFORE; ops=get; fi
-  DATA=$(mktemp -d)
-  $bin serve --listen 127.0.0.1:0 --data-dir "$DATA" --block-bytes "$size" --disk-gb 8 --segment-mib 512 --ram-gb "$ram" \
-    --log-level warn >"$OUT/serve-$size-$tier-$variant.out" 2>"$OUT/serve-$size-$tier-$variant.err" &
-  SERVER_PID=$!
-  for _ in $(seq 100); do grep -q listening "$OUT/serve-$size-$tier-$variant.out" && break; sleep 0.1; done
-  url=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$size-$tier-$variant.out")
+  if [ "$tier" = nvme ] && [ -n "$KVTIER_BEFORE" ]; then
+    start_server "$KVTIER_BEFORE" "$size" "$ram" "$size-$tier-before"; urls[before]=$url
+    variants="kvtier before"
+  fi
   for pair in $(seq "$PAIRS"); do
-    if [ "$variant" = kvtier ]; then
-      iperf3 -c 127.0.0.1 -p $IPERF_PORT -t "$SECONDS_PER" -J >"$OUT/iperf3-$size-$tier-$pair.json"
+    iperf3 -c 127.0.0.1 -p $IPERF_PORT -t "$SECONDS_PER" -J >"$OUT/iperf3-$size-$tier-$pair.json"
+    for c in $CONCURRENCY; do
       if [ "$tier" = nvme ]; then
-        for c in $CONCURRENCY; do
-          fio --name=ref --filename="$DATA/fio.dat" --size="$(working_set_bytes "$size" "$c")" --bs="$size" --rw=randread \
-            --direct=1 --ioengine=io_uring --iodepth="$c" --runtime="$SECONDS_PER" --time_based --output-format=json \
-            >"$OUT/fio-$size-$c-$pair.json"
-          rm -f "$DATA/fio.dat"
-        done
+        fio --name=ref --filename="${DIRS[0]}/fio.dat" --size="$(working_set_bytes "$size" "$c")" --bs="$size" --rw=randread \
+          --direct=1 --ioengine=io_uring --iodepth="$c" --runtime="$SECONDS_PER" --time_based --output-format=json \
+          >"$OUT/fio-$size-$c-$pair.json"
+        rm -f "${DIRS[0]}/fio.dat"
       fi
-    fi
-    for proto in h2c http1; do
-      flag=""; [ $proto = http1 ] && flag="--http1"
-      for c in $CONCURRENCY; do
-        for op in $ops; do
-          $BIN/kvtier-loadgen blocks --target "$url" --op $op --concurrency "$c" --duration-s "$SECONDS_PER" $flag \
-            --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair-$variant" | tee -a "$OUT/log.txt"
+      for proto in h2c http1; do
+        flag=""; [ $proto = http1 ] && flag="--http1"
+        for variant in $variants; do
+          ops="put get"; [ "$variant" = before ] && ops=get
+          for op in $ops; do
+            $BIN/kvtier-loadgen blocks --target "${urls[$variant]}" --op $op --concurrency "$c" --duration-s "$SECONDS_PER" $flag \
+              --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair-$variant" | tee -a "$OUT/log.txt"
+          done
         done
       done
     done
   done
-  kill -TERM $SERVER_PID; wait $SERVER_PID || true; SERVER_PID=
-  rm -rf "$DATA"; DATA=
-  done
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid"; wait "$pid" || true; done
+  for d in "${DIRS[@]}"; do rm -rf "$d"; done
+  PIDS=(); DIRS=()
 done
 done
 
