@@ -81,7 +81,15 @@ target/py-$(1)/.installed: clients/python/requirements-$(1).txt clients/python/p
 endef
 $(foreach engine,lmcache vllm sglang,$(eval $(call python_env,$(engine))))
 
-python-env: target/py-lmcache/.installed target/py-vllm/.installed target/py-sglang/.installed
+# moto_server, the real S3-compatible server the shared-tier tests
+# (server/tests/s3.rs) start on loopback: about a minute and 300 MB the first time.
+target/py-s3/.installed: server/tests/requirements-s3.txt
+	@echo "installing the S3 test server (moto) in target/py-s3"
+	$(PYTHON) -m venv target/py-s3
+	target/py-s3/bin/pip install --quiet --disable-pip-version-check -r server/tests/requirements-s3.txt
+	touch $@
+
+python-env: target/py-lmcache/.installed target/py-vllm/.installed target/py-sglang/.installed target/py-s3/.installed
 
 # Every Python test runs against the debug kvtier that cargo test built.
 PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen
