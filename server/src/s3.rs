@@ -254,6 +254,7 @@ pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Byte
 #[derive(Default)]
 struct Counters {
     uploads_queued: AtomicU64,
+    uploads_queued_max: AtomicU64,
     uploads_inflight: AtomicU64,
     uploads_done: AtomicU64,
     uploads_present: AtomicU64,
@@ -578,7 +579,7 @@ impl S3Tier {
                 }
                 let n = v.as_u64().unwrap_or(0);
                 let entry = totals.entry(k.clone()).or_insert(json!(0));
-                let merged = if k.ends_with("_us_p50") || k.ends_with("_us_p99") {
+                let merged = if k.ends_with("_us_p50") || k.ends_with("_us_p99") || k.ends_with("_max") {
                     entry.as_u64().unwrap_or(0).max(n)
                 } else {
                     entry.as_u64().unwrap_or(0) + n
@@ -607,8 +608,9 @@ impl S3Tier {
         use prometheus_client::metrics::family::Family;
         use prometheus_client::metrics::gauge::Gauge;
         type Field = fn(&Counters) -> &AtomicU64;
-        let gauges: [(&str, &str, Field); 2] = [
+        let gauges: [(&str, &str, Field); 3] = [
             ("s3_uploads_queued", "Uploads waiting in the write-behind queue", |c| &c.uploads_queued),
+            ("s3_uploads_queued_max", "Most uploads the write-behind queue held at once since start", |c| &c.uploads_queued_max),
             ("s3_uploads_inflight", "Uploads in flight", |c| &c.uploads_inflight),
         ];
         for (name, help, f) in gauges {
@@ -687,6 +689,7 @@ fn shard_json(i: usize, s: &ShardCounters) -> Value {
     json!({
         "shard": i,
         "uploads_queued": g(&c.uploads_queued),
+        "uploads_queued_max": g(&c.uploads_queued_max),
         "uploads_inflight": g(&c.uploads_inflight),
         "uploads_done": g(&c.uploads_done),
         "uploads_present": g(&c.uploads_present),
@@ -724,12 +727,16 @@ async fn upload_worker(tier: std::sync::Weak<S3Tier>, shard: usize, mut rx: toki
         let Some(t) = tier.upgrade() else { return };
         Arc::new(tokio::sync::Semaphore::new(t.uploads_inflight_max))
     };
-    while let Some(up) = rx.recv().await {
+    loop {
+        // The permit first: a queued upload stays in the channel (and
+        // counts against its bound) until it can start.
         let Ok(permit) = permits.clone().acquire_owned().await else { return };
+        let Some(up) = rx.recv().await else { return };
         let Some(t) = tier.upgrade() else { return };
         let counters = t.shards[shard].clone();
-        counters.c.uploads_queued.fetch_sub(1, Ordering::Relaxed);
+        // In flight before out of the queue: a drain never sees it in neither.
         counters.c.uploads_inflight.fetch_add(1, Ordering::Relaxed);
+        counters.c.uploads_queued.fetch_sub(1, Ordering::Relaxed);
         let job = upload_job(&t, shard, up.key, up.chunks);
         drop(t);
         tokio::spawn(async move {
@@ -859,9 +866,12 @@ impl S3Shard {
         let outcome = match self.tier.policy {
             S3WritePolicy::Behind => {
                 // Counted before the send: the worker may take it at once.
-                c.uploads_queued.fetch_add(1, Ordering::Relaxed);
+                let queued = c.uploads_queued.fetch_add(1, Ordering::Relaxed) + 1;
                 match self.tier.queues[self.shard].try_send(Upload { key: key.to_string(), chunks }) {
-                    Ok(()) => return Some(UploadOutcome::Queued),
+                    Ok(()) => {
+                        c.uploads_queued_max.fetch_max(queued, Ordering::Relaxed);
+                        return Some(UploadOutcome::Queued);
+                    }
                     Err(_) => {
                         c.uploads_queued.fetch_sub(1, Ordering::Relaxed);
                         inc(&c.uploads_dropped);

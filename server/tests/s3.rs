@@ -505,7 +505,18 @@ async fn a_slow_s3_turns_reads_into_misses_at_the_timeout_and_does_not_hold_loca
     let a = start(&node_args(
         d.path(),
         &format!("http://{}", proxy.addr),
-        &["--s3-timeout-ms", "800", "--s3-upload-timeout-ms", "2000", "--s3-presence-ttl-ms", "0"],
+        &[
+            "--s3-timeout-ms",
+            "800",
+            "--s3-upload-timeout-ms",
+            "2000",
+            "--s3-presence-ttl-ms",
+            "0",
+            "--s3-upload-queue-mib",
+            "1",
+            "--s3-uploads-inflight",
+            "1",
+        ],
     ));
     let ca = client(&a, false);
     let local = keys("local", 4);
@@ -539,7 +550,22 @@ async fn a_slow_s3_turns_reads_into_misses_at_the_timeout_and_does_not_hold_loca
     assert!(waited >= Duration::from_millis(700) && waited < Duration::from_millis(4_000), "the S3 read gave up after {waited:?}");
     // A PUT is not held by the slow upload behind it.
     assert_eq!(put_answer(&ca, "while-slow").await["s3"], "queued");
+    // A write burst while S3 is slow: every PUT is answered at once; what
+    // does not fit the bounded queue (1 MiB: 16 blocks a shard) is dropped
+    // and counted, never waited for.
+    let mut dropped = 0;
+    for k in keys("burst", 48) {
+        let v = put_answer(&ca, &k).await;
+        assert_eq!(v["status"], "created");
+        match v["s3"].as_str().unwrap() {
+            "dropped" => dropped += 1,
+            other => assert_eq!(other, "queued", "{k}: {v}"),
+        }
+    }
+    assert!(dropped > 0, "a 48-block burst fits a 16-block queue behind a stalled upload?");
     let t = s3_totals(&ca).await;
+    assert_eq!(t["uploads_dropped"], dropped, "{t}");
+    assert!(t["uploads_queued_max"].as_u64().unwrap() <= 16, "{t}");
     assert!(t["timeouts"].as_u64().unwrap() >= 1 && t["read_errors"].as_u64().unwrap() >= 1, "{t}");
     proxy.delay_ms.store(0, Ordering::SeqCst);
     a.stop();
