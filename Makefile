@@ -6,6 +6,7 @@
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback (target/bench/http/)
+#   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
@@ -30,12 +31,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-s3
 
 all: build
 
 help:
-	@sed -n '2,13p' Makefile
+	@sed -n '2,14p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -152,6 +153,13 @@ bench-http: build
 	  echo "installing iperf3"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
 	loadgen/scripts/bench_http.sh
+
+# Two kvtier nodes replaying ShareGPT (users split across them), without and
+# with a shared S3 tier on a local moto_server, in PAIRS pairs; then a PUT
+# burst against a small upload queue. Settings in loadgen/scripts/bench_s3.sh
+# (PAIRS, USERS_PER_NODE, CONVERSATIONS, BLOCK_BYTES, BURST_QUEUE_MIB, ...).
+bench-s3: build data target/py-s3/.installed
+	loadgen/scripts/bench_s3.sh
 
 # Crash harness (a 4-round version runs in `make test`): 20 rounds of
 # 8 clients PUTting 1 MiB blocks, kill -9 at 0.2–1.5 s, restart, read back
