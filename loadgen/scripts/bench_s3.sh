@@ -15,7 +15,7 @@
 #
 # Settings (environment): PAIRS, USERS_PER_NODE, CONVERSATIONS,
 # GENERATION_MODE, REPLAY_MAX_S, BLOCK_BYTES, BURST_S, BURST_CONCURRENCY,
-# BURST_QUEUE_MIB, OUT.
+# BURST_QUEUE_MIB, OUT, BIN (default target/release).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PAIRS=${PAIRS:-3}
@@ -28,7 +28,7 @@ BURST_S=${BURST_S:-5}
 BURST_CONCURRENCY=${BURST_CONCURRENCY:-16}
 BURST_QUEUE_MIB=${BURST_QUEUE_MIB:-8}
 OUT=${OUT:-target/bench/s3}
-BIN=target/release
+BIN=${BIN:-target/release}
 MOTO=target/py-s3/bin/moto_server
 BUCKET=kvtier-bench
 [ -x "$MOTO" ] || { echo "$MOTO is missing: run make target/py-s3/.installed" >&2; exit 2; }
