@@ -249,6 +249,11 @@ async fn blocks_put_on_one_node_are_read_looked_up_and_prefetched_on_others() {
     asked.push("p-absent".into());
     asked.push(prefix[0].clone());
     assert_eq!(lookup(&cb, &asked).await, ["s3"; 6]);
+    // HEAD looks in S3 too.
+    let h = cb.send(Method::HEAD, "/v1/blocks/p-3", ChunkedBody::default(), None).await.unwrap();
+    assert_eq!(h.status, StatusCode::OK);
+    let h = cb.send(Method::HEAD, "/v1/blocks/p-absent", ChunkedBody::default(), None).await.unwrap();
+    assert_eq!(h.status, StatusCode::NOT_FOUND);
     // B reads p-0 from S3, then from its own tiers.
     assert_eq!(get_tier(&cb, "p-0").await.as_deref(), Some("s3"));
     let local = get_tier(&cb, "p-0").await.unwrap();
@@ -362,7 +367,7 @@ async fn s3_killed_mid_upload_and_mid_read_then_restarted_fails_nothing_local() 
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let fast = ["--s3-timeout-ms", "1000", "--s3-upload-timeout-ms", "3000"];
     let a = start(&node_args(da.path(), &moto.endpoint(), &fast));
-    let b = start(&node_args(db.path(), &moto.endpoint(), &fast));
+    let b = start(&node_args(db.path(), &moto.endpoint(), &[&fast[..], &["--s3-write-policy", "through"]].concat()));
     let (ca, cb) = (client(&a, false), client(&b, false));
     let shared = keys("up", 4);
     for k in &shared {
@@ -416,6 +421,10 @@ async fn s3_killed_mid_upload_and_mid_read_then_restarted_fails_nothing_local() 
         let t = get_tier(&ca, k).await.unwrap();
         assert!(t == "ram" || t == "nvme", "{k} from {t}");
     }
+    // A write-through PUT with S3 down is acknowledged once the upload failed.
+    let v = put_answer(&cb, "through-while-down").await;
+    assert_eq!((v["status"].as_str(), v["s3"].as_str()), (Some("created"), Some("failed")), "{v}");
+    assert_eq!(get_tier(&cb, "through-while-down").await.as_deref(), Some("ram"));
     // With S3 down, a miss on B is a miss (404), counted as an error.
     assert_eq!(get_tier(&cb, "burst-23").await, None);
     assert_eq!(lookup(&cb, &["burst-23".to_string()]).await.len(), 0);
