@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use futures::FutureExt;
 use hdrhistogram::Histogram;
 use kvtier_engine::key::BlockHash;
 use kvtier_engine::Store;
@@ -267,6 +268,7 @@ struct Counters {
     read_errors: AtomicU64,
     read_corrupt: AtomicU64,
     read_bytes: AtomicU64,
+    reads_joined: AtomicU64,
     installs: AtomicU64,
     install_failures: AtomicU64,
     exists_checks: AtomicU64,
@@ -620,7 +622,7 @@ impl S3Tier {
             }
             registry.register(name, help, family);
         }
-        let counters: [(&str, &str, Field); 19] = [
+        let counters: [(&str, &str, Field); 20] = [
             ("s3_uploads_done", "Blocks uploaded", |c| &c.uploads_done),
             ("s3_uploads_present", "Uploads not needed: the object was already there", |c| &c.uploads_present),
             ("s3_uploads_dropped", "Write-behind uploads dropped because the queue was full", |c| &c.uploads_dropped),
@@ -632,6 +634,7 @@ impl S3Tier {
             ("s3_read_errors", "S3 reads that failed or timed out (answered as misses)", |c| &c.read_errors),
             ("s3_read_corrupt", "S3 objects that failed their checks (never served)", |c| &c.read_corrupt),
             ("s3_read_bytes", "Object bytes read", |c| &c.read_bytes),
+            ("s3_reads_joined", "Local misses that joined a read of the same key already in progress", |c| &c.reads_joined),
             ("s3_installs", "Blocks read from S3 and stored in the local tiers", |c| &c.installs),
             ("s3_install_failures", "Blocks read from S3 that the local tiers refused", |c| &c.install_failures),
             ("s3_exists_checks", "Existence checks (HEAD) sent for lookups", |c| &c.exists_checks),
@@ -702,6 +705,7 @@ fn shard_json(i: usize, s: &ShardCounters) -> Value {
         "read_errors": g(&c.read_errors),
         "read_corrupt": g(&c.read_corrupt),
         "read_bytes": g(&c.read_bytes),
+        "reads_joined": g(&c.reads_joined),
         "installs": g(&c.installs),
         "install_failures": g(&c.install_failures),
         "exists_checks": g(&c.exists_checks),
@@ -810,12 +814,18 @@ pub struct S3Shard {
     tier: Arc<S3Tier>,
     shard: usize,
     presence: RefCell<PresenceCache>,
+    /// Reads from the bucket in progress on this shard, by key.
+    reading: RefCell<HashMap<String, SharedRead>>,
 }
+
+/// One read-through in progress, awaited by every request that missed the
+/// key meanwhile.
+type SharedRead = futures::future::Shared<futures::future::LocalBoxFuture<'static, Option<Bytes>>>;
 
 impl S3Shard {
     /// The handle of shard `shard`.
     pub fn new(tier: Arc<S3Tier>, shard: usize) -> Rc<S3Shard> {
-        Rc::new(S3Shard { tier, shard, presence: RefCell::new(HashMap::new()) })
+        Rc::new(S3Shard { tier, shard, presence: RefCell::new(HashMap::new()), reading: RefCell::new(HashMap::new()) })
     }
 
     /// The process's shared tier.
@@ -973,10 +983,32 @@ impl S3Shard {
     /// it into the local tiers (a failure to install is counted and
     /// logged; the block is served anyway). `None`: not there, or S3 failed
     /// (a miss either way).
-    pub async fn read_through(&self, store: &Store, key: &str) -> Option<Bytes> {
-        let Fetched::Block(payload) = self.fetch(key).await else { return None };
-        self.install(store, key, payload.clone()).await;
-        Some(payload)
+    ///
+    /// Concurrent misses of one key on this shard share one read and one
+    /// install (`reads_joined`): a popular prefix arriving at once costs
+    /// one GET per block, not one per request.
+    pub async fn read_through(self: &Rc<Self>, store: &Rc<Store>, key: &str) -> Option<Bytes> {
+        let existing = self.reading.borrow().get(key).cloned();
+        if let Some(read) = existing {
+            inc(&self.counters().c.reads_joined);
+            return read.await;
+        }
+        let (me, store, owned) = (self.clone(), store.clone(), key.to_string());
+        let read = async move {
+            let got = match me.fetch(&owned).await {
+                Fetched::Block(payload) => {
+                    me.install(&store, &owned, payload.clone()).await;
+                    Some(payload)
+                }
+                Fetched::Absent | Fetched::Failed => None,
+            };
+            me.reading.borrow_mut().remove(&owned);
+            got
+        }
+        .boxed_local()
+        .shared();
+        self.reading.borrow_mut().insert(key.to_string(), read.clone());
+        read.await
     }
 
     async fn install(&self, store: &Store, key: &str, payload: Bytes) -> bool {

@@ -534,6 +534,19 @@ async fn a_slow_s3_turns_reads_into_misses_at_the_timeout_and_does_not_hold_loca
     }
     uploads_settle(&ca).await;
 
+    // Concurrent misses of one key on a node share one S3 read.
+    let db = tempfile::tempdir().unwrap();
+    let b = start(&node_args(db.path(), &format!("http://{}", proxy.addr), &[]));
+    let cb = client(&b, false);
+    proxy.delay_ms.store(300, Ordering::SeqCst);
+    let reads = (0..8).map(|_| get_tier(&cb, "local-0"));
+    for tier in futures::future::join_all(reads).await {
+        assert_eq!(tier.as_deref(), Some("s3"));
+    }
+    let t = s3_totals(&cb).await;
+    assert_eq!((t["reads"].as_u64(), t["reads_joined"].as_u64(), t["installs"].as_u64()), (Some(1), Some(7), Some(1)), "{t}");
+    b.stop();
+
     proxy.delay_ms.store(5_000, Ordering::SeqCst);
     // A read of a block only S3 might have waits for S3 at most the timeout.
     let slow = {
