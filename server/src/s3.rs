@@ -454,7 +454,7 @@ impl S3Tier {
         let endpoint = args.s3_endpoint.clone().or_else(|| env("AWS_ENDPOINT_URL_S3")).or_else(|| env("AWS_ENDPOINT_URL"));
         if let Some(e) = &endpoint {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
-                return Err(format!("--s3-endpoint {e:?} must be an http:// or https:// URL"));
+                return Err(format!("the S3 endpoint {e:?} (--s3-endpoint, AWS_ENDPOINT_URL) must be an http:// or https:// URL"));
             }
             builder = builder.with_endpoint(e).with_allow_http(e.starts_with("http://"));
         }
