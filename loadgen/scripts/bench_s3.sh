@@ -111,7 +111,7 @@ for mode in local shared; do
     for _ in $(seq 1200); do
       curl -sf "$URL_w/v1/stats" | python3 -c "import json,sys,time; t=json.load(sys.stdin)['s3']['totals']; t['t_s']=time.time()-$started; print(json.dumps(t))" \
         >>"$OUT/burst-$mode-queue.jsonl"
-      tail -1 "$OUT/burst-$mode-queue.jsonl" | python3 -c 'import json,sys; t=json.load(sys.stdin); sys.exit(0 if t["uploads_queued"]+t["uploads_inflight"]==0 else 1)' && break
+      tail -1 "$OUT/burst-$mode-queue.jsonl" | python3 -c 'import json,sys; t=json.load(sys.stdin); sys.exit(0 if t["uploads_unfinished"]==0 else 1)' && break
       sleep 0.25
     done
   fi

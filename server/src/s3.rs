@@ -254,7 +254,10 @@ pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Byte
 /// on the runtime's threads.
 #[derive(Default)]
 struct Counters {
-    uploads_queued: AtomicU64,
+    /// Write-behind uploads handed to the queue and not yet in flight
+    /// (for the drain at stop; the `uploads_queued` gauge is the channel's
+    /// length, exact).
+    uploads_pending: AtomicU64,
     uploads_queued_max: AtomicU64,
     uploads_inflight: AtomicU64,
     uploads_done: AtomicU64,
@@ -555,13 +558,22 @@ impl S3Tier {
         rx.await.ok()
     }
 
+    /// Uploads waiting in shard `shard`'s write-behind queue now.
+    fn queued(&self, shard: usize) -> u64 {
+        let q = &self.queues[shard];
+        (q.max_capacity() - q.capacity()) as u64
+    }
+
     /// Waits until every shard's write-behind queue is empty and no upload
     /// is in flight, for at most `max`. Returns the uploads left.
     pub fn drain(&self, max: Duration) -> u64 {
         let deadline = Instant::now() + max;
         loop {
-            let left: u64 =
-                self.shards.iter().map(|s| s.c.uploads_queued.load(Ordering::Relaxed) + s.c.uploads_inflight.load(Ordering::Relaxed)).sum();
+            let left: u64 = self
+                .shards
+                .iter()
+                .map(|s| s.c.uploads_pending.load(Ordering::Relaxed) + s.c.uploads_inflight.load(Ordering::Relaxed))
+                .sum();
             if left == 0 || Instant::now() >= deadline {
                 return left;
             }
@@ -572,7 +584,7 @@ impl S3Tier {
     /// `/v1/stats` `"s3"`: settings, counters summed over shards, latency
     /// percentiles (largest shard's), and per shard.
     pub fn stats_json(&self) -> Value {
-        let per_shard: Vec<Value> = self.shards.iter().enumerate().map(|(i, s)| shard_json(i, s)).collect();
+        let per_shard: Vec<Value> = self.shards.iter().enumerate().map(|(i, s)| shard_json(i, s, self.queued(i))).collect();
         let mut totals = serde_json::Map::new();
         for s in &per_shard {
             for (k, v) in s.as_object().expect("object") {
@@ -610,8 +622,12 @@ impl S3Tier {
         use prometheus_client::metrics::family::Family;
         use prometheus_client::metrics::gauge::Gauge;
         type Field = fn(&Counters) -> &AtomicU64;
-        let gauges: [(&str, &str, Field); 3] = [
-            ("s3_uploads_queued", "Uploads waiting in the write-behind queue", |c| &c.uploads_queued),
+        let queued = Family::<ShardLabel, Gauge>::default();
+        for i in 0..self.shards.len() {
+            queued.get_or_create(&ShardLabel { shard: i.to_string() }).set(self.queued(i) as i64);
+        }
+        registry.register("s3_uploads_queued", "Uploads waiting in the write-behind queue", queued);
+        let gauges: [(&str, &str, Field); 2] = [
             ("s3_uploads_queued_max", "Most uploads the write-behind queue held at once since start", |c| &c.uploads_queued_max),
             ("s3_uploads_inflight", "Uploads in flight", |c| &c.uploads_inflight),
         ];
@@ -678,7 +694,7 @@ struct OpQuantileLabel {
     quantile: String,
 }
 
-fn shard_json(i: usize, s: &ShardCounters) -> Value {
+fn shard_json(i: usize, s: &ShardCounters, queued: u64) -> Value {
     let c = &s.c;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let pct = |h: &Mutex<Histogram<u64>>, q: f64| {
@@ -691,7 +707,8 @@ fn shard_json(i: usize, s: &ShardCounters) -> Value {
     };
     json!({
         "shard": i,
-        "uploads_queued": g(&c.uploads_queued),
+        "uploads_queued": queued,
+        "uploads_unfinished": g(&c.uploads_pending) + g(&c.uploads_inflight),
         "uploads_queued_max": g(&c.uploads_queued_max),
         "uploads_inflight": g(&c.uploads_inflight),
         "uploads_done": g(&c.uploads_done),
@@ -740,7 +757,7 @@ async fn upload_worker(tier: std::sync::Weak<S3Tier>, shard: usize, mut rx: toki
         let counters = t.shards[shard].clone();
         // In flight before out of the queue: a drain never sees it in neither.
         counters.c.uploads_inflight.fetch_add(1, Ordering::Relaxed);
-        counters.c.uploads_queued.fetch_sub(1, Ordering::Relaxed);
+        counters.c.uploads_pending.fetch_sub(1, Ordering::Relaxed);
         let job = upload_job(&t, shard, up.key, up.chunks);
         drop(t);
         tokio::spawn(async move {
@@ -876,14 +893,14 @@ impl S3Shard {
         let outcome = match self.tier.policy {
             S3WritePolicy::Behind => {
                 // Counted before the send: the worker may take it at once.
-                let queued = c.uploads_queued.fetch_add(1, Ordering::Relaxed) + 1;
+                c.uploads_pending.fetch_add(1, Ordering::Relaxed);
                 match self.tier.queues[self.shard].try_send(Upload { key: key.to_string(), chunks }) {
                     Ok(()) => {
-                        c.uploads_queued_max.fetch_max(queued, Ordering::Relaxed);
+                        c.uploads_queued_max.fetch_max(self.tier.queued(self.shard), Ordering::Relaxed);
                         return Some(UploadOutcome::Queued);
                     }
                     Err(_) => {
-                        c.uploads_queued.fetch_sub(1, Ordering::Relaxed);
+                        c.uploads_pending.fetch_sub(1, Ordering::Relaxed);
                         inc(&c.uploads_dropped);
                         self.tier.write_log.warn(
                             "write-behind queue full",
