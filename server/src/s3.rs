@@ -58,6 +58,16 @@ pub const DRAIN_MAX: Duration = Duration::from_secs(10);
 /// others are counted and summarized in the next one.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
+/// Consecutive S3 failures (errors or timeouts, not "absent") after which
+/// the tier is taken as down for [`DOWN_COOLDOWN`].
+pub const DOWN_AFTER_FAILURES: u32 = 3;
+
+/// While down, S3 reads, existence checks, deletes and uploads are not
+/// sent: they answer as misses or failures at once (`skipped_down`). After
+/// it, requests go out again; [`DOWN_AFTER_FAILURES`] more failures take
+/// the tier down again.
+pub const DOWN_COOLDOWN: Duration = Duration::from_secs(1);
+
 /// Entries a shard's presence cache holds at most; past it expired entries
 /// are dropped, then all.
 const PRESENCE_ENTRIES_MAX: usize = 1 << 16;
@@ -281,6 +291,7 @@ struct Counters {
     deletes: AtomicU64,
     delete_errors: AtomicU64,
     timeouts: AtomicU64,
+    skipped_down: AtomicU64,
 }
 
 fn inc(c: &AtomicU64) {
@@ -336,6 +347,48 @@ impl LogLimiter {
         *last = Some(Instant::now());
         let held = self.held_back.swap(0, Ordering::Relaxed);
         tracing::warn!(held_back = held, "S3 {what}: {detail} ({held} similar warnings held back in the last {LOG_EVERY:?})");
+    }
+}
+
+/// Takes the tier down for [`DOWN_COOLDOWN`] after [`DOWN_AFTER_FAILURES`]
+/// consecutive failures, so a dead or black-holed S3 costs each request
+/// nothing rather than `--s3-timeout-ms`. Shared by every shard and the
+/// runtime's threads.
+struct Breaker {
+    epoch: Instant,
+    failures: std::sync::atomic::AtomicU32,
+    /// Milliseconds since `epoch` until which the tier is down.
+    down_until_ms: AtomicU64,
+    trips: AtomicU64,
+}
+
+impl Breaker {
+    fn new() -> Self {
+        Breaker { epoch: Instant::now(), failures: Default::default(), down_until_ms: AtomicU64::new(0), trips: AtomicU64::new(0) }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Whether requests may go to S3 now.
+    fn allows(&self) -> bool {
+        self.now_ms() >= self.down_until_ms.load(Ordering::Relaxed)
+    }
+
+    fn success(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+    }
+
+    fn failure(&self) {
+        if self.failures.fetch_add(1, Ordering::Relaxed) + 1 >= DOWN_AFTER_FAILURES {
+            self.failures.store(0, Ordering::Relaxed);
+            self.down_until_ms.store(self.now_ms() + DOWN_COOLDOWN.as_millis() as u64, Ordering::Relaxed);
+            self.trips.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "S3 failed {DOWN_AFTER_FAILURES} times in a row: taken as down for {DOWN_COOLDOWN:?} (reads miss, uploads fail at once)"
+            );
+        }
     }
 }
 
@@ -403,6 +456,7 @@ pub struct S3Tier {
     shards: Vec<Arc<ShardCounters>>,
     read_log: LogLimiter,
     write_log: LogLimiter,
+    breaker: Arc<Breaker>,
 }
 
 impl S3Tier {
@@ -490,6 +544,7 @@ impl S3Tier {
             shards: shard_counters,
             read_log: LogLimiter::new(),
             write_log: LogLimiter::new(),
+            breaker: Arc::new(Breaker::new()),
         };
         let receivers: Vec<_> = (0..shards)
             .map(|_| {
@@ -611,6 +666,8 @@ impl S3Tier {
             "uploads_inflight_max": self.uploads_inflight_max,
             "lookup_parallelism": self.parallelism,
             "presence_ttl_ms": self.presence_ttl.as_millis() as u64,
+            "down": !self.breaker.allows(),
+            "down_trips": self.breaker.trips.load(Ordering::Relaxed),
             "totals": totals,
             "per_shard": per_shard,
         })
@@ -638,7 +695,7 @@ impl S3Tier {
             }
             registry.register(name, help, family);
         }
-        let counters: [(&str, &str, Field); 20] = [
+        let counters: [(&str, &str, Field); 21] = [
             ("s3_uploads_done", "Blocks uploaded", |c| &c.uploads_done),
             ("s3_uploads_present", "Uploads not needed: the object was already there", |c| &c.uploads_present),
             ("s3_uploads_dropped", "Write-behind uploads dropped because the queue was full", |c| &c.uploads_dropped),
@@ -659,6 +716,7 @@ impl S3Tier {
             ("s3_prefetched", "Blocks a prefetch copied from S3 into the local tiers", |c| &c.prefetched),
             ("s3_deletes", "Objects deleted by DELETE", |c| &c.deletes),
             ("s3_timeouts", "S3 operations abandoned at their timeout", |c| &c.timeouts),
+            ("s3_skipped_down", "S3 operations not sent because S3 was taken as down", |c| &c.skipped_down),
         ];
         for (name, help, f) in counters {
             let family = Family::<ShardLabel, Counter>::default();
@@ -732,6 +790,7 @@ fn shard_json(i: usize, s: &ShardCounters, queued: u64) -> Value {
         "deletes": g(&c.deletes),
         "delete_errors": g(&c.delete_errors),
         "timeouts": g(&c.timeouts),
+        "skipped_down": g(&c.skipped_down),
         "read_us_p50": pct(&s.read_us, 0.5),
         "read_us_p99": pct(&s.read_us, 0.99),
         "upload_us_p50": pct(&s.upload_us, 0.5),
@@ -776,7 +835,13 @@ fn upload_job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>) -> i
     let timeout = tier.upload_timeout;
     let counters = tier.shards[shard].clone();
     let block_bytes = tier.block_bytes;
+    let breaker = tier.breaker.clone();
     async move {
+        if !breaker.allows() {
+            inc(&counters.c.uploads_failed);
+            inc(&counters.c.skipped_down);
+            return UploadOutcome::Failed;
+        }
         let mut crc = crc32fast::Hasher::new();
         for c in &chunks {
             crc.update(c);
@@ -789,22 +854,26 @@ fn upload_job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>) -> i
         let c = &counters.c;
         match tokio::time::timeout(timeout, client.put_opts(&path, payload, opts)).await {
             Ok(Ok(_)) => {
+                breaker.success();
                 inc(&c.uploads_done);
                 c.upload_bytes.fetch_add(object_bytes, Ordering::Relaxed);
                 record(&counters.upload_us, started);
                 UploadOutcome::Uploaded
             }
             Ok(Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. })) => {
+                breaker.success();
                 inc(&c.uploads_present);
                 record(&counters.upload_us, started);
                 UploadOutcome::Present
             }
             Ok(Err(e)) => {
+                breaker.failure();
                 inc(&c.uploads_failed);
                 upload_log().warn("upload", &format!("upload of {key} failed: {e}"));
                 UploadOutcome::Failed
             }
             Err(_) => {
+                breaker.failure();
                 inc(&c.uploads_failed);
                 inc(&c.timeouts);
                 upload_log().warn("upload", &format!("upload of {key} timed out after {} ms", timeout.as_millis()));
@@ -939,6 +1008,11 @@ impl S3Shard {
             inc(&c.read_misses);
             return Fetched::Absent;
         }
+        if !self.tier.breaker.allows() {
+            inc(&c.read_errors);
+            inc(&c.skipped_down);
+            return Fetched::Failed;
+        }
         let client = self.tier.client.clone();
         let path = self.tier.path(key);
         let timeout = self.tier.timeout;
@@ -955,6 +1029,7 @@ impl S3Shard {
             .await;
         match answer {
             Some(Ok(Ok(object))) => {
+                self.tier.breaker.success();
                 c.read_bytes.fetch_add(object.len() as u64, Ordering::Relaxed);
                 match decode_object(&object, key, self.tier.block_bytes) {
                     Ok(payload) => {
@@ -973,17 +1048,20 @@ impl S3Shard {
                 }
             }
             Some(Ok(Err(object_store::Error::NotFound { .. }))) => {
+                self.tier.breaker.success();
                 record(&counters.read_us, started);
                 inc(&c.read_misses);
                 self.learn(key, false);
                 Fetched::Absent
             }
             Some(Ok(Err(e))) => {
+                self.tier.breaker.failure();
                 inc(&c.read_errors);
                 self.tier.read_log.warn("read", &format!("GET of {key} failed, answered as a miss: {e}"));
                 Fetched::Failed
             }
             Some(Err(_)) => {
+                self.tier.breaker.failure();
                 inc(&c.read_errors);
                 inc(&c.timeouts);
                 self.tier.read_log.warn("read", &format!("GET of {key} timed out after {} ms, answered as a miss", timeout.as_millis()));
@@ -1057,6 +1135,10 @@ impl S3Shard {
         if ask.is_empty() {
             return answers;
         }
+        if !self.tier.breaker.allows() {
+            c.skipped_down.fetch_add(ask.len() as u64, Ordering::Relaxed);
+            return answers;
+        }
         c.exists_checks.fetch_add(ask.len() as u64, Ordering::Relaxed);
         let client = self.tier.client.clone();
         let timeout = self.tier.timeout;
@@ -1075,14 +1157,22 @@ impl S3Shard {
         record(&counters.exists_us, started);
         for (i, r) in found {
             answers[i] = match r {
-                Ok(Ok(_)) => Some(true),
-                Ok(Err(object_store::Error::NotFound { .. })) => Some(false),
+                Ok(Ok(_)) => {
+                    self.tier.breaker.success();
+                    Some(true)
+                }
+                Ok(Err(object_store::Error::NotFound { .. })) => {
+                    self.tier.breaker.success();
+                    Some(false)
+                }
                 Ok(Err(e)) => {
+                    self.tier.breaker.failure();
                     inc(&c.exists_errors);
                     self.tier.read_log.warn("existence check", &format!("HEAD of {} failed, counted as absent: {e}", keys[i]));
                     None
                 }
                 Err(_) => {
+                    self.tier.breaker.failure();
                     inc(&c.exists_errors);
                     inc(&c.timeouts);
                     self.tier.read_log.warn("existence check", &format!("HEAD of {} timed out after {} ms", keys[i], timeout.as_millis()));
@@ -1132,6 +1222,11 @@ impl S3Shard {
     /// and remembers it as absent. Returns whether the delete was accepted.
     pub async fn delete_object(&self, key: &str) -> bool {
         let c = &self.counters().c;
+        if !self.tier.breaker.allows() {
+            inc(&c.delete_errors);
+            inc(&c.skipped_down);
+            return false;
+        }
         let client = self.tier.client.clone();
         let path = self.tier.path(key);
         let timeout = self.tier.timeout;
@@ -1139,15 +1234,18 @@ impl S3Shard {
         self.learn(key, false);
         match r {
             Some(Ok(Ok(()))) => {
+                self.tier.breaker.success();
                 inc(&c.deletes);
                 true
             }
             Some(Ok(Err(e))) => {
+                self.tier.breaker.failure();
                 inc(&c.delete_errors);
                 self.tier.write_log.warn("delete", &format!("DELETE of {key} failed: {e}"));
                 false
             }
             _ => {
+                self.tier.breaker.failure();
                 inc(&c.delete_errors);
                 inc(&c.timeouts);
                 self.tier.write_log.warn("delete", &format!("DELETE of {key} timed out after {} ms", timeout.as_millis()));

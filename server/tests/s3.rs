@@ -436,13 +436,21 @@ async fn s3_killed_mid_upload_and_mid_read_then_restarted_fails_nothing_local() 
         (shared.len() + burst.len()) as u64,
         "every upload is accounted for: {ta}"
     );
-    assert!(tb["read_errors"].as_u64().unwrap() >= 1, "{tb}");
-    assert!(tb["exists_errors"].as_u64().unwrap() >= 1, "{tb}");
+    assert!(tb["read_errors"].as_u64().unwrap() >= 3, "{tb}");
+    // After 3 failures in a row S3 is taken as down for a second: misses
+    // then answer without sending anything.
+    let sb = cb.stats().await.unwrap();
+    assert!(sb["s3"]["down_trips"].as_u64().unwrap() >= 1, "{}", sb["s3"]);
+    assert!(tb["skipped_down"].as_u64().unwrap() >= 1, "{tb}");
+    assert!(tb["exists_errors"].as_u64().unwrap() + tb["skipped_down"].as_u64().unwrap() >= 1, "{tb}");
+    assert!(b.log().contains("taken as down"), "{}", b.log());
     assert!(a.log().contains("S3 upload"), "a rate-limited warning names the failure:\n{}", a.log());
 
     // S3 comes back (empty: moto keeps objects in memory): new blocks flow
     // again; lost objects are misses, never errors.
     moto.restart();
+    // Past the down window, requests go out again.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(put_answer(&ca, "after-0").await["s3"], "queued");
     uploads_settle(&ca).await;
     assert_eq!(get_tier(&cb, "after-0").await.as_deref(), Some("s3"));
