@@ -635,6 +635,48 @@ async fn a_tampered_or_truncated_object_is_never_served() {
     b.stop();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_come_from_the_shared_credentials_file_when_the_environment_has_none() {
+    let moto = Moto::start();
+    let d = tempfile::tempdir().unwrap();
+    // A wrapper that starts kvtier without credentials in its environment
+    // (and without the instance role: no metadata service answers here),
+    // pointing at a credentials file of a named profile instead.
+    let creds = d.path().join("credentials");
+    std::fs::write(
+        &creds,
+        "[default]\naws_access_key_id = wrong\n\n[fleet]\naws_access_key_id = from-file\naws_secret_access_key = from-file\n",
+    )
+    .unwrap();
+    let wrapper = d.path().join("kvtier-without-env");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY AWS_PROFILE=fleet AWS_SHARED_CREDENTIALS_FILE={} \
+             AWS_EC2_METADATA_DISABLED=true AWS_METADATA_ENDPOINT=http://127.0.0.1:9 {} \"$@\"\n",
+            creds.display(),
+            env!("CARGO_BIN_EXE_kvtier")
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let data = d.path().join("data");
+    let log = d.path().join("serve.log");
+    let node = kvtier_loadgen::server_process::ServerProcess::start(
+        &wrapper,
+        &node_args(&data, &moto.endpoint(), &["--s3-write-policy", "through", "--s3-timeout-ms", "1000"]),
+        &log,
+    )
+    .unwrap_or_else(|e| panic!("{}", e.message));
+    let c = Client::new(node.url(), false, 1).unwrap();
+    // Signed with the file's key: moto takes any, but with no credentials
+    // at all the client could not sign, and the upload would fail.
+    let v = put_answer(&c, "creds-0").await;
+    assert_eq!(v["s3"], "uploaded", "{v}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(moto.get_object(&object_name("creds-0")).is_some());
+    node.stop().unwrap();
+}
+
 #[test]
 fn bad_s3_flags_are_refused_with_the_reason() {
     aws_env();
