@@ -6,6 +6,7 @@
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio (target/bench/http/)
+#   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
@@ -30,12 +31,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-s3
 
 all: build
 
 help:
-	@sed -n '2,13p' Makefile
+	@sed -n '2,14p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -81,7 +82,15 @@ target/py-$(1)/.installed: clients/python/requirements-$(1).txt clients/python/p
 endef
 $(foreach engine,lmcache vllm sglang,$(eval $(call python_env,$(engine))))
 
-python-env: target/py-lmcache/.installed target/py-vllm/.installed target/py-sglang/.installed
+# moto_server, the real S3-compatible server the shared-tier tests
+# (server/tests/s3.rs) start on loopback: about a minute and 300 MB the first time.
+target/py-s3/.installed: server/tests/requirements-s3.txt
+	@echo "installing the S3 test server (moto) in target/py-s3"
+	$(PYTHON) -m venv target/py-s3
+	target/py-s3/bin/pip install --quiet --disable-pip-version-check -r server/tests/requirements-s3.txt
+	touch $@
+
+python-env: target/py-lmcache/.installed target/py-vllm/.installed target/py-sglang/.installed target/py-s3/.installed
 
 # Every Python test runs against the debug kvtier that cargo test built.
 PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen
@@ -146,6 +155,13 @@ bench-http: build
 	if [ -n "$$missing" ]; then echo "installing $$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 	loadgen/scripts/bench_http.sh
+
+# Two kvtier nodes replaying ShareGPT (users split across them), without and
+# with a shared S3 tier on a local moto_server, in PAIRS pairs; then a PUT
+# burst against a small upload queue. Settings in loadgen/scripts/bench_s3.sh
+# (PAIRS, USERS_PER_NODE, CONVERSATIONS, BLOCK_BYTES, BURST_QUEUE_MIB, ...).
+bench-s3: build data target/py-s3/.installed
+	loadgen/scripts/bench_s3.sh
 
 # Crash harness (a 4-round version runs in `make test`): 20 rounds of
 # 8 clients PUTting 1 MiB blocks, kill -9 at 0.2–1.5 s, restart, read back

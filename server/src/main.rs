@@ -8,6 +8,7 @@ mod http;
 mod limits;
 mod metrics;
 mod routes;
+mod s3;
 mod server;
 
 use std::fs;
@@ -94,6 +95,8 @@ struct ServeArgs {
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
     log_level: String,
+    #[command(flatten)]
+    s3: s3::S3Args,
 }
 
 #[derive(Args, Debug)]
@@ -423,6 +426,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         return Err("--put-inflight-mib must be at least 1".into());
     }
     let (config, segment_origin) = args.store.config()?;
+    let s3_tier = match &args.s3.s3_url {
+        Some(_) => Some(s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes)?),
+        None => None,
+    };
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that nothing listens on it.
@@ -444,7 +451,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
         put_inflight_bytes_max: args.put_inflight_mib << 20,
+        s3: s3_tier.clone(),
     });
+    if let Some(tier) = &s3_tier {
+        // S3 down at start is not fatal: reads miss and uploads fail, counted.
+        match tier.probe() {
+            Ok(()) => tracing::info!("shared tier {}", tier.describe()),
+            Err(e) => tracing::warn!("shared tier {} does not answer yet ({e}); serving from the local tiers meanwhile", tier.describe()),
+        }
+    }
     let (shards, geometry, data_dir, segment_bytes) =
         (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);
     let engine = {
@@ -513,6 +528,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("starting the signal thread: {e}"))?;
     }
     let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
+    if let Some(tier) = &s3_tier {
+        let left = tier.drain(s3::DRAIN_MAX);
+        if left > 0 {
+            tracing::warn!("{left} write-behind uploads still queued or in flight after {:?}; not uploaded", s3::DRAIN_MAX);
+        }
+    }
     outcome.map_err(|e| e.to_string())?;
     tracing::info!("stopped cleanly");
     Ok(())
