@@ -44,6 +44,8 @@ use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
+mod waterfall;
+
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
 const RECLAIM_POLL: Duration = Duration::from_micros(200);
@@ -86,6 +88,8 @@ pub struct ShardConfig {
     pub write_policy: WritePolicy,
     /// Whether a read from NVMe promotes the block into RAM.
     pub promote: bool,
+    /// The GPU tier above RAM (see [`crate::gpu`]).
+    pub gpu: crate::gpu::GpuConfig,
 }
 
 impl ShardConfig {
@@ -231,7 +235,7 @@ pub struct ShardStats {
     pub write_policy: WritePolicy,
     /// Whether NVMe reads promote into RAM.
     pub promote: bool,
-    /// Per tier, fastest first (RAM only when configured).
+    /// Per tier, fastest first (GPU and RAM only when configured).
     pub tiers: Vec<TierStats>,
 }
 
@@ -282,6 +286,11 @@ pub struct Shard {
     /// The RAM tier, if configured.
     ram: Option<RefCell<RamTier>>,
     ram_counters: TierCounters,
+    /// The GPU tier, if configured and opened.
+    gpu: Option<crate::gpu::GpuTier>,
+    /// Why the configured GPU tier is absent (`--gpu-optional`).
+    gpu_unavailable: Option<String>,
+    gpu_counters: TierCounters,
     /// The log's tier counters: reads it served or missed, blocks demoted
     /// into it, block read and write latencies. Bytes and evictions are the
     /// segment counters in `counters`.
@@ -311,6 +320,7 @@ impl Shard {
             0 => None,
             n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
         };
+        let (gpu, gpu_unavailable) = waterfall::open_gpu(&cfg)?;
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
@@ -333,6 +343,9 @@ impl Shard {
             started: Instant::now(),
             ram,
             ram_counters: TierCounters::default(),
+            gpu,
+            gpu_unavailable,
+            gpu_counters: TierCounters::default(),
             nvme_counters: TierCounters::default(),
             cfg,
         })
@@ -417,21 +430,18 @@ impl Shard {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
         let parts: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
-        if self.cfg.write_policy == WritePolicy::Back && self.ram.is_some() {
+        if self.cfg.write_policy == WritePolicy::Back && (self.ram.is_some() || self.gpu.is_some()) {
             let existed = self.contains(&hash).is_some();
-            if self.cache(key, hash, &parts, true).await? {
+            if self.place(key, hash, &parts, true).await?.is_some() {
                 bump(&self.counters.puts, 1);
                 return Ok(if existed { PutOutcome::Replaced } else { PutOutcome::Created });
             }
         }
         let outcome = self.put_nvme(key, hash, chunks, true).await?;
-        let in_ram = self.cache(key, hash, &parts, false).await?;
-        if !in_ram {
-            // No RAM slot to give: an older copy there must not outlive
+        if self.place(key, hash, &parts, false).await?.is_none() {
+            // No memory slot to give: an older copy there must not outlive
             // the new block.
-            if let Some(ram) = &self.ram {
-                ram.borrow_mut().remove(&hash);
-            }
+            self.drop_from_memory(&hash);
         }
         Ok(outcome)
     }
@@ -485,9 +495,9 @@ impl Shard {
     /// # Errors
     /// The first failed log write.
     pub async fn flush_ram(&self) -> Result<u64> {
-        let Some(ram) = &self.ram else { return Ok(0) };
+        let mut written = self.flush_gpu().await?;
+        let Some(ram) = &self.ram else { return Ok(written) };
         let dirty = ram.borrow().dirty_blocks();
-        let mut written = 0;
         for v in dirty {
             let bytes = ram.borrow_mut().begin_demotion(v.slot);
             let r = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
@@ -910,13 +920,20 @@ impl Shard {
     /// RAM first, then the log; a block read from the log is promoted into
     /// RAM when `promote` is on.
     async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
+        if let Some(bytes) = self.read_gpu(key, hash).await {
+            return Ok((bytes, Tier::Gpu));
+        }
         if let Some(ram) = &self.ram {
             let started = Instant::now();
-            if let Some(bytes) = ram.borrow_mut().get(key, &hash) {
+            let got = ram.borrow_mut().get(key, &hash);
+            if let Some(bytes) = got {
                 let c = &self.ram_counters;
                 bump(&c.hits, 1);
                 bump(&c.bytes_out, bytes.len() as u64);
                 record_us(&c.read_us, started.elapsed().as_micros());
+                if self.cfg.promote {
+                    self.promote_from_ram(key, hash, &bytes).await;
+                }
                 return Ok((bytes, Tier::Ram));
             }
             bump(&self.ram_counters.misses, 1);
@@ -942,6 +959,9 @@ impl Shard {
     /// RAM becomes most recently used; one only in the log is read (CRC
     /// checked) and copied into RAM. Returns whether the block is stored.
     pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
+        if self.gpu.is_some() {
+            return self.prefetch_gpu(key, hash).await;
+        }
         let Some(ram) = &self.ram else { return self.contains(&hash).is_some() };
         if ram.borrow_mut().get(key, &hash).is_some() {
             return true;
@@ -955,12 +975,14 @@ impl Shard {
         }
     }
 
-    /// Copies a block just read from the log into RAM, counted as a
-    /// promotion when a slot took it. Best effort: a failure to make room
-    /// leaves the block in the log only.
+    /// Copies a block just read from the log into the fastest memory tier
+    /// (GPU, else RAM), counted as a promotion there when a slot took it.
+    /// Best effort: a failure to make room leaves the block in the log only.
     async fn promote(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
-        if self.cache(key, hash, &[bytes], false).await.unwrap_or(false) {
-            bump(&self.ram_counters.promotions, 1);
+        match self.place(key, hash, &[bytes], false).await {
+            Ok(Some(Tier::Gpu)) => bump(&self.gpu_counters.promotions, 1),
+            Ok(Some(Tier::Ram)) => bump(&self.ram_counters.promotions, 1),
+            _ => {}
         }
     }
 
@@ -1038,6 +1060,9 @@ impl Shard {
     /// The fastest tier holding a block under `hash` (map lookups; no I/O,
     /// no LRU change).
     pub fn contains(&self, hash: &BlockHash) -> Option<Tier> {
+        if self.gpu.as_ref().is_some_and(|g| g.contains(hash)) {
+            return Some(Tier::Gpu);
+        }
         if self.ram.as_ref().is_some_and(|r| r.borrow().contains(hash)) {
             return Some(Tier::Ram);
         }
@@ -1050,6 +1075,13 @@ impl Shard {
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
     pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
+        if self.delete_from_gpu(&hash).await
+            && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(&hash))
+            && !self.index.borrow().contains(&hash)
+        {
+            bump(&self.counters.deletes, 1);
+            return Ok(());
+        }
         if let Some(ram) = &self.ram {
             // A write-back demotion of this block in flight would land in
             // the log after the tombstone and bring it back: let it finish.
@@ -1210,7 +1242,7 @@ impl Shard {
     }
 
     fn tier_stats(&self) -> Vec<TierStats> {
-        let mut tiers = Vec::new();
+        let mut tiers: Vec<TierStats> = self.gpu_tier_stats().into_iter().collect();
         if let Some(ram) = &self.ram {
             let r = ram.borrow();
             tiers.push(TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages())));

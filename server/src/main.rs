@@ -3,6 +3,7 @@
 //! `kvtier serve` starts the block API on one port (HTTP/2 with prior
 //! knowledge and HTTP/1.1); `kvtier info` describes a data directory.
 
+mod gpu;
 mod http;
 mod limits;
 mod metrics;
@@ -157,6 +158,8 @@ struct StoreArgs {
     /// on: a read served from NVMe copies the block into RAM (promotion).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     promote: OnOff,
+    #[command(flatten)]
+    gpu: gpu::GpuArgs,
 }
 
 /// `--write-policy` values.
@@ -227,6 +230,7 @@ impl StoreArgs {
                 WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,
             },
             promote: self.promote == OnOff::On,
+            gpu: Default::default(),
         };
         Ok((config, segment_origin))
     }
@@ -421,7 +425,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if args.put_inflight_mib == 0 {
         return Err("--put-inflight-mib must be at least 1".into());
     }
-    let (config, segment_origin) = args.store.config()?;
+    let (mut config, segment_origin) = args.store.config()?;
+    let (gpu_config, gpu_line) = args.store.gpu.open(&config)?;
+    config.gpu = gpu_config;
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that nothing listens on it.
@@ -491,6 +497,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         segment_origin.describe(),
         data_dir.display()
     );
+    if let Some(line) = gpu_line {
+        println!("kvtier: {line}");
+    }
     tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, segment_bytes, "serving");
 
     {
