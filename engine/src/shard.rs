@@ -931,9 +931,7 @@ impl Shard {
                 bump(&c.hits, 1);
                 bump(&c.bytes_out, bytes.len() as u64);
                 record_us(&c.read_us, started.elapsed().as_micros());
-                if self.cfg.promote {
-                    self.promote_from_ram(key, hash, &bytes).await;
-                }
+                let bytes = if self.cfg.promote { self.promote_from_ram(key, hash, bytes).await } else { bytes };
                 return Ok((bytes, Tier::Ram));
             }
             bump(&self.ram_counters.misses, 1);

@@ -412,6 +412,7 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
         }
     }
     registry.register("tier_latency_us", "Tier read and write latency percentiles in microseconds (largest shard's)", tier_latency);
+    crate::gpu::register_metrics(&mut registry, &tiers);
 
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");

@@ -175,14 +175,43 @@ impl Shard {
     }
 
     /// A block just served from RAM moves up to the GPU (`--promote on`).
-    pub(super) async fn promote_from_ram(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
+    /// Returns the bytes to serve: with a GPU tier, a copy, so that the RAM
+    /// slot is not pinned by the response and the GPU victim displaced can
+    /// take it.
+    pub(super) async fn promote_from_ram(&self, key: &str, hash: BlockHash, bytes: Bytes) -> Bytes {
+        if self.gpu.is_none() {
+            return bytes;
+        }
+        let owned = self.read_buffers.copy_parts(&[&bytes[..]], |_| {});
+        drop(bytes);
+        self.move_up_from_ram(key, hash, &owned).await;
+        owned
+    }
+
+    /// Moves a block from RAM to the GPU. It leaves RAM first, so the GPU
+    /// victim it displaces can take its RAM slot (the caller holds no pin on
+    /// it); if the GPU does not take it, it goes back to RAM (a dirty block
+    /// must not be lost).
+    async fn move_up_from_ram(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
         let Some(gpu) = &self.gpu else { return };
         let dirty = self.ram.as_ref().is_some_and(|r| r.borrow().is_dirty(&hash));
-        if let Ok(true) = self.cache_gpu(gpu, key, hash, &[bytes], dirty).await {
-            if let Some(ram) = &self.ram {
-                ram.borrow_mut().remove(&hash);
+        if self.ram.as_ref().is_some_and(|r| r.borrow().is_demoting(&hash)) {
+            return;
+        }
+        if let Some(ram) = &self.ram {
+            ram.borrow_mut().remove(&hash);
+        }
+        match self.cache_gpu(gpu, key, hash, &[bytes], dirty).await {
+            Ok(true) => bump(&self.gpu_counters.promotions, 1),
+            _ => {
+                if !matches!(self.cache(key, hash, &[bytes], dirty).await, Ok(true)) && dirty {
+                    // Neither tier took it back: write it to the log.
+                    if let Err(e) = self.put_nvme(key, hash, &[bytes.clone()], false).await {
+                        bump(&gpu.faults.blocks_lost, 1);
+                        tracing::error!(shard = self.id(), key, "write-back block lost moving up from RAM: {e}");
+                    }
+                }
             }
-            bump(&self.gpu_counters.promotions, 1);
         }
     }
 
@@ -196,13 +225,9 @@ impl Shard {
         }
         let in_ram = self.ram.as_ref().and_then(|r| r.borrow_mut().get(key, &hash));
         if let Some(bytes) = in_ram {
-            let dirty = self.ram.as_ref().is_some_and(|r| r.borrow().is_dirty(&hash));
-            if let Ok(true) = self.cache_gpu(gpu, key, hash, &[&bytes], dirty).await {
-                if let Some(ram) = &self.ram {
-                    ram.borrow_mut().remove(&hash);
-                }
-                bump(&self.gpu_counters.promotions, 1);
-            }
+            let owned = self.read_buffers.copy_parts(&[&bytes[..]], |_| {});
+            drop(bytes);
+            self.move_up_from_ram(key, hash, &owned).await;
             return true;
         }
         match self.read_block(key, hash).await {

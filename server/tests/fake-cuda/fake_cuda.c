@@ -19,6 +19,10 @@
  *   FAKE_CUDA_MEM_BYTES=n        device memory per device (default 1 GiB);
  *                                cuMemAlloc_v2 past it answers
  *                                CUDA_ERROR_OUT_OF_MEMORY (2)
+ *   FAKE_CUDA_RESERVED_BYTES=n   of that memory, n bytes are taken by "another
+ *                                process": cuMemGetInfo_v2 reports them used
+ *                                and allocations past the rest fail (an
+ *                                out-of-memory at run time)
  *   FAKE_CUDA_DEVICE_NAME=s      cuDeviceGetName (default "kvtier fake GPU")
  *   FAKE_CUDA_NOT_READY=N        every recorded event answers
  *                                CUDA_ERROR_NOT_READY (600) to its first N
@@ -106,6 +110,7 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int cfg_devices = 1;
 static int cfg_init_error;
 static size_t cfg_mem_bytes = (size_t)1 << 30;
+static size_t cfg_reserved_bytes;
 static char cfg_name[128] = "kvtier fake GPU";
 static long cfg_not_ready;
 static long cfg_fail_copy;
@@ -134,6 +139,9 @@ static void configure(void) {
     cfg_init_error = (int)env_long("FAKE_CUDA_INIT_ERROR", 0);
     const char *mem = getenv("FAKE_CUDA_MEM_BYTES");
     if (mem && *mem) cfg_mem_bytes = strtoull(mem, NULL, 0);
+    const char *reserved = getenv("FAKE_CUDA_RESERVED_BYTES");
+    if (reserved && *reserved) cfg_reserved_bytes = strtoull(reserved, NULL, 0);
+    if (cfg_reserved_bytes > cfg_mem_bytes) cfg_reserved_bytes = cfg_mem_bytes;
     const char *name = getenv("FAKE_CUDA_DEVICE_NAME");
     if (name && *name) snprintf(cfg_name, sizeof cfg_name, "%s", name);
     cfg_not_ready = env_long("FAKE_CUDA_NOT_READY", 0);
@@ -381,7 +389,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
     if (r) return leave(r);
     if (!current) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (bytes == 0) return leave(CUDA_ERROR_INVALID_VALUE);
-    if (bytes > cfg_mem_bytes - used_bytes) {
+    if (bytes > cfg_mem_bytes - cfg_reserved_bytes - used_bytes) {
         say("cuMemAlloc_v2 bytes=%zu OUT_OF_MEMORY", bytes);
         return leave(CUDA_ERROR_OUT_OF_MEMORY);
     }
@@ -422,7 +430,7 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     enter();
     CUresult r = ready();
     if (r) return leave(r);
-    *free_bytes = cfg_mem_bytes - used_bytes;
+    *free_bytes = cfg_mem_bytes - cfg_reserved_bytes - used_bytes;
     *total = cfg_mem_bytes;
     return leave(CUDA_SUCCESS);
 }
