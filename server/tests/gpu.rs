@@ -481,3 +481,51 @@ async fn prefetch_moves_blocks_up_to_the_gpu() {
     assert_eq!(tier(&stats, "gpu")["promotions"].as_u64(), Some(2));
     server.stop();
 }
+
+/// A replay whose working set is several times the memory tiers: the policy
+/// oracle, at three tiers, predicts every lookup and the tier of every GET,
+/// under both write policies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_through_gpu_and_ram_tiers_matches_the_oracle_block_for_block() {
+    use kvtier_loadgen::target::Target;
+    use kvtier_loadgen::{replay, sharegpt};
+    use std::sync::Arc;
+    let path = repo_root().join("tests/data/sharegpt_sample.json");
+    let dataset = Arc::new(sharegpt::load(&path).unwrap().conversations);
+    for policy in ["through", "back"] {
+        let dir = tempfile::tempdir().unwrap();
+        // 2 shards: 4 GPU slots and 8 RAM slots each.
+        let args = gpu_args(dir.path(), 8, 16, &["--shards", "2", "--write-policy", policy]);
+        let server = start_gpu(&args, &[("FAKE_CUDA_NOT_READY", "1")]);
+        let target = Arc::new(Target::open(&server.url, false, 1, 1).await.unwrap());
+        let oracle = replay::OracleConfig::from_server(&target).await.unwrap();
+        assert_eq!((oracle.shards, oracle.gpu_blocks_per_shard, oracle.ram_blocks_per_shard), (2, 4, 8));
+        let cfg = replay::ReplayConfig {
+            users: 1,
+            duration: Duration::from_secs(300),
+            seed: 11,
+            passes: Some(2),
+            max_context_tokens: 8192,
+            verify_full: true,
+            generation: replay::GenerationMode::None,
+            progress: false,
+            oracle: Some(oracle),
+        };
+        let geometry = target.geometry().await.unwrap().unwrap();
+        let r = replay::run(target, dataset.clone(), path.clone(), geometry, cfg).await;
+        assert_eq!((r.errors, r.wrong_bytes), (0, 0), "{:?}", r.first_error);
+        assert!(r.blocks_written >= 3 * 24, "working set {} blocks is not several times the memory tiers", r.blocks_written);
+        let o = r.oracle.as_ref().unwrap();
+        assert!(o.gets_checked > 0 && o.lookups_checked > 0, "{o:?}");
+        assert_eq!((o.lookup_mismatches, o.get_mismatches), (0, 0), "{policy}: {:?}", o.first_mismatch);
+        assert_eq!(o.predicted_hit_rate, o.measured_hit_rate);
+        for t in ["gpu", "ram", "nvme"] {
+            assert!(o.measured_gets_by_tier.get(t).is_some_and(|&n| n > 0), "{policy}: no GET served from {t}: {o:?}");
+        }
+        assert_eq!(o.measured_gets_by_tier.get("miss"), None, "nothing stored and not evicted is missed");
+        let stats = Client::new(&server.url, false, 1).unwrap().stats().await.unwrap();
+        assert_eq!(tier(&stats, "nvme")["evictions"], 0, "the log held the whole run, as the oracle assumes");
+        assert_eq!(tier(&stats, "gpu")["gpu"]["copy_errors"], 0);
+        server.stop();
+    }
+}

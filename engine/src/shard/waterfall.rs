@@ -59,10 +59,12 @@ impl Shard {
     /// Writing a demoted write-back block to the log failed.
     pub(super) async fn place(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<Option<Tier>> {
         if let Some(gpu) = &self.gpu {
+            // An older copy in RAM leaves first, so the GPU victim this
+            // block displaces can take its slot.
+            if let Some(ram) = &self.ram {
+                ram.borrow_mut().remove(&hash);
+            }
             if self.cache_gpu(gpu, key, hash, parts, dirty).await? {
-                if let Some(ram) = &self.ram {
-                    ram.borrow_mut().remove(&hash);
-                }
                 return Ok(Some(Tier::Gpu));
             }
             // Not on the GPU: an older copy there must not shadow this one.
