@@ -208,7 +208,7 @@ impl Shard {
             _ => {
                 if !matches!(self.cache(key, hash, &[bytes], dirty).await, Ok(true)) && dirty {
                     // Neither tier took it back: write it to the log.
-                    if let Err(e) = self.put_nvme(key, hash, &[bytes.clone()], false).await {
+                    if let Err(e) = self.put_nvme(key, hash, std::slice::from_ref(bytes), false).await {
                         bump(&gpu.faults.blocks_lost, 1);
                         tracing::error!(shard = self.id(), key, "write-back block lost moving up from RAM: {e}");
                     }
