@@ -192,6 +192,15 @@ impl GpuDevice {
         self.ctx.bind_to_thread()
     }
 
+    /// Makes the device's context current on this thread, for callers that
+    /// use cudarc's raw driver calls themselves (the GPU bench).
+    ///
+    /// # Errors
+    /// The driver's.
+    pub fn bind_to_thread(&self) -> Result<(), DriverError> {
+        self.bind()
+    }
+
     /// Free and total device memory now, in bytes.
     ///
     /// # Errors
@@ -309,7 +318,7 @@ impl GpuInfo {
 }
 
 /// A block read back from the GPU: CRC-checked bytes.
-pub(crate) enum GpuRead {
+pub enum GpuRead {
     /// Not held.
     Miss,
     /// Read and checked.
@@ -594,7 +603,7 @@ impl GpuTier {
     /// staging buffer, wait for the copy's event, then one pass that
     /// copies the bytes into a response buffer from `pool` and checks them
     /// against the block's CRC-32. A failed copy or CRC drops the block.
-    pub(crate) async fn read(&self, key: &str, hash: &BlockHash, pool: &Arc<BufferPool>) -> GpuRead {
+    pub async fn read(&self, key: &str, hash: &BlockHash, pool: &Arc<BufferPool>) -> GpuRead {
         if !self.contains(hash) {
             return GpuRead::Miss;
         }
