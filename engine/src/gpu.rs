@@ -267,6 +267,7 @@ struct Slab {
 #[derive(Debug, Default)]
 pub(crate) struct GpuFaults {
     pub copy_errors: Cell<u64>,
+    pub alloc_errors: Cell<u64>,
     pub out_of_memory: Cell<u64>,
     pub corrupt_blocks: Cell<u64>,
     pub blocks_lost: Cell<u64>,
@@ -290,6 +291,8 @@ pub struct GpuInfo {
     pub copy_errors: u64,
     /// Slab allocations refused for lack of device memory.
     pub out_of_memory: u64,
+    /// Slab allocations that failed for another reason.
+    pub alloc_errors: u64,
     /// Blocks whose bytes copied back failed their CRC-32; dropped, never
     /// served.
     pub corrupt_blocks: u64,
@@ -312,6 +315,7 @@ impl GpuInfo {
         self.slabs += o.slabs;
         self.copy_errors += o.copy_errors;
         self.out_of_memory += o.out_of_memory;
+        self.alloc_errors += o.alloc_errors;
         self.corrupt_blocks += o.corrupt_blocks;
         self.blocks_lost += o.blocks_lost;
     }
@@ -446,6 +450,7 @@ impl GpuTier {
             slabs,
             copy_errors: f.copy_errors.get(),
             out_of_memory: f.out_of_memory.get(),
+            alloc_errors: f.alloc_errors.get(),
             corrupt_blocks: f.corrupt_blocks.get(),
             blocks_lost: f.blocks_lost.get(),
         }
@@ -488,7 +493,11 @@ impl GpuTier {
                 self.lru.borrow_mut().take_free(|_| false)
             }
             Err(e) => {
-                super::tier::bump(&self.faults.out_of_memory, 1);
+                if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    super::tier::bump(&self.faults.out_of_memory, 1);
+                } else {
+                    super::tier::bump(&self.faults.alloc_errors, 1);
+                }
                 self.next_slab_try.set(Some(Instant::now() + GPU_SLAB_RETRY));
                 tracing::warn!(
                     device = self.device.ordinal,
