@@ -341,6 +341,8 @@ pub struct GpuTier {
     block_bytes: u64,
     slab_blocks: u32,
     slabs: RefCell<Vec<Slab>>,
+    /// Bytes of device memory in `slabs`.
+    allocated_bytes: Cell<u64>,
     lru: RefCell<SlotLru>,
     /// Per slot: the CRC-32 of the block it holds.
     crc: RefCell<Vec<u32>>,
@@ -370,6 +372,7 @@ impl GpuTier {
             block_bytes,
             slab_blocks,
             slabs: RefCell::new(Vec::new()),
+            allocated_bytes: Cell::new(0),
             lru: RefCell::new(SlotLru::new(capacity_blocks, 0)),
             crc: RefCell::new(vec![0; capacity_blocks as usize]),
             generation: RefCell::new(vec![0; capacity_blocks as usize]),
@@ -446,7 +449,7 @@ impl GpuTier {
             device: self.device.name.clone(),
             ordinal: self.device.ordinal,
             unavailable: None,
-            allocated_bytes: slabs * self.slab_blocks as u64 * self.block_bytes,
+            allocated_bytes: self.allocated_bytes.get(),
             slabs,
             copy_errors: f.copy_errors.get(),
             out_of_memory: f.out_of_memory.get(),
@@ -466,6 +469,7 @@ impl GpuTier {
         // SAFETY: a plain device allocation, freed in Drop.
         let ptr = unsafe { cu::malloc_sync(blocks as usize * self.block_bytes as usize) }?;
         self.slabs.borrow_mut().push(Slab { ptr });
+        self.allocated_bytes.set(self.allocated_bytes.get() + blocks as u64 * self.block_bytes);
         self.lru.borrow_mut().add_free(first..first + blocks);
         tracing::debug!(device = self.device.ordinal, slab = n, blocks, "GPU slab allocated");
         Ok(())
@@ -483,7 +487,7 @@ impl GpuTier {
         if let Some(s) = self.lru.borrow_mut().take_free(|_| false) {
             return Some(s);
         }
-        let allocated = self.slabs.borrow().len() as u64 * self.slab_blocks as u64;
+        let allocated = self.allocated_bytes.get() / self.block_bytes;
         if allocated >= self.capacity_blocks() || self.next_slab_try.get().is_some_and(|t| Instant::now() < t) {
             return None;
         }

@@ -529,3 +529,46 @@ async fn replay_through_gpu_and_ram_tiers_matches_the_oracle_block_for_block() {
         server.stop();
     }
 }
+
+/// Many clients at once over two shards, with deferred copies and slow
+/// events: copies in flight overlap (two staging buffers per shard), slots
+/// are evicted and refilled while reads of them are queued, and every GET
+/// still returns its own key's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_over_deferred_copies_get_their_own_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let switches = [("FAKE_CUDA_DEFERRED", "1"), ("FAKE_CUDA_NOT_READY", "2")];
+    for policy in ["through", "back"] {
+        let data = dir.path().join(policy);
+        let server = start_gpu(&gpu_args(&data, 8, 8, &["--shards", "2", "--write-policy", policy]), &switches);
+        let c = std::sync::Arc::new(kvtier_loadgen::client::Client::new(&server.url, false, 4).unwrap());
+        let k = keys(48);
+        put_all(&c, &k).await;
+        let mut tasks = Vec::new();
+        for t in 0..8usize {
+            let (c, k) = (c.clone(), k.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut served = std::collections::BTreeMap::<String, u64>::new();
+                for i in 0..40usize {
+                    let key = &k[(t * 7 + i * 13) % k.len()];
+                    if i % 5 == 0 {
+                        assert!(c.put(key, vec![payload(key)]).await.unwrap().is_success(), "PUT {key}");
+                    }
+                    *served.entry(read_tier(&c, key).await).or_default() += 1;
+                }
+                served
+            }));
+        }
+        let mut served = std::collections::BTreeMap::<String, u64>::new();
+        for task in tasks {
+            for (tier, n) in task.await.unwrap() {
+                *served.entry(tier).or_default() += n;
+            }
+        }
+        assert!(served.get("gpu").is_some_and(|&n| n > 0), "{policy}: {served:?}");
+        let stats = c.stats().await.unwrap();
+        let gpu = &tier(&stats, "gpu")["gpu"];
+        assert_eq!((gpu["corrupt_blocks"].as_u64(), gpu["copy_errors"].as_u64()), (Some(0), Some(0)), "{policy}: {gpu}");
+        server.stop();
+    }
+}
