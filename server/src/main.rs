@@ -155,7 +155,9 @@ struct StoreArgs {
     /// held only in RAM.
     #[arg(long, value_enum, default_value_t = WritePolicyArg::Through)]
     write_policy: WritePolicyArg,
-    /// on: a read served from NVMe copies the block into RAM (promotion).
+    /// on: a read served from NVMe copies the block into the fastest memory
+    /// tier (GPU, else RAM), and with a GPU tier a read served from RAM moves
+    /// the block up to the GPU (promotion).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     promote: OnOff,
     #[command(flatten)]
