@@ -139,12 +139,12 @@ async fn measure(device: Arc<GpuDevice>, block_bytes: u64, blocks: u32, rounds: 
         let t = Instant::now();
         for (key, hash) in &keys {
             tier.remove(hash);
-            let slot = match tier.take_free() {
+            let slot = match tier.take_free().await {
                 Some(s) => s,
                 None => {
                     let v = tier.victim().expect("a full tier has a victim");
                     tier.evict(v.slot);
-                    tier.take_free().expect("a slot after eviction")
+                    tier.take_free().await.expect("a slot after eviction")
                 }
             };
             tier.write(slot, key, *hash, &[&data], false).await.expect("tier write");

@@ -11,8 +11,9 @@
 //!   exported with `cuIpcGetMemHandle` (pool memory cannot), keeping a later
 //!   zero-copy path to an engine on the same GPU possible. The first slab is
 //!   allocated when the shard opens (an out-of-memory there refuses the
-//!   start); later ones when the free slots run out, and a failure then
-//!   leaves the tier at the size it has (counted, retried later).
+//!   start); later ones when the free slots run out, on glommio's blocking
+//!   thread pool, and a failure then leaves the tier at the size it has
+//!   (counted, retried later).
 //! - **Staging.** Copies go through pinned host buffers allocated with
 //!   `CU_MEMHOSTALLOC_PORTABLE` (cudarc's default pinned allocation is
 //!   write-combined, slow for the CPU to read), [`GPU_STAGING_BUFFERS`] per
@@ -351,6 +352,8 @@ pub struct GpuTier {
     generation: RefCell<Vec<u64>>,
     staging: RefCell<Vec<Staging>>,
     staging_free: Semaphore,
+    /// Held while a slab is being allocated.
+    growing: Semaphore,
     next_slab_try: Cell<Option<Instant>>,
     pub(crate) faults: GpuFaults,
 }
@@ -378,6 +381,7 @@ impl GpuTier {
             generation: RefCell::new(vec![0; capacity_blocks as usize]),
             staging: RefCell::new(Vec::new()),
             staging_free: Semaphore::new(GPU_STAGING_BUFFERS as u64),
+            growing: Semaphore::new(1),
             next_slab_try: Cell::new(None),
             faults: GpuFaults::default(),
         };
@@ -461,17 +465,43 @@ impl GpuTier {
 
     /// Allocates the next slab and frees its slots.
     fn grow(&self) -> Result<(), DriverError> {
-        let n = self.slabs.borrow().len() as u32;
-        let capacity = self.capacity_blocks() as u32;
-        let first = n * self.slab_blocks;
-        let blocks = self.slab_blocks.min(capacity - first);
+        let (first, blocks) = self.next_slab();
         self.device.bind()?;
         // SAFETY: a plain device allocation, freed in Drop.
         let ptr = unsafe { cu::malloc_sync(blocks as usize * self.block_bytes as usize) }?;
+        self.add_slab(ptr, first, blocks);
+        Ok(())
+    }
+
+    /// The first slot and the block count of the next slab.
+    fn next_slab(&self) -> (u32, u32) {
+        let first = self.slabs.borrow().len() as u32 * self.slab_blocks;
+        (first, self.slab_blocks.min(self.capacity_blocks() as u32 - first))
+    }
+
+    fn add_slab(&self, ptr: sys::CUdeviceptr, first: u32, blocks: u32) {
+        let n = self.slabs.borrow().len();
         self.slabs.borrow_mut().push(Slab { ptr });
         self.allocated_bytes.set(self.allocated_bytes.get() + blocks as u64 * self.block_bytes);
         self.lru.borrow_mut().add_free(first..first + blocks);
         tracing::debug!(device = self.device.ordinal, slab = n, blocks, "GPU slab allocated");
+    }
+
+    /// Allocates the next slab on glommio's blocking thread pool
+    /// (`cuMemAlloc_v2` of up to 1 GiB may take milliseconds; the reactor
+    /// does not wait in it).
+    async fn grow_off_reactor(&self) -> Result<(), DriverError> {
+        let (first, blocks) = self.next_slab();
+        let bytes = blocks as usize * self.block_bytes as usize;
+        let device = self.device.clone();
+        let ptr = glommio::executor()
+            .spawn_blocking(move || -> Result<sys::CUdeviceptr, DriverError> {
+                device.bind()?;
+                // SAFETY: a plain device allocation, freed in Drop.
+                unsafe { cu::malloc_sync(bytes) }
+            })
+            .await?;
+        self.add_slab(ptr, first, blocks);
         Ok(())
     }
 
@@ -483,7 +513,13 @@ impl GpuTier {
 
     /// A free slot: a free one, else a new slab's (when the tier is not at
     /// its size and the last refusal is older than [`GPU_SLAB_RETRY`]).
-    pub fn take_free(&self) -> Option<u32> {
+    pub async fn take_free(&self) -> Option<u32> {
+        if let Some(s) = self.lru.borrow_mut().take_free(|_| false) {
+            return Some(s);
+        }
+        // One allocation at a time; whoever waited looks at the free list
+        // again.
+        let _growing = self.growing.acquire_permit(1).await.expect("the growth semaphore is never closed");
         if let Some(s) = self.lru.borrow_mut().take_free(|_| false) {
             return Some(s);
         }
@@ -491,7 +527,7 @@ impl GpuTier {
         if allocated >= self.capacity_blocks() || self.next_slab_try.get().is_some_and(|t| Instant::now() < t) {
             return None;
         }
-        match self.grow() {
+        match self.grow_off_reactor().await {
             Ok(()) => {
                 self.next_slab_try.set(None);
                 self.lru.borrow_mut().take_free(|_| false)

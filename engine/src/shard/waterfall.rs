@@ -90,7 +90,7 @@ impl Shard {
         let started = Instant::now();
         gpu.release_if_idle(&hash);
         loop {
-            if let Some(slot) = gpu.take_free() {
+            if let Some(slot) = gpu.take_free().await {
                 if gpu.write(slot, key, hash, parts, dirty).await.is_err() {
                     return Ok(false);
                 }
