@@ -435,6 +435,12 @@ impl GpuTier {
         self.lru.borrow().is_demoting(hash)
     }
 
+    /// Whether `slot` still holds the block of `hash` (not replaced or
+    /// deleted since it was chosen).
+    pub fn holds(&self, slot: u32, hash: &BlockHash) -> bool {
+        self.lru.borrow().slot_of(hash) == Some(slot)
+    }
+
     /// Makes the block of `key` most recently used; false when not held.
     pub fn touch(&self, key: &str, hash: &BlockHash) -> bool {
         self.lru.borrow_mut().touch(key, hash).is_some()

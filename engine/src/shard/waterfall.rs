@@ -127,8 +127,10 @@ impl Shard {
                 return Ok(());
             }
         };
-        if !gpu.contains(&v.hash) {
-            // Deleted or replaced while it was copied back: nothing to move.
+        if !gpu.holds(v.slot, &v.hash) {
+            // Deleted or replaced while it was copied back: nothing to move
+            // (moving the old bytes down would later overwrite the new ones
+            // in the log).
             gpu.end_demotion(v.slot, true);
             return Ok(());
         }
