@@ -133,12 +133,13 @@ impl SlotLru {
     }
 
     /// A slot that can be filled now: a free one, or a retired one that is
-    /// no longer `pinned`. `None` when every usable slot is live or pinned.
+    /// no longer `pinned` nor being read for a demotion. `None` when every
+    /// usable slot is live, pinned or being demoted.
     pub fn take_free(&mut self, pinned: impl Fn(u32) -> bool) -> Option<u32> {
         if let Some(s) = self.free.pop() {
             return Some(s);
         }
-        let i = self.retired.iter().position(|&s| !pinned(s))?;
+        let i = self.retired.iter().position(|&s| !pinned(s) && !self.meta[s as usize].demoting)?;
         let s = self.retired.swap_remove(i);
         self.meta[s as usize].state = SlotState::Free;
         Some(s)
@@ -295,5 +296,47 @@ impl SlotLru {
         if self.tail == NIL {
             self.tail = slot;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_join_as_memory_backs_them() {
+        let mut l = SlotLru::new(4, 2);
+        let (a, b) = (l.take_free(|_| false).unwrap(), l.take_free(|_| false).unwrap());
+        assert_eq!((a, b), (0, 1));
+        assert_eq!(l.take_free(|_| false), None, "slots 2 and 3 have no memory yet");
+        l.install(a, "a", BlockHash(1), false, |_| false);
+        l.install(b, "b", BlockHash(2), true, |_| false);
+        l.add_free(2..4);
+        assert_eq!(l.take_free(|_| false), Some(2));
+        assert_eq!(l.take_free(|_| false), Some(3));
+        assert_eq!(l.lru_keys(), ["b", "a"]);
+        assert_eq!(l.capacity_blocks(), 4);
+    }
+
+    #[test]
+    fn a_demoting_victim_is_skipped_and_freed_only_when_its_move_ends() {
+        let mut l = SlotLru::new(2, 2);
+        for (key, h) in [("a", 1), ("b", 2)] {
+            let s = l.take_free(|_| false).unwrap();
+            l.install(s, key, BlockHash(h), false, |_| false);
+        }
+        let v = l.victim().unwrap();
+        assert_eq!(&*v.key, "a");
+        l.begin_demotion(v.slot);
+        assert_eq!(&*l.victim().unwrap().key, "b", "not chosen twice");
+        // Replaced while it moves: the old slot is retired, not reused...
+        let s = l.take_free(|_| false);
+        assert_eq!(s, None);
+        l.remove(&BlockHash(1), |_| false);
+        assert!(!l.contains(&BlockHash(1)) && l.retired_blocks() == 1);
+        assert_eq!(l.take_free(|_| false), None, "a slot being read for its move is not refilled");
+        // ... until the move ends.
+        l.end_demotion(v.slot, true, false);
+        assert_eq!(l.take_free(|_| false), Some(v.slot));
     }
 }
