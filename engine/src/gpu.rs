@@ -329,9 +329,12 @@ pub enum GpuRead {
     /// Read and checked.
     Hit(Bytes),
     /// The copy failed or the CRC did not match; the block was dropped from
-    /// the tier (a write-back block held nowhere else is lost, counted in
-    /// `blocks_lost`).
-    Failed,
+    /// the tier. `lost`: it was a write-back block held nowhere else (counted
+    /// in `blocks_lost`).
+    Failed {
+        /// The block's bytes are gone.
+        lost: bool,
+    },
 }
 
 /// One shard's GPU tier. Single-threaded (lives in the shard); async
@@ -697,8 +700,7 @@ impl GpuTier {
                 slot,
                 "GPU block failed its CRC-32 after the copy back; dropped, not served"
             );
-            self.drop_if_same(hash, slot, generation);
-            return GpuRead::Failed;
+            return GpuRead::Failed { lost: self.drop_if_same(hash, slot, generation) };
         }
         GpuRead::Hit(bytes)
     }
@@ -707,7 +709,7 @@ impl GpuTier {
         super::tier::bump(&self.faults.copy_errors, 1);
         tracing::warn!(device = self.device.ordinal, "copy from the GPU failed ({}); block dropped from the GPU tier", describe(e));
         let slot = at.map(|a| a.0).or_else(|| self.lru.borrow().slot_of(hash));
-        match (slot, at) {
+        let lost = match (slot, at) {
             (Some(slot), Some((_, generation))) => self.drop_if_same(hash, slot, generation),
             (Some(slot), None) => {
                 let g = self.generation.borrow()[slot as usize];
@@ -715,7 +717,7 @@ impl GpuTier {
             }
             _ => false,
         };
-        GpuRead::Failed
+        GpuRead::Failed { lost }
     }
 
     /// Drops `hash` if `slot` still holds the block installed at

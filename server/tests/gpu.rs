@@ -339,6 +339,30 @@ async fn a_corrupted_copy_is_never_served() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_write_back_block_is_a_miss_not_its_older_bytes() {
+    if needs_fake("a_lost_write_back_block_is_a_miss_not_its_older_bytes") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // One GPU slot, no RAM: D2H copies 1 and 2 move blocks to the log; the
+    // third (the GET) comes back corrupted.
+    let switches = [("FAKE_CUDA_CORRUPT_COPY", "3"), ("FAKE_CUDA_FAIL_KIND", "dtoh")];
+    let server = start_gpu(&gpu_args(&dir.path().join("data"), 1, 0, &["--write-policy", "back"]), &switches);
+    let c = client(&server, false);
+    let old = Bytes::from(vec![0x0du8; BLOCK_BYTES as usize]);
+    assert_eq!(c.put("k0", vec![old]).await.unwrap(), StatusCode::CREATED);
+    put_all(&c, &["k1".to_string()]).await; // k0 (old bytes) -> log
+    assert_eq!(c.put("k0", vec![payload("k0")]).await.unwrap(), StatusCode::OK); // k1 -> log; new k0 on the GPU only
+    assert_eq!(tiers_of(&c, &["k0", "k1"]).await, ["gpu", "nvme"]);
+    assert!(c.get("k0").await.unwrap().is_none(), "the newest k0 is lost: a miss, never its older bytes");
+    assert_eq!(read_tier(&c, "k1").await, "nvme");
+    let stats = c.stats().await.unwrap();
+    let gpu = &tier(&stats, "gpu")["gpu"];
+    assert_eq!((gpu["corrupt_blocks"].as_u64(), gpu["blocks_lost"].as_u64()), (Some(1), Some(1)), "{gpu}");
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_device_memory_at_start_and_at_run_time() {
     if needs_fake("out_of_device_memory_at_start_and_at_run_time") {
         return;

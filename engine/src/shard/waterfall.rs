@@ -159,7 +159,9 @@ impl Shard {
 
     /// A GET's look at the GPU: the CRC-checked block, or `None` (not there,
     /// or its copy back failed and it was dropped: the read goes on to RAM
-    /// and the log).
+    /// and the log, which hold it unless it was a write-back block held only
+    /// on the GPU; then an older block of the key in the log is dropped from
+    /// the index too and the GET is a miss).
     pub(super) async fn read_gpu(&self, key: &str, hash: BlockHash) -> Option<Bytes> {
         let gpu = self.gpu.as_ref()?;
         let started = Instant::now();
@@ -171,8 +173,19 @@ impl Shard {
                 record_us(&c.read_us, started.elapsed().as_micros());
                 Some(bytes)
             }
-            GpuRead::Miss | GpuRead::Failed => {
+            GpuRead::Miss | GpuRead::Failed { lost: false } => {
                 bump(&self.gpu_counters.misses, 1);
+                None
+            }
+            GpuRead::Failed { lost: true } => {
+                bump(&self.gpu_counters.misses, 1);
+                // The newest bytes of the key are gone: an older block under
+                // it in the log must not be served in their place (as after
+                // a crash, a restart may find that older block again).
+                let entry = self.index.borrow().get(&hash);
+                if let Some(e) = entry {
+                    self.index.borrow_mut().remove_exact(&hash, e);
+                }
                 None
             }
         }
