@@ -19,7 +19,9 @@
 //! instead of it, until demoted), GETs look there first, and an NVMe read
 //! promotes its block into RAM when `promote` is on. A full RAM tier moves
 //! its least recently used block down: dropped (its NVMe copy stays) or, if
-//! it is only in RAM (write-back), written to the log first.
+//! it is only in RAM (write-back), written to the log first. A GPU tier
+//! ([`crate::gpu`]) sits above RAM; its part of the waterfall is in
+//! `shard/waterfall.rs`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -917,8 +919,9 @@ impl Shard {
         result
     }
 
-    /// RAM first, then the log; a block read from the log is promoted into
-    /// RAM when `promote` is on.
+    /// GPU first, then RAM, then the log; with `promote` on a block read
+    /// from a slower tier is promoted to the fastest memory tier
+    /// (`waterfall.rs`).
     async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(Bytes, Tier)> {
         if let Some(bytes) = self.read_gpu(key, hash).await {
             return Ok((bytes, Tier::Gpu));
