@@ -11,6 +11,8 @@
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
+#   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
+#   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -31,12 +33,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-s3
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-s3 fake-cuda gpu-check
 
 all: build
 
 help:
-	@sed -n '2,14p' Makefile
+	@sed -n '2,16p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -162,6 +164,29 @@ bench-http: build
 # (PAIRS, USERS_PER_NODE, CONVERSATIONS, BLOCK_BYTES, BURST_QUEUE_MIB, ...).
 bench-s3: build data target/py-s3/.installed
 	loadgen/scripts/bench_s3.sh
+
+# The fake CUDA driver (a test double: host memory as device memory, with
+# switches for out-of-memory, failing copies, slow and deferred completion;
+# see the header of server/tests/fake-cuda/fake_cuda.c). `cargo test` builds
+# it too. Run the server against it with
+#   LD_LIBRARY_PATH=target/fake-cuda ./target/release/kvtier serve --gpu-mem-gb 1 ...
+CC ?= cc
+fake-cuda:
+	@mkdir -p target/fake-cuda
+	$(CC) -O2 -Wall -Wextra -Werror -shared -fPIC -o target/fake-cuda/libcuda.so.1 server/tests/fake-cuda/fake_cuda.c -lpthread
+	ln -sf libcuda.so.1 target/fake-cuda/libcuda.so
+
+# Real hardware: the GPU tier tests against the machine's driver (tests that
+# need the fake's switches say so and pass), then the tier's H2D/D2H copy
+# path against a plain pinned memcpy on the same GPU (target/bench/gpu.json),
+# then GET from the GPU tier against GET from the RAM tier over h2c
+# (target/bench/gpu-get/). GPU_CHECK_DEVICE picks the device.
+GPU_CHECK_DEVICE ?= 0
+gpu-check: build
+	@nvidia-smi -L || { echo "gpu-check needs an NVIDIA GPU and driver (nvidia-smi found none)"; exit 1; }
+	KVTIER_GPU_TEST_DRIVER=real $(CARGO) test -p kvtier-server --test gpu -- --nocapture --test-threads 1
+	$(CARGO) bench -p kvtier-engine --bench gpu -- --device $(GPU_CHECK_DEVICE)
+	loadgen/scripts/bench_gpu_get.sh
 
 # Crash harness (a 4-round version runs in `make test`): 20 rounds of
 # 8 clients PUTting 1 MiB blocks, kill -9 at 0.2–1.5 s, restart, read back

@@ -11,7 +11,10 @@
 //! - [`segment`]: preallocated segment files and their superblock.
 //! - [`index`]: the per-shard hash index and its snapshot.
 //! - [`pool`]: reusable buffers for GET responses.
+//! - [`lru`]: slot map, LRU order and free list shared by the memory tiers.
 //! - [`ram`]: the RAM tier: a slot arena with LRU order and zero-copy reads.
+//! - [`gpu`]: the GPU tier above RAM: device slabs through cudarc, pinned
+//!   staging, event-polled copies, CRC-checked reads.
 //! - [`tier`]: tier names, write policy, per-tier counters.
 //! - [`shard`]: one shard's write path, read path and reclaim.
 //! - [`stream`]: a block on its way out, whole or as verified chunks.
@@ -26,8 +29,10 @@
 pub mod error;
 pub mod fsck;
 pub mod geometry;
+pub mod gpu;
 pub mod index;
 pub mod key;
+pub mod lru;
 pub mod pool;
 pub mod ram;
 pub mod recover;

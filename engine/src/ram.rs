@@ -1,7 +1,6 @@
 //! The RAM tier: per shard, an arena of `block_bytes` slots mapped once at
-//! open (2 MiB huge pages where the kernel has them), an LRU list threaded
-//! through the slots, and a map from block hash to slot. Nothing is
-//! allocated per request.
+//! open (2 MiB huge pages where the kernel has them), with the map and LRU
+//! order of [`crate::lru::SlotLru`]. Nothing is allocated per request.
 //!
 //! **Zero-copy reads.** A GET served from RAM is a `Bytes` over the slot
 //! itself ([`Bytes::from_owner`]); the slot's pin count is raised while any
@@ -15,10 +14,7 @@
 //! after the write completed. The pin count's release (drop) / acquire
 //! (reuse check) pair orders a reader's last access before the next write.
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::ptr::NonNull;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -26,8 +22,8 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::index::BlockHashHasher;
 use crate::key::BlockHash;
+use crate::lru::SlotLru;
 
 /// Huge page size the arena asks for: 2 MiB (x86-64 and arm64 default).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
@@ -204,55 +200,13 @@ impl Drop for SlotRef {
     }
 }
 
-const NIL: u32 = u32::MAX;
+pub use crate::lru::Victim;
 
-/// What a slot holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SlotState {
-    /// On the free list.
-    Free,
-    /// Mapped and in the LRU.
-    Live,
-    /// Out of the map, waiting for its pins to drop.
-    Retired,
-}
-
-struct Meta {
-    hash: BlockHash,
-    key: Option<Rc<str>>,
-    prev: u32,
-    next: u32,
-    state: SlotState,
-    /// Not on NVMe yet (write-back): must be written there before reuse.
-    dirty: bool,
-    /// Being written to NVMe now; not a victim again meanwhile.
-    demoting: bool,
-}
-
-/// A least-recently-used block chosen to leave RAM.
-#[derive(Debug, Clone)]
-pub struct Victim {
-    /// Its slot.
-    pub slot: u32,
-    /// Its hash.
-    pub hash: BlockHash,
-    /// Its key.
-    pub key: Rc<str>,
-    /// Whether it must be written to NVMe first (write-back).
-    pub dirty: bool,
-}
-
-/// One shard's RAM tier. Single-threaded (lives in the shard).
+/// One shard's RAM tier: the arena and its [`SlotLru`]. Single-threaded
+/// (lives in the shard).
 pub struct RamTier {
     arena: Arc<Arena>,
-    map: HashMap<BlockHash, u32, BuildHasherDefault<BlockHashHasher>>,
-    meta: Vec<Meta>,
-    /// Most recently used.
-    head: u32,
-    /// Least recently used.
-    tail: u32,
-    free: Vec<u32>,
-    retired: Vec<u32>,
+    lru: SlotLru,
 }
 
 impl RamTier {
@@ -262,33 +216,22 @@ impl RamTier {
     /// As [`Arena::new`].
     pub fn new(capacity_blocks: u32, block_bytes: u64) -> Result<RamTier> {
         let arena = Arena::new(capacity_blocks, block_bytes as usize)?;
-        let meta = (0..capacity_blocks)
-            .map(|_| Meta { hash: BlockHash(0), key: None, prev: NIL, next: NIL, state: SlotState::Free, dirty: false, demoting: false })
-            .collect();
-        Ok(RamTier {
-            arena,
-            map: HashMap::with_capacity_and_hasher(capacity_blocks as usize, Default::default()),
-            meta,
-            head: NIL,
-            tail: NIL,
-            free: (0..capacity_blocks).rev().collect(),
-            retired: Vec::new(),
-        })
+        Ok(RamTier { arena, lru: SlotLru::new(capacity_blocks, capacity_blocks) })
     }
 
     /// Slots in the tier.
     pub fn capacity_blocks(&self) -> u64 {
-        self.meta.len() as u64
+        self.lru.capacity_blocks()
     }
 
     /// Blocks held now.
     pub fn used_blocks(&self) -> u64 {
-        self.map.len() as u64
+        self.lru.used_blocks()
     }
 
     /// Slots out of the map but still pinned by responses in flight.
     pub fn retired_blocks(&self) -> u64 {
-        self.retired.len() as u64
+        self.lru.retired_blocks()
     }
 
     /// How the arena is backed.
@@ -298,107 +241,62 @@ impl RamTier {
 
     /// Whether `hash` is held (no LRU change).
     pub fn contains(&self, hash: &BlockHash) -> bool {
-        self.map.contains_key(hash)
+        self.lru.contains(hash)
     }
 
     /// Whether `hash` is held and still has to reach NVMe.
     pub fn is_dirty(&self, hash: &BlockHash) -> bool {
-        self.map.get(hash).is_some_and(|&s| self.meta[s as usize].dirty)
+        self.lru.is_dirty(hash)
     }
 
     /// Whether a block of `hash` is being written to NVMe now.
     pub fn is_demoting(&self, hash: &BlockHash) -> bool {
-        self.meta.iter().any(|m| m.demoting && m.hash == *hash && m.state != SlotState::Free)
+        self.lru.is_demoting(hash)
     }
 
     /// The block of `key`, made most recently used, as a zero-copy `Bytes`
     /// pinning its slot. `None` when not held (or held under another key
     /// with the same hash).
     pub fn get(&mut self, key: &str, hash: &BlockHash) -> Option<Bytes> {
-        let slot = *self.map.get(hash)?;
-        if self.meta[slot as usize].key.as_deref() != Some(key) {
-            return None;
-        }
-        self.unlink(slot);
-        self.push_front(slot);
+        let slot = self.lru.touch(key, hash)?;
         Some(self.arena.pin(slot))
     }
 
     /// A slot that can be filled now: a free one, or a retired one whose
     /// pins have dropped. `None` when every slot is live or pinned.
     pub fn take_free(&mut self) -> Option<u32> {
-        if let Some(s) = self.free.pop() {
-            return Some(s);
-        }
-        let i = self.retired.iter().position(|&s| !self.arena.pinned(s))?;
-        let s = self.retired.swap_remove(i);
-        self.meta[s as usize].state = SlotState::Free;
-        Some(s)
+        let arena = &self.arena;
+        self.lru.take_free(|s| arena.pinned(s))
     }
 
     /// The least recently used block not being demoted already.
     pub fn victim(&self) -> Option<Victim> {
-        let mut s = self.tail;
-        while s != NIL {
-            let m = &self.meta[s as usize];
-            if !m.demoting {
-                return Some(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: m.dirty });
-            }
-            s = m.prev;
-        }
-        None
+        self.lru.victim()
     }
 
     /// A `Bytes` over a live slot (for writing it to NVMe), marking it as
     /// being demoted.
     pub fn begin_demotion(&mut self, slot: u32) -> Bytes {
-        self.meta[slot as usize].demoting = true;
+        self.lru.begin_demotion(slot);
         self.arena.pin(slot)
     }
 
     /// Ends a demotion. If the slot still holds the block (not replaced or
     /// deleted meanwhile) and `written` is true, it leaves the tier.
     pub fn end_demotion(&mut self, slot: u32, written: bool) {
-        let m = &mut self.meta[slot as usize];
-        m.demoting = false;
-        if written && m.state == SlotState::Live {
-            m.dirty = false;
-            self.evict(slot);
-        }
+        self.lru.end_demotion(slot, written, self.arena.pinned(slot));
     }
 
     /// Ends a write of a dirty block to the log at a flush: the block stays
     /// in RAM, clean if `written`.
     pub fn end_flush(&mut self, slot: u32, written: bool) {
-        let m = &mut self.meta[slot as usize];
-        m.demoting = false;
-        if written && m.state == SlotState::Live {
-            m.dirty = false;
-        }
+        self.lru.end_flush(slot, written);
     }
 
     /// Takes a live slot out of the map and the LRU; it becomes free now or
     /// once unpinned.
     pub fn evict(&mut self, slot: u32) {
-        let m = &self.meta[slot as usize];
-        if m.state != SlotState::Live {
-            return;
-        }
-        let hash = m.hash;
-        if self.map.get(&hash) == Some(&slot) {
-            self.map.remove(&hash);
-        }
-        self.unlink(slot);
-        let m = &mut self.meta[slot as usize];
-        m.key = None;
-        m.dirty = false;
-        if self.arena.pinned(slot) || m.demoting {
-            m.state = SlotState::Retired;
-            self.retired.push(slot);
-        } else {
-            m.state = SlotState::Free;
-            self.free.push(slot);
-        }
+        self.lru.evict(slot, self.arena.pinned(slot));
     }
 
     /// Frees the slot of `hash` for a new copy of the same block when no
@@ -406,38 +304,22 @@ impl RamTier {
     /// reuses its slot instead of pushing another block out. Returns whether
     /// it did.
     pub fn release_if_idle(&mut self, hash: &BlockHash) -> bool {
-        match self.map.get(hash) {
-            Some(&slot) if !self.arena.pinned(slot) && !self.meta[slot as usize].demoting => {
-                self.evict(slot);
-                true
-            }
-            _ => false,
-        }
+        let arena = &self.arena;
+        self.lru.release_if_idle(hash, |s| arena.pinned(s))
     }
 
     /// Drops the block of `hash`, if held. Returns whether it was.
     pub fn remove(&mut self, hash: &BlockHash) -> bool {
-        match self.map.get(hash) {
-            Some(&slot) => {
-                self.evict(slot);
-                true
-            }
-            None => false,
-        }
+        let arena = &self.arena;
+        self.lru.remove(hash, |s| arena.pinned(s))
     }
 
     /// Fills `slot` (from [`RamTier::take_free`]) with `parts` and makes it
     /// the most recently used block of `hash`, replacing an older copy.
     pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) {
-        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
         self.arena.fill(slot, parts);
-        if let Some(&old) = self.map.get(&hash) {
-            self.evict(old);
-        }
-        let m = &mut self.meta[slot as usize];
-        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false };
-        self.map.insert(hash, slot);
-        self.push_front(slot);
+        let arena = &self.arena;
+        self.lru.install(slot, key, hash, dirty, |s| arena.pinned(s));
     }
 
     /// Copies the next verified chunk of a block being promoted into
@@ -446,87 +328,34 @@ impl RamTier {
     /// RAM copy, so promotion costs no second copy. `inspect` sees each
     /// 256 KiB step just before it is copied.
     pub fn fill_chunk(&mut self, slot: u32, offset: usize, bytes: &[u8], inspect: impl FnMut(&[u8])) -> Bytes {
-        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
         self.arena.fill_range(slot, offset, bytes, inspect);
         self.arena.pin_range(slot, offset, bytes.len())
     }
 
     /// Makes `slot`, filled with [`RamTier::fill_chunk`], the most recently
-    /// used block of `hash`. The caller checked no copy of `hash` is held
-    /// (a newer one may have been stored while the chunks were read).
+    /// used (clean) block of `hash`. The caller checked no copy of `hash` is
+    /// held (a newer one may have been stored while the chunks were read).
     pub fn install_filled(&mut self, slot: u32, key: &str, hash: BlockHash) {
-        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
-        debug_assert!(!self.map.contains_key(&hash));
-        let m = &mut self.meta[slot as usize];
-        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty: false, demoting: false };
-        self.map.insert(hash, slot);
-        self.push_front(slot);
+        debug_assert!(!self.lru.contains(&hash));
+        let arena = &self.arena;
+        self.lru.install(slot, key, hash, false, |s| arena.pinned(s));
     }
 
     /// Gives back a slot from [`RamTier::take_free`] that will not be
     /// installed: free now, or once responses holding its chunks drop them.
     pub fn abandon(&mut self, slot: u32) {
-        debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
-        if self.arena.pinned(slot) {
-            self.meta[slot as usize].state = SlotState::Retired;
-            self.retired.push(slot);
-        } else {
-            self.free.push(slot);
-        }
+        self.lru.abandon(slot, self.arena.pinned(slot));
     }
 
     /// Dirty blocks (write-back), least recently used first, for a clean
     /// close that writes them all to NVMe.
     pub fn dirty_blocks(&self) -> Vec<Victim> {
-        let mut out = Vec::new();
-        let mut s = self.tail;
-        while s != NIL {
-            let m = &self.meta[s as usize];
-            if m.dirty && !m.demoting {
-                out.push(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: true });
-            }
-            s = m.prev;
-        }
-        out
+        self.lru.dirty_blocks()
     }
 
     /// Keys held, most recently used first (tests and the policy oracle).
     pub fn lru_keys(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut s = self.head;
-        while s != NIL {
-            out.push(self.meta[s as usize].key.as_deref().unwrap_or("").to_string());
-            s = self.meta[s as usize].next;
-        }
-        out
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let (prev, next) = (self.meta[slot as usize].prev, self.meta[slot as usize].next);
-        if prev != NIL {
-            self.meta[prev as usize].next = next;
-        } else if self.head == slot {
-            self.head = next;
-        }
-        if next != NIL {
-            self.meta[next as usize].prev = prev;
-        } else if self.tail == slot {
-            self.tail = prev;
-        }
-        self.meta[slot as usize].prev = NIL;
-        self.meta[slot as usize].next = NIL;
-    }
-
-    fn push_front(&mut self, slot: u32) {
-        self.meta[slot as usize].prev = NIL;
-        self.meta[slot as usize].next = self.head;
-        if self.head != NIL {
-            self.meta[self.head as usize].prev = slot;
-        }
-        self.head = slot;
-        if self.tail == NIL {
-            self.tail = slot;
-        }
+        self.lru.lru_keys()
     }
 }
 

@@ -22,7 +22,9 @@
 //! instead of it, until demoted), GETs look there first, and an NVMe read
 //! promotes its block into RAM when `promote` is on. A full RAM tier moves
 //! its least recently used block down: dropped (its NVMe copy stays) or, if
-//! it is only in RAM (write-back), written to the log first.
+//! it is only in RAM (write-back), written to the log first. A GPU tier
+//! ([`crate::gpu`]) sits above RAM; its part of the waterfall is in
+//! `shard/waterfall.rs`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -49,6 +51,8 @@ use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::stream::{BlockBody, ChunkStream};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
+
+mod waterfall;
 
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
@@ -94,6 +98,8 @@ pub struct ShardConfig {
     pub write_policy: WritePolicy,
     /// Whether a read from NVMe promotes the block into RAM.
     pub promote: bool,
+    /// The GPU tier above RAM (see [`crate::gpu`]).
+    pub gpu: crate::gpu::GpuConfig,
 }
 
 impl ShardConfig {
@@ -239,7 +245,7 @@ pub struct ShardStats {
     pub write_policy: WritePolicy,
     /// Whether NVMe reads promote into RAM.
     pub promote: bool,
-    /// Per tier, fastest first (RAM only when configured).
+    /// Per tier, fastest first (GPU and RAM only when configured).
     pub tiers: Vec<TierStats>,
 }
 
@@ -296,6 +302,11 @@ pub struct Shard {
     /// The RAM tier, if configured.
     ram: Option<RefCell<RamTier>>,
     ram_counters: TierCounters,
+    /// The GPU tier, if configured and opened.
+    gpu: Option<crate::gpu::GpuTier>,
+    /// Why the configured GPU tier is absent (`--gpu-optional`).
+    gpu_unavailable: Option<String>,
+    gpu_counters: TierCounters,
     /// The log's tier counters: reads it served or missed, blocks demoted
     /// into it, block read and write latencies. Bytes and evictions are the
     /// segment counters in `counters`.
@@ -331,6 +342,7 @@ impl Shard {
             0 => None,
             n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
         };
+        let (gpu, gpu_unavailable) = waterfall::open_gpu(&cfg)?;
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
@@ -355,6 +367,9 @@ impl Shard {
             started: Instant::now(),
             ram,
             ram_counters: TierCounters::default(),
+            gpu,
+            gpu_unavailable,
+            gpu_counters: TierCounters::default(),
             nvme_counters: TierCounters::default(),
             cfg,
         })
@@ -439,21 +454,18 @@ impl Shard {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
         let parts: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
-        if self.cfg.write_policy == WritePolicy::Back && self.ram.is_some() {
+        if self.cfg.write_policy == WritePolicy::Back && (self.ram.is_some() || self.gpu.is_some()) {
             let existed = self.contains(&hash).is_some();
-            if self.cache(key, hash, &parts, true).await? {
+            if self.place(key, hash, &parts, true).await?.is_some() {
                 bump(&self.counters.puts, 1);
                 return Ok(if existed { PutOutcome::Replaced } else { PutOutcome::Created });
             }
         }
         let outcome = self.put_nvme(key, hash, chunks, true).await?;
-        let in_ram = self.cache(key, hash, &parts, false).await?;
-        if !in_ram {
-            // No RAM slot to give: an older copy there must not outlive
+        if self.place(key, hash, &parts, false).await?.is_none() {
+            // No memory slot to give: an older copy there must not outlive
             // the new block.
-            if let Some(ram) = &self.ram {
-                ram.borrow_mut().remove(&hash);
-            }
+            self.drop_from_memory(&hash);
         }
         Ok(outcome)
     }
@@ -507,9 +519,9 @@ impl Shard {
     /// # Errors
     /// The first failed log write.
     pub async fn flush_ram(&self) -> Result<u64> {
-        let Some(ram) = &self.ram else { return Ok(0) };
+        let mut written = self.flush_gpu().await?;
+        let Some(ram) = &self.ram else { return Ok(written) };
         let dirty = ram.borrow().dirty_blocks();
-        let mut written = 0;
         for v in dirty {
             let bytes = ram.borrow_mut().begin_demotion(v.slot);
             let r = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
@@ -944,16 +956,22 @@ impl Shard {
         result
     }
 
-    /// RAM first, then the log; a block read from the log is promoted into
-    /// RAM when `promote` is on.
+    /// GPU first, then RAM, then the log; with `promote` on a block read
+    /// from a slower tier is promoted to the fastest memory tier
+    /// (`waterfall.rs`).
     async fn read_tiered(&self, key: &str, hash: BlockHash) -> Result<(BlockBody, Tier)> {
+        if let Some(bytes) = self.read_gpu(key, hash).await {
+            return Ok((BlockBody::Whole(bytes), Tier::Gpu));
+        }
         if let Some(ram) = &self.ram {
             let started = Instant::now();
-            if let Some(bytes) = ram.borrow_mut().get(key, &hash) {
+            let got = ram.borrow_mut().get(key, &hash);
+            if let Some(bytes) = got {
                 let c = &self.ram_counters;
                 bump(&c.hits, 1);
                 bump(&c.bytes_out, bytes.len() as u64);
                 record_us(&c.read_us, started.elapsed().as_micros());
+                let bytes = if self.cfg.promote { self.promote_from_ram(key, hash, bytes).await } else { bytes };
                 return Ok((BlockBody::Whole(bytes), Tier::Ram));
             }
             bump(&self.ram_counters.misses, 1);
@@ -976,10 +994,44 @@ impl Shard {
     /// RAM becomes most recently used; one only in the log is read (CRC
     /// checked) into RAM. Returns whether the block is stored.
     pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
+        if self.gpu.is_some() {
+            return self.prefetch_gpu(key, hash).await;
+        }
         let Some(ram) = &self.ram else { return self.contains(&hash).is_some() };
         if ram.borrow_mut().get(key, &hash).is_some() {
             return true;
         }
+        self.read_to_promote(key, hash).await
+    }
+
+    /// Copies a block just read from the log into the fastest memory tier
+    /// (GPU, else RAM), counted as a promotion there when a slot took it.
+    /// Best effort: a failure to make room leaves the block in the log only.
+    /// Used when no RAM slot could be taken before the read (a GPU tier
+    /// takes promotions; or write-back: every RAM candidate is dirty and
+    /// must be written to the log first) and for format 1 slots.
+    async fn promote(&self, key: &str, hash: BlockHash, parts: &[&[u8]], entry: Entry) {
+        if !self.still_newest(&hash, entry) {
+            return;
+        }
+        match self.place(key, hash, parts, false).await {
+            Ok(Some(Tier::Gpu)) => bump(&self.gpu_counters.promotions, 1),
+            Ok(Some(Tier::Ram)) => bump(&self.ram_counters.promotions, 1),
+            _ => {}
+        }
+    }
+
+    /// Whether a block read from `entry` may be promoted: the index still
+    /// points at that record and no memory tier holds a copy (a PUT or
+    /// DELETE while the block was read must not be undone by an older copy;
+    /// in write-back a newer copy may be in memory only).
+    fn still_newest(&self, hash: &BlockHash, entry: Entry) -> bool {
+        self.index.borrow().get(hash) == Some(entry) && !matches!(self.contains(hash), Some(Tier::Gpu | Tier::Ram))
+    }
+
+    /// Reads a block from the log with promotion and waits for every chunk
+    /// (a prefetch). Returns whether it was read in full.
+    pub(super) async fn read_to_promote(&self, key: &str, hash: BlockHash) -> bool {
         match self.read_block(key, hash, true).await {
             Ok(BlockBody::Whole(_)) => true,
             Ok(BlockBody::Chunks(mut chunks)) => {
@@ -992,28 +1044,6 @@ impl Shard {
             }
             Err(_) => false,
         }
-    }
-
-    /// Copies a block just read from the log into RAM, counted as a
-    /// promotion when a slot took it. Best effort: a failure to make room
-    /// leaves the block in the log only. Used when no slot could be taken
-    /// before the read (write-back: every candidate is dirty and must be
-    /// written to the log first) and for format 1 slots.
-    async fn promote(&self, key: &str, hash: BlockHash, parts: &[&[u8]], entry: Entry) {
-        if !self.still_newest(&hash, entry) {
-            return;
-        }
-        if self.cache(key, hash, parts, false).await.unwrap_or(false) {
-            bump(&self.ram_counters.promotions, 1);
-        }
-    }
-
-    /// Whether a block read from `entry` may go into RAM: the index still
-    /// points at that record and RAM holds no copy (a PUT or DELETE while
-    /// the block was read must not be undone by an older copy; in
-    /// write-back a newer copy may be in RAM only).
-    fn still_newest(&self, hash: &BlockHash, entry: Entry) -> bool {
-        self.index.borrow().get(hash) == Some(entry) && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(hash))
     }
 
     /// A RAM slot to promote into, taken before the read so the chunks are
@@ -1175,7 +1205,8 @@ impl Shard {
             let _ = tx.try_send(Ok(bytes));
             return;
         }
-        let mut ram_slot = if promote && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
+        // A GPU tier takes promotions itself (after the read, `promote`).
+        let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
         let mut next = Some(Ok(first));
@@ -1277,6 +1308,9 @@ impl Shard {
     /// The fastest tier holding a block under `hash` (map lookups; no I/O,
     /// no LRU change).
     pub fn contains(&self, hash: &BlockHash) -> Option<Tier> {
+        if self.gpu.as_ref().is_some_and(|g| g.contains(hash)) {
+            return Some(Tier::Gpu);
+        }
         if self.ram.as_ref().is_some_and(|r| r.borrow().contains(hash)) {
             return Some(Tier::Ram);
         }
@@ -1289,6 +1323,13 @@ impl Shard {
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
     pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
+        if self.delete_from_gpu(&hash).await
+            && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(&hash))
+            && !self.index.borrow().contains(&hash)
+        {
+            bump(&self.counters.deletes, 1);
+            return Ok(());
+        }
         if let Some(ram) = &self.ram {
             // A write-back demotion of this block in flight would land in
             // the log after the tombstone and bring it back: let it finish.
@@ -1451,7 +1492,7 @@ impl Shard {
     }
 
     fn tier_stats(&self) -> Vec<TierStats> {
-        let mut tiers = Vec::new();
+        let mut tiers: Vec<TierStats> = self.gpu_tier_stats().into_iter().collect();
         if let Some(ram) = &self.ram {
             let r = ram.borrow();
             tiers.push(TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages())));

@@ -106,6 +106,8 @@ pub struct StoreConfig {
     pub write_policy: WritePolicy,
     /// Whether NVMe reads promote blocks into RAM.
     pub promote: bool,
+    /// The GPU tier above RAM (`blocks_per_shard` 0 or no device: none).
+    pub gpu: crate::gpu::GpuConfig,
 }
 
 impl StoreConfig {
@@ -134,6 +136,7 @@ impl StoreConfig {
             ram_blocks: self.ram_blocks_per_shard(),
             write_policy: self.write_policy,
             promote: self.promote,
+            gpu: self.gpu.clone(),
         }
     }
 

@@ -16,6 +16,8 @@ use crate::ram::HugePages;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
+    /// The shard's slots in GPU memory ([`crate::gpu`]).
+    Gpu,
     /// The shard's RAM arena.
     Ram,
     /// The O_DIRECT segment log.
@@ -23,9 +25,10 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// Name used in `x-kvtier-tier` and in JSON: `ram`, `nvme`.
+    /// Name used in `x-kvtier-tier` and in JSON: `gpu`, `ram`, `nvme`.
     pub fn as_str(&self) -> &'static str {
         match self {
+            Tier::Gpu => "gpu",
             Tier::Ram => "ram",
             Tier::Nvme => "nvme",
         }
@@ -130,6 +133,9 @@ pub struct TierStats {
     pub write_us_p99: u64,
     /// RAM: how the arena is backed; `None` for other tiers.
     pub huge_pages: Option<HugePages>,
+    /// GPU: the device, its memory and faults, or why the tier is absent;
+    /// `None` for other tiers.
+    pub gpu: Option<crate::gpu::GpuInfo>,
 }
 
 impl TierStats {
@@ -164,6 +170,7 @@ impl TierStats {
             write_us_p50: pct(&c.write_us, 0.5),
             write_us_p99: pct(&c.write_us, 0.99),
             huge_pages,
+            gpu: None,
         }
     }
 
@@ -183,5 +190,8 @@ impl TierStats {
         self.read_us_p99 = self.read_us_p99.max(o.read_us_p99);
         self.write_us_p50 = self.write_us_p50.max(o.write_us_p50);
         self.write_us_p99 = self.write_us_p99.max(o.write_us_p99);
+        if let (Some(a), Some(b)) = (&mut self.gpu, &o.gpu) {
+            a.add(b);
+        }
     }
 }

@@ -25,6 +25,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         ram_bytes: 0,
         write_policy: kvtier_engine::WritePolicy::Through,
         promote: false,
+        gpu: Default::default(),
     }
 }
 

@@ -5,13 +5,19 @@
 //! block stored and not yet evicted by the policy is ever missed.
 //!
 //! The model, per shard (the shard of a key is `xxh3_128(key) mod shards`,
-//! as the server routes it):
-//! - PUT: the block becomes the most recently used in RAM; a full RAM moves
-//!   its least recently used block down (write-through: it is already on
-//!   NVMe; write-back: it is written there now). Write-through also puts it
-//!   on NVMe. With no RAM tier it goes to NVMe.
-//! - GET: RAM hit → most recently used; else NVMe hit → promoted into RAM
-//!   when `promote` is on (moving RAM's LRU block down); else a miss.
+//! as the server routes it), with tiers GPU → RAM → NVMe (GPU and RAM
+//! optional; GPU and RAM never hold the same block):
+//! - PUT: the block becomes the most recently used in the fastest memory
+//!   tier (leaving RAM if it was there and the GPU takes it); a full tier
+//!   moves its least recently used block down one tier (GPU → RAM; RAM →
+//!   NVMe: write-through, it is already there; write-back, it is written
+//!   there now). Write-through also puts it on NVMe. With no memory tier it
+//!   goes to NVMe.
+//! - GET: GPU hit → most recently used; RAM hit → moved up to the GPU when
+//!   there is one and `promote` is on (it leaves RAM first, so the GPU's
+//!   LRU block takes its place), else most recently used in RAM; NVMe hit →
+//!   promoted into the fastest memory tier when `promote` is on; else a
+//!   miss.
 //! - lookup: leading keys held in any tier; nothing moves.
 //!
 //! The NVMe log is modelled as never full: the log's reclaim order (oldest
@@ -25,6 +31,8 @@ use kvtier_engine::key::BlockHash;
 /// Where the oracle says a block is served from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
+    /// The GPU tier.
+    Gpu,
     /// The RAM tier.
     Ram,
     /// The NVMe log.
@@ -32,9 +40,10 @@ pub enum Placement {
 }
 
 impl Placement {
-    /// `ram` or `nvme`, as `x-kvtier-tier` says.
+    /// `gpu`, `ram` or `nvme`, as `x-kvtier-tier` says.
     pub fn as_str(self) -> &'static str {
         match self {
+            Placement::Gpu => "gpu",
             Placement::Ram => "ram",
             Placement::Nvme => "nvme",
         }
@@ -69,14 +78,26 @@ impl Lru {
     fn len(&self) -> usize {
         self.tick_of.len()
     }
+
+    fn remove(&mut self, key: &str) -> bool {
+        match self.tick_of.remove(key) {
+            Some(tick) => {
+                self.by_tick.remove(&tick);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// The simulation.
 pub struct PolicyOracle {
     shards: usize,
     ram_blocks_per_shard: usize,
+    gpu_blocks_per_shard: usize,
     write_back: bool,
     promote: bool,
+    gpu: Vec<Lru>,
     ram: Vec<Lru>,
     nvme: HashSet<String>,
     tick: u64,
@@ -89,12 +110,21 @@ impl PolicyOracle {
         PolicyOracle {
             shards: shards.max(1),
             ram_blocks_per_shard,
+            gpu_blocks_per_shard: 0,
             write_back,
             promote,
+            gpu: (0..shards.max(1)).map(|_| Lru::default()).collect(),
             ram: (0..shards.max(1)).map(|_| Lru::default()).collect(),
             nvme: HashSet::new(),
             tick: 0,
         }
+    }
+
+    /// The same store with a GPU tier of `gpu_blocks_per_shard` slots per
+    /// shard above RAM.
+    pub fn with_gpu(mut self, gpu_blocks_per_shard: usize) -> Self {
+        self.gpu_blocks_per_shard = gpu_blocks_per_shard;
+        self
     }
 
     fn shard(&self, key: &str) -> usize {
@@ -122,10 +152,39 @@ impl PolicyOracle {
         true
     }
 
+    /// Makes `key` the GPU's most recently used block on its shard (taking
+    /// it out of RAM), moving the GPU's LRU blocks down into RAM (or, with
+    /// no RAM tier, to NVMe under write-back). False when there is no GPU
+    /// tier.
+    fn place_on_gpu(&mut self, key: &str) -> bool {
+        if self.gpu_blocks_per_shard == 0 {
+            return false;
+        }
+        let s = self.shard(key);
+        self.ram[s].remove(key);
+        if !self.gpu[s].contains(key) {
+            while self.gpu[s].len() >= self.gpu_blocks_per_shard {
+                let victim = self.gpu[s].pop_lru().expect("a full tier has a block");
+                if !self.place_in_ram(&victim) && self.write_back {
+                    self.nvme.insert(victim);
+                }
+            }
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        self.gpu[s].touch(key, tick);
+        true
+    }
+
+    /// Places `key` in the fastest memory tier; false when there is none.
+    fn place(&mut self, key: &str) -> bool {
+        self.place_on_gpu(key) || self.place_in_ram(key)
+    }
+
     /// A PUT of `key`.
     pub fn put(&mut self, key: &str) {
-        let in_ram = self.place_in_ram(key);
-        if !self.write_back || !in_ram {
+        let in_memory = self.place(key);
+        if !self.write_back || !in_memory {
             self.nvme.insert(key.to_string());
         }
     }
@@ -133,24 +192,44 @@ impl PolicyOracle {
     /// A GET of `key`: where it is served from, or `None` for a miss.
     pub fn get(&mut self, key: &str) -> Option<Placement> {
         let s = self.shard(key);
-        if self.ram[s].contains(key) {
+        if self.gpu[s].contains(key) {
             self.tick += 1;
             let tick = self.tick;
-            self.ram[s].touch(key, tick);
+            self.gpu[s].touch(key, tick);
+            return Some(Placement::Gpu);
+        }
+        if self.ram[s].contains(key) {
+            if self.promote && self.gpu_blocks_per_shard > 0 {
+                self.place_on_gpu(key);
+            } else {
+                self.tick += 1;
+                let tick = self.tick;
+                self.ram[s].touch(key, tick);
+            }
             return Some(Placement::Ram);
         }
         if !self.nvme.contains(key) {
             return None;
         }
         if self.promote {
-            self.place_in_ram(key);
+            self.place(key);
         }
         Some(Placement::Nvme)
     }
 
     /// A lookup: how many leading keys are held in any tier.
     pub fn lookup(&self, keys: &[String]) -> usize {
-        keys.iter().take_while(|k| self.ram[self.shard(k)].contains(k) || self.nvme.contains(*k)).count()
+        keys.iter()
+            .take_while(|k| {
+                let s = self.shard(k);
+                self.gpu[s].contains(k) || self.ram[s].contains(k) || self.nvme.contains(*k)
+            })
+            .count()
+    }
+
+    /// Keys on the GPU on `shard`, most recently used first.
+    pub fn gpu_keys(&self, shard: usize) -> Vec<String> {
+        self.gpu[shard].by_tick.values().rev().cloned().collect()
     }
 
     /// Keys in RAM on `shard`, most recently used first.
@@ -191,5 +270,44 @@ mod tests {
         let mut none = PolicyOracle::new(1, 0, true, true);
         none.put("x");
         assert_eq!(none.get("x"), Some(Placement::Nvme), "no RAM tier: straight to NVMe");
+    }
+
+    /// The same sequence as server/tests/gpu.rs's three-tier test.
+    #[test]
+    fn three_tiers_demote_one_tier_down_and_promote_to_the_top() {
+        let mut o = PolicyOracle::new(1, 4, false, true).with_gpu(4);
+        for i in 0..10 {
+            o.put(&format!("k{i}"));
+        }
+        assert_eq!(o.gpu_keys(0), ["k9", "k8", "k7", "k6"]);
+        assert_eq!(o.ram_keys(0), ["k5", "k4", "k3", "k2"]);
+        assert_eq!(o.get("k9"), Some(Placement::Gpu));
+        assert_eq!(o.get("k0"), Some(Placement::Nvme));
+        assert_eq!(o.gpu_keys(0), ["k0", "k9", "k8", "k7"]);
+        assert_eq!(o.ram_keys(0), ["k6", "k5", "k4", "k3"], "k6 came down; k2 left RAM");
+        assert_eq!(o.get("k3"), Some(Placement::Ram));
+        assert_eq!(o.gpu_keys(0), ["k3", "k0", "k9", "k8"]);
+        assert_eq!(o.ram_keys(0), ["k7", "k6", "k5", "k4"], "k3 left RAM, k7 took its place");
+        assert_eq!(o.get("k3"), Some(Placement::Gpu));
+        assert_eq!(o.lookup(&["k2".into(), "k7".into(), "k3".into(), "zz".into()]), 3);
+    }
+
+    #[test]
+    fn three_tiers_write_back_reaches_nvme_from_ram_only() {
+        let mut o = PolicyOracle::new(1, 1, true, false).with_gpu(1);
+        o.put("a");
+        o.put("b"); // a: GPU -> RAM
+        assert!(o.nvme.is_empty());
+        o.put("c"); // b: GPU -> RAM, a: RAM -> NVMe
+        assert_eq!((o.gpu_keys(0), o.ram_keys(0)), (vec!["c".to_string()], vec!["b".to_string()]));
+        assert!(o.nvme.contains("a") && o.nvme.len() == 1);
+        assert_eq!(o.get("b"), Some(Placement::Ram), "no promotion: stays in RAM");
+        assert_eq!(o.ram_keys(0), ["b"]);
+        let mut no_ram = PolicyOracle::new(1, 0, true, true).with_gpu(1);
+        no_ram.put("x");
+        no_ram.put("y");
+        assert!(no_ram.nvme.contains("x"), "GPU -> NVMe when there is no RAM tier");
+        assert_eq!(no_ram.get("x"), Some(Placement::Nvme));
+        assert_eq!(no_ram.gpu_keys(0), ["x"]);
     }
 }

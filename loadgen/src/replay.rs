@@ -202,6 +202,9 @@ pub struct OracleConfig {
     pub shards: usize,
     /// RAM slots per shard.
     pub ram_blocks_per_shard: usize,
+    /// GPU slots per shard (0: no GPU tier).
+    #[serde(default)]
+    pub gpu_blocks_per_shard: usize,
     /// `--write-policy back`.
     pub write_back: bool,
     /// `--promote on`.
@@ -257,12 +260,20 @@ impl OracleConfig {
         if held > 0 {
             return Err(format!("--oracle needs an empty store (it simulates from empty), but the server holds {held} blocks"));
         }
-        let ram_blocks_per_shard = v["per_shard"][0]["tiers"]
-            .as_array()
-            .and_then(|ts| ts.iter().find(|t| t["tier"] == "ram"))
-            .and_then(|t| t["capacity_blocks"].as_u64())
-            .unwrap_or(0) as usize;
-        Ok(OracleConfig { shards, ram_blocks_per_shard, write_back: v["write_policy"] == "back", promote: v["promote"] != false })
+        let capacity = |tier: &str| {
+            v["per_shard"][0]["tiers"]
+                .as_array()
+                .and_then(|ts| ts.iter().find(|t| t["tier"] == tier))
+                .and_then(|t| t["capacity_blocks"].as_u64())
+                .unwrap_or(0) as usize
+        };
+        Ok(OracleConfig {
+            shards,
+            ram_blocks_per_shard: capacity("ram"),
+            gpu_blocks_per_shard: capacity("gpu"),
+            write_back: v["write_policy"] == "back",
+            promote: v["promote"] != false,
+        })
     }
 }
 
@@ -634,7 +645,7 @@ pub async fn run(
         bucket_s,
         oracle: cfg.oracle.map(|c| {
             Mutex::new(OracleState {
-                oracle: PolicyOracle::new(c.shards, c.ram_blocks_per_shard, c.write_back, c.promote),
+                oracle: PolicyOracle::new(c.shards, c.ram_blocks_per_shard, c.write_back, c.promote).with_gpu(c.gpu_blocks_per_shard),
                 results: OracleResults { config: Some(c), ..Default::default() },
                 tokens_looked_up: 0,
                 tokens_predicted: 0,

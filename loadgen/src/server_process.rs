@@ -61,6 +61,16 @@ impl ServerProcess {
     /// process cannot be spawned, exits, or does not listen within
     /// [`START_TIMEOUT`].
     pub fn start(bin: &Path, args: &[String], log: &Path) -> Result<ServerProcess, StartError> {
+        Self::start_with_env(bin, args, &[], log)
+    }
+
+    /// [`ServerProcess::start`] with `env` added to the child's environment
+    /// (e.g. `LD_LIBRARY_PATH`, which must be set before the process starts
+    /// to steer where it loads a library from).
+    ///
+    /// # Errors
+    /// As [`ServerProcess::start`].
+    pub fn start_with_env(bin: &Path, args: &[String], env: &[(String, String)], log: &Path) -> Result<ServerProcess, StartError> {
         let failed = |status, message| StartError { status, message };
         let log_file = OpenOptions::new()
             .create(true)
@@ -71,6 +81,7 @@ impl ServerProcess {
         let mut child = Command::new(bin)
             .arg("serve")
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file))
             .spawn()

@@ -4,6 +4,7 @@
 //! knowledge and HTTP/1.1); `kvtier info` describes a data directory.
 
 mod body;
+mod gpu;
 mod http;
 mod limits;
 mod metrics;
@@ -158,9 +159,13 @@ struct StoreArgs {
     /// held only in RAM.
     #[arg(long, value_enum, default_value_t = WritePolicyArg::Through)]
     write_policy: WritePolicyArg,
-    /// on: a read served from NVMe copies the block into RAM (promotion).
+    /// on: a read served from NVMe copies the block into the fastest memory
+    /// tier (GPU, else RAM), and with a GPU tier a read served from RAM moves
+    /// the block up to the GPU (promotion).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     promote: OnOff,
+    #[command(flatten)]
+    gpu: gpu::GpuArgs,
 }
 
 /// `--write-policy` values.
@@ -231,6 +236,7 @@ impl StoreArgs {
                 WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,
             },
             promote: self.promote == OnOff::On,
+            gpu: Default::default(),
         };
         Ok((config, segment_origin))
     }
@@ -425,7 +431,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if args.put_inflight_mib == 0 {
         return Err("--put-inflight-mib must be at least 1".into());
     }
-    let (config, segment_origin) = args.store.config()?;
+    let (mut config, segment_origin) = args.store.config()?;
+    let (gpu_config, gpu_line) = args.store.gpu.open(&config)?;
+    config.gpu = gpu_config;
     let s3_tier = match &args.s3.s3_url {
         Some(_) => Some(s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes)?),
         None => None,
@@ -507,6 +515,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         segment_origin.describe(),
         data_dir.display()
     );
+    if let Some(line) = gpu_line {
+        println!("kvtier: {line}");
+    }
     tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, segment_bytes, "serving");
 
     {

@@ -415,6 +415,7 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     if let Some(s3) = s3 {
         s3.register_metrics(&mut registry);
     }
+    crate::gpu::register_metrics(&mut registry, &tiers);
 
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");

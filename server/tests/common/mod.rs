@@ -57,9 +57,14 @@ pub fn start(args: &[String]) -> Server {
 /// Like [`start`], but returns the exit status and stderr when the server
 /// stops before it listens.
 pub fn try_start(args: &[String]) -> Result<Server, (Option<ExitStatus>, String)> {
+    try_start_env(args, &[])
+}
+
+/// Like [`try_start`], with `env` added to the server's environment.
+pub fn try_start_env(args: &[String], env: &[(String, String)]) -> Result<Server, (Option<ExitStatus>, String)> {
     let data_dir = args.iter().position(|a| a == "--data-dir").map(|i| PathBuf::from(&args[i + 1])).unwrap_or_default();
     let log = tempfile::NamedTempFile::new().expect("temporary log file");
-    match ServerProcess::start(Path::new(env!("CARGO_BIN_EXE_kvtier")), args, log.path()) {
+    match ServerProcess::start_with_env(Path::new(env!("CARGO_BIN_EXE_kvtier")), args, env, log.path()) {
         Ok(process) => Ok(Server { url: process.url().to_string(), process: Some(process), log, data_dir }),
         Err(e) => Err((e.status, std::fs::read_to_string(log.path()).unwrap_or(e.message))),
     }
