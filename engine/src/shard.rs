@@ -1273,6 +1273,27 @@ impl Shard {
         }
     }
 
+    /// Gathers a block streamed from this shard's log into one pooled
+    /// buffer (one copy), for a GET that arrived on another shard. Chunks
+    /// are not streamed across shards: under HTTP/1.1 load a response
+    /// whose chunks came from another shard's thread stalled for good after
+    /// ~1,000 GETs of 16 MiB here (never with one shard, never with whole
+    /// blocks), a lost cross-thread wake in glommio 0.9 (`crate::wake`)
+    /// that the local re-poll did not cure. The one wake a forwarded
+    /// operation needs is the mesh reply, as before streaming.
+    ///
+    /// # Errors
+    /// The stream's error: [`Error::Corrupt`] (the block was dropped), so
+    /// the other shard answers a clean miss instead of a cut-off response.
+    pub(crate) async fn gather(&self, mut chunks: ChunkStream) -> Result<Bytes> {
+        let mut got = Vec::with_capacity(slot::chunk_count(chunks.len(), self.chunk_bytes) as usize);
+        while let Some(chunk) = chunks.next_chunk().await {
+            got.push(chunk?);
+        }
+        let parts: Vec<&[u8]> = got.iter().map(|c| &c[..]).collect();
+        Ok(self.read_buffers.copy_parts(&parts, |_| {}))
+    }
+
     /// Sends `result` (if the receiver still listens) and waits for reads
     /// still in flight, so no read outlives the segment guard it runs under.
     async fn end_stream<F>(&self, tx: &mut mpsc::Sender<Result<Bytes>>, result: Result<Bytes>, reads: &mut FuturesOrdered<F>)

@@ -213,7 +213,7 @@ impl Store {
         self.shard.count_forwarded();
         let (reply, answer) = oneshot::channel();
         self.senders.send_to(owner, Request { op, reply }).await.map_err(|_| Error::ShuttingDown)?;
-        answer.await.map_err(|_| Error::ShuttingDown)
+        crate::wake::cross_shard(answer).await.map_err(|_| Error::ShuttingDown)
     }
 
     /// Stores `chunks` (together exactly `block_bytes`) under `key`,
@@ -396,7 +396,13 @@ fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>) -> usize {
 async fn execute(shard: &Rc<Shard>, op: Op) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
-        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
+        // A block from the log is gathered here and sent back whole: its
+        // chunks are not streamed to another shard's thread (see
+        // `Shard::gather`).
+        Op::Get { key, hash } => Reply::Get(match shard.get(&key, hash).await {
+            Ok((BlockBody::Chunks(chunks), tier)) => shard.gather(chunks).await.map(|bytes| (BlockBody::Whole(bytes), tier)),
+            other => other,
+        }),
         Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
         Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys)),

@@ -59,7 +59,7 @@ impl BlockBody {
             BlockBody::Whole(b) => Ok(b),
             BlockBody::Chunks(mut s) => {
                 let mut out = BytesMut::with_capacity(s.len as usize);
-                while let Some(chunk) = s.next().await {
+                while let Some(chunk) = s.next_chunk().await {
                     out.extend_from_slice(&chunk?);
                 }
                 Ok(out.freeze())
@@ -96,6 +96,22 @@ impl ChunkStream {
     /// Whether the payload is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The next chunk, as [`Stream::poll_next`] yields it, polling again
+    /// at least every [`crate::wake::REPOLL_INTERVAL`]: the chunks of a block
+    /// owned by another shard arrive with a wake from its thread, which
+    /// glommio can lose (see [`crate::wake`]).
+    pub async fn next_chunk(&mut self) -> Option<Result<Bytes>> {
+        let mut repoll = crate::wake::Repoll::default();
+        std::future::poll_fn(|cx| match self.poll_next_unpin(cx) {
+            Poll::Pending => {
+                repoll.pending(cx);
+                Poll::Pending
+            }
+            ready => ready,
+        })
+        .await
     }
 
     /// Bytes not yet yielded.

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{client, payload, repo_root, test_args, try_start_env, Server, BLOCK_BYTES};
+use common::{client, payload, read_tier, repo_root, test_args, tiers_of, try_start_env, Server, BLOCK_BYTES};
 use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::{json, Value};
@@ -109,21 +109,6 @@ fn refused(args: &[String], switches: &[(&str, &str)]) -> String {
         }
         Err((_, log)) => log,
     }
-}
-
-async fn tiers_of(c: &Client, keys: &[&str]) -> Vec<String> {
-    let body = serde_json::to_vec(&json!({ "keys": keys })).unwrap();
-    let a = c.send(Method::POST, "/v1/lookup", ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await.unwrap();
-    assert_eq!(a.status, StatusCode::OK);
-    let v: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
-    v["tiers"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
-}
-
-/// GETs `key`, checks its bytes, returns the serving tier.
-async fn read_tier(c: &Client, key: &str) -> String {
-    let (body, tier) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} not found"));
-    assert_eq!(body.to_bytes(), payload(key), "{key} read back with other bytes");
-    tier.expect("x-kvtier-tier")
 }
 
 async fn put_all(c: &Client, keys: &[String]) {
@@ -511,42 +496,18 @@ async fn prefetch_moves_blocks_up_to_the_gpu() {
 /// under both write policies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_through_gpu_and_ram_tiers_matches_the_oracle_block_for_block() {
-    use kvtier_loadgen::target::Target;
-    use kvtier_loadgen::{replay, sharegpt};
-    use std::sync::Arc;
-    let path = repo_root().join("tests/data/sharegpt_sample.json");
-    let dataset = Arc::new(sharegpt::load(&path).unwrap().conversations);
     for policy in ["through", "back"] {
         let dir = tempfile::tempdir().unwrap();
         // 2 shards: 4 GPU slots and 8 RAM slots each.
         let args = gpu_args(dir.path(), 8, 16, &["--shards", "2", "--write-policy", policy]);
         let server = start_gpu(&args, &[("FAKE_CUDA_NOT_READY", "1")]);
-        let target = Arc::new(Target::open(&server.url, false, 1, 1).await.unwrap());
-        let oracle = replay::OracleConfig::from_server(&target).await.unwrap();
+        let (oracle, r) = common::replay_matching_the_oracle(&server.url, policy).await;
         assert_eq!((oracle.shards, oracle.gpu_blocks_per_shard, oracle.ram_blocks_per_shard), (2, 4, 8));
-        let cfg = replay::ReplayConfig {
-            users: 1,
-            duration: Duration::from_secs(300),
-            seed: 11,
-            passes: Some(2),
-            max_context_tokens: 8192,
-            verify_full: true,
-            generation: replay::GenerationMode::None,
-            progress: false,
-            oracle: Some(oracle),
-        };
-        let geometry = target.geometry().await.unwrap().unwrap();
-        let r = replay::run(target, dataset.clone(), path.clone(), geometry, cfg).await;
-        assert_eq!((r.errors, r.wrong_bytes), (0, 0), "{:?}", r.first_error);
         assert!(r.blocks_written >= 3 * 24, "working set {} blocks is not several times the memory tiers", r.blocks_written);
         let o = r.oracle.as_ref().unwrap();
-        assert!(o.gets_checked > 0 && o.lookups_checked > 0, "{o:?}");
-        assert_eq!((o.lookup_mismatches, o.get_mismatches), (0, 0), "{policy}: {:?}", o.first_mismatch);
-        assert_eq!(o.predicted_hit_rate, o.measured_hit_rate);
         for t in ["gpu", "ram", "nvme"] {
             assert!(o.measured_gets_by_tier.get(t).is_some_and(|&n| n > 0), "{policy}: no GET served from {t}: {o:?}");
         }
-        assert_eq!(o.measured_gets_by_tier.get("miss"), None, "nothing stored and not evicted is missed");
         let stats = Client::new(&server.url, false, 1).unwrap().stats().await.unwrap();
         assert_eq!(tier(&stats, "nvme")["evictions"], 0, "the log held the whole run, as the oracle assumes");
         assert_eq!(tier(&stats, "gpu")["gpu"]["copy_errors"], 0);

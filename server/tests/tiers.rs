@@ -7,10 +7,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{client, payload, start, test_args, BLOCK_BYTES};
+use common::{client, payload, read_tier, start, test_args, tiers_of, BLOCK_BYTES};
 use http::{Method, StatusCode};
 use kvtier_engine::key::BlockHash;
-use kvtier_loadgen::client::{ChunkedBody, Client};
+use kvtier_loadgen::client::ChunkedBody;
 use serde_json::{json, Value};
 
 /// Test arguments with `shards` shards, a RAM tier of `ram_blocks` blocks in
@@ -28,21 +28,6 @@ fn tier_args(dir: &std::path::Path, shards: usize, ram_blocks: u64, extra: &[&st
         set(pair[0], pair[1].to_string());
     }
     args
-}
-
-async fn tiers_of(c: &Client, keys: &[&str]) -> Vec<String> {
-    let body = serde_json::to_vec(&json!({ "keys": keys })).unwrap();
-    let a = c.send(Method::POST, "/v1/lookup", ChunkedBody::new(vec![Bytes::from(body)]), Some("application/json")).await.unwrap();
-    assert_eq!(a.status, StatusCode::OK);
-    let v: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
-    v["tiers"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
-}
-
-/// GETs `key`, checks its bytes, returns the serving tier.
-async fn read_tier(c: &Client, key: &str) -> String {
-    let (body, tier) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} not found"));
-    assert_eq!(body.to_bytes(), payload(key), "{key} read back with other bytes");
-    tier.expect("x-kvtier-tier")
 }
 
 fn tier<'a>(stats: &'a Value, name: &str) -> &'a Value {

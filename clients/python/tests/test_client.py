@@ -288,7 +288,8 @@ def test_a_block_cut_off_mid_stream_is_a_miss_never_wrong_bytes(tmp_path):
     server has dropped the block, and the answer is a miss."""
     block_bytes = 7 << 19  # 3.5 MiB: four CRC chunks of at most 1 MiB
     data = tmp_path / "data"
-    s = ServerProcess(block_bytes=block_bytes, ram_gb=0, data_dir=str(data), args=("--segment-mib", "16"))
+    # One shard: the GET is streamed by the shard that accepted it.
+    s = ServerProcess(block_bytes=block_bytes, ram_gb=0, shards=1, data_dir=str(data), args=("--segment-mib", "16"))
     s.start()
     try:
         payloads = {

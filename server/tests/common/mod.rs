@@ -130,14 +130,18 @@ pub fn flip_byte(path: &Path, offset: u64) {
 /// Where a key's slot is: (segment file, shard, slot index, byte offset).
 pub type Location = (PathBuf, u32, u32, u64);
 
-/// Reads every slot header of every segment of a stopped two-shard store
-/// of `block_bytes` blocks: key → its newest location.
+/// Reads every slot header of every segment of a stopped store of
+/// `block_bytes` blocks (every `shard-NNN` directory): key → its newest
+/// location.
 pub fn locate(data: &Path, block_bytes: u64) -> std::collections::HashMap<String, Location> {
     use kvtier_engine::slot::{slot_bytes, SlotHeader, PAGE_BYTES};
     use std::io::{Read, Seek, SeekFrom};
     let mut found: std::collections::HashMap<String, (u64, Location)> = Default::default();
-    for shard in 0..2u32 {
+    for shard in 0u32.. {
         let dir = data.join(format!("shard-{shard:03}"));
+        if !dir.is_dir() {
+            break;
+        }
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().and_then(|e| e.to_str()) != Some("kvt") {
@@ -203,4 +207,67 @@ pub fn read_until_quiet(s: &mut std::net::TcpStream) -> String {
 /// server closed without answering.
 pub fn status_of(reply: &str) -> u16 {
     reply.strip_prefix("HTTP/1.1 ").and_then(|r| r.get(..3)).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
+
+/// Replays the ShareGPT sample (`tests/data/sharegpt_sample.json`) as one
+/// user, two passes, against the server at `url`, with the policy oracle
+/// built from the server's own tier capacities, and checks what every
+/// oracle replay must hold: no errors, no wrong bytes, every lookup and the
+/// tier of every GET as the oracle predicted, nothing stored missed. Returns
+/// the oracle's settings and the results for the caller's own checks.
+pub async fn replay_matching_the_oracle(
+    url: &str,
+    policy: &str,
+) -> (kvtier_loadgen::replay::OracleConfig, kvtier_loadgen::replay::ReplayResults) {
+    use kvtier_loadgen::target::Target;
+    use kvtier_loadgen::{replay, sharegpt};
+    use std::sync::Arc;
+    let path = repo_root().join("tests/data/sharegpt_sample.json");
+    let dataset = Arc::new(sharegpt::load(&path).unwrap().conversations);
+    let target = Arc::new(Target::open(url, false, 1, 1).await.unwrap());
+    let oracle = replay::OracleConfig::from_server(&target).await.unwrap();
+    let cfg = replay::ReplayConfig {
+        users: 1,
+        duration: std::time::Duration::from_secs(300),
+        seed: 11,
+        passes: Some(2),
+        max_context_tokens: 8192,
+        verify_full: true,
+        generation: replay::GenerationMode::None,
+        progress: false,
+        oracle: Some(oracle),
+    };
+    let geometry = target.geometry().await.unwrap().unwrap();
+    let r = replay::run(target, dataset, path, geometry, cfg).await;
+    assert_eq!((r.errors, r.wrong_bytes), (0, 0), "{policy}: {:?}", r.first_error);
+    let o = r.oracle.as_ref().unwrap();
+    assert!(o.gets_checked > 0 && o.lookups_checked > 0, "{o:?}");
+    assert_eq!((o.lookup_mismatches, o.get_mismatches), (0, 0), "{policy}: {:?}", o.first_mismatch);
+    assert_eq!(o.predicted_hit_rate, o.measured_hit_rate);
+    assert_eq!(o.measured_gets_by_tier.get("miss"), None, "{policy}: nothing stored and not evicted is missed");
+    (oracle, r)
+}
+
+/// The tier `POST /v1/lookup` names for each key of a stored prefix.
+pub async fn tiers_of(c: &kvtier_loadgen::client::Client, keys: &[&str]) -> Vec<String> {
+    let body = serde_json::to_vec(&serde_json::json!({ "keys": keys })).unwrap();
+    let a = c
+        .send(
+            http::Method::POST,
+            "/v1/lookup",
+            kvtier_loadgen::client::ChunkedBody::new(vec![bytes::Bytes::from(body)]),
+            Some("application/json"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.status, http::StatusCode::OK);
+    let v: serde_json::Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
+    v["tiers"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
+}
+
+/// GETs `key`, checks its bytes, returns the serving tier.
+pub async fn read_tier(c: &kvtier_loadgen::client::Client, key: &str) -> String {
+    let (body, tier) = c.get(key).await.unwrap().unwrap_or_else(|| panic!("{key} not found"));
+    assert_eq!(body.to_bytes(), payload(key), "{key} read back with other bytes");
+    tier.expect("x-kvtier-tier")
 }
