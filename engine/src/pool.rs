@@ -39,24 +39,76 @@ impl BufferPool {
     /// is copied, so a checksum and the copy read the bytes while they are
     /// hot in cache rather than in two passes over the whole block.
     pub fn copy_parts(self: &Arc<Self>, parts: &[&[u8]], mut inspect: impl FnMut(&[u8])) -> Bytes {
-        const STEP_BYTES: usize = 256 << 10;
-        let len = parts.iter().map(|p| p.len()).sum::<usize>();
-        assert!(len <= self.buffer_bytes, "{len} bytes do not fit a pooled buffer of {}", self.buffer_bytes);
-        let mut buf = self.idle.lock().expect("pool lock").pop().unwrap_or_else(|| vec![0u8; self.buffer_bytes]);
+        let mut filler = self.filler();
         let mut at = 0;
         for part in parts {
-            for step in part.chunks(STEP_BYTES) {
-                inspect(step);
-                buf[at..at + step.len()].copy_from_slice(step);
-                at += step.len();
-            }
+            filler.fill(at, part, &mut inspect);
+            at += part.len();
         }
-        Bytes::from_owner(Pooled { buf, len, pool: self.clone() })
+        filler.freeze(at)
+    }
+
+    /// A pooled buffer to fill piece by piece ([`Filler::fill`]) and hand
+    /// out once complete ([`Filler::freeze`]); dropped unfrozen, it goes
+    /// back to the pool and nobody ever sees its bytes.
+    pub fn filler(self: &Arc<Self>) -> Filler {
+        let buf = self.idle.lock().expect("pool lock").pop().unwrap_or_else(|| vec![0u8; self.buffer_bytes]);
+        Filler { buf: Some(buf), pool: self.clone() }
     }
 
     /// Idle buffers now.
     pub fn idle(&self) -> usize {
         self.idle.lock().expect("pool lock").len()
+    }
+}
+
+/// A pooled buffer being filled (see [`BufferPool::filler`]).
+pub struct Filler {
+    buf: Option<Vec<u8>>,
+    pool: Arc<BufferPool>,
+}
+
+impl Filler {
+    /// Copies `bytes` to `at`, in cache-sized steps, handing each step to
+    /// `inspect` just before it is copied (a CRC reads it while hot).
+    ///
+    /// # Panics
+    /// If the bytes do not fit the pool's buffer size.
+    pub fn fill(&mut self, at: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
+        const STEP_BYTES: usize = 256 << 10;
+        let buf = self.buf.as_mut().expect("not frozen");
+        assert!(at + bytes.len() <= buf.len(), "{} bytes at {at} do not fit a pooled buffer of {}", bytes.len(), buf.len());
+        let mut to = at;
+        for step in bytes.chunks(STEP_BYTES) {
+            inspect(step);
+            buf[to..to + step.len()].copy_from_slice(step);
+            to += step.len();
+        }
+    }
+
+    /// The first `len` bytes as a `Bytes`; the buffer returns to the pool
+    /// when its last clone drops, on whichever thread.
+    pub fn freeze(mut self, len: usize) -> Bytes {
+        let buf = self.buf.take().expect("not frozen");
+        assert!(len <= buf.len());
+        Bytes::from_owner(Pooled { buf, len, pool: self.pool.clone() })
+    }
+}
+
+impl Drop for Filler {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.give_back(buf);
+        }
+    }
+}
+
+impl BufferPool {
+    fn give_back(&self, buf: Vec<u8>) {
+        let mut idle = self.idle.lock().expect("pool lock");
+        if idle.len() < self.idle_max {
+            idle.push(buf);
+        }
     }
 }
 
@@ -74,10 +126,7 @@ impl AsRef<[u8]> for Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        let mut idle = self.pool.idle.lock().expect("pool lock");
-        if idle.len() < self.pool.idle_max {
-            idle.push(std::mem::take(&mut self.buf));
-        }
+        self.pool.give_back(std::mem::take(&mut self.buf));
     }
 }
 

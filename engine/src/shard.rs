@@ -65,6 +65,16 @@ const RECLAIM_POLL: Duration = Duration::from_micros(200);
 /// throughput here; split reads let the device work on several at once.
 const READ_AHEAD_CHUNKS: usize = 16;
 
+/// Whether a GET's verified chunks go on to the client one by one as they
+/// are read (true), or the block is sent whole once every chunk has passed
+/// (false, each chunk still checked as it arrives and copied once into
+/// the block's buffer or RAM slot). Streaming stalled HTTP/1.1 responses
+/// for good under load here (docs/ARCHITECTURE.md, "Read path"): after
+/// ~1,000 GETs of 16 MiB when chunks crossed to another shard's thread, and
+/// after a few hundred at concurrency 16 on the accepting shard. Held back
+/// until that is understood.
+const STREAM_TO_CLIENT: bool = false;
+
 /// At most this fraction of a reclaimed segment's slots is kept by second
 /// chance, so every reclaim frees at least half a segment even when every
 /// block in it is hot.
@@ -1068,7 +1078,8 @@ impl Shard {
     }
 
     /// Starts reading a block from the log on a task of its own and waits
-    /// for its first chunk (with `promote`, into a RAM slot; see
+    /// for its first message: the whole block, or with streaming on its
+    /// first chunk (with `promote`, into a RAM slot; see
     /// [`Shard::stream_slot`]).
     async fn read_block(&self, key: &str, hash: BlockHash, promote: bool) -> Result<BlockBody> {
         let me = self.me.borrow().upgrade().expect("a serving shard is shared");
@@ -1209,6 +1220,9 @@ impl Shard {
         let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
+        // Not streaming and not promoting into a RAM slot: one pooled
+        // buffer for the whole block.
+        let mut whole = (!STREAM_TO_CLIENT && ram_slot.is_none()).then(|| self.read_buffers.filler());
         let mut next = Some(Ok(first));
         for i in 0..chunks {
             let read = match next.take() {
@@ -1227,15 +1241,18 @@ impl Shard {
                 }
             };
             let bytes = &read[payload(i, &read)];
+            let at = i * chunk_bytes as usize;
             let mut crc = crc32fast::Hasher::new();
-            let chunk = match ram_slot {
-                Some(s) => self
-                    .ram
-                    .as_ref()
-                    .expect("RAM tier")
-                    .borrow_mut()
-                    .fill_chunk(s, i * chunk_bytes as usize, bytes, |step| crc.update(step)),
-                None => self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step)),
+            // Each chunk is copied once: into the RAM slot it is promoted
+            // to, into the block's one pooled buffer, or (streaming) into a
+            // chunk buffer of its own.
+            let chunk = match (ram_slot, &mut whole) {
+                (Some(s), _) => Some(self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, bytes, |step| crc.update(step))),
+                (None, Some(filler)) => {
+                    filler.fill(at, bytes, |step| crc.update(step));
+                    None
+                }
+                (None, None) => Some(self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step))),
             };
             drop(read);
             if crc.finalize() != header.chunk_crcs[i] {
@@ -1244,7 +1261,18 @@ impl Shard {
                 let e = self.drop_corrupt(hash, entry, &format!("CRC-32 mismatch in chunk {i} of {chunks}"));
                 return self.end_stream(&mut tx, Err(e), &mut reads).await;
             }
-            if i + 1 == chunks {
+            let last = i + 1 == chunks;
+            // Not streaming: the block leaves whole, after its last chunk.
+            let chunk = match chunk {
+                Some(c) if STREAM_TO_CLIENT => c,
+                _ if !last => continue,
+                _ => match (ram_slot, whole.take()) {
+                    (Some(s), _) => self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize),
+                    (None, Some(filler)) => filler.freeze(block_bytes as usize),
+                    (None, None) => unreachable!("a chunk buffer only when streaming"),
+                },
+            };
+            if last {
                 // Promotion lands before the last chunk leaves, so a client
                 // that has the whole block finds it in RAM.
                 self.read_done(&segment, entry, started);
@@ -1271,27 +1299,6 @@ impl Shard {
                 return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
             }
         }
-    }
-
-    /// Gathers a block streamed from this shard's log into one pooled
-    /// buffer (one copy), for a GET that arrived on another shard. Chunks
-    /// are not streamed across shards: under HTTP/1.1 load a response
-    /// whose chunks came from another shard's thread stalled for good after
-    /// ~1,000 GETs of 16 MiB here (never with one shard, never with whole
-    /// blocks), a lost cross-thread wake in glommio 0.9 (`crate::wake`)
-    /// that the local re-poll did not cure. The one wake a forwarded
-    /// operation needs is the mesh reply, as before streaming.
-    ///
-    /// # Errors
-    /// The stream's error: [`Error::Corrupt`] (the block was dropped), so
-    /// the other shard answers a clean miss instead of a cut-off response.
-    pub(crate) async fn gather(&self, mut chunks: ChunkStream) -> Result<Bytes> {
-        let mut got = Vec::with_capacity(slot::chunk_count(chunks.len(), self.chunk_bytes) as usize);
-        while let Some(chunk) = chunks.next_chunk().await {
-            got.push(chunk?);
-        }
-        let parts: Vec<&[u8]> = got.iter().map(|c| &c[..]).collect();
-        Ok(self.read_buffers.copy_parts(&parts, |_| {}))
     }
 
     /// Sends `result` (if the receiver still listens) and waits for reads

@@ -253,14 +253,12 @@ impl Store {
 
     /// Reads the block stored under `key`: whole, from RAM (zero-copy) or
     /// from the log, where the owning shard reads its chunks with several
-    /// reads in flight, checks each chunk's CRC-32 as it arrives and gathers
-    /// them into one pooled buffer ([`crate::shard::Shard::gather`]).
-    ///
-    /// Chunks are not streamed on to the client yet: under HTTP/1.1 load a
-    /// streamed response stalled for good, after ~1,000 GETs of 16 MiB
-    /// across shards and after a few hundred at concurrency 16 on the
-    /// accepting shard, and the cause is not found (docs/ARCHITECTURE.md,
-    /// "Read path"). So this answers with [`BlockBody::Whole`] only.
+    /// reads in flight, checks each chunk's CRC-32 as it arrives and copies
+    /// it once, into the block's pooled buffer (or the RAM slot it is
+    /// promoted to). A [`BlockBody::Chunks`] stream comes back only with the
+    /// shard's streaming switch on (`STREAM_TO_CLIENT` in `shard.rs`), held
+    /// back because streamed responses stalled under HTTP/1.1 load
+    /// (docs/ARCHITECTURE.md, "Read path").
     ///
     /// # Errors
     /// As [`Store::get`].
@@ -269,10 +267,7 @@ impl Store {
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         if owner == self.shard_id() {
-            return match self.shard.get(key, hash).await {
-                Ok((BlockBody::Chunks(chunks), tier)) => self.shard.gather(chunks).await.map(|bytes| (BlockBody::Whole(bytes), tier)),
-                other => other,
-            };
+            return self.shard.get(key, hash).await;
         }
         match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
             Reply::Get(r) => r,
@@ -404,13 +399,7 @@ fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>) -> usize {
 async fn execute(shard: &Rc<Shard>, op: Op) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
-        // A block from the log is gathered here and sent back whole: its
-        // chunks are not streamed to another shard's thread (see
-        // `Shard::gather`).
-        Op::Get { key, hash } => Reply::Get(match shard.get(&key, hash).await {
-            Ok((BlockBody::Chunks(chunks), tier)) => shard.gather(chunks).await.map(|bytes| (BlockBody::Whole(bytes), tier)),
-            other => other,
-        }),
+        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
         Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
         Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys)),
