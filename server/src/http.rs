@@ -72,15 +72,26 @@ impl hyper::rt::Timer for GlommioTimer {
 /// A glommio TCP stream as hyper I/O.
 pub struct GlommioIo {
     stream: TcpStream,
-    /// A write handed to glommio returned `Pending`: it must be polled to
-    /// completion before any direct `sendmsg`, or bytes would reorder.
-    write_in_flight: bool,
+    /// The last write returned `Pending`, so the caller was promised a wake.
+    /// glommio keeps that promise with a POLLOUT poll, but drops the poll
+    /// (and the wake) when a later write succeeds first. hyper's HTTP/1
+    /// dispatcher relies on the wake anyway, as tokio's readiness wake
+    /// survives such a write: a flush that was `Pending` inside its body
+    /// loop and then completed in its outer flush returns `Pending` with
+    /// nothing armed, and a streamed body is never polled again (measured
+    /// here: one 16 MiB response in ~2,000 stopped for good). So a write
+    /// that succeeds after a `Pending` wakes the task itself.
+    ///
+    /// glommio holds no bytes while a write waits (it sends with a direct
+    /// syscall, then polls for room), so a direct `sendmsg` may follow a
+    /// `Pending` without reordering anything.
+    write_waiting: bool,
 }
 
 impl GlommioIo {
     /// Wraps an accepted stream.
     pub fn new(stream: TcpStream) -> Self {
-        GlommioIo { stream, write_in_flight: false }
+        GlommioIo { stream, write_waiting: false }
     }
 }
 
@@ -107,7 +118,15 @@ impl hyper::rt::Read for GlommioIo {
 impl GlommioIo {
     fn poll_write_glommio(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
-        self.write_in_flight = polled.is_pending();
+        self.wrote(cx, polled)
+    }
+
+    /// Keeps the wake promised by an earlier `Pending` (see `write_waiting`).
+    fn wrote<T>(&mut self, cx: &mut Context<'_>, polled: Poll<T>) -> Poll<T> {
+        if self.write_waiting && polled.is_ready() {
+            cx.waker().wake_by_ref();
+        }
+        self.write_waiting = polled.is_pending();
         polled
     }
 }
@@ -119,7 +138,7 @@ impl hyper::rt::Write for GlommioIo {
 
     fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
         let first = bufs.iter().find(|b| !b.is_empty()).map(|b| &b[..]).unwrap_or(&[]);
-        if self.write_in_flight || bufs.len() <= 1 {
+        if bufs.len() <= 1 {
             return self.poll_write_glommio(cx, first);
         }
         // SAFETY: msghdr is plain data; iov points at `bufs`, which outlive
@@ -131,7 +150,7 @@ impl hyper::rt::Write for GlommioIo {
             libc::sendmsg(self.stream.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
         };
         if sent >= 0 {
-            return Poll::Ready(Ok(sent as usize));
+            return self.wrote(cx, Poll::Ready(Ok(sent as usize)));
         }
         let err = io::Error::last_os_error();
         if err.kind() == io::ErrorKind::WouldBlock {
@@ -151,5 +170,92 @@ impl hyper::rt::Write for GlommioIo {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_close(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    struct CountWakes(AtomicUsize);
+
+    impl Wake for CountWakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Writes `buf` (as one slice, or as two with `vectored`) until the
+    /// socket is full and the write answers `Pending`.
+    fn fill(io: &mut GlommioIo, cx: &mut Context<'_>, buf: &[u8], vectored: bool) {
+        for _ in 0..10_000 {
+            let (a, b) = buf.split_at(buf.len() / 2);
+            let polled = if vectored {
+                hyper::rt::Write::poll_write_vectored(Pin::new(&mut *io), cx, &[IoSlice::new(a), IoSlice::new(b)])
+            } else {
+                hyper::rt::Write::poll_write(Pin::new(&mut *io), cx, buf)
+            };
+            match polled {
+                Poll::Ready(Ok(_)) => continue,
+                Poll::Ready(Err(e)) => panic!("write failed: {e}"),
+                Poll::Pending => return,
+            }
+        }
+        panic!("the socket never filled");
+    }
+
+    /// Reads what the peer has, then retries the write until it succeeds.
+    fn drain_until_written(io: &mut GlommioIo, cx: &mut Context<'_>, peer: &mut std::net::TcpStream, buf: &[u8], vectored: bool) {
+        let mut sink = vec![0u8; 1 << 20];
+        for _ in 0..1_000 {
+            while peer.read(&mut sink).map(|n| n > 0).unwrap_or(false) {}
+            let (a, b) = buf.split_at(buf.len() / 2);
+            let polled = if vectored {
+                hyper::rt::Write::poll_write_vectored(Pin::new(&mut *io), cx, &[IoSlice::new(a), IoSlice::new(b)])
+            } else {
+                hyper::rt::Write::poll_write(Pin::new(&mut *io), cx, buf)
+            };
+            match polled {
+                Poll::Ready(Ok(n)) => return assert!(n > 0),
+                Poll::Ready(Err(e)) => panic!("write failed: {e}"),
+                Poll::Pending => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        panic!("the socket never drained");
+    }
+
+    /// A write that succeeds after a `Pending` wakes the task, through
+    /// glommio's write and through the vectored `sendmsg`: hyper's HTTP/1
+    /// dispatcher waits for that wake before it polls a streamed body again.
+    /// The reactor never runs between the two polls here, so glommio's own
+    /// POLLOUT wake cannot be what is counted.
+    #[test]
+    fn a_write_that_succeeds_after_pending_wakes_the_task() {
+        glommio::LocalExecutorBuilder::default()
+            .spawn(|| async {
+                let listener = glommio::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+                let mut peer = std::net::TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+                peer.set_nonblocking(true).expect("nonblocking");
+                let mut io = GlommioIo::new(listener.accept().await.expect("accept"));
+                let wakes = Arc::new(CountWakes(AtomicUsize::new(0)));
+                let waker = Waker::from(wakes.clone());
+                let mut cx = Context::from_waker(&waker);
+                let buf = vec![7u8; 1 << 20];
+                for (round, vectored) in [false, true, false, true].into_iter().enumerate() {
+                    fill(&mut io, &mut cx, &buf, vectored);
+                    let before = wakes.0.load(Ordering::SeqCst);
+                    drain_until_written(&mut io, &mut cx, &mut peer, &buf, vectored);
+                    assert_eq!(wakes.0.load(Ordering::SeqCst), before + 1, "round {round} (vectored: {vectored}): no wake after Pending");
+                    // A write that never waited owes no wake.
+                    while peer.read(&mut vec![0u8; 1 << 20]).map(|n| n > 0).unwrap_or(false) {}
+                }
+            })
+            .expect("executor")
+            .join()
+            .expect("test body");
     }
 }
