@@ -21,7 +21,6 @@
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
-//! - [`wake`]: waiting on wakes from another shard's thread.
 //!
 //! docs/ARCHITECTURE.md and docs/FORMAT.md describe the design and the
 //! bytes on disk.
@@ -43,7 +42,6 @@ pub mod slot;
 pub mod store;
 pub mod stream;
 pub mod tier;
-pub mod wake;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};

@@ -65,16 +65,6 @@ const RECLAIM_POLL: Duration = Duration::from_micros(200);
 /// throughput here; split reads let the device work on several at once.
 const READ_AHEAD_CHUNKS: usize = 16;
 
-/// Whether a GET's verified chunks go on to the client one by one as they
-/// are read (true), or the block is sent whole once every chunk has passed
-/// (false, each chunk still checked as it arrives and copied once into
-/// the block's buffer or RAM slot). Streaming stalled HTTP/1.1 responses
-/// for good under load here (docs/ARCHITECTURE.md, "Read path"): after
-/// ~1,000 GETs of 16 MiB when chunks crossed to another shard's thread, and
-/// after a few hundred at concurrency 16 on the accepting shard. Held back
-/// until that is understood.
-const STREAM_TO_CLIENT: bool = false;
-
 /// At most this fraction of a reclaimed segment's slots is kept by second
 /// chance, so every reclaim frees at least half a segment even when every
 /// block in it is hot.
@@ -1220,9 +1210,6 @@ impl Shard {
         let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
-        // Not streaming and not promoting into a RAM slot: one pooled
-        // buffer for the whole block.
-        let mut whole = (!STREAM_TO_CLIENT && ram_slot.is_none()).then(|| self.read_buffers.filler());
         let mut next = Some(Ok(first));
         for i in 0..chunks {
             let read = match next.take() {
@@ -1244,15 +1231,10 @@ impl Shard {
             let at = i * chunk_bytes as usize;
             let mut crc = crc32fast::Hasher::new();
             // Each chunk is copied once: into the RAM slot it is promoted
-            // to, into the block's one pooled buffer, or (streaming) into a
-            // chunk buffer of its own.
-            let chunk = match (ram_slot, &mut whole) {
-                (Some(s), _) => Some(self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, bytes, |step| crc.update(step))),
-                (None, Some(filler)) => {
-                    filler.fill(at, bytes, |step| crc.update(step));
-                    None
-                }
-                (None, None) => Some(self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step))),
+            // to (and sent from there), or into a pooled chunk buffer.
+            let chunk = match ram_slot {
+                Some(s) => self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, bytes, |step| crc.update(step)),
+                None => self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step)),
             };
             drop(read);
             if crc.finalize() != header.chunk_crcs[i] {
@@ -1262,16 +1244,6 @@ impl Shard {
                 return self.end_stream(&mut tx, Err(e), &mut reads).await;
             }
             let last = i + 1 == chunks;
-            // Not streaming: the block leaves whole, after its last chunk.
-            let chunk = match chunk {
-                Some(c) if STREAM_TO_CLIENT => c,
-                _ if !last => continue,
-                _ => match (ram_slot, whole.take()) {
-                    (Some(s), _) => self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize),
-                    (None, Some(filler)) => filler.freeze(block_bytes as usize),
-                    (None, None) => unreachable!("a chunk buffer only when streaming"),
-                },
-            };
             if last {
                 // Promotion lands before the last chunk leaves, so a client
                 // that has the whole block finds it in RAM.

@@ -213,7 +213,7 @@ impl Store {
         self.shard.count_forwarded();
         let (reply, answer) = oneshot::channel();
         self.senders.send_to(owner, Request { op, reply }).await.map_err(|_| Error::ShuttingDown)?;
-        crate::wake::cross_shard(answer).await.map_err(|_| Error::ShuttingDown)
+        answer.await.map_err(|_| Error::ShuttingDown)
     }
 
     /// Stores `chunks` (together exactly `block_bytes`) under `key`,
@@ -251,14 +251,14 @@ impl Store {
         Ok(Block { bytes: body.collect().await?, tier })
     }
 
-    /// Reads the block stored under `key`: whole, from RAM (zero-copy) or
-    /// from the log, where the owning shard reads its chunks with several
-    /// reads in flight, checks each chunk's CRC-32 as it arrives and copies
-    /// it once, into the block's pooled buffer (or the RAM slot it is
-    /// promoted to). A [`BlockBody::Chunks`] stream comes back only with the
-    /// shard's streaming switch on (`STREAM_TO_CLIENT` in `shard.rs`), held
-    /// back because streamed responses stalled under HTTP/1.1 load
-    /// (docs/ARCHITECTURE.md, "Read path").
+    /// Reads the block stored under `key`: whole from the GPU or RAM tier
+    /// (zero-copy from RAM), or as a [`BlockBody::Chunks`] stream from the
+    /// log, where the owning shard reads its chunks with several reads in
+    /// flight, checks each chunk's CRC-32 as it arrives, copies it once (into
+    /// a pooled chunk buffer, or the RAM slot it is promoted to) and sends
+    /// it on at once. A chunk that fails ends the stream with an error and
+    /// nothing after it: the caller must treat a stream that ends short as
+    /// a miss (the server resets the response).
     ///
     /// # Errors
     /// As [`Store::get`].

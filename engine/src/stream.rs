@@ -98,20 +98,9 @@ impl ChunkStream {
         self.len == 0
     }
 
-    /// The next chunk, as [`Stream::poll_next`] yields it, polling again
-    /// at least every [`crate::wake::REPOLL_INTERVAL`]: the chunks of a block
-    /// owned by another shard arrive with a wake from its thread, which
-    /// glommio can lose (see [`crate::wake`]).
+    /// The next chunk, as [`Stream::poll_next`] yields it.
     pub async fn next_chunk(&mut self) -> Option<Result<Bytes>> {
-        let mut repoll = crate::wake::Repoll::default();
-        std::future::poll_fn(|cx| match self.poll_next_unpin(cx) {
-            Poll::Pending => {
-                repoll.pending(cx);
-                Poll::Pending
-            }
-            ready => ready,
-        })
-        .await
+        self.next().await
     }
 
     /// Bytes not yet yielded.

@@ -14,17 +14,14 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use futures::Stream;
 use http_body::{Body, Frame, SizeHint};
-use kvtier_engine::wake::Repoll;
 use kvtier_engine::{BlockBody, ChunkStream};
 
 /// Body of a [`crate::routes::Reply`].
 pub enum ReplyBody {
     /// All of it at once (JSON, metrics, a RAM-tier block).
     Full(Option<Bytes>),
-    /// A block from the log, chunk by chunk; chunks from another shard come
-    /// with a wake from its thread, so a local timer stands by
-    /// ([`kvtier_engine::wake`]).
-    Chunks(ChunkStream, Repoll),
+    /// A block from the log, chunk by chunk as each is read and verified.
+    Chunks(ChunkStream),
 }
 
 impl ReplyBody {
@@ -43,7 +40,7 @@ impl ReplyBody {
     pub fn block(body: BlockBody) -> Self {
         match body {
             BlockBody::Whole(bytes) => ReplyBody::full(bytes),
-            BlockBody::Chunks(chunks) => ReplyBody::Chunks(chunks, Repoll::default()),
+            BlockBody::Chunks(chunks) => ReplyBody::Chunks(chunks),
         }
     }
 }
@@ -55,20 +52,14 @@ impl Body for ReplyBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
             ReplyBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ReplyBody::Chunks(chunks, repoll) => match Pin::new(chunks).poll_next(cx) {
-                Poll::Ready(Some(Ok(chunk))) => {
-                    repoll.ready();
-                    Poll::Ready(Some(Ok(Frame::data(chunk))))
-                }
+            ReplyBody::Chunks(chunks) => match Pin::new(chunks).poll_next(cx) {
+                Poll::Ready(Some(Ok(chunk))) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
                 Poll::Ready(Some(Err(e))) => {
                     tracing::warn!("block stream reset: {e}");
                     Poll::Ready(Some(Err(e)))
                 }
                 Poll::Ready(None) => Poll::Ready(None),
-                Poll::Pending => {
-                    repoll.pending(cx);
-                    Poll::Pending
-                }
+                Poll::Pending => Poll::Pending,
             },
         }
     }
@@ -76,14 +67,14 @@ impl Body for ReplyBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ReplyBody::Full(bytes) => bytes.is_none(),
-            ReplyBody::Chunks(chunks, _) => chunks.remaining() == 0,
+            ReplyBody::Chunks(chunks) => chunks.remaining() == 0,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
             ReplyBody::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
-            ReplyBody::Chunks(chunks, _) => SizeHint::with_exact(chunks.remaining()),
+            ReplyBody::Chunks(chunks) => SizeHint::with_exact(chunks.remaining()),
         }
     }
 }
