@@ -332,6 +332,12 @@ impl RamTier {
         self.arena.pin_range(slot, offset, bytes.len())
     }
 
+    /// The first `len` bytes of `slot`, filled with [`RamTier::fill_chunk`],
+    /// as one zero-copy `Bytes` pinning the slot.
+    pub fn filled(&self, slot: u32, len: usize) -> Bytes {
+        self.arena.pin_range(slot, 0, len)
+    }
+
     /// Makes `slot`, filled with [`RamTier::fill_chunk`], the most recently
     /// used (clean) block of `hash`. The caller checked no copy of `hash` is
     /// held (a newer one may have been stored while the chunks were read).

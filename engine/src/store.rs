@@ -267,7 +267,7 @@ impl Store {
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         if owner == self.shard_id() {
-            return self.shard.get(key, hash).await;
+            return self.shard.get(key, hash, true).await;
         }
         match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
             Reply::Get(r) => r,
@@ -399,7 +399,8 @@ fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>) -> usize {
 async fn execute(shard: &Rc<Shard>, op: Op) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
-        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash).await),
+        // Whole: one message back across threads, not one per chunk.
+        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash, false).await),
         Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
         Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys)),
