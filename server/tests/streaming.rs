@@ -30,10 +30,9 @@ fn args(data: &Path) -> Vec<String> {
     a
 }
 
-/// One shard: every GET is read by the shard that accepted it, so which
-/// blocks a test reads, and how, does not depend on key placement (a GET
-/// forwarded from another shard streams the same way, its chunks crossing
-/// to the accepting shard's thread).
+/// One shard: every GET is served by the shard that accepted it, so it is
+/// streamed (a GET forwarded from another shard is read whole on the
+/// owner and sent back in one message, where a damaged chunk is a 404).
 fn one_shard(data: &Path) -> Vec<String> {
     let mut a = args(data);
     let i = a.iter().position(|x| x == "--shards").unwrap();
