@@ -189,17 +189,20 @@ mod tests {
         }
     }
 
-    /// Writes `buf` (as one slice, or as two with `vectored`) until the
-    /// socket is full and the write answers `Pending`.
+    /// One write of `buf`: as one slice, or as two with `vectored`.
+    fn write_once(io: &mut GlommioIo, cx: &mut Context<'_>, buf: &[u8], vectored: bool) -> Poll<io::Result<usize>> {
+        let (a, b) = buf.split_at(buf.len() / 2);
+        if vectored {
+            hyper::rt::Write::poll_write_vectored(Pin::new(io), cx, &[IoSlice::new(a), IoSlice::new(b)])
+        } else {
+            hyper::rt::Write::poll_write(Pin::new(io), cx, buf)
+        }
+    }
+
+    /// Writes `buf` until the socket is full and the write answers `Pending`.
     fn fill(io: &mut GlommioIo, cx: &mut Context<'_>, buf: &[u8], vectored: bool) {
         for _ in 0..10_000 {
-            let (a, b) = buf.split_at(buf.len() / 2);
-            let polled = if vectored {
-                hyper::rt::Write::poll_write_vectored(Pin::new(&mut *io), cx, &[IoSlice::new(a), IoSlice::new(b)])
-            } else {
-                hyper::rt::Write::poll_write(Pin::new(&mut *io), cx, buf)
-            };
-            match polled {
+            match write_once(io, cx, buf, vectored) {
                 Poll::Ready(Ok(_)) => continue,
                 Poll::Ready(Err(e)) => panic!("write failed: {e}"),
                 Poll::Pending => return,
@@ -213,13 +216,7 @@ mod tests {
         let mut sink = vec![0u8; 1 << 20];
         for _ in 0..1_000 {
             while peer.read(&mut sink).map(|n| n > 0).unwrap_or(false) {}
-            let (a, b) = buf.split_at(buf.len() / 2);
-            let polled = if vectored {
-                hyper::rt::Write::poll_write_vectored(Pin::new(&mut *io), cx, &[IoSlice::new(a), IoSlice::new(b)])
-            } else {
-                hyper::rt::Write::poll_write(Pin::new(&mut *io), cx, buf)
-            };
-            match polled {
+            match write_once(io, cx, buf, vectored) {
                 Poll::Ready(Ok(n)) => return assert!(n > 0),
                 Poll::Ready(Err(e)) => panic!("write failed: {e}"),
                 Poll::Pending => std::thread::sleep(Duration::from_millis(1)),
