@@ -1095,10 +1095,9 @@ impl Shard {
     /// Reads the slot of `hash` and sends its payload on `tx` in order: with
     /// `stream` one message per verified chunk, else one message with the
     /// whole block once every chunk has passed; or one `Err` and nothing
-    /// after it. The
-    /// channel holds every chunk of a block, so the reads never wait for
-    /// the client: the segment is released as soon as the device is done,
-    /// whatever the network does. Reads are issued [`READ_AHEAD_CHUNKS`] at
+    /// after it. The channel holds every chunk of a block, so the reads
+    /// never wait for the client: the segment is released as soon as the
+    /// device is done, whatever the network does. Reads are issued [`READ_AHEAD_CHUNKS`] at
     /// a time: the first covers the header page and chunk 0, each later one
     /// a chunk (all page-aligned: chunks are multiples of 4 KiB).
     ///
