@@ -258,7 +258,8 @@ impl Store {
     /// a pooled chunk buffer, or the RAM slot it is promoted to) and sends
     /// it on at once. A chunk that fails ends the stream with an error and
     /// nothing after it: the caller must treat a stream that ends short as
-    /// a miss (the server resets the response).
+    /// a miss (the server resets the response). A key another shard owns
+    /// comes back whole, every chunk checked there ([`Shard::get`]).
     ///
     /// # Errors
     /// As [`Store::get`].
