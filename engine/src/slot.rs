@@ -31,7 +31,7 @@ pub const SLOT_VERSION: u16 = 2;
 pub const CHUNK_BYTES_DEFAULT: u32 = 1 << 20;
 
 /// Most chunk CRC-32s a header page holds: the 4-byte CRCs fill the page
-/// from [`OFF_CHUNK_CRCS`] to the header's own CRC.
+/// from `OFF_CHUNK_CRCS` to the header's own CRC.
 pub const CHUNK_CRCS_MAX: usize = (OFF_HEADER_CRC - OFF_CHUNK_CRCS) / 4;
 
 // Header field offsets (bytes from the start of the slot).
