@@ -76,8 +76,8 @@ test: deps python-env
 # reused; re-made from scratch when the pins change, so a pin change never
 # leaves a half-upgraded environment. `--no-compile` skips bytecode for the
 # ~200,000 files nobody imports (~1.3 GB), and `hardlink` then shares the
-# files both environments hold byte for byte (~3 GB of the CUDA libraries).
-# First run here: vllm+lmcache ~7 min / 9 GB, sglang ~12 min / 8 GB more.
+# files both environments hold byte for byte (~4 GB of the CUDA libraries).
+# First run here: vllm+lmcache ~5 min / 8.1 GB, sglang ~4 min / 6.2 GB more.
 HARDLINK := $(shell command -v hardlink 2>/dev/null)
 define python_env
 target/py-$(1)/.installed: clients/python/requirements-$(1).txt
