@@ -1035,21 +1035,11 @@ impl Shard {
         self.index.borrow().get(hash) == Some(entry) && !matches!(self.contains(hash), Some(Tier::Gpu | Tier::Ram))
     }
 
-    /// Reads a block from the log with promotion and waits for every chunk
-    /// (a prefetch). Returns whether it was read in full.
+    /// Reads a block from the log with promotion, whole (every chunk
+    /// checked before it answers; a prefetch). Returns whether it was read
+    /// in full.
     pub(super) async fn read_to_promote(&self, key: &str, hash: BlockHash) -> bool {
-        match self.read_block(key, hash, true, false).await {
-            Ok(BlockBody::Whole(_)) => true,
-            Ok(BlockBody::Chunks(mut chunks)) => {
-                while let Some(chunk) = chunks.next().await {
-                    if chunk.is_err() {
-                        return false;
-                    }
-                }
-                true
-            }
-            Err(_) => false,
-        }
+        self.read_block(key, hash, true, false).await.is_ok()
     }
 
     /// A RAM slot to promote into, taken before the read so the chunks are
