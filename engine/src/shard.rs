@@ -49,7 +49,7 @@ use crate::pool::BufferPool;
 use crate::ram::RamTier;
 use crate::segment::{self, InFlight, Segment, Superblock};
 use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
-use crate::stream::{BlockBody, ChunkStream};
+use crate::stream::{dma_chunk, BlockBody, ChunkStream};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
 mod waterfall;
@@ -294,8 +294,6 @@ pub struct Shard {
     /// Payload bytes per chunk CRC-32 of the slots this shard writes
     /// ([`slot::chunk_bytes_for`]).
     chunk_bytes: u32,
-    /// Buffers streamed chunks are copied into.
-    chunk_buffers: Arc<BufferPool>,
     counters: Counters,
     pub(crate) recovery: RefCell<RecoveryReport>,
     started: Instant,
@@ -361,7 +359,6 @@ impl Shard {
             buffers: RefCell::new(Vec::new()),
             read_buffers: BufferPool::new(cfg.geometry.block_bytes),
             chunk_bytes: slot::chunk_bytes_for(cfg.geometry.block_bytes),
-            chunk_buffers: BufferPool::new(slot::chunk_bytes_for(cfg.geometry.block_bytes).min(cfg.geometry.block_bytes as u32) as u64),
             counters: Counters::default(),
             recovery: RefCell::new(RecoveryReport::default()),
             started: Instant::now(),
@@ -1227,21 +1224,29 @@ impl Shard {
                     return self.end_stream(&mut tx, Err(e), &mut reads).await;
                 }
             };
-            let bytes = &read[payload(i, &read)];
+            let range = payload(i, &read);
             let at = i * chunk_bytes as usize;
             let mut crc = crc32fast::Hasher::new();
-            // Each chunk is copied once: into the RAM slot it is promoted
-            // to (and sent from there), into the block's one pooled buffer,
-            // or (streaming) into a pooled chunk buffer.
+            // Each chunk is copied at most once: into the RAM slot it is
+            // promoted to (and sent from there) or into the block's one
+            // pooled buffer; streamed, it is sent from the DMA buffer it
+            // was read into, its CRC-32 computed there.
             let chunk = match (ram_slot, &mut whole) {
-                (Some(s), _) => Some(self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, bytes, |step| crc.update(step))),
+                (Some(s), _) => {
+                    let c = self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, &read[range], |step| crc.update(step));
+                    drop(read);
+                    Some(c)
+                }
                 (None, Some(filler)) => {
-                    filler.fill(at, bytes, |step| crc.update(step));
+                    filler.fill(at, &read[range], |step| crc.update(step));
+                    drop(read);
                     None
                 }
-                (None, None) => Some(self.chunk_buffers.copy_parts(&[bytes], |step| crc.update(step))),
+                (None, None) => {
+                    crc.update(&read[range.clone()]);
+                    Some(dma_chunk(read, range))
+                }
             };
-            drop(read);
             if crc.finalize() != header.chunk_crcs[i] {
                 drop(chunk);
                 self.abandon_ram_slot(ram_slot.take());
@@ -1256,7 +1261,7 @@ impl Shard {
                 _ => match (ram_slot, whole.take()) {
                     (Some(s), _) => self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize),
                     (None, Some(filler)) => filler.freeze(block_bytes as usize),
-                    (None, None) => unreachable!("a chunk buffer only when streaming"),
+                    (None, None) => unreachable!("a chunk of its own only when streaming"),
                 },
             };
             if last {

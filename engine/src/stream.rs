@@ -5,8 +5,16 @@
 //! a CRC-32 per chunk, `crate::slot::CHUNK_BYTES_DEFAULT` = 1 MiB), checks
 //! each as soon as it is read and hands it over at once, with the next reads
 //! already in flight, so device time and network time overlap. A
-//! [`ChunkStream`] is the receiving end. It is `Send`: a GET that arrived on
-//! another shard streams across the shard mesh.
+//! [`ChunkStream`] is the receiving end, on the shard that read the block (a
+//! GET that arrived on another shard is read whole on its owner and crosses
+//! the shard mesh as one buffer).
+//!
+//! A streamed chunk is the DMA buffer the device read it into, not a copy
+//! ([`dma_chunk`]): its CRC-32 is computed over that buffer and the network
+//! send reads it from there. Such a buffer belongs to its shard's executor,
+//! so a chunk must be dropped on the shard thread that read it; one dropped
+//! elsewhere is leaked rather than freed, and counted
+//! ([`dma_chunks_leaked`]).
 //!
 //! A chunk that fails its CRC-32 never leaves the shard: the stream yields
 //! [`Error::Corrupt`] instead (the block has been dropped and counted), and
@@ -14,14 +22,77 @@
 //! the connection before the declared `Content-Length`), which clients treat
 //! as a miss.
 
+use std::ops::Range;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::thread::{self, ThreadId};
 
 use bytes::{Bytes, BytesMut};
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
+use glommio::io::ReadResult;
 
 use crate::error::{Error, Result};
+
+/// DMA chunks dropped on a thread other than their shard's, and leaked.
+static DMA_CHUNKS_LEAKED: AtomicU64 = AtomicU64::new(0);
+
+/// How many streamed chunks were dropped away from the shard thread that
+/// read them, and so leaked instead of freed (0 in a correct program:
+/// every consumer of a [`ChunkStream`] in kvtier runs on its shard).
+pub fn dma_chunks_leaked() -> u64 {
+    DMA_CHUNKS_LEAKED.load(Ordering::Relaxed)
+}
+
+/// The `range` of a completed glommio read as [`Bytes`], without a copy.
+///
+/// glommio's [`ReadResult`] is not `Send`: it holds its I/O source by `Rc`,
+/// and its buffer (often from the executor's registered I/O memory) goes
+/// back to that executor's allocator when the last reference drops. The
+/// owner here lets the bytes travel as `Bytes` (reading them from any
+/// thread is sound: a completed read's buffer is never written again while
+/// referenced), and makes the drop safe: on the thread that read it, the
+/// buffer is freed as usual; anywhere else it is leaked, counted in
+/// [`dma_chunks_leaked`] and logged, never freed from a foreign thread.
+///
+/// # Panics
+/// If `range` is not within the read.
+pub fn dma_chunk(read: ReadResult, range: Range<usize>) -> Bytes {
+    assert!(range.start <= range.end && range.end <= read.len(), "chunk range {range:?} outside a read of {} bytes", read.len());
+    Bytes::from_owner(ShardLocalRead { read: Some(read), thread: thread::current().id() }).slice(range)
+}
+
+/// The owner behind [`dma_chunk`].
+struct ShardLocalRead {
+    read: Option<ReadResult>,
+    thread: ThreadId,
+}
+
+// SAFETY: another thread can only call `as_ref` (reads the buffer's pointer
+// and length, never the `Rc` count) and `drop`, which off the owning thread
+// leaks the read instead of touching its `Rc` or its executor's allocator.
+unsafe impl Send for ShardLocalRead {}
+// SAFETY: `as_ref` only reads immutable state (see `Send`).
+unsafe impl Sync for ShardLocalRead {}
+
+impl AsRef<[u8]> for ShardLocalRead {
+    fn as_ref(&self) -> &[u8] {
+        self.read.as_deref().expect("held until dropped")
+    }
+}
+
+impl Drop for ShardLocalRead {
+    fn drop(&mut self) {
+        if thread::current().id() != self.thread {
+            let read = self.read.take().expect("held until dropped");
+            let bytes = read.len();
+            std::mem::forget(read);
+            DMA_CHUNKS_LEAKED.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(bytes, "a streamed chunk was dropped away from its shard thread; its DMA buffer is leaked");
+        }
+    }
+}
 
 /// The payload of a block read back.
 #[derive(Debug)]
@@ -162,6 +233,42 @@ mod tests {
             tx.try_send(item).unwrap();
         }
         ChunkStream::new(len, Bytes::from_static(first), rx)
+    }
+
+    /// A chunk made from a real O_DIRECT read holds exactly its range of the
+    /// file; dropped on its own thread it is freed, dropped on another it is
+    /// leaked and counted (and nothing crashes).
+    #[test]
+    fn a_dma_chunk_is_its_range_of_the_read_and_a_foreign_drop_leaks_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("chunk.bin");
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&path).unwrap();
+            f.write_all(&data).unwrap();
+            f.sync_all().unwrap();
+        }
+        let expected = data[100..5000].to_vec();
+        let leaked_before = dma_chunks_leaked();
+        let (local, foreign) = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .spawn(move || async move {
+                let file = glommio::io::DmaFile::open(&path).await.unwrap();
+                let local = dma_chunk(file.read_at_aligned(0, 8192).await.unwrap(), 100..5000);
+                let foreign = dma_chunk(file.read_at_aligned(0, 8192).await.unwrap(), 0..4096);
+                let local_ok = local[..] == expected[..];
+                drop(local);
+                assert_eq!(dma_chunks_leaked(), leaked_before, "a chunk dropped on its own thread is freed");
+                file.close().await.unwrap();
+                (local_ok, foreign)
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(local, "the chunk's bytes are the read's range");
+        assert_eq!(&foreign[..], &data[..4096], "readable from another thread");
+        drop(foreign);
+        assert_eq!(dma_chunks_leaked(), leaked_before + 1);
     }
 
     #[test]

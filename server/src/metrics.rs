@@ -316,6 +316,14 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
         put_refusals,
     );
 
+    let leaked = Counter::<u64>::default();
+    leaked.inc_by(kvtier_engine::stream::dma_chunks_leaked());
+    registry.register(
+        "dma_chunks_leaked",
+        "Streamed chunks dropped away from the shard thread that read them, their DMA buffers leaked (a bug if not 0)",
+        leaked,
+    );
+
     // Engine, per shard.
     shard_gauge(&mut registry, "shard_blocks", "Blocks stored", engine, |s| s.blocks as f64);
     shard_gauge(&mut registry, "shard_capacity_blocks", "Blocks the shard's disk share holds", engine, |s| s.capacity_blocks as f64);

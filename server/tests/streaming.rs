@@ -285,5 +285,9 @@ async fn dma_buffers_sit_in_transparent_huge_pages() {
     }
     let huge = anon_huge_page_bytes(server.pid());
     assert!(huge >= 2 << 20, "the server holds {huge} bytes of anonymous huge pages; its DMA buffers are in 4 KiB pages");
+    // The streamed chunks were DMA buffers, each dropped on its shard.
+    let m = c.send(http::Method::GET, "/metrics", kvtier_loadgen::client::ChunkedBody::default(), None).await.unwrap();
+    let text = String::from_utf8(m.body.to_bytes().to_vec()).unwrap();
+    assert!(text.lines().any(|l| l == "kvtier_dma_chunks_leaked_total 0"), "{text}");
     assert!(server.stop().success());
 }
