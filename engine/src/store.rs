@@ -256,10 +256,11 @@ impl Store {
     /// log, where the owning shard reads its chunks with several reads in
     /// flight, checks each chunk's CRC-32 as it arrives and sends it on at
     /// once: from the DMA buffer it was read into (no copy; such chunks
-    /// must be dropped on this shard's thread, see [`crate::stream::dma_chunk`]),
-    /// or from the RAM slot it is promoted to. A chunk that fails ends the stream with an error and
-    /// nothing after it: the caller must treat a stream that ends short as
-    /// a miss (the server resets the response). A key another shard owns
+    /// must be dropped on this shard's thread, see
+    /// [`crate::stream::dma_chunk`]), or from the RAM slot it is promoted
+    /// to. A chunk that fails ends the stream with an error and nothing
+    /// after it: the caller must treat a stream that ends short as a miss
+    /// (the server resets the response). A key another shard owns
     /// comes back whole, every chunk checked there ([`Shard::get`]).
     ///
     /// # Errors
