@@ -166,7 +166,7 @@ bench:
 # log, fio O_DIRECT reads at the same block size and depth), in 3 pairs.
 # KVTIER_BEFORE=path/to/old/kvtier adds an older build's NVMe GETs.
 bench-http: build
-	@missing=""; command -v iperf3 >/dev/null || missing="iperf3"; command -v fio >/dev/null || missing="$$missing fio"; \
+	@missing=""; command -v iperf3 >/dev/null || missing="iperf3"; command -v fio >/dev/null || missing="$$missing fio"; command -v h2load >/dev/null || missing="$$missing nghttp2-client"; \
 	if [ -n "$$missing" ]; then echo "installing $$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 	loadgen/scripts/bench_http.sh

@@ -12,6 +12,11 @@
 # the size of the GETs' working set, on the data directory's filesystem: the
 # device's own speed, which an NVMe-tier GET is compared with.
 #
+# NVMe-tier GETs over h2c are also measured with h2load (nghttp2's load
+# client, 1 MiB frames, one connection with `concurrency` streams, like the
+# loadgen) over the same keys the loadgen stored: a second, independent h2
+# client, whose mean request time is reported (h2load gives no p50).
+#
 # KVTIER_BEFORE=path/to/kvtier (optional): an older build, serving beside
 # this one on the NVMe-only cases and measured in the same pairs (GETs
 # only), for a before/after table.
@@ -62,6 +67,32 @@ start_server() {
   url=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$4.out")
 }
 
+# GETs with h2load ($1: URL, $2: block bytes, $3: concurrency, $4: case
+# directory) over the loadgen's GET working set (blocks-SIZE-0..N-1, stored
+# by the loadgen GET run just before); writes results.json like the loadgen's.
+h2load_get() {
+  local n uris=() log
+  n=$(python3 -c "print(max(4*$3, 16))")
+  for i in $(seq 0 $((n - 1))); do uris+=("$1/v1/blocks/blocks-$2-$i"); done
+  mkdir -p "$4"; log="$4/h2load.txt"
+  h2load -c 1 -m "$3" -f 1M -w 24 -W 26 -D "$SECONDS_PER" "${uris[@]}" >"$log" 2>&1
+  python3 - "$log" "$2" "$4/results.json" <<'PY'
+import json, re, sys
+text = open(sys.argv[1]).read()
+secs = float(re.search(r"finished in ([\d.]+)s", text).group(1))
+done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", text)
+mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", text)
+mean_us = float(mean.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[mean.group(2)]
+ok, failed, errored = int(done.group(2)), int(done.group(3)), int(done.group(4))
+status = re.search(r"status codes: (\d+) 2xx", text)
+if status is None or int(status.group(1)) != ok:
+    sys.exit(f"h2load: not every request answered 2xx:\n{text}")
+json.dump({"bytes_per_s": ok * int(sys.argv[2]) / secs, "errors": failed + errored,
+           "latency": {"p50_us": None, "p99_us": None, "mean_us": mean_us}}, open(sys.argv[3], "w"))
+print(f"h2load get: {ok} requests ({failed + errored} errors), {ok * int(sys.argv[2]) / secs / 1e6:.0f} MB/s, mean {mean_us:.0f} µs")
+PY
+}
+
 for size in $SIZES; do
 for ram in $RAM_GB_LIST; do
   tier=$([ "$ram" = 0 ] && echo nvme || echo ram)
@@ -90,6 +121,9 @@ for ram in $RAM_GB_LIST; do
           for op in $ops; do
             $BIN/kvtier-loadgen blocks --target "${urls[$variant]}" --op $op --concurrency "$c" --duration-s "$SECONDS_PER" $flag \
               --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair-$variant" | tee -a "$OUT/log.txt"
+            if [ "$tier" = nvme ] && [ "$proto" = h2c ] && [ "$op" = get ]; then
+              h2load_get "${urls[$variant]}" "$size" "$c" "$OUT/case-$size-$tier-h2load-$c-$op-$pair-$variant"
+            fi
           done
         done
       done
@@ -118,7 +152,7 @@ for f in glob.glob(f"{out}/case-*/results.json"):
     r = json.load(open(f))
     cases.setdefault((int(size), tier, proto, int(c), op, variant), []).append(dict(
         kvtier=r["bytes_per_s"], iperf3=iperf[(size, tier, pair)], fio=fio.get((size, c, pair)),
-        p50_us=r["latency"]["p50_us"], p99_us=r["latency"]["p99_us"], errors=r["errors"]))
+        p50_us=r["latency"]["p50_us"], p99_us=r["latency"]["p99_us"], mean_us=r["latency"].get("mean_us"), errors=r["errors"]))
 med = statistics.median
 rows = []
 print(f"{'block':>10} {'tier':>5} {'proto':>6} {'conc':>4} {'op':>4} {'build':>6} {'MB/s':>7} {'/iperf3':>8} {'/fio':>6}  /fio range  {'p50 ms':>7} {'p99 ms':>7}")
@@ -129,11 +163,17 @@ for (size, tier, proto, c, op, variant), v in sorted(cases.items()):
                kvtier_bytes_per_s=[x["kvtier"] for x in v], iperf3_bytes_per_s=[x["iperf3"] for x in v],
                fio_bytes_per_s=[x["fio"] for x in v if x["fio"]],
                ratios=vs_iperf, ratio_median=med(vs_iperf), fio_ratios=vs_fio, fio_ratio_median=med(vs_fio) if vs_fio else None,
-               errors=sum(x["errors"] for x in v), p50_us_median=med(x["p50_us"] for x in v), p99_us_median=med(x["p99_us"] for x in v))
+               errors=sum(x["errors"] for x in v))
+    if v[0]["p50_us"] is None:  # h2load: mean request time only
+        row.update(mean_us_median=med(x["mean_us"] for x in v), p50_us_median=None, p99_us_median=None)
+        lat = f"{'mean':>7} {row['mean_us_median']/1000:>7.1f}"
+    else:
+        row.update(p50_us_median=med(x["p50_us"] for x in v), p99_us_median=med(x["p99_us"] for x in v))
+        lat = f"{row['p50_us_median']/1000:>7.1f} {row['p99_us_median']/1000:>7.1f}"
     rows.append(row)
     fio_cols = f"{row['fio_ratio_median']:>6.2f}  {min(vs_fio):.2f}-{max(vs_fio):.2f}" if vs_fio else f"{'':>6}  {'':>9}"
     print(f"{size:>10} {tier:>5} {proto:>6} {c:>4} {op:>4} {variant:>6} {med(row['kvtier_bytes_per_s'])/1e6:>7.0f} "
-          f"{row['ratio_median']:>8.2f} {fio_cols}  {row['p50_us_median']/1000:>7.1f} {row['p99_us_median']/1000:>7.1f}")
+          f"{row['ratio_median']:>8.2f} {fio_cols}  {lat}")
 json.dump(rows, open(f"{out}/summary.json", "w"), indent=1)
 print(f"wrote {out}/summary.json")
 PY
