@@ -5,7 +5,7 @@
 #   make replay   replay ShareGPT V3 against the running sidecar (report in target/loadgen/replay/)
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
-#   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio (target/bench/http/)
+#   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio, also via h2load (target/bench/http/)
 #   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)

@@ -84,9 +84,10 @@ done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded
 mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", text)
 mean_us = float(mean.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[mean.group(2)]
 ok, failed, errored = int(done.group(2)), int(done.group(3)), int(done.group(4))
-status = re.search(r"status codes: (\d+) 2xx", text)
-if status is None or int(status.group(1)) != ok:
-    sys.exit(f"h2load: not every request answered 2xx:\n{text}")
+# A request cut by the end of the run may count as 2xx and not done.
+status = re.search(r"status codes: \d+ 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", text)
+if status is None or any(int(x) for x in status.groups()):
+    sys.exit(f"h2load: a request was answered other than 2xx:\n{text}")
 json.dump({"bytes_per_s": ok * int(sys.argv[2]) / secs, "errors": failed + errored,
            "latency": {"p50_us": None, "p99_us": None, "mean_us": mean_us}}, open(sys.argv[3], "w"))
 print(f"h2load get: {ok} requests ({failed + errored} errors), {ok * int(sys.argv[2]) / secs / 1e6:.0f} MB/s, mean {mean_us:.0f} µs")
