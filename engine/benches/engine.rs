@@ -22,6 +22,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvtier_engine::{BlockBody, Error, Geometry, Store, StoreConfig};
 use serde::Serialize;
 
@@ -148,7 +149,7 @@ async fn engine(store: &Rc<Store>, write: bool, depth: usize, seconds: f64, body
                     match store.get_stream(&key).await {
                         Ok((BlockBody::Whole(b), _)) => moved.set(moved.get() + b.len() as u64),
                         Ok((BlockBody::Chunks(mut chunks), _)) => {
-                            while let Some(chunk) = chunks.next_chunk().await {
+                            while let Some(chunk) = chunks.next().await {
                                 moved.set(moved.get() + chunk.expect("chunk").len() as u64);
                             }
                         }

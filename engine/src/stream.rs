@@ -59,7 +59,6 @@ pub fn dma_chunks_leaked() -> u64 {
 /// # Panics
 /// If `range` is not within the read.
 pub fn dma_chunk(read: ReadResult, range: Range<usize>) -> Bytes {
-    assert!(range.start <= range.end && range.end <= read.len(), "chunk range {range:?} outside a read of {} bytes", read.len());
     Bytes::from_owner(ShardLocalRead { read: Some(read), thread: thread::current().id() }).slice(range)
 }
 
@@ -130,7 +129,7 @@ impl BlockBody {
             BlockBody::Whole(b) => Ok(b),
             BlockBody::Chunks(mut s) => {
                 let mut out = BytesMut::with_capacity(s.len as usize);
-                while let Some(chunk) = s.next_chunk().await {
+                while let Some(chunk) = s.next().await {
                     out.extend_from_slice(&chunk?);
                 }
                 Ok(out.freeze())
@@ -167,11 +166,6 @@ impl ChunkStream {
     /// Whether the payload is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// The next chunk, as [`Stream::poll_next`] yields it.
-    pub async fn next_chunk(&mut self) -> Option<Result<Bytes>> {
-        self.next().await
     }
 
     /// Bytes not yet yielded.

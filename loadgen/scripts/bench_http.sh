@@ -53,8 +53,16 @@ cleanup() {
 trap cleanup EXIT
 sleep 0.5
 
-# The loadgen's GET working set: max(4 x concurrency, 16) blocks, at most 1 GiB.
-working_set_bytes() { python3 -c "import sys; s,c=int(sys.argv[1]),int(sys.argv[2]); print(min(max(4*c,16), max(1,(1<<30)//s))*s)" "$1" "$2"; }
+# The loadgen's GET working set at concurrency $1: max(4 x concurrency, 16)
+# blocks, keys blocks-SIZE-0..N-1 (loadgen/src/blocks.rs).
+working_set_blocks() { echo $(( 4 * $1 > 16 ? 4 * $1 : 16 )); }
+# fio's file for block size $1 at concurrency $2: the working set, at most 1 GiB.
+working_set_bytes() {
+  local n max
+  n=$(working_set_blocks "$2"); max=$(( (1 << 30) / $1 )); [ "$max" -ge 1 ] || max=1
+  [ "$n" -le "$max" ] || n=$max
+  echo $(( n * $1 ))
+}
 
 # Starts `kvtier serve` ($1: binary, $2: block bytes, $3: RAM GiB, $4: log
 # name) on a fresh data directory; sets $url.
@@ -72,7 +80,7 @@ start_server() {
 # by the loadgen GET run just before); writes results.json like the loadgen's.
 h2load_get() {
   local n uris=() log
-  n=$(python3 -c "print(max(4*$3, 16))")
+  n=$(working_set_blocks "$3")
   for i in $(seq 0 $((n - 1))); do uris+=("$1/v1/blocks/blocks-$2-$i"); done
   mkdir -p "$4"; log="$4/h2load.txt"
   h2load -c 1 -m "$3" -f 1M -w 24 -W 26 -D "$SECONDS_PER" "${uris[@]}" >"$log" 2>&1
@@ -88,9 +96,10 @@ ok, failed, errored = int(done.group(2)), int(done.group(3)), int(done.group(4))
 status = re.search(r"status codes: \d+ 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", text)
 if status is None or any(int(x) for x in status.groups()):
     sys.exit(f"h2load: a request was answered other than 2xx:\n{text}")
-json.dump({"bytes_per_s": ok * int(sys.argv[2]) / secs, "errors": failed + errored,
+bytes_per_s = ok * int(sys.argv[2]) / secs
+json.dump({"bytes_per_s": bytes_per_s, "errors": failed + errored,
            "latency": {"p50_us": None, "p99_us": None, "mean_us": mean_us}}, open(sys.argv[3], "w"))
-print(f"h2load get: {ok} requests ({failed + errored} errors), {ok * int(sys.argv[2]) / secs / 1e6:.0f} MB/s, mean {mean_us:.0f} µs")
+print(f"h2load get: {ok} requests ({failed + errored} errors), {bytes_per_s / 1e6:.0f} MB/s, mean {mean_us:.0f} µs")
 PY
 }
 
