@@ -11,9 +11,8 @@ mod common;
 use std::io::{Read, Write};
 use std::path::Path;
 
-use common::{flip_byte, fsck_json, locate, start, Server};
+use common::{client, flip_byte, fsck_json, locate, start};
 use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
-use kvtier_loadgen::client::Client;
 
 /// 3.5 MiB: chunks 0, 1 and 2 of 1 MiB and a short last chunk 3.
 const BLOCK_BYTES: u64 = 7 << 19;
@@ -42,10 +41,6 @@ fn one_shard(data: &Path) -> Vec<String> {
 
 fn payload(key: &str) -> bytes::Bytes {
     kvtier_loadgen::payload::Payloads::new(BLOCK_BYTES as usize, 1).chunks(key).concat().into()
-}
-
-fn client(server: &Server, http1: bool) -> Client {
-    Client::new(&server.url, http1, 1).unwrap()
 }
 
 /// A raw HTTP/1.1 GET: (status, declared Content-Length, body bytes
