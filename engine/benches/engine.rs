@@ -27,8 +27,7 @@ use kvtier_engine::{BlockBody, Error, Geometry, Store, StoreConfig};
 use serde::Serialize;
 
 // The server's allocator, so buffer costs match what `kvtier serve` pays.
-#[global_allocator]
-static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+kvtier_engine::jemalloc_with_huge_pages!();
 
 struct Plan {
     sizes: Vec<u64>,

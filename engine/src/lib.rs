@@ -4,6 +4,8 @@
 //! a shard-per-core log of fixed-size blocks on NVMe, written and read with
 //! `O_DIRECT` through glommio (io_uring).
 //!
+//! - [`alloc`]: the global allocator of every kvtier binary (jemalloc,
+//!   huge pages).
 //! - [`geometry`]: block size from the model (`layers × 2 × kv_heads ×
 //!   head_dim × dtype_bytes × block_tokens`) and `store.json`.
 //! - [`key`]: key rules, the 128-bit [`key::BlockHash`], shard choice.
@@ -26,6 +28,7 @@
 //! bytes on disk.
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod error;
 pub mod fsck;
 pub mod geometry;

@@ -14,6 +14,8 @@ use kvtier_loadgen::target::Target;
 use kvtier_loadgen::{crash, replay, report, server_process, sharegpt, soak};
 use serde::Serialize;
 
+kvtier_engine::jemalloc_with_huge_pages!();
+
 /// Load generator for kvtier, the KV-cache block store, and for the
 /// hardware under it. Every mode writes OUT/results.json (schema in
 /// docs/LOADGEN.md); sweep and replay also write OUT/report.html.

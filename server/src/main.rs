@@ -25,29 +25,12 @@ use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MOD
 use kvtier_engine::store::{auto_segment_bytes, IO_DEPTH_DEFAULT, IO_QUEUE_MAX_DEFAULT, SNAPSHOT_SECS_DEFAULT};
 use kvtier_engine::StoreConfig;
 
-#[global_allocator]
-static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+// jemalloc with transparent huge pages, so the DMA buffers block reads land
+// in are 2 MiB runs (why, and the figures: `kvtier_engine::alloc`).
+kvtier_engine::jemalloc_with_huge_pages!();
 
 /// Where the kernel gives its transparent huge page mode.
 const THP_ENABLED_PATH: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
-
-/// jemalloc's options, read before `main` (jemalloc's `malloc_conf`, under
-/// the `_rjem_` prefix tikv-jemallocator builds it with).
-///
-/// `thp:always` asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on
-/// every mapping jemalloc makes, so the DMA buffers block reads land in
-/// (glommio takes them from the global allocator: its registered
-/// `io_memory` and the heap past it) are physically contiguous in 2 MiB
-/// runs. A virtio disk takes at most 254 segments per request
-/// (`/sys/block/*/queue/max_segments`), so a 1 MiB chunk read into scattered
-/// 4 KiB pages becomes two requests, and adjacent chunk reads never merge.
-/// Measured here (docs/BENCHMARKS.md, "Huge pages for DMA buffers"): the
-/// average request grew from ~0.9 MiB to ~3 MiB and 16 MiB GETs from NVMe at
-/// concurrency 16 went from 1.2 to 1.5 GB/s. With the kernel's THP mode at
-/// `never` the madvise is a no-op and reads work as before.
-#[allow(non_upper_case_globals)]
-#[export_name = "_rjem_malloc_conf"]
-static malloc_conf: &[u8; 11] = b"thp:always\0";
 
 /// kvtier: a KV-cache block store that runs beside an LLM inference engine.
 ///
