@@ -188,6 +188,7 @@ fn main() {
             write_policy: kvtier_engine::WritePolicy::Through,
             promote: false,
             gpu: Default::default(),
+            io_memory_bytes: kvtier_engine::store::IO_MEMORY_BYTES_DEFAULT,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

@@ -31,8 +31,20 @@ pub use crate::tier::{Tier, WritePolicy};
 /// Messages queued per shard pair before a sender waits.
 const MESH_QUEUE_DEPTH: usize = 1024;
 
-/// Memory glommio registers with io_uring per executor for DMA buffers.
-const IO_MEMORY_BYTES: usize = 64 << 20;
+/// Default DMA buffer memory registered with io_uring across all shards:
+/// 512 MiB (see [`StoreConfig::io_memory_bytes`]).
+///
+/// Sized for 16 MiB GETs from NVMe at concurrency 16 on two shards: each
+/// streamed GET keeps up to 16 chunk reads of 1 MiB in flight, about 136 MiB
+/// per shard there. With glommio's former 64 MiB per shard, half of those
+/// reads fell back to heap buffers (a page fault and a 2 MiB zeroing per
+/// huge page, and no fixed buffer), and 16 MiB GETs at concurrency 16 ran
+/// 1.18× slower (docs/BENCHMARKS.md, "Registered I/O memory").
+pub const IO_MEMORY_BYTES_DEFAULT: u64 = 512 << 20;
+
+/// Least DMA buffer memory a shard registers: 64 MiB, glommio's own
+/// default size of `io_memory`.
+pub const IO_MEMORY_SHARD_BYTES_MIN: u64 = 64 << 20;
 
 /// Default number of block reads and writes in flight per shard.
 pub const IO_DEPTH_DEFAULT: usize = 32;
@@ -108,9 +120,24 @@ pub struct StoreConfig {
     pub promote: bool,
     /// The GPU tier above RAM (`blocks_per_shard` 0 or no device: none).
     pub gpu: crate::gpu::GpuConfig,
+    /// DMA buffer memory registered with io_uring across all shards, in
+    /// bytes ([`IO_MEMORY_BYTES_DEFAULT`]); each shard gets
+    /// [`StoreConfig::io_memory_shard_bytes`]. It is allocated, faulted in
+    /// and pinned at start. Block reads and writes take their buffers from
+    /// it (fixed buffers, no page faults) and fall back to the heap when it
+    /// is used up.
+    pub io_memory_bytes: u64,
 }
 
 impl StoreConfig {
+    /// DMA buffer memory one shard registers, in bytes:
+    /// `io_memory_bytes / shards`, at least [`IO_MEMORY_SHARD_BYTES_MIN`],
+    /// rounded up to a 2 MiB huge page.
+    pub fn io_memory_shard_bytes(&self) -> usize {
+        let per_shard = (self.io_memory_bytes / self.shards.max(1) as u64).max(IO_MEMORY_SHARD_BYTES_MIN);
+        per_shard.next_multiple_of(2 << 20) as usize
+    }
+
     /// The manifest this configuration describes.
     pub fn manifest(&self) -> StoreManifest {
         StoreManifest {
@@ -444,10 +471,11 @@ where
         let (mesh, failed, serve) = (mesh.clone(), failed.clone(), serve.clone());
         let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
         let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
+        let io_memory_shard_bytes = config.io_memory_shard_bytes();
         let placement = if config.pin_cpus { Placement::Fixed(shard_id % cpus) } else { Placement::Unbound };
         let handle = LocalExecutorBuilder::new(placement)
             .name(&format!("kvtier-shard-{shard_id}"))
-            .io_memory(IO_MEMORY_BYTES)
+            .io_memory(io_memory_shard_bytes)
             .spawn(move || async move {
                 let opened = recover::open_shard(shard_cfg).await;
                 if opened.is_err() {

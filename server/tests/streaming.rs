@@ -286,3 +286,61 @@ async fn dma_buffers_sit_in_transparent_huge_pages() {
     assert!(text.lines().any(|l| l == "kvtier_dma_chunks_leaked_total 0"), "{text}");
     assert!(server.stop().success());
 }
+
+/// `args` with `--io-memory-mib` set to `mib` and no RAM tier.
+fn with_io_memory(data: &Path, mib: &str) -> Vec<String> {
+    let mut a = args(data);
+    let i = a.iter().position(|x| x == "--ram-gb").unwrap();
+    a[i + 1] = "0".to_string();
+    a.extend(["--io-memory-mib".to_string(), mib.to_string()]);
+    a
+}
+
+/// `--io-memory-mib` is allocated and faulted in at start (io_uring pins
+/// the registered buffers): two otherwise equal servers, 128 and 512 MiB
+/// across their 2 shards, differ in resident memory by about 384 MiB. And
+/// each shard gets at least 64 MiB: 128 MiB over 4 shards is 256 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_memory_is_registered_at_start_and_split_across_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = start(&with_io_memory(&dir.path().join("small"), "128"));
+    let large = start(&with_io_memory(&dir.path().join("large"), "512"));
+    let mut four = with_io_memory(&dir.path().join("four"), "128");
+    let i = four.iter().position(|x| x == "--shards").unwrap();
+    four[i + 1] = "4".to_string();
+    let four = start(&four);
+    let (small_rss, large_rss, four_rss) = (small.rss_bytes(), large.rss_bytes(), four.rss_bytes());
+    let grown = large_rss.saturating_sub(small_rss) >> 20;
+    assert!((352..=416).contains(&grown), "512 against 128 MiB of I/O memory: RSS {} against {} MiB", large_rss >> 20, small_rss >> 20);
+    let four_grown = four_rss.saturating_sub(small_rss) >> 20;
+    assert!(four_grown >= 96, "4 shards get 64 MiB each: RSS {} against {} MiB on 2 shards", four_rss >> 20, small_rss >> 20);
+    // Blocks are read and written as before.
+    let c = client(&large, true);
+    c.put("io-memory", vec![payload("io-memory")]).await.unwrap();
+    assert!(c.get("io-memory").await.unwrap().unwrap().0.to_bytes() == payload("io-memory"));
+    for s in [small, large, four] {
+        assert!(s.stop().success());
+    }
+}
+
+/// Too little (below one shard's 64 MiB) or more than half of the
+/// machine's memory is refused before anything starts, with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_io_memory_values_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    for (mib, why) in [("63", "--io-memory-mib must be at least 64, got 63"), ("1099511627776", "more than half of this machine's memory")]
+    {
+        match common::try_start(&with_io_memory(&data, mib)) {
+            Ok(s) => {
+                let log = s.log();
+                s.stop();
+                panic!("started with --io-memory-mib {mib}:\n{log}");
+            }
+            Err((status, log)) => {
+                assert!(log.contains(why), "--io-memory-mib {mib} ({status:?}):\n{log}");
+                assert!(!data.join("store.json").exists(), "a refused start created the store");
+            }
+        }
+    }
+}
