@@ -240,8 +240,7 @@ fn refuses_unsafe_or_mismatched_starts_with_clear_messages() {
     let server = start(&test_args(dir.path()));
     server.stop();
     let mut args = test_args(dir.path());
-    let i = args.iter().position(|a| a == "--block-bytes").unwrap();
-    args[i + 1] = "131072".into();
+    common::set_flag(&mut args, "--block-bytes", "131072");
     let (status, stderr) = try_start(&args).err().expect("must refuse");
     assert!(!status.unwrap().success());
     assert!(stderr.contains("65536") && stderr.contains("131072"), "{stderr}");

@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{client, payload, start, test_args, Server};
+use common::{client, payload, set_flag, start, test_args, Server};
 use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::Value;
@@ -99,10 +99,8 @@ async fn assert_all_read_back(c: &Client, keys: &[String]) {
 /// the segments the filesystem held.
 fn args(data: &Path, disk_gb: &str) -> Vec<String> {
     let mut a = test_args(data);
-    for (flag, value) in [("--disk-gb", disk_gb), ("--shards", "1")] {
-        let i = a.iter().position(|x| x == flag).unwrap();
-        a[i + 1] = value.into();
-    }
+    set_flag(&mut a, "--disk-gb", disk_gb);
+    set_flag(&mut a, "--shards", "1");
     a
 }
 

@@ -82,15 +82,11 @@ fn gb(blocks: u64) -> String {
 /// plus `extra` flags.
 fn gpu_args(dir: &Path, gpu_blocks: u64, ram_blocks: u64, extra: &[&str]) -> Vec<String> {
     let mut args = test_args(dir);
-    let mut set = |flag: &str, value: String| match args.iter().position(|a| a == flag) {
-        Some(i) => args[i + 1] = value,
-        None => args.extend([flag.to_string(), value]),
-    };
-    set("--shards", "1".into());
-    set("--ram-gb", gb(ram_blocks));
-    set("--gpu-mem-gb", gb(gpu_blocks));
+    common::set_flag(&mut args, "--shards", "1");
+    common::set_flag(&mut args, "--ram-gb", &gb(ram_blocks));
+    common::set_flag(&mut args, "--gpu-mem-gb", &gb(gpu_blocks));
     for pair in extra.chunks(2) {
-        set(pair[0], pair[1].to_string());
+        common::set_flag(&mut args, pair[0], pair[1]);
     }
     args
 }

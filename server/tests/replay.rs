@@ -69,10 +69,9 @@ async fn replay_through_a_small_ram_tier_matches_the_oracle_block_for_block() {
     for policy in ["through", "back"] {
         let dir = tempfile::tempdir().unwrap();
         let mut args = common::test_args(dir.path());
-        let ram = args.iter().position(|a| a == "--ram-gb").unwrap();
         // 16 blocks of 64 KiB over 2 shards: 8 slots each.
-        args[ram + 1] = ((16 * common::BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string();
-        args.extend(["--write-policy".to_string(), policy.to_string()]);
+        common::set_flag(&mut args, "--ram-gb", &((16 * common::BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string());
+        common::set_flag(&mut args, "--write-policy", policy);
         let server = common::start(&args);
         let (oracle, r) = common::replay_matching_the_oracle(&server.url, policy).await;
         assert_eq!((oracle.shards, oracle.ram_blocks_per_shard, oracle.write_back), (2, 8, policy == "back"));

@@ -169,8 +169,7 @@ fn object_name(key: &str) -> String {
 /// `endpoint`, and `extra` flags.
 fn node_args(dir: &Path, endpoint: &str, extra: &[&str]) -> Vec<String> {
     let mut args = test_args(dir);
-    let ram = args.iter().position(|a| a == "--ram-gb").unwrap();
-    args[ram + 1] = "0.01".into();
+    common::set_flag(&mut args, "--ram-gb", "0.01");
     args.extend(["--s3-url".into(), format!("s3://{BUCKET}/{PREFIX}"), "--s3-endpoint".into(), endpoint.into()]);
     args.extend(extra.iter().map(|s| s.to_string()));
     args

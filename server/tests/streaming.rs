@@ -11,7 +11,7 @@ mod common;
 use std::io::{Read, Write};
 use std::path::Path;
 
-use common::{client, flip_byte, fsck_json, locate, start};
+use common::{client, flip_byte, fsck_json, locate, set_flag, start};
 use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
 
 /// 3.5 MiB: chunks 0, 1 and 2 of 1 MiB and a short last chunk 3.
@@ -20,12 +20,8 @@ const CHUNK_BYTES: u64 = 1 << 20;
 
 fn args(data: &Path) -> Vec<String> {
     let mut a = common::test_args(data);
-    let set = |a: &mut Vec<String>, flag: &str, value: &str| {
-        let i = a.iter().position(|x| x == flag).unwrap();
-        a[i + 1] = value.to_string();
-    };
-    set(&mut a, "--block-bytes", &BLOCK_BYTES.to_string());
-    set(&mut a, "--segment-mib", "16");
+    set_flag(&mut a, "--block-bytes", &BLOCK_BYTES.to_string());
+    set_flag(&mut a, "--segment-mib", "16");
     a
 }
 
@@ -34,8 +30,7 @@ fn args(data: &Path) -> Vec<String> {
 /// owner and sent back in one message, where a damaged chunk is a 404).
 fn one_shard(data: &Path) -> Vec<String> {
     let mut a = args(data);
-    let i = a.iter().position(|x| x == "--shards").unwrap();
-    a[i + 1] = "1".to_string();
+    set_flag(&mut a, "--shards", "1");
     a
 }
 
@@ -211,9 +206,8 @@ async fn a_promoted_block_streams_from_its_ram_slot_and_is_then_a_ram_hit() {
         let dir = tempfile::tempdir().unwrap();
         let mut args = args(&dir.path().join("data"));
         // Two blocks of RAM per shard.
-        let ram = args.iter().position(|a| a == "--ram-gb").unwrap();
-        args[ram + 1] = ((4 * BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string();
-        args.extend(["--write-policy".to_string(), policy.to_string()]);
+        set_flag(&mut args, "--ram-gb", &((4 * BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string());
+        set_flag(&mut args, "--write-policy", policy);
         let server = start(&args);
         let c = client(&server, false);
         let keys: Vec<String> = (0..10).map(|i| format!("promo-{i}")).collect();
@@ -290,9 +284,8 @@ async fn dma_buffers_sit_in_transparent_huge_pages() {
 /// `args` with `--io-memory-mib` set to `mib` and no RAM tier.
 fn with_io_memory(data: &Path, mib: &str) -> Vec<String> {
     let mut a = args(data);
-    let i = a.iter().position(|x| x == "--ram-gb").unwrap();
-    a[i + 1] = "0".to_string();
-    a.extend(["--io-memory-mib".to_string(), mib.to_string()]);
+    set_flag(&mut a, "--ram-gb", "0");
+    set_flag(&mut a, "--io-memory-mib", mib);
     a
 }
 
@@ -308,8 +301,7 @@ async fn io_memory_is_registered_at_start_and_split_across_shards() {
     let large = start(&with_io_memory(&dir.path().join("large"), "512"));
     let on_four_shards = |name: &str, mib: &str| {
         let mut a = with_io_memory(&dir.path().join(name), mib);
-        let i = a.iter().position(|x| x == "--shards").unwrap();
-        a[i + 1] = "4".to_string();
+        set_flag(&mut a, "--shards", "4");
         start(&a)
     };
     let (four_128, four_256) = (on_four_shards("four-128", "128"), on_four_shards("four-256", "256"));

@@ -18,14 +18,10 @@ use serde_json::{json, Value};
 fn tier_args(dir: &std::path::Path, shards: usize, ram_blocks: u64, extra: &[&str]) -> Vec<String> {
     let mut args = test_args(dir);
     let ram_gb = (ram_blocks * BLOCK_BYTES) as f64 / (1u64 << 30) as f64;
-    let mut set = |flag: &str, value: String| match args.iter().position(|a| a == flag) {
-        Some(i) => args[i + 1] = value,
-        None => args.extend([flag.to_string(), value]),
-    };
-    set("--shards", shards.to_string());
-    set("--ram-gb", ram_gb.to_string());
+    common::set_flag(&mut args, "--shards", &shards.to_string());
+    common::set_flag(&mut args, "--ram-gb", &ram_gb.to_string());
     for pair in extra.chunks(2) {
-        set(pair[0], pair[1].to_string());
+        common::set_flag(&mut args, pair[0], pair[1]);
     }
     args
 }

@@ -49,6 +49,15 @@ pub fn test_args(data_dir: &Path) -> Vec<String> {
     .collect()
 }
 
+/// Sets `flag`'s value in `args`: the word after it where it is there
+/// already (as in [`test_args`]), else `flag value` appended.
+pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) => args[i + 1] = value.to_string(),
+        None => args.extend([flag.to_string(), value.to_string()]),
+    }
+}
+
 /// Runs `kvtier serve ARGS` and waits for its "listening" line.
 pub fn start(args: &[String]) -> Server {
     try_start(args).unwrap_or_else(|(status, stderr)| panic!("server exited ({status:?}) before listening:\n{stderr}"))
