@@ -147,7 +147,7 @@ async fn measure(device: Arc<GpuDevice>, block_bytes: u64, blocks: u32, rounds: 
                     tier.take_free().await.expect("a slot after eviction")
                 }
             };
-            tier.write(slot, key, *hash, &[&data], false).await.expect("tier write");
+            assert!(tier.write(slot, key, *hash, &[&data], false, &|| true).await.expect("tier write"), "installed");
         }
         let h2d = rate(blocks, block_bytes, t.elapsed().as_secs_f64());
         let t = Instant::now();

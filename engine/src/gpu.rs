@@ -614,13 +614,24 @@ impl GpuTier {
 
     /// Copies `parts` (together `block_bytes`) into `slot` (from
     /// [`GpuTier::take_free`]) through a staging buffer, and makes it the
-    /// most recently used block of `hash` once the copy completed.
+    /// most recently used block of `hash` once the copy completed, if
+    /// `wanted()` then still holds (checked in the same step as the
+    /// install). Returns whether it was installed; when not, the slot went
+    /// back to the free list.
     ///
     /// # Errors
     /// The driver's; the slot goes back to the free list and the block is
     /// not placed.
-    pub async fn write(&self, slot: u32, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<(), DriverError> {
-        let r = self.write_inner(slot, key, hash, parts, dirty).await;
+    pub async fn write(
+        &self,
+        slot: u32,
+        key: &str,
+        hash: BlockHash,
+        parts: &[&[u8]],
+        dirty: bool,
+        wanted: &dyn Fn() -> bool,
+    ) -> Result<bool, DriverError> {
+        let r = self.write_inner(slot, key, hash, parts, dirty, wanted).await;
         if let Err(e) = &r {
             super::tier::bump(&self.faults.copy_errors, 1);
             self.give_back(slot);
@@ -629,7 +640,15 @@ impl GpuTier {
         r
     }
 
-    async fn write_inner(&self, slot: u32, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<(), DriverError> {
+    async fn write_inner(
+        &self,
+        slot: u32,
+        key: &str,
+        hash: BlockHash,
+        parts: &[&[u8]],
+        dirty: bool,
+        wanted: &dyn Fn() -> bool,
+    ) -> Result<bool, DriverError> {
         let mut staging = self.staging().await?;
         let mut crc = crc32fast::Hasher::new();
         let buf = staging.buf_mut();
@@ -651,10 +670,14 @@ impl GpuTier {
             cu::event::record(event, self.stream)?;
         }
         self.wait(event).await?;
+        if !wanted() {
+            self.give_back(slot);
+            return Ok(false);
+        }
         self.crc.borrow_mut()[slot as usize] = crc.finalize();
         self.generation.borrow_mut()[slot as usize] += 1;
         self.lru.borrow_mut().install(slot, key, hash, dirty, |_| false);
-        Ok(())
+        Ok(true)
     }
 
     /// Reads the block of `key` (made most recently used): D2H into a

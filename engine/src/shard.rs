@@ -52,7 +52,10 @@ use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::stream::{dma_chunk, BlockBody, ChunkStream};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
+mod transit;
 mod waterfall;
+
+use transit::{Placed, Transits};
 
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
@@ -135,6 +138,7 @@ struct Counters {
     io_queue_refusals: Cell<u64>,
     snapshots_written: Cell<u64>,
     forwarded_requests: Cell<u64>,
+    transit_hits: Cell<u64>,
 }
 
 /// What recovery found when the shard opened.
@@ -224,6 +228,10 @@ pub struct ShardStats {
     pub snapshots_written: u64,
     /// Operations this shard's connections sent to the shard owning the key.
     pub forwarded_requests: u64,
+    /// GETs served from a block on its way into a memory tier (a PUT being
+    /// placed, a block moving between tiers; `shard/transit.rs`), reported
+    /// as `ram`.
+    pub transit_hits: u64,
     /// Seconds the shard's executor spent running tasks since start.
     pub reactor_busy_s: f64,
     /// Seconds the shard's executor has existed.
@@ -304,6 +312,8 @@ pub struct Shard {
     gpu: Option<crate::gpu::GpuTier>,
     /// Why the configured GPU tier is absent (`--gpu-optional`).
     gpu_unavailable: Option<String>,
+    /// Blocks on their way into a memory tier, served from here meanwhile.
+    transits: Transits,
     gpu_counters: TierCounters,
     /// The log's tier counters: reads it served or missed, blocks demoted
     /// into it, block read and write latencies. Bytes and evictions are the
@@ -366,6 +376,7 @@ impl Shard {
             ram_counters: TierCounters::default(),
             gpu,
             gpu_unavailable,
+            transits: Transits::default(),
             gpu_counters: TierCounters::default(),
             nvme_counters: TierCounters::default(),
             cfg,
@@ -451,42 +462,58 @@ impl Shard {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
         let parts: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
-        if self.cfg.write_policy == WritePolicy::Back && (self.ram.is_some() || self.gpu.is_some()) {
+        let tiered = self.ram.is_some() || self.gpu.is_some();
+        // From here until the block is placed, GETs are served from its
+        // transit (see `shard/transit.rs`): in write-back the older copies
+        // leave memory before the new one lands, and the log may have none.
+        let mut ticket = None;
+        if self.cfg.write_policy == WritePolicy::Back && tiered {
             let existed = self.contains(&hash).is_some();
-            if self.place(key, hash, &parts, true).await?.is_some() {
+            let t = ticket.insert(self.transits.begin(key, hash, chunks.to_vec()));
+            if self.place(key, hash, &parts, true, t).await? != Placed::NoRoom {
                 bump(&self.counters.puts, 1);
                 return Ok(if existed { PutOutcome::Replaced } else { PutOutcome::Created });
             }
         }
         let outcome = self.put_nvme(key, hash, chunks, true).await?;
-        if self.place(key, hash, &parts, false).await?.is_none() {
-            // No memory slot to give: an older copy there must not outlive
-            // the new block.
-            self.drop_from_memory(&hash);
+        if tiered {
+            // Write-through: the transit starts once the log has the block,
+            // so transits of concurrent PUTs begin in the order their log
+            // writes completed.
+            let t = ticket.get_or_insert_with(|| self.transits.begin(key, hash, chunks.to_vec()));
+            if self.place(key, hash, &parts, false, t).await? == Placed::NoRoom && t.is_current() {
+                // No memory slot to give: an older copy there must not
+                // outlive the new block.
+                self.drop_from_memory(&hash);
+            }
         }
         Ok(outcome)
     }
 
-    /// Places a block in the RAM tier as its most recently used block,
-    /// moving least recently used blocks down to make room: dropped when
-    /// the log has them, written to the log first when they are only in RAM
-    /// (`dirty`, write-back). Returns false when there is no RAM tier or
-    /// every slot is pinned or being demoted.
+    /// Places a block in the RAM tier as its most recently used block while
+    /// `wanted()` holds (checked before an older copy leaves and at the
+    /// install), moving least recently used blocks down to make room:
+    /// dropped when the log has them, written to the log first when they are
+    /// only in RAM (`dirty`, write-back). [`Placed::NoRoom`] when there is
+    /// no RAM tier or every slot is pinned or being demoted.
     ///
     /// # Errors
     /// Writing a demoted block to the log failed (the block stays in RAM).
-    async fn cache(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<bool> {
-        let Some(ram) = &self.ram else { return Ok(false) };
+    async fn cache(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool, wanted: &dyn Fn() -> bool) -> Result<Placed> {
+        let Some(ram) = &self.ram else { return Ok(Placed::NoRoom) };
         let started = Instant::now();
-        ram.borrow_mut().release_if_idle(&hash);
         loop {
             let victim = {
+                if !wanted() {
+                    return Ok(Placed::Superseded);
+                }
                 let mut r = ram.borrow_mut();
+                r.release_if_idle(&hash);
                 if let Some(slot) = r.take_free() {
                     r.install(slot, key, hash, parts, dirty);
                     bump(&self.ram_counters.bytes_in, self.cfg.geometry.block_bytes);
                     record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
-                    return Ok(true);
+                    return Ok(Placed::In(Tier::Ram));
                 }
                 match r.victim() {
                     Some(v) if !v.dirty => {
@@ -495,7 +522,7 @@ impl Shard {
                         continue;
                     }
                     Some(v) => v,
-                    None => return Ok(false),
+                    None => return Ok(Placed::NoRoom),
                 }
             };
             // Write-back: the victim is only in RAM; write it to the log
@@ -963,6 +990,12 @@ impl Shard {
     /// from a slower tier is promoted to the fastest memory tier
     /// (`waterfall.rs`).
     async fn read_tiered(&self, key: &str, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
+        // A block on its way into a memory tier: its newest bytes, which no
+        // tier may hold yet.
+        if let Some(parts) = self.transits.get(key, &hash) {
+            bump(&self.counters.transit_hits, 1);
+            return Ok((self.transit_body(parts, stream), Tier::Ram));
+        }
         if let Some(bytes) = self.read_gpu(key, hash).await {
             return Ok((BlockBody::Whole(bytes), Tier::Gpu));
         }
@@ -993,6 +1026,21 @@ impl Shard {
         }
     }
 
+    /// The body of a GET served from a block in transit: its buffers as they
+    /// are (they may be this shard's DMA chunks), except for a GET forwarded
+    /// from another shard (`!stream`), which gets one pooled copy that may
+    /// cross threads.
+    fn transit_body(&self, mut parts: Vec<Bytes>, stream: bool) -> BlockBody {
+        if !stream {
+            let slices: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+            return BlockBody::Whole(self.read_buffers.copy_parts(&slices, |_| {}));
+        }
+        if parts.len() == 1 {
+            return BlockBody::Whole(parts.pop().expect("one part"));
+        }
+        BlockBody::Chunks(ChunkStream::from_parts(self.cfg.geometry.block_bytes, parts))
+    }
+
     /// Promotes a stored block into RAM (a prefetch): a block already in
     /// RAM becomes most recently used; one only in the log is read (CRC
     /// checked) into RAM. Returns whether the block is stored.
@@ -1013,21 +1061,24 @@ impl Shard {
     /// Used when no RAM slot could be taken before the read (a GPU tier
     /// takes promotions; or write-back: every RAM candidate is dirty and
     /// must be written to the log first) and for format 1 slots.
-    async fn promote(&self, key: &str, hash: BlockHash, parts: &[&[u8]], entry: Entry) {
+    async fn promote(&self, key: &str, hash: BlockHash, parts: &[Bytes], entry: Entry) {
         if !self.still_newest(&hash, entry) {
             return;
         }
-        match self.place(key, hash, parts, false).await {
-            Ok(Some(Tier::Gpu)) => bump(&self.gpu_counters.promotions, 1),
-            Ok(Some(Tier::Ram)) => bump(&self.ram_counters.promotions, 1),
+        let ticket = self.transits.begin(key, hash, parts.to_vec());
+        let slices: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        match self.place(key, hash, &slices, false, &ticket).await {
+            Ok(Placed::In(Tier::Gpu)) => bump(&self.gpu_counters.promotions, 1),
+            Ok(Placed::In(Tier::Ram)) => bump(&self.ram_counters.promotions, 1),
             _ => {}
         }
     }
 
     /// Whether a block read from `entry` may be promoted: the index still
-    /// points at that record and no memory tier holds a copy (a PUT or
-    /// DELETE while the block was read must not be undone by an older copy;
-    /// in write-back a newer copy may be in memory only).
+    /// points at that record and no memory tier holds a copy, nor is one on
+    /// its way there (a PUT or DELETE while the block was read must not be
+    /// undone by an older copy; in write-back a newer copy may be in memory
+    /// only).
     fn still_newest(&self, hash: &BlockHash, entry: Entry) -> bool {
         self.index.borrow().get(hash) == Some(entry) && !matches!(self.contains(hash), Some(Tier::Gpu | Tier::Ram))
     }
@@ -1195,7 +1246,7 @@ impl Shard {
             self.read_done(&segment, entry, started);
             drop(io_guards.take());
             if promote {
-                self.promote(key, hash, &[&bytes], entry).await;
+                self.promote(key, hash, std::slice::from_ref(&bytes), entry).await;
             }
             let _ = tx.try_send(Ok(bytes));
             return;
@@ -1279,8 +1330,7 @@ impl Shard {
                     }
                 } else if promote {
                     kept.push(chunk.clone());
-                    let parts: Vec<&[u8]> = kept.iter().map(|c| &c[..]).collect();
-                    self.promote(key, hash, &parts, entry).await;
+                    self.promote(key, hash, &kept, entry).await;
                 }
             } else if promote && ram_slot.is_none() {
                 kept.push(chunk.clone());
@@ -1326,8 +1376,11 @@ impl Shard {
     }
 
     /// The fastest tier holding a block under `hash` (map lookups; no I/O,
-    /// no LRU change).
+    /// no LRU change); `ram` for a block on its way into a memory tier.
     pub fn contains(&self, hash: &BlockHash) -> Option<Tier> {
+        if self.transits.contains(hash) {
+            return Some(Tier::Ram);
+        }
         if self.gpu.as_ref().is_some_and(|g| g.contains(hash)) {
             return Some(Tier::Gpu);
         }
@@ -1343,6 +1396,14 @@ impl Shard {
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
     pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
+        // A block on its way into a memory tier (a PUT being placed, a move
+        // between tiers) is stored: let it land, then delete it wherever it
+        // is. A newer PUT's transit is not waited for; it lands after.
+        if let Some(seen) = self.transits.id_of(&hash) {
+            while self.transits.id_of(&hash) == Some(seen) {
+                glommio::timer::sleep(RECLAIM_POLL).await;
+            }
+        }
         if self.delete_from_gpu(&hash).await
             && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(&hash))
             && !self.index.borrow().contains(&hash)
@@ -1497,6 +1558,7 @@ impl Shard {
             io_queue_refusals: c.io_queue_refusals.get(),
             snapshots_written: c.snapshots_written.get(),
             forwarded_requests: c.forwarded_requests.get(),
+            transit_hits: c.transit_hits.get(),
             reactor_busy_s: busy_s,
             reactor_wall_s: wall_s,
             reactor_utilization: if wall_s > 0.0 { busy_s / wall_s } else { 0.0 },

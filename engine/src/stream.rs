@@ -158,6 +158,19 @@ impl ChunkStream {
         ChunkStream { len, sent: 0, first: Some(first), rest, ended: false }
     }
 
+    /// A stream of `len` bytes already in memory as `parts` (a block in
+    /// transit between tiers, such as a PUT's body frames), without a copy.
+    pub(crate) fn from_parts(len: u64, parts: Vec<Bytes>) -> Self {
+        let mut parts = parts.into_iter().filter(|p| !p.is_empty());
+        let first = parts.next().unwrap_or_default();
+        let rest: Vec<Bytes> = parts.collect();
+        let (mut tx, rx) = mpsc::channel(rest.len());
+        for p in rest {
+            tx.try_send(Ok(p)).expect("the channel holds every part");
+        }
+        ChunkStream::new(len, first, rx)
+    }
+
     /// Payload length in bytes.
     pub fn len(&self) -> u64 {
         self.len
@@ -270,6 +283,15 @@ mod tests {
         let s = stream(6, b"ab", vec![Ok(Bytes::from_static(b"cd")), Ok(Bytes::from_static(b"ef"))]);
         let got = futures::executor::block_on(BlockBody::Chunks(s).collect()).unwrap();
         assert_eq!(&got[..], b"abcdef");
+    }
+
+    #[test]
+    fn parts_in_memory_stream_whole_skipping_empty_ones() {
+        let parts = ["", "ab", "", "cde", "f"].map(|p| Bytes::from_static(p.as_bytes())).to_vec();
+        let got = futures::executor::block_on(BlockBody::Chunks(ChunkStream::from_parts(6, parts)).collect()).unwrap();
+        assert_eq!(&got[..], b"abcdef");
+        let short = vec![Bytes::from_static(b"abc")];
+        assert!(futures::executor::block_on(BlockBody::Chunks(ChunkStream::from_parts(6, short)).collect()).is_err());
     }
 
     #[test]

@@ -364,6 +364,9 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
     shard_counter(&mut registry, "shard_forwarded_requests", "Operations sent to the shard owning the key", engine, |s| {
         s.forwarded_requests
     });
+    shard_counter(&mut registry, "shard_transit_hits", "GETs served from a block on its way into a memory tier", engine, |s| {
+        s.transit_hits
+    });
     let io_latency = Family::<ShardQuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
     let io_write = Family::<ShardQuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
     for s in engine {

@@ -511,6 +511,108 @@ async fn replay_through_gpu_and_ram_tiers_matches_the_oracle_block_for_block() {
     }
 }
 
+/// A block moving between memory tiers is in neither for as long as its
+/// copy to the GPU takes. In write-back nothing else may hold it (the log
+/// has no copy), so that time must not show: while the copy is in flight
+/// GETs and lookups find the block, a PUT or DELETE of its key answers as
+/// for a stored block and wins over the move, and nothing comes back later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_on_its_way_to_the_gpu_stays_readable_and_newer_writes_win() {
+    if needs_fake("a_block_on_its_way_to_the_gpu_stays_readable_and_newer_writes_win") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Each copy waits out 2,000 "not ready" event polls: a window of
+    // 100 ms or more per copy, which the GETs below fall into.
+    let switches = [("FAKE_CUDA_DEFERRED", "1"), ("FAKE_CUDA_NOT_READY", "2000")];
+    // RAM has room for every block the GPU moves down: nothing is written
+    // to the log.
+    let server = start_gpu(&gpu_args(&dir.path().join("data"), 2, 8, &["--write-policy", "back"]), &switches);
+    let c = std::sync::Arc::new(Client::new(&server.url, false, 4).unwrap());
+    put_all(&c, &keys(6)).await;
+    // k4 and k5 on the GPU, k0..k3 dirty in RAM: nothing in the log.
+    assert_eq!(tiers_of(&c, &["k0", "k1", "k2", "k3", "k4", "k5"]).await, ["ram", "ram", "ram", "ram", "gpu", "gpu"]);
+    // A GET of `key` (in RAM) that moves it up, returned once the move has
+    // begun: the GET has been served from RAM, and the move is then under
+    // way for 2 copies of 100 ms or more.
+    async fn start_move(c: &std::sync::Arc<Client>, key: &'static str) -> tokio::task::JoinHandle<String> {
+        let ram_hits = |stats: Value| tier(&stats, "ram")["hits"].as_u64().unwrap();
+        let before = ram_hits(c.stats().await.unwrap());
+        let mover = tokio::spawn({
+            let c = c.clone();
+            async move { read_tier(&c, key).await }
+        });
+        while ram_hits(c.stats().await.unwrap()) == before {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        mover
+    }
+    // Reads of k0 while a GET moves it up to the GPU.
+    let mover = start_move(&c, "k0").await;
+    let mut reads = 0;
+    while !mover.is_finished() {
+        // From the bytes on their way up ("ram"), or the GPU once landed.
+        let tier = read_tier(&c, "k0").await;
+        assert!(tier == "ram" || tier == "gpu", "{tier}");
+        let found = tiers_of(&c, &["k0"]).await;
+        assert!(found == ["ram"] || found == ["gpu"], "lookup of k0 while it moved: {found:?}");
+        reads += 1;
+    }
+    assert_eq!(mover.await.unwrap(), "ram");
+    assert!(reads > 0, "no read fell into the copy's window");
+    assert_eq!(tiers_of(&c, &["k0"]).await, ["gpu"]);
+
+    // A PUT of k1 while k1 moves up: the new bytes stay, whichever copy
+    // completes first.
+    let v2 = payload("k1, second version");
+    assert_eq!(tiers_of(&c, &["k1", "k2", "k3"]).await, ["ram"; 3]);
+    let mover = start_move(&c, "k1").await;
+    assert!(!mover.is_finished(), "the PUT must come while k1 moves");
+    assert_eq!(c.put("k1", vec![v2.clone()]).await.unwrap(), StatusCode::OK, "PUT over a block on its way up");
+    assert_eq!(mover.await.unwrap(), "ram");
+    let (body, _) = c.get("k1").await.unwrap().expect("k1 stored");
+    assert!(body.to_bytes() == v2, "k1 read back with the bytes the move carried, not the newer PUT's");
+
+    // A DELETE of k2 while k2 moves up: deleted once it has landed, and
+    // not brought back.
+    assert_eq!(tiers_of(&c, &["k2", "k3"]).await, ["ram"; 2]);
+    let mover = start_move(&c, "k2").await;
+    assert!(!mover.is_finished(), "the DELETE must come while k2 moves");
+    let deleted = c.send(Method::DELETE, "/v1/blocks/k2", ChunkedBody::new(Vec::new()), None).await.unwrap();
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT, "DELETE of a block on its way up");
+    assert_eq!(mover.await.unwrap(), "ram");
+    assert!(c.get("k2").await.unwrap().is_none(), "k2 came back after its DELETE");
+    assert_eq!(tiers_of(&c, &["k2"]).await, Vec::<String>::new());
+
+    // Reads of k3 while a PUT of new bytes places them: old or new bytes,
+    // never a miss.
+    let v2 = payload("k3, second version");
+    let writer = tokio::spawn({
+        let (c, v2) = (c.clone(), v2.clone());
+        async move { c.put("k3", vec![v2]).await.unwrap() }
+    });
+    let mut reads = 0;
+    while !writer.is_finished() {
+        let (body, tier) = c.get("k3").await.unwrap().expect("k3 missing while a PUT replaced it");
+        let body = body.to_bytes();
+        assert!(body == payload("k3") || body == v2, "k3 read back as neither version ({tier:?})");
+        reads += 1;
+    }
+    assert_eq!(writer.await.unwrap(), StatusCode::OK);
+    assert!(reads > 0, "no read fell into the PUT's window");
+    assert!(c.get("k3").await.unwrap().expect("k3 stored").0.to_bytes() == v2);
+
+    let stats = c.stats().await.unwrap();
+    let gpu = &tier(&stats, "gpu")["gpu"];
+    assert_eq!((gpu["corrupt_blocks"].as_u64(), gpu["blocks_lost"].as_u64()), (Some(0), Some(0)), "{gpu}");
+    let transit_hits = stats["per_shard"][0]["transit_hits"].as_u64().unwrap();
+    assert!(transit_hits > 0, "{}", stats["per_shard"][0]);
+    let metrics = c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes();
+    let line = format!("kvtier_shard_transit_hits_total{{shard=\"0\"}} {transit_hits}");
+    assert!(String::from_utf8_lossy(&metrics).contains(&line), "no {line} in /metrics");
+    server.stop();
+}
+
 /// Many clients at once over two shards, with deferred copies and slow
 /// events: copies in flight overlap (two staging buffers per shard), slots
 /// are evicted and refilled while reads of them are queued, and every GET

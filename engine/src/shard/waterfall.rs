@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use super::transit::{Placed, Ticket};
 use super::Shard;
 use crate::error::{Error, Result};
 use crate::gpu::{GpuRead, GpuTier};
@@ -52,25 +53,34 @@ pub(super) fn open_gpu(cfg: &ShardConfig) -> Result<(Option<GpuTier>, Option<Str
 impl Shard {
     /// Places a block in the fastest memory tier with room (GPU, else RAM)
     /// as its most recently used block, moving least recently used blocks
-    /// down to make room. Returns the tier that took it, `None` when neither
-    /// could.
+    /// down to make room, while `ticket` (the block's transit, which GETs
+    /// are served from meanwhile) is current; older copies of the key leave
+    /// only then. Returns the tier that took it, [`Placed::Superseded`] when
+    /// a newer PUT of the key came first, [`Placed::NoRoom`] when neither
+    /// tier could take it.
     ///
     /// # Errors
     /// Writing a demoted write-back block to the log failed.
-    pub(super) async fn place(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<Option<Tier>> {
+    pub(super) async fn place(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool, ticket: &Ticket<'_>) -> Result<Placed> {
+        let wanted = || ticket.is_current();
+        if !wanted() {
+            return Ok(Placed::Superseded);
+        }
         if let Some(gpu) = &self.gpu {
             // An older copy in RAM leaves first, so the GPU victim this
             // block displaces can take its slot.
             if let Some(ram) = &self.ram {
                 ram.borrow_mut().remove(&hash);
             }
-            if self.cache_gpu(gpu, key, hash, parts, dirty).await? {
-                return Ok(Some(Tier::Gpu));
+            match self.cache_gpu(gpu, key, hash, parts, dirty, &wanted).await? {
+                Placed::NoRoom if wanted() => {}
+                Placed::NoRoom => return Ok(Placed::Superseded),
+                placed => return Ok(placed),
             }
             // Not on the GPU: an older copy there must not shadow this one.
             gpu.remove(&hash);
         }
-        Ok(self.cache(key, hash, parts, dirty).await?.then_some(Tier::Ram))
+        self.cache(key, hash, parts, dirty, &wanted).await
     }
 
     /// Drops any copy of `hash` from the memory tiers.
@@ -83,22 +93,42 @@ impl Shard {
         }
     }
 
-    /// Places a block on the GPU, moving its least recently used blocks
-    /// down one tier while it has no free slot. Returns false when no slot
-    /// could be had or the copy failed (counted and logged by the tier).
-    async fn cache_gpu(&self, gpu: &GpuTier, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) -> Result<bool> {
+    /// Places a block on the GPU while `wanted()` holds (checked before an
+    /// older copy leaves and again at the install), moving the tier's least
+    /// recently used blocks down one tier while it has no free slot.
+    /// [`Placed::NoRoom`] when no slot could be had or the copy failed
+    /// (counted and logged by the tier).
+    async fn cache_gpu(
+        &self,
+        gpu: &GpuTier,
+        key: &str,
+        hash: BlockHash,
+        parts: &[&[u8]],
+        dirty: bool,
+        wanted: &dyn Fn() -> bool,
+    ) -> Result<Placed> {
         let started = Instant::now();
+        if !wanted() {
+            return Ok(Placed::Superseded);
+        }
         gpu.release_if_idle(&hash);
         loop {
             if let Some(slot) = gpu.take_free().await {
-                if gpu.write(slot, key, hash, parts, dirty).await.is_err() {
-                    return Ok(false);
+                if !wanted() {
+                    gpu.give_back(slot);
+                    return Ok(Placed::Superseded);
                 }
-                bump(&self.gpu_counters.bytes_in, self.cfg.geometry.block_bytes);
-                record_us(&self.gpu_counters.write_us, started.elapsed().as_micros());
-                return Ok(true);
+                return Ok(match gpu.write(slot, key, hash, parts, dirty, wanted).await {
+                    Err(_) => Placed::NoRoom,
+                    Ok(false) => Placed::Superseded,
+                    Ok(true) => {
+                        bump(&self.gpu_counters.bytes_in, self.cfg.geometry.block_bytes);
+                        record_us(&self.gpu_counters.write_us, started.elapsed().as_micros());
+                        Placed::In(Tier::Gpu)
+                    }
+                });
             }
-            let Some(victim) = gpu.victim() else { return Ok(false) };
+            let Some(victim) = gpu.victim() else { return Ok(Placed::NoRoom) };
             self.demote_gpu(gpu, victim).await?;
         }
     }
@@ -127,19 +157,21 @@ impl Shard {
                 return Ok(());
             }
         };
-        if !gpu.holds(v.slot, &v.hash) {
-            // Deleted or replaced while it was copied back: nothing to move
-            // (moving the old bytes down would later overwrite the new ones
-            // in the log).
+        // Deleted or replaced (or a newer block of the key on its way in)
+        // while it was copied back: nothing to move (moving the old bytes
+        // down would later overwrite the new ones in the log).
+        let still_held = || gpu.holds(v.slot, &v.hash) && !self.transits.contains(&v.hash);
+        if !still_held() {
             gpu.end_demotion(v.slot, true);
             return Ok(());
         }
         let into_ram = match &self.ram {
-            Some(_) => self.cache(&v.key, v.hash, &[&bytes], v.dirty).await,
-            None => Ok(false),
+            Some(_) => self.cache(&v.key, v.hash, &[&bytes], v.dirty, &still_held).await,
+            None => Ok(Placed::NoRoom),
         };
         let moved = match into_ram {
-            Ok(true) => true,
+            Ok(Placed::In(_) | Placed::Superseded) => true,
+            _ if !still_held() => true,
             _ if v.dirty => {
                 let written = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
                 if written.is_ok() {
@@ -205,23 +237,30 @@ impl Shard {
         owned
     }
 
-    /// Moves a block from RAM to the GPU. It leaves RAM first, so the GPU
-    /// victim it displaces can take its RAM slot (the caller holds no pin on
-    /// it); if the GPU does not take it, it goes back to RAM (a dirty block
-    /// must not be lost).
+    /// Moves a block from RAM (`bytes`, a copy of its slot) to the GPU. It
+    /// leaves RAM first, so the GPU victim it displaces can take its RAM
+    /// slot (the caller holds no pin on it), and is served from its transit
+    /// until it lands; if the GPU does not take it, it goes back to RAM (a
+    /// dirty block must not be lost). A PUT of the key meanwhile wins: the
+    /// move then changes nothing (a DELETE waits for the move to land).
     async fn move_up_from_ram(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
-        let Some(gpu) = &self.gpu else { return };
-        let dirty = self.ram.as_ref().is_some_and(|r| r.borrow().is_dirty(&hash));
-        if self.ram.as_ref().is_some_and(|r| r.borrow().is_demoting(&hash)) {
+        let (Some(gpu), Some(ram)) = (&self.gpu, &self.ram) else { return };
+        let (dirty, demoting) = {
+            let r = ram.borrow();
+            (r.is_dirty(&hash), r.is_demoting(&hash))
+        };
+        if demoting || self.transits.contains(&hash) {
             return;
         }
-        if let Some(ram) = &self.ram {
-            ram.borrow_mut().remove(&hash);
-        }
-        match self.cache_gpu(gpu, key, hash, &[bytes], dirty).await {
-            Ok(true) => bump(&self.gpu_counters.promotions, 1),
+        let ticket = self.transits.begin(key, hash, vec![bytes.clone()]);
+        let wanted = || ticket.is_current();
+        ram.borrow_mut().remove(&hash);
+        match self.cache_gpu(gpu, key, hash, &[bytes], dirty, &wanted).await {
+            Ok(Placed::In(_)) => bump(&self.gpu_counters.promotions, 1),
+            Ok(Placed::Superseded) => {}
             _ => {
-                if !matches!(self.cache(key, hash, &[bytes], dirty).await, Ok(true)) && dirty {
+                let back = self.cache(key, hash, &[bytes], dirty, &wanted).await;
+                if !matches!(back, Ok(Placed::In(_) | Placed::Superseded)) && dirty && wanted() {
                     // Neither tier took it back: write it to the log.
                     if let Err(e) = self.put_nvme(key, hash, std::slice::from_ref(bytes), false).await {
                         bump(&gpu.faults.blocks_lost, 1);
