@@ -631,24 +631,28 @@ impl GpuTier {
         dirty: bool,
         wanted: &dyn Fn() -> bool,
     ) -> Result<bool, DriverError> {
-        let r = self.write_inner(slot, key, hash, parts, dirty, wanted).await;
-        if let Err(e) = &r {
-            super::tier::bump(&self.faults.copy_errors, 1);
+        let crc = match self.copy_in(slot, parts).await {
+            Ok(crc) => crc,
+            Err(e) => {
+                super::tier::bump(&self.faults.copy_errors, 1);
+                self.give_back(slot);
+                tracing::warn!(device = self.device.ordinal, key, "copy to the GPU failed ({}); block not placed there", describe(&e));
+                return Err(e);
+            }
+        };
+        if !wanted() {
             self.give_back(slot);
-            tracing::warn!(device = self.device.ordinal, key, "copy to the GPU failed ({}); block not placed there", describe(e));
+            return Ok(false);
         }
-        r
+        self.crc.borrow_mut()[slot as usize] = crc;
+        self.generation.borrow_mut()[slot as usize] += 1;
+        self.lru.borrow_mut().install(slot, key, hash, dirty, |_| false);
+        Ok(true)
     }
 
-    async fn write_inner(
-        &self,
-        slot: u32,
-        key: &str,
-        hash: BlockHash,
-        parts: &[&[u8]],
-        dirty: bool,
-        wanted: &dyn Fn() -> bool,
-    ) -> Result<bool, DriverError> {
+    /// Copies `parts` into `slot` through a staging buffer and waits for the
+    /// copy to complete. Returns the block's CRC-32.
+    async fn copy_in(&self, slot: u32, parts: &[&[u8]]) -> Result<u32, DriverError> {
         let mut staging = self.staging().await?;
         let mut crc = crc32fast::Hasher::new();
         let buf = staging.buf_mut();
@@ -670,14 +674,7 @@ impl GpuTier {
             cu::event::record(event, self.stream)?;
         }
         self.wait(event).await?;
-        if !wanted() {
-            self.give_back(slot);
-            return Ok(false);
-        }
-        self.crc.borrow_mut()[slot as usize] = crc.finalize();
-        self.generation.borrow_mut()[slot as usize] += 1;
-        self.lru.borrow_mut().install(slot, key, hash, dirty, |_| false);
-        Ok(true)
+        Ok(crc.finalize())
     }
 
     /// Reads the block of `key` (made most recently used): D2H into a
