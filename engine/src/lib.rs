@@ -18,6 +18,9 @@
 //! - [`gpu`]: the GPU tier above RAM: device slabs through cudarc, pinned
 //!   staging, event-polled copies, CRC-checked reads.
 //! - [`tier`]: tier names, write policy, per-tier counters.
+//! - [`health`]: each tier's health (ok, degraded, down) and why.
+//! - [`remote`]: the trait of the remote tier below the log (S3 in
+//!   `kvtier-s3`).
 //! - [`shard`]: one shard's write path, read path and reclaim.
 //! - [`stream`]: a block on its way out, whole or as verified chunks.
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
@@ -33,12 +36,14 @@ pub mod error;
 pub mod fsck;
 pub mod geometry;
 pub mod gpu;
+pub mod health;
 pub mod index;
 pub mod key;
 pub mod lru;
 pub mod pool;
 pub mod ram;
 pub mod recover;
+pub mod remote;
 pub mod segment;
 pub mod shard;
 pub mod slot;
@@ -48,7 +53,7 @@ pub mod tier;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};
-pub use shard::{PutOutcome, ShardStats};
-pub use store::{run, Block, Store, StoreConfig};
+pub use shard::{PutOutcome, PutReport, ShardStats};
+pub use store::{run, Block, PrefetchReport, Store, StoreConfig};
 pub use stream::{BlockBody, ChunkStream};
 pub use tier::{Tier, TierStats, WritePolicy};

@@ -52,8 +52,11 @@ use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::stream::{dma_chunk, BlockBody, ChunkStream};
 use crate::tier::{bump, record_us, Tier, TierCounters, TierStats, WritePolicy};
 
+mod remote;
 mod transit;
 mod waterfall;
+
+pub use remote::PutReport;
 
 use transit::{Placed, Transits};
 
@@ -103,6 +106,9 @@ pub struct ShardConfig {
     pub promote: bool,
     /// The GPU tier above RAM (see [`crate::gpu`]).
     pub gpu: crate::gpu::GpuConfig,
+    /// The remote tier below the log, shared by the process's shards (see
+    /// [`crate::remote`]).
+    pub remote: Option<Arc<dyn crate::remote::Remote>>,
 }
 
 impl ShardConfig {
@@ -319,6 +325,10 @@ pub struct Shard {
     /// into it, block read and write latencies. Bytes and evictions are the
     /// segment counters in `counters`.
     nvme_counters: TierCounters,
+    /// This shard's handle on the remote tier below the log, if any.
+    remote: Option<Rc<dyn crate::remote::RemoteShard>>,
+    /// Remote reads in flight, one per key (`shard/remote.rs`).
+    remote_reads: remote::RemoteReads,
 }
 
 impl Shard {
@@ -351,6 +361,7 @@ impl Shard {
             n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
         };
         let (gpu, gpu_unavailable) = waterfall::open_gpu(&cfg)?;
+        let remote = cfg.remote.as_ref().map(|r| r.for_shard(cfg.shard_id as usize));
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
@@ -379,6 +390,8 @@ impl Shard {
             transits: Transits::default(),
             gpu_counters: TierCounters::default(),
             nvme_counters: TierCounters::default(),
+            remote,
+            remote_reads: Default::default(),
             cfg,
         })
     }
@@ -986,9 +999,10 @@ impl Shard {
         result
     }
 
-    /// GPU first, then RAM, then the log; with `promote` on a block read
-    /// from a slower tier is promoted to the fastest memory tier
-    /// (`waterfall.rs`).
+    /// GPU first, then RAM, then the log, then the remote tier; with
+    /// `promote` on a block read from the log is promoted to the fastest
+    /// memory tier (`waterfall.rs`), and a block read from the remote tier
+    /// is installed locally (`shard/remote.rs`).
     async fn read_tiered(&self, key: &str, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
         // A block on its way into a memory tier: its newest bytes, which no
         // tier may hold yet.
@@ -1020,6 +1034,9 @@ impl Shard {
             Err(e) => {
                 if matches!(e, Error::NotFound | Error::Corrupt { .. }) {
                     bump(&self.nvme_counters.misses, 1);
+                    if let Some(bytes) = self.read_remote(key, hash).await {
+                        return Ok((BlockBody::Whole(bytes), Tier::Remote));
+                    }
                 }
                 Err(e)
             }

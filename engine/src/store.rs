@@ -24,7 +24,8 @@ use crate::error::{Error, Result};
 use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::key::{self, BlockHash};
 use crate::recover;
-use crate::shard::{PutOutcome, Shard, ShardConfig, ShardStats};
+use crate::remote::Remote;
+use crate::shard::{PutOutcome, PutReport, Shard, ShardConfig, ShardStats};
 use crate::stream::BlockBody;
 pub use crate::tier::{Tier, WritePolicy};
 
@@ -127,6 +128,9 @@ pub struct StoreConfig {
     /// it (fixed buffers, no page faults) and fall back to the heap when it
     /// is used up.
     pub io_memory_bytes: u64,
+    /// The remote tier below the log, shared by every shard (`None`: none).
+    /// Each shard reaches it for the keys it owns ([`crate::remote`]).
+    pub remote: Option<Arc<dyn Remote>>,
 }
 
 impl StoreConfig {
@@ -164,6 +168,7 @@ impl StoreConfig {
             write_policy: self.write_policy,
             promote: self.promote,
             gpu: self.gpu.clone(),
+            remote: self.remote.clone(),
         }
     }
 
@@ -179,17 +184,29 @@ enum Op {
     Get { key: String, hash: BlockHash },
     Delete { key: String, hash: BlockHash },
     Contains { hashes: Vec<BlockHash> },
+    RemoteExists { keys: Vec<String> },
     Prefetch { keys: Vec<(String, BlockHash)> },
     Stats,
 }
 
 enum Reply {
-    Put(Result<PutOutcome>),
+    Put(Result<PutReport>),
     Get(Result<(BlockBody, Tier)>),
     Delete(Result<()>),
     Contains(Vec<Option<Tier>>),
-    Prefetch(usize),
+    RemoteExists(Vec<Option<bool>>),
+    Prefetch(PrefetchReport),
     Stats(Box<ShardStats>),
+}
+
+/// What a prefetch started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefetchReport {
+    /// Keys stored locally, being promoted toward the fastest tier.
+    pub found: usize,
+    /// Keys not stored locally, being copied from the remote tier (those it
+    /// holds); 0 without a remote tier.
+    pub remote_requested: usize,
 }
 
 struct Request {
@@ -213,6 +230,7 @@ pub struct Store {
     senders: Senders<Request>,
     shards: usize,
     manifest: StoreManifest,
+    remote: Option<Arc<dyn Remote>>,
 }
 
 impl Store {
@@ -236,6 +254,12 @@ impl Store {
         &self.manifest
     }
 
+    /// The remote tier below the log, if configured (its name, stats and
+    /// metrics; its blocks are reached through the calls below).
+    pub fn remote(&self) -> Option<&Arc<dyn Remote>> {
+        self.remote.as_ref()
+    }
+
     async fn forward(&self, owner: usize, op: Op) -> Result<Reply> {
         self.shard.count_forwarded();
         let (reply, answer) = oneshot::channel();
@@ -250,6 +274,15 @@ impl Store {
     /// [`Error::InvalidKey`], [`Error::WrongSize`], [`Error::DiskFull`],
     /// [`Error::Io`], [`Error::ShuttingDown`].
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutOutcome> {
+        Ok(self.put_reporting(key, chunks).await?.outcome)
+    }
+
+    /// [`Store::put`], and then the upload to the remote tier as its write
+    /// policy says (on the owning shard); reports both.
+    ///
+    /// # Errors
+    /// As [`Store::put`]; the remote tier never fails a PUT.
+    pub async fn put_reporting(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutReport> {
         key::validate(key)?;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
@@ -258,7 +291,7 @@ impl Store {
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         if owner == self.shard_id() {
-            return self.shard.put(key, hash, &chunks).await;
+            return self.shard.put_block(key, hash, &chunks).await;
         }
         match self.forward(owner, Op::Put { key: key.to_string(), hash, chunks }).await? {
             Reply::Put(r) => r,
@@ -305,7 +338,8 @@ impl Store {
         }
     }
 
-    /// Deletes the block under `key` (a tombstone is logged).
+    /// Deletes the block under `key` (a tombstone is logged), and its copy in
+    /// the remote tier; a key stored only there is deleted there.
     ///
     /// # Errors
     /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::DiskFull`],
@@ -315,7 +349,7 @@ impl Store {
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         if owner == self.shard_id() {
-            return self.shard.delete(key, hash).await;
+            return self.shard.delete_block(key, hash).await;
         }
         match self.forward(owner, Op::Delete { key: key.to_string(), hash }).await? {
             Reply::Delete(r) => r,
@@ -362,35 +396,101 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::contains_many`].
+    /// The tail the local tiers lack is counted in the remote tier
+    /// ([`Tier::Remote`]): windows of [`Remote::parallelism`] keys, each
+    /// checked at once by the shards owning them, stopping at the first key
+    /// absent (or unknown) there.
     pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<Vec<Tier>> {
         let found = self.contains_many(keys).await?;
-        Ok(found.into_iter().map_while(|t| t).collect())
+        let mut tiers: Vec<Tier> = found.into_iter().map_while(|t| t).collect();
+        let Some(remote) = &self.remote else { return Ok(tiers) };
+        for window in keys[tiers.len()..].chunks(remote.parallelism().max(1)) {
+            let present = self.remote_exists_many(window).await?.iter().take_while(|a| **a == Some(true)).count();
+            tiers.extend(std::iter::repeat_n(Tier::Remote, present));
+            if present < window.len() {
+                break;
+            }
+        }
+        Ok(tiers)
     }
 
-    /// Promotes the stored blocks among `keys` toward the fastest tier, in
-    /// the background on each owning shard (see [`Shard::prefetch`]).
-    /// Returns how many of the keys are stored now.
+    /// The fastest tier holding `key`, the remote tier included (`None`: not
+    /// stored anywhere).
+    ///
+    /// # Errors
+    /// As [`Store::contains_many`].
+    pub async fn contains(&self, key: &str) -> Result<Option<Tier>> {
+        if let Some(t) = self.contains_many(&[key]).await?[0] {
+            return Ok(Some(t));
+        }
+        if self.remote.is_none() {
+            return Ok(None);
+        }
+        Ok((self.remote_exists_many(&[key]).await?[0] == Some(true)).then_some(Tier::Remote))
+    }
+
+    /// Whether each of `keys` is in the remote tier, asked of the shards
+    /// owning them, in parallel (`None`: unknown after an error).
+    async fn remote_exists_many(&self, keys: &[&str]) -> Result<Vec<Option<bool>>> {
+        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards];
+        for (i, k) in keys.iter().enumerate() {
+            by_shard[BlockHash::of(k.as_bytes()).shard(self.shards)].push(i);
+        }
+        let mut found = vec![None; keys.len()];
+        let asks = by_shard.into_iter().enumerate().filter(|(_, is)| !is.is_empty()).map(|(owner, is)| async move {
+            let answer = if owner == self.shard_id() {
+                let mine: Vec<&str> = is.iter().map(|i| keys[*i]).collect();
+                self.shard.remote_exists_many(&mine).await
+            } else {
+                let keys = is.iter().map(|i| keys[*i].to_string()).collect();
+                match self.forward(owner, Op::RemoteExists { keys }).await? {
+                    Reply::RemoteExists(v) => v,
+                    _ => unreachable!("remote exists answered with another reply"),
+                }
+            };
+            Ok::<_, Error>((is, answer))
+        });
+        for result in futures::future::join_all(asks).await {
+            let (is, answer) = result?;
+            for (i, a) in is.into_iter().zip(answer) {
+                found[i] = a;
+            }
+        }
+        Ok(found)
+    }
+
+    /// Promotes the stored blocks among `keys` toward the fastest tier, and
+    /// copies the others from the remote tier into the local tiers, in the
+    /// background on each owning shard (see [`Shard::prefetch`]). Returns
+    /// how many of the keys are stored locally now, and how many are asked
+    /// of the remote tier.
     ///
     /// # Errors
     /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
-    pub async fn prefetch(&self, keys: &[&str]) -> Result<usize> {
+    pub async fn prefetch(&self, keys: &[&str]) -> Result<PrefetchReport> {
         let mut by_shard: Vec<Vec<(String, BlockHash)>> = vec![Vec::new(); self.shards];
         for k in keys {
             key::validate(k)?;
             let hash = BlockHash::of(k.as_bytes());
             by_shard[hash.shard(self.shards)].push((k.to_string(), hash));
         }
+        let parallelism = self.remote.as_ref().map_or(1, |r| r.parallelism());
         let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, keys)| async move {
             if owner == self.shard_id() {
-                return Ok(start_prefetch(&self.shard, keys));
+                return Ok(start_prefetch(&self.shard, keys, parallelism));
             }
             match self.forward(owner, Op::Prefetch { keys }).await? {
                 Reply::Prefetch(n) => Ok(n),
                 _ => unreachable!("prefetch answered with another reply"),
             }
         });
-        let counts: Result<Vec<usize>> = futures::future::join_all(asks).await.into_iter().collect();
-        Ok(counts?.into_iter().sum())
+        let mut total = PrefetchReport::default();
+        for r in futures::future::join_all(asks).await {
+            let r = r?;
+            total.found += r.found;
+            total.remote_requested += r.remote_requested;
+        }
+        Ok(total)
     }
 
     /// Statistics of every shard, in shard order.
@@ -412,28 +512,35 @@ impl Store {
 }
 
 /// Counts the stored keys among `keys` now and promotes them in a
-/// background task on this shard.
-fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>) -> usize {
-    let stored: Vec<_> = keys.into_iter().filter(|(_, h)| shard.contains(h).is_some()).collect();
-    let n = stored.len();
+/// background task on this shard; the others are copied from the remote
+/// tier, `parallelism` at a time, when there is one.
+fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, parallelism: usize) -> PrefetchReport {
+    let (stored, elsewhere): (Vec<_>, Vec<_>) = keys.into_iter().partition(|(_, h)| shard.contains(h).is_some());
+    let elsewhere = if shard.has_remote() { elsewhere } else { Vec::new() };
+    let report = PrefetchReport { found: stored.len(), remote_requested: elsewhere.len() };
     let shard = shard.clone();
     glommio::spawn_local(async move {
         for (key, hash) in stored {
             shard.prefetch(&key, hash).await;
         }
+        shard.prefetch_remote(elsewhere, parallelism).await;
     })
     .detach();
-    n
+    report
 }
 
-async fn execute(shard: &Rc<Shard>, op: Op) -> Reply {
+async fn execute(shard: &Rc<Shard>, op: Op, parallelism: usize) -> Reply {
     match op {
-        Op::Put { key, hash, chunks } => Reply::Put(shard.put(&key, hash, &chunks).await),
+        Op::Put { key, hash, chunks } => Reply::Put(shard.put_block(&key, hash, &chunks).await),
         // Whole: one message back across threads, not one per chunk.
         Op::Get { key, hash } => Reply::Get(shard.get(&key, hash, false).await),
-        Op::Delete { key, hash } => Reply::Delete(shard.delete(&key, hash).await),
+        Op::Delete { key, hash } => Reply::Delete(shard.delete_block(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
-        Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys)),
+        Op::RemoteExists { keys } => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            Reply::RemoteExists(shard.remote_exists_many(&keys).await)
+        }
+        Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys, parallelism)),
         Op::Stats => Reply::Stats(Box::new(shard.stats())),
     }
 }
@@ -472,6 +579,8 @@ where
         let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
         let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
         let io_memory_shard_bytes = config.io_memory_shard_bytes();
+        let remote = config.remote.clone();
+        let parallelism = remote.as_ref().map_or(1, |r| r.parallelism());
         let placement = if config.pin_cpus { Placement::Fixed(shard_id % cpus) } else { Placement::Unbound };
         let handle = LocalExecutorBuilder::new(placement)
             .name(&format!("kvtier-shard-{shard_id}"))
@@ -501,7 +610,7 @@ where
                             while let Some(req) = receiver.recv().await {
                                 let shard = shard.clone();
                                 glommio::spawn_local(async move {
-                                    let reply = execute(&shard, req.op).await;
+                                    let reply = execute(&shard, req.op, parallelism).await;
                                     let _ = req.reply.send(reply);
                                 })
                                 .detach();
@@ -522,7 +631,7 @@ where
                         }
                     })
                 });
-                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest });
+                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;

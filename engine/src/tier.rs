@@ -22,15 +22,20 @@ pub enum Tier {
     Ram,
     /// The O_DIRECT segment log.
     Nvme,
+    /// The shared tier below the log ([`crate::remote`]; S3-compatible
+    /// object storage), named `s3` on the wire.
+    #[serde(rename = "s3")]
+    Remote,
 }
 
 impl Tier {
-    /// Name used in `x-kvtier-tier` and in JSON: `gpu`, `ram`, `nvme`.
+    /// Name used in `x-kvtier-tier` and in JSON: `gpu`, `ram`, `nvme`, `s3`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Tier::Gpu => "gpu",
             Tier::Ram => "ram",
             Tier::Nvme => "nvme",
+            Tier::Remote => "s3",
         }
     }
 }

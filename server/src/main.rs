@@ -9,7 +9,6 @@ mod http;
 mod limits;
 mod metrics;
 mod routes;
-mod s3;
 mod server;
 
 use std::fs;
@@ -110,7 +109,7 @@ struct ServeArgs {
     #[arg(long, default_value = "info")]
     log_level: String,
     #[command(flatten)]
-    s3: s3::S3Args,
+    s3: kvtier_s3::S3Args,
 }
 
 #[derive(Args, Debug)]
@@ -272,6 +271,7 @@ impl StoreArgs {
             },
             promote: self.promote == OnOff::On,
             gpu: Default::default(),
+            remote: None,
         };
         Ok((config, segment_origin))
     }
@@ -470,9 +470,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let (gpu_config, gpu_line) = args.store.gpu.open(&config)?;
     config.gpu = gpu_config;
     let s3_tier = match &args.s3.s3_url {
-        Some(_) => Some(s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes)?),
+        Some(_) => Some(kvtier_s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes)?),
         None => None,
     };
+    config.remote = s3_tier.clone().map(|t| t as Arc<dyn kvtier_engine::remote::Remote>);
     let _lock = lock_data_dir(&config.data_dir)?;
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that nothing listens on it.
@@ -494,13 +495,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
         put_inflight_bytes_max: args.put_inflight_mib << 20,
-        s3: s3_tier.clone(),
     });
     if let Some(tier) = &s3_tier {
         // S3 down at start is not fatal: reads miss and uploads fail, counted.
         match tier.probe() {
-            Ok(()) => tracing::info!("shared tier {}", tier.describe()),
-            Err(e) => tracing::warn!("shared tier {} does not answer yet ({e}); serving from the local tiers meanwhile", tier.describe()),
+            Ok(()) => tracing::info!("shared tier {}", kvtier_engine::remote::Remote::describe(tier.as_ref())),
+            Err(e) => tracing::warn!(
+                "shared tier {} does not answer yet ({e}); serving from the local tiers meanwhile",
+                kvtier_engine::remote::Remote::describe(tier.as_ref())
+            ),
         }
     }
     let (shards, geometry, data_dir, segment_bytes) =
@@ -581,9 +584,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
     if let Some(tier) = &s3_tier {
-        let left = tier.drain(s3::DRAIN_MAX);
+        let left = tier.drain(kvtier_s3::DRAIN_MAX);
         if left > 0 {
-            tracing::warn!("{left} write-behind uploads still queued or in flight after {:?}; not uploaded", s3::DRAIN_MAX);
+            tracing::warn!("{left} write-behind uploads still queued or in flight after {:?}; not uploaded", kvtier_s3::DRAIN_MAX);
         }
     }
     outcome.map_err(|e| e.to_string())?;

@@ -267,7 +267,12 @@ fn shard_gauge(registry: &mut Registry, name: &str, help: &str, engine: &[ShardS
 }
 
 /// Renders every metric in the Prometheus (OpenMetrics) text format.
-pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geometry, s3: Option<&crate::s3::S3Tier>) -> String {
+pub fn prometheus_text(
+    http: &HttpStats,
+    engine: &[ShardStats],
+    geometry: &Geometry,
+    remote: Option<&dyn kvtier_engine::remote::Remote>,
+) -> String {
     let mut registry = Registry::with_prefix("kvtier");
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
     block.set(geometry.block_bytes as i64);
@@ -423,8 +428,8 @@ pub fn prometheus_text(http: &HttpStats, engine: &[ShardStats], geometry: &Geome
         }
     }
     registry.register("tier_latency_us", "Tier read and write latency percentiles in microseconds (largest shard's)", tier_latency);
-    if let Some(s3) = s3 {
-        s3.register_metrics(&mut registry);
+    if let Some(remote) = remote {
+        remote.register_metrics(&mut registry);
     }
     crate::gpu::register_metrics(&mut registry, &tiers);
 

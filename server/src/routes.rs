@@ -46,8 +46,6 @@ pub struct Ctx {
     pub put_inflight_bytes_max: u64,
     /// Declared body bytes of the PUTs admitted and not yet answered.
     pub put_inflight_bytes: std::cell::Cell<u64>,
-    /// This shard's handle on the shared S3 tier, when configured.
-    pub s3: Option<Rc<crate::s3::S3Shard>>,
 }
 
 /// An admitted PUT's share of [`Ctx::put_inflight_bytes`], given back when
@@ -342,19 +340,16 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
         Ok(b) => b,
         Err(r) => return r,
     };
-    // The upload takes its own handles on the body's frames (no copy).
-    let upload = ctx.s3.as_ref().map(|_| chunks.clone());
-    match ctx.store.put(key, chunks).await {
-        Ok(outcome) => {
-            let (status, word) = match outcome {
+    match ctx.store.put_reporting(key, chunks).await {
+        Ok(report) => {
+            let (status, word) = match report.outcome {
                 PutOutcome::Created => (StatusCode::CREATED, "created"),
                 PutOutcome::Replaced => (StatusCode::OK, "replaced"),
             };
             let mut body = json!({ "key": key, "block_bytes": got, "status": word });
-            if let (Some(s3), Some(chunks)) = (&ctx.s3, upload) {
-                if let Some(sent) = s3.after_put(key, chunks).await {
-                    body["s3"] = json!(sent.as_str());
-                }
+            // What the remote tier did with it, under the tier's name.
+            if let (Some(remote), Some(upload)) = (ctx.store.remote(), report.upload) {
+                body[remote.name()] = json!(upload.as_str());
             }
             json_reply(status, &body)
         }
@@ -375,24 +370,18 @@ fn block_reply(body: BlockBody, tier: &'static str) -> Reply {
 /// A block, answered once its first chunk has passed its CRC-32 check and
 /// streamed from there ([`ReplyBody`]): a damaged later chunk cuts the
 /// response off instead of completing it (the block is dropped, so the next
-/// GET falls through to S3). A local miss falls through to the shared tier.
+/// GET falls through to the tiers below). Every tier, the remote one
+/// included, is behind [`Store::get_stream`].
 async fn get_block(ctx: &Ctx, key: &str) -> Reply {
     match ctx.store.get_stream(key).await {
         Ok((body, tier)) => block_reply(body, tier.as_str()),
-        Err(e @ (Error::NotFound | Error::Corrupt { .. })) => match &ctx.s3 {
-            Some(s3) => match s3.read_through(&ctx.store, key).await {
-                Some(bytes) => block_reply(BlockBody::Whole(bytes), crate::s3::TIER_NAME),
-                None => engine_error(&e),
-            },
-            None => engine_error(&e),
-        },
         Err(e) => engine_error(&e),
     }
 }
 
 async fn head_block(ctx: &Ctx, key: &str) -> Reply {
-    match ctx.store.contains_many(&[key]).await {
-        Ok(found) if found[0].is_some() || local_miss_in_s3(ctx, key).await => Response::builder()
+    match ctx.store.contains(key).await {
+        Ok(Some(_)) => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
             .header(header::CONTENT_LENGTH, ctx.store.geometry().block_bytes)
@@ -403,27 +392,8 @@ async fn head_block(ctx: &Ctx, key: &str) -> Reply {
     }
 }
 
-/// Whether the shared tier holds `key` (false without one).
-async fn local_miss_in_s3(ctx: &Ctx, key: &str) -> bool {
-    match &ctx.s3 {
-        Some(s3) => s3.exists(key).await,
-        None => false,
-    }
-}
-
 async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
-    let local = ctx.store.delete(key).await;
-    // The shared tier's copy goes too, else the next GET would bring the
-    // block back. A key only in the bucket is deleted there.
-    let deleted = match (local, &ctx.s3) {
-        (Ok(()), Some(s3)) => {
-            s3.delete_object(key).await;
-            Ok(())
-        }
-        (Err(Error::NotFound), Some(s3)) if s3.exists(key).await && s3.delete_object(key).await => Ok(()),
-        (r, _) => r,
-    };
-    match deleted {
+    match ctx.store.delete(key).await {
         Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(ReplyBody::empty()).expect("valid response"),
         Err(e) => engine_error(&e),
     }
@@ -475,48 +445,33 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     match ctx.store.lookup_prefix(&keys).await {
         Ok(tiers) => {
-            let mut names: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
-            // The tail the local tiers lack, from the shared tier.
-            if let Some(s3) = ctx.s3.as_ref().filter(|_| names.len() < keys.len()) {
-                let more = s3.count_present(&keys[names.len()..]).await;
-                names.extend(std::iter::repeat_n(crate::s3::TIER_NAME, more));
-            }
+            let names: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
             json_reply(StatusCode::OK, &json!({ "prefix_hits": names.len(), "tiers": names }))
         }
         Err(e) => engine_error(&e),
     }
 }
 
-/// `POST /v1/prefetch`: promotes the stored keys toward RAM in the
-/// background; 202 with how many were found.
+/// `POST /v1/prefetch`: promotes the stored keys toward the fastest tier and
+/// copies the others from the remote tier, in the background; 202 with how
+/// many were found locally and (with a remote tier) how many were asked of
+/// it (`<tier>_requested`).
 async fn prefetch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     let keys = match read_keys(ctx, req).await {
         Ok(k) => k,
         Err(r) => return r,
     };
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let Some(s3) = &ctx.s3 else {
-        return match ctx.store.prefetch(&keys).await {
-            Ok(found) => json_reply(StatusCode::ACCEPTED, &json!({ "requested": keys.len(), "found": found })),
-            Err(e) => engine_error(&e),
-        };
-    };
-    // Stored keys are promoted locally; the others are copied from the
-    // shared tier in the background.
-    let local = match ctx.store.contains_many(&keys).await {
-        Ok(l) => l,
-        Err(e) => return engine_error(&e),
-    };
-    let (here, elsewhere): (Vec<_>, Vec<_>) = keys.iter().zip(&local).partition(|(_, t)| t.is_some());
-    let here: Vec<&str> = here.into_iter().map(|(k, _)| *k).collect();
-    let elsewhere: Vec<String> = elsewhere.into_iter().map(|(k, _)| k.to_string()).collect();
-    let found = match ctx.store.prefetch(&here).await {
-        Ok(n) => n,
-        Err(e) => return engine_error(&e),
-    };
-    let from_s3 = elsewhere.len();
-    s3.prefetch(ctx.store.clone(), elsewhere);
-    json_reply(StatusCode::ACCEPTED, &json!({ "requested": keys.len(), "found": found, "s3_requested": from_s3 }))
+    match ctx.store.prefetch(&keys).await {
+        Ok(report) => {
+            let mut body = json!({ "requested": keys.len(), "found": report.found });
+            if let Some(remote) = ctx.store.remote() {
+                body[format!("{}_requested", remote.name())] = json!(report.remote_requested);
+            }
+            json_reply(StatusCode::ACCEPTED, &body)
+        }
+        Err(e) => engine_error(&e),
+    }
 }
 
 async fn stats(ctx: &Ctx) -> Reply {
@@ -554,8 +509,11 @@ async fn stats(ctx: &Ctx) -> Reply {
         "tiers": tier_totals(&shards),
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
-        "s3": ctx.s3.as_ref().map(|s| s.tier().stats_json()),
     });
+    let mut body = body;
+    if let Some(remote) = ctx.store.remote() {
+        body[remote.name()] = remote.stats_json();
+    }
     json_reply(StatusCode::OK, &body)
 }
 
@@ -579,7 +537,7 @@ async fn metrics(ctx: &Ctx) -> Reply {
         Ok(s) => s,
         Err(e) => return engine_error(&e),
     };
-    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.s3.as_ref().map(|s| s.tier()));
+    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()));
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")

@@ -44,8 +44,6 @@ pub struct Shared {
     pub body_timeout: Duration,
     /// PUT body bytes each shard admits at once (else 503).
     pub put_inflight_bytes_max: u64,
-    /// The shared tier on S3 (`--s3-url`), when configured.
-    pub s3: Option<Arc<crate::s3::S3Tier>>,
 }
 
 /// What a connection's watchdog needs to know about its use.
@@ -158,7 +156,6 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         body_timeout: shared.body_timeout,
         put_inflight_bytes_max: shared.put_inflight_bytes_max,
         put_inflight_bytes: Cell::new(0),
-        s3: shared.s3.as_ref().map(|t| crate::s3::S3Shard::new(t.clone(), store.shard_id())),
     });
     let shard_id = store.shard_id();
     let builder = builder(shared.header_timeout);
