@@ -215,6 +215,40 @@ def test_a_store_of_another_block_size_is_refused_with_both_numbers(loop, caplog
         assert str(CHUNK_BYTES * 2) in text and str(CHUNK_BYTES) in text and "--block-bytes" in text
 
 
+def test_a_block_size_found_wrong_after_start_gives_misses_and_an_error_not_exceptions(loop, caplog):
+    """kvtier down when LMCache starts: the sizes are compared at the first
+    call that reaches it, and a mismatch then turns the plugin into misses
+    (and failed puts) with an error naming both sizes, never an exception
+    where LMCache waits on an answer."""
+    server = ServerProcess(block_bytes=CHUNK_BYTES * 2)
+    try:
+        found = backends(server.url, loop, **{"remote_storage_plugin.kvtier.down_s": 0.2})
+        remote, cpu = remote_of(found), found["LocalCPUBackend"]
+        conn = remote.connection.getWrappedConnector()
+        assert remote.contains(key(1)) is False
+        server.start()
+        time.sleep(0.3)  # past down_s
+        with caplog.at_level(logging.WARNING, logger="kvtier.lmcache"):
+            assert remote.contains(key(1)) is False
+            assert conn.exists_sync(key(1)) is False
+            assert remote.get_blocking(key(1)) is None
+            assert loop.run(remote.batched_async_contains("l", [key(1), key(2)])) == 0
+            assert remote.batched_contains([key(1)]) == 0
+            assert loop.run(conn.batched_get([key(1), key(2)])) == [None, None]
+            obj = chunk(remote, cpu, 3)
+            with pytest.raises(kvtier.GeometryError):  # into LMCache's put task, which counts it
+                loop.run(conn.put(key(3), obj))
+            obj.ref_count_down()
+        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.lmcache" and r.levelno == logging.ERROR]
+        assert any(
+            f"{CHUNK_BYTES * 2} bytes" in m and f"--block-bytes {CHUNK_BYTES}" in m and "until the engine restarts" in m
+            for m in errors
+        )
+        assert conn.stats["puts"] == conn.stats["hits"] == 0
+    finally:
+        server.stop()
+
+
 def test_save_chunk_meta_on_is_refused(kvserver, loop, caplog):
     with caplog.at_level(logging.ERROR):
         found = backends(kvserver.url, loop, save_chunk_meta=True)

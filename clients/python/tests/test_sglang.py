@@ -217,8 +217,11 @@ def test_a_store_of_another_page_size_is_refused_with_both_numbers(caplog):
     with ServerProcess(block_bytes=PAGE_BYTES * 2) as other:
         b = backend(other.url)
         try:
-            with pytest.raises(ValueError, match=rf"{PAGE_BYTES * 2} bytes.*{PAGE_BYTES} bytes.*--block-bytes"):
+            with pytest.raises(
+                kvtier.GeometryError, match=rf"{PAGE_BYTES * 2} bytes.*{PAGE_BYTES} bytes.*--block-bytes {PAGE_BYTES}"
+            ) as refused:
                 b.register_mem_pool_host(host_pool())
+            assert isinstance(refused.value, ValueError)
         finally:
             b.close()
         # Without a host pool the sizes meet at the first set: refused, not raised.
@@ -227,6 +230,35 @@ def test_a_store_of_another_page_size_is_refused_with_both_numbers(caplog):
         assert not b.set(page_hashes(list(range(PAGE_TOKENS)))[0], page(1))
         assert any(str(PAGE_BYTES * 2) in r.getMessage() and str(PAGE_BYTES) in r.getMessage() for r in caplog.records)
         b.close()
+
+
+def test_a_page_size_found_wrong_after_start_gives_misses_not_exceptions(caplog):
+    """kvtier down when SGLang registers its host pool: the sizes are
+    compared at the first call that reaches it, and a mismatch then makes
+    every call a miss with an error naming both sizes."""
+    server = ServerProcess(block_bytes=PAGE_BYTES * 2)
+    b = backend(server.url, down_s=0.2, timeout_s=2)
+    try:
+        b.register_mem_pool_host(host_pool())  # not compared yet: nothing raised
+        server.start()
+        time.sleep(0.3)  # past down_s
+        caplog.set_level(logging.WARNING, logger="kvtier.sglang")
+        keys = page_hashes(list(range(7000, 7000 + 2 * PAGE_TOKENS)))
+        assert b.batch_exists(keys) == 0
+        targets = [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in keys]
+        assert b.batch_get(keys, targets) == [None, None]
+        assert not b.batch_set(keys, [page(1), page(2)])
+        assert not b.set(keys[0], page(1))
+        assert not b.exists(keys[0]) and b.get(keys[0]) is None
+        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.sglang" and r.levelno == logging.ERROR]
+        assert any(
+            f"{PAGE_BYTES * 2} bytes" in m and f"--block-bytes {PAGE_BYTES}" in m and "until the engine restarts" in m
+            for m in errors
+        )
+        assert b.stats["sets"] == b.stats["hits"] == 0
+    finally:
+        b.close()
+        server.stop()
 
 
 def test_interface_v1_is_refused_at_start(kvserver):

@@ -274,8 +274,40 @@ def test_groups_and_namespaces_never_read_each_others_chunks(kvserver):
 
 def test_a_store_of_another_block_size_is_refused_with_both_numbers():
     with ServerProcess(block_bytes=ROW_BYTES * 2) as other:
-        with pytest.raises(ValueError, match=rf"{ROW_BYTES * 2} bytes.*{ROW_BYTES} bytes.*--block-bytes {ROW_BYTES}"):
+        with pytest.raises(
+            kvtier.GeometryError, match=rf"{ROW_BYTES * 2} bytes.*{ROW_BYTES} bytes.*--block-bytes {ROW_BYTES}"
+        ) as refused:
             spec_for(other.url).get_manager()
+        assert isinstance(refused.value, ValueError)
+
+
+def test_a_block_size_found_wrong_after_start_fails_jobs_and_misses_not_raises(caplog):
+    """kvtier down when vLLM starts: the sizes are compared at the first
+    transfer or lookup that reaches it, and a mismatch then fails every job
+    and misses every lookup with an error naming both sizes."""
+    server = ServerProcess(block_bytes=ROW_BYTES * 2)
+    tensor, view = tensor_view()
+    t = KvtierTier(spec_for(server.url), view, "KvtierTier", url=server.url, timeout_s=2, down_s=0.2)
+    try:
+        server.start()
+        time.sleep(0.3)  # past down_s
+        caplog.set_level(logging.WARNING, logger="kvtier.vllm")
+        tensor[:] = 5.0
+        assert step_until_resolved(t.lookup, [key(800)], t.on_schedule_end) == [LookupResult.MISS]
+        t.submit_store(job(1, [key(800)], [0]))
+        t.submit_load(job(2, [key(800)], [1], load=True))
+        assert {r.job_id: r.success for r in finished(t)} == {1: False, 2: False}
+        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm" and r.levelno == logging.ERROR]
+        assert any(
+            f"{ROW_BYTES * 2} bytes" in m and f"--block-bytes {ROW_BYTES}" in m and "until the engine restarts" in m
+            for m in errors
+        )
+        assert t.stats["failed_jobs"] == 2 and t.stats["stored_chunks"] == 0
+        assert torch.equal(tensor[1], torch.full((ROW_BYTES // 4,), 5.0))  # nothing was read into it
+        t.on_request_finished(CTX)
+    finally:
+        t.shutdown()
+        server.stop()
 
 
 def test_the_tiering_manager_cascades_stores_and_promotes_misses(kvserver):

@@ -6,10 +6,16 @@
 
 :class:`Client` (blocking, thread-safe) and :class:`AsyncClient` (asyncio)
 speak the block API of docs/API.md over a pool of HTTP/1.1 connections;
-:mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; :mod:`kvtier.lmcache`
-is the LMCache remote-storage plugin.
+:mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; the engine
+connectors are :mod:`kvtier.lmcache` (an LMCache remote-storage plugin),
+:mod:`kvtier.vllm` (a vLLM offloading tier) and :mod:`kvtier.sglang` (an
+SGLang HiCache storage backend), each the shared core of ``kvtier._connector``
+plus its engine's translation. A connector raises :class:`GeometryError` (or
+the engine's own configuration error caused by it) when the store's
+``block_bytes`` is not the engine's chunk size.
 """
 
+from ._connector import GeometryError
 from .aio import AsyncClient
 from .client import Client, byte_view
 from .errors import (
@@ -31,6 +37,7 @@ __all__ = [
     "BlockSizeError",
     "Client",
     "DiskFullError",
+    "GeometryError",
     "InvalidKeyError",
     "KvtierConnectionError",
     "KvtierError",

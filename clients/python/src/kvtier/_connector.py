@@ -1,23 +1,57 @@
-"""What every engine connector (lmcache, vllm, sglang) does when kvtier
-fails: a miss for the engine, a warning for the operator — at most one per
-kind per ``WARN_INTERVAL_S``, with how many were held back, so a down server
-cannot flood the log — and, after a connection failure, ``down_s`` seconds in
-which calls answer at once without trying, so a down server costs the engine
-recomputation, not latency."""
+"""The core every engine connector (lmcache, vllm, sglang) shares.
+
+A connector is :class:`ConnectorCore` plus the engine's translation (keys,
+buffers, the engine's interface). The core owns the client and what the
+design rule asks of every connector — *a kvtier that is down or slow costs
+the engine misses, never an exception or a stalled scheduler*:
+
+- settings: :func:`client_options` and ``down_s``, the same keys and
+  defaults for every engine;
+- readiness: :meth:`ConnectorCore.start` asks the server once when the engine
+  attaches the connector; a server that cannot be reached then is asked again
+  at the first call that needs it (:meth:`~ConnectorCore.ready`);
+- geometry: the store's ``block_bytes`` must be the engine's chunk size in
+  bytes (one chunk is one block, header-free). One behaviour for every
+  connector: a mismatch found by :meth:`~ConnectorCore.start` raises
+  :class:`GeometryError` naming both sizes, so the engine refuses the
+  connector; a mismatch found later (the server was down at start) turns the
+  connector off instead: every call is a miss (a failed transfer), an error
+  naming both sizes is logged at most once per ``WARN_INTERVAL_S``, and
+  nothing is raised into the engine until it is restarted;
+- failures: a miss for the engine, a warning for the operator — at most one
+  per kind per ``WARN_INTERVAL_S``, with how many were held back — and, after
+  a connection failure, ``down_s`` seconds in which calls answer at once
+  without trying (:class:`Failures`);
+- stats: counters behind one lock (:meth:`~ConnectorCore.count`);
+- fan-out: a batch's calls run in parallel over the client's connection pool,
+  blocking (:meth:`~ConnectorCore.map`), completing through callbacks
+  (:meth:`~ConnectorCore.submit_each`) or awaited (:meth:`~ConnectorCore.gather`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from .errors import KvtierConnectionError
+from .client import Client
+from .errors import BlockSizeError, KvtierConnectionError, KvtierError
+
+T = TypeVar("T")
 
 #: At most one warning of each kind per this many seconds.
 WARN_INTERVAL_S = 10.0
+
+#: Errors of one call that cost the engine a miss rather than an exception:
+#: kvtier failed or refused (``KvtierError``), or a buffer kvtier cannot read
+#: or fill (``TypeError``, ``ValueError`` from :func:`kvtier.byte_view`).
+CALL_ERRORS: tuple[type[Exception], ...] = (KvtierError, TypeError, ValueError)
 
 
 def client_options(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,6 +72,25 @@ def client_options(settings: Mapping[str, Any]) -> dict[str, Any]:
         "timeout_s": float(settings.get("timeout_s", 10.0)),
         "retries": int(settings.get("retries", 1)),
     }
+
+
+class GeometryError(BlockSizeError):
+    """The store's ``block_bytes`` is not the engine's chunk size in bytes: a
+    configuration error no retry fixes. The message names both sizes and the
+    ``--block-bytes`` to start kvtier with.
+
+    Attributes:
+        block_bytes: the store's block size in bytes.
+        chunk_bytes: the engine's chunk size in bytes.
+    """
+
+    def __init__(self, message: str, *, block_bytes: int, chunk_bytes: int) -> None:
+        super().__init__(message, code="geometry_mismatch")
+        self.block_bytes = block_bytes
+        self.chunk_bytes = chunk_bytes
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class Failures:
@@ -68,9 +121,9 @@ class Failures:
             self._down_until = time.monotonic() + self.down_s
         self.warn(kind, message)
 
-    def warn(self, kind: str, message: str) -> None:
-        """Logs ``message`` unless a warning of ``kind`` was logged less than
-        ``WARN_INTERVAL_S`` ago (then it is counted and told with the next)."""
+    def warn(self, kind: str, message: str, level: int = logging.WARNING) -> None:
+        """Logs ``message`` at ``level`` unless one of ``kind`` was logged less
+        than ``WARN_INTERVAL_S`` ago (then it is counted and told with the next)."""
         now = time.monotonic()
         with self._lock:
             if now - self._last.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
@@ -78,5 +131,261 @@ class Failures:
                 return
             self._last[kind] = now
             held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it since the last warning)" if held else ""
-        self.logger.warning("kvtier %s: %s%s", kind, message, suffix)
+        suffix = f" ({held} more like it since the last one)" if held else ""
+        self.logger.log(level, "kvtier %s: %s%s", kind, message, suffix)
+
+
+class ConnectorCore:
+    """The client, readiness, geometry check, failure handling, stats and
+    fan-out of one engine connector (module docstring).
+
+    Args:
+        settings: the connector's settings: :func:`client_options`'s keys and
+            ``down_s`` (seconds, default 1).
+        logger: the connector's logger (``kvtier.<engine>``).
+        stats: names of the connector's counters; ``errors`` (failed calls)
+            is always added.
+        outcome: what a failure costs the engine, ending each warning
+            (``"answered as a miss"``).
+
+    Raises:
+        OSError, ValueError: as :func:`client_options` and
+            :class:`~kvtier.Client` (a bad URL or number).
+
+    Attributes:
+        client: the blocking client; its pool and threads run every call.
+        url: the server's URL.
+        down_s: the down window after a connection failure, in seconds.
+        failures: the rate-limited warnings and the down window.
+        stats: the counters (read them; change them with :meth:`count`).
+        chunk_bytes: the engine's chunk size in bytes, once known.
+    """
+
+    def __init__(
+        self,
+        settings: Mapping[str, Any],
+        *,
+        logger: logging.Logger,
+        stats: Iterable[str],
+        outcome: str = "answered as a miss",
+    ) -> None:
+        options = client_options(settings)
+        self.down_s = float(settings.get("down_s", 1.0))
+        self.url: str = options["url"]
+        self.client = Client(**options)
+        self.logger = logger
+        self.failures = Failures(logger, self.down_s)
+        self.stats: dict[str, int] = dict.fromkeys((*stats, "errors"), 0)
+        self.chunk_bytes: int | None = None
+        self._outcome = outcome
+        self._chunk = ""
+        self._remedy = ""
+        self._matched = False
+        self._mismatch: GeometryError | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------ readiness, geometry
+
+    def start(self, chunk_bytes: int | None, chunk: str = "", remedy: str = "") -> None:
+        """Sets the engine's chunk size and compares it with the store's
+        ``block_bytes`` now, if the server answers (else at the first call
+        that needs kvtier, see :meth:`ready`). Called again (SGLang
+        re-registering its host pool), it starts over.
+
+        Args:
+            chunk_bytes: bytes of one engine chunk, or ``None`` when not known
+                (nothing is compared).
+            chunk: the chunk in the engine's words, for the error message
+                (``"an LMCache chunk here"``).
+            remedy: the engine setting that fixes it from the engine's side
+                (``"change chunk_size"``).
+
+        Raises:
+            GeometryError: the server answers and its ``block_bytes`` is not
+                ``chunk_bytes`` (both named). The client is closed first.
+        """
+        self.chunk_bytes = chunk_bytes
+        self._chunk, self._remedy = chunk, remedy
+        self._matched, self._mismatch = False, None
+        try:
+            self._check_geometry(at_start=True)
+        except GeometryError:
+            self.client.close()
+            raise
+
+    def _check_geometry(self, at_start: bool = False) -> bool:
+        """Whether the geometry is known to match (``True`` when there is
+        nothing to compare). Asks the server once it answers; a mismatch
+        raises at start and turns the connector off later."""
+        if self._mismatch is not None:
+            self._log_mismatch()
+            return False
+        if self._matched or self.chunk_bytes is None:
+            return True
+        if self.failures.down():
+            return False
+        try:
+            block_bytes = self.client.block_bytes
+        except KvtierError as e:
+            self.failed("start" if at_start else "geometry", e)
+            return False
+        if block_bytes != self.chunk_bytes:
+            error = GeometryError(
+                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but {self._chunk} is "
+                f"{self.chunk_bytes} bytes: start kvtier with --block-bytes {self.chunk_bytes} on a new data "
+                f"directory, or {self._remedy}",
+                block_bytes=block_bytes,
+                chunk_bytes=self.chunk_bytes,
+            )
+            if at_start:
+                raise error
+            self._mismatch = error
+            self._log_mismatch()
+            return False
+        self._matched = True
+        return True
+
+    def _log_mismatch(self) -> None:
+        """The error log of a mismatch found after start (rate-limited)."""
+        message = f"{self._mismatch}; every call is {self._outcome} until the engine restarts"
+        self.failures.warn("geometry", message, logging.ERROR)
+
+    def ready(self) -> bool:
+        """Whether to try kvtier now: not in a down window, and the geometry
+        matches (checked with one ``GET /v1/stats`` the first time the server
+        answers). Never raises; blocks at most one request (``timeout_s``)."""
+        return not self.failures.down() and self._check_geometry()
+
+    async def ready_async(self) -> bool:
+        """:meth:`ready` for an event loop: answers at once once the geometry
+        is known, else asks the server on the client's pool."""
+        if self.failures.down():
+            return False
+        if self._matched or self._mismatch is not None or self.chunk_bytes is None:
+            return self._check_geometry()
+        return await asyncio.get_running_loop().run_in_executor(self.client.executor(), self.ready)
+
+    def require_ready(self) -> None:
+        """Returns if :meth:`ready`, else raises :meth:`not_ready`'s error."""
+        if not self.ready():
+            raise self.not_ready()
+
+    def not_ready(self) -> KvtierError:
+        """Why :meth:`ready` answered ``False`` (asks nothing): the
+        :class:`GeometryError` of a mismatch, else a
+        :class:`~kvtier.KvtierConnectionError` with ``code`` ``server_down``
+        (in a down window, or the server could not be reached; it opens no
+        new window)."""
+        if self._mismatch is not None:
+            return self._mismatch
+        return KvtierConnectionError(f"{self.url} is marked down after a failure; not tried", code="server_down")
+
+    # ------------------------------------------------------- failures, stats
+
+    def failed(self, kind: str, error: BaseException) -> None:
+        """Counts a failed call (``errors``) and warns, rate-limited per
+        ``kind``; a connection failure also opens the down window. A
+        :class:`GeometryError` is only counted (it has its own error log)."""
+        self.count(errors=1)
+        if not isinstance(error, GeometryError):
+            self.failures.record(kind, f"{self.url}: {error}; {self._outcome}", error)
+
+    def count(self, **deltas: int) -> None:
+        """Adds ``deltas`` to :attr:`stats` under the lock."""
+        with self._lock:
+            for name, delta in deltas.items():
+                self.stats[name] += delta
+
+    # -------------------------------------------------------------- fan-out
+
+    def call(self, kind: str, fn: Callable[..., T], *args: Any, failed: T) -> T:
+        """``fn(*args)`` if :meth:`ready`, else ``failed`` untried; a
+        :data:`CALL_ERRORS` error is recorded (:meth:`failed`) and answers
+        ``failed``. Never raises those."""
+        if not self.ready():
+            return failed
+        try:
+            return fn(*args)
+        except CALL_ERRORS as e:
+            self.failed(kind, e)
+            return failed
+
+    async def call_async(self, kind: str, fn: Callable[..., T], *args: Any, failed: T) -> T:
+        """:meth:`call` on the client's pool, awaited (the event loop never
+        blocks on kvtier); in a down window ``failed`` at once."""
+        if self.failures.down():
+            return failed
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.client.executor(), functools.partial(self.call, kind, fn, *args, failed=failed)
+        )
+
+    def map(self, kind: str, fn: Callable[..., T], items: Sequence[tuple[Any, ...]], failed: T) -> list[T]:
+        """:meth:`call` of ``fn(*item)`` for every item, in parallel over the
+        client's pool (one item runs on the calling thread); results in order.
+        Not :meth:`ready` (asked once, before any item starts): every item
+        answers ``failed`` untried; so do the items after a connection failure."""
+        if not items:
+            return []
+        if not self.ready():
+            return [failed] * len(items)
+        if len(items) == 1:
+            return [self.call(kind, fn, *items[0], failed=failed)]
+        pool = self.client.executor()
+        futures = [pool.submit(self.call, kind, fn, *item, failed=failed) for item in items]
+        return [f.result() for f in futures]
+
+    def submit_each(
+        self,
+        kind: str,
+        fn: Callable[..., T],
+        items: Sequence[tuple[Any, ...]],
+        done: Callable[[int, T | None, BaseException | None], None],
+    ) -> None:
+        """Starts ``fn(*items[i])`` for every item on the client's pool and
+        returns at once; ``done(i, result, error)`` runs as each finishes (on
+        a pool thread; at once with a ``RuntimeError`` when the pool is shut
+        down). ``fn`` should call :meth:`require_ready` first. An error is
+        recorded before ``done``: a ``KvtierError`` by :meth:`failed`,
+        anything else logged with its traceback."""
+
+        def finished(i: int, future: Future[T]) -> None:
+            error: BaseException | None = RuntimeError("cancelled") if future.cancelled() else future.exception()
+            self._done(kind, i, None if error is not None else future.result(), error, done)
+
+        pool = self.client.executor()
+        for i, item in enumerate(items):
+            try:
+                future = pool.submit(fn, *item)
+            except RuntimeError as e:  # the pool is shut down
+                self._done(kind, i, None, e, done)
+                continue
+            future.add_done_callback(lambda f, i=i: finished(i, f))
+
+    def _done(
+        self,
+        kind: str,
+        i: int,
+        result: T | None,
+        error: BaseException | None,
+        done: Callable[[int, T | None, BaseException | None], None],
+    ) -> None:
+        if isinstance(error, KvtierError):
+            self.failed(kind, error)
+        elif error is not None:
+            self.count(errors=1)
+            self.logger.error("kvtier %s: item %d failed", kind, i, exc_info=error)
+        done(i, result, error)
+
+    async def gather(self, calls: Iterable[Awaitable[T]]) -> list[T]:
+        """Awaits every call concurrently (each runs on the client's pool);
+        results in order. Raises the first exception once all have finished."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return cast("list[T]", results)
+
+    def close(self) -> None:
+        """Closes the client's connections and threads (calls after it fail)."""
+        self.client.close()

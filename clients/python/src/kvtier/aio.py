@@ -43,6 +43,14 @@ class AsyncClient:
         self.sync = Client(url, token=token, connections=connections, timeout_s=timeout_s, retries=retries)
         """The blocking client underneath (shares the pool and threads)."""
 
+    @classmethod
+    def over(cls, client: Client) -> AsyncClient:
+        """An asyncio client over an existing blocking ``client``: the same
+        pool, threads and remembered ``block_bytes`` (closing one closes both)."""
+        self = cls.__new__(cls)
+        self.sync = client
+        return self
+
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.sync.executor(), functools.partial(fn, *args))

@@ -11,10 +11,13 @@ the full settings for vLLM and SGLang)::
       save_chunk_meta: false
 
 One LMCache chunk is one kvtier block, stored header-free: the store's
-``block_bytes`` must equal LMCache's full chunk size (checked at start; both
-numbers are named when they differ), ``save_chunk_meta`` must be off, and
-partial chunks (``save_unfull_chunk: true``) are not stored — a partial chunk
-is a miss next time, as the default LMCache setting makes it anyway.
+``block_bytes`` must equal LMCache's full chunk size (compared at start and
+refused with both numbers named; if kvtier is down then, compared at the
+first call that reaches it, and a mismatch then makes every call a miss and
+logs an error: the rule of every connector, ``kvtier._connector``),
+``save_chunk_meta`` must be off, and partial chunks (``save_unfull_chunk:
+true``) are not stored — a partial chunk is a miss next time, as the default
+LMCache setting makes it anyway.
 
 Keys: ``CacheEngineKey`` (``model@world@worker@hash@dtype[@tags]``) becomes
 ``<fingerprint>-<hash>`` where the fingerprint (docs/KEYS.md) covers the model,
@@ -54,9 +57,9 @@ from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from ._connector import Failures, client_options
+from ._connector import ConnectorCore, GeometryError
 from .aio import AsyncClient
-from .errors import KvtierConnectionError, KvtierError
+from .errors import KvtierError
 from .keys import Namespace
 
 logger = logging.getLogger("kvtier.lmcache")
@@ -70,14 +73,21 @@ class KvtierConnector(RemoteConnector):
 
     Built by LMCache's ``DynamicConnectorAdapter`` as
     ``KvtierConnector(loop=, local_cpu_backend=, config=)``; the chunk shape
-    comes from ``local_cpu_backend.metadata``.
+    comes from ``local_cpu_backend.metadata``. Readiness, the geometry check,
+    failures, stats and fan-out are kvtier's shared connector core
+    (``kvtier._connector``).
 
-    Raises (at construction, stopping LMCache's start, since they are
-    configuration errors a retry cannot fix):
-        IrrecoverableException: ``save_chunk_meta`` is on, or the server's
-            ``block_bytes`` is not LMCache's full chunk size (both named).
+    Raises (at construction, so LMCache logs it and runs without the remote
+    tier, since they are configuration errors a retry cannot fix):
+        IrrecoverableException: ``save_chunk_meta`` is on, or the server
+            answers and its ``block_bytes`` is not LMCache's full chunk size
+            (both named; the cause is a ``GeometryError``). A mismatch found
+            later (kvtier was down at start) raises nothing: every call is a
+            miss (a failed put) and an error naming both sizes is logged.
 
     Attributes:
+        url: the kvtier server.
+        client: the :class:`~kvtier.AsyncClient` every call goes through.
         stats: counters (``gets``, ``hits``, ``misses``, ``puts``,
             ``puts_skipped_partial``, ``errors``) for tests and debugging.
     """
@@ -86,54 +96,27 @@ class KvtierConnector(RemoteConnector):
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        settings = _settings(config)
         if self.save_chunk_meta:
             raise IrrecoverableException(
                 "kvtier stores each LMCache chunk as one fixed-size block without LMCache's metadata header: "
                 "set extra_config save_chunk_meta: false (and keep use_layerwise off)"
             )
-        options = client_options(settings)
-        self.url = options["url"]
-        self.client = AsyncClient(**options)
-        self.down_s = float(settings.get("down_s", 1.0))
+        self._core = ConnectorCore(
+            _settings(config), logger=logger, stats=("gets", "hits", "misses", "puts", "puts_skipped_partial")
+        )
+        self.url = self._core.url
+        self.down_s = self._core.down_s
+        self.client = AsyncClient.over(self._core.client)
+        self.stats = self._core.stats
         self.chunk_tokens = int(local_cpu_backend.metadata.chunk_size)
-        self.stats = {"gets": 0, "hits": 0, "misses": 0, "puts": 0, "puts_skipped_partial": 0, "errors": 0}
-        self._failures = Failures(logger, self.down_s)
-        self._geometry_checked = False
-        self._check_geometry()
-
-    # ------------------------------------------------------------ helpers
-
-    def _check_geometry(self) -> bool:
-        """Compares the server's ``block_bytes`` with the full chunk size once
-        the server is reachable. Unreachable: ``False`` (checked again at the
-        next call). Mismatch: raises."""
-        if self._failures.down():
-            return False
-        if self._geometry_checked:
-            return True
         try:
-            block_bytes = self.client.sync.block_bytes
-        except KvtierError as e:
-            self._failed("start", e)
-            return False
-        if block_bytes != self.full_chunk_size_bytes:
-            raise IrrecoverableException(
-                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but an LMCache chunk here is "
-                f"{self.full_chunk_size_bytes} bytes (chunk_size {self.chunk_tokens} tokens × "
-                f"{self.single_token_size} bytes): start kvtier with --block-bytes {self.full_chunk_size_bytes} "
-                "on a new data directory, or change chunk_size"
+            self._core.start(
+                self.full_chunk_size_bytes,
+                chunk=f"an LMCache chunk here (chunk_size {self.chunk_tokens} tokens × {self.single_token_size} bytes)",
+                remedy="change chunk_size",
             )
-        self._geometry_checked = True
-        return True
-
-    async def _ready(self) -> bool:
-        """Whether to try kvtier now: not marked down, geometry checked."""
-        if self._failures.down():
-            return False
-        if self._geometry_checked:
-            return True
-        return await asyncio.get_running_loop().run_in_executor(self.client.sync.executor(), self._check_geometry)
+        except GeometryError as e:
+            raise IrrecoverableException(str(e)) from e
 
     def key_of(self, key: CacheEngineKey) -> str:
         """The kvtier key of an LMCache chunk key (see the module docstring)."""
@@ -141,75 +124,56 @@ class KvtierConnector(RemoteConnector):
             key.chunk_hash
         )
 
-    def _failed(self, what: str, error: Exception) -> None:
-        """Counts and (rate-limited) logs a failure; a connection failure also
-        marks the server down for ``down_s``."""
-        self.stats["errors"] += 1
-        self._failures.record(what, f"{self.url}: {error}; answered as a miss", error)
-
     # ------------------------------------------------------- RemoteConnector
 
     async def exists(self, key: CacheEngineKey) -> bool:
         """Whether the chunk is stored (one HEAD); ``False`` when kvtier fails."""
-        try:
-            return await self._ready() and await self.client.exists(self.key_of(key))
-        except KvtierError as e:
-            self._failed("exists", e)
-            return False
+        return await self._core.call_async("exists", self.client.sync.exists, self.key_of(key), failed=False)
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
         """:meth:`exists`, blocking the calling thread."""
-        try:
-            return self._check_geometry() and self.client.sync.exists(self.key_of(key))
-        except KvtierError as e:
-            self._failed("exists", e)
-            return False
+        return self._core.call("exists", self.client.sync.exists, self.key_of(key), failed=False)
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """Reads the chunk straight into a new ``MemoryObj`` of LMCache's CPU
         pool (no intermediate copy); ``None`` on a miss, a full pool or a
         kvtier failure."""
-        self.stats["gets"] += 1
-        try:
-            if not await self._ready():
-                return None
-        except KvtierError as e:
-            self._failed("get", e)
+        self._core.count(gets=1)
+        if not await self._core.ready_async():
             return None
         memory_obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
         if memory_obj is None:
             logger.debug("LMCache's CPU pool is full; kvtier get of %s skipped", key)
             return None
-        try:
-            found = await self.client.get_into(self.key_of(key), memory_obj.byte_array)
-        except KvtierError as e:
-            memory_obj.ref_count_down()
-            self._failed("get", e)
-            return None
+        found = await self._core.call_async(
+            "get", self.client.sync.get_into, self.key_of(key), memory_obj.byte_array, failed=None
+        )
         if not found:
             memory_obj.ref_count_down()
-            self.stats["misses"] += 1
+            if found is False:
+                self._core.count(misses=1)
             return None
-        self.stats["hits"] += 1
+        self._core.count(hits=1)
         return memory_obj
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Stores a full chunk. A partial chunk (shorter than ``block_bytes``)
-        is skipped. Raises :class:`~kvtier.KvtierError` when kvtier refuses
-        or cannot be reached (LMCache's put task counts and logs it)."""
+        is skipped. Raises :class:`~kvtier.KvtierError` when kvtier refuses,
+        cannot be reached or is marked down, or the geometry does not match
+        (LMCache's put task counts and logs it; nothing waits on it)."""
         data = memory_obj.byte_array
         if len(data) != self.full_chunk_size_bytes:
-            self.stats["puts_skipped_partial"] += 1
+            self._core.count(puts_skipped_partial=1)
             logger.debug("kvtier skips a partial chunk of %d bytes (%s)", len(data), key)
             return
-        if not await self._ready():
-            raise KvtierConnectionError(f"{self.url} is marked down after a failure; put skipped", code="server_down")
+        if not await self._core.ready_async():
+            raise self._core.not_ready()
         try:
             await self.client.put(self.key_of(key), data)
         except KvtierError as e:
-            self._failed("put", e)
+            self._core.failed("put", e)
             raise
-        self.stats["puts"] += 1
+        self._core.count(puts=1)
 
     def support_batched_get(self) -> bool:
         """Batched gets run over the connection pool in parallel."""
@@ -217,7 +181,7 @@ class KvtierConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """:meth:`get` of every key, concurrently; ``None`` per miss."""
-        return list(await asyncio.gather(*(self.get(key) for key in keys)))
+        return await self._core.gather(self.get(key) for key in keys)
 
     def support_batched_put(self) -> bool:
         """Batched puts run over the connection pool in parallel."""
@@ -226,23 +190,14 @@ class KvtierConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         """:meth:`put` of every pair, concurrently; raises the first failure
         once all have finished."""
-        results = await asyncio.gather(
-            *(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True)), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await self._core.gather(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True))
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading chunks of a prompt's chain that are stored: one
         ``POST /v1/lookup`` for the whole chain. 0 when kvtier fails."""
-        try:
-            if not keys or not await self._ready():
-                return 0
-            return await self.client.lookup([self.key_of(k) for k in keys])
-        except KvtierError as e:
-            self._failed("lookup", e)
+        if not keys:
             return 0
+        return await self._core.call_async("lookup", self.client.sync.lookup, [self.key_of(k) for k in keys], failed=0)
 
     def support_batched_contains(self) -> bool:
         """Blocking prefix lookups go to :meth:`batched_contains`."""
@@ -250,13 +205,9 @@ class KvtierConnector(RemoteConnector):
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """:meth:`batched_async_contains`, blocking the calling thread."""
-        try:
-            if not keys or not self._check_geometry():
-                return 0
-            return self.client.sync.lookup([self.key_of(k) for k in keys])
-        except KvtierError as e:
-            self._failed("lookup", e)
+        if not keys:
             return 0
+        return self._core.call("lookup", self.client.sync.lookup, [self.key_of(k) for k in keys], failed=0)
 
     def support_ping(self) -> bool:
         """LMCache's health check may ping kvtier's ``/healthz``."""
@@ -267,12 +218,9 @@ class KvtierConnector(RemoteConnector):
         return 0 if await self.client.ping() else 1
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        """Deletes the chunk; ``True`` if one was stored."""
-        try:
-            return self.client.sync.delete(self.key_of(key))
-        except KvtierError as e:
-            self._failed("remove", e)
-            return False
+        """Deletes the chunk; ``True`` if one was stored, ``False`` if not or
+        when kvtier fails."""
+        return self._core.call("remove", self.client.sync.delete, self.key_of(key), failed=False)
 
     async def list(self) -> list[str]:
         """Always empty: kvtier does not enumerate its keys (blocks are found
@@ -281,7 +229,7 @@ class KvtierConnector(RemoteConnector):
 
     async def close(self) -> None:
         """Closes the client's connections."""
-        await self.client.close()
+        self._core.close()
 
     def __repr__(self) -> str:
         return f"<KvtierConnector {self.url}>"

@@ -12,8 +12,11 @@ command line)::
 
 One HiCache page is one kvtier block, the flat K+V page SGLang hands its
 storage backends: the store's ``block_bytes`` must equal the host pool's page
-size in bytes (``get_size_per_token() * page_size``), checked when SGLang
-registers its host pool, with both numbers named when they differ.
+size in bytes (``get_size_per_token() * page_size``). It is compared when
+SGLang registers its host pool, where a mismatch is refused with both numbers
+named; if kvtier is down then, at the first call that reaches it, where a
+mismatch makes every call a miss with an error log (the rule of every
+connector, ``kvtier._connector``).
 
 Keys: SGLang's page hash (a SHA-256 chain over pages, 64 hex digits) under a
 namespace fingerprint (docs/KEYS.md) of the model, KV dtype, TP rank and size
@@ -51,23 +54,15 @@ key                default                   meaning
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from ._connector import Failures, client_options
-from .client import Client
-from .errors import KvtierError
+from ._connector import ConnectorCore
 from .keys import Namespace
 
 logger = logging.getLogger("kvtier.sglang")
-
-
-T = TypeVar("T")
 
 
 def _truthy(value: Any) -> bool:
@@ -83,15 +78,24 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ``KvtierHiCacheStorage(storage_config, kwargs)``; its settings are the
     keys of ``storage_config.extra_config`` (module docstring). SGLang then
     calls :meth:`register_mem_pool_host`, which fixes the page size and dtype
-    of the keys and checks the server's ``block_bytes``.
+    of the keys and checks the server's ``block_bytes``. Readiness, the
+    geometry check, failures, stats and fan-out are kvtier's shared
+    connector core (``kvtier._connector``).
 
     Raises:
         ValueError: at construction when the extra config asks for
             ``interface_v1``; from :meth:`register_mem_pool_host` when the
-            server's ``block_bytes`` is not the host pool's page size (both
-            named). Either makes SGLang refuse to attach the backend.
+            server answers and its ``block_bytes`` is not the host pool's
+            page size (a ``GeometryError``, both named). Either makes SGLang
+            refuse to attach the backend. A mismatch found later (kvtier was
+            down then) raises nothing: every call is a miss and an error
+            naming both sizes is logged.
 
     Attributes:
+        url: the kvtier server.
+        client: the :class:`~kvtier.Client` every call goes through.
+        page_bytes: bytes of one flat HiCache page, once a host pool is
+            registered.
         stats: counters (``exists_queries``, ``exists_hits``, ``gets``,
             ``hits``, ``misses``, ``sets``, ``sets_skipped``, ``errors``).
     """
@@ -104,10 +108,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 "kvtier.sglang implements HiCache's generic page interface, not interface_v1 "
                 "(zero-copy batch_get_v1/batch_set_v1): remove interface_v1 from the extra config"
             )
-        options = client_options(settings)
-        self.url = options["url"]
-        self.client = Client(**options)
-        self.down_s = float(settings.get("down_s", 1.0))
+        self._core = ConnectorCore(
+            settings,
+            logger=logger,
+            stats=("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped"),
+        )
+        self.url = self._core.url
+        self.client = self._core.client
+        self.down_s = self._core.down_s
+        self.stats = self._core.stats
         self.skip_existing = _truthy(settings.get("skip_existing", True))
         self._page_size: int | None = int(settings["page_size"]) if settings.get("page_size") else None
         self._dtype: str | None = str(settings["dtype"]) if settings.get("dtype") else None
@@ -115,20 +124,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.page_bytes: int | None = None
         self._namespace: Namespace | None = None
         self._fingerprint = ""
-        self._geometry_checked = False
-        self._failures = Failures(logger, self.down_s)
-        self._lock = threading.Lock()
-        self.stats = dict.fromkeys(
-            ("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped", "errors"), 0
-        )
 
     # ------------------------------------------------------------ set-up
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands its host KV pool: the page size, dtype and layout of
         the keys come from it, and the server's ``block_bytes`` must be its
-        page size in bytes (checked now if the server answers, else at the
-        first transfer)."""
+        page size in bytes (compared now if the server answers, else at the
+        first call that reaches it).
+
+        Raises:
+            ValueError: a ``GeometryError``: the server's ``block_bytes`` is
+                not the page size in bytes (both named).
+        """
         super().register_mem_pool_host(mem_pool_host)
         self._page_size = int(getattr(mem_pool_host, "page_size", 0) or 0) or self._page_size
         dtype = getattr(mem_pool_host, "dtype", None)
@@ -137,8 +145,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._layout = str(getattr(mem_pool_host, "layout", "") or "")
         self.page_bytes = _page_bytes(mem_pool_host)
         self._namespace = None
-        self._geometry_checked = False
-        self._check_geometry(at_start=True)
+        self._core.start(
+            self.page_bytes,
+            chunk=f"an SGLang HiCache page here (page_size {self._page_size} tokens)",
+            remedy="change --page-size",
+        )
 
     @property
     def namespace(self) -> Namespace:
@@ -179,64 +190,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """The kvtier key of an SGLang page hash."""
         return self.namespace.key(key)
 
-    def _check_geometry(self, at_start: bool = False) -> bool:
-        """Compares the server's ``block_bytes`` with the host page size once
-        the server answers (nothing to compare without a host pool)."""
-        if self._geometry_checked or self.page_bytes is None:
-            return True
-        try:
-            block_bytes = self.client.block_bytes
-        except KvtierError as e:
-            self._failed("start" if at_start else "geometry", e)
-            return False
-        if block_bytes != self.page_bytes:
-            message = (
-                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but an SGLang HiCache page here is "
-                f"{self.page_bytes} bytes (page_size {self._page_size} tokens): start kvtier with --block-bytes "
-                f"{self.page_bytes} on a new data directory, or change --page-size"
-            )
-            if at_start:
-                raise ValueError(message)
-            self._failures.warn("geometry", message)
-            return False
-        self._geometry_checked = True
-        return True
-
-    def _ready(self) -> bool:
-        """Whether to try kvtier now: not marked down, geometry checked."""
-        return not self._failures.down() and self._check_geometry()
-
-    def _failed(self, what: str, error: Exception) -> None:
-        """Counts and (rate-limited) logs a failure; a connection failure also
-        marks the server down for ``down_s``."""
-        with self._lock:
-            self.stats["errors"] += 1
-        self._failures.record(what, f"{self.url}: {error}; answered as a miss", error)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self.stats[name] += delta
-
-    def _parallel(self, what: str, fn: Callable[..., T], items: Sequence[tuple[Any, ...]], failed: T) -> list[T]:
-        """``fn(*item)`` for every item over the client's pool; ``failed`` for
-        an item whose call raised (after the first failure marks the server
-        down, the rest fail without trying)."""
-        if len(items) == 1:
-            return [self._guard(what, fn, items[0], failed)]
-        pool = self.client.executor()
-        futures: list[Future[T]] = [pool.submit(self._guard, what, fn, item, failed) for item in items]
-        return [f.result() for f in futures]
-
-    def _guard(self, what: str, fn: Callable[..., T], item: tuple[Any, ...], failed: T) -> T:
-        if self._failures.down():
-            return failed
-        try:
-            return fn(*item)
-        except (KvtierError, TypeError, ValueError) as e:  # also a buffer kvtier cannot read or fill
-            self._failed(what, e)
-            return failed
-
     # ------------------------------------------------------------ reads
 
     def exists(self, key: str) -> bool:
@@ -248,15 +201,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         ``POST /v1/lookup``. 0 when kvtier fails."""
         if not keys:
             return 0
-        self._count(exists_queries=len(keys))
-        try:
-            if not self._ready():
-                return 0
-            hits = self.client.lookup([self.key_of(k) for k in keys])
-        except KvtierError as e:
-            self._failed("lookup", e)
-            return 0
-        self._count(exists_hits=hits)
+        self._core.count(exists_queries=len(keys))
+        hits = self._core.call("lookup", self.client.lookup, [self.key_of(k) for k in keys], failed=0)
+        self._core.count(exists_hits=hits)
         return hits
 
     def _get_one(self, key: str, target: Any) -> Any:
@@ -281,13 +228,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         if len(targets) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(targets)} target locations")
-        self._count(gets=len(keys))
-        if not self._ready():
-            self._count(misses=len(keys))
-            return [None] * len(keys)
-        results = self._parallel("get", self._get_one, list(zip(keys, targets, strict=True)), None)
+        self._core.count(gets=len(keys))
+        results = self._core.map("get", self._get_one, list(zip(keys, targets, strict=True)), None)
         hits = sum(r is not None for r in results)
-        self._count(hits=hits, misses=len(keys) - hits)
+        self._core.count(hits=hits, misses=len(keys) - hits)
         return results
 
     # ----------------------------------------------------------- writes
@@ -319,17 +263,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         pages = list(values) if values is not None else list(target_locations or [])
         if len(pages) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(pages)} values")
-        if not self._ready():
+        if not self._core.ready():
             return False
         start = 0
         if self.skip_existing and len(keys) > 1:
-            try:
-                start = self.client.lookup([self.key_of(k) for k in keys])
-            except KvtierError as e:
-                self._failed("set", e)
+            start = self._core.call("set", self.client.lookup, [self.key_of(k) for k in keys], failed=-1)
+            if start < 0:
                 return False
-        self._count(sets=len(keys) - start, sets_skipped=start)
-        results = self._parallel("set", self._set_one, list(zip(keys[start:], pages[start:], strict=True)), False)
+        self._core.count(sets=len(keys) - start, sets_skipped=start)
+        results = self._core.map("set", self._set_one, list(zip(keys[start:], pages[start:], strict=True)), False)
         return all(results)
 
     # ------------------------------------------------------------ misc
@@ -345,7 +287,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Closes the client's connections."""
-        self.client.close()
+        self._core.close()
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage {self.url}>"

@@ -14,8 +14,11 @@ patch to vLLM; docs/INTEGRATIONS.md has the full command line)::
 
 One chunk row of the primary CPU view is one kvtier block, bytes as vLLM
 laid them out (every worker's slice, padded to the page size): the store's
-``block_bytes`` must equal the row stride, checked at start with both numbers
-named when they differ.
+``block_bytes`` must equal the row stride. It is compared at start, where a
+mismatch is refused with both numbers named; if kvtier is down then, at the
+first transfer or lookup that reaches it, where a mismatch makes every job
+fail and every lookup miss, with an error log (the rule of every connector,
+``kvtier._connector``).
 
 Keys: vLLM's ``OffloadKey`` (the block hash of the chunk's last block and the
 KV cache group index) under a namespace fingerprint (docs/KEYS.md) of the
@@ -48,13 +51,13 @@ key                default                   meaning
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Collection, Iterable
-from concurrent.futures import Future
 from typing import ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -73,9 +76,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ._connector import Failures, client_options
-from .client import Client
-from .errors import KvtierConnectionError, KvtierError
+from ._connector import ConnectorCore, GeometryError
 from .keys import Namespace, block_id_hex
 
 logger = logging.getLogger("kvtier.vllm")
@@ -139,14 +140,21 @@ class KvtierTier(SecondaryTierManager):
 
     Built by vLLM's ``SecondaryTierFactory`` from a ``secondary_tiers`` entry
     ``{"type": "KvtierTier", "module_path": "kvtier.vllm", ...}``; the other
-    keys of the entry are the settings in the module docstring.
+    keys of the entry are the settings in the module docstring. Readiness,
+    the geometry check, failures, stats and fan-out are kvtier's shared
+    connector core (``kvtier._connector``).
 
     Raises (at construction, so vLLM refuses to start on a configuration a
     retry cannot fix):
-        ValueError: the server's ``block_bytes`` is not the primary view's row
-            stride (both named), or ``locality`` is not ``LOCAL``/``REMOTE``.
+        ValueError: the server answers and its ``block_bytes`` is not the
+            primary view's row stride (a ``GeometryError``, both named), or
+            ``locality`` is not ``LOCAL``/``REMOTE``. A mismatch found later
+            (kvtier was down at start) raises nothing: every job fails, every
+            lookup misses and an error naming both sizes is logged.
 
     Attributes:
+        url: the kvtier server.
+        client: the :class:`~kvtier.Client` every transfer goes through.
         namespace: the key namespace (see :func:`namespace_of`).
         stats: counters (``lookups``, ``lookup_hits``, ``stores``,
             ``stored_chunks``, ``loads``, ``loaded_chunks``, ``load_misses``,
@@ -172,18 +180,22 @@ class KvtierTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
-        options = client_options(
-            {
-                "url": url,
-                "token_file": token_file,
-                "connections": connections,
-                "timeout_s": timeout_s,
-                "retries": retries,
-            }
+        settings = {
+            "url": url,
+            "token_file": token_file,
+            "connections": connections,
+            "timeout_s": timeout_s,
+            "retries": retries,
+            "down_s": down_s,
+        }
+        stats = ("lookups", "lookup_hits", "stores", "stored_chunks", "loads", "loaded_chunks", "load_misses")
+        self._core = ConnectorCore(
+            settings, logger=logger, stats=(*stats, "failed_jobs"), outcome="a miss or a failed job"
         )
-        self.url = options["url"]
-        self.client = Client(**options)
-        self.down_s = float(down_s)
+        self.url = self._core.url
+        self.client = self._core.client
+        self.down_s = self._core.down_s
+        self.stats = self._core.stats
         self.namespace = namespace_of(offloading_spec)
         self._fingerprint = self.namespace.fingerprint
         # One flat byte view over the primary tier: row c is chunk c.
@@ -191,32 +203,16 @@ class KvtierTier(SecondaryTierManager):
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" else primary_kv_view
         )
         self._num_chunks = self._rows.nbytes // self.block_size_bytes
-        self._geometry_checked = False
-        self._geometry_error: str | None = None
-        self._failures = Failures(logger, self.down_s)
-        self.stats = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_hits",
-                "stores",
-                "stored_chunks",
-                "loads",
-                "loaded_chunks",
-                "load_misses",
-                "failed_jobs",
-                "errors",
-            ),
-            0,
-        )
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._closed = False
         try:
-            self._check_geometry(at_start=True)
-        except ValueError:
-            self.client.close()
+            self._core.start(
+                self.block_size_bytes, chunk="a chunk row of vLLM's CPU offloading tier", remedy="change block_size"
+            )
+        except GeometryError:
             if self._rows is not primary_kv_view:
                 self._rows.release()  # else vLLM cannot unmap its CPU tier while cleaning up
             raise
@@ -233,46 +229,6 @@ class KvtierTier(SecondaryTierManager):
     def key_of(self, key: OffloadKey) -> str:
         """The kvtier key of a vLLM ``OffloadKey`` (block hash ‖ group index)."""
         return f"{self._fingerprint}-{block_id_hex(bytes(key))}"
-
-    def _check_geometry(self, at_start: bool = False) -> bool:
-        """Compares the server's ``block_bytes`` with the row stride once the
-        server answers. At start a mismatch raises; later (the server was down
-        at start) it is logged and every transfer fails."""
-        if self._geometry_checked:
-            return self._geometry_error is None
-        if self._failures.down():
-            return False
-        try:
-            block_bytes = self.client.block_bytes
-        except KvtierError as e:
-            self._failed("start" if at_start else "geometry", e)
-            return False
-        self._geometry_checked = True
-        if block_bytes != self.block_size_bytes:
-            self._geometry_error = (
-                f"kvtier at {self.url} stores blocks of {block_bytes} bytes but a chunk row of vLLM's CPU "
-                f"offloading tier is {self.block_size_bytes} bytes: start kvtier with --block-bytes "
-                f"{self.block_size_bytes} on a new data directory, or change block_size"
-            )
-            if at_start:
-                raise ValueError(self._geometry_error)
-            logger.error("%s; every kvtier transfer fails until then", self._geometry_error)
-            return False
-        return True
-
-    def _failed(self, what: str, error: Exception) -> None:
-        """Counts and (rate-limited) logs a failure; a connection failure also
-        marks the server down for ``down_s``."""
-        with self._lock:
-            self.stats["errors"] += 1
-        self._failures.record(what, f"{self.url}: {error}", error)
-
-    def _ready(self) -> None:
-        """Raises unless a transfer may be tried now."""
-        if self._failures.down():
-            raise KvtierConnectionError(f"{self.url} is marked down after a failure", code="server_down")
-        if not self._check_geometry():
-            raise KvtierError(self._geometry_error or f"{self.url} cannot be reached", code="geometry")
 
     def _row(self, chunk_id: int) -> memoryview:
         if not 0 <= chunk_id < self._num_chunks:
@@ -295,17 +251,10 @@ class KvtierTier(SecondaryTierManager):
             positions = [req_context.get_offload_key_position(keys[i]) for i in indices]
             if all(p is not None for p in positions):
                 indices = [i for _, i in sorted(zip(positions, indices, strict=True))]  # type: ignore[type-var]
-            try:
-                self._ready()
-                hits = self.client.lookup([self.key_of(keys[i]) for i in indices])
-            except KvtierError as e:
-                self._failed("lookup", e)
-                hits = 0
+            hits = self._core.call("lookup", self.client.lookup, [self.key_of(keys[i]) for i in indices], failed=0)
             for i in indices[:hits]:
                 found[i] = True
-        with self._lock:
-            self.stats["lookups"] += len(keys)
-            self.stats["lookup_hits"] += sum(found)
+        self._core.count(lookups=len(keys), lookup_hits=sum(found))
         return found
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -347,7 +296,7 @@ class KvtierTier(SecondaryTierManager):
         state = _Job(job, keys)
         with self._lock:
             self._in_flight += 1
-            self.stats["loads" if load else "stores"] += 1
+        self._core.count(**{"loads" if load else "stores": 1})
         if len(keys) != len(chunk_ids):
             logger.error("kvtier: job %s has %d keys but %d chunk ids", job.job_id, len(keys), len(chunk_ids))
             state.failed, state.remaining = len(keys) or 1, 0
@@ -356,35 +305,26 @@ class KvtierTier(SecondaryTierManager):
         if not keys:
             self._finish(state)
             return
-        work = self._load_one if load else self._store_one
-        for i, (key, chunk_id) in enumerate(zip(keys, chunk_ids, strict=True)):
-            try:
-                future = self.client.executor().submit(work, key, chunk_id)
-            except RuntimeError as e:  # the pool is shut down
-                self._chunk_done(state, i, None, e)
-                continue
-            future.add_done_callback(lambda f, i=i: self._chunk_done(state, i, f, None))
+        self._core.submit_each(
+            "load" if load else "store",
+            self._load_one if load else self._store_one,
+            list(zip(keys, chunk_ids, strict=True)),
+            functools.partial(self._chunk_done, state),
+        )
 
     def _store_one(self, key: OffloadKey, chunk_id: int) -> bool:
-        self._ready()
+        self._core.require_ready()
         self.client.put(self.key_of(key), self._row(chunk_id))
         return True
 
     def _load_one(self, key: OffloadKey, chunk_id: int) -> bool:
-        self._ready()
+        self._core.require_ready()
         return self.client.get_into(self.key_of(key), self._row(chunk_id))
 
-    def _chunk_done(self, state: _Job, i: int, future: Future[bool] | None, error: BaseException | None) -> None:
-        """Records one chunk's outcome; the last one finishes the job."""
-        ok = False
-        if error is None and future is not None:
-            error = future.exception() if not future.cancelled() else RuntimeError("cancelled")
-            ok = error is None and bool(future.result())
-        if error is not None:
-            if isinstance(error, KvtierError):
-                self._failed("load" if state.job.is_promotion else "store", error)
-            else:
-                logger.error("kvtier: chunk %d of job %s failed: %r", i, state.job.job_id, error)
+    def _chunk_done(self, state: _Job, i: int, result: bool | None, error: BaseException | None) -> None:
+        """Records one chunk's outcome (the core has logged an error); the
+        last one finishes the job."""
+        ok = error is None and bool(result)
         with self._lock:
             state.loaded[i] = ok
             if error is not None:
@@ -412,14 +352,13 @@ class KvtierTier(SecondaryTierManager):
             transfer_time=time.monotonic() - job.submit_time,
             transfer_bytes=len(ok) * self.block_size_bytes if ok else None,
         )
+        if job.is_promotion:
+            self._core.count(loaded_chunks=len(ok), load_misses=state.missed)
+        else:
+            self._core.count(stored_chunks=len(ok))
+        if not success:
+            self._core.count(failed_jobs=1)
         with self._lock:
-            if job.is_promotion:
-                self.stats["loaded_chunks"] += len(ok)
-                self.stats["load_misses"] += state.missed
-            else:
-                self.stats["stored_chunks"] += len(ok)
-            if not success:
-                self.stats["failed_jobs"] += 1
             self._finished.put((result, failed_keys))
             self._in_flight -= 1
             self._idle.notify_all()
@@ -462,7 +401,7 @@ class KvtierTier(SecondaryTierManager):
         self._closed = True
         self._lookups.shutdown()
         self.drain_jobs()
-        self.client.close()
+        self._core.close()
         if self._rows is not self._primary_kv_view:
             self._rows.release()
 
