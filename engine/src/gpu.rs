@@ -543,9 +543,9 @@ impl GpuTier {
             }
             Err(e) => {
                 if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                    super::tier::bump(&self.faults.out_of_memory, 1);
+                    crate::counter::bump(&self.faults.out_of_memory, 1);
                 } else {
-                    super::tier::bump(&self.faults.alloc_errors, 1);
+                    crate::counter::bump(&self.faults.alloc_errors, 1);
                 }
                 self.next_slab_try.set(Some(Instant::now() + GPU_SLAB_RETRY));
                 tracing::warn!(
@@ -634,7 +634,7 @@ impl GpuTier {
         let crc = match self.copy_in(slot, parts).await {
             Ok(crc) => crc,
             Err(e) => {
-                super::tier::bump(&self.faults.copy_errors, 1);
+                crate::counter::bump(&self.faults.copy_errors, 1);
                 self.give_back(slot);
                 tracing::warn!(device = self.device.ordinal, key, "copy to the GPU failed ({}); block not placed there", describe(&e));
                 return Err(e);
@@ -713,7 +713,7 @@ impl GpuTier {
         let mut crc = crc32fast::Hasher::new();
         let bytes = pool.copy_parts(&[staging.buf().bytes()], |step| crc.update(step));
         if crc.finalize() != expected {
-            super::tier::bump(&self.faults.corrupt_blocks, 1);
+            crate::counter::bump(&self.faults.corrupt_blocks, 1);
             tracing::error!(
                 device = self.device.ordinal,
                 key,
@@ -726,7 +726,7 @@ impl GpuTier {
     }
 
     fn read_failed(&self, hash: &BlockHash, at: Option<(u32, u64)>, e: &DriverError) -> GpuRead {
-        super::tier::bump(&self.faults.copy_errors, 1);
+        crate::counter::bump(&self.faults.copy_errors, 1);
         tracing::warn!(device = self.device.ordinal, "copy from the GPU failed ({}); block dropped from the GPU tier", describe(e));
         let slot = at.map(|a| a.0).or_else(|| self.lru.borrow().slot_of(hash));
         let lost = match (slot, at) {
@@ -754,7 +754,7 @@ impl GpuTier {
         }
         lru.evict(slot, false);
         if dirty {
-            super::tier::bump(&self.faults.blocks_lost, 1);
+            crate::counter::bump(&self.faults.blocks_lost, 1);
         }
         dirty
     }
@@ -769,7 +769,7 @@ impl GpuTier {
         let staging = match self.staging().await {
             Ok(s) => s,
             Err(e) => {
-                super::tier::bump(&self.faults.copy_errors, 1);
+                crate::counter::bump(&self.faults.copy_errors, 1);
                 tracing::warn!("GPU demotion copy failed: {}", describe(&e));
                 return Err(());
             }
@@ -785,14 +785,14 @@ impl GpuTier {
             }
         });
         if let Err(e) = issued.and(self.wait(event).await) {
-            super::tier::bump(&self.faults.copy_errors, 1);
+            crate::counter::bump(&self.faults.copy_errors, 1);
             tracing::warn!(key = &*v.key, "copy from the GPU to move a block down failed: {}", describe(&e));
             return Err(());
         }
         let mut crc = crc32fast::Hasher::new();
         let bytes = pool.copy_parts(&[staging.buf().bytes()], |step| crc.update(step));
         if crc.finalize() != expected {
-            super::tier::bump(&self.faults.corrupt_blocks, 1);
+            crate::counter::bump(&self.faults.corrupt_blocks, 1);
             tracing::error!(key = &*v.key, "GPU block failed its CRC-32 when moved down; dropped");
             return Err(());
         }

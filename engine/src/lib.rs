@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 pub mod alloc;
+mod counter;
 pub mod error;
 pub mod fsck;
 pub mod geometry;

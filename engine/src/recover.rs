@@ -31,7 +31,7 @@ use crate::index::snapshot::{self, IndexSnapshot, SegmentState};
 use crate::index::Entry;
 use crate::key::BlockHash;
 use crate::segment::{self, Segment, Superblock};
-use crate::shard::{RecoveryReport, Shard, ShardConfig};
+use crate::shard::{RecoveredLog, RecoveryReport, Shard, ShardConfig};
 use crate::slot::{HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
 
 /// Header reads in flight per shard during recovery.
@@ -198,6 +198,8 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     let snap_segments: HashMap<u32, &SegmentState> = snap.iter().flat_map(|s| s.segments.iter().map(|g| (g.id, g))).collect();
 
     let mut next_seq = snap.as_ref().map_or(1, |s| s.next_seq);
+    let mut segments: Vec<Option<Rc<Segment>>> = Vec::new();
+    let mut max_seqs: Vec<u64> = Vec::new();
     let mut records = Vec::new();
     // Segments whose snapshot entries are valid, with their first_seq: an
     // entry below it was being moved by a compaction and is stale.
@@ -225,18 +227,18 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         next_seq = next_seq.max(max_seq + 1);
         segment.slots_used.set(used);
         lives.push((*id, sb.first_seq, used, max_seq));
-        shard.note_seq(*id, max_seq);
-        let mut segments = shard.segments.borrow_mut();
         if segments.len() <= *id as usize {
             segments.resize(*id as usize + 1, None);
+            max_seqs.resize(*id as usize + 1, 0);
         }
         segments[*id as usize] = Some(segment);
+        max_seqs[*id as usize] = max_seq;
         report.segments += 1;
     }
 
     records.sort_unstable_by_key(|r| r.seq);
+    let mut index = shard.empty_index();
     {
-        let mut index = shard.index.borrow_mut();
         for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.get(&e.segment).is_some_and(|first| e.seq >= *first)) {
             let hash = BlockHash(((e.hash_hi as u128) << 64) | e.hash_lo as u128);
             index.insert_if_newer(hash, Entry { segment: e.segment, slot: e.slot, seq: e.seq });
@@ -255,16 +257,14 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
             }
         }
     }
-    shard.next_seq.set(next_seq);
 
     // The newest segment with room stays the head; other segments with
     // records are sealed oldest life first; the rest are free.
     let head = lives.iter().filter(|l| l.2 > 0).max_by_key(|l| l.3).filter(|l| l.2 < shard.slots_per_segment).map(|l| l.0);
     let mut sealed: Vec<&(u32, u64, u32, u64)> = lives.iter().filter(|l| l.2 > 0 && Some(l.0) != head).collect();
     sealed.sort_by_key(|l| l.1);
-    shard.sealed.borrow_mut().extend(sealed.iter().map(|l| l.0));
-    shard.free.borrow_mut().extend(lives.iter().filter(|l| l.2 == 0).map(|l| l.0).rev());
-    shard.head.set(head);
+    let sealed: Vec<u32> = sealed.iter().map(|l| l.0).collect();
+    let free: Vec<u32> = lives.iter().filter(|l| l.2 == 0).map(|l| l.0).rev().collect();
 
     report.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
     tracing::info!(
@@ -272,11 +272,11 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         segments = report.segments,
         scanned = report.segments_scanned,
         snapshot = report.snapshot_loaded,
-        blocks = shard.index.borrow().len(),
+        blocks = index.len(),
         invalid_headers = report.headers_invalid,
         ms = report.duration_ms,
         "shard recovered"
     );
-    *shard.recovery.borrow_mut() = report;
+    shard.restore(RecoveredLog { segments, max_seq: max_seqs, index, next_seq, sealed, free, head, report });
     Ok(shard)
 }

@@ -95,14 +95,6 @@ impl Default for TierCounters {
     }
 }
 
-pub(crate) fn bump(c: &Cell<u64>, by: u64) {
-    c.set(c.get() + by);
-}
-
-pub(crate) fn record_us(h: &RefCell<Histogram<u64>>, us: u128) {
-    let _ = h.borrow_mut().record(us.max(1) as u64);
-}
-
 /// One tier of one shard (or summed over shards), for `/v1/stats` and
 /// `/metrics`.
 #[derive(Debug, Clone, Serialize)]

@@ -385,7 +385,7 @@ pub fn prometheus_text(
     registry.register("shard_write_latency_us", "Block write latency percentiles in microseconds", io_write);
 
     // Per tier, summed over shards.
-    let tiers = crate::routes::tier_totals(engine);
+    let tiers = kvtier_engine::shard::tier_totals(engine);
     type TierField = fn(&kvtier_engine::TierStats) -> u64;
     let gauges: [(&str, &str, TierField); 2] = [
         ("tier_capacity_blocks", "Blocks the tier can hold", |t| t.capacity_blocks),

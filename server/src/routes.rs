@@ -506,7 +506,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         },
         "write_policy": shards.first().map(|s| s.write_policy),
         "promote": shards.first().map(|s| s.promote),
-        "tiers": tier_totals(&shards),
+        "tiers": kvtier_engine::shard::tier_totals(&shards),
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
     });
@@ -515,21 +515,6 @@ async fn stats(ctx: &Ctx) -> Reply {
         body[remote.name()] = remote.stats_json();
     }
     json_reply(StatusCode::OK, &body)
-}
-
-/// Per-tier counters summed over shards, fastest tier first.
-pub fn tier_totals(shards: &[kvtier_engine::ShardStats]) -> Vec<kvtier_engine::TierStats> {
-    let mut totals: Vec<kvtier_engine::TierStats> = Vec::new();
-    for s in shards {
-        for t in &s.tiers {
-            match totals.iter_mut().find(|x| x.tier == t.tier) {
-                Some(x) => x.add(t),
-                None => totals.push(t.clone()),
-            }
-        }
-    }
-    totals.sort_by_key(|t| t.tier);
-    totals
 }
 
 async fn metrics(ctx: &Ctx) -> Reply {

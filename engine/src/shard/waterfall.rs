@@ -15,12 +15,13 @@ use bytes::Bytes;
 
 use super::transit::{Placed, Ticket};
 use super::Shard;
+use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::gpu::{GpuRead, GpuTier};
 use crate::key::BlockHash;
 use crate::lru::Victim;
 use crate::shard::ShardConfig;
-use crate::tier::{bump, record_us, Tier, TierStats};
+use crate::tier::{Tier, TierStats};
 
 /// Opens the shard's GPU tier when one is configured. A tier that cannot
 /// open refuses the shard's start, unless the GPU is optional: then the

@@ -1,0 +1,184 @@
+//! The RAM tier's place in the waterfall: placing new and promoted blocks
+//! (moving least recently used ones down to the log), promotion of blocks
+//! read from the log, prefetch, the write-back flush, and serving blocks in
+//! transit. The GPU's part is `waterfall.rs`; blocks between tiers,
+//! `transit.rs`.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::transit::Placed;
+use super::Shard;
+use crate::counter::{bump, record_us};
+use crate::error::Result;
+use crate::index::Entry;
+use crate::key::BlockHash;
+use crate::stream::{BlockBody, ChunkStream};
+use crate::tier::Tier;
+
+impl Shard {
+    /// Places a block in the RAM tier as its most recently used block while
+    /// `wanted()` holds (checked before an older copy leaves and at the
+    /// install), moving least recently used blocks down to make room:
+    /// dropped when the log has them, written to the log first when they are
+    /// only in RAM (`dirty`, write-back). [`Placed::NoRoom`] when there is
+    /// no RAM tier or every slot is pinned or being demoted.
+    ///
+    /// # Errors
+    /// Writing a demoted block to the log failed (the block stays in RAM).
+    pub(super) async fn cache(
+        &self,
+        key: &str,
+        hash: BlockHash,
+        parts: &[&[u8]],
+        dirty: bool,
+        wanted: &dyn Fn() -> bool,
+    ) -> Result<Placed> {
+        let Some(ram) = &self.ram else { return Ok(Placed::NoRoom) };
+        let started = Instant::now();
+        loop {
+            let victim = {
+                if !wanted() {
+                    return Ok(Placed::Superseded);
+                }
+                let mut r = ram.borrow_mut();
+                r.release_if_idle(&hash);
+                if let Some(slot) = r.take_free() {
+                    r.install(slot, key, hash, parts, dirty);
+                    bump(&self.ram_counters.bytes_in, self.cfg.geometry.block_bytes);
+                    record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
+                    return Ok(Placed::In(Tier::Ram));
+                }
+                match r.victim() {
+                    Some(v) if !v.dirty => {
+                        r.evict(v.slot);
+                        bump(&self.ram_counters.demotions, 1);
+                        continue;
+                    }
+                    Some(v) => v,
+                    None => return Ok(Placed::NoRoom),
+                }
+            };
+            // Write-back: the victim is only in RAM; write it to the log
+            // first. It stays readable from RAM meanwhile.
+            let bytes = ram.borrow_mut().begin_demotion(victim.slot);
+            let written = self.put_nvme(&victim.key, victim.hash, &[bytes], false).await;
+            ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
+            written?;
+            bump(&self.ram_counters.demotions, 1);
+            bump(&self.nvme_counters.promotions, 1);
+        }
+    }
+
+    /// Writes every block held only in RAM (write-back) to the log, least
+    /// recently used first; they stay in RAM, now clean. Used at clean
+    /// close, so a graceful stop loses nothing.
+    ///
+    /// # Errors
+    /// The first failed log write.
+    pub async fn flush_ram(&self) -> Result<u64> {
+        let mut written = self.flush_gpu().await?;
+        let Some(ram) = &self.ram else { return Ok(written) };
+        let dirty = ram.borrow().dirty_blocks();
+        for v in dirty {
+            let bytes = ram.borrow_mut().begin_demotion(v.slot);
+            let r = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
+            ram.borrow_mut().end_flush(v.slot, r.is_ok());
+            r?;
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    /// The body of a GET served from a block in transit: its buffers as they
+    /// are (they may be this shard's DMA chunks), except for a GET forwarded
+    /// from another shard (`!stream`), which gets one pooled copy that may
+    /// cross threads.
+    pub(super) fn transit_body(&self, mut parts: Vec<Bytes>, stream: bool) -> BlockBody {
+        if !stream {
+            let slices: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+            return BlockBody::Whole(self.read_buffers.copy_parts(&slices, |_| {}));
+        }
+        if parts.len() == 1 {
+            return BlockBody::Whole(parts.pop().expect("one part"));
+        }
+        BlockBody::Chunks(ChunkStream::from_parts(self.cfg.geometry.block_bytes, parts))
+    }
+
+    /// Promotes a stored block into RAM (a prefetch): a block already in
+    /// RAM becomes most recently used; one only in the log is read (CRC
+    /// checked) into RAM. Returns whether the block is stored.
+    pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
+        if self.gpu.is_some() {
+            return self.prefetch_gpu(key, hash).await;
+        }
+        let Some(ram) = &self.ram else { return self.contains(&hash).is_some() };
+        if ram.borrow_mut().get(key, &hash).is_some() {
+            return true;
+        }
+        self.read_to_promote(key, hash).await
+    }
+
+    /// Copies a block just read from the log into the fastest memory tier
+    /// (GPU, else RAM), counted as a promotion there when a slot took it.
+    /// Best effort: a failure to make room leaves the block in the log only.
+    /// Used when no RAM slot could be taken before the read (a GPU tier
+    /// takes promotions; or write-back: every RAM candidate is dirty and
+    /// must be written to the log first) and for format 1 slots.
+    pub(super) async fn promote(&self, key: &str, hash: BlockHash, parts: &[Bytes], entry: Entry) {
+        if !self.still_newest(&hash, entry) {
+            return;
+        }
+        let ticket = self.transits.begin(key, hash, parts.to_vec());
+        let slices: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        match self.place(key, hash, &slices, false, &ticket).await {
+            Ok(Placed::In(Tier::Gpu)) => bump(&self.gpu_counters.promotions, 1),
+            Ok(Placed::In(Tier::Ram)) => bump(&self.ram_counters.promotions, 1),
+            _ => {}
+        }
+    }
+
+    /// Whether a block read from `entry` may be promoted: the index still
+    /// points at that record and no memory tier holds a copy, nor is one on
+    /// its way there (a PUT or DELETE while the block was read must not be
+    /// undone by an older copy; in write-back a newer copy may be in memory
+    /// only).
+    pub(super) fn still_newest(&self, hash: &BlockHash, entry: Entry) -> bool {
+        self.index.borrow().get(hash) == Some(entry) && !matches!(self.contains(hash), Some(Tier::Gpu | Tier::Ram))
+    }
+
+    /// Reads a block from the log with promotion, whole (every chunk
+    /// checked before it answers; a prefetch). Returns whether it was read
+    /// in full.
+    pub(super) async fn read_to_promote(&self, key: &str, hash: BlockHash) -> bool {
+        self.read_block(key, hash, true, false).await.is_ok()
+    }
+
+    /// A RAM slot to promote into, taken before the read so the chunks are
+    /// copied straight into it: a free slot, or the least recently used
+    /// block's if the log has it (clean). `None` when there is no RAM tier
+    /// or the victim is only in RAM (write-back), which takes a log write
+    /// to move: then the block is promoted after the read by [`Shard::promote`].
+    pub(super) fn take_ram_slot(&self) -> Option<u32> {
+        let mut ram = self.ram.as_ref()?.borrow_mut();
+        loop {
+            if let Some(slot) = ram.take_free() {
+                return Some(slot);
+            }
+            match ram.victim() {
+                Some(v) if !v.dirty => {
+                    ram.evict(v.slot);
+                    bump(&self.ram_counters.demotions, 1);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    pub(super) fn abandon_ram_slot(&self, slot: Option<u32>) {
+        if let (Some(s), Some(ram)) = (slot, &self.ram) {
+            ram.borrow_mut().abandon(s);
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Reclaim with second chance: when the log is full, the oldest segment is
+//! emptied for reuse; blocks read since they were written survive (up to a
+//! share of the segment) and are rewritten into the first slots of its new
+//! life by a task of their own, while new writes go ahead after them
+//! (docs/ARCHITECTURE.md, "Reclaim and second chance").
+
+use std::rc::Rc;
+
+use super::append::InFlightSeq;
+use super::{Shard, RECLAIM_POLL};
+use crate::counter::bump;
+use crate::error::Result;
+use crate::index::Entry;
+use crate::key::BlockHash;
+use crate::segment::{InFlight, Segment};
+use crate::slot::{ChunkHasher, SlotHeader, PAGE_BYTES};
+
+/// At most this fraction of a reclaimed segment's slots is kept by second
+/// chance, so every reclaim frees at least half a segment even when every
+/// block in it is hot.
+const SECOND_CHANCE_SHARE: u32 = 2;
+
+/// A reclaim's survivors, still to be moved into the first slots of the
+/// segment's new life ([`Shard::move_survivors`]).
+pub(super) struct Compaction {
+    segment: Rc<Segment>,
+    /// Sorted by old slot.
+    survivors: Vec<(BlockHash, Entry)>,
+    /// The new life's first sequence number, reserved with the next
+    /// `survivors.len()` for them.
+    first_seq: u64,
+}
+
+impl Shard {
+    /// Starts moving a reclaim's survivors in a task of its own: no writer
+    /// waits for the whole move, and one that gives up waiting cannot leave
+    /// it half done. The task holds the shard, so a close waits for it.
+    /// (A shard not wrapped by [`Shard::share`] moves them inline.)
+    pub(super) async fn run_compaction(&self, compaction: Compaction) {
+        let shard = self.me.borrow().upgrade();
+        match shard {
+            Some(shard) => {
+                glommio::spawn_local(async move { shard.move_survivors(compaction).await }).detach();
+            }
+            None => self.move_survivors(compaction).await,
+        }
+    }
+
+    /// Empties the oldest segment for reuse, under the slot lock: waits for
+    /// writes into it to land, drops its blocks from the index but the
+    /// survivors, waits for reads of it to finish, then starts its new life
+    /// with a new superblock and reserves the first slots and sequence
+    /// numbers of that life for the survivors. Moving them is left to the
+    /// caller ([`Shard::move_survivors`], without the lock); `None` when
+    /// there are none.
+    pub(super) async fn reclaim(&self, id: u32) -> Result<Option<Compaction>> {
+        let segment = self.segment(id);
+        // Writers include the survivor copy of this segment's previous
+        // reclaim, should it still run.
+        while segment.writers.get() > 0 {
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        }
+        // Second chance: blocks read since they were written stay, up to a
+        // share of the segment; the rest leave the index.
+        let mut survivors: Vec<(BlockHash, Entry)> = {
+            let referenced = segment.referenced.borrow();
+            self.index.borrow().iter().filter(|(_, e)| e.segment == id && referenced[e.slot as usize]).collect()
+        };
+        survivors.sort_by_key(|(_, e)| e.slot);
+        survivors.truncate((self.slots_per_segment / SECOND_CHANCE_SHARE) as usize);
+        let evicted = {
+            let mut index = self.index.borrow_mut();
+            let before = index.len();
+            index.remove_segment(id);
+            for (h, e) in &survivors {
+                index.insert_if_newer(*h, *e);
+            }
+            before - index.len()
+        };
+        // Nothing else takes sequence numbers while we hold the slot lock:
+        // this is the new life's first.
+        let first_seq = self.next_seq.get();
+        segment.compact_below_seq.set(first_seq);
+        segment.compacting.set(true);
+        while segment.readers.get() > 0 {
+            glommio::timer::sleep(RECLAIM_POLL).await;
+        }
+        if let Err(e) = segment.write_superblock(&self.superblock(segment.id, first_seq)).await {
+            // Drop the survivors; keep the segment for a retry.
+            segment.compacting.set(false);
+            self.index.borrow_mut().remove_segment(id);
+            segment.slots_used.set(self.slots_per_segment);
+            self.sealed.borrow_mut().push_front(id);
+            return Err(e);
+        }
+        segment.first_seq.set(first_seq);
+        segment.referenced.borrow_mut().fill(false);
+        bump(&self.counters.reclaimed_segments, 1);
+        bump(&self.counters.evicted_blocks, evicted as u64);
+        tracing::debug!(shard = self.id(), segment = id, evicted, kept = survivors.len(), "reclaimed segment");
+        if survivors.is_empty() {
+            segment.compacting.set(false);
+            segment.slots_used.set(0);
+            return Ok(None);
+        }
+        // Survivor j goes to slot j with sequence number first_seq + j, below
+        // any write after this reclaim, so a newer PUT or DELETE of its key
+        // wins on recovery whichever lands first. In flight until written, so
+        // a snapshot taken meanwhile does not claim to cover them.
+        let n = survivors.len() as u32;
+        {
+            let mut inflight = self.inflight.borrow_mut();
+            for j in 0..n {
+                inflight.insert(first_seq + j as u64, (id, j));
+            }
+        }
+        self.next_seq.set(first_seq + n as u64);
+        segment.slots_used.set(n);
+        segment.copy_next_old_slot.set(survivors[0].1.slot);
+        segment.writers.set(segment.writers.get() + 1);
+        Ok(Some(Compaction { segment, survivors, first_seq }))
+    }
+
+    /// Rewrites a reclaim's survivors (sorted by old slot) into the first
+    /// slots of the segment's new life, with the sequence numbers reserved
+    /// for them. Slot `j` of the new life is never above the survivor's old
+    /// slot `i`, so each survivor is read before anything overwrites it:
+    /// the copy itself writes only slots below the next old slot it reads,
+    /// and writers of later slots wait for that read
+    /// (`copy_next_old_slot`). A survivor that fails its checks, or whose
+    /// read or write fails, is dropped; a survivor whose key was written or
+    /// deleted meanwhile is copied but stays superseded (its sequence
+    /// number is the lower).
+    pub(super) async fn move_survivors(&self, c: Compaction) {
+        let Compaction { segment, survivors, first_seq } = c;
+        let _writer = InFlight::adopt(&segment.writers);
+        let block_bytes = self.cfg.geometry.block_bytes;
+        for (j, (hash, old)) in survivors.iter().enumerate() {
+            let seq = first_seq + j as u64;
+            let _inflight = InFlightSeq { shard: self, seq };
+            let next_old_slot = survivors.get(j + 1).map_or(u32::MAX, |(_, e)| e.slot);
+            let j = j as u32;
+            debug_assert!(j <= old.slot);
+            let read = segment.read_slot(old.slot, self.slot_bytes).await;
+            // The old slot is read: writes into it may go ahead.
+            segment.copy_next_old_slot.set(next_old_slot);
+            let data = match read {
+                Ok(d) => d,
+                Err(e) => {
+                    self.index.borrow_mut().remove_exact(hash, *old);
+                    tracing::error!(
+                        shard = self.id(),
+                        segment = segment.id,
+                        slot = old.slot,
+                        "reading a survivor during reclaim failed; dropped: {e}"
+                    );
+                    continue;
+                }
+            };
+            // Both CRCs are checked; a format 1 survivor gets chunk CRCs in
+            // its new slot, so it streams from then on.
+            let mut crcs = ChunkHasher::new(self.chunk_bytes);
+            crcs.update(&data[PAGE_BYTES as usize..(PAGE_BYTES + block_bytes) as usize]);
+            let (payload_crc, chunk_crcs) = crcs.finish();
+            let header = SlotHeader::decode(&data[..PAGE_BYTES as usize])
+                .ok()
+                .filter(|h| h.seq == old.seq && payload_crc == h.payload_crc && (h.chunk_crcs.is_empty() || h.chunk_crcs == chunk_crcs));
+            let Some(mut header) = header else {
+                self.index.borrow_mut().remove_exact(hash, *old);
+                bump(&self.counters.corrupt_blocks, 1);
+                tracing::error!(shard = self.id(), segment = segment.id, slot = old.slot, "corrupt block dropped during reclaim");
+                continue;
+            };
+            header.seq = seq;
+            header.chunk_bytes = self.chunk_bytes;
+            header.chunk_crcs = chunk_crcs;
+            let mut buf = self.take_write_buffer();
+            buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
+            drop(data);
+            header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
+            let buf = Rc::new(buf);
+            let written = segment.write_slot(buf.clone(), j).await;
+            self.recycle(buf);
+            if let Err(e) = written {
+                self.index.borrow_mut().remove_exact(hash, *old);
+                tracing::error!(
+                    shard = self.id(),
+                    segment = segment.id,
+                    slot = j,
+                    "writing a survivor during reclaim failed; dropped: {e}"
+                );
+                continue;
+            }
+            self.note_seq(segment.id, seq);
+            let moved = Entry { segment: segment.id, slot: j, seq };
+            if self.index.borrow_mut().remove_exact(hash, *old) {
+                self.index.borrow_mut().insert_if_newer(*hash, moved);
+            }
+            bump(&self.counters.second_chance_blocks, 1);
+        }
+        segment.copy_next_old_slot.set(u32::MAX);
+        segment.compacting.set(false);
+    }
+}
