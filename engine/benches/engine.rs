@@ -190,6 +190,7 @@ fn main() {
             gpu: Default::default(),
             io_memory_bytes: kvtier_engine::store::IO_MEMORY_BYTES_DEFAULT,
             remote: None,
+            health_window: kvtier_engine::health::ERROR_WINDOW,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

@@ -6,8 +6,9 @@
 //! (the disk share full, the GPU lost, the S3 circuit breaker open, the log
 //! unwritable) into a [`TierHealth`]:
 //!
-//! - `ok`: no error in the last [`ERROR_WINDOW`] and no standing condition;
-//! - `degraded`: errors in the last [`ERROR_WINDOW`], or a condition that
+//! - `ok`: no error in the last window ([`ERROR_WINDOW`] by default) and no
+//!   standing condition;
+//! - `degraded`: errors in the last window, or a condition that
 //!   costs misses or refusals but leaves the rest of the store serving;
 //! - `down`: the tier cannot do its job (the log's last write failed with an
 //!   I/O error; a configured GPU that is not there).
@@ -22,7 +23,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-/// A tier is `degraded` while its last error is younger than this.
+/// A tier is `degraded` while its last error is younger than this, unless
+/// configured otherwise (`kvtier serve --health-window-ms`).
 pub const ERROR_WINDOW: Duration = Duration::from_secs(10);
 
 /// A tier's state, best first.
@@ -124,16 +126,19 @@ struct Inner {
 /// threads; a shard's tiers only from the shard (the lock is uncontended).
 pub struct HealthTracker {
     tier: &'static str,
+    /// How long an error keeps the tier degraded.
+    window: Duration,
     /// Shard id for log lines (`None`: a process-wide tier).
     shard: Option<u32>,
     inner: Mutex<Inner>,
 }
 
 impl HealthTracker {
-    /// A tracker for `tier` (of `shard`), `ok` since now.
-    pub fn new(tier: &'static str, shard: Option<u32>) -> HealthTracker {
+    /// A tracker for `tier` (of `shard`), `ok` since now; an error keeps
+    /// the tier degraded for `window`.
+    pub fn new(tier: &'static str, shard: Option<u32>, window: Duration) -> HealthTracker {
         let inner = Inner { errors: BTreeMap::new(), last_error: None, state: HealthState::Ok, reason: None, since: SystemTime::now() };
-        HealthTracker { tier, shard, inner: Mutex::new(inner) }
+        HealthTracker { tier, window, shard, inner: Mutex::new(inner) }
     }
 
     /// Records an error of `kind` (`read`, `write`, `copy`, `timeout`, ...)
@@ -159,17 +164,19 @@ impl HealthTracker {
     /// else its state and reason). Logs once when the state changes.
     pub fn evaluate(&self, condition: Option<(HealthState, String)>) -> TierHealth {
         let mut i = self.inner.lock().expect("health lock");
-        let recent = i.last_error.as_ref().filter(|(_, at, _)| at.elapsed() < ERROR_WINDOW).map(|(m, _, _)| m.clone());
+        let recent = i.last_error.as_ref().filter(|(_, at, _)| at.elapsed() < self.window).map(|(m, _, _)| m.clone());
         let (state, reason) = match (condition, recent) {
             (Some((s, why)), _) if s != HealthState::Ok => (s, Some(why)),
-            (_, Some(m)) => (HealthState::Degraded, Some(format!("errors in the last {} s: {m}", ERROR_WINDOW.as_secs()))),
+            (_, Some(m)) => (HealthState::Degraded, Some(format!("errors in the last {} ms: {m}", self.window.as_millis()))),
             _ => (HealthState::Ok, None),
         };
         if state != i.state {
             let shard = self.shard.map(|s| format!("shard {s} ")).unwrap_or_default();
+            // The return to ok at the same level as the fault, so that a
+            // log filtered to warnings shows both ends of an episode.
             match state {
                 HealthState::Ok => {
-                    tracing::info!(tier = self.tier, "{shard}tier {} is ok again (was {})", self.tier, i.state.as_str())
+                    tracing::warn!(tier = self.tier, "{shard}tier {} is ok again (was {})", self.tier, i.state.as_str())
                 }
                 _ => {
                     tracing::warn!(tier = self.tier, "{shard}tier {} is {}: {}", self.tier, state.as_str(), reason.as_deref().unwrap_or(""))
@@ -197,7 +204,7 @@ mod tests {
 
     #[test]
     fn errors_degrade_a_tier_for_the_window_and_conditions_win() {
-        let h = HealthTracker::new("nvme", Some(0));
+        let h = HealthTracker::new("nvme", Some(0), ERROR_WINDOW);
         assert_eq!(h.evaluate(None).state, HealthState::Ok);
         h.error("read", "reading segment 3 failed: EIO");
         let now = h.evaluate(None);
@@ -211,8 +218,19 @@ mod tests {
     }
 
     #[test]
+    fn a_tier_is_ok_again_once_its_last_error_is_older_than_the_window() {
+        let h = HealthTracker::new("s3", None, Duration::from_millis(30));
+        h.error("read", "GET failed");
+        assert_eq!(h.evaluate(None).state, HealthState::Degraded);
+        std::thread::sleep(Duration::from_millis(40));
+        let now = h.evaluate(None);
+        assert_eq!((now.state, now.reason), (HealthState::Ok, None));
+        assert_eq!(now.last_error.as_deref(), Some("GET failed"), "the last error stays on record");
+    }
+
+    #[test]
     fn merging_keeps_the_worst_state_and_sums_errors() {
-        let (a, b) = (HealthTracker::new("gpu", Some(0)), HealthTracker::new("gpu", Some(1)));
+        let (a, b) = (HealthTracker::new("gpu", Some(0), ERROR_WINDOW), HealthTracker::new("gpu", Some(1), ERROR_WINDOW));
         b.errors("copy", 3, "copy failed");
         let merged = merge_by_tier([&a.evaluate(None), &b.evaluate(None)]);
         assert_eq!(merged.len(), 1);

@@ -44,6 +44,7 @@ use crate::stream::BlockBody;
 use crate::tier::{Tier, TierCounters, WritePolicy};
 
 mod append;
+mod health;
 mod placement;
 mod reader;
 mod reclaim;
@@ -96,6 +97,8 @@ pub struct ShardConfig {
     /// The remote tier below the log, shared by the process's shards (see
     /// [`crate::remote`]).
     pub remote: Option<Arc<dyn crate::remote::Remote>>,
+    /// An error keeps its tier `degraded` this long ([`crate::health`]).
+    pub health_window: Duration,
 }
 
 impl ShardConfig {
@@ -176,6 +179,8 @@ pub struct Shard {
     remote: Option<Rc<dyn crate::remote::RemoteShard>>,
     /// Remote reads in flight, one per key (`shard/remote.rs`).
     remote_reads: remote::RemoteReads,
+    /// What each local tier met (`shard/health.rs`).
+    health: health::Trackers,
 }
 
 /// What recovery rebuilt of a shard's log ([`crate::recover::open_shard`]),
@@ -260,6 +265,7 @@ impl Shard {
             nvme_counters: TierCounters::default(),
             remote,
             remote_reads: Default::default(),
+            health: health::Trackers::new(cfg.shard_id, cfg.health_window),
             cfg,
         })
     }

@@ -22,12 +22,16 @@ use glommio::{LocalExecutorBuilder, Placement};
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
+use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{self, BlockHash};
 use crate::recover;
 use crate::remote::Remote;
 use crate::shard::{PutOutcome, PutReport, Shard, ShardConfig, ShardStats};
 use crate::stream::BlockBody;
 pub use crate::tier::{Tier, WritePolicy};
+
+/// How often each shard evaluates its tiers' health (and logs a change).
+const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Messages queued per shard pair before a sender waits.
 const MESH_QUEUE_DEPTH: usize = 1024;
@@ -131,6 +135,9 @@ pub struct StoreConfig {
     /// The remote tier below the log, shared by every shard (`None`: none).
     /// Each shard reaches it for the keys it owns ([`crate::remote`]).
     pub remote: Option<Arc<dyn Remote>>,
+    /// An error keeps its tier `degraded` this long
+    /// ([`crate::health::ERROR_WINDOW`] by default).
+    pub health_window: std::time::Duration,
 }
 
 impl StoreConfig {
@@ -169,6 +176,7 @@ impl StoreConfig {
             promote: self.promote,
             gpu: self.gpu.clone(),
             remote: self.remote.clone(),
+            health_window: self.health_window,
         }
     }
 
@@ -187,6 +195,7 @@ enum Op {
     RemoteExists { keys: Vec<String> },
     Prefetch { keys: Vec<(String, BlockHash)> },
     Stats,
+    Health,
 }
 
 enum Reply {
@@ -197,6 +206,7 @@ enum Reply {
     RemoteExists(Vec<Option<bool>>),
     Prefetch(PrefetchReport),
     Stats(Box<ShardStats>),
+    Health(Vec<TierHealth>),
 }
 
 /// What a prefetch started.
@@ -493,6 +503,28 @@ impl Store {
         Ok(total)
     }
 
+    /// The health of every tier, each merged over the shards (the worst
+    /// state, errors summed; [`crate::health`]), fastest first, the remote
+    /// tier last. Cheaper than [`Store::stats`]: for readiness probes.
+    ///
+    /// # Errors
+    /// [`Error::ShuttingDown`] when a shard no longer answers.
+    pub async fn health(&self) -> Result<Vec<TierHealth>> {
+        let asks = (0..self.shards).map(|owner| async move {
+            if owner == self.shard_id() {
+                return Ok(self.shard.health());
+            }
+            match self.forward(owner, Op::Health).await? {
+                Reply::Health(h) => Ok(h),
+                _ => unreachable!("health answered with another reply"),
+            }
+        });
+        let per_shard: Vec<Vec<TierHealth>> = futures::future::join_all(asks).await.into_iter().collect::<Result<_>>()?;
+        let mut merged = merge_by_tier(per_shard.iter().flatten());
+        merged.extend(self.remote.as_ref().map(|r| r.health()));
+        Ok(merged)
+    }
+
     /// Statistics of every shard, in shard order.
     ///
     /// # Errors
@@ -542,6 +574,7 @@ async fn execute(shard: &Rc<Shard>, op: Op, parallelism: usize) -> Reply {
         }
         Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys, parallelism)),
         Op::Stats => Reply::Stats(Box::new(shard.stats())),
+        Op::Health => Reply::Health(shard.health()),
     }
 }
 
@@ -631,6 +664,22 @@ where
                         }
                     })
                 });
+                // Health is evaluated every second whatever the traffic, so a
+                // change of state is logged when it happens, not when someone
+                // asks; shard 0 also watches the remote tier.
+                let health = {
+                    let (shard, remote) = (Rc::downgrade(&shard), remote.clone().filter(|_| shard_id == 0));
+                    glommio::spawn_local(async move {
+                        loop {
+                            glommio::timer::sleep(HEALTH_EVERY).await;
+                            let Some(shard) = shard.upgrade() else { return };
+                            shard.health();
+                            if let Some(r) = &remote {
+                                r.health();
+                            }
+                        }
+                    })
+                };
                 let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
@@ -639,6 +688,7 @@ where
                 if let Some(task) = snapshots {
                     task.cancel().await;
                 }
+                health.cancel().await;
                 // Requests from peers may still be finishing; wait for them
                 // to release the shard before closing its files.
                 while Rc::strong_count(&shard) > 1 {

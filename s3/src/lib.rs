@@ -89,9 +89,11 @@ impl S3Tier {
     /// store that is down: reads miss, uploads fail, both counted);
     /// [`S3Tier::probe`] says whether it answers.
     ///
+    /// An error keeps the tier degraded for `health_window`.
+    ///
     /// # Errors
     /// A bad flag value or client configuration, named.
-    pub fn new(args: &S3Args, shards: usize, block_bytes: u64) -> Result<Arc<S3Tier>, String> {
+    pub fn new(args: &S3Args, shards: usize, block_bytes: u64, health_window: Duration) -> Result<Arc<S3Tier>, String> {
         let settings = args.settings(block_bytes)?;
         // Client options first: `with_client_options` replaces them all,
         // `with_allow_http` included.
@@ -143,7 +145,7 @@ impl S3Tier {
             shards: (0..shards).map(|_| Arc::new(ShardCounters::new())).collect(),
             warnings: Arc::new(warn::Warnings::new()),
             breaker: Arc::new(breaker::Breaker::new()),
-            health: Arc::new(HealthTracker::new(TIER_NAME, None)),
+            health: Arc::new(HealthTracker::new(TIER_NAME, None, health_window)),
         });
         for (shard, rx) in receivers.into_iter().enumerate() {
             let weak = Arc::downgrade(&tier);
@@ -262,7 +264,7 @@ impl Remote for S3Tier {
     }
 
     /// Degraded while the circuit breaker is open or an S3 operation failed
-    /// in the last [`kvtier_engine::health::ERROR_WINDOW`].
+    /// within the health window.
     fn health(&self) -> TierHealth {
         let condition = (!self.breaker.allows()).then(|| {
             (

@@ -184,6 +184,12 @@ struct StoreArgs {
     /// the block up to the GPU (promotion).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     promote: OnOff,
+    /// How long an error keeps its tier "degraded" in /readyz, /v1/stats
+    /// ("health") and /metrics (kvtier_tier_up), in ms. A tier is "ok" again
+    /// once its last error is older than this and its condition (disk full,
+    /// S3 circuit breaker open, GPU missing) has cleared.
+    #[arg(long, default_value_t = 10_000)]
+    health_window_ms: u64,
     #[command(flatten)]
     gpu: gpu::GpuArgs,
 }
@@ -239,6 +245,9 @@ impl StoreArgs {
         if self.ram_gb.is_nan() || self.ram_gb < 0.0 {
             return Err(format!("--ram-gb must be 0 or more, got {}", self.ram_gb));
         }
+        if self.health_window_ms == 0 {
+            return Err("--health-window-ms must be at least 1".into());
+        }
         let io_memory_bytes = self.io_memory_mib.saturating_mul(1 << 20);
         if io_memory_bytes < IO_MEMORY_SHARD_BYTES_MIN {
             return Err(format!("--io-memory-mib must be at least {}, got {}", IO_MEMORY_SHARD_BYTES_MIN >> 20, self.io_memory_mib));
@@ -272,6 +281,7 @@ impl StoreArgs {
             promote: self.promote == OnOff::On,
             gpu: Default::default(),
             remote: None,
+            health_window: std::time::Duration::from_millis(self.health_window_ms),
         };
         Ok((config, segment_origin))
     }
@@ -470,7 +480,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let (gpu_config, gpu_line) = args.store.gpu.open(&config)?;
     config.gpu = gpu_config;
     let s3_tier = match &args.s3.s3_url {
-        Some(_) => Some(kvtier_s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes)?),
+        Some(_) => Some(kvtier_s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes, config.health_window)?),
         None => None,
     };
     config.remote = s3_tier.clone().map(|t| t as Arc<dyn kvtier_engine::remote::Remote>);

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hdrhistogram::Histogram;
+use kvtier_engine::health::{HealthState, TierHealth};
 use kvtier_engine::{Geometry, ShardStats};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -40,13 +41,15 @@ pub enum Route {
     Metrics,
     /// `GET /healthz`
     Healthz,
+    /// `GET /readyz`
+    Readyz,
     /// Anything else (404, 405, 401).
     Other,
 }
 
 impl Route {
     /// Every route, in label order.
-    pub const ALL: [Route; 10] = [
+    pub const ALL: [Route; 11] = [
         Route::PutBlock,
         Route::GetBlock,
         Route::HeadBlock,
@@ -56,6 +59,7 @@ impl Route {
         Route::Stats,
         Route::Metrics,
         Route::Healthz,
+        Route::Readyz,
         Route::Other,
     ];
 
@@ -71,6 +75,7 @@ impl Route {
             Route::Stats => "stats",
             Route::Metrics => "metrics",
             Route::Healthz => "healthz",
+            Route::Readyz => "readyz",
             Route::Other => "other",
         }
     }
@@ -272,6 +277,7 @@ pub fn prometheus_text(
     engine: &[ShardStats],
     geometry: &Geometry,
     remote: Option<&dyn kvtier_engine::remote::Remote>,
+    health: &[TierHealth],
 ) -> String {
     let mut registry = Registry::with_prefix("kvtier");
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
@@ -431,9 +437,36 @@ pub fn prometheus_text(
     if let Some(remote) = remote {
         remote.register_metrics(&mut registry);
     }
+    register_health(&mut registry, health);
     crate::gpu::register_metrics(&mut registry, &tiers);
 
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");
     out
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierKindLabel {
+    tier: String,
+    kind: String,
+}
+
+/// `kvtier_tier_up{tier}` (1 unless down), `kvtier_tier_degraded{tier}` (1
+/// when degraded) and `kvtier_tier_errors_total{tier,kind}`, from the health
+/// table ([`kvtier_engine::health`]).
+fn register_health(registry: &mut Registry, health: &[TierHealth]) {
+    let up = Family::<TierLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    let degraded = Family::<TierLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    let errors = Family::<TierKindLabel, Counter>::default();
+    for h in health {
+        let label = TierLabel { tier: h.tier.clone() };
+        up.get_or_create(&label).set((h.state != HealthState::Down) as i64);
+        degraded.get_or_create(&label).set((h.state == HealthState::Degraded) as i64);
+        for (kind, n) in &h.errors {
+            errors.get_or_create(&TierKindLabel { tier: h.tier.clone(), kind: kind.clone() }).inc_by(*n);
+        }
+    }
+    registry.register("tier_up", "1 while the tier serves (ok or degraded), 0 while it is down", up);
+    registry.register("tier_degraded", "1 while the tier is degraded (recent errors or a standing condition)", degraded);
+    registry.register("tier_errors", "Errors each tier met since start, by kind", errors);
 }

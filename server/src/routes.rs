@@ -11,7 +11,8 @@
 //! | `POST /v1/prefetch` | 202 `{"requested":n,"found":m}` |
 //! | `GET /v1/stats` | JSON |
 //! | `GET /metrics` | Prometheus text |
-//! | `GET /healthz` | 200 |
+//! | `GET /healthz` | 200: the process answers (liveness) |
+//! | `GET /readyz` | 200 with each tier's state; 503 when the log cannot be written |
 
 // Handlers return `Result<_, Reply>` so a check can answer early; the
 // error path is a finished response, so boxing it would buy nothing.
@@ -24,7 +25,8 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use kvtier_engine::{BlockBody, Error, PutOutcome, Store};
+use kvtier_engine::health::HealthState;
+use kvtier_engine::{BlockBody, Error, PutOutcome, Store, Tier};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -131,6 +133,7 @@ fn route_of(req: &Request<Incoming>) -> Route {
         (&Method::GET, "/v1/stats") => Route::Stats,
         (&Method::GET, "/metrics") => Route::Metrics,
         (&Method::GET, "/healthz") => Route::Healthz,
+        (&Method::GET, "/readyz") => Route::Readyz,
         _ => Route::Other,
     }
 }
@@ -191,7 +194,8 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
             "/v1/stats" if req.method() == Method::GET => stats(ctx).await,
             "/metrics" if req.method() == Method::GET => metrics(ctx).await,
             "/healthz" if req.method() == Method::GET => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
-            "/v1/stats" | "/healthz" | "/metrics" => method_not_allowed("GET"),
+            "/readyz" if req.method() == Method::GET => readyz(ctx).await,
+            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" => method_not_allowed("GET"),
             _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
         }
     };
@@ -474,9 +478,35 @@ async fn prefetch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     }
 }
 
+/// `GET /readyz`: whether the store serves what it promises. 503 when the
+/// log cannot be written (a PUT would fail, or in write-back lose its
+/// block); 200 otherwise, naming the degraded tiers (they cost misses or
+/// refusals, not correctness). Each tier's state, reason and since when.
+async fn readyz(ctx: &Ctx) -> Reply {
+    let health = match ctx.store.health().await {
+        Ok(h) => h,
+        Err(e) => return engine_error(&e),
+    };
+    let names = |state: HealthState| -> Vec<&str> { health.iter().filter(|h| h.state == state).map(|h| h.tier.as_str()).collect() };
+    let ready = !health.iter().any(|h| h.tier == Tier::Nvme.as_str() && h.state == HealthState::Down);
+    let tiers: Vec<_> =
+        health.iter().map(|h| json!({ "tier": h.tier, "state": h.state, "reason": h.reason, "since_unix_ms": h.since_unix_ms })).collect();
+    let body = json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "degraded": names(HealthState::Degraded),
+        "down": names(HealthState::Down),
+        "tiers": tiers,
+    });
+    json_reply(if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
+}
+
 async fn stats(ctx: &Ctx) -> Reply {
     let shards = match ctx.store.stats().await {
         Ok(s) => s,
+        Err(e) => return engine_error(&e),
+    };
+    let health = match ctx.store.health().await {
+        Ok(h) => h,
         Err(e) => return engine_error(&e),
     };
     let sum = |f: fn(&kvtier_engine::ShardStats) -> u64| shards.iter().map(f).sum::<u64>();
@@ -507,6 +537,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         "write_policy": shards.first().map(|s| s.write_policy),
         "promote": shards.first().map(|s| s.promote),
         "tiers": kvtier_engine::shard::tier_totals(&shards),
+        "health": health,
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
     });
@@ -518,11 +549,11 @@ async fn stats(ctx: &Ctx) -> Reply {
 }
 
 async fn metrics(ctx: &Ctx) -> Reply {
-    let shards = match ctx.store.stats().await {
-        Ok(s) => s,
-        Err(e) => return engine_error(&e),
+    let (shards, health) = match (ctx.store.stats().await, ctx.store.health().await) {
+        (Ok(s), Ok(h)) => (s, h),
+        (Err(e), _) | (_, Err(e)) => return engine_error(&e),
     };
-    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()));
+    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()), &health);
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")

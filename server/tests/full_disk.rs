@@ -113,6 +113,15 @@ async fn stats(server: &Server) -> Value {
     client(server, false).stats().await.unwrap()
 }
 
+/// The log's entry in `/readyz`, which must answer 200: a full filesystem
+/// costs refusals, not readiness.
+async fn nvme_readiness(c: &Client) -> Value {
+    let a = c.send(Method::GET, "/readyz", ChunkedBody::default(), None).await.unwrap();
+    let ready: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
+    assert_eq!(a.status, StatusCode::OK, "{ready}");
+    ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "nvme").unwrap().clone()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     let dir = tempfile::tempdir().unwrap();
@@ -155,6 +164,10 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     // Over HTTP/1.1 too, and a DELETE of an unknown key is still a 404.
     let h1 = client(&server, true);
     assert_eq!(put(&h1, "a-h1-extra").await.0, StatusCode::INSUFFICIENT_STORAGE);
+    // Never silent: the log is degraded, and says why.
+    let nvme = nvme_readiness(&c).await;
+    assert_eq!(nvme["state"], "degraded", "{nvme}");
+    assert!(nvme["reason"].as_str().unwrap().contains("is full"), "{nvme}");
     let del = c.send(Method::DELETE, "/v1/blocks/never-stored", ChunkedBody::default(), None).await.unwrap();
     assert_eq!(del.status, StatusCode::NOT_FOUND);
 
@@ -166,8 +179,13 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     assert_all_read_back(&c, &stored).await;
     assert_eq!(put(&c, "a-after-restart").await.0, StatusCode::INSUFFICIENT_STORAGE);
 
-    // Space freed on the filesystem: PUTs succeed again, without a restart.
+    // Space freed on the filesystem: PUTs succeed again, without a restart,
+    // and the log is ok again at once (a full disk is a condition, not an
+    // error of the device).
     std::fs::remove_file(&filler).unwrap();
+    assert_eq!(put(&c, "b-first").await.0, StatusCode::CREATED);
+    let nvme = nvme_readiness(&c).await;
+    assert_eq!(nvme["state"], "ok", "{nvme}");
     let (more, _) = fill(&c, "b").await;
     assert!(more.len() > 50, "freeing {FILLER_MIB} MiB let only {} blocks in", more.len());
     assert_all_read_back(&c, &stored).await;

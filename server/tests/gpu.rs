@@ -254,7 +254,7 @@ async fn a_failing_read_copy_falls_back_to_the_log() {
     let dir = tempfile::tempdir().unwrap();
     // The second copy back from the device fails.
     let switches = [("FAKE_CUDA_FAIL_COPY", "2"), ("FAKE_CUDA_FAIL_KIND", "dtoh")];
-    let server = start_gpu(&gpu_args(&dir.path().join("data"), 4, 4, &[]), &switches);
+    let server = start_gpu(&gpu_args(&dir.path().join("data"), 4, 4, &["--health-window-ms", "300"]), &switches);
     let c = client(&server, false);
     put_all(&c, &keys(3)).await;
     assert_eq!(read_tier(&c, "k0").await, "gpu");
@@ -266,6 +266,19 @@ async fn a_failing_read_copy_falls_back_to_the_log() {
     let gpu = tier(&stats, "gpu");
     assert_eq!(gpu["gpu"]["copy_errors"].as_u64(), Some(1), "{gpu}");
     assert_eq!(gpu["gpu"]["blocks_lost"].as_u64(), Some(0), "{gpu}");
+    // Never silent: the GPU tier is degraded by the failed copy, names it,
+    // and is ok again once no fault is left in the health window.
+    let health = |stats: &serde_json::Value| stats["health"].as_array().unwrap().iter().find(|h| h["tier"] == "gpu").unwrap().clone();
+    let gpu = health(&stats);
+    assert_eq!(gpu["state"], "degraded", "{gpu}");
+    assert!(gpu["reason"].as_str().unwrap().contains("copy_errors 1"), "{gpu}");
+    assert_eq!(gpu["errors"]["fault"].as_u64(), Some(1), "{gpu}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while health(&c.stats().await.unwrap())["state"] != "ok" {
+        assert!(std::time::Instant::now() < deadline, "the GPU tier did not return to ok");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(read_tier(&c, "k1").await, "gpu", "the GPU serves again");
     server.stop();
 }
 

@@ -166,3 +166,52 @@ async fn a_put_during_a_slow_s3_read_of_its_key_wins_and_still_wins_after_kill_9
     a.stop();
     b.stop();
 }
+
+/// The S3 tier's entry in `/readyz` (which must answer 200: a failing
+/// shared tier costs misses, not readiness).
+async fn s3_readiness(c: &Client) -> Value {
+    let a = c.send(Method::GET, "/readyz", ChunkedBody::default(), None).await.unwrap();
+    let ready: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
+    assert_eq!(a.status, StatusCode::OK, "{ready}");
+    ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "s3").unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_s3_shows_as_degraded_with_its_reason_and_ok_again_once_it_is_back() {
+    let mut moto = Moto::start();
+    let d = tempfile::tempdir().unwrap();
+    let node = two_shard_node(d.path(), &moto.endpoint(), &["--s3-write-policy", "through", "--health-window-ms", "500"]);
+    let c = client(&node, false);
+    assert_eq!(put_answer(&c, "local").await["s3"], "uploaded");
+    assert_eq!(s3_readiness(&c).await["state"], "ok");
+
+    moto.kill();
+    // A miss goes to S3, which is gone: answered as a miss, and the tier
+    // says so. The local path keeps serving.
+    assert_eq!(get_bytes(&c, "only-in-a-dead-bucket").await, None);
+    let s3 = s3_readiness(&c).await;
+    assert_eq!(s3["state"], "degraded", "{s3}");
+    assert!(s3["reason"].as_str().unwrap().contains("only-in-a-dead-bucket"), "the reason names the failed request: {s3}");
+    assert_eq!(get_bytes(&c, "local").await.map(|(b, _)| b), Some(payload("local")));
+    let stats = c.stats().await.unwrap();
+    let health = stats["health"].as_array().unwrap().iter().find(|h| h["tier"] == "s3").unwrap().clone();
+    assert!(health["errors"]["read"].as_u64().unwrap_or(0) + health["errors"]["timeout"].as_u64().unwrap_or(0) >= 1, "{health}");
+    let text =
+        String::from_utf8(c.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes().to_vec()).unwrap();
+    assert!(text.contains("kvtier_tier_degraded{tier=\"s3\"} 1"), "{text}");
+
+    // S3 back: once the health window has passed without a failure, ok.
+    moto.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // A request that reaches S3 and succeeds (the object is absent).
+        assert_eq!(get_bytes(&c, "still-absent").await, None);
+        if s3_readiness(&c).await["state"] == "ok" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "S3 did not return to ok: {}", s3_readiness(&c).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(node.log().contains("tier s3 is degraded") && node.log().contains("tier s3 is ok again"), "{}", node.log());
+    node.stop();
+}

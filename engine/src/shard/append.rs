@@ -75,7 +75,14 @@ impl Shard {
     /// Takes a slot, stamps the header with its sequence number, writes the
     /// slot and applies the record to the index. Returns the new entry and
     /// whether the key was stored before.
-    pub(super) async fn append(&self, mut buf: DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
+    pub(super) async fn append(&self, buf: DmaBuffer, header: SlotHeader) -> Result<(Entry, bool)> {
+        let written = self.write_record(buf, header).await;
+        self.note_log_write(&written);
+        written
+    }
+
+    /// [`Shard::append`] without the health bookkeeping.
+    async fn write_record(&self, mut buf: DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
         // `allocate_slot` counted us as a writer of the segment and recorded

@@ -265,6 +265,9 @@ impl Shard {
     where
         F: std::future::Future,
     {
+        if let Err(e @ Error::Io { .. }) = &result {
+            self.note_log_error("read", e);
+        }
         let _ = tx.try_send(result);
         tx.close_channel();
         while reads.next().await.is_some() {}
@@ -282,6 +285,7 @@ impl Shard {
         self.index.borrow_mut().remove_exact(&hash, entry);
         bump(&self.counters.corrupt_blocks, 1);
         tracing::error!(shard = self.id(), segment = entry.segment, slot = entry.slot, seq = entry.seq, "corrupt block dropped: {why}");
+        self.note_log_error("corrupt", &format!("corrupt block dropped from segment {} slot {}: {why}", entry.segment, entry.slot));
         Error::Corrupt { segment: entry.segment, slot: entry.slot }
     }
 }

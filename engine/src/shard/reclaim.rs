@@ -154,6 +154,7 @@ impl Shard {
                         slot = old.slot,
                         "reading a survivor during reclaim failed; dropped: {e}"
                     );
+                    self.note_log_error("reclaim", &e);
                     continue;
                 }
             };
@@ -189,6 +190,7 @@ impl Shard {
                     slot = j,
                     "writing a survivor during reclaim failed; dropped: {e}"
                 );
+                self.note_log_error("reclaim", &e);
                 continue;
             }
             self.note_seq(segment.id, seq);

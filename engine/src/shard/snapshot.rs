@@ -71,7 +71,11 @@ impl Shard {
                 crate::geometry::fsync_dir(&dir)?;
                 Ok(len)
             })
-            .await?;
+            .await;
+        if let Err(e) = &written {
+            self.note_log_error("snapshot", e);
+        }
+        let written = written?;
         bump(&self.counters.snapshots_written, 1);
         tracing::debug!(shard = self.id(), entries, bytes = written, ms = started.elapsed().as_secs_f64() * 1e3, "index snapshot written");
         Ok(())

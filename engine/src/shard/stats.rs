@@ -146,6 +146,8 @@ pub struct ShardStats {
     pub promote: bool,
     /// Per tier, fastest first (GPU and RAM only when configured).
     pub tiers: Vec<TierStats>,
+    /// Each local tier's health, fastest first ([`crate::health`]).
+    pub health: Vec<TierHealth>,
 }
 
 impl Shard {
@@ -197,6 +199,7 @@ impl Shard {
             write_policy: self.cfg.write_policy,
             promote: self.cfg.promote,
             tiers,
+            health: self.health(),
         }
     }
 
