@@ -23,7 +23,7 @@ LISTEN ?= 127.0.0.1:8085
 DATA_DIR ?= ./kvtier-data
 # Extra flags for `kvtier serve`, e.g. SERVE_ARGS="--disk-gb 64 --sync".
 SERVE_ARGS ?=
-# Replay settings (DESIGN §7): 32 users for 2 minutes by default.
+# Replay settings (docs/LOADGEN.md): 32 users for 2 minutes by default.
 REPLAY_USERS ?= 32
 REPLAY_DURATION_S ?= 120
 REPLAY_ARGS ?=

@@ -56,7 +56,7 @@ impl ModelPreset {
 /// 128-token block); llama3.1-70b 327,680.
 pub const MODEL_PRESETS: &[ModelPreset] = &[
     // A 1B-class model with grouped-query attention (24 layers, 4 KV heads of
-    // 64): 24·2·4·64·2 = 24,576, the figure DESIGN §2 fixes for tiny-1b.
+    // 64): 24·2·4·64·2 = 24,576 bytes per token, as the list above says.
     ModelPreset { name: "tiny-1b", layers: 24, kv_heads: 4, head_dim: 64, dtype_bytes: 2 },
     ModelPreset { name: "mistral-7b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
     ModelPreset { name: "llama2-7b", layers: 32, kv_heads: 32, head_dim: 128, dtype_bytes: 2 },

@@ -234,8 +234,8 @@ mod tests {
     fn index_memory_per_block() {
         let entry = |i: usize| Entry { segment: (i / 1000) as u32, slot: (i % 1000) as u32, seq: i as u64 + (1 << 40) };
         let hash = |i: usize| BlockHash::of(&(i as u64).to_le_bytes());
-        // DESIGN's restart target (60,000 blocks) and capacities either side
-        // of hashbrown's bucket steps (4,096 and 65,536 buckets hold 3,584
+        // The restart target in docs/BENCHMARKS.md (60,000 blocks) and
+        // capacities either side of hashbrown's bucket steps (4,096 and 65,536 buckets hold 3,584
         // and 57,344 entries).
         for capacity in [1_000, 3_584, 3_585, 57_344, 57_345, 60_000, 100_000] {
             let mut ix = Index::new(capacity, 1000);

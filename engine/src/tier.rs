@@ -1,4 +1,4 @@
-//! Tier names, the write policy and per-tier counters (DESIGN §4).
+//! Tier names, the write policy and per-tier counters (docs/ARCHITECTURE.md, "Tiers").
 //!
 //! Placement is a waterfall LRU, as in MLPerf Storage's KV-cache benchmark:
 //! a new block goes to the fastest tier with room; a full tier moves its

@@ -1,5 +1,5 @@
 //! A policy oracle: a pure, in-memory simulation of kvtier's placement
-//! policy (DESIGN §4) with the server's tier capacities in blocks. Fed the
+//! policy (docs/ARCHITECTURE.md, "Tiers") with the server's tier capacities in blocks. Fed the
 //! same operations in the same order, it predicts every lookup's prefix
 //! hits and the tier every GET is served from, so a replay can show that no
 //! block stored and not yet evicted by the policy is ever missed.
