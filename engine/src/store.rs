@@ -510,19 +510,23 @@ impl Store {
     /// # Errors
     /// [`Error::ShuttingDown`] when a shard no longer answers.
     pub async fn health(&self) -> Result<Vec<TierHealth>> {
-        let asks = (0..self.shards).map(|owner| async move {
-            if owner == self.shard_id() {
-                return Ok(self.shard.health());
-            }
-            match self.forward(owner, Op::Health).await? {
-                Reply::Health(h) => Ok(h),
-                _ => unreachable!("health answered with another reply"),
-            }
-        });
-        let per_shard: Vec<Vec<TierHealth>> = futures::future::join_all(asks).await.into_iter().collect::<Result<_>>()?;
+        let per_shard =
+            self.ask_every_shard(Shard::health, || Op::Health, |r| if let Reply::Health(h) = r { Some(h) } else { None }).await?;
         let mut merged = merge_by_tier(per_shard.iter().flatten());
         merged.extend(self.remote.as_ref().map(|r| r.health()));
         Ok(merged)
+    }
+
+    /// `local(shard)` of every shard, in shard order: this one's directly,
+    /// the others' by sending `op()` and taking the answer out of its reply.
+    async fn ask_every_shard<T>(&self, local: fn(&Shard) -> T, op: fn() -> Op, take: fn(Reply) -> Option<T>) -> Result<Vec<T>> {
+        let asks = (0..self.shards).map(|owner| async move {
+            if owner == self.shard_id() {
+                return Ok(local(&self.shard));
+            }
+            Ok(take(self.forward(owner, op()).await?).expect("a shard answers an op with its own reply"))
+        });
+        futures::future::join_all(asks).await.into_iter().collect()
     }
 
     /// Statistics of every shard, in shard order.
@@ -530,16 +534,7 @@ impl Store {
     /// # Errors
     /// [`Error::ShuttingDown`] when a shard no longer answers.
     pub async fn stats(&self) -> Result<Vec<ShardStats>> {
-        let asks = (0..self.shards).map(|owner| async move {
-            if owner == self.shard_id() {
-                return Ok(self.shard.stats());
-            }
-            match self.forward(owner, Op::Stats).await? {
-                Reply::Stats(s) => Ok(*s),
-                _ => unreachable!("stats answered with another reply"),
-            }
-        });
-        futures::future::join_all(asks).await.into_iter().collect()
+        self.ask_every_shard(Shard::stats, || Op::Stats, |r| if let Reply::Stats(s) = r { Some(*s) } else { None }).await
     }
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -44,3 +45,16 @@ def start_on_same_port(server: ServerProcess, attempts: int = 10) -> None:
             if i == attempts - 1:
                 raise
             time.sleep(0.3)
+
+
+def assert_geometry_error_logged(
+    caplog: pytest.LogCaptureFixture, logger: str, store_bytes: int, chunk_bytes: int
+) -> None:
+    """Asserts that connector `logger` logged, at error level, the block-size
+    mismatch found after start: both sizes, the `--block-bytes` that fixes
+    it, and that the connector stays off until the engine restarts."""
+    errors = [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == logging.ERROR]
+    assert any(
+        f"{store_bytes} bytes" in m and f"--block-bytes {chunk_bytes}" in m and "until the engine restarts" in m
+        for m in errors
+    ), errors

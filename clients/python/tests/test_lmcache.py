@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_on_same_port
+from conftest import assert_geometry_error_logged, start_on_same_port
 
 lmcache = pytest.importorskip("lmcache", reason="needs the pinned lmcache (make test installs it)")
 import torch  # noqa: E402
@@ -239,11 +239,7 @@ def test_a_block_size_found_wrong_after_start_gives_misses_and_an_error_not_exce
             with pytest.raises(kvtier.GeometryError):  # into LMCache's put task, which counts it
                 loop.run(conn.put(key(3), obj))
             obj.ref_count_down()
-        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.lmcache" and r.levelno == logging.ERROR]
-        assert any(
-            f"{CHUNK_BYTES * 2} bytes" in m and f"--block-bytes {CHUNK_BYTES}" in m and "until the engine restarts" in m
-            for m in errors
-        )
+        assert_geometry_error_logged(caplog, "kvtier.lmcache", CHUNK_BYTES * 2, CHUNK_BYTES)
         assert conn.stats["puts"] == conn.stats["hits"] == 0
     finally:
         server.stop()

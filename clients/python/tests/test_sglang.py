@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_on_same_port
+from conftest import assert_geometry_error_logged, start_on_same_port
 
 with warnings.catch_warnings():  # sglang's imports warn about every missing GPU kernel
     warnings.simplefilter("ignore")
@@ -250,11 +250,7 @@ def test_a_page_size_found_wrong_after_start_gives_misses_not_exceptions(caplog)
         assert not b.batch_set(keys, [page(1), page(2)])
         assert not b.set(keys[0], page(1))
         assert not b.exists(keys[0]) and b.get(keys[0]) is None
-        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.sglang" and r.levelno == logging.ERROR]
-        assert any(
-            f"{PAGE_BYTES * 2} bytes" in m and f"--block-bytes {PAGE_BYTES}" in m and "until the engine restarts" in m
-            for m in errors
-        )
+        assert_geometry_error_logged(caplog, "kvtier.sglang", PAGE_BYTES * 2, PAGE_BYTES)
         assert b.stats["sets"] == b.stats["hits"] == 0
     finally:
         b.close()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import start_on_same_port
+from conftest import assert_geometry_error_logged, start_on_same_port
 
 vllm = pytest.importorskip("vllm", reason="needs the pinned vllm (make test-vllm installs it)")
 import numpy as np  # noqa: E402
@@ -297,11 +297,7 @@ def test_a_block_size_found_wrong_after_start_fails_jobs_and_misses_not_raises(c
         t.submit_store(job(1, [key(800)], [0]))
         t.submit_load(job(2, [key(800)], [1], load=True))
         assert {r.job_id: r.success for r in finished(t)} == {1: False, 2: False}
-        errors = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm" and r.levelno == logging.ERROR]
-        assert any(
-            f"{ROW_BYTES * 2} bytes" in m and f"--block-bytes {ROW_BYTES}" in m and "until the engine restarts" in m
-            for m in errors
-        )
+        assert_geometry_error_logged(caplog, "kvtier.vllm", ROW_BYTES * 2, ROW_BYTES)
         assert t.stats["failed_jobs"] == 2 and t.stats["stored_chunks"] == 0
         assert torch.equal(tensor[1], torch.full((ROW_BYTES // 4,), 5.0))  # nothing was read into it
         t.on_request_finished(CTX)
