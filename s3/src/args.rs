@@ -22,11 +22,11 @@ pub enum S3WritePolicy {
 #[derive(clap::Args, Debug, Clone)]
 pub struct S3Args {
     /// Shared tier below NVMe: s3://BUCKET[/PREFIX]. Credentials and region
-    /// come from the standard AWS environment variables (AWS_ACCESS_KEY_ID,
-    /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or
-    /// AWS_DEFAULT_REGION, AWS_PROFILE), else from ~/.aws/credentials and
-    /// ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE), else
-    /// from the instance or container role. Unset: no shared tier.
+    /// come from the AWS SDK's default chain: the AWS_* environment
+    /// variables, then the profile (AWS_PROFILE) in ~/.aws/credentials and
+    /// ~/.aws/config (static keys, credential_process, SSO, role_arn, web
+    /// identity), then the container or instance role; temporary
+    /// credentials are refreshed before they expire. Unset: no shared tier.
     #[arg(long)]
     pub s3_url: Option<String>,
     /// Endpoint of a non-AWS S3-compatible store (MinIO, Ceph RGW, Garage,

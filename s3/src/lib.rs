@@ -28,7 +28,7 @@
 //! | `counters` | counters and latencies per shard, `/v1/stats` and `/metrics` |
 //! | [`breaker`] | the circuit breaker |
 //! | `warn` | rate-limited warnings, one limiter per kind |
-//! | `credentials` | keys and region from `~/.aws/credentials` and `~/.aws/config` |
+//! | `credentials` | credentials and region from the AWS SDK's default chain |
 #![deny(missing_docs)]
 
 pub mod args;
@@ -95,24 +95,24 @@ impl S3Tier {
     /// A bad flag value or client configuration, named.
     pub fn new(args: &S3Args, shards: usize, block_bytes: u64, health_window: Duration) -> Result<Arc<S3Tier>, String> {
         let settings = args.settings(block_bytes)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(settings.threads)
+            .thread_name("kvtier-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting the S3 runtime: {e}"))?;
         // Client options first: `with_client_options` replaces them all,
         // `with_allow_http` included.
         let mut builder = AmazonS3Builder::from_env()
             .with_client_options(ClientOptions::new().with_timeout(settings.upload_timeout).with_connect_timeout(settings.timeout))
             .with_bucket_name(&settings.location.bucket);
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        if env("AWS_ACCESS_KEY_ID").is_none() {
-            if let Some(creds) = credentials::shared_credentials() {
-                builder = builder.with_access_key_id(creds.access_key_id).with_secret_access_key(creds.secret_access_key);
-                if let Some(token) = creds.session_token {
-                    builder = builder.with_token(token);
-                }
-            }
+        // Credentials and region as every AWS tool finds them.
+        let chain = credentials::load(&runtime);
+        if let Some(provider) = chain.credentials {
+            builder = builder.with_credentials(Arc::new(provider));
         }
-        if env("AWS_REGION").is_none() && env("AWS_DEFAULT_REGION").is_none() {
-            if let Some(region) = credentials::shared_config_region() {
-                builder = builder.with_region(region);
-            }
+        if let Some(region) = chain.region {
+            builder = builder.with_region(region);
         }
         if let Some(e) = &settings.endpoint {
             builder = builder.with_endpoint(e).with_allow_http(e.starts_with("http://"));
@@ -121,12 +121,6 @@ impl S3Tier {
             .with_retry(RetryConfig { max_retries: 2, retry_timeout: settings.upload_timeout, ..Default::default() })
             .build()
             .map_err(|e| format!("configuring the S3 client for {}: {e}", settings.url))?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(settings.threads)
-            .thread_name("kvtier-s3")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("starting the S3 runtime: {e}"))?;
         let mut queues = Vec::with_capacity(shards);
         let receivers: Vec<_> = (0..shards)
             .map(|_| {

@@ -421,6 +421,59 @@ async fn credentials_come_from_the_shared_credentials_file_when_the_environment_
     node.stop().unwrap();
 }
 
+/// A `credential_process` profile (which the AWS SDK's chain runs; the
+/// shared files alone have no keys) whose credentials expire in 5 s: each
+/// signed request fetches them again rather than using the first ones past
+/// their expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_come_from_a_credential_process_and_are_fetched_again_before_they_expire() {
+    let moto = Moto::start();
+    let d = tempfile::tempdir().unwrap();
+    let calls = d.path().join("calls");
+    let process = d.path().join("issue-credentials");
+    std::fs::write(
+        &process,
+        format!(
+            "#!/bin/sh\necho called >> {}\nprintf '{{\"Version\":1,\"AccessKeyId\":\"from-process\",\"SecretAccessKey\":\"from-process\",\
+             \"SessionToken\":\"token-%s\",\"Expiration\":\"%s\"}}' \"$(date +%s%N)\" \"$(date -u -d '+5 seconds' +%Y-%m-%dT%H:%M:%SZ)\"\n",
+            calls.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&process, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config = d.path().join("config");
+    std::fs::write(&config, format!("[profile fleet]\nregion = us-east-1\ncredential_process = {}\n", process.display())).unwrap();
+    let wrapper = d.path().join("kvtier-with-process");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u AWS_REGION AWS_PROFILE=fleet AWS_CONFIG_FILE={} \
+             AWS_SHARED_CREDENTIALS_FILE={}/absent AWS_EC2_METADATA_DISABLED=true {} \"$@\"\n",
+            config.display(),
+            d.path().display(),
+            env!("CARGO_BIN_EXE_kvtier")
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let log = d.path().join("serve.log");
+    let node = kvtier_loadgen::server_process::ServerProcess::start(
+        &wrapper,
+        &node_args(&d.path().join("data"), &moto.endpoint(), &["--s3-write-policy", "through", "--s3-timeout-ms", "2000"]),
+        &log,
+    )
+    .unwrap_or_else(|e| panic!("{}", e.message));
+    let c = Client::new(node.url(), false, 1).unwrap();
+    let count = || std::fs::read_to_string(&calls).map(|s| s.lines().count()).unwrap_or(0);
+    for key in ["proc-0", "proc-1"] {
+        let v = put_answer(&c, key).await;
+        assert_eq!(v["s3"], "uploaded", "{v}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        assert!(moto.get_object(&object_name(key)).is_some());
+    }
+    assert!(count() >= 2, "credentials expiring within a minute are fetched again for each signing: {} calls", count());
+    node.stop().unwrap();
+}
+
 #[test]
 fn bad_s3_flags_are_refused_with_the_reason() {
     aws_env();
