@@ -26,6 +26,8 @@
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
+//! - [`populate`]: faulting memory in off the start-up path, 2 MiB at a
+//!   time (the I/O memory and the RAM tier, once a shard serves).
 //!
 //! docs/ARCHITECTURE.md and docs/FORMAT.md describe the design and the
 //! bytes on disk.
@@ -42,12 +44,14 @@ pub mod index;
 pub mod key;
 pub mod lru;
 pub mod pool;
+pub mod populate;
 pub mod ram;
 pub mod recover;
 pub mod remote;
 pub mod segment;
 pub mod shard;
 pub mod slot;
+mod startup;
 pub mod store;
 pub mod stream;
 pub mod tier;

@@ -15,7 +15,7 @@
 //! (reuse check) pair orders a reader's last access before the next write.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -47,6 +47,8 @@ pub struct Arena {
     slot_bytes: usize,
     pins: Box<[AtomicU32]>,
     huge_pages: HugePages,
+    /// [`Arena::prefault_in_background`] ran (or nothing to fault in).
+    prefault_started: AtomicBool,
 }
 
 // SAFETY: the arena is plain memory; who may write which slot and when is
@@ -58,7 +60,8 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     /// Maps `slots` slots of `slot_bytes`: reserved huge pages are faulted
-    /// in at once; other memory on a helper thread, after this returns.
+    /// in at once; other memory on a helper thread once
+    /// [`Arena::prefault_in_background`] is called (after start-up).
     ///
     /// # Errors
     /// [`Error::Config`] when the mapping fails (too large for memory or
@@ -88,27 +91,31 @@ impl Arena {
             slot_bytes,
             pins: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             huge_pages,
+            prefault_started: AtomicBool::new(huge_pages == HugePages::Reserved),
         });
-        if huge_pages != HugePages::Reserved {
-            arena.prefault_in_background();
-        }
         Ok(arena)
     }
 
-    /// Faults every page in on a helper thread (`MADV_POPULATE_WRITE`,
-    /// Linux 5.14+), so steady-state PUTs take no page faults, without
-    /// holding up the start: populating 1 GiB took ~1 s here, page by page
-    /// from user space 3.8 s. The advice only maps pages not yet present and
-    /// never changes data, so it may run while slots are being filled.
-    /// Older kernels refuse it and pages fault on first use instead.
-    fn prefault_in_background(self: &Arc<Self>) {
+    /// Faults every page in on a helper thread
+    /// ([`crate::populate::populate`]: `MADV_POPULATE_WRITE`, Linux 5.14+, a
+    /// huge page per call), so steady-state PUTs take no page faults; once
+    /// per arena (reserved huge pages are in already). Called after the
+    /// shard serves, not at start-up: populating 1 GiB took ~1 s here (page
+    /// by page from user space 3.8 s), and up to 2.6 s on a VM whose freed
+    /// memory had gone back to the host. The advice only maps pages not yet
+    /// present and never changes data, so it may run while slots are being
+    /// filled. Older kernels refuse it and pages fault on first use instead.
+    pub fn prefault_in_background(self: &Arc<Self>) {
+        if self.prefault_started.swap(true, Ordering::Relaxed) {
+            return;
+        }
         let arena = self.clone();
         let spawned = std::thread::Builder::new().name("kvtier-ram-prefault".into()).spawn(move || {
-            // SAFETY: advice on the arena's own mapping, which `arena`
-            // keeps alive until this returns.
-            let rc = unsafe { libc::madvise(arena.base.as_ptr().cast(), arena.map_bytes, libc::MADV_POPULATE_WRITE) };
-            if rc != 0 {
-                tracing::debug!("RAM tier prefault not available: {}", std::io::Error::last_os_error());
+            crate::populate::run_in_background();
+            // `arena` keeps the mapping alive until this returns.
+            let stop = AtomicBool::new(false);
+            if let Err(e) = crate::populate::populate(arena.base.as_ptr() as usize, arena.map_bytes, &stop) {
+                tracing::debug!("RAM tier prefault not available: {e}");
             }
         });
         if let Err(e) = spawned {
@@ -232,6 +239,12 @@ impl RamTier {
     /// Slots out of the map but still pinned by responses in flight.
     pub fn retired_blocks(&self) -> u64 {
         self.lru.retired_blocks()
+    }
+
+    /// Faults the tier's memory in on a helper thread, once
+    /// ([`Arena::prefault_in_background`]).
+    pub fn prefault_in_background(&self) {
+        self.arena.prefault_in_background();
     }
 
     /// How the arena is backed.

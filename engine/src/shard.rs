@@ -321,6 +321,14 @@ impl Shard {
         *self.recovery.borrow_mut() = log.report;
     }
 
+    /// Starts faulting the RAM tier's memory in on a helper thread (once;
+    /// after start-up, see [`crate::ram::Arena::prefault_in_background`]).
+    pub fn prefault_ram(&self) {
+        if let Some(ram) = &self.ram {
+            ram.borrow().prefault_in_background();
+        }
+    }
+
     /// Wraps the opened shard in the `Rc` every task shares, so that it
     /// can run work that outlives the request that started it.
     pub fn share(self) -> Rc<Shard> {

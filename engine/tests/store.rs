@@ -245,6 +245,39 @@ fn two_shards_route_keys_to_their_owner() {
 }
 
 #[test]
+fn io_memory_is_registered_after_start_and_blocks_read_back_either_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 65_536, 2, 1 << 20, 8 << 20);
+    cfg.ram_bytes = 4 << 20;
+    let registered = kvtier_engine::run(cfg.clone(), |store| async move {
+        // Written and read with buffers from before the registration (on
+        // Linux 6.0+ the shard serves first), then after it.
+        let keys = key_on_shard(store.shard_id(), 2, 6);
+        for k in &keys[..3] {
+            store.put(k, vec![payload(k, 65_536)]).await.unwrap();
+            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 65_536));
+        }
+        let waited = std::time::Instant::now();
+        while !glommio::executor().io_memory_registered() && waited.elapsed() < std::time::Duration::from_secs(20) {
+            glommio::timer::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        for k in &keys[3..] {
+            store.put(k, vec![payload(k, 65_536)]).await.unwrap();
+        }
+        for k in &keys {
+            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 65_536));
+        }
+        glommio::executor().io_memory_registered()
+    })
+    .unwrap();
+    assert_eq!(registered, vec![true, true], "each shard registers its I/O memory once it serves");
+    // A store that stops at once stops its warm-up too, within a chunk.
+    let started = std::time::Instant::now();
+    kvtier_engine::run(cfg, |_store| async {}).unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "stopped after {:?}", started.elapsed());
+}
+
+#[test]
 fn log_full_reclaims_oldest_segment_and_stays_consistent() {
     let dir = tempfile::tempdir().unwrap();
     // 3 slots per segment (4 KiB superblock + 3 × 8 KiB), 3 segments: 9 slots.

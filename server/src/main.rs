@@ -23,6 +23,7 @@ use clap::{ArgAction, Args, Parser, Subcommand};
 use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
 use kvtier_engine::store::{
     auto_segment_bytes, IO_DEPTH_DEFAULT, IO_MEMORY_BYTES_DEFAULT, IO_MEMORY_SHARD_BYTES_MIN, IO_QUEUE_MAX_DEFAULT, SNAPSHOT_SECS_DEFAULT,
+    START_WARN_AFTER,
 };
 use kvtier_engine::StoreConfig;
 
@@ -154,8 +155,9 @@ struct StoreArgs {
     #[arg(long, default_value_t = IO_QUEUE_MAX_DEFAULT)]
     io_queue_max: usize,
     /// DMA buffer memory for block reads and writes across all shards, in
-    /// MiB: allocated, faulted in and registered with io_uring (pinned) at
-    /// start, split evenly, at least 64 MiB per shard. A streamed GET from
+    /// MiB, split evenly, at least 64 MiB per shard: allocated at start,
+    /// faulted in on a helper thread and registered with io_uring (pinned)
+    /// once the shards serve (on Linux before 6.0: at start). A streamed GET from
     /// NVMe keeps up to 16 MiB of chunk reads in flight; reads past this
     /// memory use heap buffers, which cost page faults (16 MiB GETs at
     /// concurrency 16 ran 1.18x slower with 64 MiB per shard).
@@ -170,7 +172,7 @@ struct StoreArgs {
     snapshot_secs: u64,
     /// RAM tier across all shards, in GiB (2^30 bytes), mapped at start
     /// (2 MiB huge pages where available) and faulted in by a background
-    /// thread; 0 turns it off. Each shard gets ram / shards / block_bytes slots.
+    /// thread once the shards serve; 0 turns it off. Each shard gets ram / shards / block_bytes slots.
     #[arg(long, default_value_t = 2.0)]
     ram_gb: f64,
     /// through: a PUT is acknowledged after its NVMe write (a crash loses
@@ -255,7 +257,7 @@ impl StoreArgs {
         if let Some(total) = memory_total_bytes() {
             if io_memory_bytes > total / 2 {
                 return Err(format!(
-                    "--io-memory-mib {} is more than half of this machine's memory ({} MiB); it is pinned at start",
+                    "--io-memory-mib {} is more than half of this machine's memory ({} MiB); it is pinned",
                     self.io_memory_mib,
                     total >> 20
                 ));
@@ -422,6 +424,41 @@ fn port_is_free(addr: SocketAddr) -> Result<(), String> {
     }
 }
 
+/// How long each step of `kvtier serve`'s start-up took, logged once when
+/// the shards listen, so a slow start names what it waited for (a warning
+/// past [`START_WARN_AFTER`]).
+struct StartSteps {
+    started: std::time::Instant,
+    last: std::time::Instant,
+    steps: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl StartSteps {
+    fn new(started: std::time::Instant) -> StartSteps {
+        StartSteps { started, last: started, steps: Vec::new() }
+    }
+
+    /// The step `what` ended now.
+    fn end(&mut self, what: &'static str) {
+        let now = std::time::Instant::now();
+        self.steps.push((what, now - self.last));
+        self.last = now;
+    }
+
+    fn log(&self) {
+        let total = self.last - self.started;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let steps: Vec<String> = self.steps.iter().map(|(what, d)| format!("{what} {:.0} ms", ms(*d))).collect();
+        let line = format!("start-up took {:.0} ms: {}", ms(total), steps.join(", "));
+        match self.steps.iter().max_by_key(|(_, d)| *d) {
+            Some((what, d)) if total > START_WARN_AFTER => {
+                tracing::warn!("{line}; over {START_WARN_AFTER:?}, mostly waiting for {what} ({:.0} ms)", ms(*d))
+            }
+            _ => tracing::info!("{line}"),
+        }
+    }
+}
+
 /// Holds an exclusive `flock` on `<data-dir>/LOCK` for the process's life,
 /// so two servers never write one data directory.
 fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
@@ -450,6 +487,7 @@ fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
+    let started = std::time::Instant::now();
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| format!("--log-level {:?}: {e}", args.log_level))?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -484,11 +522,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     config.remote = s3_tier.clone().map(|t| t as Arc<dyn kvtier_engine::remote::Remote>);
+    let mut steps = StartSteps::new(started);
+    steps.end("configuration");
     let _lock = lock_data_dir(&config.data_dir)?;
+    steps.end("the data-directory lock");
     // glommio binds with SO_REUSEPORT, which would silently share the port
     // with another process: check first that nothing listens on it.
     if args.listen.port() != 0 {
         port_is_free(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
+        steps.end("the port check");
     }
 
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
@@ -515,6 +557,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 kvtier_engine::remote::Remote::describe(tier.as_ref())
             ),
         }
+        steps.end("the S3 probe");
     }
     let (shards, geometry, data_dir, segment_bytes) =
         (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);
@@ -555,6 +598,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         return Err(failure.or(engine_error).unwrap_or_else(|| "the store stopped before serving".into()));
     }
     let addr = addr.expect("bound");
+    steps.end("the shards (executors, recovery, listeners)");
+    steps.log();
     println!(
         "kvtier listening on http://{addr} (h2c and HTTP/1.1; {shards} shards; model {}; block_bytes {}; segment_bytes {} {}; data dir {})",
         geometry.model,

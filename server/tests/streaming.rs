@@ -289,13 +289,14 @@ fn with_io_memory(data: &Path, mib: &str) -> Vec<String> {
     a
 }
 
-/// `--io-memory-mib` is allocated and faulted in at start (io_uring pins
-/// the registered buffers): two otherwise equal servers, 128 and 512 MiB
+/// `--io-memory-mib` is allocated at start, then faulted in and registered
+/// once the shards serve (io_uring pins the registered buffers; each shard
+/// says when in `/v1/stats`): two otherwise equal servers, 128 and 512 MiB
 /// across their 2 shards, differ in resident memory by about 384 MiB. And
 /// each shard gets at least 64 MiB: on 4 shards, 128 and 256 MiB both give
 /// 64 MiB per shard, so the same resident memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn io_memory_is_registered_at_start_and_split_across_shards() {
+async fn io_memory_is_registered_once_serving_and_split_across_shards() {
     let dir = tempfile::tempdir().unwrap();
     let small = start(&with_io_memory(&dir.path().join("small"), "128"));
     let large = start(&with_io_memory(&dir.path().join("large"), "512"));
@@ -305,6 +306,9 @@ async fn io_memory_is_registered_at_start_and_split_across_shards() {
         start(&a)
     };
     let (four_128, four_256) = (on_four_shards("four-128", "128"), on_four_shards("four-256", "256"));
+    for s in [&small, &large, &four_128, &four_256] {
+        common::wait_for_io_memory_registration(s).await;
+    }
     let (small_rss, large_rss) = (small.rss_bytes(), large.rss_bytes());
     let grown = large_rss.saturating_sub(small_rss) >> 20;
     assert!((352..=416).contains(&grown), "512 against 128 MiB of I/O memory: RSS {} against {} MiB", large_rss >> 20, small_rss >> 20);

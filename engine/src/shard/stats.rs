@@ -123,6 +123,11 @@ pub struct ShardStats {
     /// placed, a block moving between tiers; `shard/transit.rs`), reported
     /// as `ram`.
     pub transit_hits: u64,
+    /// The shard's I/O memory (`--io-memory-mib`) is registered with
+    /// io_uring: block reads and writes use fixed buffers from it. False
+    /// for a moment after start, while it is faulted in
+    /// ([`crate::populate`]).
+    pub io_memory_registered: bool,
     /// Seconds the shard's executor spent running tasks since start.
     pub reactor_busy_s: f64,
     /// Seconds the shard's executor has existed.
@@ -188,6 +193,7 @@ impl Shard {
             snapshots_written: c.snapshots_written.get(),
             forwarded_requests: c.forwarded_requests.get(),
             transit_hits: c.transit_hits.get(),
+            io_memory_registered: glommio::executor().io_memory_registered(),
             reactor_busy_s: busy_s,
             reactor_wall_s: wall_s,
             reactor_utilization: if wall_s > 0.0 { busy_s / wall_s } else { 0.0 },

@@ -280,3 +280,20 @@ pub async fn read_tier(c: &kvtier_loadgen::client::Client, key: &str) -> String 
     assert_eq!(body.to_bytes(), payload(key), "{key} read back with other bytes");
     tier.expect("x-kvtier-tier")
 }
+
+/// Waits until every shard reports in `/v1/stats` that its I/O memory is
+/// registered (it is faulted in and registered just after the shards start
+/// serving): before a test takes a memory baseline.
+pub async fn wait_for_io_memory_registration(server: &Server) {
+    let c = client(server, true);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let stats = c.stats().await.unwrap();
+        let shards = stats["per_shard"].as_array().unwrap();
+        if shards.iter().all(|s| s["io_memory_registered"] == true) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "I/O memory not registered within 20 s: {shards:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
