@@ -113,15 +113,6 @@ async fn stats(server: &Server) -> Value {
     client(server, false).stats().await.unwrap()
 }
 
-/// The log's entry in `/readyz`, which must answer 200: a full filesystem
-/// costs refusals, not readiness.
-async fn nvme_readiness(c: &Client) -> Value {
-    let a = c.send(Method::GET, "/readyz", ChunkedBody::default(), None).await.unwrap();
-    let ready: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
-    assert_eq!(a.status, StatusCode::OK, "{ready}");
-    ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "nvme").unwrap().clone()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     let dir = tempfile::tempdir().unwrap();
@@ -165,7 +156,7 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     let h1 = client(&server, true);
     assert_eq!(put(&h1, "a-h1-extra").await.0, StatusCode::INSUFFICIENT_STORAGE);
     // Never silent: the log is degraded, and says why.
-    let nvme = nvme_readiness(&c).await;
+    let nvme = common::ready_tier(&c, "nvme").await;
     assert_eq!(nvme["state"], "degraded", "{nvme}");
     assert!(nvme["reason"].as_str().unwrap().contains("is full"), "{nvme}");
     let del = c.send(Method::DELETE, "/v1/blocks/never-stored", ChunkedBody::default(), None).await.unwrap();
@@ -184,7 +175,7 @@ async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     // error of the device).
     std::fs::remove_file(&filler).unwrap();
     assert_eq!(put(&c, "b-first").await.0, StatusCode::CREATED);
-    let nvme = nvme_readiness(&c).await;
+    let nvme = common::ready_tier(&c, "nvme").await;
     assert_eq!(nvme["state"], "ok", "{nvme}");
     let (more, _) = fill(&c, "b").await;
     assert!(more.len() > 50, "freeing {FILLER_MIB} MiB let only {} blocks in", more.len());

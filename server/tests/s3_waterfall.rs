@@ -167,15 +167,6 @@ async fn a_put_during_a_slow_s3_read_of_its_key_wins_and_still_wins_after_kill_9
     b.stop();
 }
 
-/// The S3 tier's entry in `/readyz` (which must answer 200: a failing
-/// shared tier costs misses, not readiness).
-async fn s3_readiness(c: &Client) -> Value {
-    let a = c.send(Method::GET, "/readyz", ChunkedBody::default(), None).await.unwrap();
-    let ready: Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
-    assert_eq!(a.status, StatusCode::OK, "{ready}");
-    ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "s3").unwrap().clone()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_s3_shows_as_degraded_with_its_reason_and_ok_again_once_it_is_back() {
     let mut moto = Moto::start();
@@ -183,13 +174,13 @@ async fn a_stopped_s3_shows_as_degraded_with_its_reason_and_ok_again_once_it_is_
     let node = two_shard_node(d.path(), &moto.endpoint(), &["--s3-write-policy", "through", "--health-window-ms", "500"]);
     let c = client(&node, false);
     assert_eq!(put_answer(&c, "local").await["s3"], "uploaded");
-    assert_eq!(s3_readiness(&c).await["state"], "ok");
+    assert_eq!(common::ready_tier(&c, "s3").await["state"], "ok");
 
     moto.kill();
     // A miss goes to S3, which is gone: answered as a miss, and the tier
     // says so. The local path keeps serving.
     assert_eq!(get_bytes(&c, "only-in-a-dead-bucket").await, None);
-    let s3 = s3_readiness(&c).await;
+    let s3 = common::ready_tier(&c, "s3").await;
     assert_eq!(s3["state"], "degraded", "{s3}");
     assert!(s3["reason"].as_str().unwrap().contains("only-in-a-dead-bucket"), "the reason names the failed request: {s3}");
     assert_eq!(get_bytes(&c, "local").await.map(|(b, _)| b), Some(payload("local")));
@@ -206,10 +197,10 @@ async fn a_stopped_s3_shows_as_degraded_with_its_reason_and_ok_again_once_it_is_
     loop {
         // A request that reaches S3 and succeeds (the object is absent).
         assert_eq!(get_bytes(&c, "still-absent").await, None);
-        if s3_readiness(&c).await["state"] == "ok" {
+        if common::ready_tier(&c, "s3").await["state"] == "ok" {
             break;
         }
-        assert!(Instant::now() < deadline, "S3 did not return to ok: {}", s3_readiness(&c).await);
+        assert!(Instant::now() < deadline, "S3 did not return to ok: {}", common::ready_tier(&c, "s3").await);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(node.log().contains("tier s3 is degraded") && node.log().contains("tier s3 is ok again"), "{}", node.log());

@@ -297,3 +297,13 @@ pub async fn wait_for_io_memory_registration(server: &Server) {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// `tier`'s entry (`{tier, state, reason, since_unix_ms}`) in `GET /readyz`,
+/// which must answer 200: a degraded tier costs misses or refusals, not
+/// readiness.
+pub async fn ready_tier(c: &kvtier_loadgen::client::Client, tier: &str) -> serde_json::Value {
+    let a = c.send(http::Method::GET, "/readyz", kvtier_loadgen::client::ChunkedBody::default(), None).await.unwrap();
+    let ready: serde_json::Value = serde_json::from_slice(&a.body.to_bytes()).unwrap();
+    assert_eq!(a.status, http::StatusCode::OK, "{ready}");
+    ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == tier).unwrap_or_else(|| panic!("no {tier} in {ready}")).clone()
+}
