@@ -377,43 +377,62 @@ impl Store {
     /// # Errors
     /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
     pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
+        for k in keys {
+            key::validate(k)?;
+        }
+        self.ask_owners(keys, |owner, mine| async move {
+            let hashes: Vec<BlockHash> = mine.iter().map(|(_, h)| *h).collect();
+            if owner == self.shard_id() {
+                return Ok(hashes.iter().map(|h| self.shard.contains(h)).collect());
+            }
+            match self.forward(owner, Op::Contains { hashes }).await? {
+                Reply::Contains(v) => Ok(v),
+                _ => unreachable!("contains answered with another reply"),
+            }
+        })
+        .await
+    }
+
+    /// Asks each shard owning any of `keys` about its own, all shards in
+    /// parallel, and returns the answers in key order. `ask(owner, mine)`
+    /// gets the owner's keys as (index into `keys`, block hash) and answers
+    /// one item per key, in that order.
+    async fn ask_owners<'a, T, F, Fut>(&'a self, keys: &[&str], ask: F) -> Result<Vec<T>>
+    where
+        T: Clone + Default,
+        F: Fn(usize, Vec<(usize, BlockHash)>) -> Fut,
+        Fut: Future<Output = Result<Vec<T>>> + 'a,
+    {
         let mut by_shard: Vec<Vec<(usize, BlockHash)>> = vec![Vec::new(); self.shards];
         for (i, k) in keys.iter().enumerate() {
-            key::validate(k)?;
             let hash = BlockHash::of(k.as_bytes());
             by_shard[hash.shard(self.shards)].push((i, hash));
         }
-        let mut found = vec![None; keys.len()];
-        let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, ks)| async move {
-            let hashes: Vec<BlockHash> = ks.iter().map(|(_, h)| *h).collect();
-            let answer = if owner == self.shard_id() {
-                hashes.iter().map(|h| self.shard.contains(h)).collect()
-            } else {
-                match self.forward(owner, Op::Contains { hashes }).await? {
-                    Reply::Contains(v) => v,
-                    _ => unreachable!("contains answered with another reply"),
-                }
-            };
-            Ok::<_, Error>((ks, answer))
+        let asks = by_shard.into_iter().enumerate().filter(|(_, mine)| !mine.is_empty()).map(|(owner, mine)| {
+            let indices: Vec<usize> = mine.iter().map(|(i, _)| *i).collect();
+            let answer = ask(owner, mine);
+            async move { Ok::<_, Error>((indices, answer.await?)) }
         });
+        let mut found = vec![T::default(); keys.len()];
         for result in futures::future::join_all(asks).await {
-            let (ks, answer) = result?;
-            for ((i, _), hit) in ks.into_iter().zip(answer) {
-                found[i] = hit;
+            let (indices, answer) = result?;
+            debug_assert_eq!(indices.len(), answer.len(), "one answer per key");
+            for (i, a) in indices.into_iter().zip(answer) {
+                found[i] = a;
             }
         }
         Ok(found)
     }
 
     /// How many leading keys of a prefix chain are stored: the prefix hit
-    /// count a connector uses to skip prefill for those blocks.
-    ///
-    /// # Errors
-    /// As [`Store::contains_many`].
-    /// The tail the local tiers lack is counted in the remote tier
+    /// count a connector uses to skip prefill for those blocks. The tail
+    /// the local tiers lack is counted in the remote tier
     /// ([`Tier::Remote`]): windows of [`Remote::parallelism`] keys, each
     /// checked at once by the shards owning them, stopping at the first key
     /// absent (or unknown) there.
+    ///
+    /// # Errors
+    /// As [`Store::contains_many`].
     pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<Vec<Tier>> {
         let found = self.contains_many(keys).await?;
         let mut tiers: Vec<Tier> = found.into_iter().map_while(|t| t).collect();
@@ -446,31 +465,18 @@ impl Store {
     /// Whether each of `keys` is in the remote tier, asked of the shards
     /// owning them, in parallel (`None`: unknown after an error).
     async fn remote_exists_many(&self, keys: &[&str]) -> Result<Vec<Option<bool>>> {
-        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards];
-        for (i, k) in keys.iter().enumerate() {
-            by_shard[BlockHash::of(k.as_bytes()).shard(self.shards)].push(i);
-        }
-        let mut found = vec![None; keys.len()];
-        let asks = by_shard.into_iter().enumerate().filter(|(_, is)| !is.is_empty()).map(|(owner, is)| async move {
-            let answer = if owner == self.shard_id() {
-                let mine: Vec<&str> = is.iter().map(|i| keys[*i]).collect();
-                self.shard.remote_exists_many(&mine).await
-            } else {
-                let keys = is.iter().map(|i| keys[*i].to_string()).collect();
-                match self.forward(owner, Op::RemoteExists { keys }).await? {
-                    Reply::RemoteExists(v) => v,
-                    _ => unreachable!("remote exists answered with another reply"),
-                }
-            };
-            Ok::<_, Error>((is, answer))
-        });
-        for result in futures::future::join_all(asks).await {
-            let (is, answer) = result?;
-            for (i, a) in is.into_iter().zip(answer) {
-                found[i] = a;
+        self.ask_owners(keys, |owner, mine| async move {
+            if owner == self.shard_id() {
+                let mine: Vec<&str> = mine.iter().map(|(i, _)| keys[*i]).collect();
+                return Ok(self.shard.remote_exists_many(&mine).await);
             }
-        }
-        Ok(found)
+            let keys = mine.iter().map(|(i, _)| keys[*i].to_string()).collect();
+            match self.forward(owner, Op::RemoteExists { keys }).await? {
+                Reply::RemoteExists(v) => Ok(v),
+                _ => unreachable!("remote exists answered with another reply"),
+            }
+        })
+        .await
     }
 
     /// Promotes the stored blocks among `keys` toward the fastest tier, and
@@ -516,9 +522,17 @@ impl Store {
     pub async fn health(&self) -> Result<Vec<TierHealth>> {
         let per_shard =
             self.ask_every_shard(Shard::health, || Op::Health, |r| if let Reply::Health(h) = r { Some(h) } else { None }).await?;
-        let mut merged = merge_by_tier(per_shard.iter().flatten());
+        Ok(self.health_table(per_shard.iter().flatten()))
+    }
+
+    /// The health table from the shards' own tables (as
+    /// [`ShardStats::health`] carries them): each tier merged over shards,
+    /// the remote tier's added last. For a caller that has the shards' stats
+    /// already: no second round of messages.
+    pub fn health_table<'a>(&self, per_shard: impl IntoIterator<Item = &'a TierHealth>) -> Vec<TierHealth> {
+        let mut merged = merge_by_tier(per_shard);
         merged.extend(self.remote.as_ref().map(|r| r.health()));
-        Ok(merged)
+        merged
     }
 
     /// `local(shard)` of every shard, in shard order: this one's directly,

@@ -505,10 +505,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         Ok(s) => s,
         Err(e) => return engine_error(&e),
     };
-    let health = match ctx.store.health().await {
-        Ok(h) => h,
-        Err(e) => return engine_error(&e),
-    };
+    let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
     let sum = |f: fn(&kvtier_engine::ShardStats) -> u64| shards.iter().map(f).sum::<u64>();
     let body = json!({
         "geometry": ctx.store.geometry(),
@@ -549,10 +546,11 @@ async fn stats(ctx: &Ctx) -> Reply {
 }
 
 async fn metrics(ctx: &Ctx) -> Reply {
-    let (shards, health) = match (ctx.store.stats().await, ctx.store.health().await) {
-        (Ok(s), Ok(h)) => (s, h),
-        (Err(e), _) | (_, Err(e)) => return engine_error(&e),
+    let shards = match ctx.store.stats().await {
+        Ok(s) => s,
+        Err(e) => return engine_error(&e),
     };
+    let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
     let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()), &health);
     Response::builder()
         .status(StatusCode::OK)
