@@ -60,5 +60,5 @@ pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};
 pub use shard::{PutOutcome, PutReport, ShardStats};
 pub use store::{run, Block, PrefetchReport, Store, StoreConfig};
-pub use stream::{BlockBody, ChunkStream};
+pub use stream::{BlockBody, BlockSink, ChunkStream};
 pub use tier::{Tier, TierStats, WritePolicy};

@@ -30,7 +30,7 @@ use crate::remote::Remote;
 use crate::shard::{PutOutcome, PutReport, Shard, ShardConfig, ShardStats};
 use crate::startup;
 pub use crate::startup::START_WARN_AFTER;
-use crate::stream::BlockBody;
+use crate::stream::{BlockBody, BlockSink};
 pub use crate::tier::{Tier, WritePolicy};
 
 /// How often each shard evaluates its tiers' health (and logs a change).
@@ -194,6 +194,7 @@ impl StoreConfig {
 enum Op {
     Put { key: String, hash: BlockHash, chunks: Vec<Bytes> },
     Get { key: String, hash: BlockHash },
+    GetInto { key: String, hash: BlockHash, sink: Arc<dyn BlockSink> },
     Delete { key: String, hash: BlockHash },
     Contains { hashes: Vec<BlockHash> },
     RemoteExists { keys: Vec<String> },
@@ -205,6 +206,7 @@ enum Op {
 enum Reply {
     Put(Result<PutReport>),
     Get(Result<(BlockBody, Tier)>),
+    GetInto(Result<(u64, Tier)>),
     Delete(Result<()>),
     Contains(Vec<Option<Tier>>),
     RemoteExists(Vec<Option<bool>>),
@@ -352,6 +354,28 @@ impl Store {
         }
     }
 
+    /// Copies the block stored under `key` into `sink` (a client's
+    /// registered memory), on the shard that owns the key: from RAM one
+    /// copy, from the log one copy of each chunk as it is read and
+    /// verified, from the GPU or S3 one copy after the fetch. Returns the
+    /// bytes copied (`block_bytes`) and the tier served from. On an error
+    /// the sink may hold part of the block.
+    ///
+    /// # Errors
+    /// As [`Store::get`]; [`Error::Io`] when the sink refused a chunk.
+    pub async fn get_into(&self, key: &str, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
+        key::validate(key)?;
+        let hash = BlockHash::of(key.as_bytes());
+        let owner = hash.shard(self.shards);
+        if owner == self.shard_id() {
+            return copy_block(&self.shard, key, hash, &*sink).await;
+        }
+        match self.forward(owner, Op::GetInto { key: key.to_string(), hash, sink }).await? {
+            Reply::GetInto(r) => r,
+            _ => unreachable!("get_into answered with another reply"),
+        }
+    }
+
     /// Deletes the block under `key` (a tombstone is logged), and its copy in
     /// the remote tier; a key stored only there is deleted there.
     ///
@@ -453,13 +477,30 @@ impl Store {
     /// # Errors
     /// As [`Store::contains_many`].
     pub async fn contains(&self, key: &str) -> Result<Option<Tier>> {
-        if let Some(t) = self.contains_many(&[key]).await?[0] {
-            return Ok(Some(t));
-        }
+        Ok(self.exists_many(&[key]).await?[0])
+    }
+
+    /// The fastest tier holding each key, the remote tier included (`None`:
+    /// stored nowhere, or the remote tier could not say), in order: the
+    /// local tiers first ([`Store::contains_many`]), then the remote tier
+    /// for the keys they lack, in parallel.
+    ///
+    /// # Errors
+    /// As [`Store::contains_many`].
+    pub async fn exists_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
+        let mut found = self.contains_many(keys).await?;
         if self.remote.is_none() {
-            return Ok(None);
+            return Ok(found);
         }
-        Ok((self.remote_exists_many(&[key]).await?[0] == Some(true)).then_some(Tier::Remote))
+        let missing: Vec<usize> = (0..keys.len()).filter(|i| found[*i].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(found);
+        }
+        let asked: Vec<&str> = missing.iter().map(|i| keys[*i]).collect();
+        for (i, present) in missing.into_iter().zip(self.remote_exists_many(&asked).await?) {
+            found[i] = (present == Some(true)).then_some(Tier::Remote);
+        }
+        Ok(found)
     }
 
     /// Whether each of `keys` is in the remote tier, asked of the shards
@@ -574,11 +615,18 @@ fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, parallelism
     report
 }
 
+/// [`Store::get_into`] on the owning shard.
+async fn copy_block(shard: &Rc<Shard>, key: &str, hash: BlockHash, sink: &dyn BlockSink) -> Result<(u64, Tier)> {
+    let (body, tier) = shard.get(key, hash, true).await?;
+    Ok((body.copy_into(sink).await?, tier))
+}
+
 async fn execute(shard: &Rc<Shard>, op: Op, parallelism: usize) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put_block(&key, hash, &chunks).await),
         // Whole: one message back across threads, not one per chunk.
         Op::Get { key, hash } => Reply::Get(shard.get(&key, hash, false).await),
+        Op::GetInto { key, hash, sink } => Reply::GetInto(copy_block(shard, &key, hash, &*sink).await),
         Op::Delete { key, hash } => Reply::Delete(shard.delete_block(&key, hash).await),
         Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
         Op::RemoteExists { keys } => {

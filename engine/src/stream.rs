@@ -138,6 +138,45 @@ impl BlockBody {
     }
 }
 
+/// Memory outside the store that a block is copied into: a client's
+/// registered buffer on the same-host data plane (docs/LOCAL.md). The
+/// engine calls it on the shard that owns the block, once per verified
+/// chunk, in order, so a block from the log is copied once after the device
+/// read and a block from RAM once in all.
+pub trait BlockSink: Send + Sync {
+    /// Copies `chunk` to `offset` bytes into the destination.
+    ///
+    /// # Errors
+    /// The destination cannot take it (a client's file shrank under its
+    /// registration); the read stops and fails with this error.
+    fn write_at(&self, offset: u64, chunk: &[u8]) -> std::io::Result<()>;
+}
+
+impl BlockBody {
+    /// Copies the payload into `sink`, chunk by chunk as it is verified;
+    /// returns the bytes copied (`block_bytes`).
+    ///
+    /// # Errors
+    /// As [`BlockBody::collect`]; [`Error::Io`] when the sink refused a chunk.
+    pub async fn copy_into(self, sink: &dyn BlockSink) -> Result<u64> {
+        let mut at = 0u64;
+        let mut put = |chunk: &[u8]| -> Result<()> {
+            sink.write_at(at, chunk).map_err(|e| Error::io(format!("copying {} bytes at {at} into a client's buffer", chunk.len()), e))?;
+            at += chunk.len() as u64;
+            Ok(())
+        };
+        match self {
+            BlockBody::Whole(b) => put(&b)?,
+            BlockBody::Chunks(mut s) => {
+                while let Some(chunk) = s.next().await {
+                    put(&chunk?)?;
+                }
+            }
+        }
+        Ok(at)
+    }
+}
+
 /// Verified chunks of one block, in order. Yields `Ok(chunk)` until
 /// [`ChunkStream::len`] bytes have come, then ends; or one `Err` and ends.
 /// A stream the shard abandons (shutdown) yields an [`Error::Io`] naming

@@ -7,6 +7,7 @@ mod body;
 mod gpu;
 mod http;
 mod limits;
+mod local;
 mod metrics;
 mod routes;
 mod server;
@@ -111,6 +112,8 @@ struct ServeArgs {
     log_level: String,
     #[command(flatten)]
     s3: kvtier_s3::S3Args,
+    #[command(flatten)]
+    local: local::LocalArgs,
 }
 
 #[derive(Args, Debug)]
@@ -533,6 +536,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         steps.end("the port check");
     }
 
+    let local = args.local.open(&config.data_dir, config.shards)?;
+    if local.is_some() {
+        steps.end("the local socket");
+    }
+
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| format!("installing signal handlers: {e}"))?;
     let (ready_tx, ready_rx) = mpsc::channel();
@@ -542,11 +550,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         shutdown: Default::default(),
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
-        http: metrics::HttpStats::new(config.shards),
+        http: metrics::RequestStats::new(config.shards, &metrics::HTTP_ROUTE_NAMES),
         idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
         put_inflight_bytes_max: args.put_inflight_mib << 20,
+        local: local.clone(),
     });
     if let Some(tier) = &s3_tier {
         // S3 down at start is not fatal: reads miss and uploads fail, counted.
@@ -608,6 +617,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         segment_origin.describe(),
         data_dir.display()
     );
+    if let Some(l) = &local {
+        println!("kvtier: same-host data plane on unix://{} (docs/LOCAL.md)", l.path.display());
+    }
     if let Some(line) = gpu_line {
         println!("kvtier: {line}");
     }
@@ -638,6 +650,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("starting the signal thread: {e}"))?;
     }
     let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
+    if let Some(l) = &local {
+        // The socket file goes with the server that made it.
+        let _ = fs::remove_file(&l.path);
+    }
     if let Some(tier) = &s3_tier {
         let left = tier.drain(kvtier_s3::DRAIN_MAX);
         if left > 0 {

@@ -3,7 +3,7 @@
 //! rendering as `/v1/stats` JSON and Prometheus text (`GET /metrics`,
 //! through prometheus-client).
 //!
-//! Each shard records only into its own [`ShardHttpStats`], so its mutex is
+//! Each shard records only into its own [`ShardRequestStats`], so its mutex is
 //! uncontended on the request path; a stats or metrics request reads every
 //! shard's. Metric names follow `kvtier_<layer>_<what>` (docs/API.md).
 
@@ -47,39 +47,9 @@ pub enum Route {
     Other,
 }
 
-impl Route {
-    /// Every route, in label order.
-    pub const ALL: [Route; 11] = [
-        Route::PutBlock,
-        Route::GetBlock,
-        Route::HeadBlock,
-        Route::DeleteBlock,
-        Route::Lookup,
-        Route::Prefetch,
-        Route::Stats,
-        Route::Metrics,
-        Route::Healthz,
-        Route::Readyz,
-        Route::Other,
-    ];
-
-    /// Label value.
-    pub fn name(self) -> &'static str {
-        match self {
-            Route::PutBlock => "put_block",
-            Route::GetBlock => "get_block",
-            Route::HeadBlock => "head_block",
-            Route::DeleteBlock => "delete_block",
-            Route::Lookup => "lookup",
-            Route::Prefetch => "prefetch",
-            Route::Stats => "stats",
-            Route::Metrics => "metrics",
-            Route::Healthz => "healthz",
-            Route::Readyz => "readyz",
-            Route::Other => "other",
-        }
-    }
-}
+/// Labels of the [`Route`]s, in declaration order (`route as usize`).
+pub const HTTP_ROUTE_NAMES: [&str; 11] =
+    ["put_block", "get_block", "head_block", "delete_block", "lookup", "prefetch", "stats", "metrics", "healthz", "readyz", "other"];
 
 #[derive(Clone)]
 struct RouteCounters {
@@ -102,7 +72,7 @@ impl Default for RouteCounters {
 }
 
 /// One shard's HTTP counters.
-pub struct ShardHttpStats {
+pub struct ShardRequestStats {
     routes: Mutex<Vec<RouteCounters>>,
     /// Request body bytes received (declared Content-Length of requests).
     pub bytes_in: AtomicU64,
@@ -118,17 +88,21 @@ pub struct ShardHttpStats {
 }
 
 /// Every shard's HTTP counters.
-pub struct HttpStats {
-    shards: Vec<ShardHttpStats>,
+pub struct RequestStats {
+    names: &'static [&'static str],
+    shards: Vec<ShardRequestStats>,
 }
 
-impl HttpStats {
-    /// Counters for `shards` shards.
-    pub fn new(shards: usize) -> Arc<Self> {
-        Arc::new(HttpStats {
+impl RequestStats {
+    /// Counters for `shards` shards and the routes `names` (indexed as
+    /// [`RequestStats::record`]'s `route`): [`HTTP_ROUTE_NAMES`] for HTTP,
+    /// the local socket's ops for it.
+    pub fn new(shards: usize, names: &'static [&'static str]) -> Arc<Self> {
+        Arc::new(RequestStats {
+            names,
             shards: (0..shards)
-                .map(|_| ShardHttpStats {
-                    routes: Mutex::new(vec![RouteCounters::default(); Route::ALL.len()]),
+                .map(|_| ShardRequestStats {
+                    routes: Mutex::new(vec![RouteCounters::default(); names.len()]),
                     bytes_in: AtomicU64::new(0),
                     bytes_out: AtomicU64::new(0),
                     connections_open: AtomicU64::new(0),
@@ -140,7 +114,7 @@ impl HttpStats {
     }
 
     /// One shard's counters.
-    pub fn shard(&self, shard: usize) -> &ShardHttpStats {
+    pub fn shard(&self, shard: usize) -> &ShardRequestStats {
         &self.shards[shard]
     }
 
@@ -149,13 +123,15 @@ impl HttpStats {
         self.shards.iter().map(|s| s.put_bytes_refusals.load(Ordering::Relaxed)).sum()
     }
 
-    /// Records one finished request.
-    pub fn record(&self, shard: usize, route: Route, status: u16, latency_us: u64, bytes_in: u64, bytes_out: u64) {
+    /// Records one finished request on route number `route` (an index into
+    /// the names given to [`RequestStats::new`]); `status` is HTTP's or its
+    /// equivalent (4xx the client's fault, 5xx the server's).
+    pub fn record(&self, shard: usize, route: usize, status: u16, latency_us: u64, bytes_in: u64, bytes_out: u64) {
         let s = &self.shards[shard];
         s.bytes_in.fetch_add(bytes_in, Ordering::Relaxed);
         s.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
         let mut routes = s.routes.lock().expect("route stats lock");
-        let r = &mut routes[route as usize];
+        let r = &mut routes[route];
         r.requests += 1;
         match status {
             400..=499 => r.client_errors += 1,
@@ -167,7 +143,7 @@ impl HttpStats {
 
     /// Counters of each route summed over shards.
     fn merged(&self) -> Vec<RouteCounters> {
-        let mut total = vec![RouteCounters::default(); Route::ALL.len()];
+        let mut total = vec![RouteCounters::default(); self.names.len()];
         for s in &self.shards {
             for (t, r) in total.iter_mut().zip(s.routes.lock().expect("route stats lock").iter()) {
                 t.requests += r.requests;
@@ -183,10 +159,10 @@ impl HttpStats {
     pub fn routes_json(&self) -> Value {
         let merged = self.merged();
         let mut out = serde_json::Map::new();
-        for (route, r) in Route::ALL.iter().zip(&merged) {
+        for (route, r) in self.names.iter().zip(&merged) {
             let q = |p: f64| if r.latency_us.is_empty() { 0 } else { r.latency_us.value_at_quantile(p) };
             out.insert(
-                route.name().into(),
+                (*route).into(),
                 json!({
                     "requests": r.requests,
                     "client_errors": r.client_errors,
@@ -271,9 +247,53 @@ fn shard_gauge(registry: &mut Registry, name: &str, help: &str, engine: &[ShardS
     registry.register(name, help, family);
 }
 
+/// Registers one transport's request metrics as `kvtier_{prefix}_*`: per
+/// route (summed over shards) requests, 4xx/5xx-class errors and latency
+/// percentiles; per shard bytes, connections and PUT refusals.
+fn register_requests(registry: &mut Registry, stats: &RequestStats, prefix: &str, what: &str, bytes: &str, refused: &str) {
+    let merged = stats.merged();
+    let requests = Family::<RouteLabel, Counter>::default();
+    let client_errors = Family::<RouteLabel, Counter>::default();
+    let server_errors = Family::<RouteLabel, Counter>::default();
+    let latency = Family::<QuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    for (route, r) in stats.names.iter().zip(&merged) {
+        let label = RouteLabel { route: (*route).into() };
+        requests.get_or_create(&label).inc_by(r.requests);
+        client_errors.get_or_create(&label).inc_by(r.client_errors);
+        server_errors.get_or_create(&label).inc_by(r.server_errors);
+        for q in ["0.5", "0.95", "0.99"] {
+            let value = if r.latency_us.is_empty() { 0 } else { r.latency_us.value_at_quantile(q.parse().expect("quantile")) };
+            latency.get_or_create(&QuantileLabel { route: (*route).into(), quantile: q.into() }).set(value as i64);
+        }
+    }
+    registry.register(format!("{prefix}_requests"), format!("{what} answered, by route"), requests);
+    registry.register(format!("{prefix}_client_errors"), format!("{what} failed by the client's fault (HTTP 4xx), by route"), client_errors);
+    registry.register(format!("{prefix}_server_errors"), format!("{what} failed by the server's fault (HTTP 5xx), by route"), server_errors);
+    registry.register(format!("{prefix}_request_latency_us"), format!("{what}: latency percentiles in microseconds, by route"), latency);
+    let bytes_in = Family::<ShardLabel, Counter>::default();
+    let bytes_out = Family::<ShardLabel, Counter>::default();
+    let open = Family::<ShardLabel, Gauge>::default();
+    let accepted = Family::<ShardLabel, Counter>::default();
+    let put_refusals = Family::<ShardLabel, Counter>::default();
+    for (i, s) in stats.shards.iter().enumerate() {
+        let label = ShardLabel { shard: i.to_string() };
+        bytes_in.get_or_create(&label).inc_by(s.bytes_in.load(Ordering::Relaxed));
+        bytes_out.get_or_create(&label).inc_by(s.bytes_out.load(Ordering::Relaxed));
+        open.get_or_create(&label).set(s.connections_open.load(Ordering::Relaxed) as i64);
+        accepted.get_or_create(&label).inc_by(s.connections_total.load(Ordering::Relaxed));
+        put_refusals.get_or_create(&label).inc_by(s.put_bytes_refusals.load(Ordering::Relaxed));
+    }
+    registry.register(format!("{prefix}_body_bytes_in"), format!("{bytes} received"), bytes_in);
+    registry.register(format!("{prefix}_body_bytes_out"), format!("{bytes} sent"), bytes_out);
+    registry.register(format!("{prefix}_connections_open"), "Connections open now", open);
+    registry.register(format!("{prefix}_connections_accepted"), "Connections accepted", accepted);
+    registry.register(format!("{prefix}_put_bytes_refusals"), format!("{refused} because the shard held --put-inflight-mib of PUT bodies"), put_refusals);
+}
+
 /// Renders every metric in the Prometheus (OpenMetrics) text format.
 pub fn prometheus_text(
-    http: &HttpStats,
+    http: &RequestStats,
+    local: Option<&crate::local::LocalShared>,
     engine: &[ShardStats],
     geometry: &Geometry,
     remote: Option<&dyn kvtier_engine::remote::Remote>,
@@ -285,47 +305,26 @@ pub fn prometheus_text(
     registry.register("block_bytes", "Payload bytes of one block (fixed per store)", block);
 
     // HTTP, per route (summed over shards) and per shard.
-    let merged = http.merged();
-    let requests = Family::<RouteLabel, Counter>::default();
-    let client_errors = Family::<RouteLabel, Counter>::default();
-    let server_errors = Family::<RouteLabel, Counter>::default();
-    let latency = Family::<QuantileLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
-    for (route, r) in Route::ALL.iter().zip(&merged) {
-        let label = RouteLabel { route: route.name().into() };
-        requests.get_or_create(&label).inc_by(r.requests);
-        client_errors.get_or_create(&label).inc_by(r.client_errors);
-        server_errors.get_or_create(&label).inc_by(r.server_errors);
-        for q in ["0.5", "0.95", "0.99"] {
-            let value = if r.latency_us.is_empty() { 0 } else { r.latency_us.value_at_quantile(q.parse().expect("quantile")) };
-            latency.get_or_create(&QuantileLabel { route: route.name().into(), quantile: q.into() }).set(value as i64);
-        }
+    register_requests(&mut registry, http, "http", "HTTP requests", "Request body bytes", "PUTs refused with 503");
+    if let Some(l) = local {
+        register_requests(&mut registry, &l.stats, "local", "Local-socket requests", "Block bytes", "PUT_FROM items refused OVERLOADED");
+        let gauge = |v: u64| {
+            let g = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+            g.set(v as i64);
+            g
+        };
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        registry.register("local_registrations_open", "Buffers registered on the local socket now", gauge(load(&l.registrations_open)));
+        registry.register("local_registered_bytes", "Bytes of the buffers registered now", gauge(load(&l.registered_bytes)));
+        let counter = |v: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            c
+        };
+        registry.register("local_registrations", "Buffers registered since start", counter(load(&l.registrations_total)));
+        registry.register("local_frame_errors", "Local connections closed for a framing error", counter(load(&l.frame_errors)));
+        registry.register("local_peers_refused", "Local peers refused by the SO_PEERCRED uid/gid check", counter(load(&l.peers_refused)));
     }
-    registry.register("http_requests", "HTTP requests answered, by route", requests);
-    registry.register("http_client_errors", "HTTP requests answered 4xx, by route", client_errors);
-    registry.register("http_server_errors", "HTTP requests answered 5xx, by route", server_errors);
-    registry.register("http_request_latency_us", "HTTP request latency percentiles in microseconds, by route", latency);
-    let bytes_in = Family::<ShardLabel, Counter>::default();
-    let bytes_out = Family::<ShardLabel, Counter>::default();
-    let open = Family::<ShardLabel, Gauge>::default();
-    let accepted = Family::<ShardLabel, Counter>::default();
-    let put_refusals = Family::<ShardLabel, Counter>::default();
-    for (i, s) in http.shards.iter().enumerate() {
-        let label = ShardLabel { shard: i.to_string() };
-        bytes_in.get_or_create(&label).inc_by(s.bytes_in.load(Ordering::Relaxed));
-        bytes_out.get_or_create(&label).inc_by(s.bytes_out.load(Ordering::Relaxed));
-        open.get_or_create(&label).set(s.connections_open.load(Ordering::Relaxed) as i64);
-        accepted.get_or_create(&label).inc_by(s.connections_total.load(Ordering::Relaxed));
-        put_refusals.get_or_create(&label).inc_by(s.put_bytes_refusals.load(Ordering::Relaxed));
-    }
-    registry.register("http_body_bytes_in", "Request body bytes received", bytes_in);
-    registry.register("http_body_bytes_out", "Response body bytes sent", bytes_out);
-    registry.register("http_connections_open", "Connections open now", open);
-    registry.register("http_connections_accepted", "Connections accepted", accepted);
-    registry.register(
-        "http_put_bytes_refusals",
-        "PUTs refused with 503 because the shard held --put-inflight-mib of PUT bodies",
-        put_refusals,
-    );
 
     let leaked = Counter::<u64>::default();
     leaked.inc_by(kvtier_engine::stream::dma_chunks_leaked());

@@ -32,7 +32,7 @@ use serde_json::json;
 
 use crate::body::ReplyBody;
 use crate::limits;
-use crate::metrics::{HttpStats, Route};
+use crate::metrics::{RequestStats, Route};
 
 /// Everything a request handler needs, one per shard.
 pub struct Ctx {
@@ -41,7 +41,9 @@ pub struct Ctx {
     /// Bearer token every request must carry, when set.
     pub auth_token: Option<Rc<[u8]>>,
     /// Request metrics of every shard (this one records into its own).
-    pub http: std::sync::Arc<HttpStats>,
+    pub http: std::sync::Arc<RequestStats>,
+    /// The local socket's state and counters, when it is on.
+    pub local: Option<std::sync::Arc<crate::local::LocalShared>>,
     /// A request body must arrive in full within this.
     pub body_timeout: std::time::Duration,
     /// PUT body bytes this shard admits at once (`--put-inflight-mib`).
@@ -147,7 +149,7 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
     let reply = dispatch(&ctx, req).await;
     let bytes_out = http_body::Body::size_hint(reply.body()).exact().unwrap_or(0);
     let latency_us = started.elapsed().as_micros() as u64;
-    ctx.http.record(ctx.store.shard_id(), route, reply.status().as_u16(), latency_us, bytes_in, bytes_out);
+    ctx.http.record(ctx.store.shard_id(), route as usize, reply.status().as_u16(), latency_us, bytes_in, bytes_out);
     Ok(reply)
 }
 
@@ -537,6 +539,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         "health": health,
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
+        "local": crate::local::stats_json(ctx.local.as_deref()),
     });
     let mut body = body;
     if let Some(remote) = ctx.store.remote() {
@@ -551,7 +554,7 @@ async fn metrics(ctx: &Ctx) -> Reply {
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
-    let text = crate::metrics::prometheus_text(&ctx.http, &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()), &health);
+    let text = crate::metrics::prometheus_text(&ctx.http, ctx.local.as_deref(), &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()), &health);
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")

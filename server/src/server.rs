@@ -19,7 +19,7 @@ use kvtier_engine::Store;
 
 use crate::http::{GlommioIo, GlommioTimer, LocalExec};
 use crate::limits;
-use crate::metrics::HttpStats;
+use crate::metrics::RequestStats;
 use crate::routes::{self, Ctx};
 
 /// State shared by the shards' accept loops and the main thread.
@@ -35,7 +35,9 @@ pub struct Shared {
     /// Each shard reports here once it accepts, or why it cannot.
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
     /// Request metrics of every shard.
-    pub http: Arc<HttpStats>,
+    pub http: Arc<RequestStats>,
+    /// The same-host data plane's socket, when on (`--local-socket`).
+    pub local: Option<Arc<crate::local::LocalShared>>,
     /// Close a connection after this long without a request in flight.
     pub idle_timeout: Duration,
     /// HTTP/1 request headers must arrive within this.
@@ -82,7 +84,8 @@ impl Shared {
     }
 }
 
-async fn shutdown_requested(shared: &Shared) {
+/// Resolves once shutdown is requested.
+pub async fn shutdown_requested(shared: &Shared) {
     while !shared.shutdown.load(Ordering::Relaxed) {
         glommio::timer::sleep(Duration::from_millis(50)).await;
     }
@@ -156,7 +159,11 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         body_timeout: shared.body_timeout,
         put_inflight_bytes_max: shared.put_inflight_bytes_max,
         put_inflight_bytes: Cell::new(0),
+        local: shared.local.clone(),
     });
+    if let Some(local) = &shared.local {
+        glommio::spawn_local(crate::local::serve_shard(store.clone(), ctx.clone(), shared.clone(), local.clone())).detach();
+    }
     let shard_id = store.shard_id();
     let builder = builder(shared.header_timeout);
     let graceful = GracefulShutdown::new();

@@ -9,6 +9,8 @@ exception: ``get`` answers ``None``, ``get_into`` and ``exists`` ``False``.
 
 from __future__ import annotations
 
+from . import codes
+
 
 class KvtierError(Exception):
     """Base class of every error the client raises.
@@ -20,7 +22,11 @@ class KvtierError(Exception):
         code: the server's error code (``"invalid_key"``, ``"disk_full"``, …),
             or a client-side code (``"connection_failed"``, ``"buffer_too_small"``).
         message: what went wrong, in the server's words where it answered.
+        local_code: over the same-host socket (docs/LOCAL.md), the negative
+            code the error came with (:mod:`kvtier.codes`); else ``None``.
     """
+
+    local_code: int | None = None
 
     def __init__(self, message: str, *, status: int | None = None, code: str = "error") -> None:
         super().__init__(message)
@@ -84,6 +90,22 @@ class KvtierConnectionError(KvtierError, ConnectionError):
     on every try (``Client(retries=...)``). ``code`` is ``connection_failed``."""
 
 
+class ProtocolError(KvtierError):
+    """The same-host socket (docs/LOCAL.md) answered something the client does
+    not understand, or refused the connection for a protocol reason: a framing
+    error (``BAD_FRAME``), no version in common (``UNSUPPORTED_VERSION``), an
+    op or payload the server did not accept. ``code`` is the code's name in
+    lower case (``"bad_frame"``) and ``local_code`` its number."""
+
+
+class GeometryMismatchError(KvtierError, ValueError):
+    """The server's geometry is not the one the client expects: the hello's
+    ``block_bytes`` or ``model`` (``Client(expect_block_bytes=..., expect_model=...)``)
+    differ from the server's, or a restarted server came back with another
+    ``block_bytes``. The message names both sides' values. A configuration
+    error: no retry fixes it."""
+
+
 #: Server error codes with a class of their own; other codes go by status.
 _BY_CODE: dict[str, type[KvtierError]] = {
     "invalid_key": InvalidKeyError,
@@ -112,3 +134,35 @@ def error_from_response(status: int, code: str, message: str, retry_after_s: flo
     if 400 <= status < 500:
         return BadRequestError(message, status=status, code=code)
     return ServerError(message, status=status, code=code)
+
+
+#: Same-host codes (docs/LOCAL.md, "Codes") with a class of their own; other
+#: negative codes raise :class:`ServerError` (-1) or :class:`ProtocolError`.
+_BY_LOCAL_CODE: dict[int, type[KvtierError]] = {
+    codes.INVALID_KEY: InvalidKeyError,
+    codes.WRONG_SIZE: BlockSizeError,
+    codes.UNAUTHORIZED: UnauthorizedError,
+    codes.DISK_FULL: DiskFullError,
+    codes.OVERLOADED: OverloadedError,
+    codes.SHUTTING_DOWN: OverloadedError,
+    codes.GEOMETRY_MISMATCH: GeometryMismatchError,
+    codes.CONNECTION_LOST: KvtierConnectionError,
+    codes.IO_ERROR: ServerError,
+    codes.LIMIT: BadRequestError,
+}
+
+
+def error_from_code(code: int, message: str, retry_after_s: float | None = None) -> KvtierError:
+    """The error for a negative same-host ``code`` (docs/LOCAL.md), with the
+    server's (or the client's) ``message``. Its ``code`` attribute is the
+    code's name in lower case (``"wrong_size"``), ``local_code`` the number,
+    and ``status`` is ``None`` (no HTTP was spoken)."""
+    name = codes.name_of(code).lower()
+    cls = _BY_LOCAL_CODE.get(code, ProtocolError)
+    err: KvtierError
+    if cls is OverloadedError:
+        err = OverloadedError(message, code=name, retry_after_s=retry_after_s)
+    else:
+        err = cls(message, code=name)
+    err.local_code = code
+    return err

@@ -2137,6 +2137,24 @@ impl ExecutorProxy {
         self.reactor().register_io_memory()
     }
 
+    /// kvtier patch: waits until `fd` is readable (or has hung up or
+    /// failed), through this executor's ring (`IORING_OP_POLL_ADD`). For
+    /// sockets glommio does not wrap, e.g. a Unix socket read with
+    /// `recvmsg` to receive `SCM_RIGHTS` descriptors: read non-blocking
+    /// until `EAGAIN`, then wait here. The fd must stay open until this
+    /// returns.
+    pub async fn wait_readable(&self, fd: std::os::unix::io::RawFd) -> io::Result<()> {
+        let source = self.reactor().poll_read_ready(fd);
+        source.collect_rw().await.map(|_| ())
+    }
+
+    /// kvtier patch: waits until `fd` is writable (see
+    /// [`ExecutorProxy::wait_readable`]).
+    pub async fn wait_writable(&self, fd: std::os::unix::io::RawFd) -> io::Result<()> {
+        let source = self.reactor().poll_write_ready(fd);
+        source.collect_rw().await.map(|_| ())
+    }
+
     /// Checks if this task has run for too long and need to be preempted. This
     /// is useful for situations where we can't call .await, for instance,
     /// if a [`RefMut`] is held. If this tests true, then the user is

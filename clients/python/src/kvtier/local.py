@@ -1,0 +1,376 @@
+"""The same-host data plane's wire protocol (docs/LOCAL.md): one connection.
+
+:class:`LocalConnection` is one Unix-socket connection to ``kvtier serve``:
+16-byte frames, a request id per request, and a reader thread that hands
+each response to the request that waits for it, so any number of threads (up
+to 256 requests in flight, the server's limit) share one connection. It
+knows nothing of reconnecting or of the caller's memory; that is
+``kvtier._session`` (what :class:`kvtier.Client` uses). Tests and tools use
+this class directly to speak the protocol op by op.
+
+    conn = LocalConnection("/var/lib/kvtier/kvtier.sock")
+    info = conn.hello(block_bytes=16 << 20)     # the server's geometry and epoch
+    handle, access = conn.register(fd, 0, 64 << 20)
+    conn.get_into([(handle, 0, 16 << 20, "key-0")])   # [(16777216, 2)]: bytes, tier
+
+Every op raises the :mod:`kvtier.errors` class of a request-wide failure (its
+``local_code`` is the negative code) and :class:`~kvtier.KvtierConnectionError`
+(``local_code`` -21) when the connection is gone; per-item results are codes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from . import codes
+from .errors import ProtocolError, error_from_code
+
+MAGIC = 0x4B54
+"""``b"TK"`` on the wire (little-endian u16)."""
+HEADER = struct.Struct("<HBBIQ")
+"""magic u16, op u8, flags u8, payload_bytes u32, request_id u64: 16 bytes."""
+_STATUS = struct.Struct("<iI")
+_ITEM = struct.Struct("<QQQH")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_TWO_U32 = struct.Struct("<II")
+_REGISTERED = struct.Struct("<QB")
+
+OP_HELLO, OP_REGISTER, OP_UNREGISTER, OP_GET_INTO, OP_PUT_FROM = 1, 2, 3, 4, 5
+OP_EXISTS, OP_LOOKUP, OP_DELETE, OP_PREFETCH = 6, 7, 8, 9
+OP_ERROR = 0xFF
+"""A connection error frame (request id 0): the server closes after it."""
+RESPONSE = 0x80
+"""A response's op is the request's ``op | 0x80``."""
+OP_NAMES = {1: "HELLO", 2: "REGISTER", 3: "UNREGISTER", 4: "GET_INTO", 5: "PUT_FROM"}
+OP_NAMES.update({6: "EXISTS", 7: "LOOKUP", 8: "DELETE", 9: "PREFETCH"})
+
+MAX_ITEMS = 4096
+"""Items in one batch request, at most."""
+MAX_PAYLOAD_BYTES = 1 << 20
+"""A frame's payload, at most (both ways)."""
+MAX_IN_FLIGHT = 256
+"""Requests in flight on one connection, at most (the server stops reading beyond)."""
+VERSIONS = (1,)
+"""Protocol versions this client speaks."""
+ITEM_BYTES = _ITEM.size
+"""Payload bytes of one ``GET_INTO``/``PUT_FROM`` item, not counting its key."""
+
+#: One ``GET_INTO``/``PUT_FROM`` item: handle, offset and length in bytes within
+#: the registered region, key.
+Item = tuple[int, int, int, str]
+
+
+def _str(key: str) -> bytes:
+    raw = key.encode()
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_items(items: Sequence[Item]) -> bytes:
+    """``GET_INTO``/``PUT_FROM`` payload: u32 n, n × (u64 handle, u64 offset, u64 length, str key)."""
+    parts = [_U32.pack(len(items))]
+    for handle, offset, length, key in items:
+        raw = key.encode()
+        parts.append(_ITEM.pack(handle, offset, length, len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def encode_keys(keys: Sequence[str]) -> bytes:
+    """``EXISTS``/``LOOKUP``/``DELETE``/``PREFETCH`` payload: u32 n, n × str."""
+    return _U32.pack(len(keys)) + b"".join(_str(k) for k in keys)
+
+
+def decode_results(body: memoryview, n: int) -> list[tuple[int, int]]:
+    """``GET_INTO``/``PUT_FROM`` body: u32 n, n × (i64 result, u8 tier or created)."""
+    count = _check_count(body, n, 9)
+    return [(r, f) for r, f in struct.iter_unpack("<qB", body[4 : 4 + 9 * count])]
+
+
+def _check_count(body: memoryview, n: int, each: int) -> int:
+    (count,) = _U32.unpack_from(body)
+    if count != n or len(body) < 4 + each * count:
+        raise ProtocolError(f"answer holds {count} items in {len(body)} bytes for a request of {n}", code="bad_answer")
+    return int(count)
+
+
+class _Response:
+    __slots__ = ("op", "payload")
+
+    def __init__(self, op: int, payload: bytearray) -> None:
+        self.op, self.payload = op, payload
+
+
+class LocalConnection:
+    """One connection to a kvtier Unix socket (docs/LOCAL.md). Thread-safe.
+
+    Args:
+        path: the socket's path (``local.socket`` of ``/v1/stats``).
+        timeout_s: limit for connecting and, unless a call names another,
+            for each response. A request that times out closes the
+            connection (its registrations go with it).
+
+    Raises:
+        OSError: the socket cannot be connected (``FileNotFoundError``,
+            ``ConnectionRefusedError``, ``PermissionError``, …).
+    """
+
+    def __init__(self, path: str, *, timeout_s: float = 30.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future[_Response]] = {}
+        self._ids = itertools.count(1)
+        self._slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+        self._dead: tuple[int, str] | None = None
+        self.info: dict[str, Any] = {}
+        """The server's hello answer (after :meth:`hello`): ``epoch``, ``block_bytes``, …"""
+        self._reader = threading.Thread(target=self._read_loop, name="kvtier-local-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------ framing
+
+    @property
+    def alive(self) -> bool:
+        """``False`` once the connection broke or was closed."""
+        return self._dead is None
+
+    def close(self, reason: str = "the client closed the connection") -> None:
+        """Closes the socket; requests in flight fail with ``CONNECTION_LOST``."""
+        self._die(codes.CONNECTION_LOST, reason)
+
+    def _die(self, code: int, message: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = (code, message)
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            self._slots.release()
+            fut.set_exception(error_from_code(*self._dead))
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is self._reader:
+            self._sock.close()
+
+    def _recv_exact(self, n: int) -> bytearray | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                if got:
+                    raise ConnectionError(f"the connection ended {got} bytes into a {n}-byte read")
+                return None
+            got += k
+        return buf
+
+    def _read_loop(self) -> None:
+        code, message = codes.CONNECTION_LOST, "the server closed the connection"
+        try:
+            while True:
+                head = self._recv_exact(HEADER.size)
+                if head is None:
+                    break
+                magic, op, flags, nbytes, rid = HEADER.unpack(head)
+                if magic != MAGIC or flags != 0 or nbytes > MAX_PAYLOAD_BYTES:
+                    code = codes.BAD_FRAME
+                    message = f"the server sent a bad frame header (magic {magic:#06x}, flags {flags}, {nbytes} bytes)"
+                    break
+                payload = self._recv_exact(nbytes) if nbytes else bytearray()
+                if payload is None:
+                    message = "the server closed the connection inside a frame"
+                    break
+                if op == OP_ERROR:
+                    status, _ = _STATUS.unpack_from(payload) if len(payload) >= 8 else (codes.BAD_FRAME, 0)
+                    code = status or codes.BAD_FRAME
+                    text = bytes(payload[8:]).decode("utf-8", "replace")
+                    message = f"the server closed the connection with {codes.name_of(code)}: {text}"
+                    break
+                with self._lock:
+                    fut = self._pending.pop(rid, None)
+                if fut is not None:  # None: a request that timed out
+                    self._slots.release()
+                    fut.set_result(_Response(op, payload))
+        except OSError as e:
+            message = f"the connection to {self.path} broke: {e}"
+        finally:
+            self._die(code, message)
+
+    def request(self, op: int, payload: bytes, *, fd: int | None = None) -> Future[_Response]:
+        """Sends one request frame (with ``fd`` in ``SCM_RIGHTS``, in the same
+        ``sendmsg``) and returns the future of its response; :meth:`wait` it."""
+        self._slots.acquire()
+        with self._lock:
+            if self._dead is not None:
+                self._slots.release()
+                raise error_from_code(*self._dead)
+            rid = next(self._ids)
+            fut: Future[_Response] = Future()
+            self._pending[rid] = fut
+        frame = HEADER.pack(MAGIC, op, 0, len(payload), rid) + payload
+        try:
+            with self._send_lock:
+                if fd is None:
+                    self._sock.sendall(frame)
+                else:
+                    sent = socket.send_fds(self._sock, [frame], [fd])
+                    if sent < len(frame):
+                        self._sock.sendall(frame[sent:])
+        except OSError as e:
+            # The server may have closed after an error frame (UNAUTHORIZED):
+            # let the reader take that frame in, then say what it said.
+            self._reader.join(min(self.timeout_s, 2.0))
+            self._die(codes.CONNECTION_LOST, f"sending {OP_NAMES.get(op, op)} to {self.path} failed: {e}")
+        return fut
+
+    def wait(self, fut: Future[_Response], op: int, timeout_s: float | None = None) -> memoryview:
+        """The body of a response to ``op``; raises its request-wide error.
+
+        Raises:
+            KvtierError: the status's class (``local_code`` set); for
+                ``OVERLOADED`` an :class:`~kvtier.OverloadedError` whose
+                ``retry_after_s`` is the server's hint.
+            KvtierConnectionError: the connection broke, or no answer came
+                within ``timeout_s`` (the connection is then closed).
+        """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            resp = fut.result(limit)
+        except FutureTimeout:
+            self.close(f"no answer to {OP_NAMES.get(op, op)} from {self.path} within {limit:.1f} s")
+            resp = fut.result(5.0)  # failed by the close, or answered just before it
+        payload = memoryview(resp.payload)
+        if resp.op != op | RESPONSE or len(payload) < _STATUS.size:
+            raise ProtocolError(
+                f"answer to {OP_NAMES.get(op, op)} has op {resp.op:#x} and {len(payload)} bytes", code="bad_answer"
+            )
+        status, retry_after_ms = _STATUS.unpack_from(payload)
+        if status != 0:
+            text = bytes(payload[8:]).decode("utf-8", "replace")
+            raise error_from_code(status, f"{OP_NAMES.get(op, op)}: {text}", retry_after_ms / 1000.0)
+        return payload[8:]
+
+    def call(self, op: int, payload: bytes, *, fd: int | None = None, timeout_s: float | None = None) -> memoryview:
+        """:meth:`request` and :meth:`wait`: the response body."""
+        return self.wait(self.request(op, payload, fd=fd), op, timeout_s)
+
+    # ---------------------------------------------------------------- ops
+
+    def hello(
+        self,
+        *,
+        token: str | None = None,
+        block_bytes: int | None = None,
+        model: str | None = None,
+        client: str = "kvtier-python",
+    ) -> dict[str, Any]:
+        """``HELLO``: the first request. Sends the versions this client speaks,
+        and the token and expected geometry when given; returns the server's
+        answer (``version``, ``epoch``, ``block_bytes``, ``model``,
+        ``max_items``, …), also kept as :attr:`info`.
+
+        Raises:
+            UnauthorizedError: the peer is not allowed, or the token is wrong.
+            GeometryMismatchError: ``block_bytes``/``model`` differ (both named).
+            ProtocolError: no version in common, or an unreadable answer.
+        """
+        req: dict[str, Any] = {"versions": list(VERSIONS), "client": client}
+        if token is not None:
+            req["token"] = token
+        if block_bytes is not None:
+            req["block_bytes"] = block_bytes
+        if model is not None:
+            req["model"] = model
+        body = self.call(OP_HELLO, json.dumps(req, separators=(",", ":")).encode())
+        try:
+            info = json.loads(bytes(body))
+            version, epoch, bb = int(info["version"]), int(info["epoch"]), int(info["block_bytes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"unreadable HELLO answer {bytes(body[:200])!r}: {e!r}", code="bad_answer") from e
+        if version not in VERSIONS:
+            raise ProtocolError(f"the server chose version {version}; this client speaks {list(VERSIONS)}")
+        if block_bytes is not None and bb != block_bytes:
+            raise error_from_code(
+                codes.GEOMETRY_MISMATCH, f"the server's block_bytes is {bb}; the client expects {block_bytes}"
+            )
+        info["epoch"] = epoch
+        self.info = info
+        return info
+
+    def register(self, fd: int, offset: int, length: int) -> tuple[int, int]:
+        """``REGISTER`` ``length`` bytes of file ``fd`` from ``offset`` (the
+        descriptor travels in ``SCM_RIGHTS``; the caller keeps its own).
+        Returns ``(handle, access)``: access 1 mapped, 2 file I/O."""
+        body = self.call(OP_REGISTER, _U64.pack(offset) + _U64.pack(length), fd=fd)
+        handle, access = _REGISTERED.unpack_from(body)
+        return int(handle), int(access)
+
+    def unregister(self, handle: int) -> None:
+        """``UNREGISTER`` ``handle``; items in flight on it finish."""
+        self.call(OP_UNREGISTER, _U64.pack(handle))
+
+    def get_into(self, items: Sequence[Item], timeout_s: float | None = None) -> list[tuple[int, int]]:
+        """``GET_INTO``: each block into ``(handle, offset)``; per item
+        ``(bytes written or a negative code, tier)``."""
+        return decode_results(self.call(OP_GET_INTO, encode_items(items), timeout_s=timeout_s), len(items))
+
+    def put_from(self, items: Sequence[Item], timeout_s: float | None = None) -> list[tuple[int, int]]:
+        """``PUT_FROM``: each item's bytes stored under its key; per item
+        ``(result: >= 0 stored, else a negative code, created: 1 new key)``."""
+        return decode_results(self.call(OP_PUT_FROM, encode_items(items), timeout_s=timeout_s), len(items))
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """``EXISTS``: each key's tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3)."""
+        body = self.call(OP_EXISTS, encode_keys(keys))
+        count = _check_count(body, len(keys), 1)
+        return list(body[4 : 4 + count])
+
+    def lookup(self, keys: Sequence[str]) -> tuple[int, list[int]]:
+        """``LOOKUP`` a prefix chain: ``(prefix_hits, the hits' tiers)``."""
+        body = self.call(OP_LOOKUP, encode_keys(keys))
+        hits, n = _TWO_U32.unpack_from(body)
+        if n != hits or len(body) < 8 + n:
+            raise ProtocolError(f"LOOKUP answered {hits} hits with {n} tiers in {len(body)} bytes", code="bad_answer")
+        return int(hits), list(body[8 : 8 + n])
+
+    def delete(self, keys: Sequence[str]) -> list[int]:
+        """``DELETE``: per key 0 (deleted) or a negative code (-2: none stored)."""
+        body = self.call(OP_DELETE, encode_keys(keys))
+        count = _check_count(body, len(keys), 8)
+        return [r for (r,) in struct.iter_unpack("<q", body[4 : 4 + 8 * count])]
+
+    def prefetch(self, keys: Sequence[str]) -> tuple[int, int]:
+        """``PREFETCH``: ``(requested, found locally)``."""
+        requested, found = _TWO_U32.unpack_from(self.call(OP_PREFETCH, encode_keys(keys)))
+        return int(requested), int(found)
+
+    def __enter__(self) -> LocalConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalConnection({self.path!r}, alive={self.alive})"

@@ -1,0 +1,519 @@
+//! One connection of the same-host data plane, on the shard that accepted
+//! it: a reader that takes frames (and the descriptors that come with
+//! `REGISTER`) off the socket, a task per data request (many in flight), and
+//! a writer that sends the responses as they finish.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::channel::mpsc;
+use futures::StreamExt;
+use glommio::sync::{Semaphore, StaticPermit};
+use kvtier_engine::PutOutcome;
+use serde_json::json;
+
+use super::proto::{self, Code, Header, Item, Op, HEADER_BYTES, OP_CONNECTION_ERROR, RESPONSE_BIT};
+use super::region::{ItemSink, Region};
+use super::LocalShared;
+use crate::limits;
+use crate::routes::Ctx;
+
+/// Requests in flight on one connection; past it the reader stops reading.
+pub const IN_FLIGHT_MAX: u64 = 256;
+/// Registrations one connection may hold.
+pub const REGISTRATIONS_MAX: usize = 4096;
+/// Descriptors received and not yet claimed by a `REGISTER` frame; past
+/// it the connection is closed (a client flooding descriptors).
+const PENDING_FDS_MAX: usize = 64;
+/// Control-message room: this many descriptors per `recvmsg`.
+const FDS_PER_RECV: usize = 16;
+
+/// A frame to send and, for a data request, its in-flight permit (given
+/// back once the response is on the socket, so a client that stops reading
+/// responses stops the server reading its requests).
+type Outgoing = Option<(Vec<u8>, Option<StaticPermit>)>;
+
+struct Conn {
+    ctx: Rc<Ctx>,
+    shared: Arc<LocalShared>,
+    out: mpsc::UnboundedSender<Outgoing>,
+    said_hello: Cell<bool>,
+    regions: RefCell<HashMap<u64, Arc<Region>>>,
+    next_handle: Cell<u64>,
+}
+
+impl Conn {
+    fn send(&self, frame: Vec<u8>, permit: Option<StaticPermit>) {
+        let _ = self.out.unbounded_send(Some((frame, permit)));
+    }
+
+    fn record(&self, op: Option<Op>, code: Option<Code>, started: Instant, bytes_in: u64, bytes_out: u64) {
+        let status = match code {
+            None => 200,
+            Some(c) if c.is_server_side() => 500,
+            Some(_) => 400,
+        };
+        let route = op.map_or(proto::ROUTE_NAMES.len() - 1, |o| o as usize - 1);
+        let us = started.elapsed().as_micros() as u64;
+        self.shared.stats.record(self.ctx.store.shard_id(), route, status, us, bytes_in, bytes_out);
+    }
+
+    fn drop_regions(&self) {
+        let regions = std::mem::take(&mut *self.regions.borrow_mut());
+        self.shared.registrations_open.fetch_sub(regions.len() as u64, Ordering::Relaxed);
+        self.shared.registered_bytes.fetch_sub(regions.values().map(|r| r.len()).sum(), Ordering::Relaxed);
+    }
+}
+
+/// Serves one accepted, peer-checked connection until it closes.
+pub async fn serve(stream: UnixStream, ctx: Rc<Ctx>, shared: Arc<LocalShared>) {
+    let stream = Rc::new(stream);
+    let (out, rx) = mpsc::unbounded();
+    let writer = glommio::spawn_local(write_loop(stream.clone(), rx));
+    let conn = Rc::new(Conn { ctx, shared, out, said_hello: Cell::new(false), regions: RefCell::default(), next_handle: Cell::new(1) });
+    if let Err(why) = read_loop(&stream, &conn).await {
+        tracing::debug!("local connection closed: {why}");
+    }
+    conn.drop_regions();
+    let _ = conn.out.unbounded_send(None);
+    writer.await;
+    // SAFETY: shutdown on the socket this task owns; in-flight tasks only
+    // hold the response queue, not the descriptor.
+    unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_RDWR) };
+}
+
+async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+    let fd = stream.as_raw_fd();
+    let mut batch = Vec::new();
+    let mut permits = Vec::new();
+    while let Some(Some((frame, permit))) = rx.next().await {
+        batch.clear();
+        batch.extend_from_slice(&frame);
+        permits.extend(permit);
+        // Coalesce what is already queued into one send.
+        let mut stop = false;
+        while batch.len() < (1 << 20) {
+            match rx.try_recv() {
+                Ok(Some((f, p))) => {
+                    batch.extend_from_slice(&f);
+                    permits.extend(p);
+                }
+                Ok(None) | Err(mpsc::TryRecvError::Closed) => {
+                    stop = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if send_all(fd, &batch).await.is_err() || stop {
+            return;
+        }
+        permits.clear();
+    }
+}
+
+async fn send_all(fd: RawFd, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: send from a live slice on the connection's socket.
+        let n = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            buf = &buf[n as usize..];
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock => glommio::executor().wait_writable(fd).await?,
+            std::io::ErrorKind::Interrupted => {}
+            _ => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Bytes read off the socket and not yet parsed into frames, with the
+/// descriptors that came with them.
+struct Inbox {
+    buf: Vec<u8>,
+    /// Stream offset of `buf[0]`.
+    base: u64,
+    /// Descriptors received, each batch tagged with the stream offset just
+    /// past the bytes of the `recvmsg` that carried it.
+    fds: VecDeque<(u64, Vec<OwnedFd>)>,
+}
+
+impl Inbox {
+    /// The descriptor of a `REGISTER` frame starting at `frame_start`:
+    /// the batch that came with its first bytes. Earlier, unclaimed
+    /// descriptors are closed.
+    fn claim(&mut self, frame_start: u64) -> Result<OwnedFd, String> {
+        while self.fds.front().is_some_and(|(end, _)| *end <= frame_start) {
+            self.fds.pop_front();
+        }
+        match self.fds.pop_front() {
+            Some((_, mut fds)) if fds.len() == 1 => Ok(fds.pop().expect("one")),
+            Some((_, fds)) => Err(format!("REGISTER came with {} descriptors; send exactly one per frame", fds.len())),
+            None => Err("REGISTER came without a descriptor (send one with SCM_RIGHTS in the frame's sendmsg)".into()),
+        }
+    }
+
+    fn pending_fds(&self) -> usize {
+        self.fds.iter().map(|(_, f)| f.len()).sum()
+    }
+
+    /// One `recvmsg` into the buffer; the bytes read (0 at end of stream).
+    fn recv(&mut self, fd: RawFd, want: usize) -> std::io::Result<usize> {
+        self.buf.reserve(want.max(64 << 10));
+        let spare = self.buf.capacity() - self.buf.len();
+        let mut iov = libc::iovec { iov_base: unsafe { self.buf.as_mut_ptr().add(self.buf.len()) }.cast(), iov_len: spare };
+        // u64 storage keeps the control buffer aligned for cmsghdr.
+        let mut control = [0u64; 64];
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE((FDS_PER_RECV * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        debug_assert!(space <= std::mem::size_of_val(&control));
+        // SAFETY: zeroed msghdr, then pointed at live buffers.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: recvmsg into the iovec and control buffer set up above.
+        let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the kernel wrote `n` bytes into the spare capacity.
+        unsafe { self.buf.set_len(self.buf.len() + n as usize) };
+        let mut fds = Vec::new();
+        // SAFETY: walking the control messages the kernel wrote into `msg`.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    for i in 0..count {
+                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(std::io::Error::other(format!("more than {FDS_PER_RECV} descriptors in one message; the extra were lost")));
+        }
+        if !fds.is_empty() {
+            self.fds.push_back((self.base + self.buf.len() as u64, fds));
+        }
+        Ok(n as usize)
+    }
+}
+
+/// Reads and dispatches frames until the peer closes or breaks the framing
+/// (then one `0xFF` frame says why).
+async fn read_loop(stream: &UnixStream, conn: &Rc<Conn>) -> Result<(), String> {
+    let fd = stream.as_raw_fd();
+    let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
+    let mut inbox = Inbox { buf: Vec::new(), base: 0, fds: VecDeque::new() };
+    loop {
+        let mut pos = 0usize;
+        let mut need = HEADER_BYTES;
+        while inbox.buf.len() - pos >= HEADER_BYTES {
+            let header = match Header::decode(inbox.buf[pos..pos + HEADER_BYTES].try_into().expect("16 bytes")) {
+                Ok(h) => h,
+                Err(why) => return Err(connection_error(conn, why)),
+            };
+            let frame_bytes = HEADER_BYTES + header.payload_bytes as usize;
+            if inbox.buf.len() - pos < frame_bytes {
+                need = frame_bytes - (inbox.buf.len() - pos);
+                break;
+            }
+            let frame_start = inbox.base + pos as u64;
+            let payload = inbox.buf[pos + HEADER_BYTES..pos + frame_bytes].to_vec();
+            pos += frame_bytes;
+            let fd_for_register = (header.op == Op::Register as u8).then(|| inbox.claim(frame_start));
+            let permit = in_flight.acquire_static_permit(1).await.map_err(|e| format!("in-flight limit: {e:?}"))?;
+            dispatch(conn, header, payload, fd_for_register, permit);
+        }
+        inbox.buf.drain(..pos);
+        inbox.base += pos as u64;
+        if inbox.pending_fds() > PENDING_FDS_MAX {
+            return Err(connection_error(conn, format!("over {PENDING_FDS_MAX} descriptors sent without REGISTER frames")));
+        }
+        match inbox.recv(fd, need) {
+            Ok(0) if inbox.buf.is_empty() => return Ok(()),
+            Ok(0) => return Err(format!("the peer closed the connection inside a frame ({} bytes of it read)", inbox.buf.len())),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                glommio::executor().wait_readable(fd).await.map_err(|e| e.to_string())?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Other => return Err(connection_error(conn, e.to_string())),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Sends the `0xFF` frame and counts the close; returns the reason.
+fn connection_error(conn: &Conn, why: String) -> String {
+    conn.shared.frame_errors.fetch_add(1, Ordering::Relaxed);
+    conn.send(proto::response(OP_CONNECTION_ERROR, 0, Code::BadFrame as i32, 0, why.as_bytes()), None);
+    why
+}
+
+fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result<OwnedFd, String>>, permit: StaticPermit) {
+    let started = Instant::now();
+    let op = Op::from_u8(header.op);
+    // The ops answered here, in stream order (a handle registered is known
+    // to every later frame); the data ops run as tasks, below.
+    let answered: Result<Vec<u8>, (Code, String)> = match op {
+        None => Err((Code::UnknownOp, format!("unknown op {}; this server speaks ops 1-9 (docs/LOCAL.md)", header.op))),
+        Some(Op::Hello) => hello(conn, &payload),
+        Some(_) if !conn.said_hello.get() => Err((Code::Unauthorized, "the first request on a connection must be HELLO".into())),
+        Some(Op::Register) => register(conn, &payload, fd.expect("claimed for REGISTER")),
+        Some(Op::Unregister) => unregister(conn, &payload),
+        Some(op) => {
+            let conn = conn.clone();
+            glommio::spawn_local(async move {
+                let (result, bytes_in, bytes_out) = data_op(&conn, op, &payload).await;
+                conn.answer(header, result, started, bytes_in, bytes_out, permit);
+            })
+            .detach();
+            return;
+        }
+    };
+    conn.answer(header, answered.map(|body| (body, 0)), started, 0, 0, permit);
+}
+
+impl Conn {
+    /// Sends the response to `header`'s request and counts it.
+    fn answer(&self, header: Header, result: Result<(Vec<u8>, u32), (Code, String)>, started: Instant, bytes_in: u64, bytes_out: u64, permit: StaticPermit) {
+        let op = Op::from_u8(header.op);
+        let frame = match result {
+            Ok((body, retry_after_ms)) => {
+                self.record(op, None, started, bytes_in, bytes_out);
+                proto::response(header.op | RESPONSE_BIT, header.request_id, 0, retry_after_ms, &body)
+            }
+            Err((code, message)) => {
+                self.record(op, Some(code), started, 0, 0);
+                proto::failure(header.op, header.request_id, code, &message)
+            }
+        };
+        self.send(frame, Some(permit));
+    }
+}
+
+fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
+    let mut c = proto::Cursor::new(payload);
+    let handle = c.u64("a handle").map_err(|e| (Code::BadRequest, e))?;
+    c.end().map_err(|e| (Code::BadRequest, e))?;
+    let region = conn.regions.borrow_mut().remove(&handle);
+    let region = region.ok_or_else(|| (Code::UnknownHandle, format!("handle {handle} is not registered on this connection")))?;
+    conn.shared.registrations_open.fetch_sub(1, Ordering::Relaxed);
+    conn.shared.registered_bytes.fetch_sub(region.len(), Ordering::Relaxed);
+    Ok(Vec::new())
+}
+
+fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
+    if conn.said_hello.get() {
+        return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
+    }
+    let req: serde_json::Value = serde_json::from_slice(payload).map_err(|e| (Code::BadRequest, format!("HELLO payload is not JSON: {e}")))?;
+    let versions: Vec<u32> = req.get("versions").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
+    let Some(version) = versions.iter().copied().filter(|v| proto::VERSIONS.contains(v)).max() else {
+        return Err((Code::UnsupportedVersion, format!("client speaks versions {versions:?}, server speaks {:?}", proto::VERSIONS)));
+    };
+    if let Some(token) = &conn.ctx.auth_token {
+        let given = req.get("token").and_then(|t| t.as_str()).unwrap_or("").as_bytes();
+        let same = given.len() == token.len() && given.iter().zip(token.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if !same {
+            return Err((Code::Unauthorized, "the server has a bearer token and the HELLO's `token` does not match it".into()));
+        }
+    }
+    let g = conn.ctx.store.geometry();
+    if let Some(want) = req.get("block_bytes").and_then(|v| v.as_u64()) {
+        if want != g.block_bytes {
+            return Err((
+                Code::GeometryMismatch,
+                format!("client expects block_bytes {want}, server has block_bytes {} (model {}, {} tokens per block)", g.block_bytes, g.model, g.block_tokens),
+            ));
+        }
+    }
+    if let Some(want) = req.get("model").and_then(|v| v.as_str()) {
+        if want != g.model {
+            return Err((Code::GeometryMismatch, format!("client expects model {want:?}, server has model {:?} (block_bytes {})", g.model, g.block_bytes)));
+        }
+    }
+    conn.said_hello.set(true);
+    let body = json!({
+        "version": version,
+        "epoch": conn.shared.epoch,
+        "block_bytes": g.block_bytes,
+        "model": g.model,
+        "block_tokens": g.block_tokens,
+        "bytes_per_token": g.bytes_per_token,
+        "shards": conn.ctx.store.shards(),
+        "max_items": proto::ITEMS_MAX,
+        "max_payload_bytes": proto::PAYLOAD_BYTES_MAX,
+        "max_registrations": REGISTRATIONS_MAX,
+        "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
+    });
+    Ok(serde_json::to_vec(&body).expect("JSON"))
+}
+
+fn register(conn: &Conn, payload: &[u8], fd: Result<OwnedFd, String>) -> Result<Vec<u8>, (Code, String)> {
+    let fd = fd.map_err(|e| (Code::BadBuffer, e))?;
+    let mut c = proto::Cursor::new(payload);
+    let offset = c.u64("the offset").map_err(|e| (Code::BadRequest, e))?;
+    let length = c.u64("the length").map_err(|e| (Code::BadRequest, e))?;
+    c.end().map_err(|e| (Code::BadRequest, e))?;
+    if conn.regions.borrow().len() >= REGISTRATIONS_MAX {
+        return Err((Code::Limit, format!("this connection holds {REGISTRATIONS_MAX} registrations, the limit; unregister some")));
+    }
+    let region = Region::new(fd, offset, length).map_err(|e| (Code::BadBuffer, e))?;
+    let handle = conn.next_handle.get();
+    conn.next_handle.set(handle + 1);
+    let mut body = handle.to_le_bytes().to_vec();
+    body.push(region.access() as u8);
+    conn.shared.registrations_open.fetch_add(1, Ordering::Relaxed);
+    conn.shared.registrations_total.fetch_add(1, Ordering::Relaxed);
+    conn.shared.registered_bytes.fetch_add(length, Ordering::Relaxed);
+    conn.regions.borrow_mut().insert(handle, Arc::new(region));
+    Ok(body)
+}
+
+type DataResult = (Result<(Vec<u8>, u32), (Code, String)>, u64, u64);
+
+async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
+    let store = &conn.ctx.store;
+    let fail = |e: (Code, String)| (Err(e), 0, 0);
+    let engine = |e: kvtier_engine::Error| (Code::of(&e), e.to_string());
+    match op {
+        Op::GetInto | Op::PutFrom => {
+            let items = match proto::decode_items(payload) {
+                Ok(i) => i,
+                Err(e) => return fail(e),
+            };
+            let block_bytes = store.geometry().block_bytes;
+            let futures = items.iter().map(|item| async move {
+                let region = match item_region(conn, item, block_bytes, op) {
+                    Ok(r) => r,
+                    Err(code) => return (code as i64, 0u8),
+                };
+                if op == Op::GetInto {
+                    get_item(conn, item, region).await
+                } else {
+                    put_item(conn, item, region).await
+                }
+            });
+            let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
+            let moved: u64 = results.iter().filter(|(r, _)| *r >= 0).count() as u64 * block_bytes;
+            let overloaded = results.iter().any(|(r, _)| *r == Code::Overloaded as i64);
+            let retry = if overloaded { (limits::RETRY_AFTER_S * 1000) as u32 } else { 0 };
+            let (bytes_in, bytes_out) = if op == Op::PutFrom { (moved, 0) } else { (0, moved) };
+            (Ok((proto::encode_results(&results), retry)), bytes_in, bytes_out)
+        }
+        Op::Exists | Op::Lookup | Op::Delete | Op::Prefetch => {
+            let keys = match proto::decode_keys(payload) {
+                Ok(k) => k,
+                Err(e) => return fail(e),
+            };
+            let body = match op {
+                Op::Exists => store.exists_many(&keys).await.map(|found| {
+                    let mut b = (found.len() as u32).to_le_bytes().to_vec();
+                    b.extend(found.into_iter().map(proto::tier_code));
+                    b
+                }),
+                Op::Lookup => store.lookup_prefix(&keys).await.map(|tiers| {
+                    let mut b = (tiers.len() as u32).to_le_bytes().to_vec();
+                    b.extend_from_slice(&(tiers.len() as u32).to_le_bytes());
+                    b.extend(tiers.into_iter().map(|t| proto::tier_code(Some(t))));
+                    b
+                }),
+                Op::Delete => {
+                    let done = futures::future::join_all(keys.iter().map(|k| store.delete(k))).await;
+                    let results: Vec<(i64, u8)> = done.iter().map(|r| (r.as_ref().map_or_else(|e| Code::of(e) as i64, |_| 0), 0)).collect();
+                    let mut b = (results.len() as u32).to_le_bytes().to_vec();
+                    b.extend(results.iter().flat_map(|(r, _)| r.to_le_bytes()));
+                    Ok(b)
+                }
+                _ => store.prefetch(&keys).await.map(|report| {
+                    let mut b = (keys.len() as u32).to_le_bytes().to_vec();
+                    b.extend_from_slice(&(report.found as u32).to_le_bytes());
+                    b
+                }),
+            };
+            (body.map(|b| (b, 0)).map_err(engine), 0, 0)
+        }
+        Op::Hello | Op::Register | Op::Unregister => unreachable!("answered by the reader"),
+    }
+}
+
+/// The item's region, after the checks every item gets.
+fn item_region(conn: &Conn, item: &Item<'_>, block_bytes: u64, op: Op) -> Result<Arc<Region>, Code> {
+    kvtier_engine::key::validate(item.key).map_err(|_| Code::InvalidKey)?;
+    let region = conn.regions.borrow().get(&item.handle).cloned().ok_or(Code::UnknownHandle)?;
+    region.check(item.offset, item.length).map_err(|(c, _)| c)?;
+    let size_ok = if op == Op::GetInto { item.length >= block_bytes } else { item.length == block_bytes };
+    if !size_ok {
+        return Err(Code::WrongSize);
+    }
+    Ok(region)
+}
+
+async fn get_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8) {
+    let sink = Arc::new(ItemSink { region, at: item.offset, room: item.length, shrunk: Default::default() });
+    match conn.ctx.store.get_into(item.key, sink.clone()).await {
+        Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
+        Err(_) if sink.shrunk.load(Ordering::Relaxed) => (Code::BufferShrunk as i64, 0),
+        Err(e) => {
+            if Code::of(&e).is_server_side() {
+                tracing::warn!(key = item.key, "local GET_INTO failed: {e}");
+            }
+            (Code::of(&e) as i64, 0)
+        }
+    }
+}
+
+/// A PUT admitted against the shard's PUT-bytes budget (shared with HTTP),
+/// given back when the item ends.
+struct Admitted<'a>(&'a Ctx, u64);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let c = &self.0.put_inflight_bytes;
+        c.set(c.get() - self.1);
+    }
+}
+
+async fn put_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8) {
+    let ctx = &conn.ctx;
+    let held = ctx.put_inflight_bytes.get();
+    if held > 0 && held + item.length > ctx.put_inflight_bytes_max {
+        ctx.http.shard(ctx.store.shard_id()).put_bytes_refusals.fetch_add(1, Ordering::Relaxed);
+        return (Code::Overloaded as i64, 0);
+    }
+    ctx.put_inflight_bytes.set(held + item.length);
+    let _admitted = Admitted(ctx, item.length);
+    // All-or-nothing: the whole block is copied out of the client's memory
+    // before the store sees any of it.
+    let bytes = match region.read(item.offset, item.length) {
+        Ok(b) => b,
+        Err((code, _)) => return (code as i64, 0),
+    };
+    drop(region);
+    match ctx.store.put_reporting(item.key, vec![bytes]).await {
+        Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
+        Err(e) => {
+            if Code::of(&e).is_server_side() {
+                tracing::warn!(key = item.key, "local PUT_FROM failed: {e}");
+            }
+            (Code::of(&e) as i64, 0)
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! The same-host data plane: a Unix-domain socket beside the HTTP port,
+//! where an engine on this host registers memory and has blocks copied
+//! into and out of it (docs/LOCAL.md).
+//!
+//! - `proto`: frames, operations, codes (pure decoding and encoding);
+//! - `region`: a registered buffer, mapped or reached with `pread`/`pwrite`;
+//! - `conn`: one connection (reader, per-request tasks, writer);
+//! - here: the socket's set-up (path checks, a stale socket replaced, mode
+//!   0660), the peer check (`SO_PEERCRED`) and each shard's accept loop.
+//!
+//! Every shard accepts on the same listening socket, so connections spread
+//! over the shards; a request is served on the shard that accepted it and
+//! its items go to the shards owning their keys through the same [`Store`]
+//! calls as HTTP.
+
+pub mod conn;
+pub mod proto;
+pub mod region;
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use glommio::sync::Semaphore;
+use kvtier_engine::Store;
+use serde_json::{json, Value};
+
+use crate::metrics::RequestStats;
+use crate::routes::Ctx;
+use crate::server::{shutdown_requested, Shared};
+
+/// Bytes a Unix socket address holds for the path (`sun_path` is 108
+/// bytes, one for the terminating NUL).
+pub const SOCKET_PATH_BYTES_MAX: usize = 107;
+/// Connections one shard serves at once on the local socket.
+pub const CONNECTIONS_PER_SHARD_MAX: u64 = 1024;
+
+/// Command-line settings of the local socket.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LocalArgs {
+    /// Unix socket of the same-host data plane (docs/LOCAL.md): engines on
+    /// this host register shared memory and have blocks copied into and
+    /// out of it. Default `<data-dir>/kvtier.sock`; `none` turns it off.
+    /// Created mode 0660; a stale socket left by a killed server is
+    /// replaced; one another server answers on is an error.
+    #[arg(long, value_name = "PATH|none")]
+    pub local_socket: Option<String>,
+    /// Also accept local peers running as this uid (repeatable); the
+    /// server's own uid is always accepted. Checked with SO_PEERCRED.
+    #[arg(long, value_name = "UID")]
+    pub local_allow_uid: Vec<u32>,
+    /// Also accept local peers whose primary gid is this (repeatable).
+    #[arg(long, value_name = "GID")]
+    pub local_allow_gid: Vec<u32>,
+}
+
+/// The local socket and what every shard's accept loop shares.
+pub struct LocalShared {
+    /// Where the socket is.
+    pub path: PathBuf,
+    listener: UnixListener,
+    uid: u32,
+    allow_uids: Vec<u32>,
+    allow_gids: Vec<u32>,
+    /// Drawn at start-up; a client seeing another one after reconnecting
+    /// talks to a restarted server.
+    pub epoch: u64,
+    /// Per-op request counters, apart from HTTP's.
+    pub stats: Arc<RequestStats>,
+    /// Registrations held now, over all connections.
+    pub registrations_open: AtomicU64,
+    /// Registrations made since start.
+    pub registrations_total: AtomicU64,
+    /// Bytes of the registrations held now.
+    pub registered_bytes: AtomicU64,
+    /// Connections closed for a framing error.
+    pub frame_errors: AtomicU64,
+    /// Peers refused by the uid/gid check.
+    pub peers_refused: AtomicU64,
+}
+
+impl LocalArgs {
+    /// The socket path these settings ask for (`None`: off).
+    pub fn path(&self, data_dir: &Path) -> Option<PathBuf> {
+        match self.local_socket.as_deref() {
+            Some("none") => None,
+            Some(p) => Some(PathBuf::from(p)),
+            None => Some(data_dir.join("kvtier.sock")),
+        }
+    }
+
+    /// Binds the socket (see [`bind`]) and makes the shared state.
+    ///
+    /// # Errors
+    /// As [`bind`].
+    pub fn open(&self, data_dir: &Path, shards: usize) -> Result<Option<Arc<LocalShared>>, String> {
+        let Some(path) = self.path(data_dir) else { return Ok(None) };
+        let listener = bind(&path)?;
+        Ok(Some(Arc::new(LocalShared {
+            path,
+            listener,
+            // SAFETY: getuid has no preconditions.
+            uid: unsafe { libc::getuid() },
+            allow_uids: self.local_allow_uid.clone(),
+            allow_gids: self.local_allow_gid.clone(),
+            epoch: random_epoch(),
+            stats: RequestStats::new(shards, &proto::ROUTE_NAMES),
+            registrations_open: AtomicU64::new(0),
+            registrations_total: AtomicU64::new(0),
+            registered_bytes: AtomicU64::new(0),
+            frame_errors: AtomicU64::new(0),
+            peers_refused: AtomicU64::new(0),
+        })))
+    }
+}
+
+fn random_epoch() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
+        return u64::from_le_bytes(b) | 1;
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (now.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)) | 1
+}
+
+/// Creates the listening socket at `path`, mode 0660, non-blocking.
+///
+/// # Errors
+/// A path over [`SOCKET_PATH_BYTES_MAX`] bytes; a path that exists and is
+/// not a socket; a socket another server answers a hello on; bind errors.
+pub fn bind(path: &Path) -> Result<UnixListener, String> {
+    let len = path.as_os_str().len();
+    if len > SOCKET_PATH_BYTES_MAX {
+        return Err(format!(
+            "--local-socket {} is {len} bytes; a Unix socket path holds at most {SOCKET_PATH_BYTES_MAX} (pick a shorter path, or `none`)",
+            path.display()
+        ));
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(format!("--local-socket {} exists and is not a socket; not removing it", path.display()));
+        }
+        Ok(_) if answers_hello(path) => {
+            return Err(format!("another kvtier server is serving on --local-socket {} (is another kvtier running?)", path.display()));
+        }
+        Ok(_) => {
+            tracing::info!("replacing the stale socket {} (left by a server that is gone)", path.display());
+            std::fs::remove_file(path).map_err(|e| format!("removing the stale socket {}: {e}", path.display()))?;
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(|e| format!("cannot listen on --local-socket {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|e| format!("chmod 0660 {}: {e}", path.display()))?;
+    listener.set_nonblocking(true).map_err(|e| format!("--local-socket {}: {e}", path.display()))?;
+    Ok(listener)
+}
+
+/// Whether a server answers a hello on `path` within half a second. A
+/// socket file that refuses connections is stale; so is one that accepts
+/// but never answers (a killed server's io_uring can keep its listener
+/// accepting for about a second after exit).
+fn answers_hello(path: &Path) -> bool {
+    let Ok(mut s) = UnixStream::connect(path) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let payload = br#"{"versions":[1],"client":"kvtier start-up probe"}"#;
+    let header = proto::Header { op: proto::Op::Hello as u8, payload_bytes: payload.len() as u32, request_id: 0 };
+    if s.write_all(&header.encode()).and_then(|_| s.write_all(payload)).is_err() {
+        return false;
+    }
+    let mut reply = [0u8; proto::HEADER_BYTES];
+    s.read_exact(&mut reply).is_ok() && proto::Header::decode(&reply).is_ok()
+}
+
+/// `/v1/stats` `local`: the socket, the epoch, per-op counters and the
+/// registrations (`null` when the socket is off).
+pub fn stats_json(local: Option<&LocalShared>) -> Value {
+    let Some(l) = local else { return json!({ "socket": null }) };
+    json!({
+        "socket": l.path.display().to_string(),
+        "epoch": l.epoch,
+        "registrations_open": l.registrations_open.load(Ordering::Relaxed),
+        "registrations_total": l.registrations_total.load(Ordering::Relaxed),
+        "registered_bytes": l.registered_bytes.load(Ordering::Relaxed),
+        "frame_errors": l.frame_errors.load(Ordering::Relaxed),
+        "peers_refused": l.peers_refused.load(Ordering::Relaxed),
+        "routes": l.stats.routes_json(),
+        "per_shard": l.stats.shards_json(),
+    })
+}
+
+/// The peer's uid, gid and pid (`SO_PEERCRED`).
+fn peer_credentials(s: &UnixStream) -> std::io::Result<libc::ucred> {
+    // SAFETY: getsockopt into a zeroed ucred of the size passed.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred)
+}
+
+impl LocalShared {
+    /// Why a peer is refused, if it is.
+    fn refuse(&self, c: &libc::ucred) -> Option<String> {
+        if c.uid == self.uid || self.allow_uids.contains(&c.uid) || self.allow_gids.contains(&c.gid) {
+            return None;
+        }
+        Some(format!(
+            "peer uid {} gid {} (pid {}) is not allowed on this socket: the server runs as uid {} (add --local-allow-uid {} or --local-allow-gid {})",
+            c.uid, c.gid, c.pid, self.uid, c.uid, c.gid
+        ))
+    }
+}
+
+/// Accepts local connections on this shard until shutdown.
+pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, local: Arc<LocalShared>) {
+    let fd = local.listener.as_raw_fd();
+    let shard = store.shard_id();
+    let connections = Rc::new(Semaphore::new(CONNECTIONS_PER_SHARD_MAX));
+    loop {
+        let accepted = match local.listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let woke = futures_lite::future::or(async { Some(glommio::executor().wait_readable(fd).await) }, async {
+                    shutdown_requested(&shared).await;
+                    None
+                })
+                .await;
+                if woke.is_none() {
+                    break;
+                }
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(shard, "local accept failed: {e}");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = connections.clone().try_acquire_static_permit(1) else {
+            tracing::warn!(shard, "local connection refused: {CONNECTIONS_PER_SHARD_MAX} open on this shard");
+            continue;
+        };
+        if accepted.set_nonblocking(true).is_err() {
+            continue;
+        }
+        let refusal = match peer_credentials(&accepted) {
+            Ok(c) => local.refuse(&c),
+            Err(e) => Some(format!("cannot read the peer's credentials: {e}")),
+        };
+        if let Some(why) = refusal {
+            local.peers_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(shard, "local socket: {why}");
+            let frame = proto::response(proto::OP_CONNECTION_ERROR, 0, proto::Code::Unauthorized as i32, 0, why.as_bytes());
+            // Small enough for the socket buffer of a new connection.
+            let _ = (&accepted).write_all(&frame);
+            continue;
+        }
+        let stats = local.stats.clone();
+        stats.shard(shard).connections_open.fetch_add(1, Ordering::Relaxed);
+        stats.shard(shard).connections_total.fetch_add(1, Ordering::Relaxed);
+        let (ctx, local) = (ctx.clone(), local.clone());
+        glommio::spawn_local(async move {
+            conn::serve(accepted, ctx, local).await;
+            stats.shard(shard).connections_open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        })
+        .detach();
+    }
+}

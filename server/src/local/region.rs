@@ -1,0 +1,276 @@
+//! A client's registered memory: a descriptor passed with `SCM_RIGHTS`, an
+//! offset and a length (docs/LOCAL.md, `REGISTER`).
+//!
+//! Two ways in, chosen per registration, because a mapping of a file that
+//! shrinks under it raises `SIGBUS` on access (which would kill the server):
+//! - **mapped**: a memfd sealed with `F_SEAL_SHRINK` cannot shrink, so the
+//!   server maps it and copies with `memcpy` (numpy-copy speed);
+//! - **file I/O**: anything else is copied with `pread`/`pwrite` on the
+//!   descriptor, which return a short count instead of faulting (about
+//!   half the speed on tmpfs, measured in docs/BENCHMARKS.md).
+//!
+//! A `Region` is shared (`Arc`) by the connection's table and every item in
+//! flight on it, so a client that unregisters or disconnects mid-copy only
+//! drops the table's reference: the mapping and descriptor go when the last
+//! item finishes.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use kvtier_engine::BlockSink;
+
+use super::proto::Code;
+
+const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
+
+/// How the server reaches a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Mapped (a memfd sealed against shrinking): `memcpy`.
+    Mapped = 1,
+    /// `pread`/`pwrite` on the descriptor.
+    FileIo = 2,
+}
+
+/// One registered buffer.
+pub struct Region {
+    fd: OwnedFd,
+    /// Offset of the region in the file.
+    file_offset: u64,
+    /// Region length, bytes.
+    len: u64,
+    /// With [`Access::Mapped`]: the mapping (page-aligned) and where the
+    /// region starts in it.
+    map: Option<Mapping>,
+}
+
+struct Mapping {
+    base: *mut u8,
+    map_len: usize,
+    region_at: usize,
+}
+
+// SAFETY: the mapping is shared memory owned by this `Region` until drop;
+// copies through it from several threads are byte copies into or out of
+// memory the client owns (a client racing its own buffer gets torn bytes in
+// its buffer, as with any DMA target; the server's own data is not at stake).
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`map_len` came from a successful mmap, unmapped once.
+        unsafe { libc::munmap(self.base.cast(), self.map_len) };
+    }
+}
+
+fn errno() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+impl Region {
+    /// Checks `fd` and makes the region `[offset, offset + len)` of it.
+    ///
+    /// # Errors
+    /// A message for `BAD_BUFFER`: not a regular file, not open read-write,
+    /// an empty region, a region past the end of the file, or a mapping the
+    /// kernel refused.
+    pub fn new(fd: OwnedFd, offset: u64, len: u64) -> Result<Region, String> {
+        let raw = fd.as_raw_fd();
+        // SAFETY: fstat/fcntl/fstatfs on a descriptor we own, into zeroed structs.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(raw, &mut st) } != 0 {
+            return Err(format!("fstat of the descriptor failed: {}", errno()));
+        }
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err("the descriptor is not a regular file (pass a memfd or a shared-memory file)".into());
+        }
+        let flags = unsafe { libc::fcntl(raw, libc::F_GETFL) };
+        if flags < 0 || flags & libc::O_ACCMODE != libc::O_RDWR {
+            return Err("the descriptor is not open read-write".into());
+        }
+        if len == 0 {
+            return Err("the region is empty (length 0)".into());
+        }
+        let end = offset.checked_add(len).ok_or("offset + length overflows")?;
+        if end > st.st_size as u64 {
+            return Err(format!("offset {offset} + length {len} is past the end of the {}-byte file", st.st_size));
+        }
+        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+        let map = if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
+            let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+            let hugetlb = unsafe { libc::fstatfs(raw, &mut fs) } == 0 && fs.f_type as libc::c_long == HUGETLBFS_MAGIC;
+            Some(map_region(raw, offset, len, hugetlb)?)
+        } else {
+            None
+        };
+        Ok(Region { fd, file_offset: offset, len, map })
+    }
+
+    /// How the server reaches this region.
+    pub fn access(&self) -> Access {
+        if self.map.is_some() {
+            Access::Mapped
+        } else {
+            Access::FileIo
+        }
+    }
+
+    /// Region length, bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Checks that `[at, at + n)` lies in the region.
+    pub fn check(&self, at: u64, n: u64) -> Result<(), (Code, String)> {
+        match at.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err((Code::OutOfBounds, format!("offset {at} + length {n} is past the {}-byte region", self.len))),
+        }
+    }
+
+    /// File I/O only: fails with `BUFFER_SHRUNK` when the file no longer
+    /// holds the whole region.
+    fn check_size(&self) -> std::io::Result<()> {
+        // SAFETY: fstat on our descriptor into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(errno());
+        }
+        if (st.st_size as u64) < self.file_offset + self.len {
+            return Err(shrunk(st.st_size as u64, self.file_offset + self.len));
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to `at` in the region (bounds checked by the caller).
+    pub fn write(&self, at: u64, src: &[u8]) -> std::io::Result<()> {
+        debug_assert!(at + src.len() as u64 <= self.len);
+        if let Some(m) = &self.map {
+            // SAFETY: in bounds of a live mapping (checked above); the
+            // region cannot shrink (sealed), so the pages cannot fault.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.base.add(m.region_at + at as usize), src.len()) };
+            return Ok(());
+        }
+        self.check_size()?;
+        let mut done = 0usize;
+        while done < src.len() {
+            let rest = &src[done..];
+            let pos = (self.file_offset + at) as i64 + done as i64;
+            // SAFETY: pwrite from a live slice on our descriptor.
+            let n = unsafe { libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), pos) };
+            if n < 0 {
+                let e = errno();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Copies `n` bytes at `at` out of the region into a new buffer.
+    ///
+    /// # Errors
+    /// `BUFFER_SHRUNK` when the file ends early; `IO_ERROR` otherwise.
+    pub fn read(&self, at: u64, n: u64) -> Result<Bytes, (Code, String)> {
+        let mut out = BytesMut::with_capacity(n as usize);
+        if let Some(m) = &self.map {
+            // SAFETY: as in `write`; `out` has `n` bytes of capacity and
+            // every one is written before `set_len`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(m.base.add(m.region_at + at as usize), out.as_mut_ptr(), n as usize);
+                out.set_len(n as usize);
+            }
+            return Ok(out.freeze());
+        }
+        let mut done = 0usize;
+        while done < n as usize {
+            let pos = (self.file_offset + at) as i64 + done as i64;
+            // SAFETY: reads into the spare capacity of `out`, then counts it.
+            let got = unsafe { libc::pread(self.fd.as_raw_fd(), out.as_mut_ptr().add(done).cast(), n as usize - done, pos) };
+            match got {
+                0 => {
+                    let e = shrunk(self.file_offset + at + done as u64, self.file_offset + self.len);
+                    return Err((Code::BufferShrunk, e.to_string()));
+                }
+                g if g < 0 => {
+                    let e = errno();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err((Code::IoError, format!("reading the client's buffer: {e}")));
+                    }
+                }
+                g => {
+                    done += g as usize;
+                    // SAFETY: `done` bytes were written by pread.
+                    unsafe { out.set_len(done) };
+                }
+            }
+        }
+        Ok(out.freeze())
+    }
+}
+
+fn shrunk(size: u64, needed: u64) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the registered file is {size} bytes, shorter than its region (up to byte {needed})"))
+}
+
+fn map_region(fd: i32, offset: u64, len: u64, hugetlb: bool) -> Result<Mapping, String> {
+    // hugetlbfs maps in huge pages; its page size is the file's block size.
+    let page = if hugetlb {
+        // SAFETY: fstat on the caller's descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        unsafe { libc::fstat(fd, &mut st) };
+        st.st_blksize as u64
+    } else {
+        // SAFETY: sysconf has no preconditions.
+        unsafe { libc::sysconf(libc::_SC_PAGESIZE) as u64 }
+    };
+    let start = offset / page * page;
+    let region_at = (offset - start) as usize;
+    let map_len = (region_at as u64 + len) as usize;
+    // SAFETY: a new shared mapping of a descriptor we own; checked below.
+    let base = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, start as i64) };
+    if base == libc::MAP_FAILED {
+        return Err(format!("mapping the sealed memfd failed: {}", errno()));
+    }
+    let m = Mapping { base: base.cast(), map_len, region_at };
+    // A huge page that cannot be had faults with SIGBUS on first touch:
+    // take them all now, where the kernel answers with an error instead.
+    // SAFETY: the range is the mapping just made.
+    if hugetlb && unsafe { libc::madvise(base, map_len, libc::MADV_POPULATE_WRITE) } != 0 {
+        return Err(format!("faulting in the huge pages of the region failed: {}", errno()));
+    }
+    Ok(m)
+}
+
+/// The destination of one `GET_INTO` item: `room` bytes at `at` in a region.
+pub struct ItemSink {
+    /// The region, kept alive by this item.
+    pub region: Arc<Region>,
+    /// Offset of the item in the region.
+    pub at: u64,
+    /// Bytes of room at `at`.
+    pub room: u64,
+    /// Set when the client's file was shorter than its region.
+    pub shrunk: AtomicBool,
+}
+
+impl BlockSink for ItemSink {
+    fn write_at(&self, offset: u64, chunk: &[u8]) -> std::io::Result<()> {
+        if offset + chunk.len() as u64 > self.room {
+            return Err(std::io::Error::other(format!("a block overruns the item's {} bytes of room", self.room)));
+        }
+        let r = self.region.write(self.at + offset, chunk);
+        if let Err(e) = &r {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                self.shrunk.store(true, Ordering::Relaxed);
+            }
+        }
+        r
+    }
+}
