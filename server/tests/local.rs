@@ -1,0 +1,426 @@
+//! The same-host data plane's front door (docs/LOCAL.md) against a live
+//! server, frame by frame: bad input gets its code and stores nothing,
+//! framing errors close only their own connection, descriptors return to
+//! their baseline, and the socket's start-up checks say what is wrong.
+//! (Round trips through every op and tier, client crashes, shrinking
+//! files, other uids and restarts are tested from the Python client,
+//! clients/python/tests/test_local.rs, and the loadgen.)
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{set_flag, start, test_args, try_start, Server, BLOCK_BYTES};
+
+const HELLO: u8 = 1;
+const REGISTER: u8 = 2;
+const GET_INTO: u8 = 4;
+const PUT_FROM: u8 = 5;
+const EXISTS: u8 = 6;
+
+/// A raw protocol connection: frames as bytes, nothing checked on the way
+/// out, so tests can send what a broken client would.
+struct Raw {
+    s: UnixStream,
+    next_id: u64,
+}
+
+/// A response: op, request id, status, retry hint, body or message.
+#[derive(Debug)]
+struct Answer {
+    op: u8,
+    id: u64,
+    status: i32,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn message(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// Per-item `(result, extra)` of a batch body.
+    fn items(&self) -> Vec<(i64, u8)> {
+        assert_eq!(self.status, 0, "{}", self.message());
+        let n = u32::from_le_bytes(self.body[..4].try_into().unwrap()) as usize;
+        (0..n).map(|i| (i64::from_le_bytes(self.body[4 + 9 * i..12 + 9 * i].try_into().unwrap()), self.body[12 + 9 * i])).collect()
+    }
+}
+
+fn frame(op: u8, id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0x54, 0x4B, op, 0];
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    f.extend_from_slice(&id.to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+fn keys_payload(keys: &[&str]) -> Vec<u8> {
+    let mut p = (keys.len() as u32).to_le_bytes().to_vec();
+    for k in keys {
+        p.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        p.extend_from_slice(k.as_bytes());
+    }
+    p
+}
+
+fn items_payload(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
+    let mut p = (items.len() as u32).to_le_bytes().to_vec();
+    for (h, o, l, k) in items {
+        for v in [h, o, l] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+        p.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        p.extend_from_slice(k.as_bytes());
+    }
+    p
+}
+
+impl Raw {
+    fn connect(path: &Path) -> Raw {
+        let s = UnixStream::connect(path).unwrap_or_else(|e| panic!("connect {}: {e}", path.display()));
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Raw { s, next_id: 1 }
+    }
+
+    /// Connected and past a good hello.
+    fn ready(path: &Path) -> Raw {
+        let mut r = Raw::connect(path);
+        let a = r.call(HELLO, br#"{"versions":[1]}"#);
+        assert_eq!(a.status, 0, "{}", a.message());
+        r
+    }
+
+    fn send(&mut self, op: u8, payload: &[u8]) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.s.write_all(&frame(op, id, payload)).unwrap();
+        id
+    }
+
+    fn read(&mut self) -> Option<Answer> {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).ok()?;
+        assert_eq!(&h[..2], &[0x54, 0x4B], "magic");
+        let n = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+        let mut p = vec![0u8; n];
+        self.s.read_exact(&mut p).unwrap();
+        Some(Answer {
+            op: h[2],
+            id: u64::from_le_bytes(h[8..16].try_into().unwrap()),
+            status: i32::from_le_bytes(p[..4].try_into().unwrap()),
+            body: p[8..].to_vec(),
+        })
+    }
+
+    fn call(&mut self, op: u8, payload: &[u8]) -> Answer {
+        let id = self.send(op, payload);
+        let a = self.read().expect("an answer");
+        assert_eq!(a.id, id);
+        a
+    }
+
+    /// `REGISTER` with `fds` attached (none, one, or several).
+    fn register(&mut self, fds: &[i32], offset: u64, len: u64) -> Answer {
+        let mut payload = offset.to_le_bytes().to_vec();
+        payload.extend_from_slice(&len.to_le_bytes());
+        let id = self.next_id;
+        self.next_id += 1;
+        send_with_fds(&self.s, &frame(REGISTER, id, &payload), fds);
+        self.read().expect("an answer")
+    }
+
+    /// Whether the server closed the connection (EOF within 5 s).
+    fn closed(&mut self) -> bool {
+        self.s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0))
+    }
+}
+
+fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[i32]) {
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
+    let mut control = [0u64; 16];
+    // SAFETY: msghdr pointed at live buffers; CMSG macros within `control`.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let data_bytes = std::mem::size_of_val(fds) as u32;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(data_bytes) as usize;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(data_bytes) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
+        }
+        assert_eq!(libc::sendmsg(s.as_raw_fd(), &msg, 0), bytes.len() as isize);
+    }
+}
+
+/// A memfd of `len` bytes, sealed against shrinking when `sealed`.
+fn memfd(len: u64, sealed: bool) -> OwnedFd {
+    // SAFETY: plain syscalls; the fd is owned from here on.
+    unsafe {
+        let fd = libc::memfd_create(c"kvtier-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+        assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, len as i64), 0);
+        if sealed {
+            assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW), 0);
+        }
+        OwnedFd::from_raw_fd(fd)
+    }
+}
+
+fn socket_of(server: &Server) -> PathBuf {
+    server.data_dir.join("kvtier.sock")
+}
+
+/// The server's open descriptors once start-up's background work (I/O
+/// memory registration) is done, so later counts compare with a settled
+/// baseline.
+fn settled_fds(server: &Server) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        let stats = reqwest_stats(server);
+        let shards = stats["per_shard"].as_array().cloned().unwrap_or_default();
+        if !shards.is_empty() && shards.iter().all(|s| s["io_memory_registered"] == true) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    open_fds(server.pid())
+}
+
+/// The server's open descriptors, segment files left out (a shard opens
+/// its first segment at its first write).
+fn open_fds(pid: u32) -> usize {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
+    dir.flatten().filter(|e| std::fs::read_link(e.path()).map_or(true, |l| l.extension().is_none_or(|x| x != "kvt"))).count()
+}
+
+/// Waits up to 5 s for the server's open descriptors to come back to `baseline`.
+fn fds_back_to(pid: u32, baseline: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = open_fds(pid);
+        if now <= baseline || Instant::now() > deadline {
+            if now > baseline {
+                let links: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+                    .map(|d| d.flatten().map(|e| format!("{:?}", std::fs::read_link(e.path()))).collect())
+                    .unwrap_or_default();
+                eprintln!("server descriptors: {links:?}");
+            }
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn bad_requests_get_their_codes_store_nothing_and_leave_the_connection_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let path = socket_of(&server);
+    let baseline = settled_fds(&server);
+
+    let mut r = Raw::connect(&path);
+    // Nothing but HELLO before HELLO.
+    assert_eq!(r.call(EXISTS, &keys_payload(&["a"])).status, -12);
+    let a = r.call(HELLO, br#"{"versions":[7,9]}"#);
+    assert_eq!(a.status, -14);
+    assert!(a.message().contains("[7, 9]") && a.message().contains("[1]"), "{}", a.message());
+    let a = r.call(HELLO, br#"{"versions":[1],"block_bytes":1234}"#);
+    assert_eq!(a.status, -15);
+    assert!(a.message().contains("1234") && a.message().contains(&BLOCK_BYTES.to_string()), "{}", a.message());
+    assert_eq!(r.call(HELLO, b"not json").status, -13);
+    let a = r.call(HELLO, br#"{"versions":[1],"block_bytes":65536}"#);
+    assert_eq!(a.status, 0, "{}", a.message());
+    let hello: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(hello["block_bytes"], BLOCK_BYTES);
+    assert!(hello["epoch"].as_u64().unwrap() > 0);
+    assert_eq!(a.op, HELLO | 0x80);
+
+    // REGISTER: no descriptor, two, read-only, past the end of the file.
+    assert_eq!(r.register(&[], 0, 4096).status, -18);
+    let (f1, f2) = (memfd(1 << 20, true), memfd(1 << 20, true));
+    let a = r.register(&[f1.as_raw_fd(), f2.as_raw_fd()], 0, 4096);
+    assert_eq!(a.status, -18);
+    assert!(a.message().contains("2 descriptors"), "{}", a.message());
+    let ro = std::fs::File::open(format!("/proc/self/fd/{}", f1.as_raw_fd())).unwrap();
+    let a = r.register(&[ro.as_raw_fd()], 0, 4096);
+    assert!(a.status == -18 && a.message().contains("read-write"), "{a:?}");
+    let a = r.register(&[f1.as_raw_fd()], 4096, 1 << 20);
+    assert!(a.status == -18 && a.message().contains("past the end"), "{a:?}");
+
+    // A good registration, mapped (sealed) and file I/O (unsealed).
+    let a = r.register(&[f1.as_raw_fd()], 0, 4 * BLOCK_BYTES);
+    assert_eq!((a.status, a.body[8]), (0, 1), "{}", a.message());
+    let sealed = u64::from_le_bytes(a.body[..8].try_into().unwrap());
+    let plain_fd = memfd(4 * BLOCK_BYTES, false);
+    let a = r.register(&[plain_fd.as_raw_fd()], 0, 4 * BLOCK_BYTES);
+    assert_eq!((a.status, a.body[8]), (0, 2), "{}", a.message());
+
+    // Per item: unknown handle, out of bounds, short buffer, bad keys.
+    let long_key = "k".repeat(300);
+    let bad = [
+        (999, 0, BLOCK_BYTES, "unknown-handle"),
+        (sealed, 3 * BLOCK_BYTES + 1, BLOCK_BYTES, "out-of-bounds"),
+        (sealed, 0, BLOCK_BYTES - 1, "short-buffer"),
+        (sealed, 0, BLOCK_BYTES, ""),
+        (sealed, 0, BLOCK_BYTES, long_key.as_str()),
+    ];
+    let codes: Vec<i64> = r.call(PUT_FROM, &items_payload(&bad)).items().iter().map(|i| i.0).collect();
+    assert_eq!(codes, vec![-5, -6, -4, -3, -3]);
+    let codes: Vec<i64> = r.call(GET_INTO, &items_payload(&bad)).items().iter().map(|i| i.0).collect();
+    assert_eq!(codes, vec![-5, -6, -4, -3, -3]);
+    let a = r.call(EXISTS, &keys_payload(&["unknown-handle", "out-of-bounds", "short-buffer"]));
+    assert_eq!(&a.body[4..], &[0, 0, 0], "nothing was stored");
+
+    // Malformed payloads and unknown ops: a code, and the connection stays.
+    assert_eq!(r.call(PUT_FROM, &[1, 0, 0, 0, 1]).status, -13);
+    let mut too_many = 5000u32.to_le_bytes().to_vec();
+    too_many.resize(200_000, 0);
+    assert_eq!(r.call(GET_INTO, &too_many).status, -16);
+    let a = r.call(42, b"");
+    assert_eq!((a.status, a.op), (-17, 42 | 0x80));
+    // ... and a good round trip on the same connection, both buffer kinds.
+    let block: Vec<u8> = (0..BLOCK_BYTES).map(|i| (i * 7 % 251) as u8).collect();
+    for (handle, fd) in [(sealed, &f1), (sealed + 1, &plain_fd)] {
+        // SAFETY: pwrite/pread on our own memfds.
+        unsafe { libc::pwrite(fd.as_raw_fd(), block.as_ptr().cast(), block.len(), 0) };
+        let key = format!("good-{handle}");
+        assert_eq!(r.call(PUT_FROM, &items_payload(&[(handle, 0, BLOCK_BYTES, &key)])).items(), vec![(0, 1)]);
+        let got = r.call(GET_INTO, &items_payload(&[(handle, BLOCK_BYTES, 2 * BLOCK_BYTES, &key)])).items();
+        assert_eq!(got, vec![(BLOCK_BYTES as i64, 3)], "read from the log (no RAM tier here)");
+        let mut back = vec![0u8; BLOCK_BYTES as usize];
+        unsafe { libc::pread(fd.as_raw_fd(), back.as_mut_ptr().cast(), back.len(), BLOCK_BYTES as i64) };
+        assert!(back == block, "byte-exact through handle {handle}");
+    }
+    drop(r);
+    let now = fds_back_to(server.pid(), baseline);
+    assert!(now <= baseline, "server descriptors {now} after close, {baseline} before");
+}
+
+#[test]
+fn framing_errors_close_only_their_own_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let path = socket_of(&server);
+    let baseline = settled_fds(&server);
+    let mut bystander = Raw::ready(&path);
+    let fd = memfd(BLOCK_BYTES, true);
+    assert_eq!(bystander.register(&[fd.as_raw_fd()], 0, BLOCK_BYTES).status, 0);
+
+    // Garbage: one 0xFF frame saying why, then EOF.
+    let mut g = Raw::connect(&path);
+    g.s.write_all(b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let a = g.read().expect("a connection-error frame");
+    assert_eq!((a.op, a.status), (0xFF, -19));
+    assert!(a.message().contains("magic"), "{}", a.message());
+    assert!(g.closed());
+
+    // Oversized: a header declaring 2 MiB.
+    let mut o = Raw::ready(&path);
+    let mut h = frame(EXISTS, 9, b"");
+    h[4..8].copy_from_slice(&(2u32 << 20).to_le_bytes());
+    o.s.write_all(&h).unwrap();
+    let a = o.read().expect("a connection-error frame");
+    assert!(a.status == -19 && a.message().contains("over the limit"), "{a:?}");
+    assert!(o.closed());
+
+    // Truncated: half a frame, then the client stops writing.
+    let mut t = Raw::ready(&path);
+    let f = frame(EXISTS, 3, &keys_payload(&["truncated"]));
+    t.s.write_all(&f[..f.len() / 2]).unwrap();
+    t.s.shutdown(std::net::Shutdown::Write).unwrap();
+    assert!(t.closed());
+
+    // Nonzero flags.
+    let mut n = Raw::ready(&path);
+    let mut f = frame(EXISTS, 4, &keys_payload(&["x"]));
+    f[3] = 1;
+    n.s.write_all(&f).unwrap();
+    assert_eq!(n.read().map(|a| a.status), Some(-19));
+    drop((g, o, t, n));
+
+    // The bystander's registration and connection are untouched.
+    let block = vec![0xA5u8; BLOCK_BYTES as usize];
+    // SAFETY: pwrite on our own memfd.
+    unsafe { libc::pwrite(fd.as_raw_fd(), block.as_ptr().cast(), block.len(), 0) };
+    assert_eq!(bystander.call(PUT_FROM, &items_payload(&[(1, 0, BLOCK_BYTES, "bystander")])).items(), vec![(0, 1)]);
+    let stats: serde_json::Value = reqwest_stats(&server);
+    assert_eq!(stats["local"]["frame_errors"], 3, "{}", stats["local"]);
+    assert_eq!(stats["local"]["registrations_open"], 1);
+    drop(bystander);
+    let now = fds_back_to(server.pid(), baseline);
+    assert!(now <= baseline, "server descriptors {now} after close, {baseline} before");
+    let stats = reqwest_stats(&server);
+    assert_eq!(stats["local"]["registrations_open"], 0);
+    assert!(stats["local"]["routes"]["put_from"]["requests"].as_u64().unwrap() >= 1);
+}
+
+fn reqwest_stats(server: &Server) -> serde_json::Value {
+    let body = common::exchange(server.url.trim_start_matches("http://"), b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", Duration::from_secs(5));
+    let json = &body[body.find("\r\n\r\n").expect("headers end") + 4..];
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("stats JSON: {e}: {json}"))
+}
+
+#[test]
+fn the_socket_is_checked_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("a");
+    let server = start(&test_args(&data));
+    let path = socket_of(&server);
+    let mode = std::fs::metadata(&path).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777).unwrap();
+    assert_eq!(mode, 0o660);
+    assert_eq!(reqwest_stats(&server)["local"]["socket"], path.display().to_string());
+    assert!(server.listening_line().contains("listening"));
+
+    // Another server on the same socket path: a clear error.
+    let mut other = test_args(&dir.path().join("b"));
+    set_flag(&mut other, "--local-socket", path.to_str().unwrap());
+    let (_, stderr) = try_start(&other).err().expect("refused");
+    assert!(stderr.contains("another kvtier server is serving"), "{stderr}");
+    // A path too long for sun_path, and one that is not a socket.
+    let long = dir.path().join("x".repeat(120));
+    set_flag(&mut other, "--local-socket", long.to_str().unwrap());
+    let (_, stderr) = try_start(&other).err().expect("refused");
+    assert!(stderr.contains("a Unix socket path holds at most 107"), "{stderr}");
+    let file = dir.path().join("not-a-socket");
+    std::fs::write(&file, b"keep me").unwrap();
+    set_flag(&mut other, "--local-socket", file.to_str().unwrap());
+    let (_, stderr) = try_start(&other).err().expect("refused");
+    assert!(stderr.contains("is not a socket"), "{stderr}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+
+    // Killed: the socket file stays; a restart replaces it and serves.
+    let epoch = reqwest_stats(&server)["local"]["epoch"].as_u64().unwrap();
+    server.crash();
+    assert!(path.exists());
+    let mut args = test_args(&data);
+    set_flag(&mut args, "--log-level", "info");
+    let server = start(&args);
+    assert!(server.log().contains("replacing the stale socket"), "{}", server.log());
+    let again = reqwest_stats(&server)["local"]["epoch"].as_u64().unwrap();
+    assert_ne!(epoch, again, "a restarted server has a new epoch");
+    let mut r = Raw::ready(&path);
+    assert_eq!(r.call(EXISTS, &keys_payload(&["x"])).status, 0);
+    drop(r);
+    // Stopped cleanly: the socket file goes with it.
+    server.stop();
+    assert!(!path.exists());
+
+    // Off: no socket, and /v1/stats says so.
+    let mut args = test_args(&data);
+    set_flag(&mut args, "--local-socket", "none");
+    let server = start(&args);
+    assert!(!path.exists());
+    assert!(reqwest_stats(&server)["local"]["socket"].is_null());
+}
