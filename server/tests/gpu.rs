@@ -668,3 +668,29 @@ async fn concurrent_clients_over_deferred_copies_get_their_own_bytes() {
         server.stop();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_socket_copies_blocks_from_every_local_tier() {
+    use common::local::{get_block, put_block, ready_with_buffer};
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_gpu(&gpu_args(&dir.path().join("data"), 2, 2, &[]), &[]);
+    let path = server.data_dir.join("kvtier.sock");
+    tokio::task::spawn_blocking(move || {
+        let (mut r, fd, h) = ready_with_buffer(&path, BLOCK_BYTES);
+        let keys: Vec<String> = (0..6).map(|i| format!("local-{i}")).collect();
+        for k in &keys {
+            assert_eq!(put_block(&mut r, &fd, h, k, &payload(k)), 0, "{k}");
+        }
+        // GPU 2 blocks, RAM 2, the log the rest: newest on the GPU.
+        let want = [(5, 1u8), (4, 1), (3, 2), (2, 2), (0, 3)];
+        for (i, tier) in want {
+            let k = &keys[i];
+            let (n, got_tier, bytes) = get_block(&mut r, &fd, h, k, BLOCK_BYTES);
+            assert_eq!((n, got_tier), (BLOCK_BYTES as i64, tier), "{k}");
+            assert!(bytes == payload(k)[..], "{k}: byte-exact from tier {tier}");
+        }
+    })
+    .await
+    .unwrap();
+    server.stop();
+}

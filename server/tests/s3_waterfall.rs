@@ -206,3 +206,44 @@ async fn a_stopped_s3_shows_as_degraded_with_its_reason_and_ok_again_once_it_is_
     assert!(node.log().contains("tier s3 is degraded") && node.log().contains("tier s3 is ok again"), "{}", node.log());
     node.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_socket_reaches_the_s3_tier_through_the_same_waterfall() {
+    use common::local::{get_block, keys_payload, put_block, ready_with_buffer, EXISTS};
+    let moto = Moto::start();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = two_shard_node(da.path(), &moto.endpoint(), &["--s3-write-policy", "through"]);
+    let keys = ["local-s3-0", "local-s3-1", "local-s3-2", "local-s3-3"];
+    let (sa, sb) = (a.data_dir.join("kvtier.sock"), db.path().join("kvtier.sock"));
+    let blocks: Vec<Vec<u8>> = keys.iter().map(|k| payload(k).to_vec()).collect();
+    tokio::task::spawn_blocking(move || {
+        let (mut r, fd, h) = ready_with_buffer(&sa, BLOCK_BYTES);
+        for (k, b) in keys.iter().zip(&blocks) {
+            assert_eq!(put_block(&mut r, &fd, h, k, b), 0, "{k}");
+        }
+    })
+    .await
+    .unwrap();
+    for k in keys {
+        assert_eq!(object_payload(&moto, k).as_deref(), Some(&payload(k)[..]), "{k}: uploaded through");
+    }
+    // A second node with an empty disk finds them in S3, over its socket.
+    let b = two_shard_node(db.path(), &moto.endpoint(), &[]);
+    tokio::task::spawn_blocking(move || {
+        let (mut r, fd, h) = ready_with_buffer(&sb, BLOCK_BYTES);
+        let a = r.call(EXISTS, &keys_payload(&keys));
+        assert_eq!(&a.body[4..], &[4, 4, 4, 4], "EXISTS counts the S3 tier");
+        for k in keys {
+            let (n, tier, bytes) = get_block(&mut r, &fd, h, k, BLOCK_BYTES);
+            assert_eq!((n, tier), (BLOCK_BYTES as i64, 4), "{k}: read from s3");
+            assert!(bytes == payload(k)[..], "{k}: byte-exact from S3");
+            // Installed locally by that read: the next is a local hit.
+            let (_, tier, again) = get_block(&mut r, &fd, h, k, BLOCK_BYTES);
+            assert!(matches!(tier, 2 | 3) && again == payload(k)[..], "{k}: then from ram or nvme, got tier {tier}");
+        }
+    })
+    .await
+    .unwrap();
+    a.stop();
+    b.stop();
+}
