@@ -5,7 +5,11 @@
     >>> client.put("demo-0", bytes(client.block_bytes))
 
 :class:`Client` (blocking, thread-safe) and :class:`AsyncClient` (asyncio)
-speak the block API of docs/API.md over a pool of HTTP/1.1 connections;
+speak the block API of docs/API.md over a pool of HTTP/1.1 connections, or
+over the same-host socket of docs/LOCAL.md (``unix://`` urls, ``local="auto"``),
+where Mooncake Store's buffer calls (``register_buffer``, ``batch_get_into``,
+``batch_put_from``, ``batch_is_exist``) move blocks in and out of a
+:class:`SharedBuffer` without copies (:mod:`kvtier.mooncake`, :mod:`kvtier.codes`);
 :mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; the engine
 connectors are :mod:`kvtier.lmcache` (an LMCache remote-storage plugin),
 :mod:`kvtier.vllm` (a vLLM offloading tier) and :mod:`kvtier.sglang` (an
@@ -15,6 +19,7 @@ the engine's own configuration error caused by it) when the store's
 ``block_bytes`` is not the engine's chunk size.
 """
 
+from . import codes
 from ._connector import GeometryError
 from .aio import AsyncClient
 from .client import Client, byte_view
@@ -22,14 +27,17 @@ from .errors import (
     BadRequestError,
     BlockSizeError,
     DiskFullError,
+    GeometryMismatchError,
     InvalidKeyError,
     KvtierConnectionError,
     KvtierError,
     OverloadedError,
+    ProtocolError,
     ServerError,
     UnauthorizedError,
 )
 from .keys import Namespace, block_key, chain_keys, check_key
+from .shm import SharedBuffer
 
 __all__ = [
     "AsyncClient",
@@ -38,17 +46,21 @@ __all__ = [
     "Client",
     "DiskFullError",
     "GeometryError",
+    "GeometryMismatchError",
     "InvalidKeyError",
     "KvtierConnectionError",
     "KvtierError",
     "Namespace",
     "OverloadedError",
+    "ProtocolError",
     "ServerError",
+    "SharedBuffer",
     "UnauthorizedError",
     "block_key",
     "byte_view",
     "chain_keys",
     "check_key",
+    "codes",
 ]
 
 __version__ = "0.1.0"

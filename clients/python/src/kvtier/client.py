@@ -17,30 +17,30 @@ from __future__ import annotations
 import ctypes
 import http.client
 import json
-import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from typing import Any
 
+from ._http import _Answer, _Connection, _Pool
+from ._session import Regions
+from ._unix import LocalBlocks, open_local
 from .errors import (
     BlockSizeError,
+    GeometryMismatchError,
     KvtierConnectionError,
     KvtierError,
     ServerError,
-    error_from_response,
 )
 from .keys import check_key
+from .mooncake import MooncakeCalls
 
 #: The server's lookup limits (docs/API.md, "Limits"): longer chains are sent
 #: in pieces, each under both.
 LOOKUP_KEYS_MAX = 4096
 LOOKUP_BODY_BYTES_MAX = 1 << 20
-#: Socket buffers large enough for a 16 MiB block to stream without stalls.
-SOCKET_BUFFER_BYTES = 4 << 20
 
 # Failures worth a new connection and another try: the server closed a
 # keep-alive connection (idle timeout, restart), refused one (starting up),
@@ -83,97 +83,35 @@ def byte_view(buf: Any, *, writable: bool) -> memoryview:
     return view
 
 
-class _Connection(http.client.HTTPConnection):
-    """One keep-alive connection, with Nagle off (a request's headers and
-    body are separate writes) and socket buffers sized for whole blocks."""
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            self.sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-
-
-class _Pool:
-    """At most ``size`` connections in use at once; idle ones are reused,
-    most recently used first (its TCP window is the warmest)."""
-
-    def __init__(self, host: str, port: int, size: int, timeout_s: float) -> None:
-        self._host, self._port, self._timeout_s = host, port, timeout_s
-        self._slots = threading.BoundedSemaphore(size)
-        self._idle: list[_Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @contextmanager
-    def connection(self) -> Iterator[_Connection]:
-        """Lends a connection; one that raised is closed, not returned."""
-        self._slots.acquire()
-        try:
-            with self._lock:
-                if self._closed:
-                    raise KvtierError("the client is closed", code="client_closed")
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                conn = _Connection(self._host, self._port, timeout=self._timeout_s)
-            try:
-                yield conn
-            except BaseException:
-                conn.close()
-                raise
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                else:
-                    self._idle.append(conn)
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-
-class _Answer:
-    """A finished exchange: status, headers that matter, and the body (empty
-    when it went into the caller's buffer)."""
-
-    __slots__ = ("body", "nbytes", "retry_after", "status", "tier")
-
-    def __init__(self, status: int, body: bytes, nbytes: int, tier: str | None, retry_after: str | None) -> None:
-        self.status, self.body, self.nbytes, self.tier, self.retry_after = status, body, nbytes, tier, retry_after
-
-    def error(self) -> KvtierError:
-        """The error this answer carries (docs/API.md's JSON error body)."""
-        code, message = "http_error", self.body[:200].decode("utf-8", "replace") or f"HTTP {self.status}"
-        try:
-            err = json.loads(self.body)["error"]
-            code, message = str(err["code"]), str(err["message"])
-        except (ValueError, KeyError, TypeError):
-            pass
-        retry_after_s = None
-        if self.retry_after is not None:
-            try:
-                retry_after_s = float(self.retry_after)
-            except ValueError:
-                pass
-        return error_from_response(self.status, code, message, retry_after_s)
-
-
-class Client:
+class Client(MooncakeCalls):
     """Blocking client of one kvtier server.
 
     Args:
-        url: ``http://HOST:PORT`` of ``kvtier serve`` (HTTP/1.1 is spoken).
-        token: bearer token for a server started with ``--auth-token-file``.
+        url: ``http://HOST:PORT`` of ``kvtier serve`` (HTTP/1.1 is spoken), or
+            ``unix:///PATH`` of its same-host socket (docs/LOCAL.md).
+        token: bearer token for a server started with ``--auth-token-file``
+            (sent in the socket's hello too).
         connections: connections in the pool, and so the most requests in
             flight at once (the batched forms use all of them).
-        timeout_s: limit for connecting and for each socket read or write.
+        timeout_s: limit for connecting and for each socket read or write;
+            on the socket, also how long a call keeps reconnecting to a
+            restarted server before its items fail with ``CONNECTION_LOST``.
         retries: further tries, each on a new connection, after a refused,
             reset or cut-off connection (not after a timeout).
+        local: with an HTTP ``url``: ``"off"`` (HTTP only), ``"auto"`` (on
+            first use, read ``local.socket`` of ``/v1/stats`` and move blocks
+            over that socket if its hello succeeds, else stay on HTTP), or
+            ``"on"`` (the socket or an error). :attr:`transport` says which.
+        expect_block_bytes, expect_model: the geometry the caller was built
+            for; a server with another raises :class:`~kvtier.GeometryMismatchError`.
+        staging_blocks: block-sized slots of the socket's staging area, for
+            buffers outside every registered one (created on first use).
+
+    Over the socket every method works as over HTTP; :meth:`stats` needs an
+    HTTP ``url`` (with ``unix://`` it raises; :attr:`server_info` has the
+    hello's geometry), :meth:`ping` asks the socket. The Mooncake-style calls
+    (:meth:`register_buffer`, :meth:`batch_get_into`, …) are in
+    :class:`kvtier.mooncake.MooncakeCalls`.
 
     Every method raises :class:`~kvtier.KvtierConnectionError` when the server
     cannot be reached after the retries, and the :class:`~kvtier.KvtierError`
@@ -189,31 +127,78 @@ class Client:
         connections: int = 8,
         timeout_s: float = 30.0,
         retries: int = 2,
+        local: str = "off",
+        expect_block_bytes: int | None = None,
+        expect_model: str | None = None,
+        staging_blocks: int = 8,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"url must be http://HOST:PORT (kvtier speaks plain HTTP), got {url!r}")
+        socket_path = url[len("unix://") :] if parts.scheme == "unix" else None
+        if socket_path == "" or (socket_path is None and (parts.scheme != "http" or not parts.hostname)):
+            raise ValueError(f"url must be http://HOST:PORT or unix:///PATH, got {url!r}")
+        if local not in ("off", "auto", "on"):
+            raise ValueError(f"local must be 'off', 'auto' or 'on', got {local!r}")
         if connections < 1:
             raise ValueError(f"connections must be at least 1, got {connections}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if retries < 0:
             raise ValueError(f"retries must be 0 or more, got {retries}")
-        self.url = f"http://{parts.netloc}"
+        self.url = url if socket_path is not None else f"http://{parts.netloc}"
         self.connections = connections
         self.timeout_s = timeout_s
         self.retries = retries
+        self._token = token
         self._auth = f"Bearer {token}" if token else None
-        self._pool = _Pool(parts.hostname, parts.port or 80, connections, timeout_s)
+        http_host = None if socket_path is not None else (parts.hostname or "", parts.port or 80)
+        self._pool = None if http_host is None else _Pool(*http_host, connections, timeout_s)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._block_bytes: int | None = None
+        self._expect = (expect_block_bytes, expect_model, staging_blocks)
+        self._local_mode = "on" if socket_path is not None else local
+        self._socket_path = socket_path
+        self._local: LocalBlocks | None = None
+        self._transport: str | None = None if self._local_mode != "off" else "http"
+        self._regions = Regions()
+
+    @property
+    def transport(self) -> str:
+        """``"unix"`` when blocks move over the same-host socket, else
+        ``"http"`` (with ``local="auto"``, decided on first use: now)."""
+        self._unix()
+        return self._transport or "http"
+
+    def _unix(self) -> LocalBlocks | None:
+        """The socket transport, or ``None`` for HTTP; makes the choice of
+        ``local="auto"``/``"on"`` on first call."""
+        if self._transport is None:
+            with self._executor_lock:
+                if self._transport is None:
+                    self._local, self._transport = open_local(self, self._socket_path, self._local_mode, self._expect)
+        return self._local
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """The socket's hello answer (``epoch``, ``block_bytes``, ``model``,
+        ``block_tokens``, ``max_items``, …); empty over HTTP."""
+        local = self._unix()
+        if local is None:
+            return {}
+        local.session.connection()
+        return dict(local.session.info)
 
     # ----------------------------------------------------------------- life
 
     def close(self) -> None:
-        """Closes idle connections and the batch thread pool. Calls after it raise."""
-        self._pool.close()
+        """Closes idle connections, the socket and its registrations, and the
+        batch thread pool. Calls after it raise."""
+        if self._pool is not None:
+            self._pool.close()
+        if self._local is not None:
+            self._local.session.close()
+        for region in self._regions.clear():
+            region.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
@@ -243,6 +228,8 @@ class Client:
         into: memoryview | None = None,
     ) -> _Answer:
         """One request, retried on a fresh connection after a connection failure."""
+        if self._pool is None:
+            raise KvtierError(f"{method} {path} needs the HTTP API; {self.url} is a socket", code="no_http")
         failure: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -320,7 +307,15 @@ class Client:
         """The store's block size in bytes (fixed per store; every PUT body
         is exactly this long). Asked of the server once, then remembered."""
         if self._block_bytes is None:
-            self._block_bytes = int(self.stats()["geometry"]["block_bytes"])
+            local = self._unix()
+            bb = local.block_bytes if local is not None else int(self.stats()["geometry"]["block_bytes"])
+            expect = self._expect[0]
+            if expect is not None and bb != expect:
+                raise GeometryMismatchError(
+                    f"the server at {self.url} has block_bytes {bb}; the client expects {expect}",
+                    code="geometry_mismatch",
+                )
+            self._block_bytes = bb
         return self._block_bytes
 
     def put(self, key: str, data: Any) -> bool:
@@ -338,6 +333,8 @@ class Client:
             UnauthorizedError, OverloadedError, ServerError,
             KvtierConnectionError: as for every call.
         """
+        if (local := self._unix()) is not None:
+            return local.put(key, data)
         path = self._block_path(key)
         view = byte_view(data, writable=False)
         if view.nbytes != self.block_bytes:
@@ -353,6 +350,8 @@ class Client:
     def get(self, key: str) -> bytes | None:
         """The block stored under ``key``, or ``None`` on a miss (404, which
         includes a block dropped for failing its CRC)."""
+        if (local := self._unix()) is not None:
+            return local.get(key)
         answer = self._read(key)
         return None if answer is None else answer.body
 
@@ -371,10 +370,14 @@ class Client:
             BlockSizeError: ``buf`` is smaller than the block.
             TypeError, ValueError: ``buf`` is read-only or not contiguous.
         """
+        if (local := self._unix()) is not None:
+            return local.get_into(key, buf)
         return self._read(key, byte_view(buf, writable=True)) is not None
 
     def exists(self, key: str) -> bool:
         """Whether a block is stored under ``key`` (HEAD; moves nothing)."""
+        if (local := self._unix()) is not None:
+            return local.exists(key)
         answer = self._exchange("HEAD", self._block_path(key))
         if answer.status in (200, 404):
             return answer.status == 200
@@ -383,6 +386,8 @@ class Client:
     def delete(self, key: str) -> bool:
         """Deletes the block under ``key``: ``True`` if there was one (204),
         ``False`` if not (404). The delete survives a restart."""
+        if (local := self._unix()) is not None:
+            return local.delete(key)
         answer = self._exchange("DELETE", self._block_path(key))
         if answer.status in (204, 404):
             return answer.status == 204
@@ -391,6 +396,8 @@ class Client:
     def tier_of(self, key: str) -> str | None:
         """Reads ``key`` and answers the tier it was served from (``"ram"``,
         ``"nvme"``, …), or ``None`` on a miss. For tests and diagnostics."""
+        if (local := self._unix()) is not None:
+            return local.tier_of(key)
         answer = self._read(key)
         return None if answer is None else answer.tier
 
@@ -432,6 +439,8 @@ class Client:
     def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
         """The tier of each leading stored key of the chain ``keys`` (one
         ``POST /v1/lookup`` per 4,096 keys): ``len()`` is the prefix hits."""
+        if (local := self._unix()) is not None:
+            return local.lookup_tiers(keys)
         tiers: list[str] = []
         for batch in self._key_batches(keys):
             found = self._post_keys("/v1/lookup", batch, 200)["tiers"]
@@ -449,13 +458,20 @@ class Client:
         """Asks the server to promote the stored ones of ``keys`` into its
         fastest tier ahead of a read (it answers at once and copies in the
         background). Returns how many of ``keys`` are stored."""
+        if (local := self._unix()) is not None:
+            return local.prefetch(keys)
         return sum(int(self._post_keys("/v1/prefetch", batch, 202)["found"]) for batch in self._key_batches(keys))
 
     # ------------------------------------------------------- server state
 
     def stats(self) -> dict[str, Any]:
         """``GET /v1/stats``: geometry, per-tier and per-shard counters,
-        latency percentiles (docs/API.md lists the fields)."""
+        latency percentiles (docs/API.md lists the fields).
+
+        Raises:
+            KvtierError: ``code`` ``"no_http"`` for a ``unix://`` client (its
+                :attr:`server_info` holds the hello's geometry).
+        """
         answer = self._exchange("GET", "/v1/stats")
         if answer.status != 200:
             raise answer.error()
@@ -464,7 +480,11 @@ class Client:
 
     def ping(self) -> bool:
         """``True`` if the server answers ``/healthz`` with 200; ``False`` if it
-        answers otherwise or cannot be reached (never raises for that)."""
+        answers otherwise or cannot be reached (never raises for that). With
+        a ``unix://`` url: whether the socket answers."""
+        if self._pool is None:
+            local = self._unix()
+            return local is not None and local.ping()
         try:
             return self._exchange("GET", "/healthz").status == 200
         except KvtierConnectionError:
@@ -477,10 +497,14 @@ class Client:
         Returns each put's answer in order. On the first error, puts not yet
         started are skipped and the error is raised once the running ones
         finish (puts before it may have been stored)."""
+        if (local := self._unix()) is not None:
+            return local.put_many(items)
         return self._map(self.put, list(items))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of each key, in parallel over the pool; ``None`` per miss."""
+        if (local := self._unix()) is not None:
+            return local.get_many(keys)
         return self._map(self.get, [(key,) for key in keys])
 
     def _map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
@@ -517,6 +541,8 @@ class Client:
         Raises:
             ValueError: ``keys`` and ``bufs`` differ in length.
         """
+        if (local := self._unix()) is not None:
+            return local.get_many_into(keys, bufs)
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
         return self._map(self.get_into, list(zip(keys, bufs, strict=True)))

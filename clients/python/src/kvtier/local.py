@@ -60,6 +60,8 @@ MAX_PAYLOAD_BYTES = 1 << 20
 """A frame's payload, at most (both ways)."""
 MAX_IN_FLIGHT = 256
 """Requests in flight on one connection, at most (the server stops reading beyond)."""
+CLIENT_NAME = "kvtier-python 0.1.0"
+"""What the hello's ``client`` field says."""
 VERSIONS = (1,)
 """Protocol versions this client speaks."""
 ITEM_BYTES = _ITEM.size
@@ -284,7 +286,7 @@ class LocalConnection:
         token: str | None = None,
         block_bytes: int | None = None,
         model: str | None = None,
-        client: str = "kvtier-python",
+        client: str = CLIENT_NAME,
     ) -> dict[str, Any]:
         """``HELLO``: the first request. Sends the versions this client speaks,
         and the token and expected geometry when given; returns the server's
