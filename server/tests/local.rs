@@ -262,3 +262,35 @@ fn the_socket_is_checked_at_start_up() {
     assert!(!path.exists());
     assert!(reqwest_stats(&server)["local"]["socket"].is_null());
 }
+
+#[test]
+fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = test_args(dir.path());
+    set_flag(&mut args, "--put-inflight-mib", "1");
+    set_flag(&mut args, "--block-bytes", &(256u64 << 10).to_string());
+    let server = start(&args);
+    let block_bytes = 256u64 << 10;
+    let mut r = Raw::ready(&socket_of(&server));
+    let fd = memfd(64 * block_bytes, true);
+    let a = r.register(&[fd.as_raw_fd()], 0, 64 * block_bytes);
+    assert_eq!(a.status, 0, "{}", a.message());
+    let keys: Vec<String> = (0..64).map(|i| format!("budget-{i}")).collect();
+    let items: Vec<(u64, u64, u64, &str)> = keys.iter().enumerate().map(|(i, k)| (1, i as u64 * block_bytes, block_bytes, k.as_str())).collect();
+    let id = r.send(PUT_FROM, &items_payload(&items));
+    let a = r.read().unwrap();
+    assert_eq!(a.id, id);
+    let results = a.items();
+    let refused: Vec<&str> = keys.iter().zip(&results).filter(|(_, r)| r.0 == -9).map(|(k, _)| k.as_str()).collect();
+    assert!(!refused.is_empty(), "64 blocks of 256 KiB at once exceed a 1 MiB budget: {results:?}");
+    assert!(results.iter().all(|r| r.0 == 0 || r.0 == -9), "{results:?}");
+    assert_eq!(a.retry_after_ms, 1000, "the refusal says when to retry");
+    let key_list: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let stored = r.call(EXISTS, &keys_payload(&key_list));
+    for (k, t) in key_list.iter().zip(&stored.body[4..]) {
+        assert_eq!(*t != 0, !refused.contains(k), "{k}: stored exactly when not refused");
+    }
+    let stats = reqwest_stats(&server);
+    let refusals: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["put_bytes_refusals"].as_u64().unwrap()).sum();
+    assert_eq!(refusals, refused.len() as u64, "counted with HTTP's refusals (one budget per shard)");
+}

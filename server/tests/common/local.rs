@@ -31,6 +31,8 @@ pub struct Answer {
     pub id: u64,
     /// 0 or a negative code.
     pub status: i32,
+    /// `retry_after_ms` (with `OVERLOADED`).
+    pub retry_after_ms: u32,
     /// Body, or the error message.
     pub body: Vec<u8>,
 }
@@ -110,6 +112,7 @@ impl Raw {
             op: h[2],
             id: u64::from_le_bytes(h[8..16].try_into().unwrap()),
             status: i32::from_le_bytes(p[..4].try_into().unwrap()),
+            retry_after_ms: u32::from_le_bytes(p[4..8].try_into().unwrap()),
             body: p[8..].to_vec(),
         })
     }
