@@ -96,6 +96,11 @@ fn bad_requests_get_their_codes_store_nothing_and_leave_the_connection_open() {
     assert!(a.status == -18 && a.message().contains("read-write"), "{a:?}");
     let a = r.register(&[f1.as_raw_fd()], 4096, 1 << 20);
     assert!(a.status == -18 && a.message().contains("past the end"), "{a:?}");
+    // A file on a disk: a copy could block the shard on the device.
+    let on_disk = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.path().join("buffer")).unwrap();
+    on_disk.set_len(1 << 20).unwrap();
+    let a = r.register(&[on_disk.as_raw_fd()], 0, 1 << 20);
+    assert!(a.status == -18 && a.message().contains("not shared memory"), "{a:?}");
 
     // A good registration, mapped (sealed) and file I/O (unsealed).
     let a = r.register(&[f1.as_raw_fd()], 0, 4 * BLOCK_BYTES);

@@ -9,6 +9,9 @@
 //!   descriptor, which return a short count instead of faulting (about
 //!   half the speed on tmpfs, measured in docs/BENCHMARKS.md).
 //!
+//! Only memory is registered (memfds, tmpfs, hugetlbfs): a file on a disk
+//! or a network filesystem would block the shard's thread in `pread`.
+//!
 //! A `Region` is shared (`Arc`) by the connection's table and every item in
 //! flight on it, so a client that unregisters or disconnects mid-copy only
 //! drops the table's reference: the mapping and descriptor go when the last
@@ -24,6 +27,8 @@ use kvtier_engine::BlockSink;
 use super::proto::Code;
 
 const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
+/// tmpfs and shmem (memfds, `/dev/shm`).
+const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
 
 /// How the server reaches a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,10 +103,21 @@ impl Region {
         if end > st.st_size as u64 {
             return Err(format!("offset {offset} + length {len} is past the end of the {}-byte file", st.st_size));
         }
+        // Memory only: a copy to or from a file on a disk or a network
+        // filesystem would block the shard's thread on that device.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatfs(raw, &mut fs) } != 0 {
+            return Err(format!("fstatfs of the descriptor failed: {}", errno()));
+        }
+        let fs_type = fs.f_type as libc::c_long;
+        if fs_type != TMPFS_MAGIC && fs_type != HUGETLBFS_MAGIC {
+            return Err(format!(
+                "the descriptor is a file on filesystem type 0x{fs_type:x}, not shared memory: register a memfd, or a file on tmpfs (/dev/shm) or hugetlbfs"
+            ));
+        }
+        let hugetlb = fs_type == HUGETLBFS_MAGIC;
         let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
         let map = if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
-            let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-            let hugetlb = unsafe { libc::fstatfs(raw, &mut fs) } == 0 && fs.f_type as libc::c_long == HUGETLBFS_MAGIC;
             Some(map_region(raw, offset, len, hugetlb)?)
         } else {
             None
