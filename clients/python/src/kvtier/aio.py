@@ -39,8 +39,9 @@ class AsyncClient:
         connections: int = 8,
         timeout_s: float = 30.0,
         retries: int = 2,
+        local: str = "off",
     ) -> None:
-        self.sync = Client(url, token=token, connections=connections, timeout_s=timeout_s, retries=retries)
+        self.sync = Client(url, token=token, connections=connections, timeout_s=timeout_s, retries=retries, local=local)
         """The blocking client underneath (shares the pool and threads)."""
 
     @classmethod

@@ -88,7 +88,8 @@ class Client(MooncakeCalls):
 
     Args:
         url: ``http://HOST:PORT`` of ``kvtier serve`` (HTTP/1.1 is spoken), or
-            ``unix:///PATH`` of its same-host socket (docs/LOCAL.md).
+            ``unix:///PATH`` of its same-host socket (docs/LOCAL.md), with
+            ``?http=HOST:PORT`` for :meth:`stats` and :meth:`ping`.
         token: bearer token for a server started with ``--auth-token-file``
             (sent in the socket's hello too).
         connections: connections in the pool, and so the most requests in
@@ -108,8 +109,9 @@ class Client(MooncakeCalls):
             buffers outside every registered one (created on first use).
 
     Over the socket every method works as over HTTP; :meth:`stats` needs an
-    HTTP ``url`` (with ``unix://`` it raises; :attr:`server_info` has the
-    hello's geometry), :meth:`ping` asks the socket. The Mooncake-style calls
+    HTTP address (a ``unix://`` url without ``?http=`` raises;
+    :attr:`server_info` has the hello's geometry), and :meth:`ping` then asks
+    the socket. The Mooncake-style calls
     (:meth:`register_buffer`, :meth:`batch_get_into`, …) are in
     :class:`kvtier.mooncake.MooncakeCalls`.
 
@@ -133,9 +135,18 @@ class Client(MooncakeCalls):
         staging_blocks: int = 8,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
-        socket_path = url[len("unix://") :] if parts.scheme == "unix" else None
-        if socket_path == "" or (socket_path is None and (parts.scheme != "http" or not parts.hostname)):
-            raise ValueError(f"url must be http://HOST:PORT or unix:///PATH, got {url!r}")
+        socket_path, http_host = None, None
+        if parts.scheme == "unix":  # unix:///PATH[?http=HOST:PORT], as kvtier-loadgen takes it
+            socket_path, _, query = url[len("unix://") :].partition("?")
+            if query:
+                http = urllib.parse.urlsplit("http://" + query.removeprefix("http="))
+                if not query.startswith("http=") or not http.hostname:
+                    raise ValueError(f"a unix:// url takes ?http=HOST:PORT only, got {url!r}")
+                http_host = (http.hostname, http.port or 80)
+        elif parts.scheme == "http" and parts.hostname:
+            http_host = (parts.hostname, parts.port or 80)
+        if socket_path == "" or (socket_path is None and http_host is None):
+            raise ValueError(f"url must be http://HOST:PORT or unix:///PATH[?http=HOST:PORT], got {url!r}")
         if local not in ("off", "auto", "on"):
             raise ValueError(f"local must be 'off', 'auto' or 'on', got {local!r}")
         if connections < 1:
@@ -150,7 +161,6 @@ class Client(MooncakeCalls):
         self.retries = retries
         self._token = token
         self._auth = f"Bearer {token}" if token else None
-        http_host = None if socket_path is not None else (parts.hostname or "", parts.port or 80)
         self._pool = None if http_host is None else _Pool(*http_host, connections, timeout_s)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -229,7 +239,9 @@ class Client(MooncakeCalls):
     ) -> _Answer:
         """One request, retried on a fresh connection after a connection failure."""
         if self._pool is None:
-            raise KvtierError(f"{method} {path} needs the HTTP API; {self.url} is a socket", code="no_http")
+            raise KvtierError(
+                f"{method} {path} needs the HTTP API; give it as {self.url}?http=HOST:PORT", code="no_http"
+            )
         failure: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -469,8 +481,8 @@ class Client(MooncakeCalls):
         latency percentiles (docs/API.md lists the fields).
 
         Raises:
-            KvtierError: ``code`` ``"no_http"`` for a ``unix://`` client (its
-                :attr:`server_info` holds the hello's geometry).
+            KvtierError: ``code`` ``"no_http"`` for a ``unix://`` url without
+                ``?http=`` (:attr:`server_info` holds the hello's geometry).
         """
         answer = self._exchange("GET", "/v1/stats")
         if answer.status != 200:
@@ -481,7 +493,7 @@ class Client(MooncakeCalls):
     def ping(self) -> bool:
         """``True`` if the server answers ``/healthz`` with 200; ``False`` if it
         answers otherwise or cannot be reached (never raises for that). With
-        a ``unix://`` url: whether the socket answers."""
+        a ``unix://`` url and no ``?http=``: whether the socket answers."""
         if self._pool is None:
             local = self._unix()
             return local is not None and local.ping()

@@ -248,7 +248,13 @@ class LocalConnection:
         return fut
 
     def wait(self, fut: Future[_Response], op: int, timeout_s: float | None = None) -> memoryview:
-        """The body of a response to ``op``; raises its request-wide error.
+        """The body of a response to ``op``; raises its request-wide error
+        (:meth:`wait_hinted` also answers the response's ``retry_after_ms``)."""
+        return self.wait_hinted(fut, op, timeout_s)[0]
+
+    def wait_hinted(self, fut: Future[_Response], op: int, timeout_s: float | None = None) -> tuple[memoryview, int]:
+        """``(body, retry_after_ms)`` of a response to ``op``: a response whose
+        items were refused ``OVERLOADED`` has status 0 and the server's hint.
 
         Raises:
             KvtierError: the status's class (``local_code`` set); for
@@ -272,7 +278,7 @@ class LocalConnection:
         if status != 0:
             text = bytes(payload[8:]).decode("utf-8", "replace")
             raise error_from_code(status, f"{OP_NAMES.get(op, op)}: {text}", retry_after_ms / 1000.0)
-        return payload[8:]
+        return payload[8:], retry_after_ms
 
     def call(self, op: int, payload: bytes, *, fd: int | None = None, timeout_s: float | None = None) -> memoryview:
         """:meth:`request` and :meth:`wait`: the response body."""

@@ -7,9 +7,10 @@ a shared file:
 
 - :class:`SharedBuffer` makes one: a memfd sealed against shrinking, which the
   server maps (access mode 1, ``memcpy``; the fastest).
-- A file in ``/dev/shm`` (or any file) that the process ``mmap`` s with
-  ``MAP_SHARED`` works too; the server then copies with ``pread``/``pwrite``
-  (access mode 2), so a file truncated under it cannot crash it.
+- A file in memory (tmpfs such as ``/dev/shm``, hugetlbfs) that the process
+  ``mmap`` s with ``MAP_SHARED`` works too; the server then copies with
+  ``pread``/``pwrite`` (access mode 2), so a file truncated under it cannot
+  crash it. The server refuses a file on a disk (its copies would stall).
 - Anonymous memory (``malloc``, numpy/torch allocations, CUDA pinned host
   memory) has no file behind it and cannot be registered.
 

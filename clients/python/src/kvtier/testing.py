@@ -23,6 +23,9 @@ from pathlib import Path
 #: How long a start may take before it counts as failed (a cold store opens
 #: in well under a second; a debug build under load is slower).
 START_TIMEOUT_S = 30.0
+#: The longest Unix socket path (``sun_path`` less its NUL); the server
+#: refuses to start on a longer ``--local-socket``.
+SUN_PATH_MAX = 107
 
 
 def free_port() -> int:
@@ -71,6 +74,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvtier-test-")
+        # The socket's default, <data_dir>/kvtier.sock, can be too long for a
+        # Unix socket path under a deep data directory: then a short one.
+        self._socket_dir: str | None = None
+        if "--local-socket" not in args and len(os.fsencode(self.data_dir)) + len("/kvtier.sock") > SUN_PATH_MAX:
+            self._socket_dir = tempfile.mkdtemp(prefix="kvtier-sock-")
+            args = ("--local-socket", os.path.join(self._socket_dir, "kvtier.sock"), *args)
         self.argv = [
             kvtier_binary(),
             "serve",
@@ -92,6 +101,26 @@ class ServerProcess:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(self.data_dir) / "server.log" if not self._own_dir else Path(self.data_dir + ".log")
+
+    @property
+    def socket_path(self) -> str | None:
+        """The same-host socket (docs/LOCAL.md): ``--local-socket`` if given
+        (``None`` for ``none``), else ``<data_dir>/kvtier.sock``."""
+        if "--local-socket" in self.argv:
+            path = self.argv[self.argv.index("--local-socket") + 1]
+            return None if path == "none" else path
+        return str(Path(self.data_dir) / "kvtier.sock")
+
+    @property
+    def unix_url(self) -> str:
+        """``unix://`` url of :attr:`socket_path`, for ``kvtier.Client``."""
+        return f"unix://{self.socket_path}"
+
+    @property
+    def pid(self) -> int:
+        """The running server's process id."""
+        assert self.proc is not None
+        return self.proc.pid
 
     def start(self) -> ServerProcess:
         """Starts the server and returns once it prints that it listens.
@@ -141,6 +170,8 @@ class ServerProcess:
     def stop(self) -> None:
         """Stops the server and removes a data directory it created."""
         self.terminate()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.log.unlink(missing_ok=True)

@@ -1,0 +1,533 @@
+"""The client's side of the same-host plane above one connection: connecting
+and reconnecting, the buffers it registered, batches with their retries, and
+the staging area for memory that is not registered.
+
+Registrations live on a connection (docs/LOCAL.md: the server drops them when
+it closes), so every new connection re-registers every buffer, from the
+descriptor the client keeps of each, before any batch runs on it; the handle
+of a buffer is per connection and never leaves this module (the user's name
+for a buffer is its address). A batch whose connection broke is sent once
+more on a new one; ``OVERLOADED`` is retried after the server's hint.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from . import codes
+from .errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
+from .local import (
+    CLIENT_NAME,
+    ITEM_BYTES,
+    MAX_ITEMS,
+    MAX_PAYLOAD_BYTES,
+    OP_GET_INTO,
+    OP_PUT_FROM,
+    LocalConnection,
+    decode_results,
+    encode_items,
+)
+from .shm import SharedBuffer
+
+log = logging.getLogger("kvtier.local")
+T = TypeVar("T")
+
+#: Tries after ``OVERLOADED`` that store nothing (each after the server's
+#: ``retry_after_ms``, at least 10 ms doubling per try), before the code is
+#: answered; a try that stores some items does not count.
+OVERLOAD_RETRIES = 6
+#: The longest single wait on an ``OVERLOADED`` hint, in seconds.
+OVERLOAD_WAIT_MAX_S = 2.0
+#: A batch's answer may take this long per GiB moved, on top of ``timeout_s``.
+SECONDS_PER_GIB = 10.0
+
+
+class Region:
+    """One registered buffer: ``size`` bytes at address ``ptr``; on the Unix
+    transport also ``fd`` (the client's own descriptor, kept for
+    re-registration), the region's offset in that file, and the server's
+    ``access`` (1 mapped, 2 file I/O). ``obj`` keeps a buffer object alive."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ptr: int, size: int, *, obj: Any = None, fd: int = -1, file_offset: int = 0) -> None:
+        self.id = next(Region._ids)
+        self.ptr, self.size, self.end = ptr, size, ptr + size
+        self.obj, self.fd, self.file_offset = obj, fd, file_offset
+        self.access = 0
+
+    def close(self) -> None:
+        """Closes the client's descriptor of the region's file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Regions:
+    """The registered buffers by address (non-overlapping). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._by_start: dict[int, Region] = {}
+        self._lock = threading.Lock()
+
+    def add(self, region: Region) -> Region | None:
+        """Adds ``region``; returns an existing one it overlaps instead (and adds nothing)."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, region.ptr)
+            for j in (i - 1, i):
+                if 0 <= j < len(self._starts):
+                    other = self._by_start[self._starts[j]]
+                    if other.ptr < region.end and region.ptr < other.end:
+                        return other
+            self._starts.insert(i, region.ptr)
+            self._by_start[region.ptr] = region
+            return None
+
+    def remove(self, ptr: int) -> Region | None:
+        """Removes and returns the region registered at exactly ``ptr``."""
+        with self._lock:
+            region = self._by_start.pop(ptr, None)
+            if region is not None:
+                self._starts.remove(ptr)
+            return region
+
+    def find(self, ptr: int) -> Region | None:
+        """The region holding address ``ptr``, if any."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i < 0:
+                return None
+            region = self._by_start[self._starts[i]]
+            return region if ptr < region.end else None
+
+    def all(self) -> list[Region]:
+        with self._lock:
+            return list(self._by_start.values())
+
+    def clear(self) -> list[Region]:
+        with self._lock:
+            regions = list(self._by_start.values())
+            self._starts.clear()
+            self._by_start.clear()
+            return regions
+
+
+def key_chunks(keys: Sequence[str], idx: Sequence[int], each: int) -> Iterator[list[int]]:
+    """``idx`` in order, in pieces of at most 4,096 items whose payload (u32 n,
+    ``each`` bytes per item plus its key) stays within 1 MiB."""
+    chunk: list[int] = []
+    nbytes = 4
+    for i in idx:
+        cost = each + len(keys[i].encode())
+        if chunk and (len(chunk) == MAX_ITEMS or nbytes + cost > MAX_PAYLOAD_BYTES):
+            yield chunk
+            chunk, nbytes = [], 4
+        chunk.append(i)
+        nbytes += cost
+    if chunk:
+        yield chunk
+
+
+class _Staging:
+    """A registered :class:`SharedBuffer` of ``slots`` block-sized slots for
+    memory that is not registered (one bounce copy per item)."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.buf = SharedBuffer(slots * slot_bytes, name="kvtier-staging")
+        self.slot_bytes = slot_bytes
+        self.region = Region(self.buf.ptr, self.buf.nbytes, fd=os.dup(self.buf.fd))
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+
+    def acquire(self, want: int) -> list[int]:
+        """Up to ``want`` free slots (waits for at least one; never holds some while waiting)."""
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            take, self._free = self._free[:want], self._free[want:]
+            return take
+
+    def release(self, slots: list[int]) -> None:
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+
+class LocalSession:
+    """The Unix transport of one :class:`kvtier.Client`: one connection at a
+    time to ``path``, made on first use and again after it breaks.
+
+    Args:
+        path: the server's socket.
+        token: sent in the hello (``--auth-token-file``).
+        timeout_s: how long to keep trying to connect (and say hello, and
+            re-register) before items fail with ``CONNECTION_LOST``; also the
+            limit for an answer (plus ``SECONDS_PER_GIB`` per GiB moved).
+        expect_block_bytes, expect_model: checked by the server's hello.
+        staging_blocks: slots of the staging area (created on first bounce).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        token: str | None,
+        timeout_s: float,
+        expect_block_bytes: int | None = None,
+        expect_model: str | None = None,
+        staging_blocks: int = 8,
+        client_name: str = CLIENT_NAME,
+    ) -> None:
+        self.path, self.token, self.timeout_s = path, token, timeout_s
+        self.expect_block_bytes, self.expect_model = expect_block_bytes, expect_model
+        self.staging_blocks, self.client_name = max(1, staging_blocks), client_name
+        self.info: dict[str, Any] = {}
+        self.epoch: int | None = None
+        self.block_bytes: int | None = None
+        self._lock = threading.RLock()  # connecting, registering
+        self._conn: LocalConnection | None = None
+        self._handles: dict[int, int] = {}  # Region.id → handle on self._conn
+        self._regions: dict[int, Region] = {}  # every region to register on a connection
+        self._staging: _Staging | None = None
+        self._closed = False
+        self.counters = dict.fromkeys(
+            ("reconnects", "registrations_renewed", "retries_after_loss", "retries_overloaded"), 0
+        )
+        self.counters.update(bounce_copies=0, bounce_bytes=0)
+        self._count_lock = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counters[name] += n
+
+    # ------------------------------------------------------------ connection
+
+    def connection(self) -> tuple[LocalConnection, dict[int, int]]:
+        """The live connection and its handles; connects (hello, re-registering
+        every buffer) when there is none.
+
+        Raises:
+            KvtierConnectionError: not connected within ``timeout_s`` (``local_code`` -21).
+            UnauthorizedError, GeometryMismatchError, ProtocolError: refused.
+        """
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn, self._handles
+        with self._lock:
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn, self._handles
+            if self._closed:
+                raise KvtierError("the client is closed", code="client_closed")
+            return self._connect(self.timeout_s)
+
+    def probe(self) -> None:
+        """Connects and says hello once, without waiting for a server to come up.
+
+        Raises:
+            KvtierConnectionError: no server answers on the socket now.
+            UnauthorizedError, GeometryMismatchError, ProtocolError: refused.
+        """
+        with self._lock:
+            self._connect(0.0)
+
+    def _connect(self, patience_s: float) -> tuple[LocalConnection, dict[int, int]]:
+        deadline = time.monotonic() + patience_s
+        pause, last, tries = 0.02, "no try", 0
+        while True:
+            left = deadline - time.monotonic()
+            if tries and left <= 0:
+                raise error_from_code(
+                    codes.CONNECTION_LOST, f"cannot reach {self.path} within {self.timeout_s} s; last: {last}"
+                )
+            tries += 1
+            try:
+                conn = LocalConnection(self.path, timeout_s=self.timeout_s if left <= 0 else min(left, self.timeout_s))
+            except PermissionError as e:
+                raise KvtierConnectionError(f"{self.path}: {e}", code="permission_denied") from e
+            except OSError as e:  # not there yet, refused: a server (re)starting
+                last = repr(e)
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(pause * 2, 0.5)
+                continue
+            try:
+                handles = self._hello_and_register(conn)
+            except KvtierError as e:
+                conn.close()
+                if e.local_code != codes.CONNECTION_LOST:
+                    raise
+                last = str(e)  # closed under the hello: a server stopping or starting
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(pause * 2, 0.5)
+                continue
+            if self._conn is not None:
+                self.count("reconnects")
+                self.count("registrations_renewed", len(handles))
+            self._conn, self._handles = conn, handles
+            return conn, handles
+
+    def _hello_and_register(self, conn: LocalConnection) -> dict[int, int]:
+        expect = self.block_bytes if self.block_bytes is not None else self.expect_block_bytes
+        info = conn.hello(token=self.token, block_bytes=expect, model=self.expect_model, client=self.client_name)
+        if self.block_bytes is not None and info["block_bytes"] != self.block_bytes:
+            raise GeometryMismatchError(
+                f"the server at {self.path} now has block_bytes {info['block_bytes']}; "
+                f"this client started with {self.block_bytes}",
+                code="geometry_mismatch",
+            )
+        if self.epoch is not None and info["epoch"] != self.epoch:
+            log.info("kvtier at %s restarted (epoch %s -> %s)", self.path, self.epoch, info["epoch"])
+        self.info, self.epoch, self.block_bytes = info, info["epoch"], int(info["block_bytes"])
+        handles: dict[int, int] = {}
+        for region in list(self._regions.values()):
+            try:
+                handles[region.id], region.access = conn.register(region.fd, region.file_offset, region.size)
+            except KvtierError as e:
+                if e.local_code == codes.CONNECTION_LOST:
+                    raise
+                log.warning("kvtier: cannot register %#x (%d bytes) again: %s", region.ptr, region.size, e)
+        return handles
+
+    def close(self) -> None:
+        """Closes the connection and every descriptor it keeps."""
+        with self._lock:
+            self._closed = True
+            if self._conn is not None:
+                self._conn.close()
+            for region in self._regions.values():
+                region.close()
+            self._regions.clear()
+            if self._staging is not None:
+                self._staging.buf.close()
+
+    # --------------------------------------------------------- registration
+
+    def register(self, region: Region) -> int:
+        """Registers ``region`` (its ``fd`` now belongs to the session): 0, or
+        the code that refused it (the fd is then closed).
+
+        Raises:
+            GeometryMismatchError, UnauthorizedError: a (re)connection was refused.
+        """
+        with self._lock:
+            self._regions[region.id] = region
+            code = codes.CONNECTION_LOST
+            for attempt in range(2):
+                try:
+                    conn, handles = self.connection()
+                    if region.id not in handles:
+                        handles[region.id], region.access = conn.register(region.fd, region.file_offset, region.size)
+                    return codes.OK
+                except (GeometryMismatchError, UnauthorizedError):
+                    del self._regions[region.id]
+                    region.close()
+                    raise
+                except KvtierError as e:
+                    if e.local_code == codes.CONNECTION_LOST and attempt == 0:
+                        continue
+                    code = e.local_code if e.local_code is not None else codes.IO_ERROR
+                    log.warning("kvtier: registering %d bytes at %#x failed: %s", region.size, region.ptr, e)
+            del self._regions[region.id]
+            self._handles.pop(region.id, None)
+            region.close()
+            return code
+
+    def unregister(self, region: Region) -> None:
+        """Forgets ``region`` here and on the server, and closes its fd."""
+        with self._lock:
+            self._regions.pop(region.id, None)
+            handle = self._handles.pop(region.id, None)
+            conn = self._conn
+            if handle is not None and conn is not None and conn.alive:
+                try:
+                    conn.unregister(handle)
+                except KvtierError as e:  # gone with the connection, or already
+                    log.debug("kvtier: UNREGISTER %d: %s", handle, e)
+            region.close()
+
+    def staging(self) -> _Staging:
+        """The staging area, registered on first use."""
+        if self._staging is None:
+            with self._lock:
+                if self._staging is None:
+                    self.connection()
+                    assert self.block_bytes is not None
+                    staging = _Staging(self.staging_blocks, self.block_bytes)
+                    code = self.register(staging.region)
+                    if code != codes.OK:
+                        staging.buf.close()
+                        raise error_from_code(code, "the client's staging area could not be registered")
+                    self._staging = staging
+        return self._staging
+
+    # -------------------------------------------------------------- batches
+
+    def _answer_timeout(self, nbytes: int) -> float:
+        return self.timeout_s + SECONDS_PER_GIB * nbytes / (1 << 30)
+
+    def transfer(self, op: int, keys: Sequence[str], spans: Sequence[tuple[Region, int, int]]) -> list[tuple[int, int]]:
+        """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]`` = ``(region,
+        offset in it, length)``, all chunks in flight at once. Per item
+        ``(result, tier or created)``; never raises for an item. A chunk whose
+        connection broke is sent once more; ``OVERLOADED`` items are retried.
+
+        Raises:
+            GeometryMismatchError, UnauthorizedError, ProtocolError: a
+                reconnect was refused (configuration, not an item's fate).
+        """
+        out: list[tuple[int, int]] = [(codes.CONNECTION_LOST, 0)] * len(keys)
+        todo = list(range(len(keys)))
+        lost_left, stalls, pause = 1, 0, 0.0
+        while todo:
+            if pause:
+                time.sleep(pause)
+            try:
+                conn, handles = self.connection()
+            except KvtierError as e:
+                if e.local_code != codes.CONNECTION_LOST:
+                    raise
+                for i in todo:
+                    out[i] = (codes.CONNECTION_LOST, 0)
+                break
+            sendable, handle_of = [], {}
+            for i in todo:
+                handle = handles.get(spans[i][0].id)
+                if handle is None:  # unregistered meanwhile, or refused on this connection
+                    out[i] = (codes.UNKNOWN_HANDLE, 0)
+                else:
+                    sendable.append(i)
+                    handle_of[i] = handle
+            flights = []
+            for chunk in key_chunks(keys, sendable, ITEM_BYTES + 2):
+                items = [(handle_of[i], spans[i][1], spans[i][2], keys[i]) for i in chunk]
+                nbytes = sum(spans[i][2] for i in chunk)
+                try:
+                    flights.append((chunk, nbytes, conn.request(op, encode_items(items))))
+                except KvtierError as e:  # the connection died under an earlier chunk
+                    flights.append((chunk, nbytes, e))
+            lost: list[int] = []
+            overloaded: list[int] = []
+            hint = 0.0
+            for chunk, nbytes, fut in flights:
+                try:
+                    if isinstance(fut, KvtierError):
+                        raise fut
+                    body, retry_after_ms = conn.wait_hinted(fut, op, self._answer_timeout(nbytes))
+                    results = decode_results(body, len(chunk))
+                    if any(r == codes.OVERLOADED for r, _ in results):
+                        hint = max(hint, retry_after_ms / 1000.0)
+                except KvtierError as e:
+                    code = e.local_code if e.local_code is not None else codes.BAD_REQUEST
+                    results = [(code, 0)] * len(chunk)
+                    if code == codes.OVERLOADED:
+                        hint = max(hint, getattr(e, "retry_after_s", None) or 0.0)
+                    elif code != codes.CONNECTION_LOST:
+                        log.warning("kvtier: %d items failed as a whole: %s", len(chunk), e)
+                for i, result in zip(chunk, results, strict=True):
+                    out[i] = result
+                    if result[0] == codes.CONNECTION_LOST:
+                        lost.append(i)
+                    elif result[0] == codes.OVERLOADED:
+                        overloaded.append(i)
+            # A shard admits PUT bytes up to its budget and refuses the rest of
+            # a batch item by item (OVERLOADED, with retry_after_ms). While a
+            # round stores some, the refused ones go again at once: the budget
+            # they met was this batch's own, free again once its answer came.
+            # Rounds that store none (others hold the budget) wait the hint,
+            # back off and count against OVERLOAD_RETRIES.
+            sent, todo, pause = len(todo), [], 0.0
+            if lost and lost_left:
+                lost_left -= 1
+                self.count("retries_after_loss")
+                todo += lost
+            if overloaded:
+                stalls = 0 if len(overloaded) < sent else stalls + 1
+                if stalls <= OVERLOAD_RETRIES:
+                    self.count("retries_overloaded")
+                    todo += overloaded
+                    pause = min(max(hint, 0.01 * 2 ** (stalls - 1)), OVERLOAD_WAIT_MAX_S) if stalls else 0.0
+            todo.sort()
+        return out
+
+    def keys_call(self, fn: Callable[[LocalConnection], T]) -> T:
+        """``fn(connection)``, one request of keys, again once on a new
+        connection after it broke and after ``OVERLOADED`` hints.
+
+        Raises:
+            KvtierError: the request's error (``local_code`` set).
+        """
+        lost_left, overload_left = 1, OVERLOAD_RETRIES
+        while True:
+            conn, _ = self.connection()
+            try:
+                return fn(conn)
+            except KvtierError as e:
+                if e.local_code == codes.CONNECTION_LOST and lost_left:
+                    lost_left -= 1
+                    self.count("retries_after_loss")
+                    continue
+                if e.local_code == codes.OVERLOADED and overload_left:
+                    overload_left -= 1
+                    self.count("retries_overloaded")
+                    backoff = 0.01 * 2 ** (OVERLOAD_RETRIES - overload_left - 1)
+                    time.sleep(min(max(getattr(e, "retry_after_s", None) or 0.0, backoff), OVERLOAD_WAIT_MAX_S))
+                    continue
+                raise
+
+    # ------------------------------------------------------------- bouncing
+
+    def bounce_get(self, keys: Sequence[str], sink: Callable[[int, int, int], None]) -> list[tuple[int, int]]:
+        """``GET_INTO`` of ``keys`` through the staging area: for each hit,
+        ``sink(i, address, nbytes)`` copies the block out of its slot. Per
+        item ``(result, tier)``."""
+        staging = self.staging()
+        bb = staging.slot_bytes
+        out: list[tuple[int, int]] = []
+        start = 0
+        while start < len(keys):
+            slots = staging.acquire(len(keys) - start)
+            try:
+                part = keys[start : start + len(slots)]
+                spans = [(staging.region, s * bb, bb) for s in slots]
+                results = self.transfer(OP_GET_INTO, part, spans)
+                for j, (result, _) in enumerate(results):
+                    if result > 0:
+                        sink(start + j, staging.buf.ptr + slots[j] * bb, result)
+                out += results
+            finally:
+                staging.release(slots)
+            start += len(slots)
+        return out
+
+    def bounce_put(self, keys: Sequence[str], fill: Callable[[int, int], None]) -> list[tuple[int, int]]:
+        """``PUT_FROM`` of ``keys`` through the staging area: ``fill(i,
+        address)`` copies item i's ``block_bytes`` into its slot first."""
+        staging = self.staging()
+        bb = staging.slot_bytes
+        out: list[tuple[int, int]] = []
+        start = 0
+        while start < len(keys):
+            slots = staging.acquire(len(keys) - start)
+            try:
+                for j, s in enumerate(slots):
+                    fill(start + j, staging.buf.ptr + s * bb)
+                spans = [(staging.region, s * bb, bb) for s in slots]
+                out += self.transfer(OP_PUT_FROM, keys[start : start + len(slots)], spans)
+            finally:
+                staging.release(slots)
+            start += len(slots)
+        return out
+
+
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """``memmove`` between two addresses of this process."""
+    ctypes.memmove(dst, src, nbytes)

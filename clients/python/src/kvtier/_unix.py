@@ -1,0 +1,346 @@
+"""The block methods of :class:`kvtier.Client` over the same-host plane.
+
+Each call names memory: the caller's own where it lies in a registered buffer
+(the server copies straight into or out of it), else a slot of the session's
+staging area and one copy here (a *bounce*, counted in ``local_stats()``).
+``get`` and ``get_many`` always bounce (they return new ``bytes``). Errors
+are those of the HTTP client: a miss is ``None``/``False``, anything else
+raises its :mod:`kvtier.errors` class.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import codes
+from ._session import LocalSession, Region, Regions, copy_bytes, key_chunks
+from .errors import (
+    BlockSizeError,
+    GeometryMismatchError,
+    InvalidKeyError,
+    KvtierError,
+    UnauthorizedError,
+    error_from_code,
+)
+from .keys import check_key
+from .local import OP_GET_INTO, OP_PUT_FROM
+from .shm import buffer_address
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger("kvtier.local")
+
+#: A target or source of one item: ``(address, nbytes, is a buffer object)``,
+#: or the code it already failed with.
+Span = tuple[int, int, bool] | int
+
+_MISS = (codes.NOT_FOUND, codes.CORRUPT)
+
+
+def open_local(
+    client: Client, socket_path: str | None, mode: str, expect: tuple[int | None, str | None, int]
+) -> tuple[LocalBlocks | None, str | None]:
+    """Chooses ``client``'s transport: ``(blocks, "unix")`` or ``(None, "http")``;
+    ``(None, None)`` leaves it open (``/v1/stats`` did not answer: asked again
+    on the next call, which goes over HTTP meanwhile).
+
+    With ``unix://`` (``socket_path``) the socket is connected on first use.
+    From an HTTP url (``mode`` ``"auto"``/``"on"``) the socket named by
+    ``local.socket`` is tried once now; ``"auto"`` stays on HTTP when there is
+    none or its connect or hello fails, ``"on"`` raises.
+
+    Raises:
+        GeometryMismatchError: the hello found another geometry (both modes).
+        KvtierError: with ``"on"``, why the socket cannot be used.
+    """
+    path = socket_path
+    if path is None:
+        try:
+            path = (client.stats().get("local") or {}).get("socket")
+        except KvtierError as e:
+            if mode == "on":
+                raise
+            log.info("kvtier: /v1/stats of %s did not answer (%s); HTTP for now", client.url, e)
+            return None, None
+        if not path:
+            if mode == "on":
+                raise KvtierError(f"{client.url} serves no local socket (--local-socket none?)", code="no_local_socket")
+            log.info("kvtier: %s serves no local socket; blocks go over HTTP", client.url)
+            return None, "http"
+        if not os.path.isabs(path):
+            log.warning("kvtier: %s names a relative socket path %r (its --data-dir is relative)", client.url, path)
+    session = LocalSession(
+        str(path),
+        token=client._token,
+        timeout_s=client.timeout_s,
+        expect_block_bytes=expect[0],
+        expect_model=expect[1],
+        staging_blocks=expect[2],
+    )
+    if socket_path is None:
+        try:
+            session.probe()
+        except GeometryMismatchError:
+            session.close()
+            raise
+        except KvtierError as e:
+            session.close()
+            if mode == "on":
+                raise
+            log.warning("kvtier: the local socket %s is not usable (%s); blocks go over HTTP", path, e)
+            return None, "http"
+    return LocalBlocks(session, client._regions), "unix"
+
+
+def _raise(op: str, key: str, code: int) -> KvtierError:
+    return error_from_code(code, f"{op} {key!r}: {codes.name_of(code)}")
+
+
+class LocalBlocks:
+    """``Client``'s block API on a :class:`~kvtier._session.LocalSession`;
+    ``regions`` is the client's table of registered buffers."""
+
+    def __init__(self, session: LocalSession, regions: Regions) -> None:
+        self.session = session
+        self.regions = regions
+
+    @property
+    def block_bytes(self) -> int:
+        """The store's block size, from the hello (connects if needed)."""
+        self.session.connection()
+        assert self.session.block_bytes is not None
+        return self.session.block_bytes
+
+    # ----------------------------------------------------- items, any memory
+
+    def _place(self, span: tuple[int, int, bool]) -> tuple[Region, int, int] | int | None:
+        """Where one item's bytes are: ``(region, offset, length)`` to name them
+        directly, ``None`` to bounce, or a code (a raw pointer in no buffer)."""
+        ptr, size, is_obj = span
+        region = self.regions.find(ptr)
+        if region is not None and not (is_obj and ptr + size > region.end):
+            return region, ptr - region.ptr, size
+        return None if is_obj else codes.NOT_REGISTERED
+
+    def items(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[tuple[int, int]]:
+        """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]``, direct where
+        registered, else bounced; per item ``(result, tier or created)``."""
+        out: list[tuple[int, int]] = [(codes.OK, 0)] * len(keys)
+        direct: list[int] = []
+        placed: list[tuple[Region, int, int]] = []
+        bounced: list[int] = []
+        try:
+            bb = self.session.block_bytes or self.block_bytes
+        except KvtierError as e:  # never connected, and no server within the timeout
+            if e.local_code != codes.CONNECTION_LOST:
+                raise
+            return [(codes.CONNECTION_LOST, 0)] * len(keys)
+        for i, (key, span) in enumerate(zip(keys, spans, strict=True)):
+            try:
+                check_key(key)
+            except (InvalidKeyError, TypeError):
+                out[i] = (codes.INVALID_KEY, 0)
+                continue
+            if isinstance(span, int):
+                out[i] = (span, 0)
+                continue
+            where = self._place(span)
+            if isinstance(where, int):
+                out[i] = (where, 0)
+            elif where is not None:
+                direct.append(i)
+                placed.append(where)
+            elif span[1] < bb or (op == OP_PUT_FROM and span[1] != bb):
+                out[i] = (codes.WRONG_SIZE, 0)
+            else:
+                bounced.append(i)
+        if direct:
+            results = self.session.transfer(op, [keys[i] for i in direct], placed)
+            for i, result in zip(direct, results, strict=True):
+                out[i] = result
+        if bounced:
+            counters = self.session
+            if op == OP_GET_INTO:
+
+                def sink(j: int, addr: int, nbytes: int) -> None:
+                    span = spans[bounced[j]]
+                    assert not isinstance(span, int)
+                    copy_bytes(span[0], addr, nbytes)
+                    counters.count("bounce_copies")
+                    counters.count("bounce_bytes", nbytes)
+
+                results = self.session.bounce_get([keys[i] for i in bounced], sink)
+            else:
+
+                def fill(j: int, addr: int) -> None:
+                    span = spans[bounced[j]]
+                    assert not isinstance(span, int)
+                    copy_bytes(addr, span[0], bb)
+                    counters.count("bounce_copies")
+                    counters.count("bounce_bytes", bb)
+
+                results = self.session.bounce_put([keys[i] for i in bounced], fill)
+            for i, result in zip(bounced, results, strict=True):
+                out[i] = result
+        return out
+
+    def exist_codes(self, keys: Sequence[str]) -> list[int]:
+        """Per key 1 (stored in some tier), 0 (not), -1 (a bad key, or the
+        request failed)."""
+        out = [-1] * len(keys)
+        good = []
+        for i, key in enumerate(keys):
+            try:
+                check_key(key)
+                good.append(i)
+            except (InvalidKeyError, TypeError):
+                pass
+        for chunk in key_chunks(keys, good, 2):
+            names = [keys[i] for i in chunk]
+            try:
+                tiers = self.session.keys_call(lambda c, names=names: c.exists(names))
+            except (GeometryMismatchError, UnauthorizedError):
+                raise  # a reconnect refused: configuration, not these keys' fate
+            except KvtierError:
+                continue
+            for i, tier in zip(chunk, tiers, strict=True):
+                out[i] = 1 if tier else 0
+        return out
+
+    # --------------------------------------------------- Client's block API
+
+    def _span(self, buf: Any, *, writable: bool) -> tuple[int, int, bool]:
+        ptr, nbytes = buffer_address(buf, writable=writable)
+        return ptr, nbytes, True
+
+    def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
+        """``put`` of each ``(key, data)`` in batches; raises the first
+        item's error after the batch (others may be stored)."""
+        pairs = list(items)
+        keys = [check_key(key) for key, _ in pairs]
+        bb = self.block_bytes
+        spans: list[Span] = []
+        for key, data in pairs:
+            span = self._span(data, writable=False)
+            if span[1] != bb:
+                raise BlockSizeError(
+                    f"block for {key!r} is {span[1]} bytes; the store's block_bytes is {bb}", code="wrong_block_size"
+                )
+            spans.append(span)
+        results = self.items(OP_PUT_FROM, keys, spans)
+        for key, (result, _) in zip(keys, results, strict=True):
+            if result < 0:
+                raise _raise("PUT_FROM", key, result)
+        return [created == 1 for _, created in results]
+
+    def put(self, key: str, data: Any) -> bool:
+        """``put`` over the socket: ``True`` if the key was new."""
+        return self.put_many([(key, data)])[0]
+
+    def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[bool]:
+        """``get_into`` of ``keys[i]`` into ``bufs[i]``; ``False`` per miss."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        for key in keys:
+            check_key(key)
+        bb = self.block_bytes
+        spans: list[Span] = []
+        for buf in bufs:
+            span = self._span(buf, writable=True)
+            if span[1] < bb:
+                raise BlockSizeError(
+                    f"buffer of {span[1]} bytes is too small for a block of {bb} bytes", code="buffer_too_small"
+                )
+            spans.append(span)
+        results = self.items(OP_GET_INTO, keys, spans)
+        out = []
+        for key, (result, _) in zip(keys, results, strict=True):
+            if result < 0 and result not in _MISS:
+                raise _raise("GET_INTO", key, result)
+            out.append(result > 0)
+        return out
+
+    def get_into(self, key: str, buf: Any) -> bool:
+        """``get_into`` over the socket."""
+        return self.get_many_into([key], [buf])[0]
+
+    def _fetch(self, keys: Sequence[str], copy: bool) -> list[tuple[bytes | None, int]]:
+        for key in keys:
+            check_key(key)
+        got: dict[int, bytes] = {}
+
+        def sink(j: int, addr: int, nbytes: int) -> None:
+            if copy:
+                got[j] = ctypes.string_at(addr, nbytes)
+                self.session.count("bounce_copies")
+                self.session.count("bounce_bytes", nbytes)
+
+        results = self.session.bounce_get(list(keys), sink)
+        out: list[tuple[bytes | None, int]] = []
+        for j, (key, (result, tier)) in enumerate(zip(keys, results, strict=True)):
+            if result < 0 and result not in _MISS:
+                raise _raise("GET_INTO", key, result)
+            out.append((got.get(j, b"") if result > 0 else None, tier if result > 0 else 0))
+        return out
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``get`` of each key; ``None`` per miss."""
+        return [data for data, _ in self._fetch(keys, True)]
+
+    def get(self, key: str) -> bytes | None:
+        """``get`` over the socket (through the staging area)."""
+        return self.get_many([key])[0]
+
+    def tier_of(self, key: str) -> str | None:
+        """Reads ``key`` into the staging area: the tier it came from, or ``None``."""
+        _, tier = self._fetch([key], False)[0]
+        return codes.TIER_NAMES.get(tier, str(tier)) if tier else None
+
+    def exists(self, key: str) -> bool:
+        """``EXISTS`` of one key."""
+        check_key(key)
+        return self.session.keys_call(lambda c: c.exists([key]))[0] != 0
+
+    def delete(self, key: str) -> bool:
+        """``DELETE`` of one key: ``True`` if there was a block."""
+        check_key(key)
+        result = self.session.keys_call(lambda c: c.delete([key]))[0]
+        if result < 0 and result != codes.NOT_FOUND:
+            raise _raise("DELETE", key, result)
+        return result >= 0
+
+    def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
+        """``LOOKUP`` of the chain, 4,096 keys (and under 1 MiB) per request."""
+        for key in keys:
+            check_key(key)
+        tiers: list[str] = []
+        for chunk in key_chunks(keys, range(len(keys)), 2):
+            names = [keys[i] for i in chunk]
+            hits, found = self.session.keys_call(lambda c, names=names: c.lookup(names))
+            tiers += [codes.TIER_NAMES.get(t, str(t)) for t in found]
+            if hits < len(names):
+                break
+        return tiers
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """``PREFETCH``: how many of ``keys`` are stored."""
+        for key in keys:
+            check_key(key)
+        total = 0
+        for chunk in key_chunks(keys, range(len(keys)), 2):
+            names = [keys[i] for i in chunk]
+            total += self.session.keys_call(lambda c, names=names: c.prefetch(names))[1]
+        return total
+
+    def ping(self) -> bool:
+        """Whether the server answers on the socket (an ``EXISTS`` of no keys)."""
+        try:
+            self.session.keys_call(lambda c: c.exists([]))
+        except KvtierError as e:
+            return e.local_code not in (codes.CONNECTION_LOST, None)
+        return True

@@ -1,0 +1,330 @@
+"""Mooncake Store's zero-copy calls on :class:`kvtier.Client`.
+
+The names, arguments and return conventions are those of Mooncake's
+``MooncakeDistributedStore`` (``mooncake-integration/store/store_py.cpp``), so
+a connector written for it runs on kvtier: register memory once, then move
+blocks between it and the store by address. Results are ints, one per item,
+and no item's failure raises; the negative codes are :mod:`kvtier.codes`.
+
+Wherever Mooncake takes a pointer and a size, these calls also take a buffer
+object (a :class:`~kvtier.SharedBuffer`, a ``memoryview`` slice, a numpy array,
+a CPU torch tensor) with its size optional. An object inside a registered
+buffer is named by its offset there; one outside every registered buffer is
+copied through the client's staging area (one bounce copy, counted by
+:meth:`~MooncakeCalls.local_stats`). A raw pointer outside every registered
+buffer fails with -20 ``NOT_REGISTERED``.
+
+Over the Unix transport the server copies straight into and out of the
+registered memory, which must be backed by a shared file (see
+:mod:`kvtier.shm`). Over HTTP the same calls work by copying through the
+HTTP client (``register_buffer`` only records the region), so connector code
+does not depend on the transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import codes
+from ._session import Region, Regions
+from .errors import (
+    BadRequestError,
+    BlockSizeError,
+    DiskFullError,
+    InvalidKeyError,
+    KvtierConnectionError,
+    KvtierError,
+    OverloadedError,
+    UnauthorizedError,
+)
+from .local import OP_GET_INTO, OP_PUT_FROM
+from .shm import UnshareableMemoryError, backing_fd, buffer_address
+
+if TYPE_CHECKING:
+    from ._unix import LocalBlocks, Span
+
+log = logging.getLogger("kvtier.local")
+
+
+def _http_code(e: BaseException) -> int:
+    """The code for an exception of the HTTP client."""
+    if e.__class__ is KvtierError or not isinstance(e, KvtierError):
+        return codes.BAD_BUFFER if isinstance(e, (TypeError, ValueError)) else codes.IO_ERROR
+    if e.local_code is not None:
+        return e.local_code
+    for cls, code in (
+        (InvalidKeyError, codes.INVALID_KEY),
+        (BlockSizeError, codes.WRONG_SIZE),
+        (DiskFullError, codes.DISK_FULL),
+        (UnauthorizedError, codes.UNAUTHORIZED),
+        (KvtierConnectionError, codes.CONNECTION_LOST),
+        (BadRequestError, codes.BAD_REQUEST),
+    ):
+        if isinstance(e, cls):
+            return code
+    if isinstance(e, OverloadedError):
+        return codes.SHUTTING_DOWN if e.code == "shutting_down" else codes.OVERLOADED
+    return codes.IO_ERROR
+
+
+class MooncakeCalls:
+    """Mixin of :class:`kvtier.Client`: Mooncake Store's buffer calls.
+
+    Needs of the class it is mixed into: ``_regions`` (a
+    :class:`~kvtier._session.Regions`), ``_unix()`` (the Unix transport's
+    block API, or ``None`` over HTTP), ``block_bytes``, ``get_into``, ``put``,
+    ``exists`` and ``executor()``.
+    """
+
+    _regions: Regions
+
+    if TYPE_CHECKING:
+        block_bytes: int
+
+        def _unix(self) -> LocalBlocks | None: ...
+        def get_into(self, key: str, buf: Any) -> bool: ...
+        def put(self, key: str, data: Any) -> bool: ...
+        def exists(self, key: str) -> bool: ...
+        def executor(self) -> Any: ...
+
+    # ---------------------------------------------------------- registering
+
+    def register_buffer(self, buffer_ptr: int | Any, size: int | None = None) -> int:
+        """Registers ``size`` bytes at address ``buffer_ptr`` (or a buffer
+        object's memory: ``register_buffer(shared_buffer)``) for the batch calls.
+
+        Over the Unix transport the memory must be backed by a shared file: a
+        :class:`~kvtier.SharedBuffer` (mapped by the server), or a ``MAP_SHARED``
+        mapping of a file in memory: tmpfs such as ``/dev/shm``, or hugetlbfs
+        (file I/O; the server refuses a file on a disk with -18). The client keeps a
+        descriptor of the file and registers it again after a reconnect.
+        Registering the same address and size again is a no-op.
+
+        Returns:
+            0, or a negative code: -18 ``BAD_BUFFER`` for memory no file backs
+            (anonymous ``malloc``, numpy/torch allocations, pinned memory; a
+            warning says why), a region overlapping a registered one, or a
+            size the object does not have; -16 ``LIMIT`` over the server's
+            registrations; -21 ``CONNECTION_LOST``.
+
+        Raises:
+            TypeError: ``size`` missing with an ``int`` pointer, or an object with no buffer.
+            GeometryMismatchError, UnauthorizedError: the server refused the
+                client (configuration, not this buffer's fault).
+        """
+        ptr, nbytes, obj = self._resolve(buffer_ptr, size, writable=True, what="register_buffer")
+        if nbytes <= 0:
+            log.warning("kvtier: register_buffer of %d bytes at %#x: the size must be positive", nbytes, ptr)
+            return codes.BAD_BUFFER
+        known = self._regions.find(ptr)
+        if known is not None and known.ptr == ptr and known.size == nbytes:
+            return codes.OK
+        local = self._unix()
+        if local is None:
+            region = Region(ptr, nbytes, obj=obj)
+        else:
+            try:
+                fd, offset = backing_fd(ptr, nbytes)
+            except UnshareableMemoryError as e:
+                log.warning("kvtier: register_buffer(%#x, %d): cannot share it with the server: %s", ptr, nbytes, e)
+                return codes.BAD_BUFFER
+            region = Region(ptr, nbytes, obj=obj, fd=fd, file_offset=offset)
+        other = self._regions.add(region)
+        if other is not None:
+            region.close()
+            log.warning(
+                "kvtier: register_buffer(%#x, %d) overlaps the buffer registered at %#x (%d bytes)",
+                ptr,
+                nbytes,
+                other.ptr,
+                other.size,
+            )
+            return codes.BAD_BUFFER
+        if local is not None:
+            try:
+                code = local.session.register(region)
+            except BaseException:
+                self._regions.remove(ptr)
+                raise
+            if code != codes.OK:
+                self._regions.remove(ptr)
+                return code
+        return codes.OK
+
+    def unregister_buffer(self, buffer_ptr: int | Any) -> int:
+        """Forgets the buffer registered at ``buffer_ptr`` (the address given
+        to :meth:`register_buffer`, or the same object). Items in flight on it
+        finish; later ones naming it by pointer get -20.
+
+        Returns:
+            0, or -20 ``NOT_REGISTERED`` when nothing is registered there.
+        """
+        ptr = buffer_ptr if isinstance(buffer_ptr, int) else buffer_address(buffer_ptr, writable=False)[0]
+        region = self._regions.remove(ptr)
+        if region is None:
+            return codes.NOT_REGISTERED
+        local = self._unix()
+        if local is not None:
+            local.session.unregister(region)
+        region.obj = None
+        return codes.OK
+
+    # -------------------------------------------------------------- batches
+
+    def batch_get_into(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int | Any], sizes: Sequence[int | None] | None = None
+    ) -> list[int]:
+        """Reads block ``keys[i]`` into ``sizes[i]`` bytes at ``buffer_ptrs[i]``
+        (an address in a registered buffer, or a buffer object; its size is
+        the default of ``sizes[i]``). All items in flight at once.
+
+        Returns:
+            Per item the bytes read (``block_bytes``), or a negative code:
+            -2 miss, -8 corrupt (a miss; the target may hold part of it),
+            -3 bad key, -4 ``size < block_bytes`` (nothing copied), -6 past
+            the end of the registered buffer or of the object, -18 an object
+            with no usable buffer, -20 a pointer in no registered buffer,
+            -21 no server within ``timeout_s``; any other code of docs/LOCAL.md.
+
+        Raises:
+            ValueError: ``keys``, ``buffer_ptrs`` and ``sizes`` differ in length.
+            TypeError: no size for an ``int`` pointer.
+        """
+        spans = self._spans(keys, buffer_ptrs, sizes, writable=True)
+        local = self._unix()
+        if local is not None:
+            return [result for result, _ in local.items(OP_GET_INTO, keys, spans)]
+        return self._http_items(keys, spans, self._http_get)
+
+    def batch_put_from(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int | Any], sizes: Sequence[int | None] | None = None
+    ) -> list[int]:
+        """Stores ``sizes[i]`` bytes at ``buffer_ptrs[i]`` (exactly
+        ``block_bytes``) under ``keys[i]``, each all-or-nothing and durable as
+        an HTTP PUT. All items in flight at once.
+
+        Returns:
+            Per item 0, or a negative code: -3 bad key, -4 size not
+            ``block_bytes`` (nothing stored), -9 overloaded (after the
+            client's retries), -10 disk full, and as :meth:`batch_get_into`.
+        """
+        spans = self._spans(keys, buffer_ptrs, sizes, writable=False)
+        local = self._unix()
+        if local is not None:
+            return [min(result, 0) for result, _ in local.items(OP_PUT_FROM, keys, spans)]
+        return self._http_items(keys, spans, self._http_put)
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """Per key 1 (stored in some tier, S3 included), 0 (not stored), or -1
+        (a bad key, or the request failed)."""
+        local = self._unix()
+        if local is not None:
+            return local.exist_codes(keys)
+
+        def one(key: str) -> int:
+            try:
+                return 1 if self.exists(key) else 0
+            except Exception:
+                return -1
+
+        return list(self.executor().map(one, keys))
+
+    def local_stats(self) -> dict[str, Any]:
+        """The client's view of the same-host plane: ``transport``, ``socket``,
+        the server's ``epoch``, ``registrations`` (count) and ``buffers``
+        (``ptr``, ``size``, ``access``: 1 mapped, 2 file I/O, 0 over HTTP),
+        ``bounce_copies`` and ``bounce_bytes`` (items copied through the
+        staging area, and their bytes), ``reconnects``,
+        ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``."""
+        local = self._unix()
+        regions = self._regions.all()
+        stats: dict[str, Any] = {
+            "transport": "http" if local is None else "unix",
+            "socket": None if local is None else local.session.path,
+            "epoch": None if local is None else local.session.epoch,
+            "registrations": len(regions),
+            "buffers": [{"ptr": r.ptr, "size": r.size, "access": r.access} for r in regions],
+        }
+        if local is None:
+            stats.update(bounce_copies=0, bounce_bytes=0, reconnects=0)
+        else:
+            stats.update(local.session.counters)
+        return stats
+
+    # ------------------------------------------------------------ internals
+
+    def _resolve(self, target: int | Any, size: int | None, *, writable: bool, what: str) -> tuple[int, int, Any]:
+        if isinstance(target, int):
+            if size is None:
+                raise TypeError(f"{what}: a pointer needs its size")
+            return target, size, None
+        ptr, nbytes = buffer_address(target, writable=writable)
+        return ptr, nbytes if size is None else size, target
+
+    def _spans(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[int | Any],
+        sizes: Sequence[int | None] | None,
+        *,
+        writable: bool,
+    ) -> list[Span]:
+        if len(keys) != len(targets) or (sizes is not None and len(sizes) != len(keys)):
+            raise ValueError(
+                f"{len(keys)} keys, {len(targets)} buffers and {'no' if sizes is None else len(sizes)} sizes"
+            )
+        spans: list[Span] = []
+        for i, target in enumerate(targets):
+            size = None if sizes is None else sizes[i]
+            if isinstance(target, int):
+                if size is None:
+                    raise TypeError(f"item {i}: a pointer needs its size")
+                spans.append((target, size, False))
+                continue
+            try:
+                ptr, nbytes = buffer_address(target, writable=writable)
+            except (TypeError, ValueError) as e:
+                log.warning("kvtier: item %d (%s): %s", i, keys[i], e)
+                spans.append(codes.BAD_BUFFER)
+                continue
+            if size is not None and size > nbytes:
+                spans.append(codes.OUT_OF_BOUNDS)
+            else:
+                spans.append((ptr, nbytes if size is None else size, True))
+        return spans
+
+    def _http_items(self, keys: Sequence[str], spans: Sequence[Span], fn: Any) -> list[int]:
+        def one(i: int) -> int:
+            span = spans[i]
+            if isinstance(span, int):
+                return span
+            ptr, size, is_obj = span
+            if not is_obj:
+                region = self._regions.find(ptr)
+                if region is None:
+                    return codes.NOT_REGISTERED
+                if ptr + size > region.end:
+                    return codes.OUT_OF_BOUNDS
+            try:
+                view = memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B") if size else memoryview(b"")
+                result: int = fn(keys[i], view)
+                return result
+            except Exception as e:
+                return _http_code(e)
+
+        return list(self.executor().map(one, range(len(keys))))
+
+    def _http_get(self, key: str, view: memoryview) -> int:
+        bb = self.block_bytes
+        if view.nbytes < bb:
+            return codes.WRONG_SIZE
+        return bb if self.get_into(key, view) else codes.NOT_FOUND
+
+    def _http_put(self, key: str, view: memoryview) -> int:
+        if view.nbytes != self.block_bytes:
+            return codes.WRONG_SIZE
+        self.put(key, view)
+        return codes.OK

@@ -1,0 +1,168 @@
+"""The socket client's retries (docs/LOCAL.md), against a scripted stand-in
+for kvtier's socket: OVERLOADED answered with a hint, a connection dropped
+under a batch. (tests/test_local.py covers the real server.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import kvtier
+from kvtier import codes
+from kvtier.local import HEADER, MAGIC
+
+BB = 4096
+EPOCH = 77
+
+
+class FakeServer:
+    """Speaks HELLO, REGISTER, UNREGISTER, PUT_FROM, GET_INTO and EXISTS.
+    ``plan[op]`` is a list of what to do with each request of ``op`` in turn:
+    ``"ok"``, ``("status", code, retry_after_ms)`` for a whole-request
+    failure, ``("items", code[, retry_after_ms])`` for every item, ``"drop"`` (close the
+    connection unanswered) or ``"hang"`` (never answer); once it is empty, ``"ok"``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.plan: dict[int, list] = {}
+        self.accepted = 0
+        self.registered = 0
+        self.seen: list[int] = []
+        self._sock = socket.socket(socket.AF_UNIX)
+        self._sock.bind(path)
+        self._sock.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _recv(conn: socket.socket, n: int, fds: list[int]) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk, got, _, _ = socket.recv_fds(conn, n - len(data), 4)
+            if not chunk:
+                raise EOFError
+            fds += got
+            data += chunk
+        return data
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    fds: list[int] = []
+                    _, op, _, n, rid = HEADER.unpack(self._recv(conn, 16, fds))
+                    payload = self._recv(conn, n, fds) if n else b""
+                    for fd in fds:
+                        os.close(fd)
+                    self.seen.append(op)
+                    step = self.plan.get(op, [])
+                    action = step.pop(0) if step else "ok"
+                    if action == "drop":
+                        return
+                    if action == "hang":
+                        continue
+                    conn.sendall(self._answer(op, rid, payload, action))
+            except (EOFError, OSError):
+                return
+
+    def _answer(self, op: int, rid: int, payload: bytes, action: object) -> bytes:
+        status, body = 0, b""
+        retry = action[2] if isinstance(action, tuple) and len(action) > 2 else 0
+        if isinstance(action, tuple) and action[0] == "status":
+            status, body = action[1], b"scripted failure"
+        elif op == 1:
+            body = json.dumps({"version": 1, "epoch": EPOCH, "block_bytes": BB, "model": "fake"}).encode()
+        elif op == 2:
+            self.registered += 1
+            body = struct.pack("<QB", self.registered, 1)
+        elif op in (4, 5):
+            (count,) = struct.unpack_from("<I", payload)
+            code = action[1] if isinstance(action, tuple) else (BB if op == 4 else 0)
+            body = struct.pack("<I", count) + struct.pack("<qB", code, 2 if op == 4 else 1) * count
+        elif op == 6:
+            (count,) = struct.unpack_from("<I", payload)
+            body = struct.pack("<I", count) + bytes([2]) * count
+        out = struct.pack("<iI", status, retry) + body
+        return HEADER.pack(MAGIC, op | 0x80, 0, len(out), rid) + out
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    root = tempfile.mkdtemp(prefix="kvtier-fake-")
+    server = FakeServer(os.path.join(root, "kv.sock"))
+    yield server
+    server.close()
+    os.unlink(server.path)
+    os.rmdir(root)
+
+
+def test_overloaded_is_retried_after_the_hint(fake):
+    fake.plan[5] = [("status", codes.OVERLOADED, 60), ("items", codes.OVERLOADED, 90), "ok"]
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=5) as c, kvtier.SharedBuffer(2 * BB) as buf:
+        assert c.register_buffer(buf) == 0
+        t0 = time.monotonic()
+        assert c.batch_put_from(["a", "b"], [buf.ptr, buf.ptr + BB], [BB, BB]) == [0, 0]
+        assert time.monotonic() - t0 >= 0.15  # both hints were waited for
+        assert c.local_stats()["retries_overloaded"] == 2
+        assert fake.seen.count(5) == 3
+
+
+def test_overloaded_for_good_is_answered_or_raised(fake):
+    fake.plan[5] = [("status", codes.OVERLOADED, 1)] * 100
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=5) as c, kvtier.SharedBuffer(BB) as buf:
+        assert c.register_buffer(buf) == 0
+        assert c.batch_put_from(["a"], [buf.ptr], [BB]) == [codes.OVERLOADED]
+        with pytest.raises(kvtier.OverloadedError) as e:
+            c.put("a", bytes(BB))
+        assert e.value.local_code == codes.OVERLOADED
+
+
+def test_a_batch_cut_off_is_sent_again_once_after_registering_again(fake):
+    fake.plan[4] = ["drop"]
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=5) as c, kvtier.SharedBuffer(BB) as buf:
+        assert c.register_buffer(buf) == 0
+        assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [BB]
+        stats = c.local_stats()
+        assert stats["retries_after_loss"] == 1 and stats["reconnects"] == 1
+        assert stats["registrations_renewed"] == 1 and stats["epoch"] == EPOCH
+        assert fake.accepted == 2 and fake.registered == 2
+        # Cut off twice: the one retry is spent, the item says so.
+        fake.plan[4] = ["drop", "drop"]
+        assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [codes.CONNECTION_LOST]
+        assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [BB]
+
+
+def test_a_keys_request_cut_off_is_sent_again(fake):
+    fake.plan[6] = ["drop"]
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=2) as c:
+        assert c.batch_is_exist(["a", "b"]) == [1, 1]
+        assert fake.accepted == 2
+
+
+def test_an_unanswered_batch_times_out_and_is_sent_again(fake):
+    fake.plan[4] = ["hang"]
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=1) as c, kvtier.SharedBuffer(BB) as buf:
+        assert c.register_buffer(buf) == 0
+        t0 = time.monotonic()
+        assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [BB]
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert c.local_stats()["retries_after_loss"] == 1 and fake.accepted == 2
