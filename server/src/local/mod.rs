@@ -46,7 +46,9 @@ pub const CONNECTIONS_PER_SHARD_MAX: u64 = 1024;
 pub struct LocalArgs {
     /// Unix socket of the same-host data plane (docs/LOCAL.md): engines on
     /// this host register shared memory and have blocks copied into and
-    /// out of it. Default `<data-dir>/kvtier.sock`; `none` turns it off.
+    /// out of it. Default `<data-dir>/kvtier.sock` (off, with a warning,
+    /// when that is over the 107 bytes a socket path holds); `none` turns
+    /// it off.
     /// Created mode 0660; a stale socket left by a killed server is
     /// replaced; one another server answers on is an error.
     #[arg(long, value_name = "PATH|none")]
@@ -101,6 +103,15 @@ impl LocalArgs {
     /// As [`bind`].
     pub fn open(&self, data_dir: &Path, shards: usize) -> Result<Option<Arc<LocalShared>>, String> {
         let Some(path) = self.path(data_dir) else { return Ok(None) };
+        // Absolute, so `/v1/stats` tells clients in any directory where it is.
+        let path = std::path::absolute(&path).map_err(|e| format!("--local-socket {}: {e}", path.display()))?;
+        if self.local_socket.is_none() && path.as_os_str().len() > SOCKET_PATH_BYTES_MAX {
+            tracing::warn!(
+                "the default local socket {} is over the {SOCKET_PATH_BYTES_MAX} bytes a Unix socket path holds; the same-host data plane is off (give --local-socket a shorter path to turn it on)",
+                path.display()
+            );
+            return Ok(None);
+        }
         let listener = bind(&path)?;
         Ok(Some(Arc::new(LocalShared {
             path,

@@ -148,15 +148,16 @@ impl Region {
     }
 
     /// File I/O only: fails with `BUFFER_SHRUNK` when the file no longer
-    /// holds the whole region.
-    fn check_size(&self) -> std::io::Result<()> {
+    /// holds the region's bytes `[at, at + n)`.
+    fn check_size(&self, at: u64, n: u64) -> std::io::Result<()> {
         // SAFETY: fstat on our descriptor into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
             return Err(errno());
         }
-        if (st.st_size as u64) < self.file_offset + self.len {
-            return Err(shrunk(st.st_size as u64, self.file_offset + self.len));
+        let end = self.file_offset + at + n;
+        if (st.st_size as u64) < end {
+            return Err(shrunk(st.st_size as u64, end));
         }
         Ok(())
     }
@@ -170,7 +171,9 @@ impl Region {
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.base.add(m.region_at + at as usize), src.len()) };
             return Ok(());
         }
-        self.check_size()?;
+        // A file shrunk between this check and the write grows back (pwrite
+        // extends it); nothing faults.
+        self.check_size(at, src.len() as u64)?;
         let mut done = 0usize;
         while done < src.len() {
             let rest = &src[done..];
@@ -211,7 +214,7 @@ impl Region {
             let got = unsafe { libc::pread(self.fd.as_raw_fd(), out.as_mut_ptr().add(done).cast(), n as usize - done, pos) };
             match got {
                 0 => {
-                    let e = shrunk(self.file_offset + at + done as u64, self.file_offset + self.len);
+                    let e = shrunk(self.file_offset + at + done as u64, self.file_offset + at + n);
                     return Err((Code::BufferShrunk, e.to_string()));
                 }
                 g if g < 0 => {
@@ -232,7 +235,7 @@ impl Region {
 }
 
 fn shrunk(size: u64, needed: u64) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the registered file is {size} bytes, shorter than its region (up to byte {needed})"))
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the registered file is {size} bytes, shorter than the item needs (up to byte {needed})"))
 }
 
 fn map_region(fd: i32, offset: u64, len: u64, hugetlb: bool) -> Result<Mapping, String> {
