@@ -11,6 +11,7 @@
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
+#   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; replay over both (target/bench/local/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #
@@ -33,12 +34,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-s3 fake-cuda gpu-check
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-s3 fake-cuda gpu-check
 
 all: build
 
 help:
-	@sed -n '2,16p' Makefile
+	@sed -n '2,17p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -138,6 +139,21 @@ BENCH_PYTHON_ARGS ?=
 bench-python: build target/py-vllm/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
 	  target/py-vllm/bin/python clients/python/bench/bench_python.py --out target/bench/python $(BENCH_PYTHON_ARGS)
+
+# The same-host data plane (docs/LOCAL.md) beside its references, in one
+# run (about 6 minutes here): RAM-tier GETs over the socket against numpy
+# copyto, warm files and HTTP (1 and 8 client processes); cold NVMe-tier
+# GETs against fio and cold files; 16 MiB PUTs against fio and HTTP;
+# batch_is_exist latency; the ShareGPT replay over HTTP, then the socket.
+# Settings in clients/python/bench/bench_local.py; BENCH_LOCAL_ARGS e.g.
+# "--pairs 5 --seconds 3". Cold files drop the page cache (root).
+BENCH_LOCAL_ARGS ?=
+bench-local: build data target/py-vllm/.client
+	@command -v fio >/dev/null || { \
+	  echo "installing fio"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fio; }
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
+	  target/py-vllm/bin/python clients/python/bench/bench_local.py --out target/bench/local $(BENCH_LOCAL_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data

