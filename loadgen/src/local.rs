@@ -824,8 +824,9 @@ impl LocalTarget {
     /// the socket at `url` (`unix:///PATH[?http=HOST:PORT]`), each saying
     /// HELLO and registering one sealed memfd; `slots` block-sized slots
     /// (at least 1) are dealt round-robin over them and bound the
-    /// operations in flight. With `?http=`, `/v1/stats` is read there, and
-    /// its `local.epoch` must be the socket's (the same server).
+    /// operations in flight. `/v1/stats` is read at `?http=`, else at the
+    /// address the HELLO gives, and its `local.epoch` must be the socket's
+    /// (the same server).
     ///
     /// # Errors
     /// [`LocalError::BadTarget`] for a malformed URL; [`LocalError::Setup`]
@@ -887,6 +888,8 @@ impl LocalTarget {
             regions,
             free: Mutex::new(order),
         });
+        // Without `?http=`, the HTTP address the server gave in its HELLO.
+        let http_url = http_url.or_else(|| hello.raw["http"].as_str().map(|a| format!("http://{a}")));
         let http = match http_url {
             None => None,
             Some(u) => {

@@ -536,7 +536,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         steps.end("the port check");
     }
 
-    let local = args.local.open(&config.data_dir, config.shards)?;
+    let local = args.local.open(&config.data_dir, config.shards, config.geometry.block_bytes)?;
     if local.is_some() {
         steps.end("the local socket");
     }
@@ -618,6 +618,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         data_dir.display()
     );
     if let Some(l) = &local {
+        let _ = l.http_addr.set(addr);
         println!("kvtier: same-host data plane on unix://{} (docs/LOCAL.md)", l.path.display());
     }
     if let Some(line) = gpu_line {

@@ -267,8 +267,16 @@ fn register_requests(registry: &mut Registry, stats: &RequestStats, prefix: &str
         }
     }
     registry.register(format!("{prefix}_requests"), format!("{what} answered, by route"), requests);
-    registry.register(format!("{prefix}_client_errors"), format!("{what} failed by the client's fault (HTTP 4xx), by route"), client_errors);
-    registry.register(format!("{prefix}_server_errors"), format!("{what} failed by the server's fault (HTTP 5xx), by route"), server_errors);
+    registry.register(
+        format!("{prefix}_client_errors"),
+        format!("{what} failed by the client's fault (HTTP 4xx), by route"),
+        client_errors,
+    );
+    registry.register(
+        format!("{prefix}_server_errors"),
+        format!("{what} failed by the server's fault (HTTP 5xx), by route"),
+        server_errors,
+    );
     registry.register(format!("{prefix}_request_latency_us"), format!("{what}: latency percentiles in microseconds, by route"), latency);
     let bytes_in = Family::<ShardLabel, Counter>::default();
     let bytes_out = Family::<ShardLabel, Counter>::default();
@@ -287,7 +295,11 @@ fn register_requests(registry: &mut Registry, stats: &RequestStats, prefix: &str
     registry.register(format!("{prefix}_body_bytes_out"), format!("{bytes} sent"), bytes_out);
     registry.register(format!("{prefix}_connections_open"), "Connections open now", open);
     registry.register(format!("{prefix}_connections_accepted"), "Connections accepted", accepted);
-    registry.register(format!("{prefix}_put_bytes_refusals"), format!("{refused} because the shard held --put-inflight-mib of PUT bodies"), put_refusals);
+    registry.register(
+        format!("{prefix}_put_bytes_refusals"),
+        format!("{refused} because the shard held --put-inflight-mib of PUT bodies"),
+        put_refusals,
+    );
 }
 
 /// Renders every metric in the Prometheus (OpenMetrics) text format.

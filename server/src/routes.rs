@@ -554,7 +554,14 @@ async fn metrics(ctx: &Ctx) -> Reply {
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
-    let text = crate::metrics::prometheus_text(&ctx.http, ctx.local.as_deref(), &shards, ctx.store.geometry(), ctx.store.remote().map(|r| r.as_ref()), &health);
+    let text = crate::metrics::prometheus_text(
+        &ctx.http,
+        ctx.local.as_deref(),
+        &shards,
+        ctx.store.geometry(),
+        ctx.store.remote().map(|r| r.as_ref()),
+        &health,
+    );
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")

@@ -210,7 +210,11 @@ fn framing_errors_close_only_their_own_connection() {
 }
 
 fn reqwest_stats(server: &Server) -> serde_json::Value {
-    let body = common::exchange(server.url.trim_start_matches("http://"), b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", Duration::from_secs(5));
+    let body = common::exchange(
+        server.url.trim_start_matches("http://"),
+        b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
     let json = &body[body.find("\r\n\r\n").expect("headers end") + 4..];
     serde_json::from_str(json).unwrap_or_else(|e| panic!("stats JSON: {e}: {json}"))
 }
@@ -281,7 +285,8 @@ fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_st
     let a = r.register(&[fd.as_raw_fd()], 0, 64 * block_bytes);
     assert_eq!(a.status, 0, "{}", a.message());
     let keys: Vec<String> = (0..64).map(|i| format!("budget-{i}")).collect();
-    let items: Vec<(u64, u64, u64, &str)> = keys.iter().enumerate().map(|(i, k)| (1, i as u64 * block_bytes, block_bytes, k.as_str())).collect();
+    let items: Vec<(u64, u64, u64, &str)> =
+        keys.iter().enumerate().map(|(i, k)| (1, i as u64 * block_bytes, block_bytes, k.as_str())).collect();
     let id = r.send(PUT_FROM, &items_payload(&items));
     let a = r.read().unwrap();
     assert_eq!(a.id, id);

@@ -292,7 +292,15 @@ fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result
 
 impl Conn {
     /// Sends the response to `header`'s request and counts it.
-    fn answer(&self, header: Header, result: Result<(Vec<u8>, u32), (Code, String)>, started: Instant, bytes_in: u64, bytes_out: u64, permit: StaticPermit) {
+    fn answer(
+        &self,
+        header: Header,
+        result: Result<(Vec<u8>, u32), (Code, String)>,
+        started: Instant,
+        bytes_in: u64,
+        bytes_out: u64,
+        permit: StaticPermit,
+    ) {
         let op = Op::from_u8(header.op);
         let frame = match result {
             Ok((body, retry_after_ms)) => {
@@ -323,7 +331,8 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
     if conn.said_hello.get() {
         return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
     }
-    let req: serde_json::Value = serde_json::from_slice(payload).map_err(|e| (Code::BadRequest, format!("HELLO payload is not JSON: {e}")))?;
+    let req: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| (Code::BadRequest, format!("HELLO payload is not JSON: {e}")))?;
     let versions: Vec<u32> = req.get("versions").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
     let Some(version) = versions.iter().copied().filter(|v| proto::VERSIONS.contains(v)).max() else {
         return Err((Code::UnsupportedVersion, format!("client speaks versions {versions:?}, server speaks {:?}", proto::VERSIONS)));
@@ -340,13 +349,19 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
         if want != g.block_bytes {
             return Err((
                 Code::GeometryMismatch,
-                format!("client expects block_bytes {want}, server has block_bytes {} (model {}, {} tokens per block)", g.block_bytes, g.model, g.block_tokens),
+                format!(
+                    "client expects block_bytes {want}, server has block_bytes {} (model {}, {} tokens per block)",
+                    g.block_bytes, g.model, g.block_tokens
+                ),
             ));
         }
     }
     if let Some(want) = req.get("model").and_then(|v| v.as_str()) {
         if want != g.model {
-            return Err((Code::GeometryMismatch, format!("client expects model {want:?}, server has model {:?} (block_bytes {})", g.model, g.block_bytes)));
+            return Err((
+                Code::GeometryMismatch,
+                format!("client expects model {want:?}, server has model {:?} (block_bytes {})", g.model, g.block_bytes),
+            ));
         }
     }
     conn.said_hello.set(true);
@@ -362,6 +377,15 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
         "max_payload_bytes": proto::PAYLOAD_BYTES_MAX,
         "max_registrations": REGISTRATIONS_MAX,
         "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
+        "http": conn.shared.http_addr.get().map(|a| {
+            // A wildcard listener is reached on loopback from this host.
+            let ip = match a.ip() {
+                std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+                ip => ip,
+            };
+            std::net::SocketAddr::new(ip, a.port()).to_string()
+        }),
     });
     Ok(serde_json::to_vec(&body).expect("JSON"))
 }
@@ -502,7 +526,7 @@ async fn put_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8
     let _admitted = Admitted(ctx, item.length);
     // All-or-nothing: the whole block is copied out of the client's memory
     // before the store sees any of it.
-    let bytes = match region.read(item.offset, item.length) {
+    let bytes = match region.read(item.offset, item.length, &conn.shared.copy_pool) {
         Ok(b) => b,
         Err((code, _)) => return (code as i64, 0),
     };

@@ -45,7 +45,8 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in `op` order (metrics label order).
-    pub const ALL: [Op; 9] = [Op::Hello, Op::Register, Op::Unregister, Op::GetInto, Op::PutFrom, Op::Exists, Op::Lookup, Op::Delete, Op::Prefetch];
+    pub const ALL: [Op; 9] =
+        [Op::Hello, Op::Register, Op::Unregister, Op::GetInto, Op::PutFrom, Op::Exists, Op::Lookup, Op::Delete, Op::Prefetch];
 
     /// The operation numbered `op`, if known.
     pub fn from_u8(op: u8) -> Option<Op> {
@@ -55,7 +56,8 @@ impl Op {
 
 /// Metrics labels (`/v1/stats` `local.routes`, `kvtier_local_requests`):
 /// op `n` is `ROUTE_NAMES[n - 1]`, then `other` (unknown ops).
-pub const ROUTE_NAMES: [&str; 10] = ["hello", "register", "unregister", "get_into", "put_from", "exists", "lookup", "delete", "prefetch", "other"];
+pub const ROUTE_NAMES: [&str; 10] =
+    ["hello", "register", "unregister", "get_into", "put_from", "exists", "lookup", "delete", "prefetch", "other"];
 
 /// A status or per-item code (docs/LOCAL.md, "Codes"). Negative on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -178,7 +178,6 @@ pub fn memfd(len: u64, sealed: bool) -> OwnedFd {
     }
 }
 
-
 /// Connects to `path`, registers a sealed memfd of two blocks and returns
 /// the connection, the memfd and its handle.
 pub fn ready_with_buffer(path: &Path, block_bytes: u64) -> (Raw, OwnedFd, u64) {

@@ -88,8 +88,9 @@ class Client(MooncakeCalls):
 
     Args:
         url: ``http://HOST:PORT`` of ``kvtier serve`` (HTTP/1.1 is spoken), or
-            ``unix:///PATH`` of its same-host socket (docs/LOCAL.md), with
-            ``?http=HOST:PORT`` for :meth:`stats` and :meth:`ping`.
+            ``unix:///PATH`` of its same-host socket (docs/LOCAL.md); its
+            hello gives the HTTP address :meth:`stats` uses, or give it as
+            ``?http=HOST:PORT``.
         token: bearer token for a server started with ``--auth-token-file``
             (sent in the socket's hello too).
         connections: connections in the pool, and so the most requests in
@@ -108,10 +109,9 @@ class Client(MooncakeCalls):
         staging_blocks: block-sized slots of the socket's staging area, for
             buffers outside every registered one (created on first use).
 
-    Over the socket every method works as over HTTP; :meth:`stats` needs an
-    HTTP address (a ``unix://`` url without ``?http=`` raises;
-    :attr:`server_info` has the hello's geometry), and :meth:`ping` then asks
-    the socket. The Mooncake-style calls
+    Over the socket every method works as over HTTP; :meth:`stats` goes to
+    the HTTP address of ``?http=`` or of the server's hello, and
+    :meth:`ping` without ``?http=`` asks the socket. The Mooncake-style calls
     (:meth:`register_buffer`, :meth:`batch_get_into`, …) are in
     :class:`kvtier.mooncake.MooncakeCalls`.
 
@@ -188,6 +188,16 @@ class Client(MooncakeCalls):
                     self._local, self._transport = open_local(self, self._socket_path, self._local_mode, self._expect)
         return self._local
 
+    def _pool_from_hello(self) -> None:
+        """For a ``unix://`` url without ``?http=``: the HTTP pool at the
+        address the server's hello gives (``http``), if any."""
+        address = self.server_info.get("http") if self._socket_path is not None else None
+        if isinstance(address, str):
+            http = urllib.parse.urlsplit("http://" + address)
+            with self._executor_lock:
+                if self._pool is None and http.hostname:
+                    self._pool = _Pool(http.hostname, http.port or 80, self.connections, self.timeout_s)
+
     @property
     def server_info(self) -> dict[str, Any]:
         """The socket's hello answer (``epoch``, ``block_bytes``, ``model``,
@@ -239,8 +249,12 @@ class Client(MooncakeCalls):
     ) -> _Answer:
         """One request, retried on a fresh connection after a connection failure."""
         if self._pool is None:
+            self._pool_from_hello()
+        if self._pool is None:
             raise KvtierError(
-                f"{method} {path} needs the HTTP API; give it as {self.url}?http=HOST:PORT", code="no_http"
+                f"{method} {path} needs the HTTP API and the server's hello gave no address; "
+                f"give it as {self.url}?http=HOST:PORT",
+                code="no_http",
             )
         failure: BaseException | None = None
         for attempt in range(self.retries + 1):
@@ -482,7 +496,7 @@ class Client(MooncakeCalls):
 
         Raises:
             KvtierError: ``code`` ``"no_http"`` for a ``unix://`` url without
-                ``?http=`` (:attr:`server_info` holds the hello's geometry).
+                ``?http=`` to a server whose hello gives no HTTP address.
         """
         answer = self._exchange("GET", "/v1/stats")
         if answer.status != 200:
