@@ -304,3 +304,20 @@ fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_st
     let refusals: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["put_bytes_refusals"].as_u64().unwrap()).sum();
     assert_eq!(refusals, refused.len() as u64, "counted with HTTP's refusals (one budget per shard)");
 }
+
+#[test]
+fn a_client_that_stops_sending_still_gets_its_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let mut r = Raw::ready(&socket_of(&server));
+    let fd = memfd(BLOCK_BYTES, true);
+    assert_eq!(r.register(&[fd.as_raw_fd()], 0, BLOCK_BYTES).status, 0);
+    let put = r.send(PUT_FROM, &items_payload(&[(1, 0, BLOCK_BYTES, "half-closed")]));
+    let exists = r.send(EXISTS, &keys_payload(&["half-closed", "never"]));
+    r.s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answers: Vec<_> = (0..2).map(|_| r.read().expect("an answer after the half-close")).collect();
+    answers.sort_by_key(|a| a.id);
+    assert_eq!((answers[0].id, answers[0].items()), (put, vec![(0, 1)]));
+    assert_eq!(answers[1].id, exists);
+    assert!(r.closed(), "then the server closes");
+}

@@ -31,6 +31,9 @@ pub const REGISTRATIONS_MAX: usize = 4096;
 /// Descriptors received and not yet claimed by a `REGISTER` frame; past
 /// it the connection is closed (a client flooding descriptors).
 const PENDING_FDS_MAX: usize = 64;
+/// After the client stops sending, its requests in flight get this long to
+/// finish and be answered before the connection closes.
+const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 /// Control-message room: this many descriptors per `recvmsg`.
 const FDS_PER_RECV: usize = 16;
 
@@ -77,8 +80,21 @@ pub async fn serve(stream: UnixStream, ctx: Rc<Ctx>, shared: Arc<LocalShared>) {
     let (out, rx) = mpsc::unbounded();
     let writer = glommio::spawn_local(write_loop(stream.clone(), rx));
     let conn = Rc::new(Conn { ctx, shared, out, said_hello: Cell::new(false), regions: RefCell::default(), next_handle: Cell::new(1) });
-    if let Err(why) = read_loop(&stream, &conn).await {
-        tracing::debug!("local connection closed: {why}");
+    let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
+    match read_loop(&stream, &conn, &in_flight).await {
+        // The client stopped sending (a half-close, or gone): let the
+        // requests it sent finish and their responses go out first.
+        Ok(()) => {
+            let drained = futures_lite::future::or(async { in_flight.acquire(IN_FLIGHT_MAX).await.is_ok() }, async {
+                glommio::timer::sleep(DRAIN_MAX).await;
+                false
+            })
+            .await;
+            if !drained {
+                tracing::debug!("local connection closed with requests still in flight after {DRAIN_MAX:?}");
+            }
+        }
+        Err(why) => tracing::debug!("local connection closed: {why}"),
     }
     conn.drop_regions();
     let _ = conn.out.unbounded_send(None);
@@ -216,9 +232,8 @@ impl Inbox {
 
 /// Reads and dispatches frames until the peer closes or breaks the framing
 /// (then one `0xFF` frame says why).
-async fn read_loop(stream: &UnixStream, conn: &Rc<Conn>) -> Result<(), String> {
+async fn read_loop(stream: &UnixStream, conn: &Rc<Conn>, in_flight: &Rc<Semaphore>) -> Result<(), String> {
     let fd = stream.as_raw_fd();
-    let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
     let mut inbox = Inbox { buf: Vec::new(), base: 0, fds: VecDeque::new() };
     loop {
         let mut pos = 0usize;
