@@ -98,10 +98,12 @@ def test_protocol_op_by_op(server, sb):
         assert c.ping()
 
 
-def test_a_peer_of_another_uid_is_refused(server):
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to run a peer as another uid")
+def hello_as_nobody(server: ServerProcess) -> dict[str, object]:
+    """Runs a hello on ``server``'s socket as uid/gid 65534 (``setpriv``); the
+    first frame back, as JSON."""
     os.chmod(server.data_dir, 0o755)
+    assert server.socket_path is not None
+    os.chmod(os.path.dirname(server.socket_path), 0o755)
     os.chmod(server.socket_path, 0o666)
     snippet = (
         "import socket,struct,sys,json\n"
@@ -110,7 +112,7 @@ def test_a_peer_of_another_uid_is_refused(server):
         "try: s.sendall(struct.pack('<HBBIQ',0x4B54,1,0,len(h),7)+h)\n"
         "except BrokenPipeError: pass  # refused at accept, before the hello\n"
         "b=b''\n"
-        "while True:\n"
+        "while len(b)<16 or len(b)<16+struct.unpack_from('<I',b,4)[0]:  # one frame\n"
         "    try: c=s.recv(65536)\n"
         "    except ConnectionResetError: break  # closed with our hello unread\n"
         "    if not c: break\n"
@@ -135,11 +137,46 @@ def test_a_peer_of_another_uid_is_refused(server):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    frame = json.loads(done.stdout)
+    frame: dict[str, object] = json.loads(done.stdout)
+    return frame
+
+
+needs_setpriv = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run a peer as another uid"
+)
+
+
+@needs_setpriv
+def test_a_peer_of_another_uid_is_refused(server):
+    frame = hello_as_nobody(server)
     assert frame["op"] == 0xFF and frame["status"] == codes.UNAUTHORIZED, frame
     assert "65534" in frame["msg"], frame
     with kvtier.Client(server.url) as c:
         assert c.stats()["local"]["peers_refused"] >= 1
+
+
+@needs_setpriv
+def test_a_peer_of_an_allowed_uid_gets_its_hello():
+    with ServerProcess(block_bytes=BB, args=("--local-allow-uid", "65534")) as s:
+        frame = hello_as_nobody(s)
+        assert frame["op"] == OP_HELLO | 0x80 and frame["status"] == 0, frame
+        assert json.loads(str(frame["msg"]))["block_bytes"] == BB
+    with ServerProcess(block_bytes=BB, args=("--local-allow-gid", "65534")) as s:
+        frame = hello_as_nobody(s)
+        assert frame["op"] == OP_HELLO | 0x80 and frame["status"] == 0, frame
+
+
+def test_the_hello_carries_the_bearer_token(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with ServerProcess(block_bytes=BB, args=("--auth-token-file", str(token))) as s:
+        with kvtier.Client(s.unix_url) as c:
+            # A configuration error, not an item's: raised, naming the token.
+            with pytest.raises(kvtier.KvtierError, match="token"):
+                c.batch_is_exist(["k"])
+        with kvtier.Client(s.unix_url, token="s3cret") as c:
+            assert c.batch_is_exist(["k"]) == [0]
+            assert c.server_info["block_bytes"] == BB
 
 
 def test_put_backpressure_is_retried_until_stored():
