@@ -82,8 +82,9 @@ impl Region {
     ///
     /// # Errors
     /// A message for `BAD_BUFFER`: not a regular file, not open read-write,
-    /// an empty region, a region past the end of the file, or a mapping the
-    /// kernel refused.
+    /// an empty region, a region past the end of the file, not on tmpfs or
+    /// hugetlbfs, an unsealed hugetlbfs file, or a mapping the kernel
+    /// refused.
     pub fn new(fd: OwnedFd, offset: u64, len: u64) -> Result<Region, String> {
         let raw = fd.as_raw_fd();
         // SAFETY: fstat/fcntl/fstatfs on a descriptor we own, into zeroed structs.
@@ -119,7 +120,13 @@ impl Region {
         }
         let hugetlb = fs_type == HUGETLBFS_MAGIC;
         let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
-        let map = if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 { Some(map_region(raw, offset, len, hugetlb)?) } else { None };
+        let sealed = seals >= 0 && seals & libc::F_SEAL_SHRINK != 0;
+        if hugetlb && !sealed {
+            return Err("a hugetlbfs file cannot be read or written with pread/pwrite: register a memfd made with \
+                        MFD_HUGETLB | MFD_ALLOW_SEALING and sealed with F_SEAL_SHRINK"
+                .into());
+        }
+        let map = if sealed { Some(map_region(raw, offset, len, hugetlb)?) } else { None };
         Ok(Region { fd, file_offset: offset, len, map })
     }
 
