@@ -321,3 +321,19 @@ fn a_client_that_stops_sending_still_gets_its_answers() {
     assert_eq!(answers[1].id, exists);
     assert!(r.closed(), "then the server closes");
 }
+
+#[test]
+fn a_clean_stop_is_not_held_up_by_idle_local_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let path = socket_of(&server);
+    let mut idle = Raw::ready(&path);
+    let fd = memfd(BLOCK_BYTES, true);
+    assert_eq!(idle.register(&[fd.as_raw_fd()], 0, BLOCK_BYTES).status, 0);
+    let started = Instant::now();
+    let status = server.stop();
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "SIGTERM took {:?} with an idle local connection open", started.elapsed());
+    assert!(idle.closed(), "the server closed the connection");
+    assert!(!path.exists());
+}

@@ -23,6 +23,7 @@ use super::region::{ItemSink, Region};
 use super::LocalShared;
 use crate::limits;
 use crate::routes::Ctx;
+use crate::server::{shutdown_requested, Shared};
 
 /// Requests in flight on one connection; past it the reader stops reading.
 pub const IN_FLIGHT_MAX: u64 = 256;
@@ -74,24 +75,34 @@ impl Conn {
     }
 }
 
-/// Serves one accepted, peer-checked connection until it closes.
-pub async fn serve(stream: UnixStream, ctx: Rc<Ctx>, shared: Arc<LocalShared>) {
+/// Serves one accepted, peer-checked connection until it closes, or the
+/// server shuts down: then it reads no more requests, answers those in
+/// flight (for up to [`limits::SHUTDOWN_GRACE`]) and closes, so the shard's
+/// store handle is let go and the shard can stop.
+pub async fn serve(stream: UnixStream, ctx: Rc<Ctx>, shared: Arc<LocalShared>, server: Arc<Shared>) {
     let stream = Rc::new(stream);
     let (out, rx) = mpsc::unbounded();
     let writer = glommio::spawn_local(write_loop(stream.clone(), rx));
     let conn = Rc::new(Conn { ctx, shared, out, said_hello: Cell::new(false), regions: RefCell::default(), next_handle: Cell::new(1) });
     let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
-    match read_loop(&stream, &conn, &in_flight).await {
-        // The client stopped sending (a half-close, or gone): let the
-        // requests it sent finish and their responses go out first.
+    let ended = futures_lite::future::or(read_loop(&stream, &conn, &in_flight), async {
+        shutdown_requested(&server).await;
+        Ok(())
+    })
+    .await;
+    match ended {
+        // The client stopped sending (a half-close, or gone), or the server
+        // is stopping: let the requests already read finish and their
+        // responses go out first.
         Ok(()) => {
+            let limit = if server.shutdown.load(Ordering::Relaxed) { limits::SHUTDOWN_GRACE } else { DRAIN_MAX };
             let drained = futures_lite::future::or(async { in_flight.acquire(IN_FLIGHT_MAX).await.is_ok() }, async {
-                glommio::timer::sleep(DRAIN_MAX).await;
+                glommio::timer::sleep(limit).await;
                 false
             })
             .await;
             if !drained {
-                tracing::debug!("local connection closed with requests still in flight after {DRAIN_MAX:?}");
+                tracing::debug!("local connection closed with requests still in flight after {limit:?}");
             }
         }
         Err(why) => tracing::debug!("local connection closed: {why}"),

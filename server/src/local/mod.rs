@@ -286,9 +286,9 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
         let stats = local.stats.clone();
         stats.shard(shard).connections_open.fetch_add(1, Ordering::Relaxed);
         stats.shard(shard).connections_total.fetch_add(1, Ordering::Relaxed);
-        let (ctx, local) = (ctx.clone(), local.clone());
+        let (ctx, local, server) = (ctx.clone(), local.clone(), shared.clone());
         glommio::spawn_local(async move {
-            conn::serve(accepted, ctx, local).await;
+            conn::serve(accepted, ctx, local, server).await;
             stats.shard(shard).connections_open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         })
