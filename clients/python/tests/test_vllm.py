@@ -7,6 +7,12 @@ vLLM's own CPU primary tier (spec.get_manager(), the scheduler-side manager
 vLLM runs) or, in the pattern of vLLM's tests/v1/kv_offload/tiering/
 test_fs_tier.py, a memoryview over a CPU tensor. Nothing here stands in for a
 vLLM class.
+
+Both planes: the `tier` fixture and the transfer tests run with local="off"
+(HTTP) and local="auto" (the same-host socket). vLLM's own primary region is
+a MAP_SHARED /dev/shm file, so through spec.get_manager() the socket path is
+zero-copy (kvtier copies into and out of the rows); a tensor_view() primary is
+torch memory no file backs, so there it is staged through the client.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ KV_TRANSFER_CONFIG = json.loads(
 
 def extra_config(url: str, **tier: object) -> dict:
     extra = copy.deepcopy(KV_TRANSFER_CONFIG["kv_connector_extra_config"])
-    extra["secondary_tiers"][0].update(url=url, timeout_s=5, **tier)
+    extra["secondary_tiers"][0].update({"url": url, "timeout_s": 5, **tier})
     return extra
 
 
@@ -157,12 +163,16 @@ def kvserver() -> Iterator[ServerProcess]:
         yield s
 
 
-@pytest.fixture
-def tier(kvserver) -> Iterator[tuple[KvtierTier, torch.Tensor]]:
+@pytest.fixture(params=["off", "auto"])
+def tier(kvserver, request) -> Iterator[tuple[KvtierTier, torch.Tensor]]:
+    """A tier over a tensor_view() primary, over HTTP ("off") or the socket ("auto", staged)."""
     tensor, view = tensor_view()
     t = SecondaryTierFactory.create_secondary_tier(
-        extra_config(kvserver.url)["secondary_tiers"][0], view, spec_for(kvserver.url)
+        extra_config(kvserver.url, local=request.param)["secondary_tiers"][0], view, spec_for(kvserver.url)
     )
+    assert isinstance(t, KvtierTier)
+    assert t.transport == ("http" if request.param == "off" else "unix")
+    assert t.zero_copy is False  # torch memory: no shared file to register
     yield t, tensor
     t.shutdown()
 
@@ -216,6 +226,9 @@ def test_store_then_load_into_other_chunks_round_trips_the_bytes(tier, kvserver)
     for i, cid in enumerate([5, 6, 7]):
         assert torch.equal(tensor[cid], expected[i])
     assert not tensor[:5].any()
+    staged = 6 if t.transport == "unix" else 0
+    assert t.stats["staged_chunks"] == staged and t.stats["zero_copy_chunks"] == 0
+    assert t.client.local_stats()["bounce_copies"] == staged
 
 
 def test_lookups_answer_retry_then_the_stored_prefix(tier):
@@ -306,12 +319,28 @@ def test_a_block_size_found_wrong_after_start_fails_jobs_and_misses_not_raises(c
         server.stop()
 
 
-def test_the_tiering_manager_cascades_stores_and_promotes_misses(kvserver):
+def assert_plane(t: KvtierTier, local: str, chunks: int) -> None:
+    """`t` (over vLLM's own primary region) moved `chunks` chunks zero-copy
+    over the socket (local="auto"), or over HTTP (local="off")."""
+    if local == "auto":
+        assert t.transport == "unix" and t.zero_copy is True
+        assert t.stats["zero_copy_chunks"] == chunks and t.stats["staged_chunks"] == 0
+        stats = t.client.local_stats()
+        assert stats["bounce_copies"] == 0 and stats["registrations"] == 1
+    else:
+        assert t.transport == "http" and t.zero_copy is False
+        assert t.stats["zero_copy_chunks"] == t.stats["staged_chunks"] == 0
+
+
+@pytest.mark.parametrize("local", ["off", "auto"])
+def test_the_tiering_manager_cascades_stores_and_promotes_misses(kvserver, local):
     """vLLM's scheduler-side TieringOffloadingManager: a chunk stored in one
     engine's CPU tier cascades to kvtier; a second engine (an empty CPU tier)
-    finds it there, promotes it and reads the same bytes."""
+    finds it there, promotes it and reads the same bytes into its own primary
+    rows. On the socket both ways are kvtier copying straight out of and into
+    vLLM's shared region: no copy in this process."""
     keys = [key(300 + i) for i in range(3)]
-    writer = spec_for(kvserver.url).get_manager()
+    writer = spec_for(kvserver.url, local=local).get_manager()
     try:
         ctx = ReqContext(req_id="w")
         writer.on_new_request(ctx)
@@ -327,12 +356,13 @@ def test_the_tiering_manager_cascades_stores_and_promotes_misses(kvserver):
         while t.stats["stored_chunks"] < 3 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert t.stats["stored_chunks"] == 3
+        assert_plane(t, local, 3)
         writer.on_request_finished(ctx)
         writer.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
     finally:
         writer.shutdown()
 
-    reader = spec_for(kvserver.url).get_manager()
+    reader = spec_for(kvserver.url, local=local).get_manager()
     try:
         ctx = ReqContext(req_id="r")
         reader.on_new_request(ctx)
@@ -348,16 +378,18 @@ def test_the_tiering_manager_cascades_stores_and_promotes_misses(kvserver):
         rows = np.asarray(reader.primary_tier.get_kv_memoryview())
         for want, cid in zip(expected, load.chunk_ids):
             assert np.array_equal(rows[int(cid)], want)
+        assert_plane(reader.secondary_tiers[0], local, 3)
         reader.complete_load(keys, ctx)
         reader.on_request_finished(ctx)
     finally:
         reader.shutdown()
 
 
-def test_a_stopped_server_gives_failed_jobs_and_misses_not_a_hang(caplog):
+@pytest.mark.parametrize("local", ["off", "auto"])
+def test_a_stopped_server_gives_failed_jobs_and_misses_not_a_hang(caplog, local):
     server = ServerProcess(block_bytes=ROW_BYTES).start()
     tensor, view = tensor_view()
-    t = KvtierTier(spec_for(server.url), view, "KvtierTier", url=server.url, timeout_s=2, down_s=0.5)
+    t = KvtierTier(spec_for(server.url), view, "KvtierTier", url=server.url, local=local, timeout_s=2, down_s=0.5)
     try:
         tensor[:] = 3.0
         t.submit_store(job(1, [key(400)], [0]))
@@ -412,3 +444,67 @@ def test_drain_jobs_waits_for_every_transfer(tier):
     t.drain_jobs()
     assert len(list(t.get_finished_jobs())) == NUM_CHUNKS
     assert not t.has_pending_work()
+
+
+def test_a_kvtier_restart_on_the_local_plane_fails_jobs_then_recovers_zero_copy(caplog):
+    """vLLM's own primary region registered over the socket; kvtier killed
+    mid-run: jobs fail and lookups miss (bounded by timeout_s, nothing
+    raised), then the restarted server gets the region registered again and
+    a load lands in the primary row, still zero-copy."""
+    server = ServerProcess(block_bytes=ROW_BYTES).start()
+    manager = spec_for(server.url, timeout_s=2, down_s=0.5).get_manager()
+    try:
+        (t,) = manager.secondary_tiers
+        assert isinstance(t, KvtierTier) and t.transport == "unix" and t.zero_copy is True
+        rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+        rows[0] = 3
+        t.submit_store(job(1, [key(450)], [0]))
+        assert all(r.success for r in finished(t))
+
+        server.kill()
+        caplog.set_level(logging.WARNING, logger="kvtier.vllm")
+        started = time.monotonic()
+        t.submit_store(job(2, [key(451)], [1]))
+        t.submit_load(job(3, [key(450)], [2], load=True))
+        assert time.monotonic() - started < 0.1  # submitting never waits on kvtier
+        results = {r.job_id: r for r in finished(t, timeout_s=10)}
+        assert set(results) == {2, 3} and not results[2].success and not results[3].success
+        assert step_until_resolved(t.lookup, [key(450)], t.on_schedule_end) == [LookupResult.MISS]
+        assert any("kvtier" in r.getMessage() for r in caplog.records)
+        assert t.stats["failed_jobs"] == 2 and t.stats["errors"] >= 2
+        t.on_request_finished(CTX)
+
+        start_on_same_port(server)
+        time.sleep(0.6)  # past down_s
+        rows[2] = 0
+        t.submit_load(job(4, [key(450)], [2], load=True))
+        (again,) = finished(t)
+        assert again.success and (rows[2] == 3).all()
+        assert t.stats["zero_copy_chunks"] == 2 and t.stats["staged_chunks"] == 0
+        stats = t.client.local_stats()
+        assert stats["bounce_copies"] == 0 and stats["registrations_renewed"] >= 1
+    finally:
+        manager.shutdown()
+        server.stop()
+
+
+def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
+    """local="auto" (the default) against a kvtier started with
+    --local-socket none: HTTP, said once, and transfers work."""
+    caplog.set_level(logging.INFO, logger="kvtier.vllm")
+    with ServerProcess(block_bytes=ROW_BYTES, args=("--local-socket", "none")) as server:
+        tensor, view = tensor_view()
+        t = KvtierTier(spec_for(server.url), view, "KvtierTier", url=server.url)
+        try:
+            assert t.transport == "http" and t.zero_copy is False
+            tensor[0] = 4.0
+            t.submit_store(job(1, [key(900)], [0]))
+            assert all(r.success for r in finished(t))
+            t.submit_load(job(2, [key(900)], [1], load=True))
+            assert all(r.success for r in finished(t))
+            assert torch.equal(tensor[1], tensor[0])
+            assert t.stats["zero_copy_chunks"] == t.stats["staged_chunks"] == 0
+        finally:
+            t.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm" and "HTTP" in r.getMessage()]
+    assert len(said) == 1 and "blocks move over HTTP" in said[0], said

@@ -7,6 +7,10 @@ the engine misses, never an exception or a stalled scheduler*:
 
 - settings: :func:`client_options` and ``down_s``, the same keys and
   defaults for every engine;
+- transport: ``local`` (``"auto"``) picks the same-host socket of
+  docs/LOCAL.md when the server serves one, else HTTP; the transport used is
+  logged once, at info, when first known, and kept in
+  :attr:`ConnectorCore.transport`;
 - readiness: :meth:`ConnectorCore.start` asks the server once when the engine
   attaches the connector; a server that cannot be reached then is asked again
   at the first call that needs it (:meth:`~ConnectorCore.ready`);
@@ -58,12 +62,19 @@ def client_options(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`~kvtier.Client` arguments of a connector's settings, with
     the defaults every connector documents: ``url``
     (``http://127.0.0.1:8085``), ``token_file`` (read and stripped; none),
-    ``connections`` (8), ``timeout_s`` (10), ``retries`` (1).
+    ``connections`` (8), ``timeout_s`` (10), ``retries`` (1), ``local``
+    (``"auto"``: the same-host socket when the server serves one and its
+    hello succeeds, else HTTP; ``"off"``: HTTP only; ``"on"``: the socket,
+    or every call fails).
 
     Raises:
         OSError: ``token_file`` cannot be read.
-        ValueError: a number that does not parse.
+        ValueError: a number that does not parse, or ``local`` not
+            ``"off"``, ``"auto"`` or ``"on"``.
     """
+    local = str(settings.get("local") or "auto")
+    if local not in ("off", "auto", "on"):
+        raise ValueError(f"local must be 'off', 'auto' or 'on', got {local!r}")
     token_file = settings.get("token_file")
     return {
         "url": str(settings.get("url") or "http://127.0.0.1:8085"),
@@ -71,6 +82,7 @@ def client_options(settings: Mapping[str, Any]) -> dict[str, Any]:
         "connections": int(settings.get("connections", 8)),
         "timeout_s": float(settings.get("timeout_s", 10.0)),
         "retries": int(settings.get("retries", 1)),
+        "local": local,
     }
 
 
@@ -159,6 +171,9 @@ class ConnectorCore:
         failures: the rate-limited warnings and the down window.
         stats: the counters (read them; change them with :meth:`count`).
         chunk_bytes: the engine's chunk size in bytes, once known.
+        transport: ``"unix"`` (the same-host socket) or ``"http"``: how the
+            client moves blocks, once known (the first time the server
+            answers); ``None`` before. Logged once, at info, when known.
     """
 
     def __init__(
@@ -177,6 +192,7 @@ class ConnectorCore:
         self.failures = Failures(logger, self.down_s)
         self.stats: dict[str, int] = dict.fromkeys((*stats, "errors"), 0)
         self.chunk_bytes: int | None = None
+        self.transport: str | None = None
         self._outcome = outcome
         self._chunk = ""
         self._remedy = ""
@@ -208,10 +224,12 @@ class ConnectorCore:
         self._chunk, self._remedy = chunk, remedy
         self._matched, self._mismatch = False, None
         try:
-            self._check_geometry(at_start=True)
+            matched = self._check_geometry(at_start=True)
         except GeometryError:
             self.client.close()
             raise
+        if matched:
+            self._check_transport()
 
     def _check_geometry(self, at_start: bool = False) -> bool:
         """Whether the geometry is known to match (``True`` when there is
@@ -254,14 +272,41 @@ class ConnectorCore:
         """Whether to try kvtier now: not in a down window, and the geometry
         matches (checked with one ``GET /v1/stats`` the first time the server
         answers). Never raises; blocks at most one request (``timeout_s``)."""
-        return not self.failures.down() and self._check_geometry()
+        return not self.failures.down() and self._check_geometry() and self._check_transport()
+
+    def _check_transport(self) -> bool:
+        """Learns the client's transport (the choice ``local`` asks for is
+        made at the client's first call that reaches the server) and logs it
+        once. ``False`` (a recorded failure) when ``local="on"`` and the
+        socket cannot be used; ``True`` otherwise, even while unknown."""
+        if self.transport is not None:
+            return True
+        try:
+            self.client.transport  # noqa: B018 - makes the client choose
+        except KvtierError as e:
+            self.failed("transport", e)
+            return False
+        known = self.client._transport  # None: /v1/stats did not answer yet
+        if known is None:
+            return True
+        with self._lock:
+            if self.transport is not None:
+                return True
+            self.transport = known
+        if known == "unix":
+            socket = self.client.local_stats().get("socket")
+            self.logger.info("kvtier %s: blocks move over the same-host socket %s", self.url, socket)
+        else:
+            self.logger.info("kvtier %s: blocks move over HTTP", self.url)
+        return True
 
     async def ready_async(self) -> bool:
         """:meth:`ready` for an event loop: answers at once once the geometry
         is known, else asks the server on the client's pool."""
         if self.failures.down():
             return False
-        if self._matched or self._mismatch is not None or self.chunk_bytes is None:
+        known = self._matched or self._mismatch is not None or self.chunk_bytes is None
+        if known and self.transport is not None:
             return self._check_geometry()
         return await asyncio.get_running_loop().run_in_executor(self.client.executor(), self.ready)
 

@@ -33,12 +33,27 @@ or refused transfer is a failed job (vLLM recomputes, and a failed load marks
 its keys missing so vLLM does not ask again); a kvtier that is down costs
 misses and a rate-limited warning, never a stalled scheduler.
 
+The same-host plane (``local``, docs/LOCAL.md): vLLM 0.32's primary CPU tier
+is a ``MAP_SHARED`` mapping of ``/dev/shm/vllm_offload_<engine_id>.mmap``
+(``SharedOffloadRegion``). Over the socket the tier registers that mapping
+once, and each job is one batch call in which kvtier copies straight into the
+primary rows (a load) or out of them (a store): no copy in vLLM's process
+(``zero_copy_chunks``). A primary view that no shared file backs cannot be
+registered; then each chunk is one call through the client's staging area, one
+more copy of every byte in this process (``staged_chunks``). Over HTTP each
+chunk is one request, received straight into its row. Which path is used, and
+why, is logged once.
+
 Settings (keys of the tier's entry in ``secondary_tiers``):
 
 =================  ========================  ==========================================
 key                default                   meaning
 =================  ========================  ==========================================
 ``url``            ``http://127.0.0.1:8085``  the kvtier server
+``local``          ``auto``                  ``auto``: the same-host socket when kvtier
+                                             serves one (``local.socket`` of
+                                             ``/v1/stats``), else HTTP; ``off``: HTTP
+                                             only; ``on``: the socket or failed jobs
 ``token_file``     none                      file holding the bearer token
 ``connections``    8                         HTTP/1.1 connections (chunks in flight)
 ``timeout_s``      10                        per socket operation; then a failed job
@@ -76,8 +91,11 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from . import codes
 from ._connector import ConnectorCore, GeometryError
+from .errors import KvtierError, error_from_code
 from .keys import Namespace, block_id_hex
+from .shm import buffer_address
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -158,7 +176,14 @@ class KvtierTier(SecondaryTierManager):
         namespace: the key namespace (see :func:`namespace_of`).
         stats: counters (``lookups``, ``lookup_hits``, ``stores``,
             ``stored_chunks``, ``loads``, ``loaded_chunks``, ``load_misses``,
-            ``failed_jobs``, ``errors``) for tests and debugging.
+            ``failed_jobs``, ``errors``; ``zero_copy_chunks``: chunks kvtier
+            copied straight into or out of the registered primary tier;
+            ``staged_chunks``: chunks moved over the socket through the
+            client's staging area) for tests and debugging.
+        transport: ``"unix"`` or ``"http"`` once known, else ``None`` (see
+            :attr:`kvtier._connector.ConnectorCore.transport`).
+        zero_copy: whether jobs move rows through the registered primary
+            tier; ``None`` until decided (the server has not answered yet).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -171,6 +196,7 @@ class KvtierTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         *,
         url: str = "http://127.0.0.1:8085",
+        local: str = "auto",
         token_file: str | None = None,
         connections: int = 8,
         timeout_s: float = 10.0,
@@ -182,13 +208,24 @@ class KvtierTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
         settings = {
             "url": url,
+            "local": local,
             "token_file": token_file,
             "connections": connections,
             "timeout_s": timeout_s,
             "retries": retries,
             "down_s": down_s,
         }
-        stats = ("lookups", "lookup_hits", "stores", "stored_chunks", "loads", "loaded_chunks", "load_misses")
+        stats = (
+            "lookups",
+            "lookup_hits",
+            "stores",
+            "stored_chunks",
+            "loads",
+            "loaded_chunks",
+            "load_misses",
+            "zero_copy_chunks",
+            "staged_chunks",
+        )
         self._core = ConnectorCore(
             settings, logger=logger, stats=(*stats, "failed_jobs"), outcome="a miss or a failed job"
         )
@@ -208,6 +245,9 @@ class KvtierTier(SecondaryTierManager):
         self._in_flight = 0
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._closed = False
+        self.zero_copy: bool | None = None
+        self._base = 0  # the primary tier's address, once registered
+        self._path_lock = threading.Lock()
         try:
             self._core.start(
                 self.block_size_bytes, chunk="a chunk row of vLLM's CPU offloading tier", remedy="change block_size"
@@ -217,6 +257,8 @@ class KvtierTier(SecondaryTierManager):
                 self._rows.release()  # else vLLM cannot unmap its CPU tier while cleaning up
             raise
         self._lookups = _Lookups(self)
+        if self._core.transport is not None:
+            self._choose_path()
         logger.info(
             "kvtier tier %s: chunks of %d bytes, namespace %s",
             url,
@@ -225,6 +267,50 @@ class KvtierTier(SecondaryTierManager):
         )
 
     # ------------------------------------------------------------ helpers
+
+    @property
+    def transport(self) -> str | None:
+        """``"unix"`` or ``"http"``: how blocks move, once known; else ``None``."""
+        return self._core.transport
+
+    def _choose_path(self) -> bool | None:
+        """Whether jobs go through the registered primary tier (registers it
+        the first time the transport is known to be the socket); ``None``
+        while undecided. Logs the choice once. Blocks at most one request."""
+        if self.zero_copy is not None or self._core.transport is None:
+            return self.zero_copy
+        with self._path_lock:
+            if self.zero_copy is not None:
+                return self.zero_copy
+            if self._core.transport != "unix":
+                self.zero_copy = False  # the core has logged the transport
+                return False
+            try:
+                base, _ = buffer_address(self._rows, writable=True)
+                code = self.client.register_buffer(base, self._rows.nbytes)
+            except (KvtierError, TypeError, ValueError) as e:
+                logger.warning("kvtier tier %s: registering the primary CPU tier failed (%s); tried again", self.url, e)
+                return None
+            if code == codes.CONNECTION_LOST:
+                return None  # tried again at the next job
+            if code == codes.OK:
+                self._base, self.zero_copy = base, True
+                logger.info(
+                    "kvtier tier %s: zero-copy over the same-host socket: the primary CPU tier (%d bytes) is "
+                    "registered; kvtier copies chunks straight into and out of its rows",
+                    self.url,
+                    self._rows.nbytes,
+                )
+            else:
+                self.zero_copy = False
+                logger.warning(
+                    "kvtier tier %s: staged over the same-host socket: the primary CPU tier cannot be registered "
+                    "(%s: no shared file backs it, see the kvtier.local warning); every chunk is copied once more, "
+                    "through the client's staging area",
+                    self.url,
+                    codes.name_of(code),
+                )
+            return self.zero_copy
 
     def key_of(self, key: OffloadKey) -> str:
         """The kvtier key of a vLLM ``OffloadKey`` (block hash ‖ group index)."""
@@ -280,14 +366,18 @@ class KvtierTier(SecondaryTierManager):
     # ---------------------------------------------------------- transfers
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Stores the job's chunk rows under their keys, one PUT per chunk on
-        the client's pool; returns at once."""
+        """Stores the job's chunk rows under their keys on the client's pool
+        and returns at once: one ``batch_put_from`` for the job when the
+        primary tier is registered (kvtier reads the rows), else one call
+        per chunk (an HTTP PUT, or a staged put over the socket)."""
         self._submit(job_metadata, load=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Reads the job's chunks straight into their primary rows (no
-        intermediate copy), one GET per chunk on the client's pool; returns
-        at once."""
+        """Reads the job's chunks into their primary rows on the client's pool
+        and returns at once: one ``batch_get_into`` for the job when the
+        primary tier is registered (kvtier writes the rows), else one call
+        per chunk (an HTTP GET received straight into the row, or a staged
+        read over the socket)."""
         self._submit(job_metadata, load=True)
 
     def _submit(self, job: TransferJob, load: bool) -> None:
@@ -305,21 +395,92 @@ class KvtierTier(SecondaryTierManager):
         if not keys:
             self._finish(state)
             return
+        if self.zero_copy is not False and self._core.transport != "http":
+            # Registered, or not decided yet: decided on the pool (it may ask the server).
+            try:
+                self.client.executor().submit(self._run_job, state, chunk_ids, load)
+            except RuntimeError:  # the pool is shut down
+                state.failed, state.remaining = len(keys), 0
+                self._finish(state)
+            return
+        self._submit_chunks(state, chunk_ids, load)
+
+    def _run_job(self, state: _Job, chunk_ids: list[int], load: bool) -> None:
+        """On the pool: the job as one batch call when the primary tier is
+        registered, else its chunks one by one. Never raises."""
+        try:
+            if self._core.ready() and self._choose_path():
+                self._run_batch(state, chunk_ids, load)
+                return
+        except Exception:
+            logger.exception("kvtier: job %s failed", state.job.job_id)
+            with self._lock:
+                state.failed, state.remaining = len(state.keys), 0
+            self._finish(state)
+            return
+        self._submit_chunks(state, chunk_ids, load)
+
+    def _run_batch(self, state: _Job, chunk_ids: list[int], load: bool) -> None:
+        """One ``batch_get_into``/``batch_put_from`` over the job's rows (by
+        address in the registered primary tier). Per item: ``>= 0`` done,
+        ``NOT_FOUND`` a miss, any other code a failed chunk (counted in
+        ``errors`` and warned about, rate-limited; ``CONNECTION_LOST`` opens
+        the down window)."""
+        kind = "load" if load else "store"
+        size = self.block_size_bytes
+        items = [i for i, c in enumerate(chunk_ids) if 0 <= c < self._num_chunks]
+        if len(items) < len(chunk_ids):
+            logger.error(
+                "kvtier: job %s names chunk ids outside the primary tier's %d chunks",
+                state.job.job_id,
+                self._num_chunks,
+            )
+        keys = [self.key_of(state.keys[i]) for i in items]
+        ptrs = [self._base + chunk_ids[i] * size for i in items]
+        call = self.client.batch_get_into if load else self.client.batch_put_from
+        results = call(keys, ptrs, [size] * len(items)) if items else []
+        outcome = dict(zip(items, results, strict=True))
+        done = 0
+        for i in range(len(state.keys)):
+            result = outcome.get(i, codes.OUT_OF_BOUNDS)
+            if result >= 0:
+                state.loaded[i] = True
+                done += 1
+            elif result == codes.NOT_FOUND and load:
+                state.missed += 1
+            else:
+                state.failed += 1
+                if i in outcome:
+                    message = f"{kind} {self.key_of(state.keys[i])}: {codes.name_of(result)}"
+                    self._core.failed(kind, error_from_code(result, message))
+                else:
+                    self._core.count(errors=1)
+        state.remaining = 0
+        self._core.count(zero_copy_chunks=done)
+        self._finish(state)
+
+    def _submit_chunks(self, state: _Job, chunk_ids: list[int], load: bool) -> None:
+        """The job's chunks one call each on the client's pool."""
         self._core.submit_each(
             "load" if load else "store",
             self._load_one if load else self._store_one,
-            list(zip(keys, chunk_ids, strict=True)),
+            list(zip(state.keys, chunk_ids, strict=True)),
             functools.partial(self._chunk_done, state),
         )
 
     def _store_one(self, key: OffloadKey, chunk_id: int) -> bool:
         self._core.require_ready()
         self.client.put(self.key_of(key), self._row(chunk_id))
+        if self._core.transport == "unix":
+            self._core.count(staged_chunks=1)
         return True
 
     def _load_one(self, key: OffloadKey, chunk_id: int) -> bool:
         self._core.require_ready()
-        return self.client.get_into(self.key_of(key), self._row(chunk_id))
+        found = self.client.get_into(self.key_of(key), self._row(chunk_id))
+        if found and self._core.transport == "unix":
+            self._core.count(staged_chunks=1)
+        return found
 
     def _chunk_done(self, state: _Job, i: int, result: bool | None, error: BaseException | None) -> None:
         """Records one chunk's outcome (the core has logged an error); the
@@ -401,6 +562,11 @@ class KvtierTier(SecondaryTierManager):
         self._closed = True
         self._lookups.shutdown()
         self.drain_jobs()
+        if self.zero_copy:
+            try:
+                self.client.unregister_buffer(self._base)
+            except KvtierError as e:  # the server is gone: nothing to release there
+                logger.debug("kvtier: unregistering the primary CPU tier: %s", e)
         self._core.close()
         if self._rows is not self._primary_kv_view:
             self._rows.release()
