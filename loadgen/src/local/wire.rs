@@ -1,5 +1,6 @@
-//! The frames of docs/LOCAL.md as the loadgen speaks them: constants, ops
-//! and codes, encoding of requests and decoding of responses.
+//! The loadgen's side of docs/LOCAL.md: the frames, ops and codes of
+//! `kvtier-local-proto` (shared with the server), this client's errors, and
+//! the decoding of responses into them.
 
 use std::time::Duration;
 
@@ -10,110 +11,26 @@ use crate::client::ClientError;
 /// URL scheme of the local socket: `unix:///absolute/path` or
 /// `unix://relative/path`.
 pub const SCHEME: &str = "unix://";
-/// Frame magic (`b"TK"` on the wire).
-pub const MAGIC: u16 = 0x4B54;
-/// Bytes of a frame header.
-pub const HEADER_BYTES: usize = 16;
-/// Largest payload of one frame, either way: 1 MiB.
-pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
-/// Most items in one batch.
-pub const ITEMS_MAX: usize = 4096;
-/// The protocol version this client speaks.
-pub const VERSION: u32 = 1;
-/// `op` of the frame the server sends before closing on a framing error.
-pub const OP_CONNECTION_ERROR: u8 = 0xFF;
-/// Set in a response's `op`.
-pub const RESPONSE_BIT: u8 = 0x80;
+pub use kvtier_local_proto::{
+    encode_items, encode_keys, frame, tier_name, Code, Op, HEADER_BYTES, ITEMS_MAX, OP_CONNECTION_ERROR, PAYLOAD_BYTES_MAX, RESPONSE_BIT,
+};
+
+/// The protocol version this client speaks (the newest of the shared table).
+pub const VERSION: u32 = kvtier_local_proto::VERSIONS[kvtier_local_proto::VERSIONS.len() - 1];
 /// How long connection set-up (connect, HELLO, REGISTER) may wait for the
 /// server on each read or write: 10 s.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The operations (a request frame's `op`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// 1: version, token and geometry check; first on every connection.
-    Hello = 1,
-    /// 2: register a buffer (one `SCM_RIGHTS` descriptor) → handle.
-    Register = 2,
-    /// 3: drop a handle.
-    Unregister = 3,
-    /// 4: copy blocks into registered memory.
-    GetInto = 4,
-    /// 5: store blocks from registered memory.
-    PutFrom = 5,
-    /// 6: the tier holding each key.
-    Exists = 6,
-    /// 7: prefix hits of a chain of keys.
-    Lookup = 7,
-    /// 8: delete keys.
-    Delete = 8,
-    /// 9: promote keys toward the fastest tier.
-    Prefetch = 9,
-}
-
-impl Op {
-    /// `HELLO`, `GET_INTO`, ... as docs/LOCAL.md names them.
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::Hello => "HELLO",
-            Op::Register => "REGISTER",
-            Op::Unregister => "UNREGISTER",
-            Op::GetInto => "GET_INTO",
-            Op::PutFrom => "PUT_FROM",
-            Op::Exists => "EXISTS",
-            Op::Lookup => "LOOKUP",
-            Op::Delete => "DELETE",
-            Op::Prefetch => "PREFETCH",
-        }
-    }
-}
-
 /// `NOT_FOUND`: a miss.
-pub const NOT_FOUND: i64 = -2;
+pub const NOT_FOUND: i64 = Code::NotFound as i64;
 /// `CORRUPT`: a block that failed its CRC check, a miss.
-pub const CORRUPT: i64 = -8;
+pub const CORRUPT: i64 = Code::Corrupt as i64;
 /// `OVERLOADED`: retry after the response's `retry_after_ms`.
-pub const OVERLOADED: i64 = -9;
+pub const OVERLOADED: i64 = Code::Overloaded as i64;
 
-/// The name of a status or per-item code (docs/LOCAL.md, "Codes"), e.g.
-/// `NOT_FOUND` for -2; `UNKNOWN_CODE` for one the table does not have.
+/// The name of a status or per-item code ([`Code::name_of`]).
 pub fn code_name(code: i64) -> &'static str {
-    match code {
-        0 => "OK",
-        -1 => "IO_ERROR",
-        -2 => "NOT_FOUND",
-        -3 => "INVALID_KEY",
-        -4 => "WRONG_SIZE",
-        -5 => "UNKNOWN_HANDLE",
-        -6 => "OUT_OF_BOUNDS",
-        -7 => "BUFFER_SHRUNK",
-        -8 => "CORRUPT",
-        -9 => "OVERLOADED",
-        -10 => "DISK_FULL",
-        -11 => "SHUTTING_DOWN",
-        -12 => "UNAUTHORIZED",
-        -13 => "BAD_REQUEST",
-        -14 => "UNSUPPORTED_VERSION",
-        -15 => "GEOMETRY_MISMATCH",
-        -16 => "LIMIT",
-        -17 => "UNKNOWN_OP",
-        -18 => "BAD_BUFFER",
-        -19 => "BAD_FRAME",
-        _ => "UNKNOWN_CODE",
-    }
-}
-
-/// The tier a wire number names: 1 `gpu`, 2 `ram`, 3 `nvme`, 4 `s3`
-/// (`x-kvtier-tier`'s words); 0 is `none`, others `unknown`.
-pub fn tier_name(tier: u8) -> &'static str {
-    match tier {
-        0 => "none",
-        1 => "gpu",
-        2 => "ram",
-        3 => "nvme",
-        4 => "s3",
-        _ => "unknown",
-    }
+    Code::name_of(code)
 }
 
 /// Why a local-socket operation failed.
@@ -217,69 +134,20 @@ pub(crate) struct Reply {
 
 // ------------------------------------------------------------------ wire
 
-/// A whole frame: header and payload.
-pub(crate) fn frame(op: u8, request_id: u64, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
-    out.extend_from_slice(&MAGIC.to_le_bytes());
-    out.push(op);
-    out.push(0);
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&request_id.to_le_bytes());
-    out.extend_from_slice(payload);
-    out
-}
-
-/// Decodes a header: `(op, payload_bytes, request_id)`.
+/// Decodes a response header: `(op, payload_bytes, request_id)`; a
+/// response payload holds at least its status and `retry_after_ms`.
 pub(crate) fn decode_header(b: &[u8; HEADER_BYTES]) -> Result<(u8, usize, u64), String> {
-    let magic = u16::from_le_bytes([b[0], b[1]]);
-    if magic != MAGIC {
-        return Err(format!("response frame with magic 0x{magic:04x}, expected 0x{MAGIC:04x}"));
+    let h = kvtier_local_proto::Header::decode(b).map_err(|e| format!("response frame: {e}"))?;
+    if h.payload_bytes < 8 {
+        return Err(format!("response frame of {} payload bytes, too short for status and retry_after_ms", h.payload_bytes));
     }
-    if b[3] != 0 {
-        return Err(format!("response frame with flags {}, expected 0", b[3]));
-    }
-    let payload = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")) as usize;
-    if payload > PAYLOAD_BYTES_MAX {
-        return Err(format!("response frame of {payload} payload bytes, over the limit of {PAYLOAD_BYTES_MAX}"));
-    }
-    if payload < 8 {
-        return Err(format!("response frame of {payload} payload bytes, too short for status and retry_after_ms"));
-    }
-    Ok((b[2], payload, u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"))))
+    Ok((h.op, h.payload_bytes as usize, h.request_id))
 }
 
 pub(crate) fn decode_reply(op: u8, payload: Vec<u8>) -> Reply {
     let status = i32::from_le_bytes(payload[0..4].try_into().expect("4 bytes"));
     let retry_after_ms = u32::from_le_bytes(payload[4..8].try_into().expect("4 bytes"));
     Reply { op, status, retry_after_ms, body: payload[8..].to_vec() }
-}
-
-pub(crate) fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// A `GET_INTO`/`PUT_FROM` payload: `(handle, offset, length, key)` items.
-pub fn encode_items(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
-    let mut p = Vec::with_capacity(4 + items.iter().map(|i| 26 + i.3.len()).sum::<usize>());
-    p.extend_from_slice(&(items.len() as u32).to_le_bytes());
-    for (handle, offset, length, key) in items {
-        p.extend_from_slice(&handle.to_le_bytes());
-        p.extend_from_slice(&offset.to_le_bytes());
-        p.extend_from_slice(&length.to_le_bytes());
-        put_str(&mut p, key);
-    }
-    p
-}
-
-/// A payload of keys (`EXISTS`, `LOOKUP`, `DELETE`, `PREFETCH`).
-pub fn encode_keys<S: AsRef<str>>(keys: &[S]) -> Vec<u8> {
-    let mut p = Vec::with_capacity(4 + keys.iter().map(|k| 2 + k.as_ref().len()).sum::<usize>());
-    p.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-    for k in keys {
-        put_str(&mut p, k.as_ref());
-    }
-    p
 }
 
 /// Reads a response body front to back.

@@ -18,7 +18,7 @@ use glommio::sync::{Semaphore, StaticPermit};
 use kvtier_engine::PutOutcome;
 use serde_json::json;
 
-use super::proto::{self, Code, Header, Item, Op, HEADER_BYTES, OP_CONNECTION_ERROR, RESPONSE_BIT};
+use super::proto::{self, code_of, Code, Header, Item, Op, HEADER_BYTES, OP_CONNECTION_ERROR, RESPONSE_BIT};
 use super::region::{ItemSink, Region};
 use super::LocalShared;
 use crate::limits;
@@ -442,7 +442,7 @@ type DataResult = (Result<(Vec<u8>, u32), (Code, String)>, u64, u64);
 async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
     let store = &conn.ctx.store;
     let fail = |e: (Code, String)| (Err(e), 0, 0);
-    let engine = |e: kvtier_engine::Error| (Code::of(&e), e.to_string());
+    let engine = |e: kvtier_engine::Error| (code_of(&e), e.to_string());
     match op {
         Op::GetInto | Op::PutFrom => {
             let items = match proto::decode_items(payload) {
@@ -487,7 +487,7 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                 }),
                 Op::Delete => {
                     let done = futures::future::join_all(keys.iter().map(|k| store.delete(k))).await;
-                    let results: Vec<(i64, u8)> = done.iter().map(|r| (r.as_ref().map_or_else(|e| Code::of(e) as i64, |_| 0), 0)).collect();
+                    let results: Vec<(i64, u8)> = done.iter().map(|r| (r.as_ref().map_or_else(|e| code_of(e) as i64, |_| 0), 0)).collect();
                     let mut b = (results.len() as u32).to_le_bytes().to_vec();
                     b.extend(results.iter().flat_map(|(r, _)| r.to_le_bytes()));
                     Ok(b)
@@ -522,10 +522,10 @@ async fn get_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8
         Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
         Err(_) if sink.shrunk.load(Ordering::Relaxed) => (Code::BufferShrunk as i64, 0),
         Err(e) => {
-            if Code::of(&e).is_server_side() {
+            if code_of(&e).is_server_side() {
                 tracing::warn!(key = item.key, "local GET_INTO failed: {e}");
             }
-            (Code::of(&e) as i64, 0)
+            (code_of(&e) as i64, 0)
         }
     }
 }
@@ -560,10 +560,10 @@ async fn put_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8
     match ctx.store.put_reporting(item.key, vec![bytes]).await {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
-            if Code::of(&e).is_server_side() {
+            if code_of(&e).is_server_side() {
                 tracing::warn!(key = item.key, "local PUT_FROM failed: {e}");
             }
-            (Code::of(&e) as i64, 0)
+            (code_of(&e) as i64, 0)
         }
     }
 }

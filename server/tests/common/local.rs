@@ -50,33 +50,16 @@ impl Answer {
     }
 }
 
-pub fn frame(op: u8, id: u64, payload: &[u8]) -> Vec<u8> {
-    let mut f = vec![0x54, 0x4B, op, 0];
-    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    f.extend_from_slice(&id.to_le_bytes());
-    f.extend_from_slice(payload);
-    f
-}
+pub use kvtier_local_proto::frame;
 
+/// A payload of keys.
 pub fn keys_payload(keys: &[&str]) -> Vec<u8> {
-    let mut p = (keys.len() as u32).to_le_bytes().to_vec();
-    for k in keys {
-        p.extend_from_slice(&(k.len() as u16).to_le_bytes());
-        p.extend_from_slice(k.as_bytes());
-    }
-    p
+    kvtier_local_proto::encode_keys(keys)
 }
 
+/// A `GET_INTO`/`PUT_FROM` payload of `(handle, offset, length, key)` items.
 pub fn items_payload(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
-    let mut p = (items.len() as u32).to_le_bytes().to_vec();
-    for (h, o, l, k) in items {
-        for v in [h, o, l] {
-            p.extend_from_slice(&v.to_le_bytes());
-        }
-        p.extend_from_slice(&(k.len() as u16).to_le_bytes());
-        p.extend_from_slice(k.as_bytes());
-    }
-    p
+    kvtier_local_proto::encode_items(items)
 }
 
 impl Raw {
