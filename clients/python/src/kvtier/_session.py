@@ -489,28 +489,22 @@ class LocalSession:
         """``GET_INTO`` of ``keys`` through the staging area: for each hit,
         ``sink(i, address, nbytes)`` copies the block out of its slot. Per
         item ``(result, tier)``."""
-        staging = self.staging()
-        bb = staging.slot_bytes
-        out: list[tuple[int, int]] = []
-        start = 0
-        while start < len(keys):
-            slots = staging.acquire(len(keys) - start)
-            try:
-                part = keys[start : start + len(slots)]
-                spans = [(staging.region, s * bb, bb) for s in slots]
-                results = self.transfer(OP_GET_INTO, part, spans)
-                for j, (result, _) in enumerate(results):
-                    if result > 0:
-                        sink(start + j, staging.buf.ptr + slots[j] * bb, result)
-                out += results
-            finally:
-                staging.release(slots)
-            start += len(slots)
-        return out
+        return self._bounce(OP_GET_INTO, keys, sink=sink)
 
     def bounce_put(self, keys: Sequence[str], fill: Callable[[int, int], None]) -> list[tuple[int, int]]:
         """``PUT_FROM`` of ``keys`` through the staging area: ``fill(i,
         address)`` copies item i's ``block_bytes`` into its slot first."""
+        return self._bounce(OP_PUT_FROM, keys, fill=fill)
+
+    def _bounce(
+        self,
+        op: int,
+        keys: Sequence[str],
+        fill: Callable[[int, int], None] | None = None,
+        sink: Callable[[int, int, int], None] | None = None,
+    ) -> list[tuple[int, int]]:
+        """``op`` over ``keys`` in rounds of as many staging slots as are
+        free: ``fill`` each slot before the call, ``sink`` each hit after."""
         staging = self.staging()
         bb = staging.slot_bytes
         out: list[tuple[int, int]] = []
@@ -518,10 +512,17 @@ class LocalSession:
         while start < len(keys):
             slots = staging.acquire(len(keys) - start)
             try:
-                for j, s in enumerate(slots):
-                    fill(start + j, staging.buf.ptr + s * bb)
+                addresses = [staging.buf.ptr + s * bb for s in slots]
+                if fill is not None:
+                    for j, address in enumerate(addresses):
+                        fill(start + j, address)
                 spans = [(staging.region, s * bb, bb) for s in slots]
-                out += self.transfer(OP_PUT_FROM, keys[start : start + len(slots)], spans)
+                results = self.transfer(op, keys[start : start + len(slots)], spans)
+                if sink is not None:
+                    for j, (result, _) in enumerate(results):
+                        if result > 0:
+                            sink(start + j, addresses[j], result)
+                out += results
             finally:
                 staging.release(slots)
             start += len(slots)
