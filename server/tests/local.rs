@@ -24,15 +24,8 @@ fn socket_of(server: &Server) -> PathBuf {
 /// memory registration) is done, so later counts compare with a settled
 /// baseline.
 fn settled_fds(server: &Server) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        let stats = reqwest_stats(server);
-        let shards = stats["per_shard"].as_array().cloned().unwrap_or_default();
-        if !shards.is_empty() && shards.iter().all(|s| s["io_memory_registered"] == true) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(common::wait_for_io_memory_registration(server));
     open_fds(server.pid())
 }
 
@@ -198,18 +191,19 @@ fn framing_errors_close_only_their_own_connection() {
     // SAFETY: pwrite on our own memfd.
     unsafe { libc::pwrite(fd.as_raw_fd(), block.as_ptr().cast(), block.len(), 0) };
     assert_eq!(bystander.call(PUT_FROM, &items_payload(&[(1, 0, BLOCK_BYTES, "bystander")])).items(), vec![(0, 1)]);
-    let stats: serde_json::Value = reqwest_stats(&server);
+    let stats: serde_json::Value = stats_of(&server);
     assert_eq!(stats["local"]["frame_errors"], 3, "{}", stats["local"]);
     assert_eq!(stats["local"]["registrations_open"], 1);
     drop(bystander);
     let now = fds_back_to(server.pid(), baseline);
     assert!(now <= baseline, "server descriptors {now} after close, {baseline} before");
-    let stats = reqwest_stats(&server);
+    let stats = stats_of(&server);
     assert_eq!(stats["local"]["registrations_open"], 0);
     assert!(stats["local"]["routes"]["put_from"]["requests"].as_u64().unwrap() >= 1);
 }
 
-fn reqwest_stats(server: &Server) -> serde_json::Value {
+/// `/v1/stats` over a plain HTTP/1.1 exchange.
+fn stats_of(server: &Server) -> serde_json::Value {
     let body = common::exchange(
         server.url.trim_start_matches("http://"),
         b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
@@ -227,7 +221,7 @@ fn the_socket_is_checked_at_start_up() {
     let path = socket_of(&server);
     let mode = std::fs::metadata(&path).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777).unwrap();
     assert_eq!(mode, 0o660);
-    assert_eq!(reqwest_stats(&server)["local"]["socket"], path.display().to_string());
+    assert_eq!(stats_of(&server)["local"]["socket"], path.display().to_string());
     assert!(server.listening_line().contains("listening"));
 
     // Another server on the same socket path: a clear error.
@@ -248,14 +242,14 @@ fn the_socket_is_checked_at_start_up() {
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
 
     // Killed: the socket file stays; a restart replaces it and serves.
-    let epoch = reqwest_stats(&server)["local"]["epoch"].as_u64().unwrap();
+    let epoch = stats_of(&server)["local"]["epoch"].as_u64().unwrap();
     server.crash();
     assert!(path.exists());
     let mut args = test_args(&data);
     set_flag(&mut args, "--log-level", "info");
     let server = start(&args);
     assert!(server.log().contains("replacing the stale socket"), "{}", server.log());
-    let again = reqwest_stats(&server)["local"]["epoch"].as_u64().unwrap();
+    let again = stats_of(&server)["local"]["epoch"].as_u64().unwrap();
     assert_ne!(epoch, again, "a restarted server has a new epoch");
     let mut r = Raw::ready(&path);
     assert_eq!(r.call(EXISTS, &keys_payload(&["x"])).status, 0);
@@ -269,7 +263,7 @@ fn the_socket_is_checked_at_start_up() {
     set_flag(&mut args, "--local-socket", "none");
     let server = start(&args);
     assert!(!path.exists());
-    assert!(reqwest_stats(&server)["local"]["socket"].is_null());
+    assert!(stats_of(&server)["local"]["socket"].is_null());
 }
 
 #[test]
@@ -300,7 +294,7 @@ fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_st
     for (k, t) in key_list.iter().zip(&stored.body[4..]) {
         assert_eq!(*t != 0, !refused.contains(k), "{k}: stored exactly when not refused");
     }
-    let stats = reqwest_stats(&server);
+    let stats = stats_of(&server);
     let refusals: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["put_bytes_refusals"].as_u64().unwrap()).sum();
     assert_eq!(refusals, refused.len() as u64, "counted with HTTP's refusals (one budget per shard)");
 }
