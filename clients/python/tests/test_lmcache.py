@@ -4,6 +4,10 @@ The connector is loaded the way an engine loads it: LMCache's own
 CreateStorageBackends reads `remote_storage_plugins` and `extra_config`,
 imports kvtier.lmcache by name and builds a RemoteBackend for `plugin://kvtier`.
 Nothing here stands in for an LMCache class.
+
+Both planes: the transfer tests run over HTTP (`local: off`) and over the
+same-host socket with LMCache's CPU buffer in shared memory (`shm_name`), where
+kvtier copies chunks straight into and out of LMCache's MemoryObjs.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,9 +114,37 @@ def loop() -> Iterator[Loop]:
     lp.stop()
 
 
-def backends(url: str, loop: Loop, meta: LMCacheMetadata | None = None, **extra: object):
+@pytest.fixture(params=["http", "unix"])
+def plane(request) -> str:
+    """The plane a test's connectors use: HTTP, or the socket with LMCache's
+    CPU buffer in shared memory (zero-copy)."""
+    return request.param
+
+
+def plane_settings(plane: str) -> dict[str, object]:
+    """The extra_config of ``plane``: ``local`` and, on the socket, a
+    ``shm_name`` of this test's own (LMCache unlinks it when freed)."""
+    if plane == "http":
+        return {"remote_storage_plugin.kvtier.local": "off"}
+    return {"remote_storage_plugin.kvtier.local": "on", "shm_name": f"kvtier_test_{uuid.uuid4().hex[:12]}"}
+
+
+def backends(url: str, loop: Loop, meta: LMCacheMetadata | None = None, plane: str = "http", **extra: object):
     """LMCache's own backend factory, as LMCacheEngine calls it."""
-    return CreateStorageBackends(lmcache_config(url, **extra), meta or metadata(), loop.loop, dst_device="cpu")
+    config = lmcache_config(url, **{**plane_settings(plane), **extra})
+    return CreateStorageBackends(config, meta or metadata(), loop.loop, dst_device="cpu")
+
+
+def assert_plane(conn: KvtierConnector, plane: str, chunks: int) -> None:
+    """The chunks moved the plane's way: over HTTP, or straight through
+    LMCache's registered CPU buffer (none staged)."""
+    assert conn._core.transport == plane
+    if plane == "unix":
+        assert conn._host.zero_copy is True
+        assert conn.stats["zero_copy_chunks"] >= chunks and conn.stats["staged_chunks"] == 0
+        assert conn.client.sync.local_stats()["bounce_copies"] == 0
+    else:
+        assert conn.stats["zero_copy_chunks"] == conn.stats["staged_chunks"] == 0
 
 
 def remote_of(found) -> RemoteBackend:
@@ -127,8 +162,8 @@ def chunk(remote: RemoteBackend, cpu, seed: int):
     return obj
 
 
-def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, loop):
-    found = backends(kvserver.url, loop)
+def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, loop, plane):
+    found = backends(kvserver.url, loop, plane=plane)
     remote, cpu = remote_of(found), found["LocalCPUBackend"]
     conn = remote.connection.getWrappedConnector()
     assert isinstance(conn, KvtierConnector) and conn.full_chunk_size_bytes == CHUNK_BYTES
@@ -147,6 +182,7 @@ def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, 
         got.ref_count_down()
     assert not remote.contains(key(999))
     assert remote.get_blocking(key(999)) is None
+    assert_plane(conn, plane, 6)
 
     # The bytes kvtier holds are exactly LMCache's chunk: no header.
     client = kvtier.Client(kvserver.url)
@@ -157,8 +193,8 @@ def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, 
     )
 
 
-def test_prefix_counts_through_batched_async_contains_and_batched_transfers(kvserver, loop):
-    found = backends(kvserver.url, loop)
+def test_prefix_counts_through_batched_async_contains_and_batched_transfers(kvserver, loop, plane):
+    found = backends(kvserver.url, loop, plane=plane)
     remote, cpu = remote_of(found), found["LocalCPUBackend"]
     conn = remote.connection.getWrappedConnector()
     chain = [key(5000 + i) for i in range(6)]
@@ -177,6 +213,7 @@ def test_prefix_counts_through_batched_async_contains_and_batched_transfers(kvse
     got = loop.run(conn.batched_get(chain[3:5]))
     assert torch.equal(got[0].tensor, want[3]) and got[1] is None
     got[0].ref_count_down()
+    assert_plane(conn, plane, 9)
     # A chunk removed from the middle ends the prefix there.
     assert conn.remove_sync(chain[1])
     assert loop.run(remote.batched_async_contains("lookup-4", chain)) == 1
@@ -184,8 +221,8 @@ def test_prefix_counts_through_batched_async_contains_and_batched_transfers(kvse
     assert loop.run(conn.list()) == []
 
 
-def test_workers_and_models_never_read_each_others_chunks(kvserver, loop):
-    found0 = backends(kvserver.url, loop, metadata(world_size=2, worker_id=0))
+def test_workers_and_models_never_read_each_others_chunks(kvserver, loop, plane):
+    found0 = backends(kvserver.url, loop, metadata(world_size=2, worker_id=0), plane=plane)
     remote0, cpu0 = remote_of(found0), found0["LocalCPUBackend"]
     remote0.submit_put_task(key(7, 0, 2), chunk(remote0, cpu0, 1)).result(10)
     assert remote0.contains(key(7, 0, 2))
@@ -195,8 +232,8 @@ def test_workers_and_models_never_read_each_others_chunks(kvserver, loop):
     assert not remote0.contains(other_model)
 
 
-def test_partial_chunks_are_skipped(kvserver, loop):
-    found = backends(kvserver.url, loop)
+def test_partial_chunks_are_skipped(kvserver, loop, plane):
+    found = backends(kvserver.url, loop, plane=plane)
     remote, cpu = remote_of(found), found["LocalCPUBackend"]
     conn = remote.connection.getWrappedConnector()
     shapes = [torch.Size([2, 2, CHUNK_TOKENS // 2, 16])]
@@ -252,10 +289,10 @@ def test_save_chunk_meta_on_is_refused(kvserver, loop, caplog):
     assert "save_chunk_meta: false" in caplog.text
 
 
-def test_a_stopped_server_gives_misses_not_exceptions(loop, caplog):
+def test_a_stopped_server_gives_misses_not_exceptions(loop, caplog, plane):
     server = ServerProcess(block_bytes=CHUNK_BYTES).start()
     try:
-        found = backends(server.url, loop, **{"remote_storage_plugin.kvtier.down_s": 0.2})
+        found = backends(server.url, loop, plane=plane, **{"remote_storage_plugin.kvtier.down_s": 0.2})
         remote, cpu = remote_of(found), found["LocalCPUBackend"]
         conn = remote.connection.getWrappedConnector()
         remote.submit_put_task(key(1), chunk(remote, cpu, 1)).result(10)
@@ -280,6 +317,10 @@ def test_a_stopped_server_gives_misses_not_exceptions(loop, caplog):
         while not remote.contains(key(1)) and time.monotonic() < end:
             time.sleep(0.1)
         assert remote.contains(key(1))
+        got = remote.get_blocking(key(1))  # on the socket: the buffer registered again on the new connection
+        assert got is not None
+        got.ref_count_down()
+        assert_plane(conn, plane, 2)
     finally:
         server.stop()
 
@@ -327,3 +368,100 @@ def test_the_documented_environment_configures_lmcache(kvserver, loop, monkeypat
         name, value = line[len("export ") :].split("=", 1)
         monkeypatch.setenv(name, shlex.split(value)[0])
     check_documented_config(LMCacheEngineConfig.from_env(), kvserver, loop)
+
+
+def test_without_shm_name_the_socket_stages_chunks_and_says_so_once(kvserver, loop, caplog):
+    """LMCache's CPU buffer in anonymous memory cannot be registered: chunks
+    still round-trip over the socket, each through the staging area
+    (counted), and one warning names the setting that fixes it."""
+    caplog.set_level(logging.INFO, logger="kvtier")
+    found = backends(kvserver.url, loop, **{"remote_storage_plugin.kvtier.local": "on"})
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    conn = remote.connection.getWrappedConnector()
+    objs = [chunk(remote, cpu, 40 + i) for i in range(3)]
+    want = [o.tensor.clone() for o in objs]
+    chain = [key(6100 + i) for i in range(3)]
+    loop.run(conn.batched_put(chain, objs))
+    got = loop.run(conn.batched_get(chain))
+    assert all(g is not None and torch.equal(g.tensor, w) for g, w in zip(got, want))
+    for g in got:
+        g.ref_count_down()
+    assert conn._core.transport == "unix" and conn._host.zero_copy is False
+    assert conn.stats["staged_chunks"] == 6 and conn.stats["zero_copy_chunks"] == 0
+    assert conn.client.sync.local_stats()["bounce_copies"] == 6
+    staged = [r.getMessage() for r in caplog.records if "staged over the same-host socket" in r.getMessage()]
+    assert len(staged) == 1 and "shm_name" in staged[0], staged
+
+
+@pytest.mark.parametrize("socket_state", ["none", "refused"])
+def test_a_missing_or_refused_socket_falls_back_to_http_with_one_log_line(loop, caplog, socket_state):
+    """local="auto" (the default): a kvtier started with --local-socket none,
+    or one whose socket refuses connections (bound, not listening), is used
+    over HTTP; the fallback is said once and chunks round-trip."""
+    import socket as sockets
+
+    args = ("--local-socket", "none") if socket_state == "none" else ()
+    caplog.set_level(logging.INFO, logger="kvtier")
+    with ServerProcess(block_bytes=CHUNK_BYTES, args=args) as server:
+        dead = None
+        if socket_state == "refused":
+            path = kvtier.Client(server.url, local="off").stats()["local"]["socket"]
+            Path(path).unlink()
+            dead = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+            dead.bind(path)  # bound, never listening: connect() is refused
+        try:
+            settings = {
+                "remote_storage_plugin.kvtier.local": "auto",
+                "shm_name": f"kvtier_test_{uuid.uuid4().hex[:12]}",
+            }
+            found = backends(server.url, loop, **settings)
+            remote, cpu = remote_of(found), found["LocalCPUBackend"]
+            conn = remote.connection.getWrappedConnector()
+            obj = chunk(remote, cpu, 5)
+            want = obj.tensor.clone()
+            remote.submit_put_task(key(6200), obj).result(10)
+            got = remote.get_blocking(key(6200))
+            assert got is not None and torch.equal(got.tensor, want)
+            got.ref_count_down()
+            assert conn._core.transport == "http" and conn.stats["zero_copy_chunks"] == 0
+        finally:
+            if dead is not None:
+                dead.close()
+    said = [r.getMessage() for r in caplog.records if "HTTP" in r.getMessage() and r.name.startswith("kvtier")]
+    assert sum("blocks move over HTTP" in m for m in said) == 1, said
+    if socket_state == "refused":
+        assert any("not usable" in m and "refused" in m.lower() for m in said), said
+
+
+WRITER = """
+import asyncio, sys, threading, torch
+sys.path.insert(0, {tests!r})
+import test_lmcache as t
+loop = t.Loop()
+found = t.backends({url!r}, loop, plane="unix")
+remote, cpu = t.remote_of(found), found["LocalCPUBackend"]
+conn = remote.connection.getWrappedConnector()
+objs = [t.chunk(remote, cpu, 70 + i) for i in range(4)]
+loop.run(conn.batched_put([t.key(7000 + i) for i in range(4)], objs))
+print(conn.stats["puts"], conn.stats["zero_copy_chunks"], conn._host.zero_copy, flush=True)
+"""
+
+
+def test_two_engine_processes_share_chunks_through_one_kvtier_on_the_local_plane(kvserver, loop):
+    """One LMCache process stores chunks over the socket from its own shared
+    CPU buffer; another (this one) loads them into its own buffer: both
+    zero-copy, the bytes those of the writer's MemoryObjs."""
+    script = WRITER.format(tests=str(Path(__file__).parent), url=kvserver.url)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["4", "4", "True"], out.stdout
+    found = backends(kvserver.url, loop, plane="unix")
+    remote, cpu = remote_of(found), found["LocalCPUBackend"]
+    conn = remote.connection.getWrappedConnector()
+    chain = [key(7000 + i) for i in range(4)]
+    assert loop.run(remote.batched_async_contains("two", chain)) == 4
+    got = loop.run(conn.batched_get(chain))
+    for i, g in enumerate(got):
+        assert g is not None and torch.equal(g.tensor, chunk(remote, cpu, 70 + i).tensor)
+        g.ref_count_down()
+    assert_plane(conn, "unix", 4)

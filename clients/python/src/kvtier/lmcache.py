@@ -57,10 +57,12 @@ from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from ._connector import ConnectorCore, GeometryError
+from . import codes
+from ._connector import CALL_ERRORS, ConnectorCore, GeometryError, SharedHost
 from .aio import AsyncClient
-from .errors import KvtierError
+from .errors import KvtierError, error_from_code
 from .keys import Namespace
+from .shm import buffer_address
 
 logger = logging.getLogger("kvtier.lmcache")
 
@@ -101,9 +103,8 @@ class KvtierConnector(RemoteConnector):
                 "kvtier stores each LMCache chunk as one fixed-size block without LMCache's metadata header: "
                 "set extra_config save_chunk_meta: false (and keep use_layerwise off)"
             )
-        self._core = ConnectorCore(
-            _settings(config), logger=logger, stats=("gets", "hits", "misses", "puts", "puts_skipped_partial")
-        )
+        stats = ("gets", "hits", "misses", "puts", "puts_skipped_partial", "zero_copy_chunks", "staged_chunks")
+        self._core = ConnectorCore(_settings(config), logger=logger, stats=stats)
         self.url = self._core.url
         self.down_s = self._core.down_s
         self.client = AsyncClient.over(self._core.client)
@@ -117,6 +118,12 @@ class KvtierConnector(RemoteConnector):
             )
         except GeometryError as e:
             raise IrrecoverableException(str(e)) from e
+        self._host = SharedHost(
+            self._core,
+            _cpu_buffer(local_cpu_backend),
+            what="LMCache's CPU buffer",
+            remedy="Set extra_config shm_name (one name per worker process) so LMCache allocates it in /dev/shm.",
+        )
 
     def key_of(self, key: CacheEngineKey) -> str:
         """The kvtier key of an LMCache chunk key (see the module docstring)."""
@@ -136,61 +143,150 @@ class KvtierConnector(RemoteConnector):
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """Reads the chunk straight into a new ``MemoryObj`` of LMCache's CPU
-        pool (no intermediate copy); ``None`` on a miss, a full pool or a
-        kvtier failure."""
-        self._core.count(gets=1)
-        if not await self._core.ready_async():
-            return None
-        memory_obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
-        if memory_obj is None:
-            logger.debug("LMCache's CPU pool is full; kvtier get of %s skipped", key)
-            return None
-        found = await self._core.call_async(
-            "get", self.client.sync.get_into, self.key_of(key), memory_obj.byte_array, failed=None
-        )
-        if not found:
-            memory_obj.ref_count_down()
-            if found is False:
-                self._core.count(misses=1)
-            return None
-        self._core.count(hits=1)
-        return memory_obj
+        pool (over the socket with the buffer registered, kvtier writes it;
+        no intermediate copy); ``None`` on a miss, a full pool or a kvtier
+        failure."""
+        return (await self.batched_get([key]))[0]
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Stores a full chunk. A partial chunk (shorter than ``block_bytes``)
         is skipped. Raises :class:`~kvtier.KvtierError` when kvtier refuses,
         cannot be reached or is marked down, or the geometry does not match
         (LMCache's put task counts and logs it; nothing waits on it)."""
-        data = memory_obj.byte_array
-        if len(data) != self.full_chunk_size_bytes:
-            self._core.count(puts_skipped_partial=1)
-            logger.debug("kvtier skips a partial chunk of %d bytes (%s)", len(data), key)
-            return
-        if not await self._core.ready_async():
-            raise self._core.not_ready()
-        try:
-            await self.client.put(self.key_of(key), data)
-        except KvtierError as e:
-            self._core.failed("put", e)
-            raise
-        self._core.count(puts=1)
+        await self.batched_put([key], [memory_obj])
 
     def support_batched_get(self) -> bool:
-        """Batched gets run over the connection pool in parallel."""
+        """Batched gets are one call: one frame over the socket, or GETs in
+        parallel over the connection pool."""
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """:meth:`get` of every key, concurrently; ``None`` per miss."""
-        return await self._core.gather(self.get(key) for key in keys)
+        """:meth:`get` of every key: one ``batch_get_into`` into new
+        ``MemoryObj`` s; ``None`` per miss, per object the pool could not
+        give, or for every key when kvtier fails."""
+        if not keys:
+            return []
+        self._core.count(gets=len(keys))
+        if not await self._core.ready_async():
+            return [None] * len(keys)
+        objs: list[MemoryObj | None] = []
+        for key in keys:
+            memory_obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if memory_obj is None:
+                logger.debug("LMCache's CPU pool is full; kvtier get of %s skipped", key)
+            objs.append(memory_obj)
+        batches = self._batches(len(keys))
+        calls = [
+            self._core.call_async("get", self._get_batch, keys[a : a + n], objs[a : a + n], failed=None)
+            for a, n in batches
+        ]
+        results: list[MemoryObj | None] = [None] * len(keys)
+        for (a, n), got in zip(batches, await self._core.gather(calls), strict=True):
+            if got is not None:
+                results[a : a + n] = got
+        for memory_obj, result in zip(objs, results, strict=True):
+            if memory_obj is not None and result is None:
+                memory_obj.ref_count_down()
+        return results
+
+    def _get_batch(self, keys: list[CacheEngineKey], objs: list[MemoryObj | None]) -> list[MemoryObj | None]:
+        """On the client's pool: the batch read into ``objs`` (``None``
+        entries skipped); each read chunk's object, else ``None``."""
+        self._host.decide()
+        idx = [i for i, o in enumerate(objs) if o is not None]
+        views = [objs[i].byte_array for i in idx]  # type: ignore[union-attr]
+        names = [self.key_of(keys[i]) for i in idx]
+        results = self._read(names, views) if idx else []
+        out: list[MemoryObj | None] = [None] * len(keys)
+        for i, name, view, result in zip(idx, names, views, results, strict=True):
+            if result >= 0:
+                out[i] = objs[i]
+                self._count_moved(view)
+            elif result in (codes.NOT_FOUND, codes.CORRUPT):
+                self._core.count(misses=1)
+            else:
+                self._core.failed("get", error_from_code(result, f"get {name}: {codes.name_of(result)}"))
+        self._core.count(hits=sum(o is not None for o in out))
+        return out
 
     def support_batched_put(self) -> bool:
-        """Batched puts run over the connection pool in parallel."""
+        """Batched puts are one call, as batched gets."""
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        """:meth:`put` of every pair, concurrently; raises the first failure
-        once all have finished."""
-        await self._core.gather(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True))
+        """Stores every full chunk in one ``batch_put_from`` (partial chunks
+        are skipped); raises the first item's failure once all are done."""
+        full = []
+        for key, memory_obj in zip(keys, memory_objs, strict=True):
+            if len(memory_obj.byte_array) != self.full_chunk_size_bytes:
+                self._core.count(puts_skipped_partial=1)
+                logger.debug("kvtier skips a partial chunk of %d bytes (%s)", len(memory_obj.byte_array), key)
+            else:
+                full.append((key, memory_obj))
+        if not full:
+            return
+        if not await self._core.ready_async():
+            raise self._core.not_ready()
+        loop = asyncio.get_running_loop()
+        pool = self.client.sync.executor()
+        calls = [loop.run_in_executor(pool, self._put_batch, full[at : at + n]) for at, n in self._batches(len(full))]
+        for error in await self._core.gather(calls):
+            if error is not None:
+                raise error
+
+    def _put_batch(self, pairs: list[tuple[CacheEngineKey, MemoryObj]]) -> KvtierError | None:
+        """On the client's pool: the batch stored; the first failure, recorded."""
+        self._host.decide()
+        names = [self.key_of(key) for key, _ in pairs]
+        views = [memory_obj.byte_array for _, memory_obj in pairs]
+        try:
+            results = self._write(names, views)
+        except CALL_ERRORS as e:
+            self._core.failed("put", e)
+            return e if isinstance(e, KvtierError) else KvtierError(f"put: {e}")
+        first: KvtierError | None = None
+        for name, view, result in zip(names, views, results, strict=True):
+            if result >= 0:
+                self._core.count(puts=1)
+                self._count_moved(view)
+                continue
+            error = error_from_code(result, f"put {name}: {codes.name_of(result)}")
+            self._core.failed("put", error)
+            first = first or error
+        return first
+
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        """``(start, count)`` of the calls ``n`` chunks take: one over the
+        socket (one frame, kvtier runs the items concurrently), one per
+        chunk over HTTP (each on its own pooled connection)."""
+        if self._core.transport == "unix":
+            return [(0, n)]
+        return [(i, 1) for i in range(n)]
+
+    def _read(self, names: list[str], views: list[Any]) -> list[int]:
+        """Per chunk the bytes read or a negative code (docs/LOCAL.md). Over
+        HTTP one chunk per call, raising its error (the pool runs the calls
+        in parallel; a batch here would wait on the pool from inside it)."""
+        if self._core.transport == "unix":
+            return self.client.sync.batch_get_into(names, views)
+        pairs = zip(names, views, strict=True)
+        return [len(v) if self.client.sync.get_into(k, v) else codes.NOT_FOUND for k, v in pairs]
+
+    def _write(self, names: list[str], views: list[Any]) -> list[int]:
+        """Per chunk 0 or a negative code; over HTTP as :meth:`_read`."""
+        if self._core.transport == "unix":
+            return self.client.sync.batch_put_from(names, views)
+        for k, v in zip(names, views, strict=True):
+            self.client.sync.put(k, v)
+        return [codes.OK] * len(names)
+
+    def _count_moved(self, view: Any) -> None:
+        """Counts a chunk moved over the socket: straight through the
+        registered buffer (``zero_copy_chunks``) or staged (``staged_chunks``)."""
+        if self._core.transport != "unix":
+            return
+        ptr, nbytes = buffer_address(view, writable=False)
+        self._core.count(**{"zero_copy_chunks" if self._host.covers(ptr, nbytes) else "staged_chunks": 1})
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading chunks of a prompt's chain that are stored: one
@@ -228,11 +324,21 @@ class KvtierConnector(RemoteConnector):
         return []
 
     async def close(self) -> None:
-        """Closes the client's connections."""
+        """Unregisters LMCache's CPU buffer and closes the client's connections."""
+        self._host.release()
         self._core.close()
 
     def __repr__(self) -> str:
         return f"<KvtierConnector {self.url}>"
+
+
+def _cpu_buffer(local_cpu_backend: Any) -> Any:
+    """The tensor LMCache carves its CPU ``MemoryObj`` s from (the local CPU
+    backend's allocator's ``buffer``), or ``None`` when it has none."""
+    buffer = getattr(getattr(local_cpu_backend, "memory_allocator", None), "buffer", None)
+    if buffer is None or not hasattr(buffer, "data_ptr") or buffer.numel() == 0:
+        return None
+    return buffer
 
 
 def _settings(config: Any) -> dict[str, Any]:

@@ -92,10 +92,9 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from . import codes
-from ._connector import ConnectorCore, GeometryError
-from .errors import KvtierError, error_from_code
+from ._connector import ConnectorCore, GeometryError, SharedHost
+from .errors import error_from_code
 from .keys import Namespace, block_id_hex
-from .shm import buffer_address
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -182,8 +181,6 @@ class KvtierTier(SecondaryTierManager):
             client's staging area) for tests and debugging.
         transport: ``"unix"`` or ``"http"`` once known, else ``None`` (see
             :attr:`kvtier._connector.ConnectorCore.transport`).
-        zero_copy: whether jobs move rows through the registered primary
-            tier; ``None`` until decided (the server has not answered yet).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -245,9 +242,12 @@ class KvtierTier(SecondaryTierManager):
         self._in_flight = 0
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._closed = False
-        self.zero_copy: bool | None = None
-        self._base = 0  # the primary tier's address, once registered
-        self._path_lock = threading.Lock()
+        self._host = SharedHost(
+            self._core,
+            self._rows,
+            what="the primary CPU tier",
+            remedy="vLLM 0.32 keeps it in a shared /dev/shm file; the kvtier.local warning says why this one is not",
+        )
         try:
             self._core.start(
                 self.block_size_bytes, chunk="a chunk row of vLLM's CPU offloading tier", remedy="change block_size"
@@ -273,44 +273,17 @@ class KvtierTier(SecondaryTierManager):
         """``"unix"`` or ``"http"``: how blocks move, once known; else ``None``."""
         return self._core.transport
 
+    @property
+    def zero_copy(self) -> bool | None:
+        """Whether jobs move rows through the registered primary tier;
+        ``None`` until decided (the server has not answered yet)."""
+        return self._host.zero_copy
+
     def _choose_path(self) -> bool | None:
         """Whether jobs go through the registered primary tier (registers it
         the first time the transport is known to be the socket); ``None``
         while undecided. Logs the choice once. Blocks at most one request."""
-        if self.zero_copy is not None or self._core.transport is None:
-            return self.zero_copy
-        with self._path_lock:
-            if self.zero_copy is not None:
-                return self.zero_copy
-            if self._core.transport != "unix":
-                self.zero_copy = False  # the core has logged the transport
-                return False
-            try:
-                base, _ = buffer_address(self._rows, writable=True)
-                code = self.client.register_buffer(base, self._rows.nbytes)
-            except (KvtierError, TypeError, ValueError) as e:
-                logger.warning("kvtier tier %s: registering the primary CPU tier failed (%s); tried again", self.url, e)
-                return None
-            if code == codes.CONNECTION_LOST:
-                return None  # tried again at the next job
-            if code == codes.OK:
-                self._base, self.zero_copy = base, True
-                logger.info(
-                    "kvtier tier %s: zero-copy over the same-host socket: the primary CPU tier (%d bytes) is "
-                    "registered; kvtier copies chunks straight into and out of its rows",
-                    self.url,
-                    self._rows.nbytes,
-                )
-            else:
-                self.zero_copy = False
-                logger.warning(
-                    "kvtier tier %s: staged over the same-host socket: the primary CPU tier cannot be registered "
-                    "(%s: no shared file backs it, see the kvtier.local warning); every chunk is copied once more, "
-                    "through the client's staging area",
-                    self.url,
-                    codes.name_of(code),
-                )
-            return self.zero_copy
+        return self._host.decide()
 
     def key_of(self, key: OffloadKey) -> str:
         """The kvtier key of a vLLM ``OffloadKey`` (block hash ‖ group index)."""
@@ -436,7 +409,7 @@ class KvtierTier(SecondaryTierManager):
                 self._num_chunks,
             )
         keys = [self.key_of(state.keys[i]) for i in items]
-        ptrs = [self._base + chunk_ids[i] * size for i in items]
+        ptrs = [self._host.base + chunk_ids[i] * size for i in items]
         call = self.client.batch_get_into if load else self.client.batch_put_from
         results = call(keys, ptrs, [size] * len(items)) if items else []
         outcome = dict(zip(items, results, strict=True))
@@ -562,11 +535,7 @@ class KvtierTier(SecondaryTierManager):
         self._closed = True
         self._lookups.shutdown()
         self.drain_jobs()
-        if self.zero_copy:
-            try:
-                self.client.unregister_buffer(self._base)
-            except KvtierError as e:  # the server is gone: nothing to release there
-                logger.debug("kvtier: unregistering the primary CPU tier: %s", e)
+        self._host.release()
         self._core.close()
         if self._rows is not self._primary_kv_view:
             self._rows.release()
