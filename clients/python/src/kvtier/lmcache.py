@@ -29,12 +29,30 @@ answer (``exists``, ``get``, lookups). A failed ``put`` raises into LMCache's
 put task, which counts it (``put_failed_count``) and logs it; nothing waits
 on that task.
 
-Settings, all under ``remote_storage_plugin.kvtier.`` in ``extra_config``:
+The same-host plane (``local``, docs/LOCAL.md): with ``extra_config.shm_name``
+set, LMCache 0.5.6 allocates its CPU buffer, where every ``MemoryObj`` of a
+chunk lives, as a POSIX shared-memory file (``/dev/shm/<shm_name>``). Over
+the socket the connector registers that buffer once, and each batch is one
+``batch_get_into``/``batch_put_from`` in which kvtier copies straight into
+or out of the ``MemoryObj`` s: no copy in LMCache's process
+(``zero_copy_chunks``). Without ``shm_name`` the buffer is anonymous memory,
+which cannot be registered: chunks are staged through the client's staging
+area, one more copy of every byte (``staged_chunks``; a warning says so
+once). Over HTTP each chunk is one request, received straight into its
+``MemoryObj``. LMCache uses ``shm_name`` as given in every worker process:
+give each worker its own (with tensor parallelism, one config per rank).
+
+Settings, all under ``remote_storage_plugin.kvtier.`` in ``extra_config``
+(and LMCache's own ``shm_name`` beside them):
 
 =================  ========================  ==========================================
 key                default                   meaning
 =================  ========================  ==========================================
 ``url``            ``http://127.0.0.1:8085``  the kvtier server
+``local``          ``auto``                  ``auto``: the same-host socket when kvtier
+                                             serves one (``local.socket`` of
+                                             ``/v1/stats``), else HTTP; ``off``: HTTP
+                                             only; ``on``: the socket or misses
 ``token_file``     none                      file holding the bearer token
 ``connections``    8                         HTTP/1.1 connections (transfers in flight)
 ``timeout_s``      10                        per socket operation; then a miss
@@ -91,7 +109,10 @@ class KvtierConnector(RemoteConnector):
         url: the kvtier server.
         client: the :class:`~kvtier.AsyncClient` every call goes through.
         stats: counters (``gets``, ``hits``, ``misses``, ``puts``,
-            ``puts_skipped_partial``, ``errors``) for tests and debugging.
+            ``puts_skipped_partial``, ``errors``; ``zero_copy_chunks``:
+            chunks kvtier copied straight into or out of LMCache's registered
+            CPU buffer; ``staged_chunks``: chunks moved over the socket
+            through the client's staging area) for tests and debugging.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any, **_: Any) -> None:
