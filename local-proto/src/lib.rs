@@ -13,6 +13,8 @@ pub const HEADER_BYTES: usize = 16;
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
 /// Most items in one batch.
 pub const ITEMS_MAX: usize = 4096;
+/// Most spans (`parts`) of one `GET_INTO_V`/`PUT_FROM_V` item.
+pub const PARTS_MAX: usize = 256;
 /// Protocol versions this server speaks.
 pub const VERSIONS: [u32; 1] = [1];
 /// `op` of the frame the server sends before closing on a framing error.
@@ -41,12 +43,27 @@ pub enum Op {
     Delete = 8,
     /// 9: promote keys toward the fastest tier.
     Prefetch = 9,
+    /// 10: copy blocks into registered memory, each scattered over spans.
+    GetIntoV = 10,
+    /// 11: store blocks from registered memory, each gathered from spans.
+    PutFromV = 11,
 }
 
 impl Op {
     /// Every operation, in `op` order (metrics label order).
-    pub const ALL: [Op; 9] =
-        [Op::Hello, Op::Register, Op::Unregister, Op::GetInto, Op::PutFrom, Op::Exists, Op::Lookup, Op::Delete, Op::Prefetch];
+    pub const ALL: [Op; 11] = [
+        Op::Hello,
+        Op::Register,
+        Op::Unregister,
+        Op::GetInto,
+        Op::PutFrom,
+        Op::Exists,
+        Op::Lookup,
+        Op::Delete,
+        Op::Prefetch,
+        Op::GetIntoV,
+        Op::PutFromV,
+    ];
 
     /// The operation numbered `op`, if known.
     pub fn from_u8(op: u8) -> Option<Op> {
@@ -55,14 +72,39 @@ impl Op {
 
     /// `HELLO`, `GET_INTO`, ... as docs/LOCAL.md names them.
     pub fn name(self) -> &'static str {
-        ["HELLO", "REGISTER", "UNREGISTER", "GET_INTO", "PUT_FROM", "EXISTS", "LOOKUP", "DELETE", "PREFETCH"][self as usize - 1]
+        ["HELLO", "REGISTER", "UNREGISTER", "GET_INTO", "PUT_FROM", "EXISTS", "LOOKUP", "DELETE", "PREFETCH", "GET_INTO_V", "PUT_FROM_V"]
+            [self as usize - 1]
+    }
+
+    /// Whether the op copies blocks into registered memory (`GET_INTO`,
+    /// `GET_INTO_V`).
+    pub fn is_get(self) -> bool {
+        matches!(self, Op::GetInto | Op::GetIntoV)
+    }
+
+    /// Whether the op's items carry a `parts` count and several spans
+    /// (`GET_INTO_V`, `PUT_FROM_V`).
+    pub fn is_vectored(self) -> bool {
+        matches!(self, Op::GetIntoV | Op::PutFromV)
     }
 }
 
 /// Metrics labels (`/v1/stats` `local.routes`, `kvtier_local_requests`):
 /// op `n` is `ROUTE_NAMES[n - 1]`, then `other` (unknown ops).
-pub const ROUTE_NAMES: [&str; 10] =
-    ["hello", "register", "unregister", "get_into", "put_from", "exists", "lookup", "delete", "prefetch", "other"];
+pub const ROUTE_NAMES: [&str; 12] = [
+    "hello",
+    "register",
+    "unregister",
+    "get_into",
+    "put_from",
+    "exists",
+    "lookup",
+    "delete",
+    "prefetch",
+    "get_into_v",
+    "put_from_v",
+    "other",
+];
 
 /// A status or per-item code (docs/LOCAL.md, "Codes"). Negative on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,33 +316,74 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// One item of a `GET_INTO` or `PUT_FROM` batch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Item<'a> {
+/// One span of registered memory: `length` bytes at `offset` in the
+/// region `handle` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
     /// Registration handle.
     pub handle: u64,
     /// Offset within the registered region, bytes.
     pub offset: u64,
-    /// Room at `offset` (get) or bytes to store (put).
+    /// Bytes of the span.
     pub length: u64,
+}
+
+/// One item of a `GET_INTO`/`PUT_FROM` batch (one part) or of a
+/// `GET_INTO_V`/`PUT_FROM_V` batch (1 to [`PARTS_MAX`] parts): the block's
+/// bytes, in order, laid across the parts in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item<'a> {
+    /// The spans: room for the block (get) or its bytes (put).
+    pub parts: Vec<Span>,
     /// Block key.
     pub key: &'a str,
 }
 
-/// Decodes a `GET_INTO`/`PUT_FROM` payload. A `BadRequest` message on error;
-/// too many items is [`Code::Limit`].
+impl Item<'_> {
+    /// Bytes of all the parts together (saturating at `u64::MAX`).
+    pub fn length(&self) -> u64 {
+        self.parts.iter().fold(0u64, |sum, p| sum.saturating_add(p.length))
+    }
+}
+
+/// Decodes a `GET_INTO`/`PUT_FROM` payload: each item one span.
+///
+/// # Errors
+/// [`Code::BadRequest`] with a message for a payload that does not parse
+/// (truncated, trailing bytes); [`Code::Limit`] for over [`ITEMS_MAX`] items.
 pub fn decode_items(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
+    decode_batch(payload, false)
+}
+
+/// Decodes a `GET_INTO_V`/`PUT_FROM_V` payload: each item a u16 `parts`
+/// count (1 to [`PARTS_MAX`]) before its spans.
+///
+/// # Errors
+/// As [`decode_items`]; a `parts` of 0 or over [`PARTS_MAX`] is
+/// [`Code::BadRequest`].
+pub fn decode_items_v(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
+    decode_batch(payload, true)
+}
+
+/// The one decoder of item batches; `vectored` items carry a `parts` count.
+fn decode_batch(payload: &[u8], vectored: bool) -> Result<Vec<Item<'_>>, (Code, String)> {
     let mut c = Cursor::new(payload);
-    let n = c.count(26).map_err(count_code)?;
+    // Smallest item: one span and an empty key's length; a vectored item's
+    // is counted from its `parts` and key length alone, so an item with 0
+    // parts is refused for that, not for its size.
+    let n = c.count(if vectored { 2 + 2 } else { 24 + 2 }).map_err(count_code)?;
     let mut items = Vec::with_capacity(n);
     for i in 0..n {
         let bad = |e: String| (Code::BadRequest, format!("item {i}: {e}"));
-        items.push(Item {
-            handle: c.u64("a handle").map_err(bad)?,
-            offset: c.u64("an offset").map_err(bad)?,
-            length: c.u64("a length").map_err(bad)?,
-            key: c.str("a key").map_err(bad)?,
-        });
+        let parts = if vectored { c.u16("a parts count").map_err(bad)? as usize } else { 1 };
+        if !(1..=PARTS_MAX).contains(&parts) {
+            return Err(bad(format!("{parts} parts; an item has 1 to {PARTS_MAX}")));
+        }
+        let parts = (0..parts)
+            .map(|_| Ok(Span { handle: c.u64("a handle")?, offset: c.u64("an offset")?, length: c.u64("a length")? }))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(bad)?;
+        items.push(Item { parts, key: c.str("a key").map_err(bad)? });
     }
     c.end().map_err(|e| (Code::BadRequest, e))?;
     Ok(items)
@@ -348,12 +431,35 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 /// A `GET_INTO`/`PUT_FROM` payload: `(handle, offset, length, key)` items
 /// ([`decode_items`] reads it).
 pub fn encode_items(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
-    let mut p = Vec::with_capacity(4 + items.iter().map(|i| 26 + i.3.len()).sum::<usize>());
+    encode_batch(items.iter().map(|&(handle, offset, length, key)| (None, [(handle, offset, length)].into_iter(), key)))
+}
+
+/// One item for [`encode_items_v`]: its parts, each a `(handle, offset,
+/// length)` span (bytes), and its key.
+pub type ItemV<'a> = (&'a [(u64, u64, u64)], &'a str);
+
+/// A `GET_INTO_V`/`PUT_FROM_V` payload: items of `(parts, key)`, each part a
+/// `(handle, offset, length)` span ([`decode_items_v`] reads it). Nothing is
+/// checked: a part count of 0 or over [`PARTS_MAX`] is sent as it is (the
+/// server refuses it with `BAD_REQUEST`).
+pub fn encode_items_v(items: &[ItemV<'_>]) -> Vec<u8> {
+    encode_batch(items.iter().map(|&(parts, key)| (Some(parts.len() as u16), parts.iter().copied(), key)))
+}
+
+/// The one encoder of item batches: u32 `n`, then per item its `parts`
+/// count (vectored ops only), its spans and its key.
+fn encode_batch<'k, S: Iterator<Item = (u64, u64, u64)>>(items: impl ExactSizeIterator<Item = (Option<u16>, S, &'k str)>) -> Vec<u8> {
+    let mut p = Vec::with_capacity(4 + items.len() * 64);
     p.extend_from_slice(&(items.len() as u32).to_le_bytes());
-    for (handle, offset, length, key) in items {
-        p.extend_from_slice(&handle.to_le_bytes());
-        p.extend_from_slice(&offset.to_le_bytes());
-        p.extend_from_slice(&length.to_le_bytes());
+    for (parts, spans, key) in items {
+        if let Some(parts) = parts {
+            p.extend_from_slice(&parts.to_le_bytes());
+        }
+        for (handle, offset, length) in spans {
+            p.extend_from_slice(&handle.to_le_bytes());
+            p.extend_from_slice(&offset.to_le_bytes());
+            p.extend_from_slice(&length.to_le_bytes());
+        }
         put_str(&mut p, key);
     }
     p
@@ -403,7 +509,8 @@ mod tests {
     fn items_decode_and_malformed_payloads_are_bad_requests() {
         let p = encode_items(&[(1, 0, 16, "a"), (2, 4096, 16, "key-b")]);
         let items = decode_items(&p).unwrap();
-        assert_eq!(items[1], Item { handle: 2, offset: 4096, length: 16, key: "key-b" });
+        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 4096, length: 16 }], key: "key-b" });
+        assert_eq!(items[1].length(), 16);
         for cut in 1..p.len() {
             let e = decode_items(&p[..cut]).unwrap_err();
             assert_eq!(e.0, Code::BadRequest, "cut at {cut}: {}", e.1);
@@ -419,6 +526,69 @@ mod tests {
     }
 
     #[test]
+    fn vectored_items_round_trip() {
+        let two: &[(u64, u64, u64)] = &[(1, 0, 40), (3, 1000, 60)];
+        let one: &[(u64, u64, u64)] = &[(2, 8, 100)];
+        let most: Vec<(u64, u64, u64)> = (0..PARTS_MAX as u64).map(|i| (1, i * 10, 10)).collect();
+        let p = encode_items_v(&[(two, "k-two"), (one, "k-one"), (&most, "")]);
+        let items = decode_items_v(&p).unwrap();
+        assert_eq!(items.len(), 3);
+        assert_eq!(items[0].parts, vec![Span { handle: 1, offset: 0, length: 40 }, Span { handle: 3, offset: 1000, length: 60 }]);
+        assert_eq!((items[0].key, items[0].length()), ("k-two", 100));
+        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 8, length: 100 }], key: "k-one" });
+        assert_eq!((items[2].parts.len(), items[2].key, items[2].length()), (PARTS_MAX, "", 10 * PARTS_MAX as u64));
+        // One part is the plain item with a u16 count in front of it.
+        let plain = encode_items(&[(2, 8, 100, "k-one")]);
+        let v = encode_items_v(&[(one, "k-one")]);
+        assert_eq!((&v[..4], &v[4..6], &v[6..]), (&plain[..4], &1u16.to_le_bytes()[..], &plain[4..]));
+        assert_eq!(decode_items_v(&v).unwrap(), decode_items(&plain).unwrap());
+        assert_eq!(decode_items_v(&encode_items_v(&[])).unwrap(), vec![]);
+        // Lengths that would overflow a u64 saturate.
+        let huge: &[(u64, u64, u64)] = &[(1, 0, u64::MAX), (1, 0, 2)];
+        assert_eq!(decode_items_v(&encode_items_v(&[(huge, "x")])).unwrap()[0].length(), u64::MAX);
+    }
+
+    #[test]
+    fn malformed_vectored_payloads_are_bad_requests_and_too_many_items_a_limit() {
+        let two: &[(u64, u64, u64)] = &[(1, 0, 40), (3, 1000, 60)];
+        let p = encode_items_v(&[(two, "a"), (two, "key-b")]);
+        for cut in 1..p.len() {
+            let e = decode_items_v(&p[..cut]).unwrap_err();
+            assert_eq!(e.0, Code::BadRequest, "cut at {cut}: {}", e.1);
+        }
+        let mut extra = p.clone();
+        extra.push(0);
+        let e = decode_items_v(&extra).unwrap_err();
+        assert!(e.0 == Code::BadRequest && e.1.contains("unexpected bytes"), "{e:?}");
+        // parts 0 and PARTS_MAX + 1, with room for the spans they claim.
+        for parts in [0usize, PARTS_MAX + 1] {
+            let spans = vec![(1, 0, 1); parts];
+            let mut bad = encode_items_v(&[(&spans, "k")]);
+            bad.extend_from_slice(&[0; 64]);
+            let e = decode_items_v(&bad).unwrap_err();
+            assert_eq!(e.0, Code::BadRequest, "{parts} parts: {}", e.1);
+            assert!(e.1.contains(&format!("{parts} parts")) && e.1.contains("item 0"), "{}", e.1);
+        }
+        // A second item's bad count names it.
+        let zero: &[(u64, u64, u64)] = &[];
+        let e = decode_items_v(&encode_items_v(&[(two, "a"), (zero, "b")])).unwrap_err();
+        assert!(e.1.starts_with("item 1: 0 parts"), "{}", e.1);
+        let mut many = (ITEMS_MAX as u32 + 1).to_le_bytes().to_vec();
+        many.resize(1 << 20, 0);
+        assert_eq!(decode_items_v(&many).unwrap_err().0, Code::Limit);
+        // A count the payload cannot hold is refused before any allocation.
+        assert_eq!(decode_items_v(&4000u32.to_le_bytes()).unwrap_err().0, Code::BadRequest);
+        // Bad UTF-8 in a key.
+        let mut bad_key = encode_items_v(&[(two, "k")]);
+        *bad_key.last_mut().unwrap() = 0xFF;
+        assert!(decode_items_v(&bad_key).unwrap_err().1.contains("UTF-8"));
+        // A plain payload is not a vectored one (its handle's low bytes
+        // read as a parts count).
+        let plain = encode_items(&[(0, 0, 16, "a")]);
+        assert_eq!(decode_items_v(&plain).unwrap_err().0, Code::BadRequest);
+    }
+
+    #[test]
     fn keys_decode_and_bad_utf8_is_refused() {
         assert_eq!(decode_keys(&encode_keys(&["x", "yz"])).unwrap(), vec!["x", "yz"]);
         let bad = [1, 0, 0, 0, 1, 0, 0xFF];
@@ -431,7 +601,17 @@ mod tests {
             assert_eq!(Op::from_u8(op as u8), Some(op));
         }
         assert_eq!(Op::from_u8(0), None);
-        assert_eq!(Op::from_u8(10), None);
+        assert_eq!(Op::from_u8(12), None);
+        assert_eq!(Op::from_u8(10), Some(Op::GetIntoV));
+        assert_eq!(Op::PutFromV as u8, 11);
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, i + 1, "ops are numbered 1.. in ALL's order");
+            assert_eq!(ROUTE_NAMES[i], op.name().to_lowercase(), "the route label is the op's name");
+        }
+        assert_eq!(ROUTE_NAMES[ROUTE_NAMES.len() - 1], "other");
+        assert_eq!((Op::GetIntoV.name(), Op::PutFromV.name()), ("GET_INTO_V", "PUT_FROM_V"));
+        assert!(Op::GetIntoV.is_get() && Op::GetIntoV.is_vectored() && Op::PutFromV.is_vectored());
+        assert!(!Op::PutFrom.is_get() && !Op::PutFromV.is_get() && !Op::GetInto.is_vectored());
         assert_eq!(Code::BadFrame as i32, -19);
         assert_eq!(ROUTE_NAMES[Op::GetInto as usize - 1], "get_into");
         assert_eq!(ROUTE_NAMES.len(), Op::ALL.len() + 1);

@@ -13,7 +13,12 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::local::{frame, items_payload, keys_payload, memfd, Raw, EXISTS, GET_INTO, HELLO, PUT_FROM};
+use std::os::fd::OwnedFd;
+
+use common::local::{
+    frame, items_payload, items_v_payload, keys_payload, memfd, read_at, write_at, Raw, EXISTS, GET_INTO, GET_INTO_V, HELLO, PUT_FROM,
+    PUT_FROM_V,
+};
 use common::{set_flag, start, test_args, try_start, Server, BLOCK_BYTES};
 
 fn socket_of(server: &Server) -> PathBuf {
@@ -330,4 +335,171 @@ fn a_clean_stop_is_not_held_up_by_idle_local_connections() {
     assert!(started.elapsed() < Duration::from_secs(5), "SIGTERM took {:?} with an idle local connection open", started.elapsed());
     assert!(idle.closed(), "the server closed the connection");
     assert!(!path.exists());
+}
+
+/// Registers `fd`'s first `len` bytes: the handle.
+fn register(r: &mut Raw, fd: &OwnedFd, len: u64) -> u64 {
+    let a = r.register(&[fd.as_raw_fd()], 0, len);
+    assert_eq!(a.status, 0, "{}", a.message());
+    u64::from_le_bytes(a.body[..8].try_into().unwrap())
+}
+
+/// A block of pattern bytes, distinct per `seed`, never the sentinel 0xEE
+/// everywhere.
+fn pattern(seed: u64) -> Vec<u8> {
+    (0..BLOCK_BYTES).map(|i| ((i * 31 + seed * 7 + i / 251) % 253) as u8).collect()
+}
+
+const SENTINEL: u8 = 0xEE;
+
+#[test]
+fn a_block_is_gathered_from_spans_and_scattered_into_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let mut r = Raw::connect(&socket_of(&server));
+    // HELLO names every op the server serves, the vectored ones too.
+    let a = r.call(HELLO, br#"{"versions":[1]}"#);
+    assert_eq!(a.status, 0, "{}", a.message());
+    let hello: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    let ops: Vec<&str> = hello["ops"].as_array().expect("ops").iter().map(|o| o.as_str().unwrap()).collect();
+    assert!(ops.contains(&"GET_INTO_V") && ops.contains(&"PUT_FROM_V"), "{ops:?}");
+    assert_eq!(ops[..5], ["HELLO", "REGISTER", "UNREGISTER", "GET_INTO", "PUT_FROM"], "{ops:?}");
+
+    // Two buffers, one mapped (sealed) and one reached with file I/O.
+    let len = 4 * BLOCK_BYTES;
+    let (fa, fb) = (memfd(len, true), memfd(len, false));
+    let (a_h, b_h) = (register(&mut r, &fa, len), register(&mut r, &fb, len));
+
+    // PUT_FROM_V: 40 % of the block at 1000 in A, 60 % at 5000 in B.
+    let block = pattern(1);
+    let first = BLOCK_BYTES * 2 / 5;
+    write_at(&fa, 1000, &block[..first as usize]);
+    write_at(&fb, 5000, &block[first as usize..]);
+    let parts = [(a_h, 1000, first), (b_h, 5000, BLOCK_BYTES - first)];
+    assert_eq!(r.call_v(PUT_FROM_V, &[(&parts, "v-block")]), vec![(0, 1)]);
+
+    // Plain GET_INTO: the concatenation, byte-exact.
+    write_at(&fa, 0, &vec![SENTINEL; len as usize]);
+    write_at(&fb, 0, &vec![SENTINEL; len as usize]);
+    let got = r.call(GET_INTO, &items_payload(&[(a_h, 2 * BLOCK_BYTES, BLOCK_BYTES, "v-block")])).items();
+    assert_eq!(got, vec![(BLOCK_BYTES as i64, 3)]);
+    assert!(read_at(&fa, 2 * BLOCK_BYTES, BLOCK_BYTES) == block, "plain GET_INTO of a gathered block");
+
+    // GET_INTO_V into 3 parts laid out otherwise, 80,000 bytes of room for
+    // 65,536: part 0 in B, part 1 in A, part 2 in B, which takes only the
+    // rest of the block; the bytes past it stay as they were.
+    write_at(&fa, 0, &vec![SENTINEL; len as usize]);
+    let parts = [(b_h, 2 * BLOCK_BYTES + 7, 10_000), (a_h, 3 * BLOCK_BYTES + 100, 30_000), (b_h, 100, 40_000)];
+    assert_eq!(r.call_v(GET_INTO_V, &[(&parts, "v-block")]), vec![(BLOCK_BYTES as i64, 3)]);
+    let (b_all, a_all) = (read_at(&fb, 0, len), read_at(&fa, 0, len));
+    let b0 = (2 * BLOCK_BYTES + 7) as usize;
+    let a1 = (3 * BLOCK_BYTES + 100) as usize;
+    assert!(b_all[b0..b0 + 10_000] == block[..10_000], "part 0");
+    assert!(a_all[a1..a1 + 30_000] == block[10_000..40_000], "part 1");
+    let tail = BLOCK_BYTES as usize - 40_000;
+    assert!(b_all[100..100 + tail] == block[40_000..], "part 2 takes the rest of the block");
+    // Everything else in both buffers, part 2's unused room included, is
+    // untouched.
+    let touched_b = |i: usize| (b0..b0 + 10_000).contains(&i) || (100..100 + tail).contains(&i);
+    assert!(b_all.iter().enumerate().all(|(i, b)| touched_b(i) || *b == SENTINEL), "B outside the parts");
+    assert!(a_all.iter().enumerate().all(|(i, b)| (a1..a1 + 30_000).contains(&i) || *b == SENTINEL), "A outside the part");
+
+    // 16 parts of 4 KiB, in reverse order over one buffer, both ways.
+    let block = pattern(2);
+    let parts: Vec<(u64, u64, u64)> = (0..16u64).map(|i| (a_h, (15 - i) * 4096 * 2 + 1, 4096)).collect();
+    for (i, p) in parts.iter().enumerate() {
+        write_at(&fa, p.1, &block[i * 4096..(i + 1) * 4096]);
+    }
+    assert_eq!(r.call_v(PUT_FROM_V, &[(&parts, "v-sixteen")]), vec![(0, 1)]);
+    let got = r.call(GET_INTO, &items_payload(&[(b_h, 0, BLOCK_BYTES, "v-sixteen")])).items();
+    assert_eq!(got, vec![(BLOCK_BYTES as i64, 3)]);
+    assert!(read_at(&fb, 0, BLOCK_BYTES) == block, "16 parts gathered in order");
+    write_at(&fa, 0, &vec![SENTINEL; len as usize]);
+    assert_eq!(r.call_v(GET_INTO_V, &[(&parts, "v-sixteen")]), vec![(BLOCK_BYTES as i64, 3)]);
+    for (i, p) in parts.iter().enumerate() {
+        assert!(read_at(&fa, p.1, 4096) == block[i * 4096..(i + 1) * 4096], "part {i} scattered");
+    }
+
+    // Counted under their own routes, with the block bytes moved.
+    let stats = stats_of(&server);
+    let routes = &stats["local"]["routes"];
+    assert_eq!((routes["put_from_v"]["requests"].as_u64(), routes["get_into_v"]["requests"].as_u64()), (Some(2), Some(2)), "{routes}");
+    assert_eq!(routes["get_into"]["requests"], 2);
+    let sum = |field: &str| stats["local"]["per_shard"].as_array().unwrap().iter().map(|s| s[field].as_u64().unwrap()).sum::<u64>();
+    assert_eq!((sum("bytes_in"), sum("bytes_out")), (2 * BLOCK_BYTES, 4 * BLOCK_BYTES));
+    let metrics = common::exchange(
+        server.url.trim_start_matches("http://"),
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(metrics.contains("route=\"get_into_v\"") && metrics.contains("route=\"put_from_v\""), "{metrics}");
+}
+
+#[test]
+fn a_vectored_item_is_checked_whole_before_anything_is_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let mut r = Raw::ready(&socket_of(&server));
+    let len = 4 * BLOCK_BYTES;
+    let (fa, fb) = (memfd(len, true), memfd(len, false));
+    let (a_h, b_h) = (register(&mut r, &fa, len), register(&mut r, &fb, len));
+    let block = pattern(3);
+    write_at(&fa, 0, &block);
+    assert_eq!(r.call(PUT_FROM, &items_payload(&[(a_h, 0, BLOCK_BYTES, "stored")])).items(), vec![(0, 1)]);
+    write_at(&fa, 0, &vec![SENTINEL; len as usize]);
+    let untouched = |fd: &OwnedFd, what: &str| assert!(read_at(fd, 0, len).iter().all(|b| *b == SENTINEL), "{what}: nothing copied");
+    let half = BLOCK_BYTES / 2;
+
+    // WRONG_SIZE: room one byte short (get), one byte short or over (put).
+    let short = [(a_h, 0, half), (a_h, 2 * BLOCK_BYTES, half - 1)];
+    assert_eq!(r.call_v(GET_INTO_V, &[(&short, "stored")]), vec![(-4, 0)]);
+    untouched(&fa, "a get with too little room");
+    let over = [(a_h, 0, half), (a_h, 2 * BLOCK_BYTES, half + 1)];
+    let codes = r.call_v(PUT_FROM_V, &[(&short, "put-short"), (&over, "put-over")]);
+    assert_eq!(codes, vec![(-4, 0), (-4, 0)]);
+
+    // OUT_OF_BOUNDS or UNKNOWN_HANDLE in the second part only: the first
+    // part gets nothing. BUFFER_SHRUNK likewise, for a file I/O buffer
+    // shrunk under its registration.
+    let oob = [(a_h, 0, half), (a_h, len - 10, half)];
+    let unknown = [(a_h, 0, half), (999, 0, half)];
+    let shrunk = [(a_h, 0, half), (b_h, 3 * BLOCK_BYTES, half)];
+    // SAFETY: ftruncate on the test's own (unsealed) memfd.
+    assert_eq!(unsafe { libc::ftruncate(fb.as_raw_fd(), (2 * BLOCK_BYTES) as i64) }, 0);
+    let codes = r.call_v(GET_INTO_V, &[(&oob, "stored"), (&unknown, "stored"), (&shrunk, "stored")]);
+    assert_eq!(codes, vec![(-6, 0), (-5, 0), (-7, 0)]);
+    untouched(&fa, "a get with a bad second part");
+    let codes = r.call_v(PUT_FROM_V, &[(&oob, "put-oob"), (&unknown, "put-unknown"), (&shrunk, "put-shrunk")]);
+    assert_eq!(codes, vec![(-6, 0), (-5, 0), (-7, 0)]);
+    let keys = ["put-short", "put-over", "put-oob", "put-unknown", "put-shrunk"];
+    let a = r.call(EXISTS, &keys_payload(&keys));
+    assert_eq!(&a.body[4..], &[0; 5], "nothing was stored");
+
+    // Malformed payloads: parts 0 and PARTS_MAX + 1 are bad requests, too
+    // many items a limit, and the connection stays usable.
+    let none: &[(u64, u64, u64)] = &[];
+    let too_many_parts = vec![(a_h, 0, 64); kvtier_local_proto::PARTS_MAX + 1];
+    for (op, payload) in [
+        (GET_INTO_V, items_v_payload(&[(none, "stored")])),
+        (PUT_FROM_V, items_v_payload(&[(none, "put-none")])),
+        (GET_INTO_V, items_v_payload(&[(&too_many_parts, "stored")])),
+        (PUT_FROM_V, items_v_payload(&[(&too_many_parts, "put-257")])),
+    ] {
+        let a = r.call(op, &payload);
+        assert_eq!((a.op, a.status), (op | 0x80, -13), "{}", a.message());
+        assert!(a.message().contains("parts"), "{}", a.message());
+    }
+    // A plain GET_INTO payload sent as GET_INTO_V: its handle's low bytes
+    // read as a parts count of 1, the rest does not parse.
+    assert_eq!(r.call(GET_INTO_V, &items_payload(&[(a_h, 0, BLOCK_BYTES, "stored")])).status, -13);
+    let mut too_many = 5000u32.to_le_bytes().to_vec();
+    too_many.resize(200_000, 0);
+    assert_eq!(r.call(PUT_FROM_V, &too_many).status, -16);
+    untouched(&fa, "malformed requests");
+    let whole = [(a_h, 8, BLOCK_BYTES)];
+    assert_eq!(r.call_v(GET_INTO_V, &[(&whole, "stored")]), vec![(BLOCK_BYTES as i64, 3)]);
+    assert!(read_at(&fa, 8, BLOCK_BYTES) == block, "one part is a plain GET_INTO");
+    let routes = &stats_of(&server)["local"]["routes"];
+    assert_eq!(routes["get_into_v"]["client_errors"], 3, "{routes}");
+    assert_eq!(routes["put_from_v"]["client_errors"], 3, "{routes}");
 }

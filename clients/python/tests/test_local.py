@@ -324,6 +324,48 @@ def test_mooncake_calls_give_the_same_results_over_http(server):
     assert over_unix[3] == [BB, BB, codes.NOT_FOUND, codes.INVALID_KEY, codes.WRONG_SIZE]
 
 
+def test_multi_buffer_calls_scatter_and_gather_the_same_over_http_and_the_socket(server):
+    """Mooncake's batch_*_multi_buffers: a block gathered from spans apart
+    (SGLang's K and V halves) and scattered into others, byte-exact on both
+    transports, with the same codes for bad items."""
+
+    def scenario(c: kvtier.Client, tag: str) -> list:
+        out = []
+        with kvtier.SharedBuffer(6 * BB) as buf:
+            arr = buf.numpy()
+            fill(arr[:BB], 80)
+            want = arr[:BB].tobytes()
+            out.append(c.register_buffer(buf))
+            k, v = buf.ptr, buf.ptr + 3 * BB  # the halves, apart
+            arr[3 * BB : 3 * BB + BB // 2] = arr[BB // 2 : BB]
+            half = BB // 2
+            keys = [f"{tag}-kv", f"{tag}-short", f"{tag}-over", f"{tag}-stray", f"{tag}-past"]
+            ptrs = [[k, v], [k, v], [k, v], [k, 12345], [k, buf.ptr + 6 * BB - half + 1]]
+            sizes = [[half, half], [half, half - 1], [half, half + 1], [half, half], [half, half]]
+            out.append(c.batch_put_from_multi_buffers(keys, ptrs, sizes))
+            out.append(c.batch_get_into([f"{tag}-kv"], [buf.ptr + BB], [BB]))
+            out.append(arr[BB : 2 * BB].tobytes() == want)
+            # Scattered into three spans in another order, with room to spare.
+            arr[:] = 0
+            spans = [[buf.ptr + 5 * BB, buf.ptr + 2 * BB, buf.ptr]]
+            out.append(c.batch_get_into_multi_buffers([f"{tag}-kv"], spans, [[BB // 4, BB // 4, BB]]))
+            got = arr[5 * BB : 5 * BB + BB // 4].tobytes() + arr[2 * BB : 2 * BB + BB // 4].tobytes()
+            got += arr[: BB // 2].tobytes()
+            out.append(got == want and not arr[BB // 2 : BB].any())
+            out.append(c.batch_get_into_multi_buffers([f"{tag}-none", f"{tag}-kv"], [[k], [k]], [[BB], [BB - 1]]))
+            del arr
+            c.unregister_buffer(buf)
+        return out
+
+    with kvtier.Client(server.url) as h, kvtier.Client(server.unix_url) as u:
+        over_http = scenario(h, "vh")
+        over_unix = scenario(u, "vu")
+    assert over_http == over_unix
+    bad = [codes.WRONG_SIZE, codes.WRONG_SIZE, codes.NOT_REGISTERED, codes.OUT_OF_BOUNDS]
+    assert over_unix[1] == [0, *bad], over_unix
+    assert over_unix[2:] == [[BB], True, [BB], True, [codes.NOT_FOUND, codes.WRONG_SIZE]], over_unix
+
+
 def test_many_threads_share_one_connection(uclient, sb):
     assert uclient.register_buffer(sb) == 0
     arr = sb.numpy()

@@ -19,7 +19,7 @@ use kvtier_engine::PutOutcome;
 use serde_json::json;
 
 use super::proto::{self, code_of, Code, Header, Item, Op, HEADER_BYTES, OP_CONNECTION_ERROR, RESPONSE_BIT};
-use super::region::{ItemSink, Region};
+use super::region::{gather, ItemSink, Part, Region};
 use super::LocalShared;
 use crate::limits;
 use crate::routes::Ctx;
@@ -298,7 +298,7 @@ fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result
     // The ops answered here, in stream order (a handle registered is known
     // to every later frame); the data ops run as tasks, below.
     let answered: Result<Vec<u8>, (Code, String)> = match op {
-        None => Err((Code::UnknownOp, format!("unknown op {}; this server speaks ops 1-9 (docs/LOCAL.md)", header.op))),
+        None => Err((Code::UnknownOp, format!("unknown op {}; this server speaks ops 1-{} (docs/LOCAL.md)", header.op, Op::ALL.len()))),
         Some(Op::Hello) => hello(conn, &payload),
         Some(_) if !conn.said_hello.get() => Err((Code::Unauthorized, "the first request on a connection must be HELLO".into())),
         Some(Op::Register) => register(conn, &payload, fd.expect("claimed for REGISTER")),
@@ -402,6 +402,7 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
         "max_items": proto::ITEMS_MAX,
         "max_payload_bytes": proto::PAYLOAD_BYTES_MAX,
         "max_registrations": REGISTRATIONS_MAX,
+        "ops": Op::ALL.map(Op::name),
         "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
         "http": conn.shared.http_addr.get().map(|a| {
             // A wildcard listener is reached on loopback from this host.
@@ -444,28 +445,29 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
     let fail = |e: (Code, String)| (Err(e), 0, 0);
     let engine = |e: kvtier_engine::Error| (code_of(&e), e.to_string());
     match op {
-        Op::GetInto | Op::PutFrom => {
-            let items = match proto::decode_items(payload) {
+        Op::GetInto | Op::PutFrom | Op::GetIntoV | Op::PutFromV => {
+            let decoded = if op.is_vectored() { proto::decode_items_v(payload) } else { proto::decode_items(payload) };
+            let items = match decoded {
                 Ok(i) => i,
                 Err(e) => return fail(e),
             };
             let block_bytes = store.geometry().block_bytes;
             let futures = items.iter().map(|item| async move {
-                let region = match item_region(conn, item, block_bytes, op) {
-                    Ok(r) => r,
+                let parts = match item_parts(conn, item, block_bytes, op.is_get()) {
+                    Ok(p) => p,
                     Err(code) => return (code as i64, 0u8),
                 };
-                if op == Op::GetInto {
-                    get_item(conn, item, region).await
+                if op.is_get() {
+                    get_item(conn, item.key, parts).await
                 } else {
-                    put_item(conn, item, region).await
+                    put_item(conn, item.key, parts, block_bytes).await
                 }
             });
             let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
             let moved: u64 = results.iter().filter(|(r, _)| *r >= 0).count() as u64 * block_bytes;
             let overloaded = results.iter().any(|(r, _)| *r == Code::Overloaded as i64);
             let retry = if overloaded { (limits::RETRY_AFTER_S * 1000) as u32 } else { 0 };
-            let (bytes_in, bytes_out) = if op == Op::PutFrom { (moved, 0) } else { (0, moved) };
+            let (bytes_in, bytes_out) = if op.is_get() { (0, moved) } else { (moved, 0) };
             (Ok((proto::encode_results(&results), retry)), bytes_in, bytes_out)
         }
         Op::Exists | Op::Lookup | Op::Delete | Op::Prefetch => {
@@ -504,26 +506,37 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
     }
 }
 
-/// The item's region, after the checks every item gets.
-fn item_region(conn: &Conn, item: &Item<'_>, block_bytes: u64, op: Op) -> Result<Arc<Region>, Code> {
+/// The item's parts in their regions, after the checks every item gets
+/// (key, then each part's handle and bounds in order, then the size: room
+/// for the block for a get, exactly the block for a put), so an item that
+/// fails any of them copies nothing.
+fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<Vec<Part>, Code> {
     kvtier_engine::key::validate(item.key).map_err(|_| Code::InvalidKey)?;
-    let region = conn.regions.borrow().get(&item.handle).cloned().ok_or(Code::UnknownHandle)?;
-    region.check(item.offset, item.length).map_err(|(c, _)| c)?;
-    let size_ok = if op == Op::GetInto { item.length >= block_bytes } else { item.length == block_bytes };
+    let parts = item
+        .parts
+        .iter()
+        .map(|span| {
+            let region = conn.regions.borrow().get(&span.handle).cloned().ok_or(Code::UnknownHandle)?;
+            region.check(span.offset, span.length).map_err(|(c, _)| c)?;
+            Ok(Part { region, at: span.offset, len: span.length })
+        })
+        .collect::<Result<Vec<_>, Code>>()?;
+    let length = item.length();
+    let size_ok = if get { length >= block_bytes } else { length == block_bytes };
     if !size_ok {
         return Err(Code::WrongSize);
     }
-    Ok(region)
+    Ok(parts)
 }
 
-async fn get_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8) {
-    let sink = Arc::new(ItemSink { region, at: item.offset, room: item.length, shrunk: Default::default() });
-    match conn.ctx.store.get_into(item.key, sink.clone()).await {
+async fn get_item(conn: &Conn, key: &str, parts: Vec<Part>) -> (i64, u8) {
+    let sink = Arc::new(ItemSink::new(parts));
+    match conn.ctx.store.get_into(key, sink.clone()).await {
         Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
         Err(_) if sink.shrunk.load(Ordering::Relaxed) => (Code::BufferShrunk as i64, 0),
         Err(e) => {
             if code_of(&e).is_server_side() {
-                tracing::warn!(key = item.key, "local GET_INTO failed: {e}");
+                tracing::warn!(key, "local GET_INTO failed: {e}");
             }
             (code_of(&e) as i64, 0)
         }
@@ -541,27 +554,29 @@ impl Drop for Admitted<'_> {
     }
 }
 
-async fn put_item(conn: &Conn, item: &Item<'_>, region: Arc<Region>) -> (i64, u8) {
+/// Stores the block the parts hold (`block_bytes` together, checked).
+async fn put_item(conn: &Conn, key: &str, parts: Vec<Part>, block_bytes: u64) -> (i64, u8) {
     let ctx = &conn.ctx;
     let held = ctx.put_inflight_bytes.get();
-    if held > 0 && held + item.length > ctx.put_inflight_bytes_max {
+    if held > 0 && held + block_bytes > ctx.put_inflight_bytes_max {
         ctx.http.shard(ctx.store.shard_id()).put_bytes_refusals.fetch_add(1, Ordering::Relaxed);
         return (Code::Overloaded as i64, 0);
     }
-    ctx.put_inflight_bytes.set(held + item.length);
-    let _admitted = Admitted(ctx, item.length);
+    ctx.put_inflight_bytes.set(held + block_bytes);
+    let _admitted = Admitted(ctx, block_bytes);
     // All-or-nothing: the whole block is copied out of the client's memory
-    // before the store sees any of it.
-    let bytes = match region.read(item.offset, item.length, &conn.shared.copy_pool) {
+    // (gathered from its parts into one buffer) before the store sees any
+    // of it.
+    let bytes = match gather(&parts, &conn.shared.copy_pool) {
         Ok(b) => b,
         Err((code, _)) => return (code as i64, 0),
     };
-    drop(region);
-    match ctx.store.put_reporting(item.key, vec![bytes]).await {
+    drop(parts);
+    match ctx.store.put_reporting(key, vec![bytes]).await {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
             if code_of(&e).is_server_side() {
-                tracing::warn!(key = item.key, "local PUT_FROM failed: {e}");
+                tracing::warn!(key, "local PUT_FROM failed: {e}");
             }
             (code_of(&e) as i64, 0)
         }

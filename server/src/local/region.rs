@@ -144,12 +144,21 @@ impl Region {
         self.len
     }
 
-    /// Checks that `[at, at + n)` lies in the region.
+    /// Checks that `[at, at + n)` lies in the region and, with file I/O,
+    /// that the file still holds it (`BUFFER_SHRUNK`; a copy checks again,
+    /// as the file may shrink after this).
     pub fn check(&self, at: u64, n: u64) -> Result<(), (Code, String)> {
         match at.checked_add(n) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err((Code::OutOfBounds, format!("offset {at} + length {n} is past the {}-byte region", self.len))),
+            Some(end) if end <= self.len => {}
+            _ => return Err((Code::OutOfBounds, format!("offset {at} + length {n} is past the {}-byte region", self.len))),
         }
+        if self.map.is_none() {
+            self.check_size(at, n).map_err(|e| {
+                let code = if e.kind() == std::io::ErrorKind::UnexpectedEof { Code::BufferShrunk } else { Code::IoError };
+                (code, e.to_string())
+            })?;
+        }
+        Ok(())
     }
 
     /// File I/O only: fails with `BUFFER_SHRUNK` when the file no longer
@@ -197,25 +206,27 @@ impl Region {
         Ok(())
     }
 
-    /// Copies `n` bytes at `at` out of the region into a buffer from `pool`.
+    /// Copies `out.len()` bytes at `at` out of the region into `out`
+    /// (bounds checked by the caller).
     ///
     /// # Errors
     /// `BUFFER_SHRUNK` when the file ends early; `IO_ERROR` otherwise.
-    pub fn read(&self, at: u64, n: u64, pool: &Arc<CopyPool>) -> Result<Bytes, (Code, String)> {
-        let mut out = pool.take(n as usize);
+    fn read_into(&self, at: u64, out: &mut [u8]) -> Result<(), (Code, String)> {
+        let n = out.len();
+        debug_assert!(at + n as u64 <= self.len);
         if let Some(m) = &self.map {
             // SAFETY: as in `write`; `out` is `n` bytes long.
-            unsafe { std::ptr::copy_nonoverlapping(m.base.add(m.region_at + at as usize), out.buf.as_mut_ptr(), n as usize) };
-            return Ok(Bytes::from_owner(out));
+            unsafe { std::ptr::copy_nonoverlapping(m.base.add(m.region_at + at as usize), out.as_mut_ptr(), n) };
+            return Ok(());
         }
         let mut done = 0usize;
-        while done < n as usize {
+        while done < n {
             let pos = (self.file_offset + at) as i64 + done as i64;
             // SAFETY: reads into `out`, `n` bytes long.
-            let got = unsafe { libc::pread(self.fd.as_raw_fd(), out.buf.as_mut_ptr().add(done).cast(), n as usize - done, pos) };
+            let got = unsafe { libc::pread(self.fd.as_raw_fd(), out.as_mut_ptr().add(done).cast(), n - done, pos) };
             match got {
                 0 => {
-                    let e = shrunk(self.file_offset + at + done as u64, self.file_offset + at + n);
+                    let e = shrunk(self.file_offset + at + done as u64, self.file_offset + at + n as u64);
                     return Err((Code::BufferShrunk, e.to_string()));
                 }
                 g if g < 0 => {
@@ -227,8 +238,35 @@ impl Region {
                 g => done += g as usize,
             }
         }
-        Ok(Bytes::from_owner(out))
+        Ok(())
     }
+}
+
+/// One span of an item in registered memory, checked against its region:
+/// `len` bytes at `at`.
+#[derive(Clone)]
+pub struct Part {
+    /// The region, kept alive by the item.
+    pub region: Arc<Region>,
+    /// Offset of the span in the region.
+    pub at: u64,
+    /// Bytes of the span.
+    pub len: u64,
+}
+
+/// Copies the parts' bytes, in order, out of their regions into one buffer
+/// from `pool` (`PUT_FROM`: one part; `PUT_FROM_V`: several).
+///
+/// # Errors
+/// `BUFFER_SHRUNK` when a file ends early; `IO_ERROR` otherwise.
+pub fn gather(parts: &[Part], pool: &Arc<CopyPool>) -> Result<Bytes, (Code, String)> {
+    let mut out = pool.take(parts.iter().map(|p| p.len as usize).sum());
+    let mut done = 0usize;
+    for p in parts {
+        p.region.read_into(p.at, &mut out.buf[done..done + p.len as usize])?;
+        done += p.len as usize;
+    }
+    Ok(Bytes::from_owner(out))
 }
 
 fn shrunk(size: u64, needed: u64) -> std::io::Error {
@@ -267,24 +305,44 @@ fn map_region(fd: i32, offset: u64, len: u64, hugetlb: bool) -> Result<Mapping, 
     Ok(m)
 }
 
-/// The destination of one `GET_INTO` item: `room` bytes at `at` in a region.
+/// The destination of one `GET_INTO` item (one part) or `GET_INTO_V` item
+/// (several): the block's bytes, in order, laid across the parts in order.
 pub struct ItemSink {
-    /// The region, kept alive by this item.
-    pub region: Arc<Region>,
-    /// Offset of the item in the region.
-    pub at: u64,
-    /// Bytes of room at `at`.
-    pub room: u64,
-    /// Set when the client's file was shorter than its region.
+    /// The spans, in block order.
+    pub parts: Vec<Part>,
+    /// Set when a client's file was shorter than its region.
     pub shrunk: AtomicBool,
+}
+
+impl ItemSink {
+    /// A sink over `parts`.
+    pub fn new(parts: Vec<Part>) -> ItemSink {
+        ItemSink { parts, shrunk: AtomicBool::new(false) }
+    }
+
+    /// Writes `chunk`, block offset `offset`, into the parts it falls in.
+    fn scatter(&self, offset: u64, chunk: &[u8]) -> std::io::Result<()> {
+        let room: u64 = self.parts.iter().map(|p| p.len).sum();
+        if offset + chunk.len() as u64 > room {
+            return Err(std::io::Error::other(format!("a block overruns the item's {room} bytes of room")));
+        }
+        // `start`: block offset of the part's first byte.
+        let mut start = 0u64;
+        for p in &self.parts {
+            let end = start + p.len;
+            let (from, to) = (offset.max(start), (offset + chunk.len() as u64).min(end));
+            if from < to {
+                p.region.write(p.at + (from - start), &chunk[(from - offset) as usize..(to - offset) as usize])?;
+            }
+            start = end;
+        }
+        Ok(())
+    }
 }
 
 impl BlockSink for ItemSink {
     fn write_at(&self, offset: u64, chunk: &[u8]) -> std::io::Result<()> {
-        if offset + chunk.len() as u64 > self.room {
-            return Err(std::io::Error::other(format!("a block overruns the item's {} bytes of room", self.room)));
-        }
-        let r = self.region.write(self.at + offset, chunk);
+        let r = self.scatter(offset, chunk);
         if let Err(e) = &r {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.shrunk.store(true, Ordering::Relaxed);

@@ -13,6 +13,8 @@ pub const REGISTER: u8 = 2;
 pub const GET_INTO: u8 = 4;
 pub const PUT_FROM: u8 = 5;
 pub const EXISTS: u8 = 6;
+pub const GET_INTO_V: u8 = 10;
+pub const PUT_FROM_V: u8 = 11;
 
 /// A raw protocol connection: frames as bytes, nothing checked on the way
 /// out, so tests can send what a broken client would.
@@ -62,7 +64,36 @@ pub fn items_payload(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
     kvtier_local_proto::encode_items(items)
 }
 
+/// A `GET_INTO_V`/`PUT_FROM_V` payload of `(parts, key)` items, each part a
+/// `(handle, offset, length)` span; part counts are not checked, so a test
+/// can send 0 or 17.
+pub fn items_v_payload(items: &[kvtier_local_proto::ItemV<'_>]) -> Vec<u8> {
+    kvtier_local_proto::encode_items_v(items)
+}
+
+/// Copies `bytes` to `at` in the test's own memfd.
+pub fn write_at(fd: &OwnedFd, at: u64, bytes: &[u8]) {
+    // SAFETY: pwrite from a live slice on the test's own descriptor.
+    let n = unsafe { libc::pwrite(fd.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), at as i64) };
+    assert_eq!(n, bytes.len() as isize, "pwrite at {at}");
+}
+
+/// `n` bytes at `at` in the test's own memfd.
+pub fn read_at(fd: &OwnedFd, at: u64, n: u64) -> Vec<u8> {
+    let mut out = vec![0u8; n as usize];
+    // SAFETY: pread into a live buffer of `n` bytes on the test's own descriptor.
+    let got = unsafe { libc::pread(fd.as_raw_fd(), out.as_mut_ptr().cast(), out.len(), at as i64) };
+    assert_eq!(got, n as isize, "pread at {at}");
+    out
+}
+
 impl Raw {
+    /// A `GET_INTO_V` (`op` [`GET_INTO_V`]) or `PUT_FROM_V` batch of
+    /// `(parts, key)` items: the per-item `(result, tier | created)`.
+    pub fn call_v(&mut self, op: u8, items: &[kvtier_local_proto::ItemV<'_>]) -> Vec<(i64, u8)> {
+        self.call(op, &items_v_payload(items)).items()
+    }
+
     pub fn connect(path: &Path) -> Raw {
         let s = UnixStream::connect(path).unwrap_or_else(|e| panic!("connect {}: {e}", path.display()));
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

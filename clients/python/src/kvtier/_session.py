@@ -30,10 +30,14 @@ from .local import (
     MAX_ITEMS,
     MAX_PAYLOAD_BYTES,
     OP_GET_INTO,
+    OP_GET_INTO_V,
     OP_PUT_FROM,
+    OP_PUT_FROM_V,
+    PART_BYTES,
     LocalConnection,
     decode_results,
     encode_items,
+    encode_items_v,
 )
 from .shm import SharedBuffer
 
@@ -121,13 +125,14 @@ class Regions:
             return regions
 
 
-def key_chunks(keys: Sequence[str], idx: Sequence[int], each: int) -> Iterator[list[int]]:
+def key_chunks(keys: Sequence[str], idx: Sequence[int], each: int | Callable[[int], int]) -> Iterator[list[int]]:
     """``idx`` in order, in pieces of at most 4,096 items whose payload (u32 n,
-    ``each`` bytes per item plus its key) stays within 1 MiB."""
+    ``each`` bytes per item, or ``each(i)`` for item ``i``, plus its key)
+    stays within 1 MiB."""
     chunk: list[int] = []
     nbytes = 4
     for i in idx:
-        cost = each + len(keys[i].encode())
+        cost = (each if isinstance(each, int) else each(i)) + len(keys[i].encode())
         if chunk and (len(chunk) == MAX_ITEMS or nbytes + cost > MAX_PAYLOAD_BYTES):
             yield chunk
             chunk, nbytes = [], 4
@@ -374,16 +379,21 @@ class LocalSession:
     def _answer_timeout(self, nbytes: int) -> float:
         return self.timeout_s + SECONDS_PER_GIB * nbytes / (1 << 30)
 
-    def transfer(self, op: int, keys: Sequence[str], spans: Sequence[tuple[Region, int, int]]) -> list[tuple[int, int]]:
+    def transfer(self, op: int, keys: Sequence[str], spans: Sequence[Any]) -> list[tuple[int, int]]:
         """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]`` = ``(region,
-        offset in it, length)``, all chunks in flight at once. Per item
-        ``(result, tier or created)``; never raises for an item. A chunk whose
-        connection broke is sent once more; ``OVERLOADED`` items are retried.
+        offset in it, length)``, or for ``GET_INTO_V``/``PUT_FROM_V`` at the
+        parts ``spans[i]`` = a list of such spans; all chunks in flight at
+        once. Per item ``(result, tier or created)``; never raises for an
+        item. A chunk whose connection broke is sent once more; ``OVERLOADED``
+        items are retried.
 
         Raises:
             GeometryMismatchError, UnauthorizedError, ProtocolError: a
                 reconnect was refused (configuration, not an item's fate).
         """
+        vectored = op in (OP_GET_INTO_V, OP_PUT_FROM_V)
+        parts_of: list[Sequence[tuple[Region, int, int]]] = [s if vectored else (s,) for s in spans]
+        each: int | Callable[[int], int] = (lambda i: 4 + PART_BYTES * len(parts_of[i])) if vectored else ITEM_BYTES + 2
         out: list[tuple[int, int]] = [(codes.CONNECTION_LOST, 0)] * len(keys)
         todo = list(range(len(keys)))
         lost_left, stalls, pause = 1, 0, 0.0
@@ -400,18 +410,26 @@ class LocalSession:
                 break
             sendable, handle_of = [], {}
             for i in todo:
-                handle = handles.get(spans[i][0].id)
-                if handle is None:  # unregistered meanwhile, or refused on this connection
+                named = [handles.get(region.id) for region, _, _ in parts_of[i]]
+                if None in named:  # unregistered meanwhile, or refused on this connection
                     out[i] = (codes.UNKNOWN_HANDLE, 0)
                 else:
                     sendable.append(i)
-                    handle_of[i] = handle
+                    handle_of[i] = named
             flights = []
-            for chunk in key_chunks(keys, sendable, ITEM_BYTES + 2):
-                items = [(handle_of[i], spans[i][1], spans[i][2], keys[i]) for i in chunk]
-                nbytes = sum(spans[i][2] for i in chunk)
+            for chunk in key_chunks(keys, sendable, each):
+                if vectored:
+                    payload = encode_items_v(
+                        [
+                            ([(h, p[1], p[2]) for h, p in zip(handle_of[i], parts_of[i], strict=True)], keys[i])
+                            for i in chunk
+                        ]
+                    )
+                else:
+                    payload = encode_items([(handle_of[i][0], spans[i][1], spans[i][2], keys[i]) for i in chunk])
+                nbytes = sum(p[2] for i in chunk for p in parts_of[i])
                 try:
-                    flights.append((chunk, nbytes, conn.request(op, encode_items(items))))
+                    flights.append((chunk, nbytes, conn.request(op, payload)))
                 except KvtierError as e:  # the connection died under an earlier chunk
                     flights.append((chunk, nbytes, e))
             lost: list[int] = []

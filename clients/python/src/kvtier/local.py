@@ -39,6 +39,7 @@ HEADER = struct.Struct("<HBBIQ")
 """magic u16, op u8, flags u8, payload_bytes u32, request_id u64: 16 bytes."""
 _STATUS = struct.Struct("<iI")
 _ITEM = struct.Struct("<QQQH")
+_PART = struct.Struct("<QQQ")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -47,15 +48,18 @@ _REGISTERED = struct.Struct("<QB")
 
 OP_HELLO, OP_REGISTER, OP_UNREGISTER, OP_GET_INTO, OP_PUT_FROM = 1, 2, 3, 4, 5
 OP_EXISTS, OP_LOOKUP, OP_DELETE, OP_PREFETCH = 6, 7, 8, 9
+OP_GET_INTO_V, OP_PUT_FROM_V = 10, 11
 OP_ERROR = 0xFF
 """A connection error frame (request id 0): the server closes after it."""
 RESPONSE = 0x80
 """A response's op is the request's ``op | 0x80``."""
 OP_NAMES = {1: "HELLO", 2: "REGISTER", 3: "UNREGISTER", 4: "GET_INTO", 5: "PUT_FROM"}
-OP_NAMES.update({6: "EXISTS", 7: "LOOKUP", 8: "DELETE", 9: "PREFETCH"})
+OP_NAMES.update({6: "EXISTS", 7: "LOOKUP", 8: "DELETE", 9: "PREFETCH", 10: "GET_INTO_V", 11: "PUT_FROM_V"})
 
 MAX_ITEMS = 4096
 """Items in one batch request, at most."""
+MAX_PARTS = 256
+"""Parts of one ``GET_INTO_V``/``PUT_FROM_V`` item, at most."""
 MAX_PAYLOAD_BYTES = 1 << 20
 """A frame's payload, at most (both ways)."""
 MAX_IN_FLIGHT = 256
@@ -67,9 +71,14 @@ VERSIONS = (1,)
 ITEM_BYTES = _ITEM.size
 """Payload bytes of one ``GET_INTO``/``PUT_FROM`` item, not counting its key."""
 
+PART_BYTES = _PART.size
+"""Payload bytes of one part of a ``GET_INTO_V``/``PUT_FROM_V`` item."""
+
 #: One ``GET_INTO``/``PUT_FROM`` item: handle, offset and length in bytes within
 #: the registered region, key.
 Item = tuple[int, int, int, str]
+#: One part of a ``GET_INTO_V``/``PUT_FROM_V`` item: handle, offset, length in bytes.
+Part = tuple[int, int, int]
 
 
 def _str(key: str) -> bytes:
@@ -85,6 +94,18 @@ def encode_items(items: Sequence[Item]) -> bytes:
         parts.append(_ITEM.pack(handle, offset, length, len(raw)))
         parts.append(raw)
     return b"".join(parts)
+
+
+def encode_items_v(items: Sequence[tuple[Sequence[Part], str]]) -> bytes:
+    """``GET_INTO_V``/``PUT_FROM_V`` payload: u32 n, n × (u16 parts, parts ×
+    (u64 handle, u64 offset, u64 length), str key). The block's bytes are
+    laid across an item's parts in order (docs/LOCAL.md)."""
+    out = [_U32.pack(len(items))]
+    for parts, key in items:
+        out.append(_U16.pack(len(parts)))
+        out.extend(_PART.pack(*part) for part in parts)
+        out.append(_str(key))
+    return b"".join(out)
 
 
 def encode_keys(keys: Sequence[str]) -> bytes:

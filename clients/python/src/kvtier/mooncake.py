@@ -40,7 +40,8 @@ from .errors import (
     OverloadedError,
     UnauthorizedError,
 )
-from .local import OP_GET_INTO, OP_PUT_FROM
+from .keys import check_key
+from .local import MAX_PARTS, OP_GET_INTO, OP_GET_INTO_V, OP_PUT_FROM, OP_PUT_FROM_V
 from .shm import UnshareableMemoryError, backing_fd, buffer_address
 
 if TYPE_CHECKING:
@@ -217,6 +218,45 @@ class MooncakeCalls:
             return [min(result, 0) for result, _ in local.items(OP_PUT_FROM, keys, spans)]
         return self._http_items(keys, spans, self._http_put)
 
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Reads block ``keys[i]`` scattered over the spans
+        ``all_buffer_ptrs[i][j]`` of ``all_sizes[i][j]`` bytes (addresses in
+        registered buffers), in order: the block's first ``all_sizes[i][0]``
+        bytes to the first span, the next to the second, and so on (as
+        Mooncake's call of this name). For pages a host pool keeps apart,
+        such as SGLang's K and V halves. Over the socket one
+        ``GET_INTO_V`` item each: the server copies into every span.
+
+        Returns:
+            Per item the bytes read (``block_bytes``), or a negative code: -4
+            the sizes add up to less than ``block_bytes`` (nothing copied),
+            -6 a span past the end of its registered buffer, -20 a pointer in
+            no registered buffer, -16 more than 256 spans, and as
+            :meth:`batch_get_into`. Spans, or their tails, past the block's
+            end are left untouched.
+
+        Raises:
+            ValueError: ``keys``, ``all_buffer_ptrs`` and ``all_sizes`` (or
+                one item's pointers and sizes) differ in length.
+        """
+        return self._multi(OP_GET_INTO_V, keys, all_buffer_ptrs, all_sizes)
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Stores under ``keys[i]`` the block gathered from the spans
+        ``all_buffer_ptrs[i]`` of ``all_sizes[i]`` bytes, in order (together
+        exactly ``block_bytes``), each all-or-nothing as :meth:`batch_put_from`.
+
+        Returns:
+            Per item 0, or a negative code: -4 the sizes do not add up to
+            ``block_bytes`` (nothing stored), and as
+            :meth:`batch_get_into_multi_buffers` and :meth:`batch_put_from`.
+        """
+        return [min(r, 0) for r in self._multi(OP_PUT_FROM_V, keys, all_buffer_ptrs, all_sizes)]
+
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier, S3 included), 0 (not stored), or -1
         (a bad key, or the request failed)."""
@@ -295,6 +335,80 @@ class MooncakeCalls:
             else:
                 spans.append((ptr, nbytes if size is None else size, True))
         return spans
+
+    def _multi(
+        self, op: int, keys: Sequence[str], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """The multi-buffer calls: each item's spans checked and placed in
+        their registered buffers, then one vectored batch over the socket,
+        or a GET/PUT per item over HTTP through a buffer of its own."""
+        if len(keys) != len(all_ptrs) or len(all_sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(all_ptrs)} pointer lists and {len(all_sizes)} size lists")
+        get = op == OP_GET_INTO_V
+        bb = self.block_bytes
+        out = [codes.OK] * len(keys)
+        placed: dict[int, list[tuple[Region, int, int]]] = {}
+        for i, (ptrs, sizes) in enumerate(zip(all_ptrs, all_sizes, strict=True)):
+            if len(ptrs) != len(sizes):
+                raise ValueError(f"item {i}: {len(ptrs)} pointers but {len(sizes)} sizes")
+            out[i] = self._check_multi(keys[i], ptrs, sizes, bb, get)
+            if out[i] == codes.OK:
+                placed[i] = [
+                    (r, p - r.ptr, n) for p, n in zip(ptrs, sizes, strict=True) if (r := self._regions.find(p))
+                ]
+        idx = list(placed)
+        local = self._unix()
+        if local is not None:
+            results = local.session.transfer(op, [keys[i] for i in idx], [placed[i] for i in idx]) if idx else []
+            for i, (result, _) in zip(idx, results, strict=True):
+                out[i] = result
+            return out
+
+        def one(i: int) -> int:
+            spans = [(r.ptr + at, n) for r, at, n in placed[i]]
+            block = bytearray(bb)
+            try:
+                if get:
+                    if not self.get_into(keys[i], block):
+                        return codes.NOT_FOUND
+                    at = 0
+                    for ptr, n in spans:
+                        n = min(n, bb - at)
+                        if n <= 0:
+                            break
+                        ctypes.memmove(ptr, (ctypes.c_char * n).from_buffer(block, at), n)
+                        at += n
+                    return bb
+                at = 0
+                for ptr, n in spans:
+                    ctypes.memmove((ctypes.c_char * n).from_buffer(block, at), ptr, n)
+                    at += n
+                self.put(keys[i], block)
+                return codes.OK
+            except Exception as e:
+                return _http_code(e)
+
+        for i, result in zip(idx, self.executor().map(one, idx), strict=True):
+            out[i] = result
+        return out
+
+    def _check_multi(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], bb: int, get: bool) -> int:
+        """``OK``, or the code of the first check one multi-buffer item fails:
+        key, span count, each span in a registered buffer, the total size."""
+        try:
+            check_key(key)
+        except (InvalidKeyError, TypeError):
+            return codes.INVALID_KEY
+        if not 0 < len(ptrs) <= MAX_PARTS:
+            return codes.LIMIT if ptrs else codes.WRONG_SIZE
+        for ptr, size in zip(ptrs, sizes, strict=True):
+            region = self._regions.find(ptr)
+            if region is None:
+                return codes.NOT_REGISTERED
+            if size < 0 or ptr + size > region.end:
+                return codes.OUT_OF_BOUNDS
+        total = sum(sizes)
+        return codes.OK if (total >= bb if get else total == bb) else codes.WRONG_SIZE
 
     def _http_items(self, keys: Sequence[str], spans: Sequence[Span], fn: Any) -> list[int]:
         def one(i: int) -> int:
