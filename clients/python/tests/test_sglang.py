@@ -6,6 +6,11 @@ name and constructs the class. Pages come from SGLang's own host KV pool
 (MHATokenToKVPoolHost over an MHATokenToKVPool on the CPU) and are moved the
 way HiCacheController's generic page path moves them; page keys are SGLang's
 own chained page hashes. Nothing here stands in for an SGLang class.
+
+Both planes: the page tests run over HTTP (`local: off`) and over the
+same-host socket (`local: on`); interface_v1 runs with the host pool in
+shared memory (SGLang's `shm` allocator: kvtier copies into and out of the
+pool's K and V spans), and with SGLang's default allocator (staged).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ PAGE_BYTES = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
 # The documented flag (docs/INTEGRATIONS.md), with the test server's URL.
 EXTRA_CONFIG = json.loads(
     '{"backend_name":"kvtier","module_path":"kvtier.sglang","class_name":"KvtierHiCacheStorage",'
-    '"url":"http://127.0.0.1:8085"}'
+    '"url":"http://127.0.0.1:8085","interface_v1":1,"allocator":"shm"}'
 )
 
 
@@ -72,13 +77,15 @@ def storage_config(url: str, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = 
     )
 
 
-def backend(url: str, **kw: object) -> KvtierHiCacheStorage:
+def backend(url: str, plane: str = "http", **kw: object) -> KvtierHiCacheStorage:
+    kw.setdefault("local", "off" if plane == "http" else "on")
+    kw.setdefault("model", MODEL if plane == "http" else f"{MODEL}-over-unix")  # one server: keys of their own
     b = StorageBackendFactory.create_backend("dynamic", storage_config(url, **kw), None)
     assert isinstance(b, KvtierHiCacheStorage)
     return b
 
 
-def host_pool(layout: str = "layer_first") -> MHATokenToKVPoolHost:
+def host_pool(layout: str = "layer_first", allocator: str = "default") -> MHATokenToKVPoolHost:
     """SGLang's host KV pool over a device pool, both on the CPU."""
     device = MHATokenToKVPool(
         256, PAGE_TOKENS, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False, v_head_dim=HEAD_DIM
@@ -94,6 +101,7 @@ def host_pool(layout: str = "layer_first") -> MHATokenToKVPoolHost:
         start_layer=device.start_layer,
         end_layer=device.end_layer,
         write_back_staging=device.hicache_write_back_staging,
+        allocator_type=allocator,
     )
 
 
@@ -113,9 +121,14 @@ def kvserver() -> Iterator[ServerProcess]:
         yield s
 
 
+@pytest.fixture(params=["http", "unix"])
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def store(kvserver) -> Iterator[KvtierHiCacheStorage]:
-    b = backend(kvserver.url, page_size=PAGE_TOKENS, dtype="torch.bfloat16")
+def store(kvserver, plane) -> Iterator[KvtierHiCacheStorage]:
+    b = backend(kvserver.url, plane, page_size=PAGE_TOKENS, dtype="torch.bfloat16")
     yield b
     b.close()
 
@@ -171,8 +184,8 @@ def test_batch_set_skips_the_leading_pages_already_stored(store):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_host_pool_pages_round_trip_the_way_the_cache_controller_moves_them(kvserver, layout):
-    b = backend(kvserver.url)
+def test_host_pool_pages_round_trip_the_way_the_cache_controller_moves_them(kvserver, layout, plane):
+    b = backend(kvserver.url, plane)
     host = host_pool(layout)
     b.register_mem_pool_host(host)
     try:
@@ -257,23 +270,91 @@ def test_a_page_size_found_wrong_after_start_gives_misses_not_exceptions(caplog)
         server.stop()
 
 
-def test_interface_v1_is_refused_at_start(kvserver):
-    with pytest.raises(ValueError, match="interface_v1"):
-        StorageBackendFactory.create_backend("dynamic", storage_config(kvserver.url, interface_v1=1), None)
+def fill_pool(host: MHATokenToKVPoolHost, pages: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allocates ``pages`` pages of host slots and fills them: (slots, each page's flat bytes)."""
+    slots = host.alloc(pages * PAGE_TOKENS)
+    torch.manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.kv_buffer.dtype))
+    return slots, [host.get_data_page(slots[i * PAGE_TOKENS]).clone() for i in range(pages)]
 
 
-def test_a_stopped_server_gives_misses_not_exceptions(caplog):
+def without_map_files(monkeypatch) -> None:
+    """What a process without CAP_SYS_ADMIN/CAP_CHECKPOINT_RESTORE (an engine
+    not run as root) meets: /proc/self/map_files cannot be opened, so memory
+    is shareable only through a descriptor the process holds."""
+    real_open = os.open
+
+    def open_(path, *args, **kw):
+        if str(path).startswith("/proc/self/map_files/"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("path", ["http", "unix-shm", "unix-staged"])
+def test_interface_v1_moves_pages_between_the_host_pool_and_kvtier(kvserver, layout, path, monkeypatch):
+    """HiCacheController's zero-copy page path (batch_set_v1/batch_get_v1 by
+    host slots): with the pool in shared memory over the socket kvtier
+    gathers and scatters each page's K and V spans itself; with SGLang's
+    default allocator (anonymous memory, no descriptor) the pages are
+    staged; over HTTP one request a page. The engine runs unprivileged (see
+    without_map_files). A page stored either way reads back the same
+    through the generic interface (same bytes, same key)."""
+    plane, _, how = path.partition("-")
+    without_map_files(monkeypatch)
+    b = backend(kvserver.url, plane)
+    host = host_pool(layout, allocator="shm" if how == "shm" else "default")
+    b.register_mem_pool_host(host)
+    try:
+        keys = page_hashes(
+            list(range(11000 + 100 * len(path) + len(layout), 11000 + 100 * len(path) + len(layout) + 3 * PAGE_TOKENS))
+        )
+        written, want = fill_pool(host, len(keys), seed=len(path))
+        assert b.batch_set_v1(keys, written) == [True] * 3
+        assert b.batch_set_v1(keys, written) == [True] * 3 and b.stats["sets_skipped"] == 3  # all stored already
+        read = host.alloc(len(keys) * PAGE_TOKENS)
+        missing = page_hashes(list(range(99000, 99000 + PAGE_TOKENS)))
+        assert b.batch_get_v1(keys[:2] + missing, read) == [True, True, False]
+        for i in range(2):
+            assert torch.equal(host.get_data_page(read[i * PAGE_TOKENS]), want[i])
+        flat = b.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+        assert all(torch.equal(f, w) for f, w in zip(flat, want))
+        assert b.transport == ("unix" if plane == "unix" else "http")
+        moved = {"zero_copy_chunks": b.stats["zero_copy_chunks"], "staged_chunks": b.stats["staged_chunks"]}
+        if how == "shm":
+            assert b._host.zero_copy is True and moved == {"zero_copy_chunks": 5, "staged_chunks": 3}  # +3 generic gets
+        elif how == "staged":
+            assert b._host.zero_copy is False and moved == {"zero_copy_chunks": 0, "staged_chunks": 8}
+        else:
+            assert moved == {"zero_copy_chunks": 0, "staged_chunks": 0}
+    finally:
+        b.close()
+
+
+def test_a_stopped_server_gives_misses_not_exceptions(caplog, plane):
+    """kvtier killed under SGLang: misses and failed sets (bounded by
+    timeout_s, nothing raised), on both interfaces; restarted, pages are
+    found again, and on the socket the host pool is registered again on the
+    new connection, still zero-copy."""
     server = ServerProcess(block_bytes=PAGE_BYTES).start()
-    b = backend(server.url, page_size=PAGE_TOKENS, down_s=0.5, timeout_s=2)
+    b = backend(server.url, plane, down_s=0.5, timeout_s=2)
+    host = host_pool("page_first", allocator="shm")
+    b.register_mem_pool_host(host)
     try:
         keys = page_hashes(list(range(9000, 9000 + 2 * PAGE_TOKENS)))
-        assert b.batch_set(keys, [page(1), page(2)])
+        written, want = fill_pool(host, 2, seed=9)
+        assert b.batch_set_v1(keys, written) == [True, True]
         server.kill()
         caplog.set_level(logging.WARNING, logger="kvtier.sglang")
         started = time.monotonic()
         assert b.batch_exists(keys) == 0
-        assert b.batch_get(keys, [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in keys]) == [None, None]
+        assert b.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]) == [None, None]
+        read = host.alloc(2 * PAGE_TOKENS)
+        assert b.batch_get_v1(keys, read) == [False, False]
         assert not b.batch_set(keys, [page(1), page(2)])
+        assert b.batch_set_v1(keys, written) == [False, False]
         assert not b.exists(keys[0]) and b.get(keys[0]) is None
         assert time.monotonic() - started < 5
         assert any("kvtier" in r.getMessage() for r in caplog.records)
@@ -281,6 +362,33 @@ def test_a_stopped_server_gives_misses_not_exceptions(caplog):
         start_on_same_port(server)
         time.sleep(0.6)
         assert b.batch_exists(keys) == 2
+        assert b.batch_get_v1(keys, read) == [True, True]
+        assert all(torch.equal(host.get_data_page(read[i * PAGE_TOKENS]), want[i]) for i in range(2))
+        if plane == "unix":
+            assert b._host.zero_copy is True and b.stats["zero_copy_chunks"] == 4
+            assert b.client.local_stats()["registrations_renewed"] >= 1
     finally:
         b.close()
         server.stop()
+
+
+def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
+    """local="auto" (the default) against a kvtier started with
+    --local-socket none: HTTP, said once, and pages move."""
+    caplog.set_level(logging.INFO, logger="kvtier")
+    with ServerProcess(block_bytes=PAGE_BYTES, args=("--local-socket", "none")) as server:
+        b = backend(server.url, local="auto")
+        host = host_pool("page_first", allocator="shm")
+        b.register_mem_pool_host(host)
+        try:
+            keys = page_hashes(list(range(8000, 8000 + 2 * PAGE_TOKENS)))
+            written, want = fill_pool(host, 2, seed=8)
+            assert b.batch_set_v1(keys, written) == [True, True]
+            read = host.alloc(2 * PAGE_TOKENS)
+            assert b.batch_get_v1(keys, read) == [True, True]
+            assert all(torch.equal(host.get_data_page(read[i * PAGE_TOKENS]), want[i]) for i in range(2))
+            assert b.transport == "http" and b.stats["zero_copy_chunks"] == b.stats["staged_chunks"] == 0
+        finally:
+            b.close()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier") and "HTTP" in r.getMessage()]
+    assert sum("blocks move over HTTP" in m for m in said) == 1, said

@@ -529,6 +529,16 @@ class SharedHost:
         """Whether ``[ptr, ptr + nbytes)`` lies in the registered buffer."""
         return bool(self.zero_copy) and self.base <= ptr and ptr + nbytes <= self.base + self.nbytes
 
+    def count_moved(self, buf: Any) -> None:
+        """Counts one chunk moved over the socket to or from ``buf`` (a
+        buffer object, ``None`` for the client's own): straight through the
+        registered buffer (``zero_copy_chunks``) or through the staging area
+        (``staged_chunks``). Nothing over HTTP."""
+        if self.core.transport != "unix":
+            return
+        ptr, nbytes = buffer_address(buf, writable=False) if buf is not None else (0, 0)
+        self.core.count(**{"zero_copy_chunks" if nbytes and self.covers(ptr, nbytes) else "staged_chunks": 1})
+
     def release(self) -> None:
         """Unregisters the buffer (before the engine frees it); a server that
         is gone has nothing to release."""

@@ -80,7 +80,6 @@ from ._connector import CALL_ERRORS, ConnectorCore, GeometryError, SharedHost
 from .aio import AsyncClient
 from .errors import KvtierError, error_from_code
 from .keys import Namespace
-from .shm import buffer_address
 
 logger = logging.getLogger("kvtier.lmcache")
 
@@ -222,7 +221,7 @@ class KvtierConnector(RemoteConnector):
         for i, name, view, result in zip(idx, names, views, results, strict=True):
             if result >= 0:
                 out[i] = objs[i]
-                self._count_moved(view)
+                self._host.count_moved(view)
             elif result in (codes.NOT_FOUND, codes.CORRUPT):
                 self._core.count(misses=1)
             else:
@@ -269,7 +268,7 @@ class KvtierConnector(RemoteConnector):
         for name, view, result in zip(names, views, results, strict=True):
             if result >= 0:
                 self._core.count(puts=1)
-                self._count_moved(view)
+                self._host.count_moved(view)
                 continue
             error = error_from_code(result, f"put {name}: {codes.name_of(result)}")
             self._core.failed("put", error)
@@ -300,14 +299,6 @@ class KvtierConnector(RemoteConnector):
         for k, v in zip(names, views, strict=True):
             self.client.sync.put(k, v)
         return [codes.OK] * len(names)
-
-    def _count_moved(self, view: Any) -> None:
-        """Counts a chunk moved over the socket: straight through the
-        registered buffer (``zero_copy_chunks``) or staged (``staged_chunks``)."""
-        if self._core.transport != "unix":
-            return
-        ptr, nbytes = buffer_address(view, writable=False)
-        self._core.count(**{"zero_copy_chunks" if self._host.covers(ptr, nbytes) else "staged_chunks": 1})
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading chunks of a prompt's chain that are stored: one

@@ -8,7 +8,7 @@ command line)::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name":"kvtier",
         "module_path":"kvtier.sglang","class_name":"KvtierHiCacheStorage",
-        "url":"http://127.0.0.1:8085"}'
+        "url":"http://127.0.0.1:8085","interface_v1":1,"allocator":"shm"}'
 
 One HiCache page is one kvtier block, the flat K+V page SGLang hands its
 storage backends: the store's ``block_bytes`` must equal the host pool's page
@@ -23,13 +23,32 @@ namespace fingerprint (docs/KEYS.md) of the model, KV dtype, TP rank and size
 (``0/1`` for MLA models, whose KV every TP rank holds whole), PP rank and
 size, page size, and the host layout and context-parallel shard.
 
-``batch_exists`` is one ``POST /v1/lookup`` for the whole chain of pages;
-``batch_get`` reads each page straight into the tensor SGLang hands as its
-target (no intermediate copy); ``batch_set`` first asks which leading pages
-are already stored (one lookup) and PUTs the rest, in parallel over the
-client's connection pool. A kvtier that is down, slow or answering 5xx costs
-misses (``batch_exists`` 0, ``get`` ``None``, ``set`` ``False``) and a
-rate-limited warning, never an exception into SGLang's storage threads.
+``batch_exists`` is one ``POST /v1/lookup`` for the whole chain of pages.
+Both of HiCache's page interfaces are served:
+
+- ``interface_v1`` (``batch_get_v1``/``batch_set_v1`` by host-pool slots, the
+  documented setting): with ``"allocator": "shm"`` SGLang allocates its host
+  KV pool in a memfd; over the same-host socket (docs/LOCAL.md) the backend
+  registers the pool once, and a batch of pages is one
+  ``batch_get_into_multi_buffers``/``batch_put_from_multi_buffers``: kvtier
+  scatters each page into, or gathers it from, the pool's K and V spans
+  (``get_page_buffer_meta``), with no copy in SGLang's process
+  (``zero_copy_chunks``). A pool that cannot be registered (SGLang's default
+  allocator is anonymous memory, registrable only by a process that may open
+  ``/proc/self/map_files``, such as root), or HTTP, moves each page through a
+  flat page (``get_data_page``/``set_from_flat_data_page``): one more copy
+  (``staged_chunks`` on the socket; said once in a warning).
+- the generic interface (``batch_get`` into the flat pages SGLang hands as
+  targets, ``batch_set`` of flat pages): each page is one GET or PUT on the
+  client's pool, straight into or out of the tensor.
+
+Either way a page's bytes are those of SGLang's flat page (K of every layer,
+then V), so pages stored through one interface read back through the
+other. ``batch_set`` and ``batch_set_v1`` first ask which leading pages are
+already stored (one lookup) and store the rest. A kvtier that is down, slow
+or answering 5xx costs misses (``batch_exists`` 0, ``get`` ``None``, ``set``
+``False``) and a rate-limited warning, never an exception into SGLang's
+storage threads.
 
 Settings, keys of ``--hicache-storage-backend-extra-config`` next to the
 three SGLang needs:
@@ -38,6 +57,13 @@ three SGLang needs:
 key                default                   meaning
 =================  ========================  ==========================================
 ``url``            ``http://127.0.0.1:8085``  the kvtier server
+``local``          ``auto``                  ``auto``: the same-host socket when kvtier
+                                             serves one, else HTTP; ``off``: HTTP only;
+                                             ``on``: the socket or misses
+``interface_v1``   0                         SGLang's setting: 1 for the zero-copy page
+                                             path by host slots (documented)
+``allocator``      default                   SGLang's setting: ``shm`` puts the host
+                                             pool in a memfd kvtier can register
 ``token_file``     none                      file holding the bearer token
 ``connections``    8                         HTTP/1.1 connections (pages in flight)
 ``timeout_s``      10                        per socket operation; then a miss
@@ -58,8 +84,11 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from ._connector import ConnectorCore
+from . import codes
+from ._connector import ConnectorCore, SharedHost
+from .errors import error_from_code
 from .keys import Namespace
 
 logger = logging.getLogger("kvtier.sglang")
@@ -83,13 +112,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
     connector core (``kvtier._connector``).
 
     Raises:
-        ValueError: at construction when the extra config asks for
-            ``interface_v1``; from :meth:`register_mem_pool_host` when the
-            server answers and its ``block_bytes`` is not the host pool's
-            page size (a ``GeometryError``, both named). Either makes SGLang
-            refuse to attach the backend. A mismatch found later (kvtier was
-            down then) raises nothing: every call is a miss and an error
-            naming both sizes is logged.
+        ValueError: from :meth:`register_mem_pool_host` when the server
+            answers and its ``block_bytes`` is not the host pool's page size
+            (a ``GeometryError``, both named), which makes SGLang refuse to
+            attach the backend. A mismatch found later (kvtier was down then)
+            raises nothing: every call is a miss and an error naming both
+            sizes is logged.
 
     Attributes:
         url: the kvtier server.
@@ -97,22 +125,17 @@ class KvtierHiCacheStorage(HiCacheStorage):
         page_bytes: bytes of one flat HiCache page, once a host pool is
             registered.
         stats: counters (``exists_queries``, ``exists_hits``, ``gets``,
-            ``hits``, ``misses``, ``sets``, ``sets_skipped``, ``errors``).
+            ``hits``, ``misses``, ``sets``, ``sets_skipped``, ``errors``;
+            ``zero_copy_chunks``: pages kvtier copied straight into or out
+            of the registered host pool; ``staged_chunks``: pages moved over
+            the socket through the client's staging area).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         settings = dict(storage_config.extra_config or {})
-        if _truthy(settings.get("interface_v1", 0)):
-            raise ValueError(
-                "kvtier.sglang implements HiCache's generic page interface, not interface_v1 "
-                "(zero-copy batch_get_v1/batch_set_v1): remove interface_v1 from the extra config"
-            )
-        self._core = ConnectorCore(
-            settings,
-            logger=logger,
-            stats=("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped"),
-        )
+        stats = ("exists_queries", "exists_hits", "gets", "hits", "misses", "sets", "sets_skipped")
+        self._core = ConnectorCore(settings, logger=logger, stats=(*stats, "zero_copy_chunks", "staged_chunks"))
         self.url = self._core.url
         self.client = self._core.client
         self.down_s = self._core.down_s
@@ -124,6 +147,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.page_bytes: int | None = None
         self._namespace: Namespace | None = None
         self._fingerprint = ""
+        self.mem_pool_host: Any = None
+        self._host = SharedHost(self._core, None, what="SGLang's host KV pool", remedy=_SHM_REMEDY)
+        self._kv_pairs = False
 
     # ------------------------------------------------------------ set-up
 
@@ -138,6 +164,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 not the page size in bytes (both named).
         """
         super().register_mem_pool_host(mem_pool_host)
+        self._host.release()
+        self._host = SharedHost(
+            self._core, _pool_buffer(mem_pool_host), what="SGLang's host KV pool", remedy=_SHM_REMEDY
+        )
+        self._kv_pairs = isinstance(mem_pool_host, MHATokenToKVPoolHost)
         self._page_size = int(getattr(mem_pool_host, "page_size", 0) or 0) or self._page_size
         dtype = getattr(mem_pool_host, "dtype", None)
         if dtype is not None:
@@ -186,6 +217,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self._fingerprint = self._namespace.fingerprint
         return self._namespace
 
+    @property
+    def transport(self) -> str | None:
+        """``"unix"`` or ``"http"``: how pages move, once known; else ``None``."""
+        return self._core.transport
+
     def key_of(self, key: str) -> str:
         """The kvtier key of an SGLang page hash."""
         return self.namespace.key(key)
@@ -209,8 +245,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def _get_one(self, key: str, target: Any) -> Any:
         if target is None:
             data = self.client.get(self.key_of(key))
-            return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return target if self.client.get_into(self.key_of(key), target) else None
+            found = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            found = target if self.client.get_into(self.key_of(key), target) else None
+        if found is not None:
+            self._host.count_moved(target)
+        return found
 
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> Any:
         """The page, read straight into ``target_location`` (a CPU tensor of
@@ -238,6 +278,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def _set_one(self, key: str, value: Any) -> bool:
         self.client.put(self.key_of(key), value)
+        self._host.count_moved(value)
         return True
 
     def set(
@@ -274,6 +315,102 @@ class KvtierHiCacheStorage(HiCacheStorage):
         results = self._core.map("set", self._set_one, list(zip(keys[start:], pages[start:], strict=True)), False)
         return all(results)
 
+    # --------------------------------------------------- interface_v1
+
+    def _page_spans(self, n: int, host_indices: Any) -> tuple[list[list[int]], list[list[int]]]:
+        """Per page of ``host_indices`` (``n`` pages), its spans in the host
+        pool (``get_page_buffer_meta``) in the order of the flat page of the
+        generic interface: an MHA pool's K spans (one per layer, or one per
+        page) and then its V spans, so a page stored by either interface
+        reads back the same through the other."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        each = len(ptrs) // n
+        all_ptrs, all_sizes = [], []
+        for p in range(n):
+            pp, ss = list(ptrs[p * each : (p + 1) * each]), list(sizes[p * each : (p + 1) * each])
+            if self._kv_pairs:
+                pp, ss = pp[0::2] + pp[1::2], ss[0::2] + ss[1::2]
+            all_ptrs.append(pp)
+            all_sizes.append(ss)
+        return all_ptrs, all_sizes
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """HiCache's zero-copy read (``interface_v1``): page ``i`` into the
+        host pool's slots ``host_indices[i * page_size :]``. With the pool
+        registered (``"allocator": "shm"`` over the socket) one
+        ``batch_get_into_multi_buffers``: kvtier writes the K and V spans of
+        every page; else each page through a flat page and
+        ``set_from_flat_data_page`` (one more copy). ``False`` per miss or
+        failure, never an exception."""
+        if not keys:
+            return []
+        if not self._core.ready():
+            self._core.count(gets=len(keys), misses=len(keys))
+            return [False] * len(keys)
+        if not self._host.decide():
+            return self._staged_get_v1(keys, host_indices)
+        self._core.count(gets=len(keys))
+        ptrs, sizes = self._page_spans(len(keys), host_indices)
+        names = [self.key_of(k) for k in keys]
+        results = self._core.call("get", self.client.batch_get_into_multi_buffers, names, ptrs, sizes, failed=None)
+        if results is None:
+            self._core.count(misses=len(keys))
+            return [False] * len(keys)
+        out = []
+        for name, result in zip(names, results, strict=True):
+            out.append(result >= 0)
+            if result < 0 and result not in (codes.NOT_FOUND, codes.CORRUPT):
+                self._core.failed("get", error_from_code(result, f"get {name}: {codes.name_of(result)}"))
+        hits = sum(out)
+        self._core.count(hits=hits, misses=len(keys) - hits, zero_copy_chunks=hits)
+        return out
+
+    def _staged_get_v1(self, keys: list[str], host_indices: Any) -> list[bool]:
+        pool = self.mem_pool_host
+        pages = self.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(pages):
+            if page is not None:
+                pool.set_from_flat_data_page(int(host_indices[i * pool.page_size]), page)
+        return [p is not None for p in pages]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """HiCache's zero-copy write (``interface_v1``): page ``i`` from the
+        host pool's slots ``host_indices[i * page_size :]``, after one
+        lookup skips the leading pages already stored. With the pool
+        registered one ``batch_put_from_multi_buffers`` (kvtier gathers the
+        K and V spans); else each page's flat copy (``get_data_page``) is
+        put. ``False`` per page not stored, never an exception."""
+        if not keys:
+            return []
+        if not self._core.ready():
+            return [False] * len(keys)
+        start = 0
+        if self.skip_existing and len(keys) > 1:
+            start = self._core.call("set", self.client.lookup, [self.key_of(k) for k in keys], failed=-1)
+            if start < 0:
+                return [False] * len(keys)
+        self._core.count(sets=len(keys) - start, sets_skipped=start)
+        rest = keys[start:]
+        pool = self.mem_pool_host
+        if not self._host.decide():
+            pages = [pool.get_data_page(int(host_indices[i * pool.page_size])) for i in range(start, len(keys))]
+            return [True] * start + self._core.map("set", self._set_one, list(zip(rest, pages, strict=True)), False)
+        ptrs, sizes = self._page_spans(len(keys), host_indices)
+        names = [self.key_of(k) for k in rest]
+        put = self.client.batch_put_from_multi_buffers
+        results = self._core.call("set", put, names, ptrs[start:], sizes[start:], failed=None)
+        if results is None:
+            return [True] * start + [False] * len(rest)
+        for name, result in zip(names, results, strict=True):
+            if result < 0:
+                self._core.failed("set", error_from_code(result, f"set {name}: {codes.name_of(result)}"))
+        self._core.count(zero_copy_chunks=sum(r >= 0 for r in results))
+        return [True] * start + [r >= 0 for r in results]
+
     # ------------------------------------------------------------ misc
 
     def clear(self) -> None:
@@ -286,11 +423,28 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        """Closes the client's connections."""
+        """Unregisters the host pool and closes the client's connections."""
+        self._host.release()
         self._core.close()
 
     def __repr__(self) -> str:
         return f"<KvtierHiCacheStorage {self.url}>"
+
+
+_SHM_REMEDY = (
+    'Add "allocator": "shm" (with "interface_v1": 1) to --hicache-storage-backend-extra-config so SGLang '
+    "allocates it in shared memory."
+)
+
+
+def _pool_buffer(mem_pool_host: Any) -> Any:
+    """The tensor a host pool keeps its pages in (``kv_buffer``, or
+    ``k_buffer`` for a K-only pool), or ``None``."""
+    for name in ("kv_buffer", "k_buffer"):
+        buffer = getattr(mem_pool_host, name, None)
+        if buffer is not None and hasattr(buffer, "data_ptr"):
+            return buffer
+    return None
 
 
 def _page_bytes(mem_pool_host: Any) -> int | None:
