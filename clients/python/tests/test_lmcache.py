@@ -354,6 +354,8 @@ def check_documented_config(config: LMCacheEngineConfig, server: ServerProcess, 
     got = remote.get_blocking(key(31337))
     assert got is not None and torch.equal(got.tensor, want)
     got.ref_count_down()
+    # kvtier on this host: the documented shm_name makes it zero-copy over the socket.
+    assert_plane(remote.connection.getWrappedConnector(), "unix", 2)
 
 
 def test_the_documented_yaml_configures_lmcache(kvserver, loop, tmp_path):
