@@ -12,6 +12,7 @@
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; replay over both (target/bench/local/)
+#   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #
@@ -34,12 +35,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-s3 fake-cuda gpu-check
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 fake-cuda gpu-check
 
 all: build
 
 help:
-	@sed -n '2,17p' Makefile
+	@sed -n '2,18p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -154,6 +155,20 @@ bench-local: build data target/py-vllm/.client
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fio; }
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
 	  target/py-vllm/bin/python clients/python/bench/bench_local.py --out target/bench/local $(BENCH_LOCAL_ARGS)
+
+# Each engine connector driven through its engine's own interface (vLLM's
+# tiering jobs, LMCache's RemoteBackend, SGLang's HiCache host pool), in one
+# run: 16 MiB chunks loaded and stored over the same-host socket (local:
+# auto) and over HTTP (local: off), beside the engine's own file tier on the
+# same disk, warm (kvtier's RAM tier, page cache hot) and cold (--ram-gb 0,
+# page cache dropped: root). SGLang's section runs in its own virtualenv.
+# Settings in clients/python/bench/bench_connectors.py; BENCH_CONNECTORS_ARGS
+# e.g. "--pairs 5 --chunks 64", or "--quick".
+BENCH_CONNECTORS_ARGS ?=
+bench-connectors: build data target/py-vllm/.client target/py-sglang/.client
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch-extensions \
+	  target/py-vllm/bin/python clients/python/bench/bench_connectors.py --out target/bench/connectors \
+	  --sglang-python $(CURDIR)/target/py-sglang/bin/python $(BENCH_CONNECTORS_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data
