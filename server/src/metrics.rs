@@ -336,6 +336,11 @@ pub fn prometheus_text(
         registry.register("local_registrations", "Buffers registered since start", counter(load(&l.registrations_total)));
         registry.register("local_frame_errors", "Local connections closed for a framing error", counter(load(&l.frame_errors)));
         registry.register("local_peers_refused", "Local peers refused by the SO_PEERCRED uid/gid check", counter(load(&l.peers_refused)));
+        registry.register(
+            "local_sigbus_caught",
+            "Copies that met a client's buffer file shrunk under the server's mapping (SIGBUS caught; that registration is lost)",
+            counter(crate::local::guard::faults_caught()),
+        );
     }
 
     let leaked = Counter::<u64>::default();

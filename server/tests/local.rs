@@ -17,7 +17,7 @@ use std::os::fd::OwnedFd;
 
 use common::local::{
     frame, items_payload, items_v_payload, keys_payload, memfd, read_at, write_at, Raw, EXISTS, GET_INTO, GET_INTO_V, HELLO, PUT_FROM,
-    PUT_FROM_V,
+    PUT_FROM_V, UNREGISTER,
 };
 use common::{set_flag, start, test_args, try_start, Server, BLOCK_BYTES};
 
@@ -100,13 +100,14 @@ fn bad_requests_get_their_codes_store_nothing_and_leave_the_connection_open() {
     let a = r.register(&[on_disk.as_raw_fd()], 0, 1 << 20);
     assert!(a.status == -18 && a.message().contains("not shared memory"), "{a:?}");
 
-    // A good registration, mapped (sealed) and file I/O (unsealed).
+    // A good registration, mapped (sealed) and mapped under the SIGBUS guard
+    // (unsealed).
     let a = r.register(&[f1.as_raw_fd()], 0, 4 * BLOCK_BYTES);
     assert_eq!((a.status, a.body[8]), (0, 1), "{}", a.message());
     let sealed = u64::from_le_bytes(a.body[..8].try_into().unwrap());
     let plain_fd = memfd(4 * BLOCK_BYTES, false);
     let a = r.register(&[plain_fd.as_raw_fd()], 0, 4 * BLOCK_BYTES);
-    assert_eq!((a.status, a.body[8]), (0, 2), "{}", a.message());
+    assert_eq!((a.status, a.body[8]), (0, 3), "{}", a.message());
 
     // Per item: unknown handle, out of bounds, short buffer, bad keys.
     let long_key = "k".repeat(300);
@@ -502,4 +503,66 @@ fn a_vectored_item_is_checked_whole_before_anything_is_copied() {
     let routes = &stats_of(&server)["local"]["routes"];
     assert_eq!(routes["get_into_v"]["client_errors"], 3, "{routes}");
     assert_eq!(routes["put_from_v"]["client_errors"], 3, "{routes}");
+}
+
+/// An engine's unsealed buffer is mapped under the server's SIGBUS guard
+/// (access 3). A client that truncates it while the server copies into it
+/// costs that registration (`BUFFER_SHRUNK` for its items, then for every
+/// item on it), never the server: `sigbus_caught` counts the faults caught,
+/// and the server serves on, a new registration included.
+#[test]
+fn a_buffer_truncated_under_the_servers_copies_costs_the_registration_not_the_server() {
+    const BB: u64 = 16 << 20;
+    const N: u64 = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = test_args(dir.path());
+    for (flag, value) in [("--block-bytes", "16777216"), ("--segment-mib", "64"), ("--disk-gb", "1.5"), ("--ram-gb", "1")] {
+        set_flag(&mut args, flag, value);
+    }
+    let server = start(&args);
+    let mut r = Raw::ready(&socket_of(&server));
+    let source = memfd(N * BB, true);
+    let sealed = register(&mut r, &source, N * BB);
+    let keys: Vec<String> = (0..N).map(|i| format!("sigbus-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        write_at(&source, i as u64 * BB, &pattern(i as u64)[..1].repeat(BB as usize));
+        let stored = r.call(PUT_FROM, &items_payload(&[(sealed, i as u64 * BB, BB, key)])).items();
+        assert_eq!(stored, vec![(0, 1)]);
+    }
+    let caught = || stats_of(&server)["local"]["sigbus_caught"].as_u64().unwrap();
+    let mut attempts = 0;
+    while caught() == 0 {
+        attempts += 1;
+        assert!(attempts <= 40, "no truncation landed inside a copy in 40 tries");
+        let target = memfd(N * BB, false);
+        let a = r.register(&[target.as_raw_fd()], 0, N * BB);
+        assert_eq!((a.status, a.body[8]), (0, 3), "{}", a.message());
+        let handle = u64::from_le_bytes(a.body[..8].try_into().unwrap());
+        let items: Vec<(u64, u64, u64, &str)> = keys.iter().enumerate().map(|(i, k)| (handle, i as u64 * BB, BB, k.as_str())).collect();
+        r.send(GET_INTO, &items_payload(&items));
+        std::thread::sleep(Duration::from_micros(500 * (attempts % 8)));
+        // SAFETY: ftruncate on the test's own memfd, under the server's copies.
+        assert_eq!(unsafe { libc::ftruncate(target.as_raw_fd(), 0) }, 0);
+        let answer = r.read().expect("the server answers, alive");
+        assert!(answer.items().iter().all(|(res, _)| *res == BB as i64 || *res == -7), "{:?}", answer.items());
+        // Lost whole, faulted or not: the next item on it fails too.
+        // SAFETY: as above, the file grown back to its size.
+        assert_eq!(unsafe { libc::ftruncate(target.as_raw_fd(), (N * BB) as i64) }, 0);
+        let again = r.call(GET_INTO, &items_payload(&[(handle, 0, BB, &keys[0])])).items();
+        assert_eq!(again, vec![(-7, 0)], "a registration whose file shrank stays lost");
+        r.call(UNREGISTER, &handle.to_le_bytes());
+    }
+    // The server serves on: a new unsealed registration, byte-exact.
+    let fresh = memfd(BB, false);
+    let handle = register(&mut r, &fresh, BB);
+    assert_eq!(r.call(GET_INTO, &items_payload(&[(handle, 0, BB, &keys[3])])).items(), vec![(BB as i64, 2)]);
+    let byte = pattern(3)[0];
+    assert!(read_at(&fresh, 0, BB).iter().all(|b| *b == byte));
+    let metrics = common::exchange(
+        server.url.trim_start_matches("http://"),
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(metrics.contains("kvtier_local_sigbus_caught"), "{metrics}");
+    assert!(server.log().is_empty() || !server.log().contains("panicked"), "{}", server.log());
 }

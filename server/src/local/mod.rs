@@ -14,6 +14,7 @@
 //! calls as HTTP.
 
 pub mod conn;
+pub mod guard;
 pub mod proto;
 pub mod region;
 
@@ -208,6 +209,7 @@ pub fn stats_json(local: Option<&LocalShared>) -> Value {
         "registered_bytes": l.registered_bytes.load(Ordering::Relaxed),
         "frame_errors": l.frame_errors.load(Ordering::Relaxed),
         "peers_refused": l.peers_refused.load(Ordering::Relaxed),
+        "sigbus_caught": guard::faults_caught(),
         "routes": l.stats.routes_json(),
         "per_shard": l.stats.shards_json(),
     })

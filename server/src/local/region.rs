@@ -1,13 +1,17 @@
 //! A client's registered memory: a descriptor passed with `SCM_RIGHTS`, an
 //! offset and a length (docs/LOCAL.md, `REGISTER`).
 //!
-//! Two ways in, chosen per registration, because a mapping of a file that
+//! Three ways in, chosen per registration, because a mapping of a file that
 //! shrinks under it raises `SIGBUS` on access (which would kill the server):
 //! - **mapped**: a memfd sealed with `F_SEAL_SHRINK` cannot shrink, so the
 //!   server maps it and copies with `memcpy` (numpy-copy speed);
-//! - **file I/O**: anything else is copied with `pread`/`pwrite` on the
-//!   descriptor, which return a short count instead of faulting (about
-//!   half the speed on tmpfs, measured in docs/BENCHMARKS.md).
+//! - **guarded**: any other file on tmpfs (an unsealed memfd, a `/dev/shm`
+//!   file: what the engines allocate) is mapped too, under a `SIGBUS` guard
+//!   (`guard.rs`): a shrink under a copy turns the range into zero pages and
+//!   the item into `BUFFER_SHRUNK`, instead of killing the server;
+//! - **file I/O**: `pread`/`pwrite` on the descriptor, which return a short
+//!   count instead of faulting (about half the speed on tmpfs, measured in
+//!   docs/BENCHMARKS.md), when no guard slot is free.
 //!
 //! Only memory is registered (memfds, tmpfs, hugetlbfs): a file on a disk
 //! or a network filesystem would block the shard's thread in `pread`.
@@ -26,6 +30,7 @@ use std::sync::Mutex;
 use bytes::Bytes;
 use kvtier_engine::BlockSink;
 
+use super::guard::Guard;
 use super::proto::Code;
 
 const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
@@ -39,6 +44,8 @@ pub enum Access {
     Mapped = 1,
     /// `pread`/`pwrite` on the descriptor.
     FileIo = 2,
+    /// Mapped under a `SIGBUS` guard (a tmpfs file that may shrink): `memcpy`.
+    Guarded = 3,
 }
 
 /// One registered buffer.
@@ -48,8 +55,8 @@ pub struct Region {
     file_offset: u64,
     /// Region length, bytes.
     len: u64,
-    /// With [`Access::Mapped`]: the mapping (page-aligned) and where the
-    /// region starts in it.
+    /// With [`Access::Mapped`] or [`Access::Guarded`]: the mapping
+    /// (page-aligned) and where the region starts in it.
     map: Option<Mapping>,
 }
 
@@ -57,6 +64,21 @@ struct Mapping {
     base: *mut u8,
     map_len: usize,
     region_at: usize,
+    /// Unsealed: the guard over the mapping; released before the unmap.
+    guard: Option<Guard>,
+}
+
+impl Mapping {
+    /// `BUFFER_SHRUNK` when the guard caught a shrink under the mapping.
+    fn intact(&self) -> std::io::Result<()> {
+        match &self.guard {
+            Some(g) if g.faulted() => Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the registered file shrank under the server's mapping (SIGBUS caught); register the buffer again",
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 // SAFETY: the mapping is shared memory owned by this `Region` until drop;
@@ -68,6 +90,7 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        drop(self.guard.take());
         // SAFETY: `base`/`map_len` came from a successful mmap, unmapped once.
         unsafe { libc::munmap(self.base.cast(), self.map_len) };
     }
@@ -126,16 +149,24 @@ impl Region {
                         MFD_HUGETLB | MFD_ALLOW_SEALING and sealed with F_SEAL_SHRINK"
                 .into());
         }
-        let map = if sealed { Some(map_region(raw, offset, len, hugetlb)?) } else { None };
+        let map = if sealed {
+            Some(map_region(raw, offset, len, hugetlb)?)
+        } else {
+            // Unsealed tmpfs: mapped under a guard while a slot is free.
+            map_region(raw, offset, len, false).ok().and_then(|mut m| {
+                m.guard = Some(Guard::new(m.base as usize, m.map_len)?);
+                Some(m)
+            })
+        };
         Ok(Region { fd, file_offset: offset, len, map })
     }
 
     /// How the server reaches this region.
     pub fn access(&self) -> Access {
-        if self.map.is_some() {
-            Access::Mapped
-        } else {
-            Access::FileIo
+        match &self.map {
+            Some(m) if m.guard.is_some() => Access::Guarded,
+            Some(_) => Access::Mapped,
+            None => Access::FileIo,
         }
     }
 
@@ -144,18 +175,30 @@ impl Region {
         self.len
     }
 
-    /// Checks that `[at, at + n)` lies in the region and, with file I/O,
+    /// Checks that `[at, at + n)` lies in the region and, unless sealed,
     /// that the file still holds it (`BUFFER_SHRUNK`; a copy checks again,
-    /// as the file may shrink after this).
+    /// as the file may shrink after this). A guarded region whose file
+    /// shrank is lost: `BUFFER_SHRUNK` for every item until the client
+    /// registers the buffer again.
     pub fn check(&self, at: u64, n: u64) -> Result<(), (Code, String)> {
         match at.checked_add(n) {
             Some(end) if end <= self.len => {}
             _ => return Err((Code::OutOfBounds, format!("offset {at} + length {n} is past the {}-byte region", self.len))),
         }
-        if self.map.is_none() {
+        if let Some(m) = &self.map {
+            m.intact().map_err(|e| (Code::BufferShrunk, e.to_string()))?;
+        }
+        if self.access() != Access::Mapped {
             self.check_size(at, n).map_err(|e| {
-                let code = if e.kind() == std::io::ErrorKind::UnexpectedEof { Code::BufferShrunk } else { Code::IoError };
-                (code, e.to_string())
+                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                    return (Code::IoError, e.to_string());
+                }
+                // A guarded mapping of a file that shrank is lost whole: every
+                // item on it fails alike from now on, faulted or not.
+                if let Some(g) = self.map.as_ref().and_then(|m| m.guard.as_ref()) {
+                    g.lose();
+                }
+                (Code::BufferShrunk, e.to_string())
             })?;
         }
         Ok(())
@@ -180,10 +223,11 @@ impl Region {
     pub fn write(&self, at: u64, src: &[u8]) -> std::io::Result<()> {
         debug_assert!(at + src.len() as u64 <= self.len);
         if let Some(m) = &self.map {
-            // SAFETY: in bounds of a live mapping (checked above); the
-            // region cannot shrink (sealed), so the pages cannot fault.
+            m.intact()?;
+            // SAFETY: in bounds of a live mapping (checked above); sealed, the
+            // pages cannot fault; guarded, a fault is caught (zero pages).
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.base.add(m.region_at + at as usize), src.len()) };
-            return Ok(());
+            return m.intact();
         }
         // A file shrunk between this check and the write grows back (pwrite
         // extends it); nothing faults.
@@ -215,9 +259,11 @@ impl Region {
         let n = out.len();
         debug_assert!(at + n as u64 <= self.len);
         if let Some(m) = &self.map {
+            let shrunk = |e: std::io::Error| (Code::BufferShrunk, e.to_string());
+            m.intact().map_err(shrunk)?;
             // SAFETY: as in `write`; `out` is `n` bytes long.
             unsafe { std::ptr::copy_nonoverlapping(m.base.add(m.region_at + at as usize), out.as_mut_ptr(), n) };
-            return Ok(());
+            return m.intact().map_err(shrunk);
         }
         let mut done = 0usize;
         while done < n {
@@ -293,9 +339,9 @@ fn map_region(fd: i32, offset: u64, len: u64, hugetlb: bool) -> Result<Mapping, 
     // SAFETY: a new shared mapping of a descriptor we own; checked below.
     let base = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, start as i64) };
     if base == libc::MAP_FAILED {
-        return Err(format!("mapping the sealed memfd failed: {}", errno()));
+        return Err(format!("mapping the client's file failed: {}", errno()));
     }
-    let m = Mapping { base: base.cast(), map_len, region_at };
+    let m = Mapping { base: base.cast(), map_len, region_at, guard: None };
     // A huge page that cannot be had faults with SIGBUS on first touch:
     // take them all now, where the kernel answers with an error instead.
     // SAFETY: the range is the mapping just made.

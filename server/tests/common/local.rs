@@ -10,6 +10,7 @@ use std::time::Duration;
 
 pub const HELLO: u8 = 1;
 pub const REGISTER: u8 = 2;
+pub const UNREGISTER: u8 = 3;
 pub const GET_INTO: u8 = 4;
 pub const PUT_FROM: u8 = 5;
 pub const EXISTS: u8 = 6;

@@ -58,7 +58,7 @@ class Region:
     """One registered buffer: ``size`` bytes at address ``ptr``; on the Unix
     transport also ``fd`` (the client's own descriptor, kept for
     re-registration), the region's offset in that file, and the server's
-    ``access`` (1 mapped, 2 file I/O). ``obj`` keeps a buffer object alive."""
+    ``access`` (1 mapped, 2 file I/O, 3 guarded). ``obj`` keeps a buffer object alive."""
 
     _ids = itertools.count(1)
 

@@ -351,7 +351,7 @@ class LocalConnection:
     def register(self, fd: int, offset: int, length: int) -> tuple[int, int]:
         """``REGISTER`` ``length`` bytes of file ``fd`` from ``offset`` (the
         descriptor travels in ``SCM_RIGHTS``; the caller keeps its own).
-        Returns ``(handle, access)``: access 1 mapped, 2 file I/O."""
+        Returns ``(handle, access)``: access 1 mapped, 2 file I/O, 3 guarded."""
         body = self.call(OP_REGISTER, _U64.pack(offset) + _U64.pack(length), fd=fd)
         handle, access = _REGISTERED.unpack_from(body)
         return int(handle), int(access)

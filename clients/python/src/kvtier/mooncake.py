@@ -99,8 +99,9 @@ class MooncakeCalls:
 
         Over the Unix transport the memory must be backed by a shared file: a
         :class:`~kvtier.SharedBuffer` (mapped by the server), or a ``MAP_SHARED``
-        mapping of a file in memory: tmpfs such as ``/dev/shm``, or hugetlbfs
-        (file I/O; the server refuses a file on a disk with -18). The client keeps a
+        mapping of a file in memory: tmpfs such as ``/dev/shm``, an unsealed
+        memfd (mapped under the server's SIGBUS guard), or a sealed hugetlbfs
+        memfd (the server refuses a file on a disk with -18). The client keeps a
         descriptor of the file and registers it again after a reconnect.
         Registering the same address and size again is a no-op.
 
@@ -275,7 +276,7 @@ class MooncakeCalls:
     def local_stats(self) -> dict[str, Any]:
         """The client's view of the same-host plane: ``transport``, ``socket``,
         the server's ``epoch``, ``registrations`` (count) and ``buffers``
-        (``ptr``, ``size``, ``access``: 1 mapped, 2 file I/O, 0 over HTTP),
+        (``ptr``, ``size``, ``access``: 1 mapped, 2 file I/O, 3 guarded, 0 over HTTP),
         ``bounce_copies`` and ``bounce_bytes`` (items copied through the
         staging area, and their bytes), ``reconnects``,
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``."""

@@ -7,12 +7,18 @@ a shared file:
 
 - :class:`SharedBuffer` makes one: a memfd sealed against shrinking, which the
   server maps (access mode 1, ``memcpy``; the fastest).
-- A file in memory (tmpfs such as ``/dev/shm``, hugetlbfs) that the process
-  ``mmap`` s with ``MAP_SHARED`` works too; the server then copies with
-  ``pread``/``pwrite`` (access mode 2), so a file truncated under it cannot
-  crash it. The server refuses a file on a disk (its copies would stall).
-- Anonymous memory (``malloc``, numpy/torch allocations, CUDA pinned host
-  memory) has no file behind it and cannot be registered.
+- A file in memory (tmpfs such as ``/dev/shm``, an unsealed memfd) that the
+  process ``mmap`` s with ``MAP_SHARED`` works too; the server maps it under
+  a ``SIGBUS`` guard (access mode 3, ``memcpy``), so a file truncated under
+  it costs that registration (``BUFFER_SHRUNK``), not the server; with its
+  table of guarded regions full it copies with ``pread``/``pwrite`` (access
+  mode 2). A hugetlbfs file must be a sealed memfd. The server refuses a
+  file on a disk (its copies would stall).
+- Anonymous shared memory (``mmap(MAP_SHARED | MAP_ANONYMOUS)``) is shmem
+  with no descriptor: it can be registered only by a process allowed to
+  open ``/proc/self/map_files`` (root, or ``CAP_CHECKPOINT_RESTORE``).
+- Private anonymous memory (``malloc``, numpy/torch allocations, CUDA pinned
+  host memory) has no file behind it and cannot be registered.
 
 :func:`backing_fd` finds the file behind an address (``/proc/self/maps``);
 :func:`buffer_address` the address of a Python buffer object.
