@@ -536,7 +536,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         steps.end("the port check");
     }
 
-    let local = args.local.open(&config.data_dir, config.shards, config.geometry.block_bytes)?;
+    let local = args.local.open(&config.data_dir, config.shards)?;
     if local.is_some() {
         steps.end("the local socket");
     }

@@ -567,12 +567,12 @@ async fn put_item(conn: &Conn, key: &str, parts: Vec<Part>, block_bytes: u64) ->
     // All-or-nothing: the whole block is copied out of the client's memory
     // (gathered from its parts into one buffer) before the store sees any
     // of it.
-    let bytes = match gather(&parts, &conn.shared.copy_pool) {
+    let bytes = match gather(&parts) {
         Ok(b) => b,
         Err((code, _)) => return (code as i64, 0),
     };
     drop(parts);
-    match ctx.store.put_reporting(key, vec![bytes]).await {
+    match ctx.store.put_reporting(key, bytes).await {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
             if code_of(&e).is_server_side() {

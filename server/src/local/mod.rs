@@ -39,8 +39,6 @@ use crate::server::{shutdown_requested, Shared};
 /// Bytes a Unix socket address holds for the path (`sun_path` is 108
 /// bytes, one for the terminating NUL).
 pub const SOCKET_PATH_BYTES_MAX: usize = 107;
-/// Bytes of `PUT_FROM` copy buffers kept for reuse (process-wide).
-pub const COPY_POOL_BYTES: u64 = 128 << 20;
 /// Connections one shard serves at once on the local socket.
 pub const CONNECTIONS_PER_SHARD_MAX: u64 = 1024;
 
@@ -88,8 +86,6 @@ pub struct LocalShared {
     pub frame_errors: AtomicU64,
     /// Peers refused by the uid/gid check.
     pub peers_refused: AtomicU64,
-    /// Buffers `PUT_FROM` copies blocks into, reused.
-    pub copy_pool: Arc<region::CopyPool>,
     /// The HTTP address, once bound, for the HELLO (where `/v1/stats` is).
     pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
 }
@@ -108,7 +104,7 @@ impl LocalArgs {
     ///
     /// # Errors
     /// As [`bind`].
-    pub fn open(&self, data_dir: &Path, shards: usize, block_bytes: u64) -> Result<Option<Arc<LocalShared>>, String> {
+    pub fn open(&self, data_dir: &Path, shards: usize) -> Result<Option<Arc<LocalShared>>, String> {
         let Some(path) = self.path(data_dir) else { return Ok(None) };
         // Absolute, so `/v1/stats` tells clients in any directory where it is.
         let path = std::path::absolute(&path).map_err(|e| format!("--local-socket {}: {e}", path.display()))?;
@@ -134,7 +130,6 @@ impl LocalArgs {
             registered_bytes: AtomicU64::new(0),
             frame_errors: AtomicU64::new(0),
             peers_refused: AtomicU64::new(0),
-            copy_pool: region::CopyPool::new(COPY_POOL_BYTES, block_bytes),
             http_addr: std::sync::OnceLock::new(),
         })))
     }

@@ -25,8 +25,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use std::sync::Mutex;
-
 use bytes::Bytes;
 use kvtier_engine::BlockSink;
 
@@ -300,20 +298,45 @@ pub struct Part {
     pub len: u64,
 }
 
-/// Copies the parts' bytes, in order, out of their regions into one buffer
-/// from `pool` (`PUT_FROM`: one part; `PUT_FROM_V`: several).
+/// Copies the parts' bytes, in order, out of their regions into buffers of
+/// [`GATHER_PIECE_BYTES`], the block's chunks for the store (`PUT_FROM`: one
+/// part; `PUT_FROM_V`: several).
 ///
 /// # Errors
 /// `BUFFER_SHRUNK` when a file ends early; `IO_ERROR` otherwise.
-pub fn gather(parts: &[Part], pool: &Arc<CopyPool>) -> Result<Bytes, (Code, String)> {
-    let mut out = pool.take(parts.iter().map(|p| p.len as usize).sum());
-    let mut done = 0usize;
-    for p in parts {
-        p.region.read_into(p.at, &mut out.buf[done..done + p.len as usize])?;
-        done += p.len as usize;
+pub fn gather(parts: &[Part]) -> Result<Vec<Bytes>, (Code, String)> {
+    let total: usize = parts.iter().map(|p| p.len as usize).sum();
+    let mut pieces = Vec::with_capacity(total.div_ceil(GATHER_PIECE_BYTES));
+    let (mut part, mut at) = (0usize, 0u64);
+    let mut left = total;
+    while left > 0 {
+        let mut piece = vec![0u8; left.min(GATHER_PIECE_BYTES)];
+        let mut filled = 0usize;
+        while filled < piece.len() {
+            let p = &parts[part];
+            let n = ((p.len - at) as usize).min(piece.len() - filled);
+            p.region.read_into(p.at + at, &mut piece[filled..filled + n])?;
+            filled += n;
+            at += n as u64;
+            if at == p.len {
+                part += 1;
+                at = 0;
+            }
+        }
+        left -= piece.len();
+        pieces.push(Bytes::from(piece));
     }
-    Ok(Bytes::from_owner(out))
+    Ok(pieces)
 }
+
+/// Bytes of each buffer a `PUT_FROM` block is gathered into: below
+/// jemalloc's `oversize_threshold` (8 MiB), whose arena returns freed pages
+/// to the kernel at once, so a block-sized buffer would be faulted in page
+/// by page on every PUT; pieces this size come back warm from jemalloc's
+/// caches: 16 MiB PUTs from a `/dev/shm` buffer ran at 1.5-2.0 GB/s and
+/// 0.5-0.7 server CPU s/GB this way, 1.1-1.4 GB/s and 0.8-1.4 s/GB through
+/// a pool of block-sized buffers (which the RAM tier keeps, so it ran dry).
+const GATHER_PIECE_BYTES: usize = 1 << 20;
 
 fn shrunk(size: u64, needed: u64) -> std::io::Error {
     std::io::Error::new(
@@ -395,55 +418,5 @@ impl BlockSink for ItemSink {
             }
         }
         r
-    }
-}
-
-/// Block buffers that `PUT_FROM` copies a client's block into, reused once
-/// the store drops them: a fresh 16 MiB allocation is mapped and faulted in
-/// page by page on every PUT (measured: PUTs at 0.41 GB/s and 3.2 CPU
-/// seconds per GB that way on a fresh process, docs/BENCHMARKS.md).
-pub struct CopyPool {
-    free: Mutex<Vec<Vec<u8>>>,
-    /// Buffers kept for reuse at most; more are freed when dropped.
-    keep: usize,
-}
-
-/// A buffer from a [`CopyPool`], given back when the `Bytes` made of it drop
-/// (wherever the store drops them, on any shard).
-pub struct Pooled {
-    buf: Vec<u8>,
-    pool: Arc<CopyPool>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        let mut free = self.pool.free.lock().expect("copy pool lock");
-        if free.len() < self.pool.keep {
-            free.push(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
-impl CopyPool {
-    /// A pool keeping up to `keep_bytes` of buffers (at least two).
-    pub fn new(keep_bytes: u64, block_bytes: u64) -> Arc<CopyPool> {
-        let keep = (keep_bytes / block_bytes.max(1)).max(2) as usize;
-        Arc::new(CopyPool { free: Mutex::new(Vec::new()), keep })
-    }
-
-    /// A buffer of exactly `n` bytes (contents unspecified).
-    fn take(self: &Arc<Self>, n: usize) -> Pooled {
-        let reused = self.free.lock().expect("copy pool lock").pop();
-        let buf = match reused {
-            Some(b) if b.len() == n => b,
-            _ => vec![0u8; n],
-        };
-        Pooled { buf, pool: self.clone() }
     }
 }
