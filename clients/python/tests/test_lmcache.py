@@ -138,7 +138,7 @@ def backends(url: str, loop: Loop, meta: LMCacheMetadata | None = None, plane: s
 def assert_plane(conn: KvtierConnector, plane: str, chunks: int) -> None:
     """The chunks moved the plane's way: over HTTP, or straight through
     LMCache's registered CPU buffer (none staged)."""
-    assert conn._core.transport == plane
+    assert conn.transport == plane
     if plane == "unix":
         assert conn._host.zero_copy is True
         assert conn.stats["zero_copy_chunks"] >= chunks and conn.stats["staged_chunks"] == 0
@@ -160,6 +160,16 @@ def chunk(remote: RemoteBackend, cpu, seed: int):
     values = torch.arange(obj.tensor.numel(), dtype=torch.float32).reshape(obj.tensor.shape) * 0.5 + seed
     obj.tensor.copy_(values.to(torch.bfloat16))
     return obj
+
+
+def round_trip(remote: RemoteBackend, cpu, seed: int, k: CacheEngineKey) -> None:
+    """A chunk put through LMCache's put task and read back byte-exact."""
+    obj = chunk(remote, cpu, seed)
+    want = obj.tensor.clone()
+    remote.submit_put_task(k, obj).result(10)
+    got = remote.get_blocking(k)
+    assert got is not None and torch.equal(got.tensor, want)
+    got.ref_count_down()
 
 
 def test_lmcache_loads_the_plugin_by_name_and_round_trips_real_chunks(kvserver, loop, plane):
@@ -348,12 +358,7 @@ def check_documented_config(config: LMCacheEngineConfig, server: ServerProcess, 
     config.extra_config["remote_storage_plugin.kvtier.url"] = server.url
     found = CreateStorageBackends(config, metadata(), loop.loop, dst_device="cpu")
     remote, cpu = remote_of(found), found["LocalCPUBackend"]
-    obj = chunk(remote, cpu, 3)
-    want = obj.tensor.clone()
-    remote.submit_put_task(key(31337), obj).result(10)
-    got = remote.get_blocking(key(31337))
-    assert got is not None and torch.equal(got.tensor, want)
-    got.ref_count_down()
+    round_trip(remote, cpu, 3, key(31337))
     # kvtier on this host: the documented shm_name makes it zero-copy over the socket.
     assert_plane(remote.connection.getWrappedConnector(), "unix", 2)
 
@@ -388,7 +393,7 @@ def test_without_shm_name_the_socket_stages_chunks_and_says_so_once(kvserver, lo
     assert all(g is not None and torch.equal(g.tensor, w) for g, w in zip(got, want))
     for g in got:
         g.ref_count_down()
-    assert conn._core.transport == "unix" and conn._host.zero_copy is False
+    assert conn.transport == "unix" and conn._host.zero_copy is False
     assert conn.stats["staged_chunks"] == 6 and conn.stats["zero_copy_chunks"] == 0
     assert conn.client.sync.local_stats()["bounce_copies"] == 6
     staged = [r.getMessage() for r in caplog.records if "staged over the same-host socket" in r.getMessage()]
@@ -419,13 +424,8 @@ def test_a_missing_or_refused_socket_falls_back_to_http_with_one_log_line(loop, 
             found = backends(server.url, loop, **settings)
             remote, cpu = remote_of(found), found["LocalCPUBackend"]
             conn = remote.connection.getWrappedConnector()
-            obj = chunk(remote, cpu, 5)
-            want = obj.tensor.clone()
-            remote.submit_put_task(key(6200), obj).result(10)
-            got = remote.get_blocking(key(6200))
-            assert got is not None and torch.equal(got.tensor, want)
-            got.ref_count_down()
-            assert conn._core.transport == "http" and conn.stats["zero_copy_chunks"] == 0
+            round_trip(remote, cpu, 5, key(6200))
+            assert conn.transport == "http" and conn.stats["zero_copy_chunks"] == 0
         finally:
             if dead is not None:
                 dead.close()

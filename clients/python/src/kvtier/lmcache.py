@@ -145,6 +145,11 @@ class KvtierConnector(RemoteConnector):
             remedy="Set extra_config shm_name (one name per worker process) so LMCache allocates it in /dev/shm.",
         )
 
+    @property
+    def transport(self) -> str | None:
+        """``"unix"`` or ``"http"``: how chunks move, once known; else ``None``."""
+        return self._core.transport
+
     def key_of(self, key: CacheEngineKey) -> str:
         """The kvtier key of an LMCache chunk key (see the module docstring)."""
         return _kvtier_key(key.model_name, key.world_size, key.worker_id, str(key.dtype), key.tags, self.chunk_tokens)(
