@@ -58,3 +58,11 @@ def assert_geometry_error_logged(
         f"{store_bytes} bytes" in m and f"--block-bytes {chunk_bytes}" in m and "until the engine restarts" in m
         for m in errors
     ), errors
+
+
+def said_over_http(caplog, logger: str = "kvtier") -> list[str]:
+    """The messages of ``logger`` (and its children) that mention HTTP,
+    after asserting that the fallback to HTTP was said exactly once."""
+    said = [r.getMessage() for r in caplog.records if r.name.startswith(logger) and "HTTP" in r.getMessage()]
+    assert sum("blocks move over HTTP" in m for m in said) == 1, said
+    return said

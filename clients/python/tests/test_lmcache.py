@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import assert_geometry_error_logged, start_on_same_port
+from conftest import assert_geometry_error_logged, said_over_http, start_on_same_port
 
 lmcache = pytest.importorskip("lmcache", reason="needs the pinned lmcache (make test installs it)")
 import torch  # noqa: E402
@@ -429,8 +429,7 @@ def test_a_missing_or_refused_socket_falls_back_to_http_with_one_log_line(loop, 
         finally:
             if dead is not None:
                 dead.close()
-    said = [r.getMessage() for r in caplog.records if "HTTP" in r.getMessage() and r.name.startswith("kvtier")]
-    assert sum("blocks move over HTTP" in m for m in said) == 1, said
+    said = said_over_http(caplog)
     if socket_state == "refused":
         assert any("not usable" in m and "refused" in m.lower() for m in said), said
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import assert_geometry_error_logged, start_on_same_port
+from conftest import assert_geometry_error_logged, said_over_http, start_on_same_port
 
 with warnings.catch_warnings():  # sglang's imports warn about every missing GPU kernel
     warnings.simplefilter("ignore")
@@ -278,6 +278,16 @@ def fill_pool(host: MHATokenToKVPoolHost, pages: int, seed: int) -> tuple[torch.
     return slots, [host.get_data_page(slots[i * PAGE_TOKENS]).clone() for i in range(pages)]
 
 
+def shm_pool_with_pages(b: KvtierHiCacheStorage, first_token: int, seed: int):
+    """A page_first host pool in SGLang's shm allocator registered with
+    ``b``, two pages of it filled: (pool, page keys, their slots, their flat bytes)."""
+    host = host_pool("page_first", allocator="shm")
+    b.register_mem_pool_host(host)
+    keys = page_hashes(list(range(first_token, first_token + 2 * PAGE_TOKENS)))
+    written, want = fill_pool(host, 2, seed=seed)
+    return host, keys, written, want
+
+
 def without_map_files(monkeypatch) -> None:
     """What a process without CAP_SYS_ADMIN/CAP_CHECKPOINT_RESTORE (an engine
     not run as root) meets: /proc/self/map_files cannot be opened, so memory
@@ -340,11 +350,8 @@ def test_a_stopped_server_gives_misses_not_exceptions(caplog, plane):
     new connection, still zero-copy."""
     server = ServerProcess(block_bytes=PAGE_BYTES).start()
     b = backend(server.url, plane, down_s=0.5, timeout_s=2)
-    host = host_pool("page_first", allocator="shm")
-    b.register_mem_pool_host(host)
+    host, keys, written, want = shm_pool_with_pages(b, 9000, seed=9)
     try:
-        keys = page_hashes(list(range(9000, 9000 + 2 * PAGE_TOKENS)))
-        written, want = fill_pool(host, 2, seed=9)
         assert b.batch_set_v1(keys, written) == [True, True]
         server.kill()
         caplog.set_level(logging.WARNING, logger="kvtier.sglang")
@@ -378,11 +385,8 @@ def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
     caplog.set_level(logging.INFO, logger="kvtier")
     with ServerProcess(block_bytes=PAGE_BYTES, args=("--local-socket", "none")) as server:
         b = backend(server.url, local="auto")
-        host = host_pool("page_first", allocator="shm")
-        b.register_mem_pool_host(host)
+        host, keys, written, want = shm_pool_with_pages(b, 8000, seed=8)
         try:
-            keys = page_hashes(list(range(8000, 8000 + 2 * PAGE_TOKENS)))
-            written, want = fill_pool(host, 2, seed=8)
             assert b.batch_set_v1(keys, written) == [True, True]
             read = host.alloc(2 * PAGE_TOKENS)
             assert b.batch_get_v1(keys, read) == [True, True]
@@ -390,5 +394,4 @@ def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
             assert b.transport == "http" and b.stats["zero_copy_chunks"] == b.stats["staged_chunks"] == 0
         finally:
             b.close()
-    said = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier") and "HTTP" in r.getMessage()]
-    assert sum("blocks move over HTTP" in m for m in said) == 1, said
+    said_over_http(caplog)

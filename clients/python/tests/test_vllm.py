@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_geometry_error_logged, start_on_same_port
+from conftest import assert_geometry_error_logged, said_over_http, start_on_same_port
 
 vllm = pytest.importorskip("vllm", reason="needs the pinned vllm (make test-vllm installs it)")
 import numpy as np  # noqa: E402
@@ -506,5 +506,5 @@ def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
             assert t.stats["zero_copy_chunks"] == t.stats["staged_chunks"] == 0
         finally:
             t.shutdown()
-    said = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm" and "HTTP" in r.getMessage()]
-    assert len(said) == 1 and "blocks move over HTTP" in said[0], said
+    said = said_over_http(caplog, "kvtier.vllm")
+    assert len(said) == 1, said

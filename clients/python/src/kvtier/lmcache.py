@@ -294,16 +294,13 @@ class KvtierConnector(RemoteConnector):
         in parallel; a batch here would wait on the pool from inside it)."""
         if self._core.transport == "unix":
             return self.client.sync.batch_get_into(names, views)
-        pairs = zip(names, views, strict=True)
-        return [len(v) if self.client.sync.get_into(k, v) else codes.NOT_FOUND for k, v in pairs]
+        return [self.client.sync._http_get(k, v) for k, v in zip(names, views, strict=True)]
 
     def _write(self, names: list[str], views: list[Any]) -> list[int]:
         """Per chunk 0 or a negative code; over HTTP as :meth:`_read`."""
         if self._core.transport == "unix":
             return self.client.sync.batch_put_from(names, views)
-        for k, v in zip(names, views, strict=True):
-            self.client.sync.put(k, v)
-        return [codes.OK] * len(names)
+        return [self.client.sync._http_put(k, v) for k, v in zip(names, views, strict=True)]
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading chunks of a prompt's chain that are stored: one
