@@ -3,15 +3,6 @@
 //! `kvtier serve` starts the block API on one port (HTTP/2 with prior
 //! knowledge and HTTP/1.1); `kvtier info` describes a data directory.
 
-mod body;
-mod gpu;
-mod http;
-mod limits;
-mod local;
-mod metrics;
-mod routes;
-mod server;
-
 use std::fs;
 use std::net::SocketAddr;
 use std::os::unix::io::AsRawFd;
@@ -27,6 +18,7 @@ use kvtier_engine::store::{
     START_WARN_AFTER,
 };
 use kvtier_engine::StoreConfig;
+use kvtier_server::{gpu, limits, local, metrics, server};
 
 // jemalloc with transparent huge pages, so the DMA buffers block reads land
 // in are 2 MiB runs (why, and the figures: `kvtier_engine::alloc`).

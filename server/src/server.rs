@@ -91,7 +91,11 @@ pub async fn shutdown_requested(shared: &Shared) {
     }
 }
 
-fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
+/// The hyper connection builder of every shard: HTTP/1.1 with the header
+/// timeout, HTTP/2 with the windows, frame size and stream limits of
+/// [`limits`]. The reference server (`kvtier-http-reference`) serves with
+/// the same builder, so the two differ only in what answers a request.
+pub fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
     let mut b = auto::Builder::new(LocalExec);
     b.http1()
         .timer(GlommioTimer)

@@ -13,10 +13,10 @@
 //! its items go to the shards owning their keys through the same [`Store`]
 //! calls as HTTP.
 
-pub mod conn;
-pub mod guard;
-pub mod proto;
-pub mod region;
+pub(crate) mod conn;
+pub(crate) mod guard;
+pub(crate) mod proto;
+pub(crate) mod region;
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
