@@ -709,6 +709,8 @@ where
                     }
                 };
                 let shard = shard.expect("opened");
+                // Chunks of forwarded GETs come back here to be freed.
+                glommio::spawn_local(crate::stream::return_chunks_home()).detach();
                 starts.note(shard_id, startup::ShardStart { executor_up, recovered, joined: started.elapsed() });
                 // Fault in and register the I/O memory and fault in the RAM
                 // tier now that the shard serves (not before: see

@@ -5,16 +5,18 @@
 //! a CRC-32 per chunk, `crate::slot::CHUNK_BYTES_DEFAULT` = 1 MiB), checks
 //! each as soon as it is read and hands it over at once, with the next reads
 //! already in flight, so device time and network time overlap. A
-//! [`ChunkStream`] is the receiving end, on the shard that read the block (a
-//! GET that arrived on another shard is read whole on its owner and crosses
-//! the shard mesh as one buffer).
+//! [`ChunkStream`] is the receiving end. A GET that arrived on another
+//! shard gets every chunk at once, once all have passed on the owner: one
+//! message across the shard mesh, not one per chunk.
 //!
-//! A streamed chunk is the DMA buffer the device read it into, not a copy
-//! ([`dma_chunk`]): its CRC-32 is computed over that buffer and the network
-//! send reads it from there. Such a buffer belongs to its shard's executor,
-//! so a chunk must be dropped on the shard thread that read it; one dropped
-//! elsewhere is leaked rather than freed, and counted
-//! ([`dma_chunks_leaked`]).
+//! A chunk from the log is the DMA buffer the device read it into, not a
+//! copy ([`dma_chunk`]): its CRC-32 is computed over that buffer and the
+//! network send reads it from there, on whichever shard sends it. Such a
+//! buffer belongs to its shard's executor and is freed there: a chunk
+//! dropped on another shard's thread is sent home and dropped by its
+//! shard's [`return_chunks_home`] task. Only a chunk whose shard has
+//! stopped (or that was read outside a shard) is leaked instead, and
+//! counted ([`dma_chunks_leaked`]).
 //!
 //! A chunk that fails its CRC-32 never leaves the shard: the stream yields
 //! [`Error::Corrupt`] instead (the block has been dropped and counted), and
@@ -22,6 +24,7 @@
 //! the connection before the declared `Content-Length`), which clients treat
 //! as a miss.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,9 +41,50 @@ use crate::error::{Error, Result};
 /// DMA chunks dropped on a thread other than their shard's, and leaked.
 static DMA_CHUNKS_LEAKED: AtomicU64 = AtomicU64::new(0);
 
-/// How many streamed chunks were dropped away from the shard thread that
-/// read them, and so leaked instead of freed (0 in a correct program:
-/// every consumer of a [`ChunkStream`] in kvtier runs on its shard).
+/// DMA chunks dropped on a thread other than their shard's and sent home.
+static DMA_CHUNKS_SENT_HOME: AtomicU64 = AtomicU64::new(0);
+
+/// A read on its way back to the thread that owns it, to be dropped there.
+struct Homebound(ReadResult);
+
+// SAFETY: a `Homebound` is only moved (never read, cloned or dropped) on
+// the way: its sender moves it into the channel, and the owning thread's
+// `return_chunks_home` task takes it out and drops it, so the `Rc` inside
+// and the executor's allocator are only ever touched on that thread.
+unsafe impl Send for Homebound {}
+
+thread_local! {
+    /// This thread's way home for its DMA chunks, once its shard runs
+    /// [`return_chunks_home`].
+    static HOME: RefCell<Option<mpsc::UnboundedSender<Homebound>>> = const { RefCell::new(None) };
+}
+
+/// Makes this thread (a shard's executor) the home of the DMA chunks it
+/// reads from now on, and returns the task to spawn on it for as long as
+/// the shard serves: it drops those chunks that were dropped on other
+/// threads (a GET forwarded from another shard is sent from the owner's
+/// DMA buffers by the shard that took the request). The task ends only
+/// with its executor; chunks dropped elsewhere after that are leaked.
+pub fn return_chunks_home() -> impl std::future::Future<Output = ()> {
+    let (tx, mut rx) = mpsc::unbounded::<Homebound>();
+    HOME.with(|h| *h.borrow_mut() = Some(tx));
+    async move {
+        while let Some(read) = rx.next().await {
+            drop(read);
+        }
+    }
+}
+
+/// How many chunks dropped on another shard's thread were sent home and
+/// freed there (the normal end of a chunk of a forwarded GET).
+pub fn dma_chunks_sent_home() -> u64 {
+    DMA_CHUNKS_SENT_HOME.load(Ordering::Relaxed)
+}
+
+/// How many chunks were dropped away from the shard thread that read them
+/// and could not be sent home (their shard had stopped, or they were read
+/// outside a shard), and so were leaked instead of freed (0 while every
+/// shard serves).
 pub fn dma_chunks_leaked() -> u64 {
     DMA_CHUNKS_LEAKED.load(Ordering::Relaxed)
 }
@@ -59,18 +103,22 @@ pub fn dma_chunks_leaked() -> u64 {
 /// # Panics
 /// If `range` is not within the read.
 pub fn dma_chunk(read: ReadResult, range: Range<usize>) -> Bytes {
-    Bytes::from_owner(ShardLocalRead { read: Some(read), thread: thread::current().id() }).slice(range)
+    let home = HOME.with(|h| h.borrow().clone());
+    Bytes::from_owner(ShardLocalRead { read: Some(read), thread: thread::current().id(), home }).slice(range)
 }
 
 /// The owner behind [`dma_chunk`].
 struct ShardLocalRead {
     read: Option<ReadResult>,
     thread: ThreadId,
+    /// The reading thread's [`return_chunks_home`] task, if it runs one.
+    home: Option<mpsc::UnboundedSender<Homebound>>,
 }
 
 // SAFETY: another thread can only call `as_ref` (reads the buffer's pointer
 // and length, never the `Rc` count) and `drop`, which off the owning thread
-// leaks the read instead of touching its `Rc` or its executor's allocator.
+// moves the read home untouched, or leaks it, instead of touching its `Rc`
+// or its executor's allocator.
 unsafe impl Send for ShardLocalRead {}
 // SAFETY: `as_ref` only reads immutable state (see `Send`).
 unsafe impl Sync for ShardLocalRead {}
@@ -85,6 +133,16 @@ impl Drop for ShardLocalRead {
     fn drop(&mut self) {
         if thread::current().id() != self.thread {
             let read = self.read.take().expect("held until dropped");
+            let read = match &self.home {
+                Some(home) => match home.unbounded_send(Homebound(read)) {
+                    Ok(()) => {
+                        DMA_CHUNKS_SENT_HOME.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(refused) => refused.into_inner().0,
+                },
+                None => read,
+            };
             let bytes = read.len();
             std::mem::forget(read);
             DMA_CHUNKS_LEAKED.fetch_add(1, Ordering::Relaxed);
@@ -281,12 +339,11 @@ mod tests {
         ChunkStream::new(len, Bytes::from_static(first), rx)
     }
 
-    /// A chunk made from a real O_DIRECT read holds exactly its range of the
-    /// file; dropped on its own thread it is freed, dropped on another it is
-    /// leaked and counted (and nothing crashes).
-    #[test]
-    fn a_dma_chunk_is_its_range_of_the_read_and_a_foreign_drop_leaks_it() {
-        let dir = tempfile::tempdir().unwrap();
+    /// The tests that read the process-wide chunk counters, one at a time.
+    static COUNTERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// A file of 8 KiB for O_DIRECT reads, and its bytes.
+    fn chunk_file(dir: &tempfile::TempDir) -> (std::path::PathBuf, Vec<u8>) {
         let path = dir.path().join("chunk.bin");
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
         {
@@ -295,6 +352,18 @@ mod tests {
             f.write_all(&data).unwrap();
             f.sync_all().unwrap();
         }
+        (path, data)
+    }
+
+    /// A chunk made from a real O_DIRECT read holds exactly its range of the
+    /// file; dropped on its own thread it is freed, dropped on another
+    /// thread with no way home (read outside a shard) it is leaked and
+    /// counted (and nothing crashes).
+    #[test]
+    fn a_dma_chunk_is_its_range_of_the_read_and_a_foreign_drop_leaks_it() {
+        let _one = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let (path, data) = chunk_file(&dir);
         let expected = data[100..5000].to_vec();
         let leaked_before = dma_chunks_leaked();
         let (local, foreign) = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
@@ -315,6 +384,42 @@ mod tests {
         assert_eq!(&foreign[..], &data[..4096], "readable from another thread");
         drop(foreign);
         assert_eq!(dma_chunks_leaked(), leaked_before + 1);
+    }
+
+    /// A chunk read on a thread that runs `return_chunks_home` (a shard),
+    /// dropped on another thread (the shard that sent a forwarded GET), is
+    /// sent home and freed there, while its executor is still serving:
+    /// nothing leaks.
+    #[test]
+    fn a_dma_chunk_dropped_on_another_thread_goes_home() {
+        let _one = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let (path, data) = chunk_file(&dir);
+        let (leaked_before, home_before) = (dma_chunks_leaked(), dma_chunks_sent_home());
+        let (chunk_tx, chunk_rx) = std::sync::mpsc::channel();
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = dropped.clone();
+        let shard = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .spawn(move || async move {
+                glommio::spawn_local(return_chunks_home()).detach();
+                let file = glommio::io::DmaFile::open(&path).await.unwrap();
+                chunk_tx.send(dma_chunk(file.read_at_aligned(0, 8192).await.unwrap(), 4096..8192)).unwrap();
+                while !seen.load(Ordering::SeqCst) {
+                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                // The home task's turn: it frees the chunk on this thread.
+                glommio::timer::sleep(std::time::Duration::from_millis(20)).await;
+                file.close().await.unwrap();
+            })
+            .unwrap();
+        let chunk = chunk_rx.recv().unwrap();
+        assert_eq!(&chunk[..], &data[4096..]);
+        drop(chunk);
+        dropped.store(true, Ordering::SeqCst);
+        shard.join().unwrap();
+        // At least: a store test running beside this one may send its own.
+        assert!(dma_chunks_sent_home() > home_before, "sent home");
+        assert_eq!(dma_chunks_leaked(), leaked_before, "not leaked");
     }
 
     #[test]

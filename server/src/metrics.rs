@@ -347,8 +347,15 @@ pub fn prometheus_text(
     leaked.inc_by(kvtier_engine::stream::dma_chunks_leaked());
     registry.register(
         "dma_chunks_leaked",
-        "Streamed chunks dropped away from the shard thread that read them, their DMA buffers leaked (a bug if not 0)",
+        "Chunks read from the log dropped away from the shard thread that read them with no way home, their DMA buffers leaked (a bug if not 0 while serving)",
         leaked,
+    );
+    let home = Counter::<u64>::default();
+    home.inc_by(kvtier_engine::stream::dma_chunks_sent_home());
+    registry.register(
+        "dma_chunks_sent_home",
+        "Chunks read from the log for a GET forwarded from another shard, sent by that shard from the owner's DMA buffers and returned to the owner to be freed",
+        home,
     );
 
     // Engine, per shard.

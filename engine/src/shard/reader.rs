@@ -171,9 +171,9 @@ impl Shard {
         let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
-        // Whole, and not promoting into a RAM slot: one pooled buffer for
-        // the block.
-        let mut whole = (!stream && ram_slot.is_none()).then(|| self.read_buffers.filler());
+        // Whole, and not promoting into a RAM slot: the verified chunks wait
+        // here and leave together after the last, with no copy.
+        let mut held = Vec::new();
         let mut next = Some(Ok(first));
         for i in 0..chunks {
             let read = match next.take() {
@@ -194,24 +194,20 @@ impl Shard {
             let range = payload(i, &read);
             let at = i * chunk_bytes as usize;
             let mut crc = crc32fast::Hasher::new();
-            // Each chunk is copied at most once: into the RAM slot it is
-            // promoted to (and sent from there) or into the block's one
-            // pooled buffer; streamed, it is sent from the DMA buffer it
-            // was read into, its CRC-32 computed there.
-            let chunk = match (ram_slot, &mut whole) {
-                (Some(s), _) => {
+            // A chunk is copied at most once: into the RAM slot it is
+            // promoted to (and sent from there); otherwise it is sent from
+            // the DMA buffer it was read into, its CRC-32 computed there
+            // (by another shard's connection, for a forwarded GET: the
+            // buffer goes home when sent, `crate::stream::dma_chunk`).
+            let chunk = match ram_slot {
+                Some(s) => {
                     let c = self.ram.as_ref().expect("RAM tier").borrow_mut().fill_chunk(s, at, &read[range], |step| crc.update(step));
                     drop(read);
-                    Some(c)
+                    c
                 }
-                (None, Some(filler)) => {
-                    filler.fill(at, &read[range], |step| crc.update(step));
-                    drop(read);
-                    None
-                }
-                (None, None) => {
+                None => {
                     crc.update(&read[range.clone()]);
-                    Some(dma_chunk(read, range))
+                    dma_chunk(read, range)
                 }
             };
             if crc.finalize() != header.chunk_crcs[i] {
@@ -221,15 +217,21 @@ impl Shard {
                 return self.end_stream(&mut tx, Err(e), &mut reads).await;
             }
             let last = i + 1 == chunks;
+            if promote && ram_slot.is_none() {
+                kept.push(chunk.clone());
+            }
             // Whole: the block leaves after its last chunk has passed.
-            let chunk = match chunk {
-                Some(c) if stream => c,
-                _ if !last => continue,
-                _ => match (ram_slot, whole.take()) {
-                    (Some(s), _) => self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize),
-                    (None, Some(filler)) => filler.freeze(block_bytes as usize),
-                    (None, None) => unreachable!("a chunk of its own only when streaming"),
-                },
+            let out = match ram_slot {
+                _ if stream => vec![chunk],
+                None => {
+                    held.push(chunk);
+                    if !last {
+                        continue;
+                    }
+                    std::mem::take(&mut held)
+                }
+                Some(_) if !last => continue,
+                Some(s) => vec![self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize)],
             };
             if last {
                 // Promotion lands before the last chunk leaves, so a client
@@ -245,16 +247,15 @@ impl Shard {
                         self.abandon_ram_slot(Some(s));
                     }
                 } else if promote {
-                    kept.push(chunk.clone());
                     self.promote(key, hash, &kept, entry).await;
                 }
-            } else if promote && ram_slot.is_none() {
-                kept.push(chunk.clone());
             }
-            if tx.try_send(Ok(chunk)).is_err() {
-                // The client went away: stop, and leave RAM as it was.
-                self.abandon_ram_slot(ram_slot.take());
-                return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
+            for chunk in out {
+                if tx.try_send(Ok(chunk)).is_err() {
+                    // The client went away: stop, and leave RAM as it was.
+                    self.abandon_ram_slot(ram_slot.take());
+                    return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
+                }
             }
         }
     }
