@@ -193,11 +193,14 @@ bench:
 	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
 
 # Whole-block PUT/GET at 1.2 MB and 16 MiB, h2c and HTTP/1.1, concurrency
-# 1 and 16, beside iperf3 loopback bandwidth (and, for GETs from the NVMe
-# log, fio O_DIRECT reads at the same block size and depth), in 3 pairs.
-# KVTIER_BEFORE=path/to/old/kvtier adds an older build's NVMe GETs.
+# 1 and 16, by the loadgen and by h2load (one request per connection over
+# random keys), beside iperf3 loopback bandwidth, in 3 pairs; GETs from the
+# NVMe log against fio O_DIRECT reads at the same block size and depth,
+# from the RAM tier against kvtier-http-reference (a bare HTTP block server).
+# KVTIER_BEFORE=path/to/old/kvtier adds an older build's GETs; settings in
+# loadgen/scripts/bench_http.sh.
 bench-http: build
-	@missing=""; command -v iperf3 >/dev/null || missing="iperf3"; command -v fio >/dev/null || missing="$$missing fio"; command -v h2load >/dev/null || missing="$$missing nghttp2-client"; \
+	@missing=""; command -v iperf3 >/dev/null || missing="iperf3"; command -v fio >/dev/null || missing="$$missing fio"; command -v h2load >/dev/null || missing="$$missing nghttp2-client"; command -v curl >/dev/null || missing="$$missing curl"; \
 	if [ -n "$$missing" ]; then echo "installing $$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 	loadgen/scripts/bench_http.sh
