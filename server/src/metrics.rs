@@ -318,6 +318,11 @@ pub fn prometheus_text(
 
     // HTTP, per route (summed over shards) and per shard.
     register_requests(&mut registry, http, "http", "HTTP requests", "Request body bytes", "PUTs refused with 503");
+    let counter = |v: u64| {
+        let c = Counter::<u64>::default();
+        c.inc_by(v);
+        c
+    };
     if let Some(l) = local {
         register_requests(&mut registry, &l.stats, "local", "Local-socket requests", "Block bytes", "PUT_FROM items refused OVERLOADED");
         let gauge = |v: u64| {
@@ -328,11 +333,6 @@ pub fn prometheus_text(
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         registry.register("local_registrations_open", "Buffers registered on the local socket now", gauge(load(&l.registrations_open)));
         registry.register("local_registered_bytes", "Bytes of the buffers registered now", gauge(load(&l.registered_bytes)));
-        let counter = |v: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(v);
-            c
-        };
         registry.register("local_registrations", "Buffers registered since start", counter(load(&l.registrations_total)));
         registry.register("local_frame_errors", "Local connections closed for a framing error", counter(load(&l.frame_errors)));
         registry.register("local_peers_refused", "Local peers refused by the SO_PEERCRED uid/gid check", counter(load(&l.peers_refused)));
@@ -343,19 +343,15 @@ pub fn prometheus_text(
         );
     }
 
-    let leaked = Counter::<u64>::default();
-    leaked.inc_by(kvtier_engine::stream::dma_chunks_leaked());
     registry.register(
         "dma_chunks_leaked",
         "Chunks read from the log dropped away from the shard thread that read them with no way home, their DMA buffers leaked (a bug if not 0 while serving)",
-        leaked,
+        counter(kvtier_engine::stream::dma_chunks_leaked()),
     );
-    let home = Counter::<u64>::default();
-    home.inc_by(kvtier_engine::stream::dma_chunks_sent_home());
     registry.register(
         "dma_chunks_sent_home",
         "Chunks read from the log for a GET forwarded from another shard, sent by that shard from the owner's DMA buffers and returned to the owner to be freed",
-        home,
+        counter(kvtier_engine::stream::dma_chunks_sent_home()),
     );
 
     // Engine, per shard.
