@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::geometry::StoreManifest;
 use crate::key::BlockHash;
 use crate::segment::{self, Superblock};
-use crate::slot::{self, ChunkHasher, HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::slot::{self, HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
 
 /// One damaged record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -186,7 +186,7 @@ fn check_segment(
                     file.read_exact_at(&mut payload, at + PAGE_BYTES)
                         .map_err(|e| Error::io(format!("reading {} at {}", path.display(), at + PAGE_BYTES), e))?;
                     report.bytes_read += block_bytes;
-                    let fault = payload_fault(&header, &payload);
+                    let fault = slot::payload_fault(&header, &payload);
                     if let Some(why) = &fault {
                         damaged.push(damage(why.clone(), Some(&header)));
                     }
@@ -197,22 +197,4 @@ fn check_segment(
         records.push(Record { seq: header.seq, hash: header.hash, kind: header.kind, at: (sb.segment_id, slot), intact });
     }
     Ok(())
-}
-
-/// What is wrong with a block's payload, if anything: its whole-block
-/// CRC-32, then (format 2) each chunk's CRC-32, naming the first chunk
-/// that fails.
-fn payload_fault(header: &SlotHeader, payload: &[u8]) -> Option<String> {
-    if header.chunk_bytes == 0 {
-        return (crc32fast::hash(payload) != header.payload_crc).then(|| "payload CRC-32 mismatch".to_string());
-    }
-    let mut crcs = ChunkHasher::new(header.chunk_bytes);
-    crcs.update(payload);
-    let (whole, chunks) = crcs.finish();
-    let chunk = chunks.iter().zip(&header.chunk_crcs).position(|(got, want)| got != want);
-    match (whole == header.payload_crc, chunk) {
-        (true, None) => None,
-        (_, Some(i)) => Some(format!("payload CRC-32 mismatch in chunk {i} of {} ({} bytes each)", chunks.len(), header.chunk_bytes)),
-        (false, None) => Some("payload CRC-32 mismatch (chunk CRC-32s match: the header's whole-block CRC is wrong)".to_string()),
-    }
 }

@@ -147,6 +147,11 @@ pub struct StoreManifest {
     pub segment_bytes: u64,
 }
 
+/// Most shards a manifest may name: one per core of the largest hosts we
+/// target, with room to spare (a store's shard count is its executor
+/// count).
+pub const SHARDS_MAX: u32 = 1024;
+
 /// Name of the manifest file inside a data directory.
 pub const MANIFEST_FILE: &str = "store.json";
 
@@ -171,8 +176,7 @@ impl StoreManifest {
         let path = Self::path(dir);
         match fs::read(&path) {
             Ok(bytes) => {
-                let stored: StoreManifest = serde_json::from_slice(&bytes)
-                    .map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))?;
+                let stored = StoreManifest::parse(&bytes).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
                 self.check_against(dir, &stored)?;
                 if stored.format_version < FORMAT_VERSION {
                     let upgraded = StoreManifest { format_version: FORMAT_VERSION, ..stored.clone() };
@@ -251,7 +255,52 @@ impl StoreManifest {
     pub fn read(dir: &Path) -> Result<StoreManifest> {
         let path = Self::path(dir);
         let bytes = fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        serde_json::from_slice(&bytes).map_err(|e| Error::Config(format!("{} is not a kvtier manifest: {e}", path.display())))
+        StoreManifest::parse(&bytes).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses and checks the bytes of a `store.json`: the JSON must have
+    /// every field, and the values must describe a store this code could
+    /// have made (a format version from 1, a block size from 1 to
+    /// [`BLOCK_BYTES_MAX`], `block_bytes = block_tokens × bytes_per_token`
+    /// unless `bytes_per_token` is 0, 1 to [`SHARDS_MAX`] shards, a segment
+    /// that holds a superblock and at least one slot). A manifest is the
+    /// one file that sizes everything else, so a damaged value is refused
+    /// here rather than met later as a division by zero or a huge
+    /// allocation. A newer format version parses; [`Self::create_or_check`]
+    /// refuses it by name.
+    ///
+    /// # Errors
+    /// A message naming the first problem (`not a kvtier manifest: ...` for
+    /// JSON that does not parse).
+    pub fn parse(bytes: &[u8]) -> std::result::Result<StoreManifest, String> {
+        let m: StoreManifest = serde_json::from_slice(bytes).map_err(|e| format!("not a kvtier manifest: {e}"))?;
+        let g = &m.geometry;
+        if m.format_version == 0 {
+            return Err("format_version 0 was never written".into());
+        }
+        if g.block_bytes == 0 || g.block_bytes > BLOCK_BYTES_MAX {
+            return Err(format!("block_bytes must be between 1 and {BLOCK_BYTES_MAX}, got {}", g.block_bytes));
+        }
+        if g.block_tokens == 0 {
+            return Err("block_tokens must be at least 1".into());
+        }
+        if g.bytes_per_token != 0 && g.bytes_per_token.checked_mul(g.block_tokens as u64) != Some(g.block_bytes) {
+            return Err(format!(
+                "block_bytes {} is not block_tokens {} × bytes_per_token {}",
+                g.block_bytes, g.block_tokens, g.bytes_per_token
+            ));
+        }
+        if m.shards == 0 || m.shards > SHARDS_MAX {
+            return Err(format!("shards must be between 1 and {SHARDS_MAX}, got {}", m.shards));
+        }
+        let least = crate::slot::PAGE_BYTES + crate::slot::slot_bytes(g.block_bytes);
+        if m.segment_bytes < least {
+            return Err(format!(
+                "segment_bytes {} cannot hold a superblock and one {}-byte block ({least} bytes)",
+                m.segment_bytes, g.block_bytes
+            ));
+        }
+        Ok(m)
     }
 }
 

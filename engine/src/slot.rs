@@ -99,7 +99,8 @@ pub enum HeaderFault {
     /// Magic right, CRC wrong: torn or damaged.
     BadCrc,
     /// CRC right but a field is out of range (unknown version or kind, key
-    /// length over the limit, chunk CRCs that do not cover the payload).
+    /// length over the limit, a tombstone with a payload, chunk CRCs that
+    /// do not cover the payload).
     BadField,
 }
 
@@ -164,6 +165,9 @@ impl SlotHeader {
             return Err(HeaderFault::BadField);
         }
         let payload_len = u64::from_le_bytes(get(page, OFF_PAYLOAD_LEN));
+        if kind == RecordKind::Tombstone && payload_len != 0 {
+            return Err(HeaderFault::BadField);
+        }
         let (chunk_bytes, count) = match version {
             1 => (0, 0),
             _ => (u32::from_le_bytes(get(page, OFF_CHUNK_BYTES)), u32::from_le_bytes(get(page, OFF_CHUNK_COUNT)) as usize),
@@ -271,6 +275,28 @@ impl ChunkHasher {
             self.end_chunk();
         }
         (self.whole.finalize(), self.crcs)
+    }
+}
+
+/// What is wrong with a block's payload, if anything: its whole-block
+/// CRC-32, then (format 2) each chunk's CRC-32, naming the first chunk
+/// that fails. `payload` is the payload as read (`header.payload_len`
+/// bytes when the slot is whole; any other length is a fault).
+pub fn payload_fault(header: &SlotHeader, payload: &[u8]) -> Option<String> {
+    if payload.len() as u64 != header.payload_len {
+        return Some(format!("payload is {} bytes, the header says {}", payload.len(), header.payload_len));
+    }
+    if header.chunk_bytes == 0 {
+        return (crc32fast::hash(payload) != header.payload_crc).then(|| "payload CRC-32 mismatch".to_string());
+    }
+    let mut crcs = ChunkHasher::new(header.chunk_bytes);
+    crcs.update(payload);
+    let (whole, chunks) = crcs.finish();
+    let chunk = chunks.iter().zip(&header.chunk_crcs).position(|(got, want)| got != want);
+    match (whole == header.payload_crc, chunk) {
+        (true, None) => None,
+        (_, Some(i)) => Some(format!("payload CRC-32 mismatch in chunk {i} of {} ({} bytes each)", chunks.len(), header.chunk_bytes)),
+        (false, None) => Some("payload CRC-32 mismatch (chunk CRC-32s match: the header's whole-block CRC is wrong)".to_string()),
     }
 }
 

@@ -236,6 +236,35 @@ impl Header {
     }
 }
 
+/// What the front of a receive buffer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// A whole frame: its header and its length, header included, bytes.
+    Frame(Header, usize),
+    /// Not a whole frame yet: read at least this many more bytes (a whole
+    /// header's worth while the header is incomplete).
+    Need(usize),
+}
+
+/// The frame at the front of `buf`, the one framing rule of the socket's
+/// read loop (server/src/local/conn.rs) and of the fuzz target
+/// `local_frames`.
+///
+/// # Errors
+/// A connection error (the header's own, [`Header::decode`]): the rest of
+/// the stream cannot be framed.
+pub fn next_frame(buf: &[u8]) -> Result<Next, String> {
+    let Some(head) = buf.get(..HEADER_BYTES) else {
+        return Ok(Next::Need(HEADER_BYTES));
+    };
+    let header = Header::decode(head.try_into().expect("16 bytes"))?;
+    let frame_bytes = HEADER_BYTES + header.payload_bytes as usize;
+    if buf.len() < frame_bytes {
+        return Ok(Next::Need(frame_bytes - buf.len()));
+    }
+    Ok(Next::Frame(header, frame_bytes))
+}
+
 /// A response frame: header, status, retry hint, then the body or message.
 pub fn response(op: u8, request_id: u64, status: i32, retry_after_ms: u32, body: &[u8]) -> Vec<u8> {
     let payload_bytes = (8 + body.len()) as u32;

@@ -22,7 +22,7 @@ use std::convert::Infallible;
 use std::rc::Rc;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvtier_engine::health::HealthState;
@@ -117,11 +117,11 @@ pub fn engine_error(e: &Error) -> Reply {
     error(status, code, e.to_string())
 }
 
-/// Which route a request is for (for metrics).
-fn route_of(req: &Request<Incoming>) -> Route {
-    let path = req.uri().path();
+/// Which route a method and path are for (the metrics label; a request
+/// that is refused is still counted under the route it asked for).
+pub fn route_of(method: &Method, path: &str) -> Route {
     if path.starts_with("/v1/blocks/") {
-        return match *req.method() {
+        return match *method {
             Method::PUT => Route::PutBlock,
             Method::GET => Route::GetBlock,
             Method::HEAD => Route::HeadBlock,
@@ -129,7 +129,7 @@ fn route_of(req: &Request<Incoming>) -> Route {
             _ => Route::Other,
         };
     }
-    match (req.method(), path) {
+    match (method, path) {
         (&Method::POST, "/v1/lookup") => Route::Lookup,
         (&Method::POST, "/v1/prefetch") => Route::Prefetch,
         (&Method::GET, "/v1/stats") => Route::Stats,
@@ -140,11 +140,62 @@ fn route_of(req: &Request<Incoming>) -> Route {
     }
 }
 
+/// What the front door decides from a request's method, path, version and
+/// headers alone, before any body byte is read.
+pub enum Plan {
+    /// Run the handler of this route (never [`Route::Other`]); block
+    /// routes carry the key as the path gave it (not yet validated: the
+    /// handler answers an invalid key).
+    Handle(Route, Option<String>),
+    /// Answer with this reply (431 headers too large, 401 no or wrong
+    /// token, 405 wrong method, 404 no route); a refused PUT's body is
+    /// still drained first ([`refuse_put`]).
+    Refuse(Reply),
+}
+
+/// Routes a request: the header-size limit (HTTP/1; HTTP/2 enforces its
+/// own), then the bearer token when the server has one (`auth_token`),
+/// then the route table of docs/API.md. Pure: the fuzz target
+/// `http_route` drives it with arbitrary requests.
+pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, auth_token: Option<&[u8]>) -> Plan {
+    // HTTP/2 enforces this as its header-list size before a request gets
+    // here; HTTP/1's read buffer is larger (body throughput), so its header
+    // block is measured here.
+    let header_bytes: usize =
+        if version < Version::HTTP_2 { headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum() } else { 0 };
+    if header_bytes > limits::HEADER_BYTES_MAX as usize {
+        return Plan::Refuse(error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers_too_large",
+            format!("request headers take {header_bytes} bytes; the limit is {}", limits::HEADER_BYTES_MAX),
+        ));
+    }
+    if let Some(token) = auth_token {
+        if !authorized(headers, token) {
+            let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return Plan::Refuse(r);
+        }
+    }
+    match route_of(method, path) {
+        route @ (Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock) => {
+            Plan::Handle(route, path.strip_prefix("/v1/blocks/").map(str::to_string))
+        }
+        Route::Other => Plan::Refuse(match path {
+            _ if path.starts_with("/v1/blocks/") => method_not_allowed("PUT, GET, HEAD, DELETE"),
+            "/v1/lookup" | "/v1/prefetch" => method_not_allowed("POST"),
+            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" => method_not_allowed("GET"),
+            _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
+        }),
+        route => Plan::Handle(route, None),
+    }
+}
+
 /// Routes one request and records its metrics. Never fails: every error is
 /// a JSON reply.
 pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infallible> {
     let started = std::time::Instant::now();
-    let route = route_of(&req);
+    let route = route_of(req.method(), req.uri().path());
     let bytes_in = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).unwrap_or(0);
     let reply = dispatch(&ctx, req).await;
     let bytes_out = http_body::Body::size_hint(reply.body()).exact().unwrap_or(0);
@@ -154,51 +205,26 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
 }
 
 async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    // HTTP/2 enforces this as its header-list size before a request gets
-    // here; HTTP/1's read buffer is larger (body throughput), so its header
-    // block is measured here.
-    let header_bytes: usize =
-        if req.version() < Version::HTTP_2 { req.headers().iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum() } else { 0 };
-    if header_bytes > limits::HEADER_BYTES_MAX as usize {
-        return error(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "headers_too_large",
-            format!("request headers take {header_bytes} bytes; the limit is {}", limits::HEADER_BYTES_MAX),
-        );
-    }
-    if let Some(token) = &ctx.auth_token {
-        if !authorized(&req, token) {
-            let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            if req.method() == Method::PUT {
-                return refuse_put(ctx, req, r).await;
-            }
-            return r;
-        }
-    }
-    let path = req.uri().path().to_string();
     let is_head = req.method() == Method::HEAD;
-    let mut reply = if let Some(key) = path.strip_prefix("/v1/blocks/") {
-        let key = key.to_string();
-        match *req.method() {
-            Method::PUT => put_block(ctx, &key, req).await,
-            Method::GET => get_block(ctx, &key).await,
-            Method::HEAD => head_block(ctx, &key).await,
-            Method::DELETE => delete_block(ctx, &key).await,
-            _ => method_not_allowed("PUT, GET, HEAD, DELETE"),
-        }
-    } else {
-        match path.as_str() {
-            "/v1/lookup" if req.method() == Method::POST => lookup(ctx, req).await,
-            "/v1/lookup" => method_not_allowed("POST"),
-            "/v1/prefetch" if req.method() == Method::POST => prefetch(ctx, req).await,
-            "/v1/prefetch" => method_not_allowed("POST"),
-            "/v1/stats" if req.method() == Method::GET => stats(ctx).await,
-            "/metrics" if req.method() == Method::GET => metrics(ctx).await,
-            "/healthz" if req.method() == Method::GET => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
-            "/readyz" if req.method() == Method::GET => readyz(ctx).await,
-            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" => method_not_allowed("GET"),
-            _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
+    let plan = plan(req.method(), req.uri().path(), req.version(), req.headers(), ctx.auth_token.as_deref());
+    let mut reply = match plan {
+        Plan::Refuse(r) if r.status() == StatusCode::UNAUTHORIZED && req.method() == Method::PUT => refuse_put(ctx, req, r).await,
+        Plan::Refuse(r) => r,
+        Plan::Handle(route, key) => {
+            let key = key.unwrap_or_default();
+            match route {
+                Route::PutBlock => put_block(ctx, &key, req).await,
+                Route::GetBlock => get_block(ctx, &key).await,
+                Route::HeadBlock => head_block(ctx, &key).await,
+                Route::DeleteBlock => delete_block(ctx, &key).await,
+                Route::Lookup => lookup(ctx, req).await,
+                Route::Prefetch => prefetch(ctx, req).await,
+                Route::Stats => stats(ctx).await,
+                Route::Metrics => metrics(ctx).await,
+                Route::Healthz => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
+                Route::Readyz => readyz(ctx).await,
+                Route::Other => unreachable!("plan never hands Route::Other to a handler"),
+            }
         }
     };
     if is_head {
@@ -211,8 +237,8 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
 
 /// Constant-time comparison of the bearer token: the time taken does not
 /// depend on how many leading bytes match.
-fn authorized(req: &Request<Incoming>, token: &[u8]) -> bool {
-    let Some(given) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.as_bytes().strip_prefix(b"Bearer ")) else {
+fn authorized(headers: &HeaderMap, token: &[u8]) -> bool {
+    let Some(given) = headers.get(header::AUTHORIZATION).and_then(|v| v.as_bytes().strip_prefix(b"Bearer ")) else {
         return false;
     };
     if given.len() != token.len() {
@@ -229,8 +255,8 @@ fn method_not_allowed(allow: &'static str) -> Reply {
 
 /// The declared body length, checked against `expected` before any body
 /// byte is read.
-fn declared_length(req: &Request<Incoming>, expected: u64, what: &str) -> Result<u64, Reply> {
-    let Some(value) = req.headers().get(header::CONTENT_LENGTH) else {
+pub fn declared_length(headers: &HeaderMap, expected: u64, what: &str) -> Result<u64, Reply> {
+    let Some(value) = headers.get(header::CONTENT_LENGTH) else {
         return Err(error(
             StatusCode::LENGTH_REQUIRED,
             "length_required",
@@ -319,7 +345,7 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
         return refuse_put(ctx, req, engine_error(&e)).await;
     }
     let block_bytes = ctx.store.geometry().block_bytes;
-    let declared = match declared_length(&req, block_bytes, "PUT") {
+    let declared = match declared_length(req.headers(), block_bytes, "PUT") {
         Ok(n) => n,
         Err(r) => return refuse_put(ctx, req, r).await,
     };
@@ -425,8 +451,18 @@ async fn read_keys(ctx: &Ctx, req: Request<Incoming>) -> Result<Vec<String>, Rep
         }
     }
     let (chunks, _) = read_body(ctx, req, limits::LOOKUP_BODY_BYTES_MAX).await?;
-    let body: Vec<u8> = chunks.concat();
-    let parsed: LookupRequest = serde_json::from_slice(&body)
+    parse_keys(&chunks.concat())
+}
+
+/// Parses and checks a `/v1/lookup` or `/v1/prefetch` body:
+/// `{"keys": ["k0", "k1", ...]}` with at most [`limits::LOOKUP_KEYS_MAX`]
+/// keys, each a valid key. Pure: the fuzz target `key_list` drives it.
+///
+/// # Errors
+/// The reply to send: 400 `bad_json` for a body that is not that JSON,
+/// 413 `too_many_keys`, 400 `invalid_key` naming the first bad key's index.
+pub fn parse_keys(body: &[u8]) -> Result<Vec<String>, Reply> {
+    let parsed: LookupRequest = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("expected {{\"keys\":[\"k0\",\"k1\",...]}}: {e}")))?;
     if parsed.keys.len() > limits::LOOKUP_KEYS_MAX {
         return Err(error(

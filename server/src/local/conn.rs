@@ -248,24 +248,19 @@ async fn read_loop(stream: &UnixStream, conn: &Rc<Conn>, in_flight: &Rc<Semaphor
     let mut inbox = Inbox { buf: Vec::new(), base: 0, fds: VecDeque::new() };
     loop {
         let mut pos = 0usize;
-        let mut need = HEADER_BYTES;
-        while inbox.buf.len() - pos >= HEADER_BYTES {
-            let header = match Header::decode(inbox.buf[pos..pos + HEADER_BYTES].try_into().expect("16 bytes")) {
-                Ok(h) => h,
+        let need = loop {
+            let (header, frame_bytes) = match proto::next_frame(&inbox.buf[pos..]) {
+                Ok(proto::Next::Frame(h, n)) => (h, n),
+                Ok(proto::Next::Need(n)) => break n,
                 Err(why) => return Err(connection_error(conn, why)),
             };
-            let frame_bytes = HEADER_BYTES + header.payload_bytes as usize;
-            if inbox.buf.len() - pos < frame_bytes {
-                need = frame_bytes - (inbox.buf.len() - pos);
-                break;
-            }
             let frame_start = inbox.base + pos as u64;
             let payload = inbox.buf[pos + HEADER_BYTES..pos + frame_bytes].to_vec();
             pos += frame_bytes;
             let fd_for_register = (header.op == Op::Register as u8).then(|| inbox.claim(frame_start));
             let permit = in_flight.acquire_static_permit(1).await.map_err(|e| format!("in-flight limit: {e:?}"))?;
             dispatch(conn, header, payload, fd_for_register, permit);
-        }
+        };
         inbox.buf.drain(..pos);
         inbox.base += pos as u64;
         if inbox.pending_fds() > PENDING_FDS_MAX {
@@ -353,25 +348,58 @@ fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
     Ok(Vec::new())
 }
 
-fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
-    if conn.said_hello.get() {
-        return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
-    }
+/// What a HELLO asks for (docs/LOCAL.md): the protocol version chosen
+/// (the highest both sides speak), and the token, block size and model the
+/// client expects, where it gave them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The version the connection will speak, from [`proto::VERSIONS`].
+    pub version: u32,
+    /// `token`, when a string.
+    pub token: Option<String>,
+    /// `block_bytes`, when an unsigned integer.
+    pub block_bytes: Option<u64>,
+    /// `model`, when a string.
+    pub model: Option<String>,
+}
+
+/// Parses a HELLO payload: a JSON object whose `versions` lists the
+/// protocol versions the client speaks. Fields of another type than the
+/// one named above are ignored, as absent. Pure: the fuzz target
+/// `local_frames` drives it.
+///
+/// # Errors
+/// `BAD_REQUEST` for a payload that is not JSON, `UNSUPPORTED_VERSION`
+/// when no listed version is one the server speaks.
+pub fn parse_hello(payload: &[u8]) -> Result<Hello, (Code, String)> {
     let req: serde_json::Value =
         serde_json::from_slice(payload).map_err(|e| (Code::BadRequest, format!("HELLO payload is not JSON: {e}")))?;
     let versions: Vec<u32> = req.get("versions").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
     let Some(version) = versions.iter().copied().filter(|v| proto::VERSIONS.contains(v)).max() else {
         return Err((Code::UnsupportedVersion, format!("client speaks versions {versions:?}, server speaks {:?}", proto::VERSIONS)));
     };
+    Ok(Hello {
+        version,
+        token: req.get("token").and_then(|t| t.as_str()).map(str::to_string),
+        block_bytes: req.get("block_bytes").and_then(|v| v.as_u64()),
+        model: req.get("model").and_then(|v| v.as_str()).map(str::to_string),
+    })
+}
+
+fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
+    if conn.said_hello.get() {
+        return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
+    }
+    let req = parse_hello(payload)?;
     if let Some(token) = &conn.ctx.auth_token {
-        let given = req.get("token").and_then(|t| t.as_str()).unwrap_or("").as_bytes();
+        let given = req.token.as_deref().unwrap_or("").as_bytes();
         let same = given.len() == token.len() && given.iter().zip(token.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
         if !same {
             return Err((Code::Unauthorized, "the server has a bearer token and the HELLO's `token` does not match it".into()));
         }
     }
     let g = conn.ctx.store.geometry();
-    if let Some(want) = req.get("block_bytes").and_then(|v| v.as_u64()) {
+    if let Some(want) = req.block_bytes {
         if want != g.block_bytes {
             return Err((
                 Code::GeometryMismatch,
@@ -382,14 +410,15 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
             ));
         }
     }
-    if let Some(want) = req.get("model").and_then(|v| v.as_str()) {
-        if want != g.model {
+    if let Some(want) = &req.model {
+        if *want != g.model {
             return Err((
                 Code::GeometryMismatch,
                 format!("client expects model {want:?}, server has model {:?} (block_bytes {})", g.model, g.block_bytes),
             ));
         }
     }
+    let version = req.version;
     conn.said_hello.set(true);
     let body = json!({
         "version": version,

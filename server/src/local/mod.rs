@@ -16,7 +16,9 @@
 pub(crate) mod conn;
 pub(crate) mod guard;
 pub(crate) mod proto;
-pub(crate) mod region;
+pub mod region;
+
+pub use conn::{parse_hello, Hello};
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# make fuzz: every fuzz target (or those named in FUZZ_TARGETS) under
+# libFuzzer for FUZZ_S seconds each, with AddressSanitizer and debug
+# assertions, then one table: execs/s, edges covered (libFuzzer's `cov`),
+# corpus size, crashes. docs/TESTING.md says how to read it.
+#
+#   FUZZ_S=300        seconds per target
+#   FUZZ_TARGETS="slot key"   a subset (default: all, from kvtier-fuzz-targets)
+#   FUZZ_JOBS=1       targets fuzzed at once (each on one core)
+#   FUZZ_MERGE=1      afterwards, add the inputs that reached new coverage
+#                     to the committed corpus fuzz/corpus/TARGET (minimized)
+#
+# The working corpus grows in target/fuzz/corpus/TARGET (seeded from the
+# committed one); a crash is written to fuzz/artifacts/TARGET/, where
+# `make test` replays it from then on (commit it with its fix).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FUZZ_S=${FUZZ_S:-300}
+FUZZ_JOBS=${FUZZ_JOBS:-1}
+FUZZ_MERGE=${FUZZ_MERGE:-0}
+export RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$PWD/target/fuzz-build
+out=target/fuzz
+mkdir -p "$out/logs"
+
+targets=$(CARGO_TARGET_DIR=$PWD/target cargo run --quiet -p kvtier-fuzz --bin kvtier-fuzz-targets)
+if [ -n "${FUZZ_TARGETS:-}" ]; then
+  targets=$(echo "$targets" | awk -v want=" $FUZZ_TARGETS " 'index(want, " " $1 " ")')
+fi
+[ -n "$targets" ] || { echo "fuzz: no target matches FUZZ_TARGETS=$FUZZ_TARGETS" >&2; exit 2; }
+
+echo "fuzz: building the targets (release, AddressSanitizer, debug assertions)"
+cargo fuzz build --fuzz-dir fuzz/libfuzzer -O --debug-assertions
+bin=$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release
+
+fuzz_one() {
+  local name=$1 max_len=$2 malloc_mb=$3 timeout_s=$4
+  mkdir -p "$out/corpus/$name" "fuzz/artifacts/$name"
+  local dict=() ; [ -f "fuzz/dict/$name.dict" ] && dict=(-dict="fuzz/dict/$name.dict")
+  "$bin/$name" "$out/corpus/$name" "fuzz/corpus/$name" \
+    -max_total_time="$FUZZ_S" -max_len="$max_len" -malloc_limit_mb="$malloc_mb" -rss_limit_mb=4096 \
+    -timeout="$timeout_s" -artifact_prefix="fuzz/artifacts/$name/" -print_final_stats=1 "${dict[@]}" \
+    > "$out/logs/$name.log" 2>&1 || true
+  if [ "$FUZZ_MERGE" = 1 ]; then
+    "$bin/$name" -merge=1 -max_len="$max_len" -rss_limit_mb=4096 -timeout="$timeout_s" \
+      "fuzz/corpus/$name" "$out/corpus/$name" > "$out/logs/$name.merge.log" 2>&1 || true
+  fi
+}
+
+running=0
+while IFS=$'\t' read -r name max_len malloc_mb timeout_s; do
+  echo "fuzz: $name for ${FUZZ_S}s"
+  fuzz_one "$name" "$max_len" "$malloc_mb" "$timeout_s" &
+  running=$((running + 1))
+  if [ "$running" -ge "$FUZZ_JOBS" ]; then wait -n || true; running=$((running - 1)); fi
+done <<< "$targets"
+wait
+
+failed=0
+printf '\n%-15s %10s %8s %12s %9s %8s %s\n' target seconds execs/s executions edges corpus crashes
+while IFS=$'\t' read -r name _ _ _; do
+  log=$out/logs/$name.log
+  runs=$(awk -F: '/stat::number_of_executed_units/ {gsub(/ /,"",$2); print $2}' "$log" | tail -1)
+  rate=$(awk -F: '/stat::average_exec_per_sec/ {gsub(/ /,"",$2); print $2}' "$log" | tail -1)
+  secs=$(awk '/^Done [0-9]+ runs in [0-9]+ second/ {print $5}' "$log" | tail -1)
+  cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | awk '{print $2}')
+  corp=$(ls "$out/corpus/$name" | wc -l)
+  crash=$(grep -cE '^(==[0-9]+==ERROR|SUMMARY: libFuzzer|thread .* panicked)' "$log" || true)
+  [ "$crash" -gt 0 ] && failed=1
+  printf '%-15s %10s %8s %12s %9s %8s %s\n' "$name" "${secs:--}" "${rate:--}" "${runs:--}" "${cov:--}" "$corp" "$crash"
+done <<< "$targets"
+echo "fuzz: logs in $out/logs/, crash inputs in fuzz/artifacts/TARGET/"
+exit $failed
