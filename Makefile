@@ -15,6 +15,8 @@
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
+#   make fuzz     every fuzz target under libFuzzer for FUZZ_S seconds each (default 300); execs/s, edges, crashes (docs/TESTING.md)
+#   make fuzz-seeds  rewrite the fuzz seed corpora from a real kvtier run (fuzz/corpus/)
 #
 # Every target installs what it needs (apt, pip) and skips what is there.
 
@@ -35,12 +37,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 fake-cuda gpu-check
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,18p' Makefile
+	@sed -n '2,20p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it), and
@@ -261,3 +263,25 @@ lint:
 
 clean-data:
 	rm -rf $(DATA_DIR)
+
+# Fuzzing (docs/TESTING.md): libFuzzer through cargo-fuzz, which builds on
+# the stable toolchain with RUSTC_BOOTSTRAP=1 (fuzz/run.sh sets it) and
+# installs from crates.io in about a minute the first time; libFuzzer itself
+# is compiled with g++ (from `deps`). The first build of the targets
+# (release, AddressSanitizer) takes about 15 minutes here. `make test` does
+# not fuzz: it replays the committed corpora (crate kvtier-fuzz's tests).
+# FUZZ_TARGETS="slot key" picks targets, FUZZ_JOBS=N runs N at once,
+# FUZZ_MERGE=1 adds what reached new coverage to fuzz/corpus/.
+FUZZ_S ?= 300
+CARGO_FUZZ_VERSION := 0.13.2
+fuzz: deps
+	@cargo fuzz --version 2>/dev/null | grep -q '$(CARGO_FUZZ_VERSION)' || { \
+	  echo "installing cargo-fuzz $(CARGO_FUZZ_VERSION) from crates.io"; \
+	  $(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION); }
+	FUZZ_S=$(FUZZ_S) fuzz/run.sh
+
+# The seed corpora from a real kvtier serve run (fuzz/seeds.py says what
+# comes from where); S3 objects from a real moto_server.
+fuzz-seeds: target/py-vllm/.client target/py-s3/.installed
+	$(CARGO) build --quiet -p kvtier-server
+	target/py-vllm/bin/python fuzz/seeds.py --kvtier target/debug/kvtier

@@ -347,6 +347,39 @@ mod tests {
     }
 
     #[test]
+    fn a_damaged_manifest_is_refused_naming_the_field() {
+        let good = StoreManifest {
+            format_version: FORMAT_VERSION,
+            geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
+            shards: 2,
+            segment_bytes: 1 << 20,
+        };
+        let json = serde_json::to_value(&good).unwrap();
+        assert_eq!(StoreManifest::parse(json.to_string().as_bytes()), Ok(good.clone()));
+        let bad = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = json.clone();
+            edit(&mut v);
+            StoreManifest::parse(v.to_string().as_bytes()).unwrap_err()
+        };
+        assert!(bad(&|v| v["format_version"] = 0.into()).contains("format_version 0"));
+        assert!(bad(&|v| v["geometry"]["block_bytes"] = 0.into()).contains("block_bytes must be between 1 and"));
+        assert!(bad(&|v| v["geometry"]["block_bytes"] = (BLOCK_BYTES_MAX + 1).into()).contains("block_bytes must be between 1 and"));
+        assert!(bad(&|v| v["geometry"]["block_tokens"] = 0.into()).contains("block_tokens must be at least 1"));
+        assert!(bad(&|v| v["geometry"]["bytes_per_token"] = 7.into()).contains("is not block_tokens 128 × bytes_per_token 7"));
+        assert!(bad(&|v| v["shards"] = 0.into()).contains("shards must be between 1 and 1024, got 0"));
+        assert!(bad(&|v| v["shards"] = (SHARDS_MAX + 1).into()).contains("got 1025"));
+        assert!(bad(&|v| v["segment_bytes"] = 8192.into()).contains("cannot hold a superblock and one 65536-byte block"));
+        assert!(bad(&|v| v["shards"] = "two".into()).starts_with("not a kvtier manifest"));
+        assert!(StoreManifest::parse(b"{").unwrap_err().starts_with("not a kvtier manifest"));
+        // Read from disk, the error names the file; nothing is rewritten.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(StoreManifest::path(dir.path()), br#"{"format_version":1}"#).unwrap();
+        let msg = good.create_or_check(dir.path()).unwrap_err().to_string();
+        assert!(msg.contains("store.json") && msg.contains("not a kvtier manifest"), "{msg}");
+        assert_eq!(std::fs::read(StoreManifest::path(dir.path())).unwrap(), br#"{"format_version":1}"#);
+    }
+
+    #[test]
     fn an_older_store_is_marked_current_and_a_newer_one_refused() {
         let dir = tempfile::tempdir().unwrap();
         let v1 = StoreManifest {

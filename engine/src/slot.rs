@@ -369,6 +369,37 @@ mod tests {
     }
 
     #[test]
+    fn a_tombstone_with_a_payload_is_a_bad_field() {
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        header(b"k".to_vec(), 1, 0, 0, true).encode(&mut page);
+        page[OFF_PAYLOAD_LEN] = 1;
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        page[OFF_HEADER_CRC..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
+    }
+
+    #[test]
+    fn payload_fault_names_the_length_the_chunk_or_the_header() {
+        let payload: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let mut h = header(b"k".to_vec(), 1, payload.len() as u64, 0, false);
+        h.chunk_bytes = 4096;
+        let mut crcs = ChunkHasher::new(4096);
+        crcs.update(&payload);
+        (h.payload_crc, h.chunk_crcs) = crcs.finish();
+        assert_eq!(payload_fault(&h, &payload), None);
+        assert!(payload_fault(&h, &payload[..9_999]).unwrap().contains("payload is 9999 bytes, the header says 10000"));
+        let mut bad = payload.clone();
+        bad[5000] ^= 1;
+        assert!(payload_fault(&h, &bad).unwrap().contains("in chunk 1 of 3 (4096 bytes each)"));
+        let mut wrong_whole = h.clone();
+        wrong_whole.payload_crc ^= 1;
+        assert!(payload_fault(&wrong_whole, &payload).unwrap().contains("the header's whole-block CRC is wrong"));
+        let v1 = SlotHeader { chunk_bytes: 0, chunk_crcs: Vec::new(), ..h };
+        assert_eq!(payload_fault(&v1, &payload), None);
+        assert_eq!(payload_fault(&v1, &bad).as_deref(), Some("payload CRC-32 mismatch"));
+    }
+
+    #[test]
     fn empty_page_is_empty_not_corrupt() {
         assert_eq!(SlotHeader::decode(&[0u8; 4096]), Err(HeaderFault::Empty));
         assert_eq!(SlotHeader::decode(&[7u8; 4096]), Err(HeaderFault::BadMagic));

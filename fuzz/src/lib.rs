@@ -46,6 +46,9 @@ pub struct Target {
     /// Seconds one input may take before libFuzzer calls it a hang
     /// (`-timeout`).
     pub timeout_s: u32,
+    /// LeakSanitizer on (`-detect_leaks`): off only where a leak outside
+    /// the target's reach is known and bounded (said at the target).
+    pub detect_leaks: bool,
 }
 
 /// Every target, in the order `make fuzz` runs them.
@@ -57,6 +60,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 4097,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "slot",
@@ -65,6 +69,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 16 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "index_snapshot",
@@ -73,6 +78,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 64 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "store_json",
@@ -81,6 +87,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 4096,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "s3_object",
@@ -89,6 +96,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 16 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "key",
@@ -97,6 +105,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 1024,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "key_list",
@@ -105,6 +114,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 64 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "http_route",
@@ -113,6 +123,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 24 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "local_frames",
@@ -121,6 +132,7 @@ pub const TARGETS: &[Target] = &[
         max_len: 16 << 10,
         malloc_limit_mb: 64,
         timeout_s: 10,
+        detect_leaks: true,
     },
     Target {
         name: "store_ops",
@@ -129,6 +141,11 @@ pub const TARGETS: &[Target] = &[
         max_len: 512,
         malloc_limit_mb: 512,
         timeout_s: 120,
+        // Each store life leaks the two glommio tasks that its shutdown
+        // ends with `Task::cancel` (health and memory warm-up, about
+        // 1.5 KB: LeakSanitizer's stacks); a process opens its store
+        // once, the fuzzer hundreds of times a minute.
+        detect_leaks: false,
     },
 ];
 

@@ -239,6 +239,9 @@ pub fn run(data: &[u8]) {
     if ops.is_empty() {
         return;
     }
+    if std::env::var_os("KVTIER_FUZZ_TRACE").is_some() {
+        eprintln!("store_ops: {setup:?}\nstore_ops: {ops:?}");
+    }
     let dir = tempfile::Builder::new().prefix("kvtier-fuzz-store-").tempdir_in(tmp_root()).expect("a temp dir");
     let cfg = config(&setup, dir.path());
     let mut model = Model::new();

@@ -521,6 +521,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn next_frame_waits_for_whole_frames_and_refuses_a_bad_header() {
+        let f = frame(Op::Exists as u8, 7, &encode_keys(&["a", "bc"]));
+        assert_eq!(next_frame(&[]), Ok(Next::Need(HEADER_BYTES)));
+        assert_eq!(next_frame(&f[..HEADER_BYTES - 1]), Ok(Next::Need(HEADER_BYTES)));
+        assert_eq!(next_frame(&f[..HEADER_BYTES + 2]), Ok(Next::Need(f.len() - HEADER_BYTES - 2)));
+        let header = Header { op: Op::Exists as u8, payload_bytes: (f.len() - HEADER_BYTES) as u32, request_id: 7 };
+        assert_eq!(next_frame(&f), Ok(Next::Frame(header, f.len())));
+        let mut two = f.clone();
+        two.extend_from_slice(&f);
+        assert_eq!(next_frame(&two), Ok(Next::Frame(header, f.len())));
+        let mut bad = f.clone();
+        bad[3] = 1;
+        assert!(next_frame(&bad).unwrap_err().contains("flags must be 0"));
+    }
+
+    #[test]
     fn a_header_round_trips_and_bad_ones_say_why() {
         let h = Header { op: 4, payload_bytes: 1234, request_id: u64::MAX - 7 };
         assert_eq!(Header::decode(&h.encode()), Ok(h));
