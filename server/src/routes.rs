@@ -148,8 +148,8 @@ pub enum Plan {
     /// handler answers an invalid key).
     Handle(Route, Option<String>),
     /// Answer with this reply (431 headers too large, 401 no or wrong
-    /// token, 405 wrong method, 404 no route); a refused PUT's body is
-    /// still drained first ([`refuse_put`]).
+    /// token, 405 wrong method, 404 no route); the body of a PUT refused
+    /// for its token is still drained first (`refuse_put`).
     Refuse(Reply),
 }
 
