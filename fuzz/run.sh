@@ -42,7 +42,9 @@ report() {
     secs=$(awk '/^Done [0-9]+ runs in [0-9]+ second/ {print $5}' "$log" | tail -1)
     cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | awk '{print $2}')
     corp=$(ls "$out/corpus/$name" 2>/dev/null | wc -l)
-    crash=$(grep -cE '^(==[0-9]+==ERROR|SUMMARY: libFuzzer|thread .* panicked)' "$log" || true)
+    # A merge runs every input once more: an input that fails only
+    # sometimes is caught there (its artifact is written the same way).
+    crash=$(cat "$log" "$out/logs/$name.merge.log" 2>/dev/null | grep -c '^SUMMARY: ' || true)
     [ "$crash" -gt 0 ] && failed=1
     printf '%-15s %10s %8s %12s %9s %8s %s\n' "$name" "${secs:--}" "${rate:--}" "${runs:--}" "${cov:--}" "$corp" "$crash"
   done <<< "$targets"
@@ -70,7 +72,8 @@ fuzz_one() {
     -timeout="$timeout_s" -detect_leaks="$leaks" -artifact_prefix="fuzz/artifacts/$name/" -print_final_stats=1 -report_slow_units="$timeout_s" "${dict[@]}" ${FUZZ_ARGS:-} \
     > "$out/logs/$name.log" 2>&1 || true
   if [ "$FUZZ_MERGE" = 1 ]; then
-    "$bin/$name" -merge=1 -max_len="$max_len" -rss_limit_mb=4096 -timeout="$timeout_s" \
+    ASAN_OPTIONS=detect_leaks=$leaks "$bin/$name" -merge=1 -max_len="$max_len" -rss_limit_mb=4096 -timeout="$timeout_s" \
+      -artifact_prefix="fuzz/artifacts/$name/" \
       "fuzz/corpus/$name" "$out/corpus/$name" > "$out/logs/$name.merge.log" 2>&1 || true
   fi
 }

@@ -239,7 +239,7 @@ pub fn run(data: &[u8]) {
     if ops.is_empty() {
         return;
     }
-    if std::env::var_os("KVTIER_FUZZ_TRACE").is_some() {
+    if tracing() {
         eprintln!("store_ops: {setup:?}\nstore_ops: {ops:?}");
     }
     let dir = tempfile::Builder::new().prefix("kvtier-fuzz-store-").tempdir_in(tmp_root()).expect("a temp dir");
@@ -259,6 +259,12 @@ pub fn run(data: &[u8]) {
     // The last life reads every key back.
     let check: Vec<Op> = (0..KEYS.len() as u8).map(|key| Op::Get { key }).collect();
     life_in_process(&cfg, &check, model);
+}
+
+/// Whether `KVTIER_FUZZ_TRACE` asks for the input, each operation, each
+/// recovery and each flipped byte on stderr.
+fn tracing() -> bool {
+    std::env::var_os("KVTIER_FUZZ_TRACE").is_some()
 }
 
 /// Opens the store, runs `ops` on shard 0, and closes it cleanly.
@@ -418,7 +424,15 @@ fn miss(e: &Error) -> bool {
 async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option<&Reporter>) -> Model {
     let block_bytes = store.geometry().block_bytes;
     let mut evicted_seen = 0;
+    if tracing() {
+        for s in store.stats().await.expect("stats") {
+            eprintln!("store_ops: shard {} opened: {:?}", s.shard, s.recovery);
+        }
+    }
     for op in ops {
+        if tracing() {
+            eprintln!("store_ops: {op:?}");
+        }
         match *op {
             Op::Put { key, seed } => {
                 let k = key as usize % KEYS.len();
@@ -562,6 +576,9 @@ fn flip_byte(dir: &Path, file: u8, offset: u32, xor: u8) -> bool {
     }
     let at = offset as usize % bytes.len();
     bytes[at] ^= xor;
+    if tracing() {
+        eprintln!("store_ops: flipped byte {at} of {} with {xor:#04x}", path.display());
+    }
     std::fs::write(path, &bytes).expect("writing a store file");
     true
 }

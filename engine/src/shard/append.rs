@@ -182,12 +182,15 @@ impl Shard {
         if let Some(id) = free {
             let segment = self.segment(id);
             segment.slots_used.set(0);
-            // A free segment may hold slots of an earlier life: move its
-            // first_seq past them.
-            if segment.first_seq.get() < self.next_seq.get() {
-                segment.first_seq.set(self.next_seq.get());
-                segment.write_superblock(&self.superblock(id, self.next_seq.get())).await?;
-            }
+            // A free segment starts a new life: a first_seq past the slots
+            // of its earlier life, and above the one the last snapshot saw
+            // it empty with, so a restart from that snapshot rescans it.
+            // When no sequence number was taken since that life began (its
+            // only writes never landed), one is skipped to make it so.
+            let first_seq = self.next_seq.get().max(segment.first_seq.get() + 1);
+            self.next_seq.set(first_seq);
+            segment.first_seq.set(first_seq);
+            segment.write_superblock(&self.superblock(id, first_seq)).await?;
             return Ok((id, None));
         }
         let created = self.segments.borrow().len() as u32;
