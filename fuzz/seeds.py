@@ -34,7 +34,6 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -57,12 +56,6 @@ def save(out: Path, target: str, data: bytes) -> None:
     d = out / target
     d.mkdir(parents=True, exist_ok=True)
     (d / hashlib.sha1(data).hexdigest()).write_bytes(data)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def capture_curl_heads(out: Path) -> None:
@@ -135,7 +128,11 @@ class Recording:
         self._sock.sendall(data)
 
     def sendmsg(self, buffers, ancdata=(), flags=0, address=None):  # noqa: ANN001, ANN201
-        sent = self._sock.sendmsg(buffers, ancdata, flags) if address is None else self._sock.sendmsg(buffers, ancdata, flags, address)
+        sent = (
+            self._sock.sendmsg(buffers, ancdata, flags)
+            if address is None
+            else self._sock.sendmsg(buffers, ancdata, flags, address)
+        )
         self._sink.append(b"".join(bytes(b) for b in buffers)[:sent])
         return sent
 
@@ -143,24 +140,14 @@ class Recording:
         return getattr(self._sock, name)
 
 
-def wait_ready(url: str, log: Path) -> None:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"kvtier did not become ready; its log:\n{log.read_text()}")
-
-
 def start_moto(port: int) -> subprocess.Popen | None:
     moto = ROOT / "target/py-s3/bin/moto_server"
     if not moto.exists():
         print("seeds: no target/py-s3/bin/moto_server (make python-env): no S3 object seeds this time")
         return None
-    p = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     for _ in range(300):
         try:
             s3_request(port, "PUT", "/seeds")
@@ -173,33 +160,38 @@ def start_moto(port: int) -> subprocess.Popen | None:
 
 def s3_request(port: int, method: str, path: str) -> bytes:
     # moto checks no signature but treats a request without one as anonymous.
-    auth = "AWS4-HMAC-SHA256 Credential=kvtier-test/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00"
+    auth = (
+        "AWS4-HMAC-SHA256 Credential=kvtier-test/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00"
+    )
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers={"Authorization": auth})
     with urllib.request.urlopen(req, timeout=5) as r:
         return r.read()
 
 
 def real_run(kvtier: str, out: Path) -> None:
-    from kvtier import Client
-    from kvtier import local
+    from kvtier import Client, local
     from kvtier.local import LocalConnection
+    from kvtier.testing import ServerProcess, free_port
 
-    work = Path(tempfile.mkdtemp(prefix="kvtier-seeds-"))
-    data_dir, sock_path, log = work / "data", work / "kvtier.sock", work / "kvtier.log"
-    port = free_port()
+    os.environ["KVTIER_BIN"] = kvtier
+    data_dir = Path(tempfile.mkdtemp(prefix="kvtier-seeds-"))
     moto_port = free_port()
     moto = start_moto(moto_port)
-    args = [kvtier, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir), "--shards", "1"]
-    args += ["--block-bytes", str(BLOCK_BYTES), "--disk-gb", "0.01", "--segment-mib", "1", "--ram-gb", "0", "--io-memory-mib", "64"]
-    args += ["--local-socket", str(sock_path)]
-    env = dict(os.environ)
+    args = ("--segment-mib", "1", "--io-memory-mib", "64")
     if moto:
-        args += ["--s3-url", "s3://seeds", "--s3-endpoint", f"http://127.0.0.1:{moto_port}", "--s3-write-policy", "through"]
-        env.update(AWS_ACCESS_KEY_ID="kvtier-test", AWS_SECRET_ACCESS_KEY="kvtier-test", AWS_REGION="us-east-1")
-    server = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        args += (
+            "--s3-url",
+            "s3://seeds",
+            "--s3-endpoint",
+            f"http://127.0.0.1:{moto_port}",
+            "--s3-write-policy",
+            "through",
+        )
+        os.environ.update(AWS_ACCESS_KEY_ID="kvtier-test", AWS_SECRET_ACCESS_KEY="kvtier-test", AWS_REGION="us-east-1")
+    server = ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0, disk_gb=0.01, shards=1, data_dir=str(data_dir), args=args)
+    server.start()
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, log)
+        url = server.url
         keys = [f"seed-{i}" for i in range(6)]
         with Client(url) as c:
             for i, k in enumerate(keys):
@@ -208,15 +200,17 @@ def real_run(kvtier: str, out: Path) -> None:
             c.delete(keys[5])  # a tombstone
             c.get(keys[1])
         for i in range(1, 4):
-            body = json.dumps({"keys": keys[:i] + ["missing"]}).encode()
+            body = json.dumps({"keys": [*keys[:i], "missing"]}).encode()
             save(out, "key_list", body)
-            urllib.request.urlopen(urllib.request.Request(url + "/v1/lookup", data=body, method="POST"), timeout=5).read()
-        for k in keys + ["a", "k" * 256, "x.y_z~-0"]:
+            urllib.request.urlopen(
+                urllib.request.Request(url + "/v1/lookup", data=body, method="POST"), timeout=5
+            ).read()
+        for k in [*keys, "a", "k" * 256, "x.y_z~-0"]:
             save(out, "key", k.encode())
 
         sent: list[bytes] = []
-        conn = LocalConnection(str(sock_path))
-        conn._sock = Recording(conn._sock, sent)  # noqa: SLF001: recording what the real client sends
+        conn = LocalConnection(str(server.socket_path))
+        conn._sock = Recording(conn._sock, sent)  # recording what the real client sends
         conn.hello(block_bytes=BLOCK_BYTES)
         fd = os.memfd_create("kvtier-seeds")
         os.ftruncate(fd, 4 * BLOCK_BYTES)
@@ -255,8 +249,7 @@ def real_run(kvtier: str, out: Path) -> None:
                     head = b"\x00" + BLOCK_BYTES.to_bytes(2, "little") + len(name).to_bytes(1, "little") + name.encode()
                     save(out, "s3_object", head + obj)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+        server.terminate(timeout_s=60)  # SIGTERM: the index snapshot is written
         if moto:
             moto.kill()
             moto.wait()
@@ -275,7 +268,7 @@ def real_run(kvtier: str, out: Path) -> None:
                 continue
             save(out, "slot_header", b"\x00" + page)
             save(out, "slot", b"\x00" + raw[at : at + slot])
-    print(f"seeds: a real run in {work} (log {log})")
+    print(f"seeds: a real run in {data_dir} (log {server.log})")
 
 
 def store_ops_seeds(out: Path) -> None:

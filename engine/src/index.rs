@@ -360,13 +360,19 @@ pub mod snapshot {
 
     /// Encodes a snapshot into the file layout above.
     pub fn encode(s: &IndexSnapshot) -> Vec<u8> {
-        let body = rkyv::to_bytes::<rkyv::rancor::Error>(s).expect("snapshot serializes");
+        frame(&rkyv::to_bytes::<rkyv::rancor::Error>(s).expect("snapshot serializes"))
+    }
+
+    /// The file of an rkyv `body`: the preamble above, then the body. The
+    /// fuzz target `index_snapshot` frames arbitrary bodies with it, so
+    /// rkyv's validation is what [`decode`] then checks.
+    pub fn frame(body: &[u8]) -> Vec<u8> {
         let mut out = Vec::with_capacity(PREAMBLE_BYTES + body.len());
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+        out.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
         out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
+        out.extend_from_slice(body);
         out
     }
 

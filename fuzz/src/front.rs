@@ -62,12 +62,11 @@ pub fn http_route(data: &[u8]) {
     let version = if mode & 2 != 0 { Version::HTTP_2 } else { Version::HTTP_11 };
     let path = uri.path();
     let route = routes::route_of(&method, path);
-    let authorized =
-        headers.get_all(http::header::AUTHORIZATION).iter().next().map(|v| v.as_bytes().strip_prefix(b"Bearer ") == Some(TOKEN));
+    let authorized = headers.get(http::header::AUTHORIZATION).is_some_and(|v| v.as_bytes().strip_prefix(b"Bearer ") == Some(TOKEN));
     match routes::plan(&method, path, version, &headers, token) {
         Plan::Handle(r, key) => {
             assert!(r == route && r != Route::Other, "planned {r:?} for {method} {path}, the route table says {route:?}");
-            assert!(token.is_none() || authorized == Some(true), "{method} {path} handled without the bearer token");
+            assert!(token.is_none() || authorized, "{method} {path} handled without the bearer token");
             let is_block = matches!(r, Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock);
             assert_eq!(key.as_deref(), if is_block { path.strip_prefix("/v1/blocks/") } else { None });
             if r == Route::PutBlock {

@@ -145,19 +145,7 @@ pub fn slot(data: &[u8]) {
 /// rest is the file as it is.
 pub fn index_snapshot(data: &[u8]) {
     let Some((&mode, rest)) = data.split_first() else { return };
-    let file = if mode & 1 != 0 {
-        // The preamble of engine/src/index.rs: "KVIX", version 2, CRC-32,
-        // body length, each a u32 LE.
-        let mut f = Vec::with_capacity(16 + rest.len());
-        f.extend_from_slice(b"KVIX");
-        f.extend_from_slice(&2u32.to_le_bytes());
-        f.extend_from_slice(&crc32fast::hash(rest).to_le_bytes());
-        f.extend_from_slice(&(rest.len() as u32).to_le_bytes());
-        f.extend_from_slice(rest);
-        f
-    } else {
-        rest.to_vec()
-    };
+    let file = if mode & 1 != 0 { snapshot::frame(rest) } else { rest.to_vec() };
     if let Ok(s) = snapshot::decode(&file) {
         let again = snapshot::encode(&s);
         assert_eq!(snapshot::decode(&again).as_ref(), Ok(&s), "snapshot does not round-trip");

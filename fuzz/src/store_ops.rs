@@ -444,7 +444,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             }
             Op::PutPair { key, a, b } => {
                 let k = key as usize % KEYS.len();
-                let (ra, rb) = futures_join(
+                let (ra, rb) = futures_lite::future::zip(
                     store.put(KEYS[k], vec![payload(k, a, block_bytes)]),
                     store.put(KEYS[k], vec![payload(k, b, block_bytes)]),
                 )
@@ -491,8 +491,9 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 }
             }
             Op::Reclaim => {
-                let before: u64 = store.stats().await.expect("stats").iter().map(|s| s.reclaimed_segments).sum();
-                let capacity: u64 = store.stats().await.expect("stats").iter().map(|s| s.capacity_blocks).sum();
+                let stats = store.stats().await.expect("stats");
+                let before: u64 = stats.iter().map(|s| s.reclaimed_segments).sum();
+                let capacity: u64 = stats.iter().map(|s| s.capacity_blocks).sum();
                 for _ in 0..capacity + 4 {
                     model.fillers += 1;
                     let key = format!("fill-{}", model.fillers);
@@ -517,8 +518,9 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                     })
                     .detach();
                 }
+                // Lets the shard's other tasks (the puts, their I/O) run.
                 for _ in 0..yields % 8 {
-                    futures_lite_yield().await;
+                    futures_lite::future::yield_now().await;
                 }
                 // SAFETY: kill -9 of this (child) process.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
@@ -534,16 +536,6 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
         }
     }
     model
-}
-
-/// Both futures, polled together on this executor.
-async fn futures_join<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> (A::Output, B::Output) {
-    futures_lite::future::zip(a, b).await
-}
-
-/// Lets the shard's other tasks (the puts in flight, their I/O) run.
-async fn futures_lite_yield() {
-    futures_lite::future::yield_now().await;
 }
 
 /// Xors one byte of the `file`-th file (sorted by path; `store.json` and
