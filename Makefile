@@ -45,12 +45,15 @@ help:
 	@sed -n '2,20p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
-# does), redis-server (the loadgen's Redis target is tested against it), and
-# g++ with OpenSSL's headers (SGLang builds its page hash on first use).
+# does), redis-server (the loadgen's Redis target is tested against it),
+# chromium (the loadgen's HTML reports are opened headless and their charts
+# checked on screen), and g++ with OpenSSL's headers (SGLang builds its page
+# hash on first use).
 deps:
 	@missing=""; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
 	[ -e /usr/include/openssl/sha.h ] || missing="$$missing libssl-dev"; \
 	if [ -n "$$missing" ]; then \

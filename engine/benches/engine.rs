@@ -191,6 +191,7 @@ fn main() {
             io_memory_bytes: kvtier_engine::store::IO_MEMORY_BYTES_DEFAULT,
             remote: None,
             health_window: kvtier_engine::health::ERROR_WINDOW,
+            trace: None,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

@@ -26,6 +26,8 @@
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
+//! - [`trace`]: block-operation traces (`--trace-dir`): format, reader,
+//!   recorder.
 //! - [`populate`]: faulting memory in off the start-up path, 2 MiB at a
 //!   time (the I/O memory and the RAM tier, once a shard serves).
 //!
@@ -55,6 +57,7 @@ mod startup;
 pub mod store;
 pub mod stream;
 pub mod tier;
+pub mod trace;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};

@@ -32,6 +32,7 @@ use crate::startup;
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 pub use crate::tier::{Tier, WritePolicy};
+use crate::trace::{Recorder, ShardTrace, TraceHeader, TraceOp, TraceStatus, TraceTier};
 
 /// How often each shard evaluates its tiers' health (and logs a change).
 const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -142,6 +143,11 @@ pub struct StoreConfig {
     /// An error keeps its tier `degraded` this long
     /// ([`crate::health::ERROR_WINDOW`] by default).
     pub health_window: std::time::Duration,
+    /// The block-operation trace recorder (`--trace-dir`; `None`: no
+    /// recorder). The caller sets its header
+    /// ([`StoreConfig::trace_header`]) and starts and stops it
+    /// ([`Store::trace_start`]); every shard records into its own buffer.
+    pub trace: Option<Arc<Recorder>>,
 }
 
 impl StoreConfig {
@@ -184,6 +190,29 @@ impl StoreConfig {
         }
     }
 
+    /// What a trace file's header says about this store (`source`,
+    /// `started_unix_ms` and `file_index` are the recorder's).
+    pub fn trace_header(&self, source: &str) -> TraceHeader {
+        TraceHeader {
+            source: source.to_string(),
+            started_unix_ms: 0,
+            file_index: 0,
+            model: self.geometry.model.clone(),
+            block_bytes: self.geometry.block_bytes,
+            block_tokens: self.geometry.block_tokens,
+            shards: self.shards as u32,
+            gpu_blocks_per_shard: self.gpu.blocks_per_shard as u64,
+            ram_blocks_per_shard: u64::from(self.ram_blocks_per_shard()),
+            disk_bytes: self.disk_bytes,
+            write_policy: match self.write_policy {
+                WritePolicy::Through => "through".into(),
+                WritePolicy::Back => "back".into(),
+            },
+            promote: self.promote,
+            remote: self.remote.is_some(),
+        }
+    }
+
     /// RAM-tier slots per shard: `ram_bytes / shards / block_bytes`.
     pub fn ram_blocks_per_shard(&self) -> u32 {
         (self.ram_bytes / self.shards.max(1) as u64 / self.geometry.block_bytes.max(1)).min(u32::MAX as u64) as u32
@@ -201,6 +230,7 @@ enum Op {
     Prefetch { keys: Vec<(String, BlockHash)> },
     Stats,
     Health,
+    TraceFlush,
 }
 
 enum Reply {
@@ -213,6 +243,7 @@ enum Reply {
     Prefetch(PrefetchReport),
     Stats(Box<ShardStats>),
     Health(Vec<TierHealth>),
+    TraceFlushed,
 }
 
 /// What a prefetch started.
@@ -247,6 +278,7 @@ pub struct Store {
     shards: usize,
     manifest: StoreManifest,
     remote: Option<Arc<dyn Remote>>,
+    trace: Option<Rc<ShardTrace>>,
 }
 
 impl Store {
@@ -306,13 +338,41 @@ impl Store {
         }
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        if owner == self.shard_id() {
-            return self.shard.put_block(key, hash, &chunks).await;
+        let put = if owner == self.shard_id() {
+            self.shard.put_block(key, hash, &chunks).await
+        } else {
+            match self.forward(owner, Op::Put { key: key.to_string(), hash, chunks }).await? {
+                Reply::Put(r) => r,
+                _ => unreachable!("put answered with another reply"),
+            }
+        };
+        if put.is_ok() {
+            self.trace(TraceOp::Put, [(hash, TraceTier::None)]);
         }
-        match self.forward(owner, Op::Put { key: key.to_string(), hash, chunks }).await? {
-            Reply::Put(r) => r,
-            _ => unreachable!("put answered with another reply"),
+        put
+    }
+
+    /// Records one call's keys in this shard's trace buffer: nothing when
+    /// there is no recorder or it is off.
+    fn trace(&self, op: TraceOp, keys: impl IntoIterator<Item = (BlockHash, TraceTier)>) {
+        if let Some(t) = &self.trace {
+            t.record_call(op, self.shards, keys);
         }
+    }
+
+    fn tracing(&self) -> bool {
+        self.trace.as_ref().is_some_and(|t| t.is_on())
+    }
+
+    /// Records a read's outcome: the tier that served it, a miss for a
+    /// block absent or corrupt, nothing for other errors.
+    fn trace_read<T>(&self, hash: BlockHash, read: &Result<(T, Tier)>) {
+        let tier = match read {
+            Ok((_, tier)) => TraceTier::In(*tier),
+            Err(Error::NotFound | Error::Corrupt { .. }) => TraceTier::Miss,
+            Err(_) => return,
+        };
+        self.trace(TraceOp::Get, [(hash, tier)]);
     }
 
     /// Reads the block stored under `key` into one buffer (a block from the
@@ -345,13 +405,16 @@ impl Store {
         key::validate(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        if owner == self.shard_id() {
-            return self.shard.get(key, hash, true).await;
-        }
-        match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
-            Reply::Get(r) => r,
-            _ => unreachable!("get answered with another reply"),
-        }
+        let read = if owner == self.shard_id() {
+            self.shard.get(key, hash, true).await
+        } else {
+            match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
+                Reply::Get(r) => r,
+                _ => unreachable!("get answered with another reply"),
+            }
+        };
+        self.trace_read(hash, &read);
+        read
     }
 
     /// Copies the block stored under `key` into `sink` (a client's
@@ -367,13 +430,16 @@ impl Store {
         key::validate(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        if owner == self.shard_id() {
-            return copy_block(&self.shard, key, hash, &*sink).await;
-        }
-        match self.forward(owner, Op::GetInto { key: key.to_string(), hash, sink }).await? {
-            Reply::GetInto(r) => r,
-            _ => unreachable!("get_into answered with another reply"),
-        }
+        let read = if owner == self.shard_id() {
+            copy_block(&self.shard, key, hash, &*sink).await
+        } else {
+            match self.forward(owner, Op::GetInto { key: key.to_string(), hash, sink }).await? {
+                Reply::GetInto(r) => r,
+                _ => unreachable!("get_into answered with another reply"),
+            }
+        };
+        self.trace_read(hash, &read);
+        read
     }
 
     /// Deletes the block under `key` (a tombstone is logged), and its copy in
@@ -386,13 +452,20 @@ impl Store {
         key::validate(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
-        if owner == self.shard_id() {
-            return self.shard.delete_block(key, hash).await;
+        let deleted = if owner == self.shard_id() {
+            self.shard.delete_block(key, hash).await
+        } else {
+            match self.forward(owner, Op::Delete { key: key.to_string(), hash }).await? {
+                Reply::Delete(r) => r,
+                _ => unreachable!("delete answered with another reply"),
+            }
+        };
+        match &deleted {
+            Ok(()) => self.trace(TraceOp::Delete, [(hash, TraceTier::None)]),
+            Err(Error::NotFound) => self.trace(TraceOp::Delete, [(hash, TraceTier::Miss)]),
+            Err(_) => {}
         }
-        match self.forward(owner, Op::Delete { key: key.to_string(), hash }).await? {
-            Reply::Delete(r) => r,
-            _ => unreachable!("delete answered with another reply"),
-        }
+        deleted
     }
 
     /// The fastest tier holding each key (`None`: not stored), in order. One
@@ -460,13 +533,19 @@ impl Store {
     pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<Vec<Tier>> {
         let found = self.contains_many(keys).await?;
         let mut tiers: Vec<Tier> = found.into_iter().map_while(|t| t).collect();
-        let Some(remote) = &self.remote else { return Ok(tiers) };
-        for window in keys[tiers.len()..].chunks(remote.parallelism().max(1)) {
-            let present = self.remote_exists_many(window).await?.iter().take_while(|a| **a == Some(true)).count();
-            tiers.extend(std::iter::repeat_n(Tier::Remote, present));
-            if present < window.len() {
-                break;
+        if let Some(remote) = &self.remote {
+            for window in keys[tiers.len()..].chunks(remote.parallelism().max(1)) {
+                let present = self.remote_exists_many(window).await?.iter().take_while(|a| **a == Some(true)).count();
+                tiers.extend(std::iter::repeat_n(Tier::Remote, present));
+                if present < window.len() {
+                    break;
+                }
             }
+        }
+        if self.tracing() {
+            // Every key of the chain: those past the prefix hits as misses.
+            let tier = |i: usize| tiers.get(i).map_or(TraceTier::Miss, |t| TraceTier::In(*t));
+            self.trace(TraceOp::Lookup, keys.iter().enumerate().map(|(i, k)| (BlockHash::of(k.as_bytes()), tier(i))));
         }
         Ok(tiers)
     }
@@ -489,16 +568,15 @@ impl Store {
     /// As [`Store::contains_many`].
     pub async fn exists_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
         let mut found = self.contains_many(keys).await?;
-        if self.remote.is_none() {
-            return Ok(found);
-        }
         let missing: Vec<usize> = (0..keys.len()).filter(|i| found[*i].is_none()).collect();
-        if missing.is_empty() {
-            return Ok(found);
+        if self.remote.is_some() && !missing.is_empty() {
+            let asked: Vec<&str> = missing.iter().map(|i| keys[*i]).collect();
+            for (i, present) in missing.into_iter().zip(self.remote_exists_many(&asked).await?) {
+                found[i] = (present == Some(true)).then_some(Tier::Remote);
+            }
         }
-        let asked: Vec<&str> = missing.iter().map(|i| keys[*i]).collect();
-        for (i, present) in missing.into_iter().zip(self.remote_exists_many(&asked).await?) {
-            found[i] = (present == Some(true)).then_some(Tier::Remote);
+        if self.tracing() {
+            self.trace(TraceOp::Head, keys.iter().zip(&found).map(|(k, t)| (BlockHash::of(k.as_bytes()), TraceTier::found(*t))));
         }
         Ok(found)
     }
@@ -545,6 +623,9 @@ impl Store {
                 _ => unreachable!("prefetch answered with another reply"),
             }
         });
+        if self.tracing() {
+            self.trace(TraceOp::Prefetch, keys.iter().map(|k| (BlockHash::of(k.as_bytes()), TraceTier::None)));
+        }
         let mut total = PrefetchReport::default();
         for r in futures::future::join_all(asks).await {
             let r = r?;
@@ -588,6 +669,32 @@ impl Store {
         futures::future::join_all(asks).await.into_iter().collect()
     }
 
+    /// The trace recorder's state (`None`: no `--trace-dir`).
+    pub fn trace_status(&self) -> Option<TraceStatus> {
+        Some(self.trace.as_ref()?.recorder().status())
+    }
+
+    /// Starts recording block operations into a new trace file (a no-op
+    /// when recording). `None`: no recorder is configured.
+    ///
+    /// # Errors
+    /// The reason the file could not be started (the writer's error).
+    pub async fn trace_start(&self) -> Option<std::result::Result<TraceStatus, String>> {
+        Some(self.trace.as_ref()?.recorder().start().await)
+    }
+
+    /// Stops recording: every shard hands its buffer to the writer, which
+    /// then closes the file. `None`: no recorder is configured.
+    pub async fn trace_stop(&self) -> Option<TraceStatus> {
+        let trace = self.trace.as_ref()?;
+        let flush_all = async {
+            trace.flush();
+            let others = (0..self.shards).filter(|s| *s != self.shard_id()).map(|owner| self.forward(owner, Op::TraceFlush));
+            futures::future::join_all(others).await;
+        };
+        Some(trace.recorder().stop(flush_all).await)
+    }
+
     /// Statistics of every shard, in shard order.
     ///
     /// # Errors
@@ -621,7 +728,7 @@ async fn copy_block(shard: &Rc<Shard>, key: &str, hash: BlockHash, sink: &dyn Bl
     Ok((body.copy_into(sink).await?, tier))
 }
 
-async fn execute(shard: &Rc<Shard>, op: Op, parallelism: usize) -> Reply {
+async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, op: Op, parallelism: usize) -> Reply {
     match op {
         Op::Put { key, hash, chunks } => Reply::Put(shard.put_block(&key, hash, &chunks).await),
         // Whole: one message back across threads, not one per chunk.
@@ -636,6 +743,12 @@ async fn execute(shard: &Rc<Shard>, op: Op, parallelism: usize) -> Reply {
         Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys, parallelism)),
         Op::Stats => Reply::Stats(Box::new(shard.stats())),
         Op::Health => Reply::Health(shard.health()),
+        Op::TraceFlush => {
+            if let Some(t) = trace {
+                t.flush();
+            }
+            Reply::TraceFlushed
+        }
     }
 }
 
@@ -685,6 +798,7 @@ where
         let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
         let io_memory_shard_bytes = config.io_memory_shard_bytes();
         let remote = config.remote.clone();
+        let recorder = config.trace.clone();
         let parallelism = remote.as_ref().map_or(1, |r| r.parallelism());
         let placement = if config.pin_cpus { Placement::Fixed(shard_id % cpus) } else { Placement::Unbound };
         let handle = LocalExecutorBuilder::new(placement)
@@ -716,16 +830,17 @@ where
                 // tier now that the shard serves (not before: see
                 // `crate::populate`).
                 let warm_up = startup::WarmUp::start(&shard, defer_registration);
+                let trace = recorder.map(|r| Rc::new(ShardTrace::new(r)));
                 let answering: Vec<_> = receivers
                     .streams()
                     .into_iter()
                     .map(|(_, receiver)| {
-                        let shard = shard.clone();
+                        let (shard, trace) = (shard.clone(), trace.clone());
                         glommio::spawn_local(async move {
                             while let Some(req) = receiver.recv().await {
-                                let shard = shard.clone();
+                                let (shard, trace) = (shard.clone(), trace.clone());
                                 glommio::spawn_local(async move {
-                                    let reply = execute(&shard, req.op, parallelism).await;
+                                    let reply = execute(&shard, trace.as_deref(), req.op, parallelism).await;
                                     let _ = req.reply.send(reply);
                                 })
                                 .detach();
@@ -762,7 +877,16 @@ where
                         }
                     })
                 };
-                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote });
+                // A partly filled trace buffer reaches the file within a second.
+                let trace_flush = trace.clone().map(|t| {
+                    glommio::spawn_local(async move {
+                        loop {
+                            glommio::timer::sleep(crate::trace::FLUSH_EVERY).await;
+                            t.flush();
+                        }
+                    })
+                });
+                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote, trace: trace.clone() });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;
@@ -771,6 +895,12 @@ where
                     task.cancel().await;
                 }
                 health.cancel().await;
+                if let Some(task) = trace_flush {
+                    task.cancel().await;
+                }
+                if let Some(t) = &trace {
+                    t.flush();
+                }
                 warm_up.stop().await;
                 // Requests from peers may still be finishing; wait for them
                 // to release the shard before closing its files.
@@ -795,6 +925,10 @@ where
             }
             Err(e) => first_error = first_error.or(Some(Error::Config(format!("shard executor failed: {e}")))),
         }
+    }
+    if let Some(recorder) = &config.trace {
+        // Every shard has flushed its buffer: close the file.
+        futures::executor::block_on(recorder.stop(async {}));
     }
     match first_error {
         Some(e) => Err(e),

@@ -29,6 +29,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         io_memory_bytes: kvtier_engine::store::IO_MEMORY_SHARD_BYTES_MIN,
         remote: None,
         health_window: kvtier_engine::health::ERROR_WINDOW,
+        trace: None,
     }
 }
 

@@ -216,6 +216,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         io_memory_bytes: kvtier_engine::store::IO_MEMORY_SHARD_BYTES_MIN,
         remote: None,
         health_window: kvtier_engine::health::ERROR_WINDOW,
+        trace: None,
     }
 }
 

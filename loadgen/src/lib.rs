@@ -10,16 +10,19 @@
 #![deny(missing_docs)]
 
 pub mod blocks;
+pub mod browser;
 pub mod client;
 pub mod crash;
 pub mod keys;
 pub mod local;
+pub mod mrc;
 pub mod oracle;
 pub mod payload;
 pub mod replay;
 pub mod report;
 pub mod server_process;
 pub mod sharegpt;
+pub mod size;
 pub mod soak;
 pub mod stats;
 pub mod sweep;

@@ -55,6 +55,58 @@ enum Command {
     /// and fails unless they stay flat. Arguments after `--` go to
     /// `kvtier serve`.
     Soak(SoakArgs),
+    /// Tier sizing from a recorded trace (`kvtier serve --trace-dir`, or
+    /// `replay --trace-out`): the hit ratio of GETs against the memory
+    /// tiers' size (exact LRU by stack distance; SHARDS sampling for long
+    /// traces; kvtier's own policy by miniature simulations) and of lookup
+    /// tokens against the NVMe log's size, each with its knee and the sizes
+    /// reaching 90/95/99% of an unbounded tier's hit ratio, and the prefill
+    /// tokens each tier saves per GB. Prints a table; writes OUT/results.json
+    /// and OUT/report.html. docs/OPERATIONS.md, "Sizing the tiers".
+    Size(SizeArgs),
+}
+
+#[derive(Args, Debug)]
+struct SizeArgs {
+    /// Trace files (`*.kvtrace`), or directories holding them (every trace
+    /// file inside, in name order: one recording's rotated files).
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Directory for results.json and report.html (written only when every
+    /// trace reads).
+    #[arg(long, default_value = "target/loadgen/size")]
+    out: PathBuf,
+    /// Also estimate the memory curve by SHARDS at this sampling rate
+    /// (0 < R ≤ 1; e.g. 0.01), beside the exact curve.
+    #[arg(long)]
+    sample_rate: Option<f64>,
+    /// Also estimate it by fixed-size SHARDS tracking at most this many
+    /// blocks (bounded memory).
+    #[arg(long, conflicts_with = "sample_rate")]
+    sample_blocks: Option<usize>,
+    /// Skip the exact memory curve (with --sample-rate or --sample-blocks,
+    /// for traces too long for one exact pass).
+    #[arg(long)]
+    skip_exact: bool,
+    /// GPU tier size to judge, GiB (default: the trace's server's).
+    #[arg(long)]
+    gpu_gb: Option<f64>,
+    /// RAM tier size to judge, GiB (default: the trace's server's).
+    #[arg(long)]
+    ram_gb: Option<f64>,
+    /// Disk size to judge, GiB (default: the trace's server's).
+    #[arg(long)]
+    disk_gb: Option<f64>,
+    /// RAM sizes simulated with kvtier's own policy (0: none).
+    #[arg(long, default_value_t = 24)]
+    policy_sizes: usize,
+    /// Sampling rate of those simulations (default: all blocks up to
+    /// 50,000 distinct, fewer beyond).
+    #[arg(long)]
+    policy_rate: Option<f64>,
+    /// Refuse traces whose blocks are not this many bytes.
+    #[arg(long)]
+    block_bytes: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -261,6 +313,13 @@ struct ReplayArgs {
     /// tier of every GET (exact with --users 1; needs an empty kvtier store).
     #[arg(long)]
     oracle: bool,
+    /// Write every operation of the run to this trace file (the format of
+    /// `kvtier serve --trace-dir`, docs/TRACE.md), for `kvtier-loadgen
+    /// size`. With `--target model://` no server is needed: an in-process
+    /// store that keeps every key answers, and the trace is the workload's
+    /// own.
+    #[arg(long)]
+    trace_out: Option<PathBuf>,
     /// Directory for results.json and report.html.
     #[arg(long, default_value = "target/loadgen/replay")]
     out: PathBuf,
@@ -308,6 +367,7 @@ fn main() -> ExitCode {
         Command::Blocks(args) => runtime.block_on(blocks_cmd(args)),
         Command::Crash(args) => runtime.block_on(crash_cmd(args)),
         Command::Soak(args) => runtime.block_on(soak_cmd(args)),
+        Command::Size(args) => size_cmd(args),
     };
     match result {
         Ok(code) => code,
@@ -316,6 +376,60 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn size_cmd(args: SizeArgs) -> Result<ExitCode, String> {
+    let rate_ok = |r: f64| r > 0.0 && r <= 1.0;
+    if let Some(r) = args.sample_rate.filter(|r| !rate_ok(*r)) {
+        return Err(format!("--sample-rate must be in (0, 1], got {r}"));
+    }
+    if let Some(r) = args.policy_rate.filter(|r| !rate_ok(*r)) {
+        return Err(format!("--policy-rate must be in (0, 1], got {r}"));
+    }
+    if args.skip_exact && args.sample_rate.is_none() && args.sample_blocks.is_none() {
+        return Err("--skip-exact needs --sample-rate or --sample-blocks".into());
+    }
+    let gb = |flag: &str, v: Option<f64>| -> Result<Option<u64>, String> {
+        match v {
+            Some(g) if !(g.is_finite() && g >= 0.0) => Err(format!("{flag} must be 0 or more GiB, got {g}")),
+            Some(g) => Ok(Some((g * (1u64 << 30) as f64) as u64)),
+            None => Ok(None),
+        }
+    };
+    let mut files = Vec::new();
+    for p in &args.traces {
+        if p.is_dir() {
+            let mut inside: Vec<PathBuf> = std::fs::read_dir(p)
+                .map_err(|e| format!("cannot list {}: {e}", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| f.to_string_lossy().ends_with(kvtier_engine::trace::FILE_SUFFIX))
+                .collect();
+            if inside.is_empty() {
+                return Err(format!("{}: no trace files (*{}) in this directory", p.display(), kvtier_engine::trace::FILE_SUFFIX));
+            }
+            inside.sort();
+            files.extend(inside);
+        } else {
+            files.push(p.clone());
+        }
+    }
+    let opts = kvtier_loadgen::size::SizeOptions {
+        sample_rate: args.sample_rate,
+        sample_blocks: args.sample_blocks,
+        skip_exact: args.skip_exact,
+        gpu_bytes: gb("--gpu-gb", args.gpu_gb)?,
+        ram_bytes: gb("--ram-gb", args.ram_gb)?,
+        disk_bytes: gb("--disk-gb", args.disk_gb)?,
+        policy_sizes: args.policy_sizes,
+        policy_rate: args.policy_rate,
+        ..Default::default()
+    };
+    let workload = kvtier_loadgen::size::load(&files, args.block_bytes)?;
+    let report = kvtier_loadgen::size::size(&workload, &opts);
+    print!("{}", kvtier_loadgen::size::text(&report));
+    write_out(&args.out, &report, Some(report::size_html(&report)))?;
+    println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Writes `OUT/results.json` and, given one, `OUT/report.html`.
@@ -687,6 +801,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         } else {
             None
         },
+        trace_out: args.trace_out.clone(),
     };
     let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
     write_out(&args.out, &results, Some(report::replay_html(&results)))?;

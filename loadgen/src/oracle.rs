@@ -50,26 +50,29 @@ impl Placement {
     }
 }
 
-/// One shard's RAM LRU: key → tick and tick → key.
+/// A key as the oracle keeps it: its block hash (the server's own).
+type Key = BlockHash;
+
+/// One shard's LRU of a memory tier: key → tick and tick → key.
 #[derive(Default)]
 struct Lru {
-    tick_of: HashMap<String, u64>,
-    by_tick: BTreeMap<u64, String>,
+    tick_of: HashMap<Key, u64>,
+    by_tick: BTreeMap<u64, Key>,
 }
 
 impl Lru {
-    fn contains(&self, key: &str) -> bool {
+    fn contains(&self, key: &Key) -> bool {
         self.tick_of.contains_key(key)
     }
 
-    fn touch(&mut self, key: &str, tick: u64) {
-        if let Some(old) = self.tick_of.insert(key.to_string(), tick) {
+    fn touch(&mut self, key: Key, tick: u64) {
+        if let Some(old) = self.tick_of.insert(key, tick) {
             self.by_tick.remove(&old);
         }
-        self.by_tick.insert(tick, key.to_string());
+        self.by_tick.insert(tick, key);
     }
 
-    fn pop_lru(&mut self) -> Option<String> {
+    fn pop_lru(&mut self) -> Option<Key> {
         let (_, key) = self.by_tick.pop_first()?;
         self.tick_of.remove(&key);
         Some(key)
@@ -79,7 +82,7 @@ impl Lru {
         self.tick_of.len()
     }
 
-    fn remove(&mut self, key: &str) -> bool {
+    fn remove(&mut self, key: &Key) -> bool {
         match self.tick_of.remove(key) {
             Some(tick) => {
                 self.by_tick.remove(&tick);
@@ -99,7 +102,7 @@ pub struct PolicyOracle {
     promote: bool,
     gpu: Vec<Lru>,
     ram: Vec<Lru>,
-    nvme: HashSet<String>,
+    nvme: HashSet<Key>,
     tick: u64,
 }
 
@@ -127,19 +130,19 @@ impl PolicyOracle {
         self
     }
 
-    fn shard(&self, key: &str) -> usize {
-        BlockHash::of(key.as_bytes()).shard(self.shards)
+    fn shard(&self, key: &Key) -> usize {
+        key.shard(self.shards)
     }
 
     /// Makes `key` RAM's most recently used block on its shard, moving LRU
     /// blocks down to make room. False when there is no RAM tier.
-    fn place_in_ram(&mut self, key: &str) -> bool {
+    fn place_in_ram(&mut self, key: Key) -> bool {
         if self.ram_blocks_per_shard == 0 {
             return false;
         }
         self.tick += 1;
-        let s = self.shard(key);
-        if !self.ram[s].contains(key) {
+        let s = self.shard(&key);
+        if !self.ram[s].contains(&key) {
             while self.ram[s].len() >= self.ram_blocks_per_shard {
                 let victim = self.ram[s].pop_lru().expect("a full tier has a block");
                 if self.write_back {
@@ -156,16 +159,16 @@ impl PolicyOracle {
     /// it out of RAM), moving the GPU's LRU blocks down into RAM (or, with
     /// no RAM tier, to NVMe under write-back). False when there is no GPU
     /// tier.
-    fn place_on_gpu(&mut self, key: &str) -> bool {
+    fn place_on_gpu(&mut self, key: Key) -> bool {
         if self.gpu_blocks_per_shard == 0 {
             return false;
         }
-        let s = self.shard(key);
-        self.ram[s].remove(key);
-        if !self.gpu[s].contains(key) {
+        let s = self.shard(&key);
+        self.ram[s].remove(&key);
+        if !self.gpu[s].contains(&key) {
             while self.gpu[s].len() >= self.gpu_blocks_per_shard {
                 let victim = self.gpu[s].pop_lru().expect("a full tier has a block");
-                if !self.place_in_ram(&victim) && self.write_back {
+                if !self.place_in_ram(victim) && self.write_back {
                     self.nvme.insert(victim);
                 }
             }
@@ -177,28 +180,53 @@ impl PolicyOracle {
     }
 
     /// Places `key` in the fastest memory tier; false when there is none.
-    fn place(&mut self, key: &str) -> bool {
+    fn place(&mut self, key: Key) -> bool {
         self.place_on_gpu(key) || self.place_in_ram(key)
     }
 
     /// A PUT of `key`.
     pub fn put(&mut self, key: &str) {
+        self.put_hash(BlockHash::of(key.as_bytes()))
+    }
+
+    /// A PUT of the key with this block hash (as a trace names it).
+    pub fn put_hash(&mut self, key: Key) {
         let in_memory = self.place(key);
         if !self.write_back || !in_memory {
-            self.nvme.insert(key.to_string());
+            self.nvme.insert(key);
         }
     }
 
     /// A GET of `key`: where it is served from, or `None` for a miss.
     pub fn get(&mut self, key: &str) -> Option<Placement> {
-        let s = self.shard(key);
-        if self.gpu[s].contains(key) {
+        self.get_hash(BlockHash::of(key.as_bytes()))
+    }
+
+    /// A prefetch of a stored key: promoted as a GET would promote it
+    /// (the server's prefetch reads it through the waterfall); nothing
+    /// for a key not stored.
+    pub fn prefetch_hash(&mut self, key: Key) {
+        self.get_hash(key);
+    }
+
+    /// A DELETE: the key leaves every tier.
+    pub fn delete_hash(&mut self, key: Key) {
+        let s = self.shard(&key);
+        self.gpu[s].remove(&key);
+        self.ram[s].remove(&key);
+        self.nvme.remove(&key);
+    }
+
+    /// A GET of the key with this block hash.
+    pub fn get_hash(&mut self, key: Key) -> Option<Placement> {
+        let s = self.shard(&key);
+        if self.gpu[s].contains(&key) {
             self.tick += 1;
             let tick = self.tick;
             self.gpu[s].touch(key, tick);
             return Some(Placement::Gpu);
         }
-        if self.ram[s].contains(key) {
+        if self.ram[s].contains(&key) {
             if self.promote && self.gpu_blocks_per_shard > 0 {
                 self.place_on_gpu(key);
             } else {
@@ -208,7 +236,7 @@ impl PolicyOracle {
             }
             return Some(Placement::Ram);
         }
-        if !self.nvme.contains(key) {
+        if !self.nvme.contains(&key) {
             return None;
         }
         if self.promote {
@@ -219,28 +247,34 @@ impl PolicyOracle {
 
     /// A lookup: how many leading keys are held in any tier.
     pub fn lookup(&self, keys: &[String]) -> usize {
-        keys.iter()
-            .take_while(|k| {
-                let s = self.shard(k);
-                self.gpu[s].contains(k) || self.ram[s].contains(k) || self.nvme.contains(*k)
-            })
-            .count()
+        keys.iter().take_while(|k| self.holds(BlockHash::of(k.as_bytes()))).count()
     }
 
-    /// Keys on the GPU on `shard`, most recently used first.
-    pub fn gpu_keys(&self, shard: usize) -> Vec<String> {
-        self.gpu[shard].by_tick.values().rev().cloned().collect()
+    /// Whether any tier holds the key with this block hash.
+    pub fn holds(&self, key: Key) -> bool {
+        let s = self.shard(&key);
+        self.gpu[s].contains(&key) || self.ram[s].contains(&key) || self.nvme.contains(&key)
     }
 
-    /// Keys in RAM on `shard`, most recently used first.
-    pub fn ram_keys(&self, shard: usize) -> Vec<String> {
-        self.ram[shard].by_tick.values().rev().cloned().collect()
+    /// Block hashes on the GPU on `shard`, most recently used first.
+    pub fn gpu_keys(&self, shard: usize) -> Vec<BlockHash> {
+        self.gpu[shard].by_tick.values().rev().copied().collect()
+    }
+
+    /// Block hashes in RAM on `shard`, most recently used first.
+    pub fn ram_keys(&self, shard: usize) -> Vec<BlockHash> {
+        self.ram[shard].by_tick.values().rev().copied().collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The block hashes of `keys`, for comparing with the LRU lists.
+    fn h<const N: usize>(keys: [&str; N]) -> Vec<BlockHash> {
+        keys.iter().map(|k| BlockHash::of(k.as_bytes())).collect()
+    }
 
     /// Keys that all live on shard 0 of 1.
     #[test]
@@ -250,9 +284,9 @@ mod tests {
         o.put("b");
         assert_eq!(o.get("a"), Some(Placement::Ram));
         o.put("c"); // b is LRU: down to NVMe (already there: write-through)
-        assert_eq!(o.ram_keys(0), ["c", "a"]);
+        assert_eq!(o.ram_keys(0), h(["c", "a"]));
         assert_eq!(o.get("b"), Some(Placement::Nvme)); // promoted, a moves down
-        assert_eq!(o.ram_keys(0), ["b", "c"]);
+        assert_eq!(o.ram_keys(0), h(["b", "c"]));
         assert_eq!(o.get("b"), Some(Placement::Ram));
         assert_eq!(o.get("zz"), None);
         assert_eq!(o.lookup(&["a".into(), "b".into(), "zz".into(), "c".into()]), 2);
@@ -262,9 +296,9 @@ mod tests {
     fn write_back_reaches_nvme_only_when_demoted() {
         let mut o = PolicyOracle::new(1, 1, true, false);
         o.put("a");
-        assert!(!o.nvme.contains("a"));
+        assert!(!o.nvme.contains(&BlockHash::of(b"a")));
         o.put("b");
-        assert!(o.nvme.contains("a") && !o.nvme.contains("b"));
+        assert!(o.nvme.contains(&BlockHash::of(b"a")) && !o.nvme.contains(&BlockHash::of(b"b")));
         assert_eq!(o.get("a"), Some(Placement::Nvme));
         assert_eq!(o.get("a"), Some(Placement::Nvme), "no promotion");
         let mut none = PolicyOracle::new(1, 0, true, true);
@@ -279,15 +313,15 @@ mod tests {
         for i in 0..10 {
             o.put(&format!("k{i}"));
         }
-        assert_eq!(o.gpu_keys(0), ["k9", "k8", "k7", "k6"]);
-        assert_eq!(o.ram_keys(0), ["k5", "k4", "k3", "k2"]);
+        assert_eq!(o.gpu_keys(0), h(["k9", "k8", "k7", "k6"]));
+        assert_eq!(o.ram_keys(0), h(["k5", "k4", "k3", "k2"]));
         assert_eq!(o.get("k9"), Some(Placement::Gpu));
         assert_eq!(o.get("k0"), Some(Placement::Nvme));
-        assert_eq!(o.gpu_keys(0), ["k0", "k9", "k8", "k7"]);
-        assert_eq!(o.ram_keys(0), ["k6", "k5", "k4", "k3"], "k6 came down; k2 left RAM");
+        assert_eq!(o.gpu_keys(0), h(["k0", "k9", "k8", "k7"]));
+        assert_eq!(o.ram_keys(0), h(["k6", "k5", "k4", "k3"]), "k6 came down; k2 left RAM");
         assert_eq!(o.get("k3"), Some(Placement::Ram));
-        assert_eq!(o.gpu_keys(0), ["k3", "k0", "k9", "k8"]);
-        assert_eq!(o.ram_keys(0), ["k7", "k6", "k5", "k4"], "k3 left RAM, k7 took its place");
+        assert_eq!(o.gpu_keys(0), h(["k3", "k0", "k9", "k8"]));
+        assert_eq!(o.ram_keys(0), h(["k7", "k6", "k5", "k4"]), "k3 left RAM, k7 took its place");
         assert_eq!(o.get("k3"), Some(Placement::Gpu));
         assert_eq!(o.lookup(&["k2".into(), "k7".into(), "k3".into(), "zz".into()]), 3);
     }
@@ -299,15 +333,15 @@ mod tests {
         o.put("b"); // a: GPU -> RAM
         assert!(o.nvme.is_empty());
         o.put("c"); // b: GPU -> RAM, a: RAM -> NVMe
-        assert_eq!((o.gpu_keys(0), o.ram_keys(0)), (vec!["c".to_string()], vec!["b".to_string()]));
-        assert!(o.nvme.contains("a") && o.nvme.len() == 1);
+        assert_eq!((o.gpu_keys(0), o.ram_keys(0)), (h(["c"]), h(["b"])));
+        assert!(o.nvme.contains(&BlockHash::of(b"a")) && o.nvme.len() == 1);
         assert_eq!(o.get("b"), Some(Placement::Ram), "no promotion: stays in RAM");
-        assert_eq!(o.ram_keys(0), ["b"]);
+        assert_eq!(o.ram_keys(0), h(["b"]));
         let mut no_ram = PolicyOracle::new(1, 0, true, true).with_gpu(1);
         no_ram.put("x");
         no_ram.put("y");
-        assert!(no_ram.nvme.contains("x"), "GPU -> NVMe when there is no RAM tier");
+        assert!(no_ram.nvme.contains(&BlockHash::of(b"x")), "GPU -> NVMe when there is no RAM tier");
         assert_eq!(no_ram.get("x"), Some(Placement::Nvme));
-        assert_eq!(no_ram.gpu_keys(0), ["x"]);
+        assert_eq!(no_ram.gpu_keys(0), h(["x"]));
     }
 }

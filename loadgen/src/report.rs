@@ -20,8 +20,11 @@ use crate::sweep::{LevelResult, SweepResults};
 /// Chart size in pixels.
 const CHART_PX: (u32, u32) = (760, 380);
 
-/// Colors of the series, in order.
-const PALETTE: [RGBColor; 6] = [
+/// Colors of the series, in order: [`Series::color`] indexes it (modulo
+/// its length). Each is an RGB triple, `PALETTE[i].0`, `.1`, `.2` (0–255),
+/// for checking a rendered chart's pixels
+/// ([`crate::browser::pixels_of`]).
+pub const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
@@ -611,6 +614,123 @@ pub fn soak_html(r: &SoakResults) -> String {
     }
     b.push_str("</table>");
     page("kvtier-loadgen soak", &b)
+}
+
+/// The sizing report (`kvtier-loadgen size`): a chart per curve with its
+/// knee and the judged size marked, and a table per tier.
+pub fn size_html(r: &crate::size::SizeReport) -> String {
+    use crate::size::{CurveReport, SizePoint};
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut b = String::new();
+    let _ = write!(
+        b,
+        "<p class=note>{} records over {:.1} s · {} distinct blocks of {} bytes / {} tokens ({}) · {} shards · source {} · traces {}</p>",
+        r.records,
+        r.duration_s,
+        r.distinct_blocks,
+        r.block_bytes,
+        r.block_tokens,
+        escape(&r.model),
+        r.shards,
+        escape(&r.source),
+        escape(&r.traces.join(", "))
+    );
+    b.push_str(
+        "<h2>Per tier</h2><table><tr><th class=l>tier</th><th>judged</th><th>hit ratio</th><th>knee</th><th>90%</th><th>95%</th><th>99%</th>\
+         <th>tokens saved / GB</th><th class=l>what the hit ratio counts</th></tr>",
+    );
+    let cell = |p: &SizePoint| format!("{:.2} GiB ({:.1}%)", gib(p.bytes), p.hit_ratio * 100.0);
+    for t in &r.tiers {
+        let _ = write!(
+            b,
+            "<tr><td class=l>{}</td><td>{}</td><td>{:.1}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0}</td><td class=l>{}</td></tr>",
+            t.tier,
+            format_args!("{:.2} GiB", gib(t.configured.bytes)),
+            t.configured.hit_ratio * 100.0,
+            t.knee.as_ref().map_or("—".into(), cell),
+            cell(&t.reach[0]),
+            cell(&t.reach[1]),
+            cell(&t.reach[2]),
+            t.tokens_saved_per_gb,
+            escape(&t.measure)
+        );
+    }
+    b.push_str("</table><p class=note>90/95/99%: the smallest size reaching that share of the hit ratio of an unbounded tier. Knee: Kneedle, where each further GiB starts to buy less than the average one.</p>");
+    let series = |c: &CurveReport, color: usize, dashed: bool, name: &str| Series {
+        name: format!("{name}: {}", c.method),
+        points: c.points.iter().map(|p| (gib(p.bytes), p.hit_ratio * 100.0)).collect(),
+        color,
+        dashed,
+    };
+    let marker = |name: String, bytes: u64, top: f64, color: usize| Series {
+        name,
+        points: vec![(gib(bytes), 0.0), (gib(bytes), top * 100.0)],
+        color,
+        dashed: true,
+    };
+    b.push_str("<h2>Curves</h2><div class=charts>");
+    let memory = r.memory.as_ref().or(r.memory_shards.as_ref());
+    if let Some(m) = memory {
+        let mut s = Vec::new();
+        if let Some(e) = &r.memory {
+            s.push(series(e, 0, false, "LRU"));
+        }
+        if let Some(e) = &r.memory_shards {
+            s.push(series(e, 1, true, "LRU"));
+        }
+        if let Some(p) = &r.policy {
+            s.push(series(p, 2, false, "kvtier policy (RAM size; GPU as judged)"));
+        }
+        if let Some(k) = &m.knee {
+            s.push(marker(format!("knee {:.2} GiB", gib(k.bytes)), k.bytes, k.hit_ratio, 3));
+        }
+        s.push(marker(format!("judged GPU + RAM {:.2} GiB", gib(r.gpu_bytes + r.ram_bytes)), r.gpu_bytes + r.ram_bytes, 1.0, 4));
+        b.push_str(&line_chart(
+            &Axes {
+                title: "GETs served from memory",
+                x_desc: "memory tier size, GiB (GPU + RAM)",
+                y_desc: "% of GETs",
+                x_log: false,
+                y_log: false,
+            },
+            &s,
+        ));
+    }
+    let p = &r.prefix;
+    let mut s = vec![series(p, 0, false, "LRU")];
+    if let Some(k) = &p.knee {
+        s.push(marker(format!("knee {:.2} GiB", gib(k.bytes)), k.bytes, k.hit_ratio, 3));
+    }
+    if r.disk_bytes > 0 {
+        s.push(marker(format!("judged disk {:.2} GiB", gib(r.disk_bytes)), r.disk_bytes, 1.0, 4));
+    }
+    b.push_str(&line_chart(
+        &Axes {
+            title: "prefix hits (tokens) by store capacity",
+            x_desc: "NVMe log size, GiB",
+            y_desc: "% of tokens looked up",
+            x_log: false,
+            y_log: false,
+        },
+        &s,
+    ));
+    b.push_str("</div><h2>Landmarks</h2><table><tr><th class=l>curve</th><th class=l>method</th><th>unbounded</th><th>knee</th><th>90%</th><th>95%</th><th>99%</th><th>seconds</th></tr>");
+    for c in [r.memory.as_ref(), r.memory_shards.as_ref(), Some(&r.prefix), r.policy.as_ref()].into_iter().flatten() {
+        let _ = write!(
+            b,
+            "<tr><td class=l>{}</td><td class=l>{}</td><td>{:.1}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>",
+            escape(&c.name),
+            escape(&c.method),
+            c.unbounded_hit_ratio * 100.0,
+            c.knee.as_ref().map_or("—".into(), cell),
+            cell(&c.reach_90),
+            cell(&c.reach_95),
+            cell(&c.reach_99),
+            c.seconds
+        );
+    }
+    b.push_str("</table>");
+    page("kvtier-loadgen size", &b)
 }
 
 #[cfg(test)]

@@ -8,6 +8,13 @@
 //! | read a block | `GET /v1/blocks/{key}` (404 → miss) | `GET_INTO` a registered slot (`NOT_FOUND`, `CORRUPT` → miss) | `GET key` (nil → miss) |
 //! | write a block | `PUT /v1/blocks/{key}` | `PUT_FROM` a registered slot | `SET key value` |
 //!
+//! | (model, `model://`) | leading keys in its set | a key in its set (no bytes) | adds the key |
+//!
+//! The model target is an unbounded in-process store that keeps only the
+//! keys: a replay against it needs no server and writes the trace of the
+//! workload itself (`replay --target model:// --trace-out F`), as a store
+//! that never evicts would see it.
+//!
 //! kvtier tells its block geometry (`/v1/stats`, or the local socket's
 //! `HELLO`); Redis stores any size, so the run gives it (`--model` or
 //! `--block-bytes`).
@@ -47,7 +54,7 @@ pub enum TargetError {
     /// The target URL is none of `http://HOST:PORT`, `unix://PATH`,
     /// `redis://HOST:PORT`.
     #[error(
-        "bad target {0:?}: expected http://HOST:PORT (kvtier), unix:///PATH/kvtier.sock[?http=HOST:PORT] (kvtier's local socket) or redis://HOST:PORT[/DB] (Redis)"
+        "bad target {0:?}: expected http://HOST:PORT (kvtier), unix:///PATH/kvtier.sock[?http=HOST:PORT] (kvtier's local socket) , redis://HOST:PORT[/DB] (Redis) or model:// (an in-process store of keys, no server)"
     )]
     BadTarget(String),
 }
@@ -120,7 +127,25 @@ pub enum Target {
     Local(LocalTarget),
     /// Redis.
     Redis(RedisTarget),
+    /// An unbounded in-process store of keys, no server (`model://`).
+    Model(ModelTarget),
 }
+
+/// The `model://` target: the block hashes stored so far, never evicted,
+/// no bytes kept.
+#[derive(Default)]
+pub struct ModelTarget {
+    keys: std::sync::Mutex<std::collections::HashSet<u128>>,
+}
+
+impl ModelTarget {
+    fn has(&self, key: &str) -> bool {
+        self.keys.lock().expect("model keys").contains(&kvtier_engine::key::BlockHash::of(key.as_bytes()).0)
+    }
+}
+
+/// The URL scheme of the model target.
+pub const MODEL_SCHEME: &str = "model://";
 
 /// A block read: its bytes and the tier that served it (`x-kvtier-tier`,
 /// or the `GET_INTO` result's tier in the same words; `"redis"` for Redis).
@@ -155,6 +180,8 @@ impl Target {
             Ok(Target::Local(LocalTarget::connect(url, n, workers.max(1)).await?))
         } else if url.starts_with("http://") {
             Ok(Target::Kvtier(Client::new(url, http1, connections.max(1))?))
+        } else if url.starts_with(MODEL_SCHEME) {
+            Ok(Target::Model(ModelTarget::default()))
         } else {
             Err(TargetError::BadTarget(url.to_string()))
         }
@@ -165,7 +192,14 @@ impl Target {
         match self {
             Target::Kvtier(_) | Target::Local(_) => "kvtier",
             Target::Redis(_) => "redis",
+            Target::Model(_) => "model",
         }
+    }
+
+    /// Whether a block read back carries the bytes written (every target
+    /// but the model, which keeps keys only).
+    pub fn keeps_bytes(&self) -> bool {
+        !matches!(self, Target::Model(_))
     }
 
     /// `"h2c"`, `"http/1.1"`, `"unix"` (kvtier's local protocol) or `"resp"`.
@@ -174,6 +208,7 @@ impl Target {
             Target::Kvtier(c) => c.protocol(),
             Target::Local(_) => "unix",
             Target::Redis(_) => "resp",
+            Target::Model(_) => "none",
         }
     }
 
@@ -185,6 +220,7 @@ impl Target {
             Target::Kvtier(_) => "http",
             Target::Local(_) => "unix",
             Target::Redis(_) => "tcp",
+            Target::Model(_) => "none",
         }
     }
 
@@ -198,6 +234,7 @@ impl Target {
             Target::Kvtier(c) => Ok(c.stats().await?),
             Target::Local(l) => Ok(l.stats().await?),
             Target::Redis(r) => Err(TargetError::Redis { target: r.url.clone(), message: "Redis has no /v1/stats".into() }),
+            Target::Model(_) => Err(TargetError::BadTarget("the model target has no /v1/stats".into())),
         }
     }
 
@@ -207,7 +244,7 @@ impl Target {
         match self {
             Target::Kvtier(c) => c.refusals(),
             Target::Local(l) => l.refusals(),
-            Target::Redis(_) => 0,
+            Target::Redis(_) | Target::Model(_) => 0,
         }
     }
 
@@ -217,6 +254,7 @@ impl Target {
             Target::Kvtier(c) => c.target(),
             Target::Local(l) => l.url(),
             Target::Redis(r) => &r.url,
+            Target::Model(_) => MODEL_SCHEME,
         }
     }
 
@@ -227,6 +265,7 @@ impl Target {
             Target::Kvtier(c) => c.connections(),
             Target::Local(l) => l.connections(),
             Target::Redis(r) => r.connections.len(),
+            Target::Model(_) => 0,
         }
     }
 
@@ -246,6 +285,7 @@ impl Target {
                 redis::cmd("PING").query_async::<String>(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(None)
             }
+            Target::Model(_) => Ok(None),
         }
     }
 
@@ -265,6 +305,7 @@ impl Target {
                 let found: Vec<i64> = pipe.query_async(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(found.iter().take_while(|&&n| n > 0).count())
             }
+            Target::Model(m) => Ok(keys.iter().take_while(|k| m.has(k)).count()),
         }
     }
 
@@ -282,6 +323,7 @@ impl Target {
                 let v: Option<Bytes> = redis::cmd("GET").arg(key).query_async(&mut r.conn()).await.map_err(|e| r.fail(e))?;
                 Ok(v.map(|body| ReadBlock { body: body.into(), tier: "redis".into() }))
             }
+            Target::Model(m) => Ok(m.has(key).then(|| ReadBlock { body: Bytes::new().into(), tier: "model".into() })),
         }
     }
 
@@ -296,6 +338,10 @@ impl Target {
             Target::Local(l) => l.put(key, &chunks).await.map(|_| ()).map_err(Into::into),
             Target::Redis(r) => {
                 redis::cmd("SET").arg(key).arg(Chunks(&chunks)).query_async::<()>(&mut r.conn()).await.map_err(|e| r.fail(e))
+            }
+            Target::Model(m) => {
+                m.keys.lock().expect("model keys").insert(kvtier_engine::key::BlockHash::of(key.as_bytes()).0);
+                Ok(())
             }
         }
     }
@@ -319,6 +365,7 @@ impl Target {
             }
             Target::Local(l) => Ok(l.server_bytes().await?),
             Target::Redis(r) => r.net_bytes().await,
+            Target::Model(_) => Ok((0, 0)),
         }
     }
 }

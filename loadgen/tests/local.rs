@@ -167,6 +167,7 @@ async fn replay_over_the_socket_round_trips_and_hits_on_the_second_pass() {
         generation: replay::GenerationMode::None,
         progress: false,
         oracle: None,
+        trace_out: None,
     };
     let target = Arc::new(Target::open(&server.unix(), false, 0, 4).await.unwrap());
     let geometry = target.geometry().await.unwrap().unwrap();
@@ -207,6 +208,7 @@ async fn replay_over_the_socket_matches_the_oracle_block_for_block() {
             generation: replay::GenerationMode::None,
             progress: false,
             oracle: Some(oracle),
+            trace_out: None,
         };
         let geometry = target.geometry().await.unwrap().unwrap();
         let r = replay::run(target.clone(), dataset, path, geometry, cfg).await;

@@ -102,6 +102,20 @@ struct ServeArgs {
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// Record every block operation (time, operation, shard, block hash,
+    /// serving tier; never keys or bytes) into trace files in this
+    /// directory, from start-up; `POST /v1/admin/trace/stop` and `/start`
+    /// stop and restart it. `kvtier-loadgen size` turns a trace into
+    /// hit-ratio curves per tier size (docs/OPERATIONS.md, "Sizing the
+    /// tiers"; format: docs/TRACE.md). Off by default.
+    #[arg(long)]
+    trace_dir: Option<PathBuf>,
+    /// Bound on the trace files in --trace-dir together, in MiB (2^20
+    /// bytes): a file is rotated at a quarter of it and the oldest trace
+    /// files are deleted to stay under it (32 bytes per record: 1 GiB holds
+    /// about 33 million operations).
+    #[arg(long, default_value_t = kvtier_engine::trace::TRACE_MAX_MB_DEFAULT)]
+    trace_max_mb: u64,
     #[command(flatten)]
     s3: kvtier_s3::S3Args,
     #[command(flatten)]
@@ -279,6 +293,7 @@ impl StoreArgs {
             gpu: Default::default(),
             remote: None,
             health_window: std::time::Duration::from_millis(self.health_window_ms),
+            trace: None,
         };
         Ok((config, segment_origin))
     }
@@ -517,6 +532,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     config.remote = s3_tier.clone().map(|t| t as Arc<dyn kvtier_engine::remote::Remote>);
+    if let Some(dir) = &args.trace_dir {
+        let recorder = kvtier_engine::trace::Recorder::new(dir, args.trace_max_mb.saturating_mul(1 << 20))?;
+        recorder.set_header(config.trace_header("kvtier serve"));
+        futures::executor::block_on(recorder.start()).map_err(|e| format!("--trace-dir {}: {e}", dir.display()))?;
+        config.trace = Some(recorder);
+    }
     let mut steps = StartSteps::new(started);
     steps.end("configuration");
     let _lock = lock_data_dir(&config.data_dir)?;
@@ -615,6 +636,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     }
     if let Some(line) = gpu_line {
         println!("kvtier: {line}");
+    }
+    if let Some(dir) = &args.trace_dir {
+        println!("kvtier: recording block operations to {} (at most {} MiB; docs/TRACE.md)", dir.display(), args.trace_max_mb);
     }
     tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, segment_bytes, "serving");
     if std::fs::read_to_string(THP_ENABLED_PATH).is_ok_and(|mode| mode.contains("[never]")) {

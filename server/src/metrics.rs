@@ -43,13 +43,33 @@ pub enum Route {
     Healthz,
     /// `GET /readyz`
     Readyz,
+    /// `GET /v1/admin/trace`
+    AdminTrace,
+    /// `POST /v1/admin/trace/start`
+    AdminTraceStart,
+    /// `POST /v1/admin/trace/stop`
+    AdminTraceStop,
     /// Anything else (404, 405, 401).
     Other,
 }
 
 /// Labels of the [`Route`]s, in declaration order (`route as usize`).
-pub const HTTP_ROUTE_NAMES: [&str; 11] =
-    ["put_block", "get_block", "head_block", "delete_block", "lookup", "prefetch", "stats", "metrics", "healthz", "readyz", "other"];
+pub const HTTP_ROUTE_NAMES: [&str; 14] = [
+    "put_block",
+    "get_block",
+    "head_block",
+    "delete_block",
+    "lookup",
+    "prefetch",
+    "stats",
+    "metrics",
+    "healthz",
+    "readyz",
+    "admin_trace",
+    "admin_trace_start",
+    "admin_trace_stop",
+    "other",
+];
 
 #[derive(Clone)]
 struct RouteCounters {
@@ -310,6 +330,7 @@ pub fn prometheus_text(
     geometry: &Geometry,
     remote: Option<&dyn kvtier_engine::remote::Remote>,
     health: &[TierHealth],
+    trace: Option<&kvtier_engine::trace::TraceStatus>,
 ) -> String {
     let mut registry = Registry::with_prefix("kvtier");
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
@@ -341,6 +362,19 @@ pub fn prometheus_text(
             "Copies that met a client's buffer file shrunk under the server's mapping (SIGBUS caught; that registration is lost)",
             counter(crate::local::guard::faults_caught()),
         );
+    }
+
+    if let Some(t) = trace {
+        let g = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        g.set(i64::from(t.recording));
+        registry.register("trace_recording", "1 while the trace recorder takes records (--trace-dir), else 0", g);
+        registry.register("trace_records", "Block operations recorded since start", counter(t.records));
+        registry.register(
+            "trace_dropped_records",
+            "Records dropped since start: the trace writer's queue was full or a write failed",
+            counter(t.dropped_records),
+        );
+        registry.register("trace_written_bytes", "Bytes written to trace files since start", counter(t.bytes_written));
     }
 
     registry.register(

@@ -13,6 +13,8 @@
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /healthz` | 200: the process answers (liveness) |
 //! | `GET /readyz` | 200 with each tier's state; 503 when the log cannot be written |
+//! | `GET /v1/admin/trace` | 200 the trace recorder's state; 409 without `--trace-dir` |
+//! | `POST /v1/admin/trace/start`, `/stop` | 200 the recorder's state after; 409 without `--trace-dir`; 500 the file cannot be created |
 
 // Handlers return `Result<_, Reply>` so a check can answer early; the
 // error path is a finished response, so boxing it would buy nothing.
@@ -136,6 +138,9 @@ pub fn route_of(method: &Method, path: &str) -> Route {
         (&Method::GET, "/metrics") => Route::Metrics,
         (&Method::GET, "/healthz") => Route::Healthz,
         (&Method::GET, "/readyz") => Route::Readyz,
+        (&Method::GET, "/v1/admin/trace") => Route::AdminTrace,
+        (&Method::POST, "/v1/admin/trace/start") => Route::AdminTraceStart,
+        (&Method::POST, "/v1/admin/trace/stop") => Route::AdminTraceStop,
         _ => Route::Other,
     }
 }
@@ -183,8 +188,8 @@ pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, 
         }
         Route::Other => Plan::Refuse(match path {
             _ if path.starts_with("/v1/blocks/") => method_not_allowed("PUT, GET, HEAD, DELETE"),
-            "/v1/lookup" | "/v1/prefetch" => method_not_allowed("POST"),
-            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" => method_not_allowed("GET"),
+            "/v1/lookup" | "/v1/prefetch" | "/v1/admin/trace/start" | "/v1/admin/trace/stop" => method_not_allowed("POST"),
+            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" | "/v1/admin/trace" => method_not_allowed("GET"),
             _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
         }),
         route => Plan::Handle(route, None),
@@ -223,6 +228,7 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
                 Route::Metrics => metrics(ctx).await,
                 Route::Healthz => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
                 Route::Readyz => readyz(ctx).await,
+                Route::AdminTrace | Route::AdminTraceStart | Route::AdminTraceStop => admin_trace(ctx, route).await,
                 Route::Other => unreachable!("plan never hands Route::Other to a handler"),
             }
         }
@@ -538,6 +544,29 @@ async fn readyz(ctx: &Ctx) -> Reply {
     json_reply(if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
 }
 
+/// The trace recorder: its state, or start or stop it. Authenticated as
+/// every route is (the bearer token, when the server has one).
+async fn admin_trace(ctx: &Ctx, route: Route) -> Reply {
+    let status = match route {
+        Route::AdminTraceStart => ctx.store.trace_start().await.map(|r| {
+            r.map_err(|e| {
+                error(StatusCode::INTERNAL_SERVER_ERROR, "trace_start_failed", format!("the trace recorder could not start: {e}"))
+            })
+        }),
+        Route::AdminTraceStop => ctx.store.trace_stop().await.map(Ok),
+        _ => ctx.store.trace_status().map(Ok),
+    };
+    match status {
+        None => error(
+            StatusCode::CONFLICT,
+            "trace_not_configured",
+            "this server has no trace recorder: start kvtier serve with --trace-dir DIR (docs/OPERATIONS.md, \"Sizing the tiers\")",
+        ),
+        Some(Err(reply)) => reply,
+        Some(Ok(status)) => json_reply(StatusCode::OK, &status),
+    }
+}
+
 async fn stats(ctx: &Ctx) -> Reply {
     let shards = match ctx.store.stats().await {
         Ok(s) => s,
@@ -576,6 +605,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         "per_shard": shards,
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
         "local": crate::local::stats_json(ctx.local.as_deref()),
+        "trace": ctx.store.trace_status(),
     });
     let mut body = body;
     if let Some(remote) = ctx.store.remote() {
@@ -597,6 +627,7 @@ async fn metrics(ctx: &Ctx) -> Reply {
         ctx.store.geometry(),
         ctx.store.remote().map(|r| r.as_ref()),
         &health,
+        ctx.store.trace_status().as_ref(),
     );
     Response::builder()
         .status(StatusCode::OK)

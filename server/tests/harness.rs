@@ -91,4 +91,5 @@ async fn short_soak_samples_rss_fds_and_p99_across_both_kinds_of_restart() {
     }
     let html = report::soak_html(&r);
     assert_eq!(html.matches("<svg").count(), 4, "four charts");
+    common::browser::assert_report_renders(&html, dir.path(), "soak");
 }

@@ -27,6 +27,7 @@ async fn replay_of_sample_hits_on_second_pass() {
         generation: replay::GenerationMode::None,
         progress: false,
         oracle: None,
+        trace_out: None,
     };
     let mut passes = Vec::new();
     for http1 in [false, true] {
@@ -58,6 +59,7 @@ async fn replay_of_sample_hits_on_second_pass() {
     assert_eq!(second.timeline.iter().map(|p| p.blocks_read).sum::<u64>(), second.blocks_read);
     let html = kvtier_loadgen::report::replay_html(second);
     assert!(html.matches("<svg").count() >= 4 && html.contains("interactive") && html.contains("GET from nvme"));
+    common::browser::assert_report_renders(&html, dir.path(), "replay");
     server.stop();
 }
 

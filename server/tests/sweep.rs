@@ -109,6 +109,7 @@ async fn short_sweep_fills_every_field_with_real_throughput() {
     let html = kvtier_loadgen::report::sweep_html(&results);
     assert!(html.contains("<svg") && html.contains(&server.url) && html.contains("tokens/s"));
     assert!(html.matches("<svg").count() >= 5, "throughput, three latency charts, bandwidth, histogram");
+    common::browser::assert_report_renders(&html, dir.path(), "sweep");
     server.stop();
 }
 

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod local;
 
 use std::path::{Path, PathBuf};
@@ -247,6 +248,7 @@ pub async fn replay_matching_the_oracle(
         generation: replay::GenerationMode::None,
         progress: false,
         oracle: Some(oracle),
+        trace_out: None,
     };
     let geometry = target.geometry().await.unwrap().unwrap();
     let r = replay::run(target, dataset, path, geometry, cfg).await;
