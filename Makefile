@@ -7,6 +7,7 @@
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio, also via h2load (target/bench/http/)
 #   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
+#   make bench-size  tier sizing from traces: exact curves vs SHARDS on 10M+ records, predicted vs measured RAM hit ratio, recorder cost (target/bench-size/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
@@ -37,12 +38,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 bench-size fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,20p' Makefile
+	@sed -n '2,21p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -216,6 +217,14 @@ bench-http: build
 # (PAIRS, USERS_PER_NODE, CONVERSATIONS, BLOCK_BYTES, BURST_QUEUE_MIB, ...).
 bench-s3: build data target/py-s3/.installed
 	loadgen/scripts/bench_s3.sh
+
+# Tier sizing from traces: exact LRU curves against SHARDS at 1 % and 0.1 %
+# on a ShareGPT trace of 10+ million records (time, memory, error), the
+# curve from one real server's trace against the RAM hit ratio measured at
+# two other sizes, and the recorder's cost (sweep at C=16, off and on
+# alternating). Settings in loadgen/scripts/bench_size.sh.
+bench-size: build data
+	loadgen/scripts/bench_size.sh
 
 # The fake CUDA driver (a test double: host memory as device memory, with
 # switches for out-of-memory, failing copies, slow and deferred completion;

@@ -639,13 +639,13 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
         "<h2>Per tier</h2><table><tr><th class=l>tier</th><th>judged</th><th>hit ratio</th><th>knee</th><th>90%</th><th>95%</th><th>99%</th>\
          <th>tokens saved / GB</th><th class=l>what the hit ratio counts</th></tr>",
     );
-    let cell = |p: &SizePoint| format!("{:.2} GiB ({:.1}%)", gib(p.bytes), p.hit_ratio * 100.0);
+    let cell = |p: &SizePoint| format!("{} ({:.1}%)", crate::size::human_bytes(p.bytes), p.hit_ratio * 100.0);
     for t in &r.tiers {
         let _ = write!(
             b,
             "<tr><td class=l>{}</td><td>{}</td><td>{:.1}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0}</td><td class=l>{}</td></tr>",
             t.tier,
-            format_args!("{:.2} GiB", gib(t.configured.bytes)),
+            crate::size::human_bytes(t.configured.bytes),
             t.configured.hit_ratio * 100.0,
             t.knee.as_ref().map_or("—".into(), cell),
             cell(&t.reach[0]),
@@ -682,9 +682,14 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
             s.push(series(p, 2, false, "kvtier policy (RAM size; GPU as judged)"));
         }
         if let Some(k) = &m.knee {
-            s.push(marker(format!("knee {:.2} GiB", gib(k.bytes)), k.bytes, k.hit_ratio, 3));
+            s.push(marker(format!("knee {}", crate::size::human_bytes(k.bytes)), k.bytes, k.hit_ratio, 3));
         }
-        s.push(marker(format!("judged GPU + RAM {:.2} GiB", gib(r.gpu_bytes + r.ram_bytes)), r.gpu_bytes + r.ram_bytes, 1.0, 4));
+        s.push(marker(
+            format!("judged GPU + RAM {}", crate::size::human_bytes(r.gpu_bytes + r.ram_bytes)),
+            r.gpu_bytes + r.ram_bytes,
+            1.0,
+            4,
+        ));
         b.push_str(&line_chart(
             &Axes {
                 title: "GETs served from memory",
@@ -699,10 +704,10 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
     let p = &r.prefix;
     let mut s = vec![series(p, 0, false, "LRU")];
     if let Some(k) = &p.knee {
-        s.push(marker(format!("knee {:.2} GiB", gib(k.bytes)), k.bytes, k.hit_ratio, 3));
+        s.push(marker(format!("knee {}", crate::size::human_bytes(k.bytes)), k.bytes, k.hit_ratio, 3));
     }
     if r.disk_bytes > 0 {
-        s.push(marker(format!("judged disk {:.2} GiB", gib(r.disk_bytes)), r.disk_bytes, 1.0, 4));
+        s.push(marker(format!("judged disk {}", crate::size::human_bytes(r.disk_bytes)), r.disk_bytes, 1.0, 4));
     }
     b.push_str(&line_chart(
         &Axes {

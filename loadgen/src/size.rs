@@ -11,7 +11,9 @@
 //! an LRU per shard, `slots = bytes / shards / block_bytes`):
 //! - PUT, GET and prefetch are references (the block becomes the most
 //!   recently used); HEAD and lookup are probes (nothing moves); DELETE
-//!   takes the block out.
+//!   takes the block out (exact without DELETEs: a delete frees a slot in
+//!   caches of every size but leaves them differently full, so LRU with
+//!   deletes is not a stack algorithm; engines rarely delete).
 //! - **Memory curve** (GETs): the share of block GETs a memory tier of each
 //!   size serves, exact by stack distance ([`crate::mrc::LruStack`]), or
 //!   estimated by SHARDS (`sample_rate`, `sample_blocks`). With promotion
@@ -237,6 +239,10 @@ pub struct SizeReport {
     pub memory: Option<CurveReport>,
     /// The same by SHARDS, when asked.
     pub memory_shards: Option<CurveReport>,
+    /// Mean absolute error of the SHARDS curve against the exact one, over
+    /// every size from 1 slot per shard to where the exact curve stops
+    /// rising (both computed).
+    pub memory_shards_mae: Option<f64>,
     /// Lookup tokens found as prefix hits by a store of each capacity.
     pub prefix: CurveReport,
     /// GETs served from GPU or RAM under kvtier's own policy at each RAM
@@ -246,6 +252,9 @@ pub struct SizeReport {
     pub tiers: Vec<TierAdvice>,
     /// References (PUT, GET, prefetch) per second of the exact pass.
     pub exact_references_per_s: f64,
+    /// Records (every access: references and probes) per second of the
+    /// exact pass.
+    pub exact_records_per_s: f64,
 }
 
 /// Counts of one pass: histograms of GET distances and prefix tokens.
@@ -419,10 +428,15 @@ pub fn size(w: &Workload, opts: &SizeOptions) -> SizeReport {
     let memory = (!opts.skip_exact).then(|| {
         report("GETs served from memory (GPU + RAM)", "exact LRU (stack distances)".into(), &memory_curve, exact_s, &mem_point, &marks)
     });
+    let mut memory_shards_mae = None;
     let memory_shards = (opts.sample_rate.is_some() || opts.sample_blocks.is_some()).then(|| {
         let t = Instant::now();
         let (hist, rate, gets) = shards_pass(w, opts.sample_rate, opts.sample_blocks);
         let c = hist.curve(Some(gets as f64));
+        if !opts.skip_exact {
+            let top = memory_curve.saturation().max(1);
+            memory_shards_mae = Some((1..=top).map(|b| (c.at(b) - memory_curve.at(b)).abs()).sum::<f64>() / top as f64);
+        }
         let method = match opts.sample_blocks {
             Some(n) => format!("SHARDS fixed-size ({n} blocks; rate at the end {rate:.5})"),
             None => format!("SHARDS at rate {rate:.4}"),
@@ -535,11 +549,20 @@ pub fn size(w: &Workload, opts: &SizeOptions) -> SizeReport {
         promote: h.promote,
         memory,
         memory_shards,
+        memory_shards_mae,
         prefix,
         policy,
         tiers,
         exact_references_per_s: if exact_s > 0.0 { pass.references as f64 / exact_s } else { 0.0 },
+        exact_records_per_s: if exact_s > 0.0 { w.records.len() as f64 / exact_s } else { 0.0 },
     }
+}
+
+/// The exact memory curve alone: the share of GETs an LRU tier of each
+/// size (slots per shard) serves.
+pub fn memory_curve(w: &Workload) -> Curve {
+    let pass = exact_pass(w, true);
+    pass.gets.curve(Some(pass.get_count as f64))
 }
 
 /// The GET hit ratio of an LRU memory tier of `blocks_per_shard` slots per
@@ -577,8 +600,13 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
-fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+/// Bytes in GiB, or MiB under 1 GiB.
+pub fn human_bytes(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
 }
 
 /// The report as a text table.
@@ -609,17 +637,20 @@ pub fn text(r: &SizeReport) -> String {
             out,
             "{:<6} {:>12} {:>9} {:>12} {:>12} {:>12} {:>12} {:>16.0}",
             t.tier,
-            gib(t.configured.bytes),
+            human_bytes(t.configured.bytes),
             pct(t.configured.hit_ratio),
-            t.knee.map_or("-".into(), |k| gib(k.bytes)),
-            gib(t.reach[0].bytes),
-            gib(t.reach[1].bytes),
-            gib(t.reach[2].bytes),
+            t.knee.map_or("-".into(), |k| human_bytes(k.bytes)),
+            human_bytes(t.reach[0].bytes),
+            human_bytes(t.reach[1].bytes),
+            human_bytes(t.reach[2].bytes),
             t.tokens_saved_per_gb
         );
     }
     for t in &r.tiers {
         let _ = writeln!(out, "  {}: {}", t.tier, t.measure);
+    }
+    if let Some(mae) = r.memory_shards_mae {
+        let _ = writeln!(out, "\nSHARDS against exact: mean absolute error {mae:.4} over every size");
     }
     let curves = [r.memory.as_ref(), r.memory_shards.as_ref(), Some(&r.prefix), r.policy.as_ref()];
     for c in curves.into_iter().flatten() {
@@ -630,12 +661,12 @@ pub fn text(r: &SizeReport) -> String {
             c.method,
             c.seconds,
             pct(c.unbounded_hit_ratio),
-            c.knee.map_or("-".into(), |k| format!("{} ({})", gib(k.bytes), pct(k.hit_ratio)))
+            c.knee.map_or("-".into(), |k| format!("{} ({})", human_bytes(k.bytes), pct(k.hit_ratio)))
         );
         let _ = writeln!(out, "  {:>12} {:>12} {:>9}", "slots/shard", "size", "hit");
         let step = (c.points.len() / 12).max(1);
         for p in c.points.iter().step_by(step) {
-            let _ = writeln!(out, "  {:>12} {:>12} {:>9}", p.blocks_per_shard, gib(p.bytes), pct(p.hit_ratio));
+            let _ = writeln!(out, "  {:>12} {:>12} {:>9}", p.blocks_per_shard, human_bytes(p.bytes), pct(p.hit_ratio));
         }
     }
     out

@@ -194,4 +194,8 @@ async fn the_curve_from_one_runs_trace_predicts_the_ram_hit_ratio_of_the_others(
         assert!((predicted - measured).abs() <= 0.02, "{blocks} slots/shard: predicted {predicted:.4}, measured {measured:.4}");
     }
     assert!(memory.unbounded_hit_ratio > curve_at(sizes[0]), "the small RAM tier misses: the check is not trivial");
+    // The report as a person sees it.
+    let html = kvtier_loadgen::report::size_html(&report);
+    assert!(html.contains("GETs served from memory") && html.contains("knee"));
+    common::browser::assert_report_renders(&html, dir.path(), "size");
 }
