@@ -7,10 +7,12 @@
 #  2. Predicted against measured: a real `kvtier serve` with the recorder on
 #     replays the same conversations at a small RAM tier; the curve from its
 #     trace predicts the RAM hit ratio, measured at the knee and at 4x it.
-#  3. Recorder cost: the sweep at C=16 against a server with the recorder
-#     off and on, alternating, PAIRS pairs.
-# Settings (environment): PASSES (2), USERS (32), CONVERSATIONS (400, part
-# 2), PAIRS (3), SWEEP_S (10), OUT (target/bench-size).
+#  3. Recorder cost: the sweep at C=16 against one server (64 KiB blocks),
+#     the recorder off and on in turn (toggled by the admin route: no restart
+#     between the two), PAIRS pairs; the median of on/off.
+# Settings (environment): PARTS ("1 2 3": which of the above), PASSES (2),
+# USERS (32), CONVERSATIONS (400, part 2), PAIRS (7), SWEEP_S (10), OUT
+# (target/bench-size).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/bench-size}
@@ -26,6 +28,8 @@ trap cleanup EXIT
 mkdir -p "$OUT"
 json() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
 
+part() { [[ " ${PARTS:-1 2 3} " == *" $1 "* ]]; }
+if part 1; then
 echo "== 1. exact against SHARDS on a ShareGPT trace"
 TRACE=$OUT/sharegpt.kvtrace
 $BIN/kvtier-loadgen replay --target model:// --users "${USERS:-32}" --passes "${PASSES:-2}" --duration-s 3600 \
@@ -52,7 +56,8 @@ for r in 1 0.1; do
 done
 echo "exact pass: $(json "$OUT/exact/results.json" "round(r['exact_records_per_s'] / 1e6, 2)") M records/s, $(json "$OUT/exact/results.json" "round(r['exact_references_per_s'] / 1e6, 2)") M references/s (one core)"
 
-echo "== 2. predicted against measured (real kvtier, recorder on)"
+fi
+
 serve() { # ram_gb, trace_dir_or_empty
   local extra=()
   if [ -n "$2" ]; then extra=(--trace-dir "$2"); fi
@@ -67,6 +72,8 @@ serve() { # ram_gb, trace_dir_or_empty
   done
 }
 stop() { kill "$PID"; wait "$PID" 2>/dev/null || true; PID=; }
+if part 2; then
+echo "== 2. predicted against measured (real kvtier, recorder on)"
 replay() { # name
   $BIN/kvtier-loadgen replay --target "http://127.0.0.1:$PORT" --users 16 --passes 2 --conversations "${CONVERSATIONS:-400}" \
     --duration-s 3600 --out "$OUT/$1" >/dev/null 2>"$OUT/$1.log"
@@ -89,16 +96,26 @@ for pair in "small:$SMALL:$measured_small" "knee:$KNEE:" "large:$LARGE:"; do
   printf "%-8s %14s %12.4f %12.4f %10.2f\n" "$name" "$slots" "$p" "$measured" "$(python3 -c "print(100 * ($p - $measured))")"
 done
 
-echo "== 3. recorder cost: sweep at C=16, off and on alternating"
-for i in $(seq "${PAIRS:-3}"); do
+fi
+
+if part 3; then
+echo "== 3. recorder cost: sweep at C=16, off and on alternating on one server (the admin route toggles it)"
+serve 1 "$DATA/traces-cost"
+admin() { curl -sf -X POST "http://127.0.0.1:$PORT/v1/admin/trace/$1" >"$OUT/trace-state.json"; }
+admin stop
+for i in $(seq "${PAIRS:-7}"); do
   for mode in off on; do
-    if [ $mode = on ]; then serve 1 "$DATA/traces-$i"; else serve 1 ""; fi
+    if [ $mode = on ]; then admin start; fi
     $BIN/kvtier-loadgen sweep --target "http://127.0.0.1:$PORT" --concurrency 16 --warmup-s 2 --duration-s "${SWEEP_S:-10}" \
       --working-set-mib 512 --out "$OUT/sweep-$mode-$i" >/dev/null 2>&1
-    stop
+    if [ $mode = on ]; then
+      admin stop
+      echo "  pair $i: $(json "$OUT/trace-state.json" "r['records']") records so far, $(json "$OUT/trace-state.json" "r['dropped_records']") dropped"
+    fi
     echo "$mode $(json "$OUT/sweep-$mode-$i/results.json" "r['targets'][0]['levels'][0]['tokens_per_s']")" >>"$OUT/recorder.txt.$$"
   done
 done
+stop
 python3 - "$OUT/recorder.txt.$$" <<'PY'
 import sys, statistics
 rows = [l.split() for l in open(sys.argv[1])]
@@ -109,3 +126,4 @@ for i, (a, b) in enumerate(zip(off, on)):
 print(f"median on/off: {statistics.median(b/a for a, b in zip(off, on)):.3f}")
 PY
 rm -f "$OUT/recorder.txt.$$"
+fi

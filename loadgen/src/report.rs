@@ -59,8 +59,15 @@ pub struct Axes<'a> {
     pub y_log: bool,
 }
 
-/// A line chart as an SVG string (an empty-state note without points).
+/// A line chart as an SVG string (an empty-state note without points),
+/// its legend in the upper left.
 pub fn line_chart(axes: &Axes, series: &[Series]) -> String {
+    line_chart_with_legend(axes, series, SeriesLabelPosition::UpperLeft)
+}
+
+/// [`line_chart`] with the legend where the curves leave room (the lower
+/// right for curves that rise from the origin).
+pub fn line_chart_with_legend(axes: &Axes, series: &[Series], legend: SeriesLabelPosition) -> String {
     let pts = || series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite());
     if pts().next().is_none() {
         return format!("<p class=\"empty\">{}: no data</p>", escape(axes.title));
@@ -85,7 +92,7 @@ pub fn line_chart(axes: &Axes, series: &[Series]) -> String {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, CHART_PX).into_drawing_area();
-        let _ = draw(&root, axes, series, (x0, x1), (y0, y1));
+        let _ = draw(&root, axes, series, (x0, x1), (y0, y1), legend);
         let _ = root.present();
     }
     svg
@@ -99,6 +106,7 @@ fn draw(
     series: &[Series],
     x: (f64, f64),
     y: (f64, f64),
+    legend: SeriesLabelPosition,
 ) -> DrawResult {
     root.fill(&WHITE)?;
     let mut builder = ChartBuilder::on(root);
@@ -128,12 +136,7 @@ fn draw(
                 }
                 chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
             }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()?;
+            chart.configure_series_labels().position(legend.clone()).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
         }};
     }
     match (axes.x_log, axes.y_log) {
@@ -657,7 +660,7 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
     }
     b.push_str("</table><p class=note>90/95/99%: the smallest size reaching that share of the hit ratio of an unbounded tier. Knee: Kneedle, where each further GiB starts to buy less than the average one.</p>");
     let series = |c: &CurveReport, color: usize, dashed: bool, name: &str| Series {
-        name: format!("{name}: {}", c.method),
+        name: name.to_string(),
         points: c.points.iter().map(|p| (gib(p.bytes), p.hit_ratio * 100.0)).collect(),
         color,
         dashed,
@@ -673,13 +676,13 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
     if let Some(m) = memory {
         let mut s = Vec::new();
         if let Some(e) = &r.memory {
-            s.push(series(e, 0, false, "LRU"));
+            s.push(series(e, 0, false, "LRU, exact"));
         }
         if let Some(e) = &r.memory_shards {
-            s.push(series(e, 1, true, "LRU"));
+            s.push(series(e, 1, true, "LRU, SHARDS"));
         }
         if let Some(p) = &r.policy {
-            s.push(series(p, 2, false, "kvtier policy (RAM size; GPU as judged)"));
+            s.push(series(p, 2, false, "kvtier's policy (simulated; x: RAM)"));
         }
         if let Some(k) = &m.knee {
             s.push(marker(format!("knee {}", crate::size::human_bytes(k.bytes)), k.bytes, k.hit_ratio, 3));
@@ -690,7 +693,7 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
             1.0,
             4,
         ));
-        b.push_str(&line_chart(
+        b.push_str(&line_chart_with_legend(
             &Axes {
                 title: "GETs served from memory",
                 x_desc: "memory tier size, GiB (GPU + RAM)",
@@ -699,17 +702,18 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
                 y_log: false,
             },
             &s,
+            SeriesLabelPosition::LowerRight,
         ));
     }
     let p = &r.prefix;
-    let mut s = vec![series(p, 0, false, "LRU")];
+    let mut s = vec![series(p, 0, false, "LRU, exact")];
     if let Some(k) = &p.knee {
         s.push(marker(format!("knee {}", crate::size::human_bytes(k.bytes)), k.bytes, k.hit_ratio, 3));
     }
     if r.disk_bytes > 0 {
         s.push(marker(format!("judged disk {}", crate::size::human_bytes(r.disk_bytes)), r.disk_bytes, 1.0, 4));
     }
-    b.push_str(&line_chart(
+    b.push_str(&line_chart_with_legend(
         &Axes {
             title: "prefix hits (tokens) by store capacity",
             x_desc: "NVMe log size, GiB",
@@ -718,6 +722,7 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
             y_log: false,
         },
         &s,
+        SeriesLabelPosition::LowerRight,
     ));
     b.push_str("</div><h2>Landmarks</h2><table><tr><th class=l>curve</th><th class=l>method</th><th>unbounded</th><th>knee</th><th>90%</th><th>95%</th><th>99%</th><th>seconds</th></tr>");
     for c in [r.memory.as_ref(), r.memory_shards.as_ref(), Some(&r.prefix), r.policy.as_ref()].into_iter().flatten() {

@@ -314,7 +314,6 @@ fn exact_pass(w: &Workload, with_gets: bool) -> Pass {
             }
         }
     }
-    pass.distinct = count_distinct(w);
     pass
 }
 
@@ -337,12 +336,17 @@ fn shards_pass(w: &Workload, rate: Option<f64>, blocks: Option<usize>) -> (Dista
     let mut h = DistanceHistogram::default();
     let mut gets = 0u64;
     for r in &w.records {
+        // The sample test first: it is false for nearly every record and
+        // predictable, unlike the operation.
+        gets += u64::from(r.op == TraceOp::Get);
+        if !s.samples(r.hash.0) {
+            continue;
+        }
         match r.op {
             TraceOp::Put | TraceOp::Prefetch => {
                 s.reference(r.shard as usize, r.hash.0);
             }
             TraceOp::Get => {
-                gets += 1;
                 if let Some((d, weight)) = s.reference(r.shard as usize, r.hash.0) {
                     h.add(d.map(|d| d.ceil() as u64), weight);
                 }
@@ -420,8 +424,9 @@ pub fn size(w: &Workload, opts: &SizeOptions) -> SizeReport {
         };
 
     let t = Instant::now();
-    let pass = exact_pass(w, !opts.skip_exact);
+    let mut pass = exact_pass(w, !opts.skip_exact);
     let exact_s = t.elapsed().as_secs_f64();
+    pass.distinct = count_distinct(w);
     let memory_curve = pass.gets.curve(Some(pass.get_count as f64));
     let prefix_curve = pass.prefix.curve(None);
     let marks = [gpu_blocks, gpu_blocks + ram_blocks];

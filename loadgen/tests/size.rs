@@ -117,7 +117,7 @@ fn exact_curve_equals_a_direct_lru_at_every_size_on_a_sharegpt_trace() {
         dir.path().join("replay").to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let w = size::load(&[trace.clone()], Some(65536)).unwrap();
+    let w = size::load(std::slice::from_ref(&trace), Some(65536)).unwrap();
     assert!(w.records.len() > 5_000, "{} records", w.records.len());
     assert_eq!(w.header.source, "kvtier-loadgen replay (model://)");
     assert_curve_matches_direct_lru(&w, "sharegpt");
