@@ -81,6 +81,7 @@ replay() { # name
 }
 gb() { python3 -c "print($1 * 2 * 65536 / 2**30)"; }
 SMALL=256
+rm -rf "$OUT/traces-small"
 serve "$(gb $SMALL)" "$OUT/traces-small"
 measured_small=$(replay replay-small)
 stop

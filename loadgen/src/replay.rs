@@ -491,11 +491,17 @@ impl ClientTrace {
 }
 
 /// The trace header of a replay against `target`: the server's shards and
-/// tier sizes when it is kvtier over HTTP, one shard and no memory tiers
-/// otherwise.
+/// tier sizes when it is kvtier with `/v1/stats` (the local socket's shards
+/// from its `HELLO` otherwise), one shard and no memory tiers for Redis and
+/// the model target.
 async fn trace_header(target: &Target, block_bytes: u64, block_tokens: u64, model: &str) -> TraceHeader {
     let stats = target.stats().await.ok();
-    let shards = stats.as_ref().and_then(|v| v["shards"].as_u64()).unwrap_or(1).max(1);
+    // The local socket's HELLO names the shards even without `?http=`.
+    let hello_shards = match target {
+        Target::Local(l) => Some(l.hello().shards),
+        _ => None,
+    };
+    let shards = stats.as_ref().and_then(|v| v["shards"].as_u64()).or(hello_shards).unwrap_or(1).max(1);
     let capacity = |tier: &str| {
         stats.as_ref().and_then(|v| v["per_shard"][0]["tiers"].as_array()?.iter().find(|t| t["tier"] == tier)?["capacity_blocks"].as_u64())
     };
