@@ -198,7 +198,8 @@ pub struct TierAdvice {
     /// Smallest sizes reaching 90/95/99 % of the unbounded hit ratio.
     pub reach: [SizePoint; 3],
     /// Prefill tokens this tier saved over the trace per GB (10^9 bytes)
-    /// of it at the configured size: its hits × block tokens / GB.
+    /// of it at the configured size: its GET hits × block tokens / GB (for
+    /// NVMe: every prefix-hit token of a store that large, per GB of disk).
     pub tokens_saved_per_gb: f64,
 }
 
