@@ -63,50 +63,7 @@ enum Command {
     /// reaching 90/95/99% of an unbounded tier's hit ratio, and the prefill
     /// tokens each tier saves per GB. Prints a table; writes OUT/results.json
     /// and OUT/report.html. docs/OPERATIONS.md, "Sizing the tiers".
-    Size(SizeArgs),
-}
-
-#[derive(Args, Debug)]
-struct SizeArgs {
-    /// Trace files (`*.kvtrace`), or directories holding them (every trace
-    /// file inside, in name order: one recording's rotated files).
-    #[arg(required = true)]
-    traces: Vec<PathBuf>,
-    /// Directory for results.json and report.html (written only when every
-    /// trace reads).
-    #[arg(long, default_value = "target/loadgen/size")]
-    out: PathBuf,
-    /// Also estimate the memory curve by SHARDS at this sampling rate
-    /// (0 < R ≤ 1; e.g. 0.01), beside the exact curve.
-    #[arg(long)]
-    sample_rate: Option<f64>,
-    /// Also estimate it by fixed-size SHARDS tracking at most this many
-    /// blocks (bounded memory).
-    #[arg(long, conflicts_with = "sample_rate")]
-    sample_blocks: Option<usize>,
-    /// Skip the exact memory curve (with --sample-rate or --sample-blocks,
-    /// for traces too long for one exact pass).
-    #[arg(long)]
-    skip_exact: bool,
-    /// GPU tier size to judge, GiB (default: the trace's server's).
-    #[arg(long)]
-    gpu_gb: Option<f64>,
-    /// RAM tier size to judge, GiB (default: the trace's server's).
-    #[arg(long)]
-    ram_gb: Option<f64>,
-    /// Disk size to judge, GiB (default: the trace's server's).
-    #[arg(long)]
-    disk_gb: Option<f64>,
-    /// RAM sizes simulated with kvtier's own policy (0: none).
-    #[arg(long, default_value_t = 24)]
-    policy_sizes: usize,
-    /// Sampling rate of those simulations (default: all blocks up to
-    /// 50,000 distinct, fewer beyond).
-    #[arg(long)]
-    policy_rate: Option<f64>,
-    /// Refuse traces whose blocks are not this many bytes.
-    #[arg(long)]
-    block_bytes: Option<u64>,
+    Size(kvtier_loadgen::size::cli::SizeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -367,7 +324,7 @@ fn main() -> ExitCode {
         Command::Blocks(args) => runtime.block_on(blocks_cmd(args)),
         Command::Crash(args) => runtime.block_on(crash_cmd(args)),
         Command::Soak(args) => runtime.block_on(soak_cmd(args)),
-        Command::Size(args) => size_cmd(args),
+        Command::Size(args) => kvtier_loadgen::size::cli::run(args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
@@ -376,73 +333,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn size_cmd(args: SizeArgs) -> Result<ExitCode, String> {
-    let rate_ok = |r: f64| r > 0.0 && r <= 1.0;
-    if let Some(r) = args.sample_rate.filter(|r| !rate_ok(*r)) {
-        return Err(format!("--sample-rate must be in (0, 1], got {r}"));
-    }
-    if let Some(r) = args.policy_rate.filter(|r| !rate_ok(*r)) {
-        return Err(format!("--policy-rate must be in (0, 1], got {r}"));
-    }
-    if args.skip_exact && args.sample_rate.is_none() && args.sample_blocks.is_none() {
-        return Err("--skip-exact needs --sample-rate or --sample-blocks".into());
-    }
-    let gb = |flag: &str, v: Option<f64>| -> Result<Option<u64>, String> {
-        match v {
-            Some(g) if !(g.is_finite() && g >= 0.0) => Err(format!("{flag} must be 0 or more GiB, got {g}")),
-            Some(g) => Ok(Some((g * (1u64 << 30) as f64) as u64)),
-            None => Ok(None),
-        }
-    };
-    let mut files = Vec::new();
-    for p in &args.traces {
-        if p.is_dir() {
-            let mut inside: Vec<PathBuf> = std::fs::read_dir(p)
-                .map_err(|e| format!("cannot list {}: {e}", p.display()))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|f| f.to_string_lossy().ends_with(kvtier_engine::trace::FILE_SUFFIX))
-                .collect();
-            if inside.is_empty() {
-                return Err(format!("{}: no trace files (*{}) in this directory", p.display(), kvtier_engine::trace::FILE_SUFFIX));
-            }
-            inside.sort();
-            files.extend(inside);
-        } else {
-            files.push(p.clone());
-        }
-    }
-    let opts = kvtier_loadgen::size::SizeOptions {
-        sample_rate: args.sample_rate,
-        sample_blocks: args.sample_blocks,
-        skip_exact: args.skip_exact,
-        gpu_bytes: gb("--gpu-gb", args.gpu_gb)?,
-        ram_bytes: gb("--ram-gb", args.ram_gb)?,
-        disk_bytes: gb("--disk-gb", args.disk_gb)?,
-        policy_sizes: args.policy_sizes,
-        policy_rate: args.policy_rate,
-        ..Default::default()
-    };
-    let workload = kvtier_loadgen::size::load(&files, args.block_bytes)?;
-    let report = kvtier_loadgen::size::size(&workload, &opts);
-    print!("{}", kvtier_loadgen::size::text(&report));
-    write_out(&args.out, &report, Some(report::size_html(&report)))?;
-    println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Writes `OUT/results.json` and, given one, `OUT/report.html`.
-fn write_out<T: Serialize>(out: &Path, results: &T, html: Option<String>) -> Result<(), String> {
-    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let file = out.join("results.json");
-    std::fs::write(&file, serde_json::to_string_pretty(results).expect("results serialize") + "\n")
-        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
-    if let Some(html) = html {
-        let file = out.join("report.html");
-        std::fs::write(&file, html).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
-    }
-    Ok(())
 }
 
 /// A run that failed before it measured anything still leaves
@@ -454,7 +344,7 @@ fn fail_early(out: &Path, mode: &str, target: &str, error: String) -> Result<Exi
         target: &'a str,
         error: &'a str,
     }
-    write_out(out, &Failed { mode, target, error: &error }, None)?;
+    report::write_out(out, &Failed { mode, target, error: &error }, None)?;
     Err(error)
 }
 
@@ -514,7 +404,7 @@ async fn crash_cmd(args: CrashArgs) -> Result<ExitCode, String> {
         Ok(r) => r,
         Err(e) => return fail_early(&args.out, "crash", "", e),
     };
-    write_out(&args.out, &r, None)?;
+    report::write_out(&args.out, &r, None)?;
     println!(
         "crash: {} rounds, {} blocks acknowledged, {} stored at the end, lost {}, wrong {}, {} unacknowledged PUTs landed; \
          restart p50 {:.1} ms, max {:.1} ms (target {} ms); {} corrupt slots counted (never served)",
@@ -558,7 +448,7 @@ async fn soak_cmd(args: SoakArgs) -> Result<ExitCode, String> {
         Ok(r) => r,
         Err(e) => return fail_early(&args.out, "soak", "", e),
     };
-    write_out(&args.out, &r, Some(report::soak_html(&r)))?;
+    report::write_out(&args.out, &r, Some(report::soak_html(&r)))?;
     println!(
         "soak: {} windows, {} restarts; RSS median {:.0} → {:.0} MiB ({:.2}×), fds {:.0} → {:.0}, iteration p99 {:.1} → {:.1} ms ({:.2}×); errors {}, wrong {}",
         r.samples.len(),
@@ -652,7 +542,7 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
         block_bytes,
         link.bytes_per_s.map_or("unknown".to_string(), |b| format!("{:.2} GB/s ({})", b / 1e9, link.source))
     );
-    let save = |r: &SweepResults| write_out(&args.out, r, Some(report::sweep_html(r)));
+    let save = |r: &SweepResults| report::write_out(&args.out, r, Some(report::sweep_html(r)));
     for target in &targets {
         let mut tr = sweep::TargetResult {
             target: target.url().to_string(),
@@ -804,7 +694,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
         trace_out: args.trace_out.clone(),
     };
     let results = replay::run(target, Arc::new(dataset), path, (block_bytes, block_tokens, model), cfg).await;
-    write_out(&args.out, &results, Some(report::replay_html(&results)))?;
+    report::write_out(&args.out, &results, Some(report::replay_html(&results)))?;
     println!(
         "replay ({}): {} turns, {} requests ({} errors, {} refused with 503 and retried) in {:.1} s; prefix hit rate {:.1}%; {:.0} tokens/s; lookup p50/p99 {}/{} µs; get p50/p99 {}/{} µs; put p50/p99 {}/{} µs",
         results.transport,

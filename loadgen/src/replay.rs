@@ -28,15 +28,17 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use kvtier_engine::key::BlockHash;
-use kvtier_engine::trace::{Record, TraceHeader, TraceOp, TraceTier};
+use kvtier_engine::trace::{TraceOp, TraceTier};
 
+use self::trace::{trace_tier, ClientTrace};
 use crate::keys;
 use crate::oracle::PolicyOracle;
 use crate::payload::Payloads;
 use crate::sharegpt::Conversation;
 use crate::stats::{ratio, FirstError, LatencySummary, OpLatency, TierLatency};
 use crate::target::{Target, TargetError};
+
+mod trace;
 
 /// Decode-time simulation: how long a user waits per generated (reply)
 /// token before writing the blocks the reply completed.
@@ -462,77 +464,6 @@ struct Shared {
     trace: Option<Mutex<ClientTrace>>,
 }
 
-/// The trace a replay writes (`--trace-out`).
-struct ClientTrace {
-    writer: Option<kvtier_engine::trace::TraceWriter>,
-    started: Instant,
-    shards: usize,
-    error: Option<String>,
-}
-
-impl ClientTrace {
-    /// Appends one call's records (a failed write is kept and reported at
-    /// the end; the run goes on).
-    fn record(&mut self, op: TraceOp, keys: impl IntoIterator<Item = (String, TraceTier)>) {
-        if self.error.is_some() {
-            return;
-        }
-        let time_us = self.started.elapsed().as_micros() as u64;
-        let mut buf = Vec::new();
-        for (pos, (key, tier)) in keys.into_iter().enumerate() {
-            let hash = BlockHash::of(key.as_bytes());
-            let shard = hash.shard(self.shards) as u16;
-            Record { time_us, hash, op, tier, shard, pos: pos as u32 }.encode(&mut buf);
-        }
-        if let Err(e) = self.writer.as_mut().expect("open until the end").write_encoded(&buf) {
-            self.error = Some(e.to_string());
-        }
-    }
-}
-
-/// The trace header of a replay against `target`: the server's shards and
-/// tier sizes when it is kvtier with `/v1/stats` (the local socket's shards
-/// from its `HELLO` otherwise), one shard and no memory tiers for Redis and
-/// the model target.
-async fn trace_header(target: &Target, block_bytes: u64, block_tokens: u64, model: &str) -> TraceHeader {
-    let stats = target.stats().await.ok();
-    // The local socket's HELLO names the shards even without `?http=`.
-    let hello_shards = match target {
-        Target::Local(l) => Some(l.hello().shards),
-        _ => None,
-    };
-    let shards = stats.as_ref().and_then(|v| v["shards"].as_u64()).or(hello_shards).unwrap_or(1).max(1);
-    let capacity = |tier: &str| {
-        stats.as_ref().and_then(|v| v["per_shard"][0]["tiers"].as_array()?.iter().find(|t| t["tier"] == tier)?["capacity_blocks"].as_u64())
-    };
-    TraceHeader {
-        source: format!("kvtier-loadgen replay ({})", target.url()),
-        started_unix_ms: kvtier_engine::trace::unix_ms_now(),
-        file_index: 0,
-        model: model.to_string(),
-        block_bytes,
-        block_tokens: block_tokens as u32,
-        shards: shards as u32,
-        gpu_blocks_per_shard: capacity("gpu").unwrap_or(0),
-        ram_blocks_per_shard: capacity("ram").unwrap_or(0),
-        disk_bytes: stats.as_ref().and_then(|v| v["totals"]["disk_bytes"].as_u64()).unwrap_or(0),
-        write_policy: stats.as_ref().and_then(|v| v["write_policy"].as_str().map(str::to_string)).unwrap_or_else(|| "through".into()),
-        promote: stats.as_ref().and_then(|v| v["promote"].as_bool()).unwrap_or(true),
-        remote: false,
-    }
-}
-
-/// The tier a read answered from, in the trace's terms.
-fn trace_tier(tier: &str) -> TraceTier {
-    match tier {
-        "gpu" => TraceTier::In(kvtier_engine::Tier::Gpu),
-        "ram" => TraceTier::In(kvtier_engine::Tier::Ram),
-        "nvme" => TraceTier::In(kvtier_engine::Tier::Nvme),
-        "s3" => TraceTier::In(kvtier_engine::Tier::Remote),
-        _ => TraceTier::None,
-    }
-}
-
 /// Token ids of each turn: (user message, reply).
 fn tokenize(conv: &Conversation) -> Vec<(Vec<u32>, Vec<u32>)> {
     let bpe = tiktoken_rs::cl100k_base_singleton();
@@ -553,7 +484,7 @@ impl Shared {
         &mut stats.timeline[i]
     }
 
-    fn trace(&self, op: TraceOp, keys: impl IntoIterator<Item = (String, TraceTier)>) {
+    fn trace<'a>(&self, op: TraceOp, keys: impl IntoIterator<Item = (&'a str, TraceTier)>) {
         if let Some(t) = &self.trace {
             t.lock().expect("trace lock").record(op, keys);
         }
@@ -580,7 +511,7 @@ impl Shared {
                     if let Some(o) = &self.oracle {
                         o.lock().expect("oracle lock").oracle.put(key);
                     }
-                    self.trace(TraceOp::Put, [(key.clone(), TraceTier::None)]);
+                    self.trace(TraceOp::Put, [(key.as_str(), TraceTier::None)]);
                     stats.put.record(t.elapsed().as_micros() as u64);
                     self.bucket(stats).blocks_written += 1;
                     *streak = 0;
@@ -633,7 +564,7 @@ impl Shared {
                             stats.lookup.record(t.elapsed().as_micros() as u64);
                             // Hits as found (the count says no tier), the rest as misses.
                             let tier = |i: usize| if i < h { TraceTier::None } else { TraceTier::Miss };
-                            self.trace(TraceOp::Lookup, chain.iter().enumerate().map(|(i, k)| (k.clone(), tier(i))));
+                            self.trace(TraceOp::Lookup, chain.iter().enumerate().map(|(i, k)| (k.as_str(), tier(i))));
                             streak = 0;
                             h.min(prompt_blocks)
                         }
@@ -665,7 +596,7 @@ impl Shared {
                         }
                         if let Ok(found) = &answer {
                             let tier = found.as_ref().map_or(TraceTier::Miss, |b| trace_tier(&b.tier));
-                            self.trace(TraceOp::Get, [(key.clone(), tier)]);
+                            self.trace(TraceOp::Get, [(key.as_str(), tier)]);
                         }
                         match answer {
                             Ok(Some(block)) => {
@@ -728,24 +659,12 @@ pub async fn run(
     order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(cfg.seed));
     let started = Instant::now();
     let bucket_s = timeline_bucket_s(cfg.duration);
-    let mut trace_error = None;
-    let trace = match &cfg.trace_out {
-        None => None,
-        Some(path) => {
-            let header = trace_header(&target, block_bytes, block_tokens, &model).await;
-            match kvtier_engine::trace::TraceWriter::create(path, &header) {
-                Ok(writer) => Some(Mutex::new(ClientTrace {
-                    writer: Some(writer),
-                    started: Instant::now(),
-                    shards: header.shards as usize,
-                    error: None,
-                })),
-                Err(e) => {
-                    trace_error = Some(format!("--trace-out {}: {e}", path.display()));
-                    None
-                }
-            }
-        }
+    let (trace, mut trace_error) = match &cfg.trace_out {
+        None => (None, None),
+        Some(path) => match ClientTrace::create(path, &target, (block_bytes, block_tokens, &model)).await {
+            Ok(t) => (Some(Mutex::new(t)), None),
+            Err(e) => (None, Some(e)),
+        },
     };
     let shared = Arc::new(Shared {
         target: target.clone(),
@@ -802,13 +721,7 @@ pub async fn run(
     let io_s = (total.get.total_us + total.put.total_us) as f64 / 1e6;
     let per_s = |x: f64| if elapsed_s > 0.0 { x / elapsed_s } else { 0.0 };
     if let Some(t) = shared.trace.as_ref() {
-        let mut t = t.lock().expect("trace lock");
-        if let Err(e) = t.writer.take().expect("finished once").finish() {
-            t.error.get_or_insert(e.to_string());
-        }
-        if let Some(e) = &t.error {
-            trace_error = Some(format!("--trace-out {}: {e}", cfg.trace_out.as_ref().map_or(String::new(), |p| p.display().to_string())));
-        }
+        trace_error = trace_error.or(t.lock().expect("trace lock").finish());
     }
     if let Some(e) = &trace_error {
         shared.first_error.note(e.clone());

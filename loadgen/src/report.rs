@@ -17,6 +17,22 @@ use crate::soak::{SoakResults, SoakSample};
 use crate::stats::LatencySummary;
 use crate::sweep::{LevelResult, SweepResults};
 
+/// Writes `OUT/results.json` and, given one, `OUT/report.html`.
+///
+/// # Errors
+/// The directory or a file cannot be written.
+pub fn write_out<T: serde::Serialize>(out: &std::path::Path, results: &T, html: Option<String>) -> Result<(), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let file = out.join("results.json");
+    std::fs::write(&file, serde_json::to_string_pretty(results).expect("results serialize") + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    if let Some(html) = html {
+        let file = out.join("report.html");
+        std::fs::write(&file, html).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
+    Ok(())
+}
+
 /// Chart size in pixels.
 const CHART_PX: (u32, u32) = (760, 380);
 

@@ -19,19 +19,10 @@ fn repo_root() -> PathBuf {
 
 fn header(block_bytes: u64, shards: u32) -> TraceHeader {
     TraceHeader {
-        source: "test".into(),
         started_unix_ms: 1_000,
-        file_index: 0,
-        model: "custom".into(),
-        block_bytes,
-        block_tokens: 16,
-        shards,
-        gpu_blocks_per_shard: 0,
         ram_blocks_per_shard: 8,
         disk_bytes: 1 << 30,
-        write_policy: "through".into(),
-        promote: true,
-        remote: false,
+        ..TraceHeader::new("test", "custom", block_bytes, 16, shards)
     }
 }
 
