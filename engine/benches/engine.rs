@@ -192,6 +192,7 @@ fn main() {
             remote: None,
             health_window: kvtier_engine::health::ERROR_WINDOW,
             trace: None,
+            owners: Default::default(),
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

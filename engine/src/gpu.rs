@@ -45,6 +45,7 @@ use serde::Serialize;
 use crate::key::BlockHash;
 use crate::lru::{SlotLru, Victim};
 use crate::pool::BufferPool;
+use crate::tenant::OwnerId;
 
 /// Largest device allocation the tier makes: 1 GiB. A shard's share is cut
 /// into at most [`GPU_SLABS_MAX`] slabs of equal size up to this.
@@ -520,9 +521,13 @@ impl GpuTier {
         slab.ptr + (slot % self.slab_blocks) as u64 * self.block_bytes
     }
 
-    /// A free slot: a free one, else a new slab's (when the tier is not at
-    /// its size and the last refusal is older than [`GPU_SLAB_RETRY`]).
-    pub async fn take_free(&self) -> Option<u32> {
+    /// A free slot for a block of `owner`: a free one, else a new slab's
+    /// (when the tier is not at its size and the last refusal is older than
+    /// [`GPU_SLAB_RETRY`]). `None` also when `owner` is at its limit here.
+    pub async fn take_free(&self, owner: OwnerId) -> Option<u32> {
+        if !self.lru.borrow().under_limit(owner) {
+            return None;
+        }
         if let Some(s) = self.lru.borrow_mut().take_free(|_| false) {
             return Some(s);
         }
@@ -564,9 +569,20 @@ impl GpuTier {
         self.lru.borrow_mut().add_free(slot..slot + 1);
     }
 
-    /// The least recently used block not being moved already.
-    pub fn victim(&self) -> Option<Victim> {
-        self.lru.borrow().victim()
+    /// The block to move down to make room for a block of `owner`
+    /// ([`SlotLru::victim_for`]).
+    pub fn victim_for(&self, owner: OwnerId) -> Option<Victim> {
+        self.lru.borrow().victim_for(owner)
+    }
+
+    /// The owners' slots: quotas, counts, their oldest blocks.
+    pub fn lru(&self) -> std::cell::Ref<'_, SlotLru> {
+        self.lru.borrow()
+    }
+
+    /// Sets each owner's `(reserved, limit)` in blocks ([`SlotLru::set_quotas`]).
+    pub fn set_quotas(&self, quotas: &[(u64, u64)]) {
+        self.lru.borrow_mut().set_quotas(quotas);
     }
 
     /// Drops a victim that needs no copy (its bytes are elsewhere).
@@ -627,6 +643,7 @@ impl GpuTier {
         slot: u32,
         key: &str,
         hash: BlockHash,
+        owner: OwnerId,
         parts: &[&[u8]],
         dirty: bool,
         wanted: &dyn Fn() -> bool,
@@ -646,7 +663,7 @@ impl GpuTier {
         }
         self.crc.borrow_mut()[slot as usize] = crc;
         self.generation.borrow_mut()[slot as usize] += 1;
-        self.lru.borrow_mut().install(slot, key, hash, dirty, |_| false);
+        self.lru.borrow_mut().install(slot, key, hash, owner, dirty, |_| false);
         Ok(true)
     }
 

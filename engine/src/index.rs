@@ -1,21 +1,24 @@
 //! The per-shard hash index: block hash → where the newest record of that
 //! key lives in the log.
 //!
-//! Memory: a table bucket is the 16-byte block hash, a 10-byte packed
-//! location ([`Entry`] is 16 bytes unpacked: the segment and slot become
+//! Memory: a table bucket is the 16-byte block hash, a 12-byte packed
+//! location ([`Entry`] is 24 bytes unpacked: the segment and slot become
 //! one 4-byte slot number `segment × slots_per_segment + slot`, the
-//! sequence number keeps its low 48 bits) and hashbrown's 1 control byte:
-//! 27 bytes, stored unaligned. hashbrown keeps at most 7/8 of its
-//! power-of-two bucket count full and grows by doubling, so in a full store
-//! (the shard pre-sizes the table for all its slots) or a growing table a
-//! block costs between 27 × 8/7 = 31 and 27 × 16/7 = 62 bytes, whatever
-//! the capacity (`Index::heap_bytes`; `index_memory_per_block` checks it).
+//! sequence number keeps its low 48 bits, the owner takes 2 bytes) and
+//! hashbrown's 1 control byte: 29 bytes, stored unaligned. hashbrown keeps
+//! at most 7/8 of its power-of-two bucket count full and grows by doubling,
+//! so in a full store (the shard pre-sizes the table for all its slots) or
+//! a growing table a block costs between 29 × 8/7 = 33 and 29 × 16/7 = 66
+//! bytes, whatever the capacity (`Index::heap_bytes`;
+//! `index_memory_per_block` checks it). The index also counts each
+//! owner's blocks (tenants, [`crate::tenant`]).
 //! 48 bits of sequence number last 89 years at 100,000 writes a second.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 use crate::key::BlockHash;
+use crate::tenant::OwnerId;
 
 /// Where a block's newest record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +29,8 @@ pub struct Entry {
     pub slot: u32,
     /// Sequence number of the record; a read checks the header carries it.
     pub seq: u64,
+    /// Whose block it is ([`crate::tenant::Owners::owner_of`] of its key).
+    pub owner: OwnerId,
 }
 
 /// Highest sequence number an index entry holds (48 bits).
@@ -55,10 +60,10 @@ impl From<Key> for BlockHash {
     }
 }
 
-/// An [`Entry`] packed into 10 bytes: slot number (u32 LE), then the low 48
-/// bits of the sequence number (LE).
+/// An [`Entry`] packed into 12 bytes: slot number (u32 LE), the low 48
+/// bits of the sequence number (LE), the owner (u16 LE).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Packed([u8; 10]);
+struct Packed([u8; 12]);
 
 /// Hashes a table key by taking the low 64 bits of its block hash: it is
 /// already the output of xxh3-128, so hashing it again would only cost time.
@@ -86,6 +91,8 @@ impl Hasher for BlockHashHasher {
 pub struct Index {
     map: HashMap<Key, Packed, BuildHasherDefault<BlockHashHasher>>,
     slots_per_segment: u32,
+    /// Blocks indexed, by owner id.
+    owner_blocks: Vec<u64>,
 }
 
 impl Index {
@@ -93,7 +100,7 @@ impl Index {
     /// with room for `capacity_blocks` entries without growing.
     pub fn new(capacity_blocks: usize, slots_per_segment: u32) -> Self {
         assert!(slots_per_segment > 0, "a segment holds at least one slot");
-        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()), slots_per_segment }
+        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()), slots_per_segment, owner_blocks: Vec::new() }
     }
 
     /// Whether a shard with `segments` segments of `slots_per_segment`
@@ -111,17 +118,23 @@ impl Index {
             e.segment
         );
         assert!(e.seq <= SEQ_MAX, "sequence number {} beyond 48 bits", e.seq);
-        let mut p = [0u8; 10];
+        let mut p = [0u8; 12];
         p[..4].copy_from_slice(&(slot as u32).to_le_bytes());
-        p[4..].copy_from_slice(&e.seq.to_le_bytes()[..6]);
+        p[4..10].copy_from_slice(&e.seq.to_le_bytes()[..6]);
+        p[10..].copy_from_slice(&e.owner.to_le_bytes());
         Packed(p)
     }
 
     fn unpack(&self, p: Packed) -> Entry {
         let slot = u32::from_le_bytes(p.0[..4].try_into().expect("4 bytes"));
         let mut seq = [0u8; 8];
-        seq[..6].copy_from_slice(&p.0[4..]);
-        Entry { segment: slot / self.slots_per_segment, slot: slot % self.slots_per_segment, seq: u64::from_le_bytes(seq) }
+        seq[..6].copy_from_slice(&p.0[4..10]);
+        Entry {
+            segment: slot / self.slots_per_segment,
+            slot: slot % self.slots_per_segment,
+            seq: u64::from_le_bytes(seq),
+            owner: u16::from_le_bytes([p.0[10], p.0[11]]),
+        }
     }
 
     /// The entry for `hash`, if stored.
@@ -144,6 +157,10 @@ impl Index {
             Some(old) if old.seq > entry.seq => (Some(old), false),
             _ => {
                 self.map.insert(Key::from(hash), packed);
+                if let Some(o) = old {
+                    self.count(o.owner, -1);
+                }
+                self.count(entry.owner, 1);
                 (old, true)
             }
         }
@@ -153,7 +170,11 @@ impl Index {
     /// removed entry.
     pub fn remove_if_not_newer(&mut self, hash: &BlockHash, seq: u64) -> Option<Entry> {
         match self.get(hash) {
-            Some(e) if e.seq <= seq => self.map.remove(&Key::from(*hash)).map(|p| self.unpack(p)),
+            Some(e) if e.seq <= seq => {
+                self.map.remove(&Key::from(*hash));
+                self.count(e.owner, -1);
+                Some(e)
+            }
             _ => None,
         }
     }
@@ -163,6 +184,7 @@ impl Index {
     pub fn remove_exact(&mut self, hash: &BlockHash, entry: Entry) -> bool {
         if self.get(hash) == Some(entry) {
             self.map.remove(&Key::from(*hash));
+            self.count(entry.owner, -1);
             return true;
         }
         false
@@ -172,8 +194,40 @@ impl Index {
     pub fn remove_segment(&mut self, segment: u32) -> usize {
         let before = self.map.len();
         let sps = self.slots_per_segment;
-        self.map.retain(|_, p| u32::from_le_bytes(p.0[..4].try_into().expect("4 bytes")) / sps != segment);
+        let counts = &mut self.owner_blocks;
+        self.map.retain(|_, p| {
+            let keep = u32::from_le_bytes(p.0[..4].try_into().expect("4 bytes")) / sps != segment;
+            if !keep {
+                counts[u16::from_le_bytes([p.0[10], p.0[11]]) as usize] -= 1;
+            }
+            keep
+        });
         before - self.map.len()
+    }
+
+    /// Blocks indexed of `owner`.
+    pub fn owner_blocks(&self, owner: OwnerId) -> u64 {
+        self.owner_blocks.get(owner as usize).copied().unwrap_or(0)
+    }
+
+    /// `owner`'s `n` oldest blocks (lowest sequence numbers), oldest first:
+    /// one pass over the index.
+    pub fn oldest_of(&self, owner: OwnerId, n: usize) -> Vec<(BlockHash, Entry)> {
+        let mut mine: Vec<(BlockHash, Entry)> = self.iter().filter(|(_, e)| e.owner == owner).collect();
+        if n < mine.len() {
+            mine.select_nth_unstable_by_key(n, |(_, e)| e.seq);
+            mine.truncate(n);
+        }
+        mine.sort_unstable_by_key(|(_, e)| e.seq);
+        mine
+    }
+
+    fn count(&mut self, owner: OwnerId, delta: i64) {
+        let i = owner as usize;
+        if self.owner_blocks.len() <= i {
+            self.owner_blocks.resize(i + 1, 0);
+        }
+        self.owner_blocks[i] = self.owner_blocks[i].checked_add_signed(delta).expect("owner block count stays positive");
     }
 
     /// Number of blocks indexed.
@@ -200,7 +254,7 @@ impl Index {
     }
 }
 
-const _: () = assert!(std::mem::size_of::<(Key, Packed)>() == 26);
+const _: () = assert!(std::mem::size_of::<(Key, Packed)>() == 28);
 
 #[cfg(test)]
 mod tests {
@@ -210,8 +264,8 @@ mod tests {
     fn newer_record_wins_whatever_the_order() {
         let mut ix = Index::new(0, 64);
         let h = BlockHash::of(b"k");
-        let e5 = Entry { segment: 0, slot: 1, seq: 5 };
-        let e3 = Entry { segment: 0, slot: 0, seq: 3 };
+        let e5 = Entry { segment: 0, slot: 1, seq: 5, owner: 0 };
+        let e3 = Entry { segment: 0, slot: 0, seq: 3, owner: 0 };
         assert_eq!(ix.insert_if_newer(h, e5), (None, true));
         assert_eq!(ix.insert_if_newer(h, e3), (Some(e5), false));
         assert_eq!(ix.get(&h), Some(e5));
@@ -221,18 +275,38 @@ mod tests {
         assert!(ix.is_empty());
     }
 
+    #[test]
+    fn owners_are_counted_through_every_change() {
+        let mut ix = Index::new(0, 64);
+        let e = |slot: u32, seq: u64, owner: OwnerId| Entry { segment: slot / 8, slot: slot % 8, seq, owner };
+        for i in 0..10u32 {
+            ix.insert_if_newer(BlockHash(i as u128), e(i, i as u64 + 1, (i % 2) as OwnerId + 1));
+        }
+        assert_eq!((ix.owner_blocks(1), ix.owner_blocks(2), ix.owner_blocks(0)), (5, 5, 0));
+        // Oldest of owner 2: blocks 1, 3 (seqs 2, 4).
+        let oldest: Vec<u128> = ix.oldest_of(2, 2).into_iter().map(|(h, _)| h.0).collect();
+        assert_eq!(oldest, [1, 3]);
+        // Segment 0 holds blocks 0..8 (four of each owner).
+        ix.remove_segment(0);
+        assert_eq!((ix.owner_blocks(1), ix.owner_blocks(2)), (1, 1));
+        assert!(ix.remove_exact(&BlockHash(9), e(9, 10, 2)));
+        assert_eq!(ix.owner_blocks(2), 0);
+        assert_eq!(ix.remove_if_not_newer(&BlockHash(8), 100).map(|e| e.owner), Some(1));
+        assert_eq!(ix.owner_blocks(1), 0);
+    }
+
     /// Index memory per block (the table's heap bytes over the blocks in
-    /// it) of a full store is at most 64 bytes whatever the capacity: the
+    /// it) of a full store is at most 67 bytes whatever the capacity: the
     /// shard pre-sizes its table for every slot it has (so filling it never
     /// reallocates), and hashbrown rounds buckets up to a power of two, so
-    /// the figure swings with the capacity (31–62 bytes). A table that
+    /// the figure swings with the capacity (33–66 bytes). A table that
     /// grows (a capacity above the 1 Mi pre-size) stays within the same
     /// bounds at every fill, measured after every insert (the worst case is
     /// just after a doubling). Prints the figures (`cargo test -p
     /// kvtier-engine index_memory -- --nocapture`).
     #[test]
     fn index_memory_per_block() {
-        let entry = |i: usize| Entry { segment: (i / 1000) as u32, slot: (i % 1000) as u32, seq: i as u64 + (1 << 40) };
+        let entry = |i: usize| Entry { segment: (i / 1000) as u32, slot: (i % 1000) as u32, seq: i as u64 + (1 << 40), owner: 0 };
         let hash = |i: usize| BlockHash::of(&(i as u64).to_le_bytes());
         // The restart target in docs/BENCHMARKS.md (60,000 blocks) and
         // capacities either side of hashbrown's bucket steps (4,096 and 65,536 buckets hold 3,584
@@ -250,7 +324,7 @@ mod tests {
                 assert_eq!(ix.heap_bytes(), heap_at_open);
             }
             let full = ix.heap_bytes() as f64 / ix.len() as f64;
-            assert!(full <= 64.0, "{full} bytes per block in a full store of {capacity} blocks");
+            assert!(full <= 67.0, "{full} bytes per block in a full store of {capacity} blocks");
         }
         let mut grown = Index::new(0, 1000);
         let mut worst: f64 = 0.0;
@@ -261,7 +335,7 @@ mod tests {
             }
         }
         println!("growing to {} blocks: at most {worst:.1} bytes/block", grown.len());
-        assert!(worst <= 64.0, "{worst} bytes per block");
+        assert!(worst <= 67.0, "{worst} bytes per block");
         // Every entry reads back as stored, through the packing.
         for i in (0..200_000).step_by(997) {
             assert_eq!(grown.get(&hash(i)), Some(entry(i)));
@@ -274,7 +348,7 @@ mod tests {
         assert!(Index::fits(4_000_000, 1000));
         assert!(!Index::fits(5_000_000, 1000));
         let mut ix = Index::new(4, 1000);
-        let far = Entry { segment: 4_294_966, slot: 295, seq: SEQ_MAX };
+        let far = Entry { segment: 4_294_966, slot: 295, seq: SEQ_MAX, owner: 0 };
         ix.insert_if_newer(BlockHash(7), far);
         assert_eq!(ix.get(&BlockHash(7)), Some(far));
         assert_eq!(ix.iter().next(), Some((BlockHash(7), far)));
@@ -284,7 +358,7 @@ mod tests {
     fn remove_segment_drops_only_that_segment() {
         let mut ix = Index::new(0, 128);
         for i in 0..100u32 {
-            ix.insert_if_newer(BlockHash::of(&i.to_le_bytes()), Entry { segment: i % 3, slot: i, seq: i as u64 });
+            ix.insert_if_newer(BlockHash::of(&i.to_le_bytes()), Entry { segment: i % 3, slot: i, seq: i as u64, owner: 0 });
         }
         assert_eq!(ix.remove_segment(1), 33);
         assert_eq!(ix.len(), 67);
@@ -304,7 +378,8 @@ pub mod snapshot {
     /// File name inside the shard directory.
     pub const FILE: &str = "index.snapshot";
     const MAGIC: u32 = u32::from_le_bytes(*b"KVIX");
-    const VERSION: u32 = 2;
+    /// 3: entries name their owner, the snapshot the owners' names.
+    const VERSION: u32 = 3;
     const PREAMBLE_BYTES: usize = 16;
 
     /// One segment as the snapshot saw it.
@@ -340,6 +415,8 @@ pub mod snapshot {
         pub slot: u32,
         /// Sequence number.
         pub seq: u64,
+        /// Owner, an index into [`IndexSnapshot::owners`].
+        pub owner: u16,
     }
 
     /// A whole shard snapshot.
@@ -356,6 +433,8 @@ pub mod snapshot {
         pub segments: Vec<SegmentState>,
         /// The index.
         pub entries: Vec<EntryState>,
+        /// Owner names by the ids entries use (`""`: the default owner).
+        pub owners: Vec<String>,
     }
 
     /// Encodes a snapshot into the file layout above.
@@ -408,7 +487,8 @@ pub mod snapshot {
                 covered_seq: 10,
                 next_seq: 12,
                 segments: vec![SegmentState { id: 0, first_seq: 1, slots_used: 3, max_seq: 11, rescan: true, scan_from_slot: 2 }],
-                entries: vec![EntryState { hash_lo: 1, hash_hi: 2, segment: 0, slot: 2, seq: 11 }],
+                entries: vec![EntryState { hash_lo: 1, hash_hi: 2, segment: 0, slot: 2, seq: 11, owner: 1 }],
+                owners: vec![String::new(), "acme".into()],
             };
             let bytes = encode(&s);
             assert_eq!(decode(&bytes), Ok(s));

@@ -50,6 +50,29 @@ pub fn validate(key: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks a stored key: a client key, or `SCOPE/KEY` with an owner's name
+/// as its scope ([`crate::tenant`]), at most [`KEY_BYTES_MAX`] bytes in
+/// all. The engine's calls take stored keys; the server scopes client keys
+/// (checked with [`validate`]) before it calls them.
+///
+/// # Errors
+/// [`Error::InvalidKey`] as [`validate`] says, or naming a bad scope.
+pub fn validate_stored(key: &str) -> Result<()> {
+    let Some((scope, rest)) = key.split_once('/') else { return validate(key) };
+    crate::tenant::check_name(scope).map_err(|reason| Error::InvalidKey { reason: format!("scope of {key:?}: {reason}") })?;
+    validate(rest)?;
+    if key.len() > KEY_BYTES_MAX {
+        return Err(Error::InvalidKey {
+            reason: format!(
+                "key is {} bytes; with the scope {scope:?} of its tenant a key may be at most {} bytes",
+                rest.len(),
+                KEY_BYTES_MAX - scope.len() - 1
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn is_key_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'~' | b'-')
 }
@@ -66,6 +89,18 @@ mod tests {
         for bad in ["", "..", ".", "a/b", "a b", "a%00", "é", &"k".repeat(257)] {
             assert!(matches!(validate(bad), Err(Error::InvalidKey { .. })), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn stored_keys_take_one_scope() {
+        assert!(validate_stored("acme/k-1").is_ok());
+        assert!(validate_stored("k-1").is_ok());
+        for bad in ["/k", "acme/", "Acme/k", "a/b/c", "acme/a b"] {
+            assert!(matches!(validate_stored(bad), Err(Error::InvalidKey { .. })), "{bad:?} accepted");
+        }
+        let long = format!("acme/{}", "k".repeat(252));
+        let e = validate_stored(&long).unwrap_err().to_string();
+        assert!(e.contains("at most 251 bytes"), "{e}");
     }
 
     #[test]

@@ -28,6 +28,8 @@
 //! - [`store`]: one executor per shard, routing over the channel mesh.
 //! - [`trace`]: block-operation traces (`--trace-dir`): format, reader,
 //!   recorder.
+//! - [`tenant`]: block owners (tenants, shared namespaces), scoped keys,
+//!   per-tier quotas.
 //! - [`populate`]: faulting memory in off the start-up path, 2 MiB at a
 //!   time (the I/O memory and the RAM tier, once a shard serves).
 //!
@@ -56,6 +58,7 @@ pub mod slot;
 mod startup;
 pub mod store;
 pub mod stream;
+pub mod tenant;
 pub mod tier;
 pub mod trace;
 

@@ -5,6 +5,15 @@
 //! fills and reads the slots, and says through a `pinned` predicate which
 //! slots readers still hold (such a slot is retired, not reused, until its
 //! pins drop). Single-threaded; lives in the shard.
+//!
+//! Blocks have owners (tenants, docs/OPERATIONS.md "Tenants"): each owner
+//! has an LRU list of its own, and a global tick taken at every use orders
+//! blocks across lists, so with one owner this is one LRU list. Room for an
+//! owner's block is made by [`SlotLru::victim_for`]: at its limit, from its
+//! own least recently used block; below it, from the least recently used
+//! block of any owner above its reservation (itself included). Finding it
+//! looks at one list end per owner, O(owners), where one shared list with
+//! per-owner counts would walk past every protected block.
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -12,6 +21,7 @@ use std::rc::Rc;
 
 use crate::index::BlockHashHasher;
 use crate::key::BlockHash;
+use crate::tenant::OwnerId;
 
 const NIL: u32 = u32::MAX;
 
@@ -36,6 +46,25 @@ struct Meta {
     dirty: bool,
     /// Being moved to a slower tier now; not a victim again meanwhile.
     demoting: bool,
+    /// Whose block it is.
+    owner: OwnerId,
+    /// The tick of its last use (orders blocks of different owners).
+    tick: u64,
+}
+
+/// One owner's LRU list, block count and quota in this tier of one shard.
+#[derive(Debug, Clone)]
+struct OwnerList {
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+    /// Live blocks.
+    used: u64,
+    /// Blocks no other owner can move out.
+    reserved: u64,
+    /// Most blocks it may hold.
+    limit: u64,
 }
 
 /// A least-recently-used block chosen to leave a tier.
@@ -49,16 +78,18 @@ pub struct Victim {
     pub key: Rc<str>,
     /// Whether it must be written to NVMe first (write-back).
     pub dirty: bool,
+    /// Whose block it is.
+    pub owner: OwnerId,
 }
 
 /// The slots of one tier of one shard: map, LRU order, free list.
 pub struct SlotLru {
     map: HashMap<BlockHash, u32, BuildHasherDefault<BlockHashHasher>>,
     meta: Vec<Meta>,
-    /// Most recently used.
-    head: u32,
-    /// Least recently used.
-    tail: u32,
+    /// By owner id; grown on first use of an id.
+    owners: Vec<OwnerList>,
+    /// Taken at every use.
+    tick: u64,
     free: Vec<u32>,
     retired: Vec<u32>,
 }
@@ -68,13 +99,23 @@ impl SlotLru {
     /// now; the rest join with [`SlotLru::add_free`] once memory backs them.
     pub fn new(capacity_blocks: u32, usable: u32) -> SlotLru {
         let meta = (0..capacity_blocks)
-            .map(|_| Meta { hash: BlockHash(0), key: None, prev: NIL, next: NIL, state: SlotState::Free, dirty: false, demoting: false })
+            .map(|_| Meta {
+                hash: BlockHash(0),
+                key: None,
+                prev: NIL,
+                next: NIL,
+                state: SlotState::Free,
+                dirty: false,
+                demoting: false,
+                owner: 0,
+                tick: 0,
+            })
             .collect();
         SlotLru {
             map: HashMap::with_capacity_and_hasher(capacity_blocks as usize, Default::default()),
             meta,
-            head: NIL,
-            tail: NIL,
+            owners: Vec::new(),
+            tick: 0,
             free: (0..usable.min(capacity_blocks)).rev().collect(),
             retired: Vec::new(),
         }
@@ -145,17 +186,76 @@ impl SlotLru {
         Some(s)
     }
 
-    /// The least recently used block not being demoted already.
-    pub fn victim(&self) -> Option<Victim> {
-        let mut s = self.tail;
+    /// Sets each owner's `(reserved, limit)` in blocks, by owner id (owners
+    /// not named get no reservation and no limit but the tier's size).
+    pub fn set_quotas(&mut self, quotas: &[(u64, u64)]) {
+        let capacity = self.capacity_blocks();
+        self.list_mut(quotas.len().saturating_sub(1) as OwnerId);
+        for (i, l) in self.owners.iter_mut().enumerate() {
+            (l.reserved, l.limit) = quotas.get(i).copied().unwrap_or((0, capacity));
+        }
+    }
+
+    /// Blocks `owner` holds here.
+    pub fn owner_blocks(&self, owner: OwnerId) -> u64 {
+        self.owners.get(owner as usize).map_or(0, |l| l.used)
+    }
+
+    /// `owner`'s `(reserved, limit)` in blocks.
+    pub fn quota(&self, owner: OwnerId) -> (u64, u64) {
+        self.owners.get(owner as usize).map_or((0, self.capacity_blocks()), |l| (l.reserved, l.limit))
+    }
+
+    /// Whether `owner` may take a free slot: it holds fewer blocks than its
+    /// limit.
+    pub fn under_limit(&self, owner: OwnerId) -> bool {
+        self.owners.get(owner as usize).is_none_or(|l| l.used < l.limit)
+    }
+
+    /// Blocks `owner` holds over its limit (after the limit shrank).
+    pub fn over_limit_by(&self, owner: OwnerId) -> u64 {
+        self.owners.get(owner as usize).map_or(0, |l| l.used.saturating_sub(l.limit))
+    }
+
+    /// `owner`'s least recently used block not being demoted already.
+    pub fn oldest_of(&self, owner: OwnerId) -> Option<Victim> {
+        let mut s = self.owners.get(owner as usize)?.tail;
         while s != NIL {
             let m = &self.meta[s as usize];
             if !m.demoting {
-                return Some(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: m.dirty });
+                return Some(self.victim_at(s));
             }
             s = m.prev;
         }
         None
+    }
+
+    /// The block to move out to make room for a block of `owner`: at its
+    /// limit, its own least recently used block; below it, the least
+    /// recently used block of any owner holding more than its reservation
+    /// (or of `owner` itself). Blocks being demoted are skipped. `None`
+    /// when no block may leave for it.
+    pub fn victim_for(&self, owner: OwnerId) -> Option<Victim> {
+        if !self.under_limit(owner) {
+            return self.oldest_of(owner);
+        }
+        let mut best: Option<Victim> = None;
+        for (o, l) in self.owners.iter().enumerate() {
+            if o != owner as usize && l.used <= l.reserved {
+                continue;
+            }
+            if let Some(v) = self.oldest_of(o as OwnerId) {
+                if best.as_ref().is_none_or(|b| self.meta[v.slot as usize].tick < self.meta[b.slot as usize].tick) {
+                    best = Some(v);
+                }
+            }
+        }
+        best
+    }
+
+    fn victim_at(&self, s: u32) -> Victim {
+        let m = &self.meta[s as usize];
+        Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: m.dirty, owner: m.owner }
     }
 
     /// Marks a live slot as being demoted (it stays readable).
@@ -196,6 +296,8 @@ impl SlotLru {
             self.map.remove(&hash);
         }
         self.unlink(slot);
+        let owner = self.meta[slot as usize].owner;
+        self.list_mut(owner).used -= 1;
         let m = &mut self.meta[slot as usize];
         m.key = None;
         m.dirty = false;
@@ -233,14 +335,15 @@ impl SlotLru {
 
     /// Makes the filled `slot` (from [`SlotLru::take_free`]) the most
     /// recently used block of `hash`, replacing an older copy.
-    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, dirty: bool, pinned: impl Fn(u32) -> bool) {
+    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId, dirty: bool, pinned: impl Fn(u32) -> bool) {
         debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
         if let Some(&old) = self.map.get(&hash) {
             self.evict(old, pinned(old));
         }
         let m = &mut self.meta[slot as usize];
-        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false };
+        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false, owner, tick: 0 };
         self.map.insert(hash, slot);
+        self.list_mut(owner).used += 1;
         self.push_front(slot);
     }
 
@@ -260,54 +363,75 @@ impl SlotLru {
     /// Dirty blocks (write-back), least recently used first, for a clean
     /// close that writes them all to NVMe.
     pub fn dirty_blocks(&self) -> Vec<Victim> {
-        let mut out = Vec::new();
-        let mut s = self.tail;
-        while s != NIL {
-            let m = &self.meta[s as usize];
-            if m.dirty && !m.demoting {
-                out.push(Victim { slot: s, hash: m.hash, key: m.key.clone().expect("live slots have keys"), dirty: true });
-            }
-            s = m.prev;
-        }
+        let mut out: Vec<Victim> =
+            self.live_by_tick().into_iter().filter(|&s| self.meta[s as usize].dirty && !self.meta[s as usize].demoting).map(|s| self.victim_at(s)).collect();
+        out.reverse();
         out
     }
 
     /// Keys held, most recently used first (tests and the policy oracle).
     pub fn lru_keys(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut s = self.head;
-        while s != NIL {
-            out.push(self.meta[s as usize].key.as_deref().unwrap_or("").to_string());
-            s = self.meta[s as usize].next;
+        self.live_by_tick().into_iter().map(|s| self.meta[s as usize].key.as_deref().unwrap_or("").to_string()).collect()
+    }
+
+    /// Live slots, most recently used first, across owners.
+    fn live_by_tick(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.map.len());
+        for l in &self.owners {
+            let mut s = l.head;
+            while s != NIL {
+                out.push(s);
+                s = self.meta[s as usize].next;
+            }
         }
+        out.sort_by_key(|&s| std::cmp::Reverse(self.meta[s as usize].tick));
         out
     }
 
+    /// The list of `owner`, made on first use (no reservation, no limit but
+    /// the tier's size).
+    fn list_mut(&mut self, owner: OwnerId) -> &mut OwnerList {
+        let capacity = self.capacity_blocks();
+        while self.owners.len() <= owner as usize {
+            self.owners.push(OwnerList { head: NIL, tail: NIL, used: 0, reserved: 0, limit: capacity });
+        }
+        &mut self.owners[owner as usize]
+    }
+
     fn unlink(&mut self, slot: u32) {
-        let (prev, next) = (self.meta[slot as usize].prev, self.meta[slot as usize].next);
+        let (prev, next, owner) = {
+            let m = &self.meta[slot as usize];
+            (m.prev, m.next, m.owner)
+        };
         if prev != NIL {
             self.meta[prev as usize].next = next;
-        } else if self.head == slot {
-            self.head = next;
+        } else if self.list_mut(owner).head == slot {
+            self.list_mut(owner).head = next;
         }
         if next != NIL {
             self.meta[next as usize].prev = prev;
-        } else if self.tail == slot {
-            self.tail = prev;
+        } else if self.list_mut(owner).tail == slot {
+            self.list_mut(owner).tail = prev;
         }
         self.meta[slot as usize].prev = NIL;
         self.meta[slot as usize].next = NIL;
     }
 
     fn push_front(&mut self, slot: u32) {
-        self.meta[slot as usize].prev = NIL;
-        self.meta[slot as usize].next = self.head;
-        if self.head != NIL {
-            self.meta[self.head as usize].prev = slot;
+        self.tick += 1;
+        let (tick, owner) = (self.tick, self.meta[slot as usize].owner);
+        let head = self.list_mut(owner).head;
+        let m = &mut self.meta[slot as usize];
+        m.tick = tick;
+        m.prev = NIL;
+        m.next = head;
+        if head != NIL {
+            self.meta[head as usize].prev = slot;
         }
-        self.head = slot;
-        if self.tail == NIL {
-            self.tail = slot;
+        let l = self.list_mut(owner);
+        l.head = slot;
+        if l.tail == NIL {
+            l.tail = slot;
         }
     }
 }
@@ -322,8 +446,8 @@ mod tests {
         let (a, b) = (l.take_free(|_| false).unwrap(), l.take_free(|_| false).unwrap());
         assert_eq!((a, b), (0, 1));
         assert_eq!(l.take_free(|_| false), None, "slots 2 and 3 have no memory yet");
-        l.install(a, "a", BlockHash(1), false, |_| false);
-        l.install(b, "b", BlockHash(2), true, |_| false);
+        l.install(a, "a", BlockHash(1), 0, false, |_| false);
+        l.install(b, "b", BlockHash(2), 0, true, |_| false);
         l.add_free(2..4);
         assert_eq!(l.take_free(|_| false), Some(2));
         assert_eq!(l.take_free(|_| false), Some(3));
@@ -336,12 +460,12 @@ mod tests {
         let mut l = SlotLru::new(2, 2);
         for (key, h) in [("a", 1), ("b", 2)] {
             let s = l.take_free(|_| false).unwrap();
-            l.install(s, key, BlockHash(h), false, |_| false);
+            l.install(s, key, BlockHash(h), 0, false, |_| false);
         }
-        let v = l.victim().unwrap();
+        let v = l.victim_for(0).unwrap();
         assert_eq!(&*v.key, "a");
         l.begin_demotion(v.slot);
-        assert_eq!(&*l.victim().unwrap().key, "b", "not chosen twice");
+        assert_eq!(&*l.victim_for(0).unwrap().key, "b", "not chosen twice");
         // Replaced while it moves: the old slot is retired, not reused...
         let s = l.take_free(|_| false);
         assert_eq!(s, None);
@@ -351,5 +475,57 @@ mod tests {
         // ... until the move ends.
         l.end_demotion(v.slot, true, false);
         assert_eq!(l.take_free(|_| false), Some(v.slot));
+    }
+
+    fn fill(l: &mut SlotLru, key: &str, h: u128, owner: OwnerId) {
+        let s = l.take_free(|_| false).expect("a free slot");
+        l.install(s, key, BlockHash(h), owner, false, |_| false);
+    }
+
+    #[test]
+    fn one_owner_is_plain_lru() {
+        let mut l = SlotLru::new(3, 3);
+        for (k, h) in [("a", 1), ("b", 2), ("c", 3)] {
+            fill(&mut l, k, h, 0);
+        }
+        l.touch("a", &BlockHash(1));
+        assert_eq!(l.lru_keys(), ["a", "c", "b"]);
+        assert_eq!(&*l.victim_for(0).unwrap().key, "b");
+        assert_eq!(l.dirty_blocks().len(), 0);
+    }
+
+    #[test]
+    fn a_reserved_owner_is_not_evicted_for_another() {
+        let mut l = SlotLru::new(4, 4);
+        // Owner 1 reserves 2 blocks; owner 2 has none.
+        l.set_quotas(&[(0, 4), (2, 4), (0, 4)]);
+        fill(&mut l, "q1", 1, 1);
+        fill(&mut l, "q2", 2, 1);
+        fill(&mut l, "n1", 3, 2);
+        fill(&mut l, "n2", 4, 2);
+        // Owner 1's blocks are the oldest, but within its reservation.
+        let v = l.victim_for(2).unwrap();
+        assert_eq!((&*v.key, v.owner), ("n1", 2));
+        // Owner 1 itself may evict its own oldest when it needs room.
+        assert_eq!(&*l.victim_for(1).unwrap().key, "q1");
+    }
+
+    #[test]
+    fn at_its_limit_an_owner_evicts_only_its_own() {
+        let mut l = SlotLru::new(4, 4);
+        l.set_quotas(&[(0, 4), (0, 4), (0, 2)]);
+        fill(&mut l, "a", 1, 1);
+        fill(&mut l, "n1", 2, 2);
+        fill(&mut l, "n2", 3, 2);
+        assert!(!l.under_limit(2), "owner 2 is at its limit of 2");
+        assert!(l.under_limit(1));
+        assert_eq!(&*l.victim_for(2).unwrap().key, "n1", "its own, though a free slot is left and a's block is older");
+        assert_eq!(l.owner_blocks(2), 2);
+        // Shrinking the limit leaves it over by one.
+        l.set_quotas(&[(0, 4), (0, 4), (0, 1)]);
+        assert_eq!(l.over_limit_by(2), 1);
+        let v = l.oldest_of(2).unwrap();
+        l.evict(v.slot, false);
+        assert_eq!((l.over_limit_by(2), l.owner_blocks(2), l.used_blocks()), (0, 1, 2));
     }
 }

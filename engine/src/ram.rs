@@ -24,6 +24,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::key::BlockHash;
 use crate::lru::SlotLru;
+use crate::tenant::OwnerId;
 
 /// Huge page size the arena asks for: 2 MiB (x86-64 and arm64 default).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
@@ -275,16 +276,31 @@ impl RamTier {
         Some(self.arena.pin(slot))
     }
 
-    /// A slot that can be filled now: a free one, or a retired one whose
-    /// pins have dropped. `None` when every slot is live or pinned.
-    pub fn take_free(&mut self) -> Option<u32> {
+    /// A slot that a block of `owner` can fill now: a free one, or a
+    /// retired one whose pins have dropped. `None` when every slot is live
+    /// or pinned, or `owner` is at its limit here.
+    pub fn take_free(&mut self, owner: OwnerId) -> Option<u32> {
+        if !self.lru.under_limit(owner) {
+            return None;
+        }
         let arena = &self.arena;
         self.lru.take_free(|s| arena.pinned(s))
     }
 
-    /// The least recently used block not being demoted already.
-    pub fn victim(&self) -> Option<Victim> {
-        self.lru.victim()
+    /// The block to move out to make room for a block of `owner`
+    /// ([`SlotLru::victim_for`]).
+    pub fn victim_for(&self, owner: OwnerId) -> Option<Victim> {
+        self.lru.victim_for(owner)
+    }
+
+    /// The owners' slots: quotas, counts, their oldest blocks.
+    pub fn lru(&self) -> &SlotLru {
+        &self.lru
+    }
+
+    /// Sets each owner's `(reserved, limit)` in blocks ([`SlotLru::set_quotas`]).
+    pub fn set_quotas(&mut self, quotas: &[(u64, u64)]) {
+        self.lru.set_quotas(quotas);
     }
 
     /// A `Bytes` over a live slot (for writing it to NVMe), marking it as
@@ -329,10 +345,10 @@ impl RamTier {
 
     /// Fills `slot` (from [`RamTier::take_free`]) with `parts` and makes it
     /// the most recently used block of `hash`, replacing an older copy.
-    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool) {
+    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId, parts: &[&[u8]], dirty: bool) {
         self.arena.fill(slot, parts);
         let arena = &self.arena;
-        self.lru.install(slot, key, hash, dirty, |s| arena.pinned(s));
+        self.lru.install(slot, key, hash, owner, dirty, |s| arena.pinned(s));
     }
 
     /// Copies the next verified chunk of a block being promoted into
@@ -354,10 +370,10 @@ impl RamTier {
     /// Makes `slot`, filled with [`RamTier::fill_chunk`], the most recently
     /// used (clean) block of `hash`. The caller checked no copy of `hash` is
     /// held (a newer one may have been stored while the chunks were read).
-    pub fn install_filled(&mut self, slot: u32, key: &str, hash: BlockHash) {
+    pub fn install_filled(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId) {
         debug_assert!(!self.lru.contains(&hash));
         let arena = &self.arena;
-        self.lru.install(slot, key, hash, false, |s| arena.pinned(s));
+        self.lru.install(slot, key, hash, owner, false, |s| arena.pinned(s));
     }
 
     /// Gives back a slot from [`RamTier::take_free`] that will not be
@@ -389,11 +405,11 @@ mod tests {
     fn put(t: &mut RamTier, key: &str, hash: BlockHash, fill: u8) -> bool {
         let data = vec![fill; 4096];
         loop {
-            if let Some(slot) = t.take_free() {
-                t.install(slot, key, hash, &[&data], false);
+            if let Some(slot) = t.take_free(0) {
+                t.install(slot, key, hash, 0, &[&data], false);
                 return true;
             }
-            match t.victim() {
+            match t.victim_for(0) {
                 Some(v) => t.evict(v.slot),
                 None => return false,
             }
@@ -452,17 +468,17 @@ mod tests {
     fn demotion_keeps_the_block_until_written() {
         let mut t = RamTier::new(1, 4096).unwrap();
         let data = vec![7u8; 4096];
-        let s = t.take_free().unwrap();
-        t.install(s, "a", h(1), &[&data], true);
+        let s = t.take_free(0).unwrap();
+        t.install(s, "a", h(1), 0, &[&data], true);
         assert!(t.is_dirty(&h(1)));
-        let v = t.victim().unwrap();
+        let v = t.victim_for(0).unwrap();
         assert!(v.dirty);
         let bytes = t.begin_demotion(v.slot);
         assert!(t.is_demoting(&h(1)) && t.contains(&h(1)), "readable while it is written to NVMe");
-        assert!(t.victim().is_none(), "not chosen twice");
+        assert!(t.victim_for(0).is_none(), "not chosen twice");
         drop(bytes);
         t.end_demotion(v.slot, true);
         assert!(!t.contains(&h(1)));
-        assert!(t.take_free().is_some());
+        assert!(t.take_free(0).is_some());
     }
 }

@@ -30,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::index::snapshot::{self, IndexSnapshot, SegmentState};
 use crate::index::Entry;
 use crate::key::BlockHash;
+use crate::tenant::OwnerId;
 use crate::segment::{self, Segment, Superblock};
 use crate::shard::{RecoveredLog, RecoveryReport, Shard, ShardConfig};
 use crate::slot::{HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
@@ -43,6 +44,7 @@ struct Record {
     hash: BlockHash,
     segment: u32,
     slot: u32,
+    owner: OwnerId,
 }
 
 /// Segment files of a shard directory whose superblock belongs to this
@@ -175,7 +177,8 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
             tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping inconsistent slot header");
             continue;
         }
-        records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot });
+        let owner = shard.owner_of_bytes(&header.key);
+        records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot, owner });
     }
     Ok(records)
 }
@@ -239,16 +242,21 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     records.sort_unstable_by_key(|r| r.seq);
     let mut index = shard.empty_index();
     {
+        // The snapshot names owners by its own ids: map them through names
+        // to this process's (an owner no longer known is the default one).
+        let owner_ids: Vec<OwnerId> =
+            snap.as_ref().map(|s| s.owners.iter().map(|name| shard.owners().id_of(name).unwrap_or(0)).collect()).unwrap_or_default();
         for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.get(&e.segment).is_some_and(|first| e.seq >= *first)) {
             let hash = BlockHash(((e.hash_hi as u128) << 64) | e.hash_lo as u128);
-            index.insert_if_newer(hash, Entry { segment: e.segment, slot: e.slot, seq: e.seq });
+            let owner = owner_ids.get(e.owner as usize).copied().unwrap_or(0);
+            index.insert_if_newer(hash, Entry { segment: e.segment, slot: e.slot, seq: e.seq, owner });
             report.snapshot_entries += 1;
         }
         for r in &records {
             match r.kind {
                 RecordKind::Block => {
                     report.blocks_found += 1;
-                    index.insert_if_newer(r.hash, Entry { segment: r.segment, slot: r.slot, seq: r.seq });
+                    index.insert_if_newer(r.hash, Entry { segment: r.segment, slot: r.slot, seq: r.seq, owner: r.owner });
                 }
                 RecordKind::Tombstone => {
                     report.tombstones_found += 1;
@@ -278,5 +286,6 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         "shard recovered"
     );
     shard.restore(RecoveredLog { segments, max_seq: max_seqs, index, next_seq, sealed, free, head, report });
+    shard.set_owners(shard.cfg.owners.clone());
     Ok(shard)
 }

@@ -45,6 +45,7 @@ use crate::tier::{Tier, TierCounters, WritePolicy};
 
 mod append;
 mod health;
+mod owners;
 mod placement;
 mod reader;
 mod reclaim;
@@ -54,6 +55,7 @@ mod stats;
 mod transit;
 mod waterfall;
 
+pub use owners::{owner_totals, OwnerCounters, OwnerShardStats};
 pub use remote::PutReport;
 use stats::Counters;
 pub use stats::{tier_totals, RecoveryReport, ShardStats};
@@ -99,6 +101,10 @@ pub struct ShardConfig {
     pub remote: Option<Arc<dyn crate::remote::Remote>>,
     /// An error keeps its tier `degraded` this long ([`crate::health`]).
     pub health_window: Duration,
+    /// Shards in the store (quotas are split evenly over them).
+    pub shards: u32,
+    /// Block owners and their quotas at open ([`crate::tenant`]).
+    pub owners: Arc<crate::tenant::Owners>,
 }
 
 impl ShardConfig {
@@ -181,6 +187,8 @@ pub struct Shard {
     remote_reads: remote::RemoteReads,
     /// What each local tier met (`shard/health.rs`).
     health: health::Trackers,
+    /// Block owners, their quotas and counters (`owners.rs`).
+    owner_state: owners::OwnerState,
 }
 
 /// What recovery rebuilt of a shard's log ([`crate::recover::open_shard`]),
@@ -266,6 +274,7 @@ impl Shard {
             remote,
             remote_reads: Default::default(),
             health: health::Trackers::new(cfg.shard_id, cfg.health_window),
+            owner_state: owners::OwnerState::new(cfg.owners.clone()),
             cfg,
         })
     }
@@ -427,8 +436,14 @@ impl Shard {
         bump(&self.counters.gets, 1);
         let result = self.read_tiered(key, hash, stream).await;
         match &result {
-            Ok(_) => bump(&self.counters.hits, 1),
-            Err(Error::NotFound) | Err(Error::Corrupt { .. }) => bump(&self.counters.misses, 1),
+            Ok(_) => {
+                bump(&self.counters.hits, 1);
+                self.count_owner(self.owner_of(key), |c| c.hits += 1);
+            }
+            Err(Error::NotFound) | Err(Error::Corrupt { .. }) => {
+                bump(&self.counters.misses, 1);
+                self.count_owner(self.owner_of(key), |c| c.misses += 1);
+            }
             Err(_) => {}
         }
         result

@@ -28,6 +28,7 @@ use crate::recover;
 use crate::remote::Remote;
 use crate::shard::{PutOutcome, PutReport, Shard, ShardStats};
 use crate::startup;
+use crate::tenant::Owners;
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 pub use crate::tier::{Tier, WritePolicy};
@@ -54,6 +55,7 @@ enum Op {
     Stats,
     Health,
     TraceFlush,
+    SetOwners(Arc<Owners>),
 }
 
 enum Reply {
@@ -67,6 +69,7 @@ enum Reply {
     Stats(Box<ShardStats>),
     Health(Vec<TierHealth>),
     TraceFlushed,
+    OwnersSet,
 }
 
 /// What a prefetch started.
@@ -154,7 +157,7 @@ impl Store {
     /// # Errors
     /// As [`Store::put`]; the remote tier never fails a PUT.
     pub async fn put_reporting(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutReport> {
-        key::validate(key)?;
+        key::validate_stored(key)?;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
             return Err(Error::WrongSize { expected: self.geometry().block_bytes, got });
@@ -225,7 +228,7 @@ impl Store {
     /// # Errors
     /// As [`Store::get`].
     pub async fn get_stream(&self, key: &str) -> Result<(BlockBody, Tier)> {
-        key::validate(key)?;
+        key::validate_stored(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         let read = if owner == self.shard_id() {
@@ -250,7 +253,7 @@ impl Store {
     /// # Errors
     /// As [`Store::get`]; [`Error::Io`] when the sink refused a chunk.
     pub async fn get_into(&self, key: &str, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
-        key::validate(key)?;
+        key::validate_stored(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         let read = if owner == self.shard_id() {
@@ -272,7 +275,7 @@ impl Store {
     /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::DiskFull`],
     /// [`Error::Io`], [`Error::ShuttingDown`].
     pub async fn delete(&self, key: &str) -> Result<()> {
-        key::validate(key)?;
+        key::validate_stored(key)?;
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         let deleted = if owner == self.shard_id() {
@@ -298,7 +301,7 @@ impl Store {
     /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
     pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
         for k in keys {
-            key::validate(k)?;
+            key::validate_stored(k)?;
         }
         self.ask_owners(keys, |owner, mine| async move {
             let hashes: Vec<BlockHash> = mine.iter().map(|(_, h)| *h).collect();
@@ -364,6 +367,14 @@ impl Store {
                     break;
                 }
             }
+        }
+        if let Some(first) = keys.first() {
+            // Counted on this shard, under the owner of the chain's keys.
+            let (asked, hits) = (keys.len() as u64, tiers.len() as u64);
+            self.shard.count_owner(self.shard.owner_of(first), |c| {
+                c.lookup_keys += asked;
+                c.prefix_hits += hits;
+            });
         }
         if self.tracing() {
             // Every key of the chain: those past the prefix hits as misses.
@@ -434,7 +445,7 @@ impl Store {
     pub async fn prefetch(&self, keys: &[&str]) -> Result<PrefetchReport> {
         let mut by_shard: Vec<Vec<(String, BlockHash)>> = vec![Vec::new(); self.shards];
         for k in keys {
-            key::validate(k)?;
+            key::validate_stored(k)?;
             let hash = BlockHash::of(k.as_bytes());
             by_shard[hash.shard(self.shards)].push((k.to_string(), hash));
         }
@@ -520,6 +531,33 @@ impl Store {
         Some(trace.recorder().stop(flush_all).await)
     }
 
+    /// The block owners (tenants, shared namespaces) and quotas now.
+    pub fn owners(&self) -> Arc<Owners> {
+        self.shard.owners()
+    }
+
+    /// Sets the block owners and their quotas on every shard, keeping the
+    /// ids of owners known now (build `owners` with [`Owners::reload`]
+    /// from [`Store::owners`]). Owners over a lowered limit have their
+    /// oldest blocks moved down in the background on each shard.
+    ///
+    /// # Errors
+    /// [`Error::ShuttingDown`] when a shard no longer answers (the shards
+    /// that answered have the new owners).
+    pub async fn set_owners(&self, owners: Arc<Owners>) -> Result<()> {
+        let asks = (0..self.shards).map(|s| {
+            let owners = owners.clone();
+            async move {
+                if s == self.shard_id() {
+                    self.shard.set_owners(owners);
+                    return Ok(());
+                }
+                self.forward(s, Op::SetOwners(owners)).await.map(|_| ())
+            }
+        });
+        futures::future::join_all(asks).await.into_iter().collect()
+    }
+
     /// Statistics of every shard, in shard order.
     ///
     /// # Errors
@@ -573,6 +611,10 @@ async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, op: Op, parallel
                 t.flush();
             }
             Reply::TraceFlushed
+        }
+        Op::SetOwners(owners) => {
+            shard.set_owners(owners);
+            Reply::OwnersSet
         }
     }
 }

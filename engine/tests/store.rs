@@ -30,6 +30,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         remote: None,
         health_window: kvtier_engine::health::ERROR_WINDOW,
         trace: None,
+        owners: Default::default(),
     }
 }
 

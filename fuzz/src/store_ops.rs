@@ -217,6 +217,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         remote: None,
         health_window: kvtier_engine::health::ERROR_WINDOW,
         trace: None,
+        owners: Default::default(),
     }
 }
 

@@ -294,6 +294,7 @@ impl StoreArgs {
             remote: None,
             health_window: std::time::Duration::from_millis(self.health_window_ms),
             trace: None,
+            owners: Default::default(),
         };
         Ok((config, segment_origin))
     }

@@ -112,13 +112,19 @@ impl Shard {
         result?;
         bump(&self.counters.bytes_written, len);
         record_us(&self.nvme_counters.write_us, started.elapsed().as_micros());
-        let entry = Entry { segment: segment.id, slot, seq };
+        let owner = self.owner_of_bytes(&header.key);
+        let entry = Entry { segment: segment.id, slot, seq, owner };
         self.note_seq(segment.id, seq);
-        let mut index = self.index.borrow_mut();
-        let existed = match header.kind {
-            RecordKind::Block => index.insert_if_newer(header.hash, entry).0.is_some(),
-            RecordKind::Tombstone => index.remove_if_not_newer(&header.hash, seq).is_some(),
+        let existed = {
+            let mut index = self.index.borrow_mut();
+            match header.kind {
+                RecordKind::Block => index.insert_if_newer(header.hash, entry).0.is_some(),
+                RecordKind::Tombstone => index.remove_if_not_newer(&header.hash, seq).is_some(),
+            }
         };
+        if header.kind == RecordKind::Block {
+            self.trim_nvme(owner);
+        }
         Ok((entry, existed))
     }
 

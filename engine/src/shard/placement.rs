@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::index::Entry;
 use crate::key::BlockHash;
 use crate::stream::{BlockBody, ChunkStream};
+use crate::tenant::{OwnerId, QuotaTier};
 use crate::tier::Tier;
 
 impl Shard {
@@ -37,6 +38,7 @@ impl Shard {
     ) -> Result<Placed> {
         let Some(ram) = &self.ram else { return Ok(Placed::NoRoom) };
         let started = Instant::now();
+        let owner = self.owner_of(key);
         loop {
             let victim = {
                 if !wanted() {
@@ -44,16 +46,18 @@ impl Shard {
                 }
                 let mut r = ram.borrow_mut();
                 r.release_if_idle(&hash);
-                if let Some(slot) = r.take_free() {
-                    r.install(slot, key, hash, parts, dirty);
+                if let Some(slot) = r.take_free(owner) {
+                    r.install(slot, key, hash, owner, parts, dirty);
                     bump(&self.ram_counters.bytes_in, self.cfg.geometry.block_bytes);
                     record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
                     return Ok(Placed::In(Tier::Ram));
                 }
-                match r.victim() {
+                match r.victim_for(owner) {
                     Some(v) if !v.dirty => {
                         r.evict(v.slot);
                         bump(&self.ram_counters.demotions, 1);
+                        drop(r);
+                        self.count_eviction(QuotaTier::Ram, v.owner, owner);
                         continue;
                     }
                     Some(v) => v,
@@ -67,6 +71,7 @@ impl Shard {
             ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
             written?;
             bump(&self.ram_counters.demotions, 1);
+            self.count_eviction(QuotaTier::Ram, victim.owner, owner);
             bump(&self.nvme_counters.promotions, 1);
         }
     }
@@ -160,16 +165,19 @@ impl Shard {
     /// block's if the log has it (clean). `None` when there is no RAM tier
     /// or the victim is only in RAM (write-back), which takes a log write
     /// to move: then the block is promoted after the read by [`Shard::promote`].
-    pub(super) fn take_ram_slot(&self) -> Option<u32> {
-        let mut ram = self.ram.as_ref()?.borrow_mut();
+    pub(super) fn take_ram_slot(&self, owner: OwnerId) -> Option<u32> {
+        let ram = self.ram.as_ref()?;
         loop {
-            if let Some(slot) = ram.take_free() {
+            let mut r = ram.borrow_mut();
+            if let Some(slot) = r.take_free(owner) {
                 return Some(slot);
             }
-            match ram.victim() {
+            match r.victim_for(owner) {
                 Some(v) if !v.dirty => {
-                    ram.evict(v.slot);
+                    r.evict(v.slot);
                     bump(&self.ram_counters.demotions, 1);
+                    drop(r);
+                    self.count_eviction(QuotaTier::Ram, v.owner, owner);
                 }
                 _ => return None,
             }

@@ -168,7 +168,7 @@ impl Shard {
             return;
         }
         // A GPU tier takes promotions itself (after the read, `promote`).
-        let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot() } else { None };
+        let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot(self.owner_of(key)) } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
         // Whole, and not promoting into a RAM slot: the verified chunks wait
@@ -240,7 +240,7 @@ impl Shard {
                 drop(io_guards.take());
                 if let Some(s) = ram_slot.take() {
                     if self.still_newest(&hash, entry) {
-                        self.ram.as_ref().expect("RAM tier").borrow_mut().install_filled(s, key, hash);
+                        self.ram.as_ref().expect("RAM tier").borrow_mut().install_filled(s, key, hash, self.owner_of(key));
                         bump(&self.ram_counters.promotions, 1);
                         bump(&self.ram_counters.bytes_in, block_bytes);
                     } else {

@@ -13,6 +13,7 @@ use crate::error::Result;
 use crate::index::Entry;
 use crate::key::BlockHash;
 use crate::segment::{InFlight, Segment};
+use crate::tenant::{OwnerId, QuotaTier};
 use crate::slot::{ChunkHasher, SlotHeader, PAGE_BYTES};
 
 /// At most this fraction of a reclaimed segment's slots is kept by second
@@ -60,23 +61,28 @@ impl Shard {
         while segment.writers.get() > 0 {
             glommio::timer::sleep(RECLAIM_POLL).await;
         }
-        // Second chance: blocks read since they were written stay, up to a
-        // share of the segment; the rest leave the index.
-        let mut survivors: Vec<(BlockHash, Entry)> = {
-            let referenced = segment.referenced.borrow();
-            self.index.borrow().iter().filter(|(_, e)| e.segment == id && referenced[e.slot as usize]).collect()
-        };
-        survivors.sort_by_key(|(_, e)| e.slot);
-        survivors.truncate((self.slots_per_segment / SECOND_CHANCE_SHARE) as usize);
+        // Blocks of owners holding no more than their reservation in the log
+        // stay (but one slot is always freed); then second chance: blocks
+        // read since they were written stay, up to a share of the segment.
+        // The rest leave the index.
+        let survivors = self.reclaim_survivors(&segment);
+        let mut dropped_by_owner: Vec<u64> = Vec::new();
         let evicted = {
             let mut index = self.index.borrow_mut();
             let before = index.len();
+            let mut held: Vec<u64> = (0..self.owners().len()).map(|o| index.owner_blocks(o as OwnerId)).collect();
             index.remove_segment(id);
             for (h, e) in &survivors {
                 index.insert_if_newer(*h, *e);
             }
+            for (o, was) in held.iter_mut().enumerate() {
+                dropped_by_owner.push(was.saturating_sub(index.owner_blocks(o as OwnerId)));
+            }
             before - index.len()
         };
+        for (o, n) in dropped_by_owner.into_iter().enumerate() {
+            self.count_owner(o as OwnerId, |c| c.evicted_by_other[QuotaTier::Nvme as usize] += n);
+        }
         // Nothing else takes sequence numbers while we hold the slot lock:
         // this is the new life's first.
         let first_seq = self.next_seq.get();
@@ -194,7 +200,7 @@ impl Shard {
                 continue;
             }
             self.note_seq(segment.id, seq);
-            let moved = Entry { segment: segment.id, slot: j, seq };
+            let moved = Entry { segment: segment.id, slot: j, seq, owner: old.owner };
             if self.index.borrow_mut().remove_exact(hash, *old) {
                 self.index.borrow_mut().insert_if_newer(*hash, moved);
             }
@@ -202,5 +208,44 @@ impl Shard {
         }
         segment.copy_next_old_slot.set(u32::MAX);
         segment.compacting.set(false);
+    }
+
+    /// The blocks of segment `segment` a reclaim keeps, sorted by slot:
+    /// first those an owner needs to stay at its reservation in the log
+    /// (its oldest beyond that go), at most all slots but one; then blocks
+    /// read since they were written (second chance), up to
+    /// `1/SECOND_CHANCE_SHARE` of the segment.
+    fn reclaim_survivors(&self, segment: &Segment) -> Vec<(BlockHash, Entry)> {
+        let index = self.index.borrow();
+        let mut mine: Vec<(BlockHash, Entry)> = index.iter().filter(|(_, e)| e.segment == segment.id).collect();
+        mine.sort_by_key(|(_, e)| e.slot);
+        let reserved = self.nvme_reserved();
+        // How many of each owner's blocks may still leave before it falls
+        // under its reservation; oldest (lowest slot) leave first.
+        let mut may_leave: Vec<u64> = (0..reserved.len().max(1))
+            .map(|o| index.owner_blocks(o as OwnerId).saturating_sub(reserved.get(o).copied().unwrap_or(0)))
+            .collect();
+        let referenced = segment.referenced.borrow();
+        let (mut kept, mut second_chance) = (Vec::new(), Vec::new());
+        for (h, e) in mine {
+            let room = may_leave.get_mut(e.owner as usize);
+            match room {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    if referenced[e.slot as usize] {
+                        second_chance.push((h, e));
+                    }
+                }
+                None if referenced[e.slot as usize] => second_chance.push((h, e)),
+                None => {}
+                Some(_) => kept.push((h, e)),
+            }
+        }
+        kept.truncate(self.slots_per_segment.saturating_sub(1) as usize);
+        second_chance.truncate((self.slots_per_segment / SECOND_CHANCE_SHARE) as usize);
+        kept.extend(second_chance);
+        kept.truncate(self.slots_per_segment.saturating_sub(1).max(1) as usize);
+        kept.sort_by_key(|(_, e)| e.slot);
+        kept
     }
 }

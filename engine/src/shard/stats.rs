@@ -153,6 +153,11 @@ pub struct ShardStats {
     pub tiers: Vec<TierStats>,
     /// Each local tier's health, fastest first ([`crate::health`]).
     pub health: Vec<TierHealth>,
+    /// Each block owner's blocks, quotas and counters in this shard (not in
+    /// the per-shard JSON: summed over shards with
+    /// [`super::owner_totals`]).
+    #[serde(skip)]
+    pub owners: Vec<super::OwnerShardStats>,
 }
 
 impl Shard {
@@ -206,6 +211,7 @@ impl Shard {
             promote: self.cfg.promote,
             tiers,
             health: self.health(),
+            owners: self.owner_stats(),
         }
     }
 

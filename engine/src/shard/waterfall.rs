@@ -21,6 +21,7 @@ use crate::gpu::{GpuRead, GpuTier};
 use crate::key::BlockHash;
 use crate::lru::Victim;
 use crate::shard::ShardConfig;
+use crate::tenant::QuotaTier;
 use crate::tier::{Tier, TierStats};
 
 /// Opens the shard's GPU tier when one is configured. A tier that cannot
@@ -113,13 +114,14 @@ impl Shard {
             return Ok(Placed::Superseded);
         }
         gpu.release_if_idle(&hash);
+        let owner = self.owner_of(key);
         loop {
-            if let Some(slot) = gpu.take_free().await {
+            if let Some(slot) = gpu.take_free(owner).await {
                 if !wanted() {
                     gpu.give_back(slot);
                     return Ok(Placed::Superseded);
                 }
-                return Ok(match gpu.write(slot, key, hash, parts, dirty, wanted).await {
+                return Ok(match gpu.write(slot, key, hash, owner, parts, dirty, wanted).await {
                     Err(_) => Placed::NoRoom,
                     Ok(false) => Placed::Superseded,
                     Ok(true) => {
@@ -129,8 +131,10 @@ impl Shard {
                     }
                 });
             }
-            let Some(victim) = gpu.victim() else { return Ok(Placed::NoRoom) };
+            let Some(victim) = gpu.victim_for(owner) else { return Ok(Placed::NoRoom) };
+            let victim_owner = victim.owner;
             self.demote_gpu(gpu, victim).await?;
+            self.count_eviction(QuotaTier::Gpu, victim_owner, owner);
         }
     }
 
@@ -141,7 +145,7 @@ impl Shard {
     ///
     /// # Errors
     /// A dirty victim could not be written to the log (it stays on the GPU).
-    async fn demote_gpu(&self, gpu: &GpuTier, v: Victim) -> Result<()> {
+    pub(super) async fn demote_gpu(&self, gpu: &GpuTier, v: Victim) -> Result<()> {
         if !v.dirty && self.ram.is_none() {
             gpu.evict(v.slot);
             bump(&self.gpu_counters.demotions, 1);

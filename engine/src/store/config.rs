@@ -8,6 +8,7 @@ use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::remote::Remote;
 use crate::shard::ShardConfig;
 use crate::tier::WritePolicy;
+use crate::tenant::Owners;
 use crate::trace::{Recorder, TraceHeader};
 
 /// Default DMA buffer memory registered with io_uring across all shards:
@@ -118,6 +119,10 @@ pub struct StoreConfig {
     /// ([`StoreConfig::trace_header`]) and starts and stops it
     /// ([`Store::trace_start`]); every shard records into its own buffer.
     pub trace: Option<Arc<Recorder>>,
+    /// Block owners (tenants and shared namespaces) and their per-tier
+    /// quotas ([`crate::tenant`]); [`Owners::default`]: the default owner
+    /// alone, no quotas. Changed at run time with [`Store::set_owners`].
+    pub owners: Arc<Owners>,
 }
 
 impl StoreConfig {
@@ -157,6 +162,8 @@ impl StoreConfig {
             gpu: self.gpu.clone(),
             remote: self.remote.clone(),
             health_window: self.health_window,
+            shards: self.shards as u32,
+            owners: self.owners.clone(),
         }
     }
 
