@@ -139,15 +139,15 @@ async fn measure(device: Arc<GpuDevice>, block_bytes: u64, blocks: u32, rounds: 
         let t = Instant::now();
         for (key, hash) in &keys {
             tier.remove(hash);
-            let slot = match tier.take_free().await {
+            let slot = match tier.take_free(0).await {
                 Some(s) => s,
                 None => {
-                    let v = tier.victim().expect("a full tier has a victim");
+                    let v = tier.victim_for(0).expect("a full tier has a victim");
                     tier.evict(v.slot);
-                    tier.take_free().await.expect("a slot after eviction")
+                    tier.take_free(0).await.expect("a slot after eviction")
                 }
             };
-            assert!(tier.write(slot, key, *hash, &[&data], false, &|| true).await.expect("tier write"), "installed");
+            assert!(tier.write(slot, key, *hash, 0, &[&data], false, &|| true).await.expect("tier write"), "installed");
         }
         let h2d = rate(blocks, block_bytes, t.elapsed().as_secs_f64());
         let t = Instant::now();

@@ -89,6 +89,9 @@ pub struct Owners {
     /// By [`OwnerId`]; entry 0 is the default owner.
     pub specs: Vec<OwnerSpec>,
     by_name: HashMap<String, OwnerId>,
+    /// Grows with each change the server makes: a shard given owners older
+    /// than those it has (two changes crossing on the way) keeps its own.
+    pub generation: u64,
 }
 
 impl Default for Owners {
@@ -116,7 +119,7 @@ impl Owners {
         if all.len() > OWNERS_MAX {
             return Err(format!("{} owners (tenants and namespaces); a store tracks at most {}", all.len() - 1, OWNERS_MAX - 1));
         }
-        Ok(Owners { specs: all, by_name })
+        Ok(Owners { specs: all, by_name, generation: 0 })
     }
 
     /// The owners of `next` with the ids of `self` kept: a name known now
@@ -138,7 +141,9 @@ impl Owners {
                 specs.push(s.clone());
             }
         }
-        Owners::new(specs)
+        let mut next = Owners::new(specs)?;
+        next.generation = self.generation + 1;
+        Ok(next)
     }
 
     /// The id of the owner named `name`, if known.

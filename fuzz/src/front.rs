@@ -10,7 +10,8 @@ use kvtier_local_proto::{self as proto, Code, Cursor, Next, Op, Span};
 use kvtier_server::limits;
 use kvtier_server::local::region::Region;
 use kvtier_server::metrics::Route;
-use kvtier_server::routes::{self, Plan};
+use kvtier_server::routes::{self, Auth, Plan};
+use kvtier_server::tenants::{Capacity, Table};
 
 /// `key_list`: the bytes as a `/v1/lookup` (or `/v1/prefetch`) body.
 pub fn key_list(data: &[u8]) {
@@ -34,6 +35,16 @@ pub fn key_list(data: &[u8]) {
 /// byte is odd.
 const TOKEN: &[u8] = b"fuzz-token-0123456789";
 
+/// A tenants table whose tenant `fuzz` has [`TOKEN`] (an admin when
+/// `admin`), beside another tenant.
+fn tenants_table(admin: bool) -> Table {
+    let text = format!(
+        "[[tenant]]\nname = \"fuzz\"\ntoken = \"{}\"\nadmin = {admin}\n[[tenant]]\nname = \"other\"\ntoken = \"another-token\"\n",
+        std::str::from_utf8(TOKEN).expect("ASCII")
+    );
+    Table::parse(&text, "fuzz.toml", &Capacity { shard_blocks: [0, 0, 0], shards: 1, block_bytes: 4096 }).expect("a valid tenants file")
+}
+
 /// `http_route`: byte 0 the mode (bit 0: the server has a bearer token;
 /// bit 1: HTTP/2 instead of HTTP/1.1, so no header-size check here; bit 2:
 /// the harness adds the right `Authorization` header), then an HTTP/1.1
@@ -54,6 +65,10 @@ pub fn http_route(data: &[u8]) {
         headers.append(name, value);
     }
     let token = (mode & 1 != 0).then_some(TOKEN);
+    // Bit 3: tenants, one of whom (an admin with bit 4) has the token.
+    static TABLES: std::sync::OnceLock<[Table; 2]> = std::sync::OnceLock::new();
+    let tables = TABLES.get_or_init(|| [tenants_table(false), tenants_table(true)]);
+    let tenants = (mode & 8 != 0).then(|| &tables[usize::from(mode & 16 != 0)]);
     if mode & 4 != 0 {
         let mut bearer = b"Bearer ".to_vec();
         bearer.extend_from_slice(TOKEN);
@@ -63,12 +78,36 @@ pub fn http_route(data: &[u8]) {
     let path = uri.path();
     let route = routes::route_of(&method, path);
     let authorized = headers.get(http::header::AUTHORIZATION).is_some_and(|v| v.as_bytes().strip_prefix(b"Bearer ") == Some(TOKEN));
-    match routes::plan(&method, path, version, &headers, token) {
-        Plan::Handle(r, key) => {
+    let auth = match (&tenants, token) {
+        (Some(t), _) => Auth::Tenants(*t),
+        (None, Some(t)) => Auth::Token(t),
+        (None, None) => Auth::Open,
+    };
+    match routes::plan(&method, path, version, &headers, auth) {
+        Plan::Handle(r, key, caller) => {
             assert!(r == route && r != Route::Other, "planned {r:?} for {method} {path}, the route table says {route:?}");
             assert!(token.is_none() || authorized, "{method} {path} handled without the bearer token");
+            assert!(tenants.is_none() || (authorized && caller.as_ref().is_some_and(|c| c.name == "fuzz")), "{method} {path}: no tenant");
+            assert!(tenants.is_some() || caller.is_none());
+            let admin = matches!(
+                r,
+                Route::AdminTrace
+                    | Route::AdminTraceStart
+                    | Route::AdminTraceStop
+                    | Route::AdminTenants
+                    | Route::AdminTenantSet
+                    | Route::AdminTenantsReload
+            );
+            assert!(!admin || caller.as_ref().is_none_or(|c| c.admin), "{method} {path}: an admin route for a tenant not admin");
             let is_block = matches!(r, Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock);
-            assert_eq!(key.as_deref(), if is_block { path.strip_prefix("/v1/blocks/") } else { None });
+            let want = if is_block {
+                path.strip_prefix("/v1/blocks/")
+            } else if r == Route::AdminTenantSet {
+                path.strip_prefix("/v1/admin/tenants/")
+            } else {
+                None
+            };
+            assert_eq!(key.as_deref(), want);
             if r == Route::PutBlock {
                 match routes::declared_length(&headers, 4096, "PUT") {
                     Ok(n) => assert_eq!(Some(n), headers[http::header::CONTENT_LENGTH].to_str().ok().and_then(|v| v.parse().ok())),
@@ -81,10 +120,14 @@ pub fn http_route(data: &[u8]) {
             let expected = [
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 StatusCode::UNAUTHORIZED,
+                StatusCode::FORBIDDEN,
                 StatusCode::METHOD_NOT_ALLOWED,
                 StatusCode::NOT_FOUND,
             ];
             assert!(expected.contains(&s), "{method} {path} refused with {s}");
+            if s == StatusCode::FORBIDDEN {
+                assert!(tenants.is_some() && mode & 16 == 0, "{method} {path} refused with 403 without a tenant that is not admin");
+            }
             if s == StatusCode::METHOD_NOT_ALLOWED || s == StatusCode::NOT_FOUND {
                 assert_eq!(route, Route::Other, "{method} {path} refused with {s} but routes to {route:?}");
             }

@@ -46,11 +46,18 @@ pub fn parse_url(url: &str) -> Result<S3Location, String> {
     Ok(S3Location { bucket: bucket.to_string(), prefix: prefix.to_string() })
 }
 
-/// The object name of `key` for blocks of `block_bytes`:
-/// `PREFIX/kvtier/v1/BLOCK_BYTES/XX/KEY`.
+/// The object name of the stored `key` for blocks of `block_bytes`:
+/// `PREFIX/kvtier/v1/BLOCK_BYTES/XX/KEY`, and for a tenant's key
+/// (`SCOPE/KEY`, docs/OPERATIONS.md "Tenants")
+/// `PREFIX/tenants/SCOPE/kvtier/v1/BLOCK_BYTES/XX/KEY`: each tenant's
+/// blocks under a prefix of their own, which the bucket's lifecycle rules,
+/// quotas and policies can name.
 pub fn object_name(prefix: &str, block_bytes: u64, key: &str) -> String {
     let spread = BlockHash::of(key.as_bytes()).0 as u8;
-    let base = format!("kvtier/v1/{block_bytes}/{spread:02x}/{key}");
+    let base = match key.split_once('/') {
+        Some((scope, rest)) => format!("tenants/{scope}/kvtier/v1/{block_bytes}/{spread:02x}/{rest}"),
+        None => format!("kvtier/v1/{block_bytes}/{spread:02x}/{key}"),
+    };
     if prefix.is_empty() {
         base
     } else {
@@ -158,6 +165,8 @@ mod tests {
         let spread = BlockHash::of(b"k-1").0 as u8;
         assert_eq!(name, format!("fleet/kvtier/v1/65536/{spread:02x}/k-1"));
         assert_eq!(object_name("", 65_536, "k-1"), format!("kvtier/v1/65536/{spread:02x}/k-1"));
+        let spread = BlockHash::of(b"acme/k-1").0 as u8;
+        assert_eq!(object_name("fleet", 65_536, "acme/k-1"), format!("fleet/tenants/acme/kvtier/v1/65536/{spread:02x}/k-1"));
     }
 
     fn object(key: &str, payload: &[u8]) -> Bytes {

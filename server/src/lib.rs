@@ -12,3 +12,4 @@ pub mod local;
 pub mod metrics;
 pub mod routes;
 pub mod server;
+pub mod tenants;

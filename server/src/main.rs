@@ -18,7 +18,7 @@ use kvtier_engine::store::{
     START_WARN_AFTER,
 };
 use kvtier_engine::StoreConfig;
-use kvtier_server::{gpu, limits, local, metrics, server};
+use kvtier_server::{gpu, limits, local, metrics, server, tenants};
 
 // jemalloc with transparent huge pages, so the DMA buffers block reads land
 // in are 2 MiB runs (why, and the figures: `kvtier_engine::alloc`).
@@ -71,15 +71,24 @@ struct FsckArgs {
 #[derive(Args, Debug)]
 struct ServeArgs {
     /// Address to listen on. A non-loopback address requires
-    /// --auth-token-file.
+    /// --auth-token-file or --tenants.
     #[arg(long, default_value = "127.0.0.1:8085")]
     listen: SocketAddr,
     #[command(flatten)]
     store: StoreArgs,
     /// File holding a bearer token; every request must then send
     /// `Authorization: Bearer <token>`. Surrounding whitespace is ignored.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tenants")]
     auth_token_file: Option<PathBuf>,
+    /// Tenants file (TOML; docs/OPERATIONS.md, "Tenants"): each tenant's
+    /// token (or its SHA-256) and local-socket uids, the key space it
+    /// reads and writes, shared namespaces, and per-tier reservations and
+    /// limits (gpu_, ram_, nvme_ × reserved_gb, limit_gb). Every request
+    /// must then carry a tenant's token (401 otherwise); a tenant's keys
+    /// are its own. Reloaded on SIGHUP and by POST
+    /// /v1/admin/tenants/reload (a refused file keeps the one in use).
+    #[arg(long, value_name = "PATH")]
+    tenants: Option<PathBuf>,
     /// Close a connection after this many seconds without a request in
     /// flight (HTTP/2 pings do not count as use).
     #[arg(long, default_value_t = limits::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
@@ -507,9 +516,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         .init();
 
     let auth_token = args.auth_token_file.as_deref().map(read_token).transpose()?;
-    if !args.listen.ip().is_loopback() && auth_token.is_none() {
+    if !args.listen.ip().is_loopback() && auth_token.is_none() && args.tenants.is_none() {
         return Err(format!(
-            "refusing to listen on non-loopback address {} without --auth-token-file: anyone who can reach it could read and overwrite KV blocks",
+            "refusing to listen on non-loopback address {} without --auth-token-file or --tenants: anyone who can reach it could read and overwrite KV blocks",
             args.listen
         ));
     }
@@ -539,6 +548,19 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         futures::executor::block_on(recorder.start()).map_err(|e| format!("--trace-dir {}: {e}", dir.display()))?;
         config.trace = Some(recorder);
     }
+    let tenancy = match &args.tenants {
+        Some(path) => {
+            let capacity = tenants::Capacity {
+                shard_blocks: config.shard_capacity_blocks(),
+                shards: config.shards,
+                block_bytes: config.geometry.block_bytes,
+            };
+            let t = Arc::new(tenants::Tenancy::load(path, capacity)?);
+            config.owners = t.owners();
+            Some(t)
+        }
+        None => None,
+    };
     let mut steps = StartSteps::new(started);
     steps.end("configuration");
     let _lock = lock_data_dir(&config.data_dir)?;
@@ -555,12 +577,14 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         steps.end("the local socket");
     }
 
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
-        .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let mut signals =
+        signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT, signal_hook::consts::SIGHUP])
+            .map_err(|e| format!("installing signal handlers: {e}"))?;
     let (ready_tx, ready_rx) = mpsc::channel();
     let shared = Arc::new(server::Shared {
         listen: args.listen,
         auth_token,
+        tenancy: tenancy.clone(),
         shutdown: Default::default(),
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
@@ -638,6 +662,16 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if let Some(line) = gpu_line {
         println!("kvtier: {line}");
     }
+    if let Some(t) = &tenancy {
+        let table = t.table();
+        let kinds = |k: &str| table.entries.iter().filter(|e| e.kind == k).count();
+        println!(
+            "kvtier: {} tenants and {} shared namespaces from {} (keys scoped per tenant; SIGHUP reloads; docs/OPERATIONS.md \"Tenants\")",
+            kinds("tenant"),
+            kinds("namespace"),
+            t.path().display()
+        );
+    }
     if let Some(dir) = &args.trace_dir {
         println!("kvtier: recording block operations to {} (at most {} MiB; docs/TRACE.md)", dir.display(), args.trace_max_mb);
     }
@@ -656,6 +690,16 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .spawn(move || {
                 let mut count = 0;
                 for signal in signals.forever() {
+                    if signal == signal_hook::consts::SIGHUP {
+                        match &shared.tenancy {
+                            Some(t) => {
+                                tracing::info!("SIGHUP: reloading the tenants file {}", t.path().display());
+                                t.request_reload();
+                            }
+                            None => tracing::info!("SIGHUP ignored: no --tenants file to reload"),
+                        }
+                        continue;
+                    }
                     count += 1;
                     if count > 1 {
                         eprintln!("kvtier: second signal {signal}, exiting now");

@@ -49,12 +49,18 @@ pub enum Route {
     AdminTraceStart,
     /// `POST /v1/admin/trace/stop`
     AdminTraceStop,
+    /// `GET /v1/admin/tenants`
+    AdminTenants,
+    /// `PUT /v1/admin/tenants/{name}`
+    AdminTenantSet,
+    /// `POST /v1/admin/tenants/reload`
+    AdminTenantsReload,
     /// Anything else (404, 405, 401).
     Other,
 }
 
 /// Labels of the [`Route`]s, in declaration order (`route as usize`).
-pub const HTTP_ROUTE_NAMES: [&str; 14] = [
+pub const HTTP_ROUTE_NAMES: [&str; 17] = [
     "put_block",
     "get_block",
     "head_block",
@@ -68,6 +74,9 @@ pub const HTTP_ROUTE_NAMES: [&str; 14] = [
     "admin_trace",
     "admin_trace_start",
     "admin_trace_stop",
+    "admin_tenants",
+    "admin_tenant_set",
+    "admin_tenants_reload",
     "other",
 ];
 
@@ -251,6 +260,84 @@ struct ShardQuantileLabel {
     quantile: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantTierLabel {
+    tenant: String,
+    tier: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantEvictionLabel {
+    tenant: String,
+    tier: String,
+    /// `own`: to make room for its own blocks or to meet its limit;
+    /// `other`: for another owner's (in the log: a reclaim).
+    cause: String,
+}
+
+/// Per block owner (tenant, namespace, `default`): the `tenant` label takes
+/// only names from the tenants file (and `default`), never a value from a
+/// request, so there are at most [`kvtier_engine::tenant::OWNERS_MAX`].
+fn register_tenants(registry: &mut Registry, engine: &[ShardStats], block_bytes: u64, tenancy: Option<&crate::tenants::Tenancy>) {
+    use kvtier_engine::tenant::QuotaTier;
+    let owners = kvtier_engine::shard::owner_totals(engine);
+    let bytes = Family::<TenantTierLabel, Gauge>::default();
+    let blocks = Family::<TenantTierLabel, Gauge>::default();
+    let reserved = Family::<TenantTierLabel, Gauge>::default();
+    let limit = Family::<TenantTierLabel, Gauge>::default();
+    let evictions = Family::<TenantEvictionLabel, Counter>::default();
+    let (hits, misses) = (Family::<TenantLabel, Counter>::default(), Family::<TenantLabel, Counter>::default());
+    let (lookup_keys, prefix_hits) = (Family::<TenantLabel, Counter>::default(), Family::<TenantLabel, Counter>::default());
+    for o in &owners {
+        let tenant = o.name.clone();
+        for t in QuotaTier::ALL {
+            let (i, tier) = (t as usize, t.as_str().to_string());
+            let l = TenantTierLabel { tenant: tenant.clone(), tier: tier.clone() };
+            blocks.get_or_create(&l).set(o.blocks[i] as i64);
+            bytes.get_or_create(&l).set((o.blocks[i] * block_bytes) as i64);
+            reserved.get_or_create(&l).set((o.reserved_blocks[i] * block_bytes) as i64);
+            limit.get_or_create(&l).set((o.limit_blocks[i] * block_bytes) as i64);
+            for (cause, n) in [("own", o.counters.evicted_own[i]), ("other", o.counters.evicted_by_other[i])] {
+                evictions.get_or_create(&TenantEvictionLabel { tenant: tenant.clone(), tier: tier.clone(), cause: cause.into() }).inc_by(n);
+            }
+        }
+        let l = TenantLabel { tenant };
+        hits.get_or_create(&l).inc_by(o.counters.hits);
+        misses.get_or_create(&l).inc_by(o.counters.misses);
+        lookup_keys.get_or_create(&l).inc_by(o.counters.lookup_keys);
+        prefix_hits.get_or_create(&l).inc_by(o.counters.prefix_hits);
+    }
+    registry.register("tenant_blocks", "Blocks a tenant (or shared namespace) holds in a tier", blocks);
+    registry.register("tenant_bytes", "Bytes a tenant holds in a tier", bytes);
+    registry.register("tenant_reserved_bytes", "Bytes of a tier reserved for a tenant (whole blocks per shard)", reserved);
+    registry.register("tenant_limit_bytes", "Most bytes a tenant may hold in a tier (the tier's size when it has no limit)", limit);
+    registry.register("tenant_evictions", "Blocks of a tenant moved out of a tier, by cause (own pressure or limit; another's)", evictions);
+    registry.register("tenant_hits", "GETs of a tenant answered with a block", hits);
+    registry.register("tenant_misses", "GETs of a tenant that found no block", misses);
+    registry.register("tenant_lookup_keys", "Keys a tenant's prefix lookups asked for", lookup_keys);
+    registry.register("tenant_prefix_hits", "Of those, keys found in the prefix", prefix_hits);
+    if let Some(t) = tenancy {
+        let status = t.status();
+        let c = |v: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            c
+        };
+        registry.register("tenants_reloads", "Reloads of the tenants file that took effect (SIGHUP or the admin route)", c(status.reloads));
+        registry.register("tenants_reload_failures", "Reloads of the tenants file refused (the tenants in use were kept)", c(status.reload_failures));
+        registry.register(
+            "tenants_unauthorized",
+            "Requests and local HELLOs refused because their token (or uid) is no tenant's",
+            c(t.unauthorized.load(Ordering::Relaxed)),
+        );
+    }
+}
+
 fn shard_counter(registry: &mut Registry, name: &str, help: &str, engine: &[ShardStats], value: fn(&ShardStats) -> u64) {
     let family = Family::<ShardLabel, Counter>::default();
     for s in engine {
@@ -331,8 +418,10 @@ pub fn prometheus_text(
     remote: Option<&dyn kvtier_engine::remote::Remote>,
     health: &[TierHealth],
     trace: Option<&kvtier_engine::trace::TraceStatus>,
+    tenancy: Option<&crate::tenants::Tenancy>,
 ) -> String {
     let mut registry = Registry::with_prefix("kvtier");
+    register_tenants(&mut registry, engine, geometry.block_bytes, tenancy);
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
     block.set(geometry.block_bytes as i64);
     registry.register("block_bytes", "Payload bytes of one block (fixed per store)", block);

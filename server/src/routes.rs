@@ -15,6 +15,13 @@
 //! | `GET /readyz` | 200 with each tier's state; 503 when the log cannot be written |
 //! | `GET /v1/admin/trace` | 200 the trace recorder's state; 409 without `--trace-dir` |
 //! | `POST /v1/admin/trace/start`, `/stop` | 200 the recorder's state after; 409 without `--trace-dir`; 500 the file cannot be created |
+//! | `GET /v1/admin/tenants` | 200 tenants, quotas, usage, reload state; 409 without `--tenants` |
+//! | `PUT /v1/admin/tenants/{name}` | 200 the tenant after; 404 unknown name; 400 bad body; 409 over capacity |
+//! | `POST /v1/admin/tenants/reload` | 200 reloaded; 400 the file is refused (the old one stays) |
+//!
+//! With `--tenants`, the bearer token names the calling tenant (401 for
+//! one no tenant has), its keys are scoped to it (`tenants.rs`), and
+//! `/v1/admin/*` is for tenants marked `admin` (403 otherwise).
 
 // Handlers return `Result<_, Reply>` so a check can answer early; the
 // error path is a finished response, so boxing it would buy nothing.
@@ -35,6 +42,10 @@ use serde_json::json;
 use crate::body::ReplyBody;
 use crate::limits;
 use crate::metrics::{RequestStats, Route};
+use crate::tenants::{stored_key, ScopeError, Table, Tenancy, Tenant};
+
+mod admin;
+pub use admin::{owners_json, watch_reloads};
 
 /// Everything a request handler needs, one per shard.
 pub struct Ctx {
@@ -42,6 +53,8 @@ pub struct Ctx {
     pub store: Rc<Store>,
     /// Bearer token every request must carry, when set.
     pub auth_token: Option<Rc<[u8]>>,
+    /// Tenants, with `--tenants`: tokens name the caller, keys are scoped.
+    pub tenancy: Option<std::sync::Arc<Tenancy>>,
     /// Request metrics of every shard (this one records into its own).
     pub http: std::sync::Arc<RequestStats>,
     /// The local socket's state and counters, when it is on.
@@ -141,17 +154,37 @@ pub fn route_of(method: &Method, path: &str) -> Route {
         (&Method::GET, "/v1/admin/trace") => Route::AdminTrace,
         (&Method::POST, "/v1/admin/trace/start") => Route::AdminTraceStart,
         (&Method::POST, "/v1/admin/trace/stop") => Route::AdminTraceStop,
+        (&Method::GET, "/v1/admin/tenants") => Route::AdminTenants,
+        (&Method::POST, "/v1/admin/tenants/reload") => Route::AdminTenantsReload,
+        (&Method::PUT, p) if p.strip_prefix("/v1/admin/tenants/").is_some_and(|n| !n.is_empty() && n != "reload") => {
+            Route::AdminTenantSet
+        }
         _ => Route::Other,
     }
 }
 
+/// How requests are authenticated.
+#[derive(Clone, Copy)]
+pub enum Auth<'a> {
+    /// Anyone on the listening address (loopback only).
+    Open,
+    /// One bearer token for every request (`--auth-token-file`).
+    Token(&'a [u8]),
+    /// The bearer token names a tenant (`--tenants`).
+    Tenants(&'a Table),
+}
+
+/// Who is calling: the tenant its token names; `None` without `--tenants`.
+pub type Caller = Option<std::sync::Arc<Tenant>>;
+
 /// What the front door decides from a request's method, path, version and
 /// headers alone, before any body byte is read.
 pub enum Plan {
-    /// Run the handler of this route (never [`Route::Other`]); block
-    /// routes carry the key as the path gave it (not yet validated: the
-    /// handler answers an invalid key).
-    Handle(Route, Option<String>),
+    /// Run the handler of this route (never [`Route::Other`]) for the
+    /// caller; block routes carry the key as the path gave it (not yet
+    /// validated: the handler answers an invalid key), the tenant route
+    /// the tenant's name.
+    Handle(Route, Option<String>, Caller),
     /// Answer with this reply (431 headers too large, 401 no or wrong
     /// token, 405 wrong method, 404 no route); the body of a PUT refused
     /// for its token is still drained first (`refuse_put`).
@@ -159,10 +192,11 @@ pub enum Plan {
 }
 
 /// Routes a request: the header-size limit (HTTP/1; HTTP/2 enforces its
-/// own), then the bearer token when the server has one (`auth_token`),
-/// then the route table of docs/API.md. Pure: the fuzz target
-/// `http_route` drives it with arbitrary requests.
-pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, auth_token: Option<&[u8]>) -> Plan {
+/// own), then the bearer token when the server has one or tenants
+/// (`auth`), then the route table of docs/API.md, then (with tenants) the
+/// admin routes' check. Pure: the fuzz target `http_route` drives it with
+/// arbitrary requests.
+pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, auth: Auth<'_>) -> Plan {
     // HTTP/2 enforces this as its header-list size before a request gets
     // here; HTTP/1's read buffer is larger (body throughput), so its header
     // block is measured here.
@@ -175,24 +209,47 @@ pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, 
             format!("request headers take {header_bytes} bytes; the limit is {}", limits::HEADER_BYTES_MAX),
         ));
     }
-    if let Some(token) = auth_token {
-        if !authorized(headers, token) {
-            let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return Plan::Refuse(r);
-        }
+    let unauthorized = || {
+        let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'");
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        Plan::Refuse(r)
+    };
+    let caller: Caller = match auth {
+        Auth::Open => None,
+        Auth::Token(token) if authorized(headers, token) => None,
+        Auth::Token(_) => return unauthorized(),
+        Auth::Tenants(table) => match bearer(headers).and_then(|t| table.by_token(t)) {
+            Some(t) => Some(t.clone()),
+            None => return unauthorized(),
+        },
+    };
+    let route = route_of(method, path);
+    let is_admin = matches!(
+        route,
+        Route::AdminTrace | Route::AdminTraceStart | Route::AdminTraceStop | Route::AdminTenants | Route::AdminTenantSet | Route::AdminTenantsReload
+    );
+    if is_admin && caller.as_ref().is_some_and(|t| !t.admin) {
+        return Plan::Refuse(error(
+            StatusCode::FORBIDDEN,
+            "admin_only",
+            "the /v1/admin routes are for tenants marked `admin = true` in the tenants file",
+        ));
     }
-    match route_of(method, path) {
+    match route {
         route @ (Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock) => {
-            Plan::Handle(route, path.strip_prefix("/v1/blocks/").map(str::to_string))
+            Plan::Handle(route, path.strip_prefix("/v1/blocks/").map(str::to_string), caller)
         }
+        Route::AdminTenantSet => Plan::Handle(route, path.strip_prefix("/v1/admin/tenants/").map(str::to_string), caller),
         Route::Other => Plan::Refuse(match path {
             _ if path.starts_with("/v1/blocks/") => method_not_allowed("PUT, GET, HEAD, DELETE"),
-            "/v1/lookup" | "/v1/prefetch" | "/v1/admin/trace/start" | "/v1/admin/trace/stop" => method_not_allowed("POST"),
-            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" | "/v1/admin/trace" => method_not_allowed("GET"),
+            "/v1/lookup" | "/v1/prefetch" | "/v1/admin/trace/start" | "/v1/admin/trace/stop" | "/v1/admin/tenants/reload" => {
+                method_not_allowed("POST")
+            }
+            "/v1/stats" | "/healthz" | "/readyz" | "/metrics" | "/v1/admin/trace" | "/v1/admin/tenants" => method_not_allowed("GET"),
+            _ if path.strip_prefix("/v1/admin/tenants/").is_some_and(|n| !n.is_empty()) => method_not_allowed("PUT"),
             _ => error(StatusCode::NOT_FOUND, "no_route", format!("no route for {path}; see docs/API.md")),
         }),
-        route => Plan::Handle(route, None),
+        route => Plan::Handle(route, None, caller),
     }
 }
 
@@ -211,24 +268,45 @@ pub async fn handle(ctx: Rc<Ctx>, req: Request<Incoming>) -> Result<Reply, Infal
 
 async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     let is_head = req.method() == Method::HEAD;
-    let plan = plan(req.method(), req.uri().path(), req.version(), req.headers(), ctx.auth_token.as_deref());
+    let table = ctx.tenancy.as_ref().map(|t| t.table());
+    let auth = match (&table, &ctx.auth_token) {
+        (Some(table), _) => Auth::Tenants(table),
+        (None, Some(token)) => Auth::Token(token),
+        (None, None) => Auth::Open,
+    };
+    let plan = plan(req.method(), req.uri().path(), req.version(), req.headers(), auth);
+    drop(table);
     let mut reply = match plan {
-        Plan::Refuse(r) if r.status() == StatusCode::UNAUTHORIZED && req.method() == Method::PUT => refuse_put(ctx, req, r).await,
+        Plan::Refuse(r) if r.status() == StatusCode::UNAUTHORIZED => {
+            if let Some(t) = &ctx.tenancy {
+                t.unauthorized.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            if req.method() == Method::PUT {
+                refuse_put(ctx, req, r).await
+            } else {
+                r
+            }
+        }
+        Plan::Refuse(r) if r.status() == StatusCode::FORBIDDEN && req.method() == Method::PUT => refuse_put(ctx, req, r).await,
         Plan::Refuse(r) => r,
-        Plan::Handle(route, key) => {
+        Plan::Handle(route, key, caller) => {
             let key = key.unwrap_or_default();
+            let caller = caller.as_deref();
             match route {
-                Route::PutBlock => put_block(ctx, &key, req).await,
-                Route::GetBlock => get_block(ctx, &key).await,
-                Route::HeadBlock => head_block(ctx, &key).await,
-                Route::DeleteBlock => delete_block(ctx, &key).await,
-                Route::Lookup => lookup(ctx, req).await,
-                Route::Prefetch => prefetch(ctx, req).await,
+                Route::PutBlock => put_block(ctx, caller, &key, req).await,
+                Route::GetBlock => get_block(ctx, caller, &key).await,
+                Route::HeadBlock => head_block(ctx, caller, &key).await,
+                Route::DeleteBlock => delete_block(ctx, caller, &key).await,
+                Route::Lookup => lookup(ctx, caller, req).await,
+                Route::Prefetch => prefetch(ctx, caller, req).await,
                 Route::Stats => stats(ctx).await,
                 Route::Metrics => metrics(ctx).await,
                 Route::Healthz => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
                 Route::Readyz => readyz(ctx).await,
                 Route::AdminTrace | Route::AdminTraceStart | Route::AdminTraceStop => admin_trace(ctx, route).await,
+                Route::AdminTenants => admin::tenants(ctx).await,
+                Route::AdminTenantSet => admin::set_tenant(ctx, &key, req).await,
+                Route::AdminTenantsReload => admin::reload(ctx).await,
                 Route::Other => unreachable!("plan never hands Route::Other to a handler"),
             }
         }
@@ -241,10 +319,17 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
     reply
 }
 
+/// The bearer token a request carries.
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    headers.get(header::AUTHORIZATION).and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+}
+
 /// Constant-time comparison of the bearer token: the time taken does not
-/// depend on how many leading bytes match.
+/// depend on how many leading bytes match. (Tenants' tokens are compared
+/// as SHA-256 digests, `tenants.rs`: the time then depends on the
+/// digest, which tells nothing about the token.)
 fn authorized(headers: &HeaderMap, token: &[u8]) -> bool {
-    let Some(given) = headers.get(header::AUTHORIZATION).and_then(|v| v.as_bytes().strip_prefix(b"Bearer ")) else {
+    let Some(given) = bearer(headers) else {
         return false;
     };
     if given.len() != token.len() {
@@ -346,10 +431,22 @@ async fn refuse_put(ctx: &Ctx, req: Request<Incoming>, reply: Reply) -> Reply {
     reply
 }
 
-async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
-    if let Err(e) = kvtier_engine::key::validate(key) {
-        return refuse_put(ctx, req, engine_error(&e)).await;
+/// The reply for a key its caller cannot use: 400 `invalid_key`, 403
+/// `namespace_read_only`.
+fn scope_error(e: ScopeError) -> Reply {
+    match e {
+        ScopeError::InvalidKey(m) => error(StatusCode::BAD_REQUEST, "invalid_key", m),
+        ScopeError::ReadOnly(m) => error(StatusCode::FORBIDDEN, "namespace_read_only", m),
     }
+}
+
+async fn put_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str, req: Request<Incoming>) -> Reply {
+    let client_key = key;
+    let key = match stored_key(caller, key, true) {
+        Ok(k) => k,
+        Err(e) => return refuse_put(ctx, req, scope_error(e)).await,
+    };
+    let key = key.as_str();
     let block_bytes = ctx.store.geometry().block_bytes;
     let declared = match declared_length(req.headers(), block_bytes, "PUT") {
         Ok(n) => n,
@@ -384,7 +481,7 @@ async fn put_block(ctx: &Ctx, key: &str, req: Request<Incoming>) -> Reply {
                 PutOutcome::Created => (StatusCode::CREATED, "created"),
                 PutOutcome::Replaced => (StatusCode::OK, "replaced"),
             };
-            let mut body = json!({ "key": key, "block_bytes": got, "status": word });
+            let mut body = json!({ "key": client_key, "block_bytes": got, "status": word });
             // What the remote tier did with it, under the tier's name.
             if let (Some(remote), Some(upload)) = (ctx.store.remote(), report.upload) {
                 body[remote.name()] = json!(upload.as_str());
@@ -410,15 +507,23 @@ fn block_reply(body: BlockBody, tier: &'static str) -> Reply {
 /// response off instead of completing it (the block is dropped, so the next
 /// GET falls through to the tiers below). Every tier, the remote one
 /// included, is behind [`Store::get_stream`].
-async fn get_block(ctx: &Ctx, key: &str) -> Reply {
-    match ctx.store.get_stream(key).await {
+async fn get_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
+    let key = match stored_key(caller, key, false) {
+        Ok(k) => k,
+        Err(e) => return scope_error(e),
+    };
+    match ctx.store.get_stream(&key).await {
         Ok((body, tier)) => block_reply(body, tier.as_str()),
         Err(e) => engine_error(&e),
     }
 }
 
-async fn head_block(ctx: &Ctx, key: &str) -> Reply {
-    match ctx.store.contains(key).await {
+async fn head_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
+    let key = match stored_key(caller, key, false) {
+        Ok(k) => k,
+        Err(e) => return scope_error(e),
+    };
+    match ctx.store.contains(&key).await {
         Ok(Some(_)) => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
@@ -430,8 +535,12 @@ async fn head_block(ctx: &Ctx, key: &str) -> Reply {
     }
 }
 
-async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
-    match ctx.store.delete(key).await {
+async fn delete_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
+    let key = match stored_key(caller, key, true) {
+        Ok(k) => k,
+        Err(e) => return scope_error(e),
+    };
+    match ctx.store.delete(&key).await {
         Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(ReplyBody::empty()).expect("valid response"),
         Err(e) => engine_error(&e),
     }
@@ -446,7 +555,7 @@ struct LookupRequest {
 
 /// Reads and checks a `{"keys":[...]}` body (lookup, prefetch): size,
 /// JSON shape, key count, every key valid.
-async fn read_keys(ctx: &Ctx, req: Request<Incoming>) -> Result<Vec<String>, Reply> {
+async fn read_keys(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -> Result<Vec<String>, Reply> {
     if let Some(Ok(declared)) = req.headers().get(header::CONTENT_LENGTH).map(|v| v.to_str().map(|s| s.parse::<u64>())) {
         if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
             return Err(error(
@@ -457,7 +566,16 @@ async fn read_keys(ctx: &Ctx, req: Request<Incoming>) -> Result<Vec<String>, Rep
         }
     }
     let (chunks, _) = read_body(ctx, req, limits::LOOKUP_BODY_BYTES_MAX).await?;
-    parse_keys(&chunks.concat())
+    let keys = parse_keys(&chunks.concat())?;
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            stored_key(caller, k, false).map_err(|e| match e {
+                ScopeError::InvalidKey(m) => error(StatusCode::BAD_REQUEST, "invalid_key", format!("keys[{i}]: {m}")),
+                e => scope_error(e),
+            })
+        })
+        .collect()
 }
 
 /// Parses and checks a `/v1/lookup` or `/v1/prefetch` body:
@@ -485,8 +603,8 @@ pub fn parse_keys(body: &[u8]) -> Result<Vec<String>, Reply> {
     Ok(parsed.keys)
 }
 
-async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    let keys = match read_keys(ctx, req).await {
+async fn lookup(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -> Reply {
+    let keys = match read_keys(ctx, caller, req).await {
         Ok(k) => k,
         Err(r) => return r,
     };
@@ -504,8 +622,8 @@ async fn lookup(ctx: &Ctx, req: Request<Incoming>) -> Reply {
 /// copies the others from the remote tier, in the background; 202 with how
 /// many were found locally and (with a remote tier) how many were asked of
 /// it (`<tier>_requested`).
-async fn prefetch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
-    let keys = match read_keys(ctx, req).await {
+async fn prefetch(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -> Reply {
+    let keys = match read_keys(ctx, caller, req).await {
         Ok(k) => k,
         Err(r) => return r,
     };
@@ -606,6 +724,7 @@ async fn stats(ctx: &Ctx) -> Reply {
         "http": { "routes": ctx.http.routes_json(), "per_shard": ctx.http.shards_json() },
         "local": crate::local::stats_json(ctx.local.as_deref()),
         "trace": ctx.store.trace_status(),
+        "tenants": admin::owners_json(&shards, ctx.store.geometry().block_bytes),
     });
     let mut body = body;
     if let Some(remote) = ctx.store.remote() {
@@ -628,6 +747,7 @@ async fn metrics(ctx: &Ctx) -> Reply {
         ctx.store.remote().map(|r| r.as_ref()),
         &health,
         ctx.store.trace_status().as_ref(),
+        ctx.tenancy.as_deref(),
     );
     Response::builder()
         .status(StatusCode::OK)

@@ -28,6 +28,8 @@ pub struct Shared {
     pub listen: SocketAddr,
     /// Bearer token, when auth is on.
     pub auth_token: Option<Arc<[u8]>>,
+    /// Tenants (`--tenants`): callers, key scopes, quotas.
+    pub tenancy: Option<Arc<crate::tenants::Tenancy>>,
     /// Set by the signal handler: stop accepting and drain.
     pub shutdown: AtomicBool,
     /// The address shard 0 bound, which the other shards then bind too.
@@ -159,12 +161,16 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
     let ctx = Rc::new(Ctx {
         store: store.clone(),
         auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
+        tenancy: shared.tenancy.clone(),
         http: shared.http.clone(),
         body_timeout: shared.body_timeout,
         put_inflight_bytes_max: shared.put_inflight_bytes_max,
         put_inflight_bytes: Cell::new(0),
         local: shared.local.clone(),
     });
+    if let (Some(tenancy), 0) = (&shared.tenancy, store.shard_id()) {
+        glommio::spawn_local(crate::routes::watch_reloads(store.clone(), tenancy.clone(), shared.clone())).detach();
+    }
     if let Some(local) = &shared.local {
         glommio::spawn_local(crate::local::serve_shard(store.clone(), ctx.clone(), shared.clone(), local.clone())).detach();
     }

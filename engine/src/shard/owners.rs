@@ -126,10 +126,14 @@ impl Shard {
     }
 
     /// Sets the owners and their quotas (at open, and when the tenants file
-    /// is reloaded), trims owners over their log limit at once, and moves
+    /// is reloaded; owners of an older [`Owners::generation`] than the
+    /// shard's are ignored), trims owners over their log limit at once, and moves
     /// blocks of owners over a memory tier's limit down in a task of its
     /// own (a shard not shared yet does that inline on its next writes).
     pub fn set_owners(&self, owners: Arc<Owners>) {
+        if owners.generation < self.owners().generation {
+            return;
+        }
         let (block_bytes, shard, shards) =
             (self.cfg.geometry.block_bytes, self.cfg.shard_id as usize, self.cfg.shards.max(1) as usize);
         if let Some(ram) = &self.ram {

@@ -185,6 +185,18 @@ impl StoreConfig {
         }
     }
 
+    /// Blocks one shard's tiers hold, in [`crate::tenant::QuotaTier`]
+    /// order: the GPU tier (0 without a device), the RAM tier, and the log
+    /// less one segment (the head being written, which reservations cannot
+    /// count on). Reservations are checked against these (their shares in
+    /// whole blocks, [`crate::tenant::share_blocks`]).
+    pub fn shard_capacity_blocks(&self) -> [u64; 3] {
+        let shard = self.shard_config(0);
+        let gpu = if self.gpu.device.is_some() { u64::from(self.gpu.blocks_per_shard) } else { 0 };
+        let log = u64::from(shard.segments_max.saturating_sub(1)) * u64::from(shard.slots_per_segment());
+        [gpu, u64::from(self.ram_blocks_per_shard()), log]
+    }
+
     /// RAM-tier slots per shard: `ram_bytes / shards / block_bytes`.
     pub fn ram_blocks_per_shard(&self) -> u32 {
         (self.ram_bytes / self.shards.max(1) as u64 / self.geometry.block_bytes.max(1)).min(u32::MAX as u64) as u32

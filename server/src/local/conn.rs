@@ -22,7 +22,8 @@ use super::proto::{self, code_of, Code, Header, Item, Op, HEADER_BYTES, OP_CONNE
 use super::region::{gather, ItemSink, Part, Region};
 use super::LocalShared;
 use crate::limits;
-use crate::routes::Ctx;
+use crate::routes::{Caller, Ctx};
+use crate::tenants::{stored_key, ScopeError};
 use crate::server::{shutdown_requested, Shared};
 
 /// Requests in flight on one connection; past it the reader stops reading.
@@ -48,6 +49,11 @@ struct Conn {
     shared: Arc<LocalShared>,
     out: mpsc::UnboundedSender<Outgoing>,
     said_hello: Cell<bool>,
+    /// The peer's uid (`SO_PEERCRED`).
+    peer_uid: u32,
+    /// The tenant HELLO named (by token, else by the peer's uid); `None`
+    /// without `--tenants`.
+    caller: RefCell<Caller>,
     regions: RefCell<HashMap<u64, Arc<Region>>>,
     next_handle: Cell<u64>,
 }
@@ -79,11 +85,20 @@ impl Conn {
 /// server shuts down: then it reads no more requests, answers those in
 /// flight (for up to [`limits::SHUTDOWN_GRACE`]) and closes, so the shard's
 /// store handle is let go and the shard can stop.
-pub async fn serve(stream: UnixStream, ctx: Rc<Ctx>, shared: Arc<LocalShared>, server: Arc<Shared>) {
+pub async fn serve(stream: UnixStream, peer_uid: u32, ctx: Rc<Ctx>, shared: Arc<LocalShared>, server: Arc<Shared>) {
     let stream = Rc::new(stream);
     let (out, rx) = mpsc::unbounded();
     let writer = glommio::spawn_local(write_loop(stream.clone(), rx));
-    let conn = Rc::new(Conn { ctx, shared, out, said_hello: Cell::new(false), regions: RefCell::default(), next_handle: Cell::new(1) });
+    let conn = Rc::new(Conn {
+        ctx,
+        shared,
+        out,
+        said_hello: Cell::new(false),
+        peer_uid,
+        caller: RefCell::new(None),
+        regions: RefCell::default(),
+        next_handle: Cell::new(1),
+    });
     let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
     let ended = futures_lite::future::or(read_loop(&stream, &conn, &in_flight), async {
         shutdown_requested(&server).await;
@@ -391,7 +406,22 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
         return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
     }
     let req = parse_hello(payload)?;
-    if let Some(token) = &conn.ctx.auth_token {
+    if let Some(tenancy) = &conn.ctx.tenancy {
+        let table = tenancy.table();
+        let tenant = match &req.token {
+            Some(token) => table.by_token(token.as_bytes()),
+            None => table.by_uid(conn.peer_uid),
+        };
+        let Some(tenant) = tenant else {
+            tenancy.unauthorized.fetch_add(1, Ordering::Relaxed);
+            let why = match &req.token {
+                Some(_) => "the HELLO's `token` is no tenant's (--tenants)".to_string(),
+                None => format!("the HELLO has no `token` and peer uid {} is no tenant's `uids` (--tenants)", conn.peer_uid),
+            };
+            return Err((Code::Unauthorized, why));
+        };
+        *conn.caller.borrow_mut() = Some(tenant.clone());
+    } else if let Some(token) = &conn.ctx.auth_token {
         let given = req.token.as_deref().unwrap_or("").as_bytes();
         let same = given.len() == token.len() && given.iter().zip(token.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
         if !same {
@@ -432,6 +462,7 @@ fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
         "max_payload_bytes": proto::PAYLOAD_BYTES_MAX,
         "max_registrations": REGISTRATIONS_MAX,
         "ops": Op::ALL.map(Op::name),
+        "tenant": conn.caller.borrow().as_ref().map(|t| t.name.clone()),
         "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
         "http": conn.shared.http_addr.get().map(|a| {
             // A wildcard listener is reached on loopback from this host.
@@ -482,14 +513,14 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
             };
             let block_bytes = store.geometry().block_bytes;
             let futures = items.iter().map(|item| async move {
-                let parts = match item_parts(conn, item, block_bytes, op.is_get()) {
+                let (key, parts) = match item_parts(conn, item, block_bytes, op.is_get()) {
                     Ok(p) => p,
                     Err(code) => return (code as i64, 0u8),
                 };
                 if op.is_get() {
-                    get_item(conn, item.key, parts).await
+                    get_item(conn, &key, parts).await
                 } else {
-                    put_item(conn, item.key, parts, block_bytes).await
+                    put_item(conn, &key, parts, block_bytes).await
                 }
             });
             let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
@@ -504,6 +535,17 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                 Ok(k) => k,
                 Err(e) => return fail(e),
             };
+            let caller = conn.caller.borrow().clone();
+            // A DELETE answers per key; the other ops refuse the request
+            // for its first key that cannot be used.
+            let scoped: Vec<Result<String, ScopeError>> = keys.iter().map(|k| stored_key(caller.as_deref(), k, op == Op::Delete)).collect();
+            if op != Op::Delete {
+                if let Some((i, Err(e))) = scoped.iter().enumerate().find(|(_, k)| k.is_err()) {
+                    return fail((Code::InvalidKey, format!("key {i}: {e}")));
+                }
+            }
+            let stored: Vec<String> = scoped.iter().map(|k| k.as_ref().map_or_else(|_| String::new(), Clone::clone)).collect();
+            let keys: Vec<&str> = stored.iter().map(String::as_str).collect();
             let body = match op {
                 Op::Exists => store.exists_many(&keys).await.map(|found| {
                     let mut b = (found.len() as u32).to_le_bytes().to_vec();
@@ -517,8 +559,14 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                     b
                 }),
                 Op::Delete => {
-                    let done = futures::future::join_all(keys.iter().map(|k| store.delete(k))).await;
-                    let results: Vec<(i64, u8)> = done.iter().map(|r| (r.as_ref().map_or_else(|e| code_of(e) as i64, |_| 0), 0)).collect();
+                    let done = futures::future::join_all(keys.iter().zip(&scoped).map(|(k, s)| async move {
+                        match s {
+                            Ok(_) => store.delete(k).await.map_or_else(|e| code_of(&e) as i64, |_| 0),
+                            Err(e) => scope_code(e) as i64,
+                        }
+                    }))
+                    .await;
+                    let results: Vec<(i64, u8)> = done.into_iter().map(|r| (r, 0)).collect();
                     let mut b = (results.len() as u32).to_le_bytes().to_vec();
                     b.extend(results.iter().flat_map(|(r, _)| r.to_le_bytes()));
                     Ok(b)
@@ -535,12 +583,22 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
     }
 }
 
-/// The item's parts in their regions, after the checks every item gets
-/// (key, then each part's handle and bounds in order, then the size: room
-/// for the block for a get, exactly the block for a put), so an item that
-/// fails any of them copies nothing.
-fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<Vec<Part>, Code> {
-    kvtier_engine::key::validate(item.key).map_err(|_| Code::InvalidKey)?;
+/// The code of a key its caller cannot use: `INVALID_KEY`, or
+/// `UNAUTHORIZED` for a write into a namespace it only reads.
+fn scope_code(e: &ScopeError) -> Code {
+    match e {
+        ScopeError::InvalidKey(_) => Code::InvalidKey,
+        ScopeError::ReadOnly(_) => Code::Unauthorized,
+    }
+}
+
+/// The item's stored key (scoped to the caller, `tenants.rs`) and its
+/// parts in their regions, after the checks every item gets (key, then
+/// each part's handle and bounds in order, then the size: room for the
+/// block for a get, exactly the block for a put), so an item that fails
+/// any of them copies nothing.
+fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(String, Vec<Part>), Code> {
+    let key = stored_key(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?;
     let parts = item
         .parts
         .iter()
@@ -555,7 +613,7 @@ fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Resu
     if !size_ok {
         return Err(Code::WrongSize);
     }
-    Ok(parts)
+    Ok((key, parts))
 }
 
 async fn get_item(conn: &Conn, key: &str, parts: Vec<Part>) -> (i64, u8) {

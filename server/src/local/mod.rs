@@ -270,9 +270,11 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
         if accepted.set_nonblocking(true).is_err() {
             continue;
         }
-        let refusal = match peer_credentials(&accepted) {
-            Ok(c) => local.refuse(&c),
-            Err(e) => Some(format!("cannot read the peer's credentials: {e}")),
+        let (refusal, peer_uid) = match peer_credentials(&accepted) {
+            // A tenant's uid (--tenants) is let in as the allowed ones are.
+            Ok(c) if shared.tenancy.as_ref().is_some_and(|t| t.table().by_uid(c.uid).is_some()) => (None, c.uid),
+            Ok(c) => (local.refuse(&c), c.uid),
+            Err(e) => (Some(format!("cannot read the peer's credentials: {e}")), u32::MAX),
         };
         if let Some(why) = refusal {
             local.peers_refused.fetch_add(1, Ordering::Relaxed);
@@ -287,7 +289,7 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
         stats.shard(shard).connections_total.fetch_add(1, Ordering::Relaxed);
         let (ctx, local, server) = (ctx.clone(), local.clone(), shared.clone());
         glommio::spawn_local(async move {
-            conn::serve(accepted, ctx, local, server).await;
+            conn::serve(accepted, peer_uid, ctx, local, server).await;
             stats.shard(shard).connections_open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         })

@@ -1,0 +1,703 @@
+//! Tenants (docs/OPERATIONS.md, "Tenants"): the tenants file, who is
+//! calling, and the key space each caller's keys live in.
+//!
+//! A tenants file (`--tenants PATH`, TOML) names each tenant once:
+//!
+//! ```toml
+//! [[tenant]]
+//! name = "team-a"                 # [a-z0-9_-], 1-32 bytes: its key scope
+//! token_sha256 = "9f86d08..."     # or token = "..." (one of the two)
+//! uids = [1001]                   # local-socket peers (SO_PEERCRED) that are this tenant
+//! admin = false                   # may use /v1/admin/* (default false)
+//! ram_reserved_gb = 8             # per tier: gpu_, ram_, nvme_ × reserved_gb, limit_gb
+//! ram_limit_gb = 16
+//!
+//! [[namespace]]
+//! name = "sysprompts"             # a shared key space, an owner of its own
+//! key_prefix = "sys-"             # client keys starting with it are in this namespace
+//! readers = ["team-a", "team-b"]
+//! writers = ["team-a"]            # writers may read too
+//! ram_reserved_gb = 1
+//! ```
+//!
+//! The server scopes every client key before the engine sees it
+//! ([`stored_key`]): `team-a`'s key `k` is stored as `team-a/k`; a key
+//! starting with a namespace's `key_prefix`, for a tenant named in it, as
+//! `sysprompts/sys-...`. A key of another tenant is therefore never reached
+//! (a miss, like any absent key), and a client cannot spell another
+//! tenant's stored key (`/` is not a key byte). GB here is GiB (2^30
+//! bytes), as `--ram-gb` and `--disk-gb`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+use kvtier_engine::tenant::{check_name, scoped_key, OwnerSpec, Owners, Quota, QuotaTier};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The six quota fields a `[[tenant]]` or `[[namespace]]` table may set, in
+/// GiB (absent: no reservation, no limit).
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaGb {
+    /// GPU tier reservation.
+    pub gpu_reserved_gb: Option<f64>,
+    /// GPU tier limit.
+    pub gpu_limit_gb: Option<f64>,
+    /// RAM tier reservation.
+    pub ram_reserved_gb: Option<f64>,
+    /// RAM tier limit.
+    pub ram_limit_gb: Option<f64>,
+    /// NVMe log reservation.
+    pub nvme_reserved_gb: Option<f64>,
+    /// NVMe log limit.
+    pub nvme_limit_gb: Option<f64>,
+}
+
+impl QuotaGb {
+    fn pairs(&self) -> [(Option<f64>, Option<f64>); 3] {
+        [
+            (self.gpu_reserved_gb, self.gpu_limit_gb),
+            (self.ram_reserved_gb, self.ram_limit_gb),
+            (self.nvme_reserved_gb, self.nvme_limit_gb),
+        ]
+    }
+
+    /// The quotas in bytes, by [`QuotaTier`].
+    ///
+    /// # Errors
+    /// A value that is negative or not a number, or a reservation above
+    /// the limit; `who` names the table in the message.
+    pub fn to_quotas(&self, who: &str) -> Result<[Quota; 3], String> {
+        let mut out = [Quota::default(); 3];
+        for (tier, (reserved, limit)) in QuotaTier::ALL.into_iter().zip(self.pairs()) {
+            let t = tier.as_str();
+            let bytes = |v: Option<f64>, what: &str| -> Result<Option<u64>, String> {
+                match v {
+                    None => Ok(None),
+                    Some(g) if g.is_finite() && g >= 0.0 => Ok(Some((g * GIB) as u64)),
+                    Some(g) => Err(format!("{who}: {t}_{what}_gb = {g} must be a number of GiB, 0 or more")),
+                }
+            };
+            let (r, l) = (bytes(reserved, "reserved")?, bytes(limit, "limit")?);
+            if let (Some(r), Some(l)) = (r, l) {
+                if r > l {
+                    return Err(format!("{who}: {t}_reserved_gb ({}) is above {t}_limit_gb ({})", gb(r), gb(l)));
+                }
+            }
+            out[tier as usize] = Quota { reserved_bytes: r.unwrap_or(0), limit_bytes: l };
+        }
+        Ok(out)
+    }
+
+    /// `self` with the fields `change` sets replaced.
+    pub fn merged(&self, change: &QuotaChange) -> QuotaGb {
+        let pick = |old: Option<f64>, new: &Option<Option<f64>>| new.unwrap_or(old);
+        QuotaGb {
+            gpu_reserved_gb: pick(self.gpu_reserved_gb, &change.gpu_reserved_gb),
+            gpu_limit_gb: pick(self.gpu_limit_gb, &change.gpu_limit_gb),
+            ram_reserved_gb: pick(self.ram_reserved_gb, &change.ram_reserved_gb),
+            ram_limit_gb: pick(self.ram_limit_gb, &change.ram_limit_gb),
+            nvme_reserved_gb: pick(self.nvme_reserved_gb, &change.nvme_reserved_gb),
+            nvme_limit_gb: pick(self.nvme_limit_gb, &change.nvme_limit_gb),
+        }
+    }
+}
+
+/// The body of `PUT /v1/admin/tenants/{name}`: each field given replaces
+/// the current value (`null` removes it); fields left out keep theirs.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaChange {
+    #[serde(default, deserialize_with = "some")]
+    gpu_reserved_gb: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "some")]
+    gpu_limit_gb: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "some")]
+    ram_reserved_gb: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "some")]
+    ram_limit_gb: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "some")]
+    nvme_reserved_gb: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "some")]
+    nvme_limit_gb: Option<Option<f64>>,
+}
+
+/// A field present (even as `null`) is `Some`.
+fn some<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileToml {
+    #[serde(default)]
+    tenant: Vec<TenantToml>,
+    #[serde(default)]
+    namespace: Vec<NamespaceToml>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantToml {
+    name: String,
+    token: Option<String>,
+    token_sha256: Option<String>,
+    #[serde(default)]
+    uids: Vec<u32>,
+    #[serde(default)]
+    admin: bool,
+    gpu_reserved_gb: Option<f64>,
+    gpu_limit_gb: Option<f64>,
+    ram_reserved_gb: Option<f64>,
+    ram_limit_gb: Option<f64>,
+    nvme_reserved_gb: Option<f64>,
+    nvme_limit_gb: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NamespaceToml {
+    name: String,
+    key_prefix: String,
+    #[serde(default)]
+    readers: Vec<String>,
+    #[serde(default)]
+    writers: Vec<String>,
+    gpu_reserved_gb: Option<f64>,
+    gpu_limit_gb: Option<f64>,
+    ram_reserved_gb: Option<f64>,
+    ram_limit_gb: Option<f64>,
+    nvme_reserved_gb: Option<f64>,
+    nvme_limit_gb: Option<f64>,
+}
+
+/// The quota fields of a `[[tenant]]` or `[[namespace]]` table (serde's
+/// `flatten` would lose `deny_unknown_fields`, which catches a misspelt
+/// quota).
+macro_rules! quotas_of {
+    ($t:expr) => {
+        QuotaGb {
+            gpu_reserved_gb: $t.gpu_reserved_gb,
+            gpu_limit_gb: $t.gpu_limit_gb,
+            ram_reserved_gb: $t.ram_reserved_gb,
+            ram_limit_gb: $t.ram_limit_gb,
+            nvme_reserved_gb: $t.nvme_reserved_gb,
+            nvme_limit_gb: $t.nvme_limit_gb,
+        }
+    };
+}
+
+/// A shared namespace a tenant is named in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Access {
+    key_prefix: String,
+    /// The namespace's name: the scope of its keys.
+    scope: String,
+    write: bool,
+}
+
+/// One tenant: who it is and which key spaces it reaches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    /// Its name: the scope of its keys.
+    pub name: String,
+    /// Whether it may use `/v1/admin/*`.
+    pub admin: bool,
+    /// Local-socket peer uids that are this tenant.
+    pub uids: Vec<u32>,
+    namespaces: Vec<Access>,
+}
+
+/// Why a client key cannot be used by its caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScopeError {
+    /// The key breaks the key rules, or is too long once scoped.
+    InvalidKey(String),
+    /// A write (PUT, DELETE) into a namespace the tenant may only read.
+    ReadOnly(String),
+}
+
+impl std::fmt::Display for ScopeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScopeError::InvalidKey(m) | ScopeError::ReadOnly(m) => f.write_str(m),
+        }
+    }
+}
+
+/// The stored key of `key` for `caller` (`None`: no tenants file, the key
+/// itself). `write`: the caller stores or deletes it.
+///
+/// # Errors
+/// [`ScopeError::InvalidKey`] for a key that breaks the key rules or is too
+/// long with its scope; [`ScopeError::ReadOnly`] for a write into a
+/// namespace the caller only reads.
+pub fn stored_key(caller: Option<&Tenant>, key: &str, write: bool) -> Result<String, ScopeError> {
+    kvtier_engine::key::validate(key).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
+    let Some(t) = caller else { return Ok(key.to_string()) };
+    let scope = match t.namespaces.iter().find(|a| key.starts_with(&a.key_prefix)) {
+        Some(a) if write && !a.write => {
+            return Err(ScopeError::ReadOnly(format!(
+                "tenant {:?} may read namespace {:?} (keys starting {:?}) but not write it",
+                t.name, a.scope, a.key_prefix
+            )))
+        }
+        Some(a) => &a.scope,
+        None => &t.name,
+    };
+    let stored = scoped_key(scope, key);
+    kvtier_engine::key::validate_stored(&stored).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
+    Ok(stored)
+}
+
+/// One owner (tenant or namespace) as the file gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwnerEntry {
+    /// Name.
+    pub name: String,
+    /// `tenant` or `namespace`.
+    pub kind: &'static str,
+    /// Quotas as given, in GiB.
+    pub quotas: QuotaGb,
+    /// For a namespace: its key prefix, readers and writers.
+    pub namespace: Option<(String, Vec<String>, Vec<String>)>,
+}
+
+/// A checked tenants file.
+#[derive(Debug, Clone)]
+pub struct Table {
+    tenants: Vec<Arc<Tenant>>,
+    by_token: HashMap<[u8; 32], usize>,
+    by_uid: HashMap<u32, usize>,
+    /// Every owner, tenants first, in file order.
+    pub entries: Vec<OwnerEntry>,
+}
+
+/// Blocks each tier of one shard holds, and the shards
+/// ([`kvtier_engine::StoreConfig::shard_capacity_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// By [`QuotaTier`].
+    pub shard_blocks: [u64; 3],
+    /// Shards.
+    pub shards: usize,
+    /// Block size in bytes.
+    pub block_bytes: u64,
+}
+
+impl Table {
+    /// Parses and checks a tenants file's text. `file` names it in errors.
+    ///
+    /// # Errors
+    /// One line saying what is wrong: TOML syntax (with line and column),
+    /// an unknown field, a name given twice, a token missing, given twice
+    /// or shared by two tenants, a uid given to two tenants, a namespace
+    /// naming an unknown tenant, key prefixes that overlap, a reservation
+    /// above its limit, or reservations adding up to more than a tier
+    /// holds (with the sums).
+    pub fn parse(text: &str, file: &str, capacity: &Capacity) -> Result<Table, String> {
+        let parsed: FileToml = toml::from_str(text).map_err(|e| format!("tenants file {file}: {}", e.to_string().trim_end()))?;
+        if parsed.tenant.is_empty() {
+            return Err(format!("tenants file {file} names no tenant: add a [[tenant]] table with a name and a token"));
+        }
+        let mut names: HashMap<String, &str> = HashMap::new();
+        let mut check_owner = |name: &str, kind: &'static str| -> Result<(), String> {
+            check_name(name).map_err(|e| format!("tenants file {file}: {kind} {e}"))?;
+            if name == "default" {
+                return Err(format!("tenants file {file}: the name \"default\" is reserved for blocks written without tenants"));
+            }
+            if let Some(other) = names.insert(name.to_string(), kind) {
+                return Err(format!("tenants file {file}: the name {name:?} is given twice (a {other} and a {kind})"));
+            }
+            Ok(())
+        };
+        let mut table = Table { tenants: Vec::new(), by_token: HashMap::new(), by_uid: HashMap::new(), entries: Vec::new() };
+        for t in &parsed.tenant {
+            check_owner(&t.name, "tenant")?;
+            let who = format!("tenants file {file}: tenant {:?}", t.name);
+            let digest = match (&t.token, &t.token_sha256) {
+                (Some(token), None) if !token.trim().is_empty() => token_digest(token.trim().as_bytes()),
+                (None, Some(hexed)) => {
+                    let bytes = hex::decode(hexed.trim()).ok().filter(|b| b.len() == 32).ok_or_else(|| {
+                        format!("{who}: token_sha256 must be 64 hex digits (the SHA-256 of the token, e.g. `printf %s TOKEN | sha256sum`)")
+                    })?;
+                    bytes.try_into().expect("32 bytes")
+                }
+                (Some(_), Some(_)) => return Err(format!("{who}: give token or token_sha256, not both")),
+                _ => return Err(format!("{who}: needs a token (token = \"...\" or token_sha256 = \"<64 hex digits>\")")),
+            };
+            let i = table.tenants.len();
+            if let Some(j) = table.by_token.insert(digest, i) {
+                return Err(format!("{who}: has the same token as tenant {:?}; each tenant needs its own", table.tenants[j].name));
+            }
+            for uid in &t.uids {
+                if let Some(j) = table.by_uid.insert(*uid, i) {
+                    return Err(format!("{who}: uid {uid} is already tenant {:?}'s; a local peer is one tenant", table.tenants[j].name));
+                }
+            }
+            let quotas = quotas_of!(t);
+            quotas.to_quotas(&who)?;
+            table.tenants.push(Arc::new(Tenant { name: t.name.clone(), admin: t.admin, uids: t.uids.clone(), namespaces: Vec::new() }));
+            table.entries.push(OwnerEntry { name: t.name.clone(), kind: "tenant", quotas, namespace: None });
+        }
+        for n in &parsed.namespace {
+            check_owner(&n.name, "namespace")?;
+            let who = format!("tenants file {file}: namespace {:?}", n.name);
+            kvtier_engine::key::validate(&n.key_prefix).map_err(|e| format!("{who}: key_prefix: {e}"))?;
+            let quotas = quotas_of!(n);
+            quotas.to_quotas(&who)?;
+            for other in &parsed.namespace {
+                if other.name != n.name && other.key_prefix.starts_with(&n.key_prefix) {
+                    return Err(format!(
+                        "{who}: key_prefix {:?} is a prefix of namespace {:?}'s {:?}; a key would be in both",
+                        n.key_prefix, other.name, other.key_prefix
+                    ));
+                }
+            }
+            for name in n.readers.iter().chain(&n.writers) {
+                let Some(i) = table.tenants.iter().position(|t| t.name == *name) else {
+                    return Err(format!("{who}: names {name:?}, which is not a tenant of this file"));
+                };
+                let write = n.writers.contains(name);
+                let t = Arc::make_mut(&mut table.tenants[i]);
+                if !t.namespaces.iter().any(|a| a.scope == n.name) {
+                    t.namespaces.push(Access { key_prefix: n.key_prefix.clone(), scope: n.name.clone(), write });
+                }
+            }
+            table.entries.push(OwnerEntry {
+                name: n.name.clone(),
+                kind: "namespace",
+                quotas,
+                namespace: Some((n.key_prefix.clone(), n.readers.clone(), n.writers.clone())),
+            });
+        }
+        table.check_capacity(capacity).map_err(|e| format!("tenants file {file}: {e}"))?;
+        Ok(table)
+    }
+
+    /// The engine's owners for this file: its tenants and namespaces, in
+    /// order, with their quotas.
+    pub fn owners(&self) -> Owners {
+        let specs = self
+            .entries
+            .iter()
+            .map(|e| OwnerSpec { name: e.name.clone(), configured: true, quotas: e.quotas.to_quotas(&e.name).expect("checked at parse") })
+            .collect();
+        Owners::new(specs).expect("names checked at parse")
+    }
+
+    /// Refuses reservations that add up to more than a tier holds: in each
+    /// tier, the shares of one shard (whole blocks, the first shard's,
+    /// which is the largest) against that shard's blocks.
+    ///
+    /// # Errors
+    /// The tier, the sum, what it holds, and who reserves what.
+    pub fn check_capacity(&self, capacity: &Capacity) -> Result<(), String> {
+        let owners = self.owners();
+        for tier in QuotaTier::ALL {
+            let held = capacity.shard_blocks[tier as usize];
+            let per_shard = owners.shard_quotas(tier, capacity.block_bytes, 0, capacity.shards, u64::MAX);
+            let reserved: u64 = per_shard.iter().map(|q| q.0).sum();
+            if reserved > held {
+                let who: Vec<String> = self
+                    .entries
+                    .iter()
+                    .zip(&owners.specs[1..])
+                    .filter(|(_, s)| s.quotas[tier as usize].reserved_bytes > 0)
+                    .map(|(e, s)| format!("{} {}", e.name, gb(s.quotas[tier as usize].reserved_bytes)))
+                    .collect();
+                let total: u64 = owners.specs.iter().map(|s| s.quotas[tier as usize].reserved_bytes).sum();
+                let holds = held * capacity.shards as u64 * capacity.block_bytes;
+                let what = match tier {
+                    QuotaTier::Gpu => "the GPU tier (--gpu-mem-gb)",
+                    QuotaTier::Ram => "the RAM tier (--ram-gb)",
+                    QuotaTier::Nvme => "the NVMe log (--disk-gb, less one segment a shard)",
+                };
+                return Err(format!(
+                    "{} reservations add up to {} ({}) but {what} holds {}",
+                    tier.as_str(),
+                    gb(total),
+                    who.join(", "),
+                    gb(holds)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The tenant named `name`.
+    pub fn tenant(&self, name: &str) -> Option<&Arc<Tenant>> {
+        self.tenants.iter().find(|t| t.name == name)
+    }
+
+    /// The tenant whose token is `token`.
+    pub fn by_token(&self, token: &[u8]) -> Option<&Arc<Tenant>> {
+        self.by_token.get(&token_digest(token)).map(|&i| &self.tenants[i])
+    }
+
+    /// The tenant a local peer running as `uid` is.
+    pub fn by_uid(&self, uid: u32) -> Option<&Arc<Tenant>> {
+        self.by_uid.get(&uid).map(|&i| &self.tenants[i])
+    }
+
+    /// `self` with `name`'s quotas changed.
+    ///
+    /// # Errors
+    /// `Ok(None)` when no owner is named `name`; `Err` as
+    /// [`QuotaGb::to_quotas`] and [`Table::check_capacity`] say.
+    pub fn with_quotas(&self, name: &str, change: &QuotaChange, capacity: &Capacity) -> Result<Option<Table>, String> {
+        let mut next = self.clone();
+        let Some(e) = next.entries.iter_mut().find(|e| e.name == name) else { return Ok(None) };
+        e.quotas = e.quotas.merged(change);
+        e.quotas.to_quotas(&format!("{} {name:?}", e.kind))?;
+        next.check_capacity(capacity)?;
+        Ok(Some(next))
+    }
+}
+
+/// SHA-256 of a token: how tokens are held and compared.
+pub fn token_digest(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+/// `bytes` as GiB for messages (`2.5 GiB`).
+fn gb(bytes: u64) -> String {
+    format!("{} GiB", (bytes as f64 / GIB * 1000.0).round() / 1000.0)
+}
+
+/// How the last reload of the tenants file went.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReloadStatus {
+    /// When the table in use was loaded (Unix ms).
+    pub loaded_unix_ms: u64,
+    /// Reloads that took effect.
+    pub reloads: u64,
+    /// Reloads refused (the table in use was kept).
+    pub reload_failures: u64,
+    /// Why the last refused reload was refused.
+    pub last_error: Option<String>,
+}
+
+/// The tenants of a running server: the file, the table in use (swapped
+/// whole on reload or change) and how reloads went.
+pub struct Tenancy {
+    path: PathBuf,
+    capacity: Capacity,
+    table: ArcSwap<Table>,
+    /// The engine's owners for the table in use, ids kept across changes.
+    engine_owners: Mutex<Arc<Owners>>,
+    status: Mutex<ReloadStatus>,
+    /// Set by SIGHUP; shard 0 reloads and clears it.
+    reload_requested: AtomicBool,
+    /// Requests refused for an unknown token or uid.
+    pub unauthorized: AtomicU64,
+}
+
+impl Tenancy {
+    /// Reads and checks `path`.
+    ///
+    /// # Errors
+    /// The file cannot be read, or [`Table::parse`] refuses it.
+    pub fn load(path: &Path, capacity: Capacity) -> Result<Tenancy, String> {
+        let table = read_table(path, &capacity)?;
+        let owners = Owners::default().reload(&table.owners())?;
+        Ok(Tenancy {
+            path: path.to_path_buf(),
+            capacity,
+            table: ArcSwap::from_pointee(table),
+            engine_owners: Mutex::new(Arc::new(owners)),
+            status: Mutex::new(ReloadStatus { loaded_unix_ms: now_ms(), ..Default::default() }),
+            reload_requested: AtomicBool::new(false),
+            unauthorized: AtomicU64::new(0),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The table in use.
+    pub fn table(&self) -> Arc<Table> {
+        self.table.load_full()
+    }
+
+    /// The engine's owners for the table in use (give them to the store
+    /// with [`kvtier_engine::Store::set_owners`] after a change).
+    pub fn owners(&self) -> Arc<Owners> {
+        self.engine_owners.lock().expect("not poisoned").clone()
+    }
+
+    /// Puts `table` in use, with the engine's owners for it (known names
+    /// keep their ids).
+    fn adopt(&self, table: Table) -> Result<Arc<Owners>, String> {
+        let mut owners = self.engine_owners.lock().expect("not poisoned");
+        let next = Arc::new(owners.reload(&table.owners())?);
+        *owners = next.clone();
+        self.table.store(Arc::new(table));
+        Ok(next)
+    }
+
+    /// How reloads went.
+    pub fn status(&self) -> ReloadStatus {
+        self.status.lock().expect("not poisoned").clone()
+    }
+
+    /// Asks for a reload (SIGHUP): shard 0 does it within
+    /// [`RELOAD_POLL`].
+    pub fn request_reload(&self) {
+        self.reload_requested.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a reload was asked for since the last call (clears it).
+    pub fn take_reload_request(&self) -> bool {
+        self.reload_requested.swap(false, Ordering::SeqCst)
+    }
+
+    /// Reads the file again; the table in use is kept when it is refused.
+    /// Returns the engine's owners for the new table.
+    ///
+    /// # Errors
+    /// Why the file was refused (also counted and kept in the status).
+    pub fn reload(&self) -> Result<Arc<Owners>, String> {
+        match read_table(&self.path, &self.capacity).and_then(|t| self.adopt(t)) {
+            Ok(t) => {
+                let mut s = self.status.lock().expect("not poisoned");
+                s.loaded_unix_ms = now_ms();
+                s.reloads += 1;
+                s.last_error = None;
+                Ok(t)
+            }
+            Err(e) => {
+                let mut s = self.status.lock().expect("not poisoned");
+                s.reload_failures += 1;
+                s.last_error = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    /// Changes `name`'s quotas in the table in use (until the next
+    /// reload). Returns the engine's owners for the new table.
+    ///
+    /// # Errors
+    /// `Ok(None)` for an unknown name; `Err` for quotas refused.
+    pub fn set_quotas(&self, name: &str, change: &QuotaChange) -> Result<Option<Arc<Owners>>, String> {
+        let Some(next) = self.table().with_quotas(name, change, &self.capacity)? else { return Ok(None) };
+        self.adopt(next).map(Some)
+    }
+}
+
+/// How often shard 0 looks for a SIGHUP reload request.
+pub const RELOAD_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+fn read_table(path: &Path, capacity: &Capacity) -> Result<Table, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read tenants file {}: {e}", path.display()))?;
+    Table::parse(&text, &path.display().to_string(), capacity)
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAP: Capacity = Capacity { shard_blocks: [0, 8, 100], shards: 2, block_bytes: 1 << 28 };
+
+    fn parse(text: &str) -> Result<Table, String> {
+        Table::parse(text, "t.toml", &CAP)
+    }
+
+    const GOOD: &str = r#"
+[[tenant]]
+name = "a"
+token = "tok-a"
+uids = [1001]
+ram_reserved_gb = 1
+ram_limit_gb = 2
+
+[[tenant]]
+name = "b"
+token_sha256 = "9b3b7ae4aa0d5a44f6b5c3f0f5d43f3e1a7e1b4d0b0a4a0f2b6c2a8e6d1f4c33"
+
+[[namespace]]
+name = "sys"
+key_prefix = "sys-"
+readers = ["a", "b"]
+writers = ["a"]
+"#;
+
+    #[test]
+    fn a_good_file_scopes_keys() {
+        let t = parse(GOOD).unwrap();
+        let a = t.by_token(b"tok-a").unwrap().clone();
+        assert_eq!(a.name, "a");
+        assert!(t.by_token(b"tok-b").is_none());
+        assert_eq!(t.by_uid(1001).unwrap().name, "a");
+        assert_eq!(stored_key(Some(&a), "k1", false).unwrap(), "a/k1");
+        assert_eq!(stored_key(Some(&a), "sys-p", true).unwrap(), "sys/sys-p");
+        assert_eq!(stored_key(None, "k1", true).unwrap(), "k1");
+        let b = t.tenants[1].clone();
+        assert_eq!(stored_key(Some(&b), "sys-p", false).unwrap(), "sys/sys-p");
+        assert!(matches!(stored_key(Some(&b), "sys-p", true), Err(ScopeError::ReadOnly(_))));
+        assert!(matches!(stored_key(Some(&a), "a/k", false), Err(ScopeError::InvalidKey(_))));
+        let e = stored_key(Some(&a), &"k".repeat(255), false).unwrap_err().to_string();
+        assert!(e.contains("at most 254 bytes"), "{e}");
+        let owners = t.owners();
+        assert_eq!(owners.id_of("sys"), Some(3));
+        assert_eq!(owners.specs[1].quotas[1], Quota { reserved_bytes: 1 << 30, limit_bytes: Some(2 << 30) });
+    }
+
+    #[test]
+    fn bad_files_say_why() {
+        let cases: &[(&str, &str)] = &[
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\n[[tenant]]\nname = \"a\"\ntoken = \"y\"", "given twice"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\n[[tenant]]\nname = \"b\"\ntoken = \"x\"", "same token"),
+            ("[[tenant]]\nname = \"a\"", "needs a token"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\ntoken_sha256 = \"00\"", "not both"),
+            ("[[tenant]]\nname = \"a\"\ntoken_sha256 = \"zz\"", "64 hex digits"),
+            ("[[tenant]]\nname = \"A\"\ntoken = \"x\"", "[a-z0-9_-]"),
+            ("[[tenant]]\nname = \"default\"\ntoken = \"x\"", "reserved"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\nram_reserve_gb = 1", "unknown field"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\nram_reserved_gb = 3\nram_limit_gb = 2", "above ram_limit_gb"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\nram_reserved_gb = -1", "0 or more"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\nuids = [5]\n[[tenant]]\nname = \"b\"\ntoken = \"y\"\nuids = [5]", "uid 5"),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\n[[namespace]]\nname = \"n\"\nkey_prefix = \"p\"\nreaders = [\"zz\"]", "not a tenant"),
+            (
+                "[[tenant]]\nname = \"a\"\ntoken = \"x\"\n[[namespace]]\nname = \"n\"\nkey_prefix = \"p\"\n[[namespace]]\nname = \"m\"\nkey_prefix = \"pq\"",
+                "is a prefix of",
+            ),
+            ("[[tenant]]\nname = \"a\"\ntoken = \"x\"\ngpu_reserved_gb = 1", "gpu reservations add up to 1 GiB (a 1 GiB)"),
+            (
+                "[[tenant]]\nname = \"a\"\ntoken = \"x\"\nram_reserved_gb = 3\n[[tenant]]\nname = \"b\"\ntoken = \"y\"\nram_reserved_gb = 2",
+                "ram reservations add up to 5 GiB (a 3 GiB, b 2 GiB) but the RAM tier (--ram-gb) holds 4 GiB",
+            ),
+            ("[[tenant]\nname = 1", "t.toml"),
+            ("", "names no tenant"),
+        ];
+        for (text, want) in cases {
+            let e = parse(text).unwrap_err();
+            assert!(e.contains(want), "{text:?}: {e:?} lacks {want:?}");
+        }
+    }
+
+    #[test]
+    fn quotas_change_and_are_checked() {
+        let t = parse(GOOD).unwrap();
+        let change: QuotaChange = serde_json::from_str(r#"{"ram_reserved_gb": 2, "ram_limit_gb": null}"#).unwrap();
+        let next = t.with_quotas("a", &change, &CAP).unwrap().unwrap();
+        assert_eq!(next.owners().specs[1].quotas[1], Quota { reserved_bytes: 2 << 30, limit_bytes: None });
+        assert!(t.with_quotas("zz", &change, &CAP).unwrap().is_none());
+        let too_much: QuotaChange = serde_json::from_str(r#"{"ram_reserved_gb": 9, "ram_limit_gb": null}"#).unwrap();
+        assert!(t.with_quotas("a", &too_much, &CAP).unwrap_err().contains("add up to"));
+        assert!(serde_json::from_str::<QuotaChange>(r#"{"ram_gb": 1}"#).is_err());
+    }
+}
