@@ -209,6 +209,9 @@ pub struct Client {
     /// 503 answers with `Retry-After` received (each was retried after it).
     refusals: AtomicU64,
     body_cuts: AtomicU64,
+    /// `Authorization: Bearer` value sent with every request, when set
+    /// (the server's `--auth-token-file`, or a tenant's token).
+    token: Option<http::HeaderValue>,
 }
 
 impl Client {
@@ -244,7 +247,18 @@ impl Client {
                 b.build(connector)
             })
             .collect();
-        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0), body_cuts: AtomicU64::new(0) })
+        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0), body_cuts: AtomicU64::new(0), token: None })
+    }
+
+    /// This client sending `Authorization: Bearer TOKEN` with every request
+    /// (a tenant's token names the tenant whose keys it reaches).
+    ///
+    /// # Errors
+    /// [`ClientError::BadTarget`] for a token that cannot be a header value.
+    pub fn with_token(mut self, token: &str) -> Result<Self, ClientError> {
+        let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| ClientError::BadTarget("a token with bytes a header cannot carry".into()))?;
+        self.token = Some(v);
+        Ok(self)
     }
 
     /// `"h2c"` or `"http/1.1"`.
@@ -290,6 +304,9 @@ impl Client {
         let mut req = Request::builder().method(method).uri(format!("{}{path}", self.base));
         if let Some(ct) = content_type {
             req = req.header(header::CONTENT_TYPE, ct);
+        }
+        if let Some(t) = &self.token {
+            req = req.header(header::AUTHORIZATION, t.clone());
         }
         let req = req.body(body).map_err(|e| transport(&e))?;
         let client = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()];

@@ -209,6 +209,12 @@ struct SweepArgs {
     /// instead of HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
+    /// File holding the bearer token to send (the server's
+    /// --auth-token-file, or a tenant's token from its --tenants file: the
+    /// run then reads and writes that tenant's keys). Whitespace around it
+    /// is ignored.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// Connections per target: kvtier HTTP/2 connections (0 means 1), local
     /// socket and Redis connections (0 means one per worker, as
     /// redis-benchmark).
@@ -258,6 +264,12 @@ struct ReplayArgs {
     /// Speak HTTP/1.1 instead of HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
+    /// File holding the bearer token to send (the server's
+    /// --auth-token-file, or a tenant's token from its --tenants file: the
+    /// run then reads and writes that tenant's keys). Whitespace around it
+    /// is ignored.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// Connections: kvtier HTTP/2 connections (0 means 1), local socket and
     /// Redis connections (0 means one per user).
     #[arg(long, default_value_t = 0)]
@@ -302,6 +314,12 @@ struct BlocksArgs {
     /// HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
+    /// File holding the bearer token to send (the server's
+    /// --auth-token-file, or a tenant's token from its --tenants file: the
+    /// run then reads and writes that tenant's keys). Whitespace around it
+    /// is ignored.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// HTTP/2 connections (0 means 1), or local socket connections (0
     /// means one per request in flight).
     #[arg(long, default_value_t = 0)]
@@ -474,9 +492,13 @@ async fn sweep_cmd(args: SweepArgs) -> Result<ExitCode, String> {
         return fail_early(&args.out, "sweep", &label, "--concurrency needs levels of at least 1".into());
     }
     let workers_max = args.concurrency.iter().copied().max().unwrap_or(1);
+    let token = match read_token_file(args.token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return fail_early(&args.out, "sweep", &label, e),
+    };
     let mut targets = Vec::new();
     for url in &args.targets {
-        match Target::open(url, args.http1, args.connections, workers_max).await {
+        match Target::open_as(url, args.http1, args.connections, workers_max, token.as_deref()).await {
             Ok(t) => targets.push(Arc::new(t)),
             Err(e) => return fail_early(&args.out, "sweep", &label, format!("cannot open {url}: {e}")),
         }
@@ -646,7 +668,11 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     if let Some(n) = args.conversations {
         dataset.truncate(n.max(1));
     }
-    let target = match Target::open(&args.target, args.http1, args.connections, args.users).await {
+    let token = match read_token_file(args.token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return fail_early(&args.out, "replay", &args.target, e),
+    };
+    let target = match Target::open_as(&args.target, args.http1, args.connections, args.users, token.as_deref()).await {
         Ok(t) => Arc::new(t),
         Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
     };
@@ -743,11 +769,25 @@ async fn replay_cmd(args: ReplayArgs) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The token in `path` (`--token-file`), trimmed; `None` without one.
+fn read_token_file(path: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    let Some(path) = path else { return Ok(None) };
+    let raw = std::fs::read_to_string(path).map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+    match raw.trim() {
+        "" => Err(format!("--token-file {} is empty", path.display())),
+        t => Ok(Some(t.to_string())),
+    }
+}
+
 async fn blocks_cmd(args: BlocksArgs) -> Result<ExitCode, String> {
     if args.target.starts_with("redis://") {
         return fail_early(&args.out, "blocks", &args.target, "blocks needs a kvtier target (http:// or unix://)".into());
     }
-    let target = match Target::open(&args.target, args.http1, args.connections, args.concurrency.max(1)).await {
+    let token = match read_token_file(args.token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return fail_early(&args.out, "blocks", &args.target, e),
+    };
+    let target = match Target::open_as(&args.target, args.http1, args.connections, args.concurrency.max(1), token.as_deref()).await {
         Ok(t) => Arc::new(t),
         Err(e) => return fail_early(&args.out, "blocks", &args.target, format!("cannot open {}: {e}", args.target)),
     };

@@ -20,6 +20,14 @@
 //!   miss.
 //! - lookup: leading keys held in any tier; nothing moves.
 //!
+//! Tenants (docs/OPERATIONS.md, "Tenants"): a replay run as a tenant
+//! ([`PolicyOracle::for_tenant`]) hashes its keys as the server stores them
+//! (`TENANT/KEY`, so they land on the shards the server puts them on) and
+//! sees as much of each memory tier as the tenant's limit gives it on that
+//! shard. That is exactly the server's policy when the tenant is alone in
+//! the store, or when its reservation equals its limit (its share is then
+//! its own: no other tenant can take from it, and it evicts only its own).
+//!
 //! The NVMe log is modelled as never full: the log's reclaim order (oldest
 //! segment first, with second chance) is not a block LRU, so an oracle run
 //! must fit the log (the replay reports NVMe evictions to show it did).
@@ -96,8 +104,11 @@ impl Lru {
 /// The simulation.
 pub struct PolicyOracle {
     shards: usize,
-    ram_blocks_per_shard: usize,
-    gpu_blocks_per_shard: usize,
+    /// RAM and GPU slots this run may use, by shard.
+    ram_blocks: Vec<usize>,
+    gpu_blocks: Vec<usize>,
+    /// The tenant's scope of stored keys (empty: no tenants).
+    scope: String,
     write_back: bool,
     promote: bool,
     gpu: Vec<Lru>,
@@ -112,8 +123,9 @@ impl PolicyOracle {
     pub fn new(shards: usize, ram_blocks_per_shard: usize, write_back: bool, promote: bool) -> Self {
         PolicyOracle {
             shards: shards.max(1),
-            ram_blocks_per_shard,
-            gpu_blocks_per_shard: 0,
+            ram_blocks: vec![ram_blocks_per_shard; shards.max(1)],
+            gpu_blocks: vec![0; shards.max(1)],
+            scope: String::new(),
             write_back,
             promote,
             gpu: (0..shards.max(1)).map(|_| Lru::default()).collect(),
@@ -126,8 +138,34 @@ impl PolicyOracle {
     /// The same store with a GPU tier of `gpu_blocks_per_shard` slots per
     /// shard above RAM.
     pub fn with_gpu(mut self, gpu_blocks_per_shard: usize) -> Self {
-        self.gpu_blocks_per_shard = gpu_blocks_per_shard;
+        self.gpu_blocks = vec![gpu_blocks_per_shard; self.shards];
         self
+    }
+
+    /// The same store seen by tenant `scope`: keys hashed as the server
+    /// stores them (`SCOPE/KEY`), and each shard's RAM and GPU cut to the
+    /// tenant's limit there (`ram_limit_blocks`, `gpu_limit_blocks`: its
+    /// whole-store limits in blocks, `None` for none; each shard holds an
+    /// even share, [`kvtier_engine::tenant::share_blocks`]).
+    pub fn for_tenant(mut self, scope: &str, ram_limit_blocks: Option<u64>, gpu_limit_blocks: Option<u64>) -> Self {
+        use kvtier_engine::tenant::share_blocks;
+        self.scope = scope.to_string();
+        let shards = self.shards;
+        let cut = |blocks: &mut Vec<usize>, limit: Option<u64>| {
+            if let Some(l) = limit {
+                for (s, b) in blocks.iter_mut().enumerate() {
+                    *b = (*b).min(share_blocks(l, s, shards) as usize);
+                }
+            }
+        };
+        cut(&mut self.ram_blocks, ram_limit_blocks);
+        cut(&mut self.gpu_blocks, gpu_limit_blocks);
+        self
+    }
+
+    /// The block hash the server gives a client's `key`.
+    pub fn hash(&self, key: &str) -> BlockHash {
+        BlockHash::of(kvtier_engine::tenant::scoped_key(&self.scope, key).as_bytes())
     }
 
     fn shard(&self, key: &Key) -> usize {
@@ -137,13 +175,13 @@ impl PolicyOracle {
     /// Makes `key` RAM's most recently used block on its shard, moving LRU
     /// blocks down to make room. False when there is no RAM tier.
     fn place_in_ram(&mut self, key: Key) -> bool {
-        if self.ram_blocks_per_shard == 0 {
+        let s = self.shard(&key);
+        if self.ram_blocks[s] == 0 {
             return false;
         }
         self.tick += 1;
-        let s = self.shard(&key);
         if !self.ram[s].contains(&key) {
-            while self.ram[s].len() >= self.ram_blocks_per_shard {
+            while self.ram[s].len() >= self.ram_blocks[s] {
                 let victim = self.ram[s].pop_lru().expect("a full tier has a block");
                 if self.write_back {
                     self.nvme.insert(victim);
@@ -160,13 +198,13 @@ impl PolicyOracle {
     /// no RAM tier, to NVMe under write-back). False when there is no GPU
     /// tier.
     fn place_on_gpu(&mut self, key: Key) -> bool {
-        if self.gpu_blocks_per_shard == 0 {
+        let s = self.shard(&key);
+        if self.gpu_blocks[s] == 0 {
             return false;
         }
-        let s = self.shard(&key);
         self.ram[s].remove(&key);
         if !self.gpu[s].contains(&key) {
-            while self.gpu[s].len() >= self.gpu_blocks_per_shard {
+            while self.gpu[s].len() >= self.gpu_blocks[s] {
                 let victim = self.gpu[s].pop_lru().expect("a full tier has a block");
                 if !self.place_in_ram(victim) && self.write_back {
                     self.nvme.insert(victim);
@@ -186,7 +224,7 @@ impl PolicyOracle {
 
     /// A PUT of `key`.
     pub fn put(&mut self, key: &str) {
-        self.put_hash(BlockHash::of(key.as_bytes()))
+        self.put_hash(self.hash(key))
     }
 
     /// A PUT of the key with this block hash (as a trace names it).
@@ -199,7 +237,7 @@ impl PolicyOracle {
 
     /// A GET of `key`: where it is served from, or `None` for a miss.
     pub fn get(&mut self, key: &str) -> Option<Placement> {
-        self.get_hash(BlockHash::of(key.as_bytes()))
+        self.get_hash(self.hash(key))
     }
 
     /// A prefetch of a stored key: promoted as a GET would promote it
@@ -227,7 +265,7 @@ impl PolicyOracle {
             return Some(Placement::Gpu);
         }
         if self.ram[s].contains(&key) {
-            if self.promote && self.gpu_blocks_per_shard > 0 {
+            if self.promote && self.gpu_blocks[s] > 0 {
                 self.place_on_gpu(key);
             } else {
                 self.tick += 1;
@@ -247,7 +285,7 @@ impl PolicyOracle {
 
     /// A lookup: how many leading keys are held in any tier.
     pub fn lookup(&self, keys: &[String]) -> usize {
-        keys.iter().take_while(|k| self.holds(BlockHash::of(k.as_bytes()))).count()
+        keys.iter().take_while(|k| self.holds(self.hash(k))).count()
     }
 
     /// Whether any tier holds the key with this block hash.
@@ -304,6 +342,19 @@ mod tests {
         let mut none = PolicyOracle::new(1, 0, true, true);
         none.put("x");
         assert_eq!(none.get("x"), Some(Placement::Nvme), "no RAM tier: straight to NVMe");
+    }
+
+    #[test]
+    fn a_tenant_hashes_scoped_keys_and_sees_its_limit() {
+        let o = PolicyOracle::new(2, 4, false, true).for_tenant("acme", Some(3), None);
+        assert_eq!(o.hash("k"), BlockHash::of(b"acme/k"));
+        assert_eq!(o.ram_blocks, [2, 1], "3 blocks over 2 shards");
+        let mut o = PolicyOracle::new(1, 4, false, true).for_tenant("acme", Some(2), None);
+        for k in ["a", "b", "c"] {
+            o.put(k);
+        }
+        assert_eq!(o.ram_keys(0), h(["acme/c", "acme/b"]), "its limit, not the tier's size");
+        assert_eq!(o.get("a"), Some(Placement::Nvme));
     }
 
     /// The same sequence as server/tests/gpu.rs's three-tier test.

@@ -204,7 +204,7 @@ pub struct ReplayConfig {
 }
 
 /// The server's placement settings, for the policy oracle.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OracleConfig {
     /// Shards.
     pub shards: usize,
@@ -217,6 +217,17 @@ pub struct OracleConfig {
     pub write_back: bool,
     /// `--promote on`.
     pub promote: bool,
+    /// The tenant the run's token names (`--tenants`), whose key scope and
+    /// limits the oracle takes; `None` without tenants.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// That tenant's RAM limit in blocks over the whole store (`None`:
+    /// none).
+    #[serde(default)]
+    pub ram_limit_blocks: Option<u64>,
+    /// Its GPU limit in blocks (`None`: none).
+    #[serde(default)]
+    pub gpu_limit_blocks: Option<u64>,
 }
 
 /// The oracle's predictions beside what the server did.
@@ -255,21 +266,48 @@ impl OracleResults {
 
 impl OracleConfig {
     /// Reads the placement settings of an empty kvtier server from
-    /// `/v1/stats` (for a `unix://` target, at its `?http=` address).
+    /// `/v1/stats` (for a `unix://` target, at its `?http=` address). Run
+    /// as a tenant (its token), the tenant's key scope and RAM and GPU
+    /// limits come with them (the oracle's model of tenants, `oracle.rs`).
     ///
     /// # Errors
     /// Not a kvtier target; the stats cannot be read (a `unix://` target
-    /// without `?http=`); the store already holds blocks (the oracle starts
-    /// from an empty store).
+    /// without `?http=`); the store (or, run as a tenant, that tenant)
+    /// already holds blocks (the oracle starts from an empty store); other
+    /// tenants hold memory-tier blocks and this tenant's reservation is not
+    /// its limit (they could then take its room, which it cannot model).
     pub async fn from_server(target: &Target) -> Result<OracleConfig, String> {
         if matches!(target, Target::Redis(_)) {
             return Err("--oracle needs a kvtier target".into());
         }
         let v = target.stats().await.map_err(|e| format!("cannot read the server's stats for --oracle: {e}"))?;
         let shards = v["shards"].as_u64().ok_or("no shard count in /v1/stats")? as usize;
-        let held = v["tiers"].as_array().map_or(0, |ts| ts.iter().filter_map(|t| t["used_blocks"].as_u64()).sum::<u64>());
+        let block_bytes = v["geometry"]["block_bytes"].as_u64().unwrap_or(1).max(1);
+        let tenant = v["tenant"].as_str().map(str::to_string);
+        let me = tenant.as_ref().and_then(|t| v["tenants"].as_array()?.iter().find(|o| o["name"] == t.as_str()).cloned());
+        let tiers_of = |o: &serde_json::Value, t: &str| o["tiers"][t].clone();
+        let held = match &me {
+            Some(o) => ["gpu", "ram", "nvme"].iter().filter_map(|t| tiers_of(o, t)["blocks"].as_u64()).sum::<u64>(),
+            None => v["tiers"].as_array().map_or(0, |ts| ts.iter().filter_map(|t| t["used_blocks"].as_u64()).sum::<u64>()),
+        };
         if held > 0 {
             return Err(format!("--oracle needs an empty store (it simulates from empty), but the server holds {held} blocks"));
+        }
+        let (mut ram_limit_blocks, mut gpu_limit_blocks) = (None, None);
+        if let (Some(t), Some(o)) = (&tenant, &me) {
+            for (tier, slot) in [("ram", &mut ram_limit_blocks), ("gpu", &mut gpu_limit_blocks)] {
+                let q = tiers_of(o, tier);
+                let (reserved, limit) = (q["reserved_bytes"].as_u64().unwrap_or(0), q["limit_bytes"].as_u64().unwrap_or(0));
+                let others: u64 = v["tenants"]
+                    .as_array()
+                    .map_or(0, |all| all.iter().filter(|x| x["name"] != t.as_str()).filter_map(|x| x["tiers"][tier]["blocks"].as_u64()).sum());
+                if others > 0 && reserved != limit {
+                    return Err(format!(
+                        "--oracle as tenant {t:?}: other tenants hold {others} blocks in the {tier} tier and {t:?} reserves {reserved} bytes there with a limit of {limit}; the oracle models a tenant alone, or one whose reservation is its limit"
+                    ));
+                }
+                *slot = Some(limit / block_bytes);
+            }
         }
         let capacity = |tier: &str| {
             v["per_shard"][0]["tiers"]
@@ -284,6 +322,9 @@ impl OracleConfig {
             gpu_blocks_per_shard: capacity("gpu"),
             write_back: v["write_policy"] == "back",
             promote: v["promote"] != false,
+            tenant,
+            ram_limit_blocks,
+            gpu_limit_blocks,
         })
     }
 }
@@ -679,9 +720,14 @@ pub async fn run(
         turns_done: AtomicU64::new(0),
         started,
         bucket_s,
-        oracle: cfg.oracle.map(|c| {
+        oracle: cfg.oracle.clone().map(|c| {
+            let oracle = PolicyOracle::new(c.shards, c.ram_blocks_per_shard, c.write_back, c.promote).with_gpu(c.gpu_blocks_per_shard);
+            let oracle = match &c.tenant {
+                Some(t) => oracle.for_tenant(t, c.ram_limit_blocks, c.gpu_limit_blocks),
+                None => oracle,
+            };
             Mutex::new(OracleState {
-                oracle: PolicyOracle::new(c.shards, c.ram_blocks_per_shard, c.write_back, c.promote).with_gpu(c.gpu_blocks_per_shard),
+                oracle,
                 results: OracleResults { config: Some(c), ..Default::default() },
                 tokens_looked_up: 0,
                 tokens_predicted: 0,

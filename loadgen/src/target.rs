@@ -172,14 +172,28 @@ impl Target {
     /// for the local socket and Redis (kvtier over HTTP connects on first
     /// use).
     pub async fn open(url: &str, http1: bool, connections: usize, workers: usize) -> Result<Self, TargetError> {
+        Target::open_as(url, http1, connections, workers, None).await
+    }
+
+    /// [`Target::open`] sending `token` (HTTP's bearer token, the local
+    /// socket's HELLO token): a tenant's token makes the run that tenant's
+    /// (docs/OPERATIONS.md, "Tenants"). Redis takes no token.
+    ///
+    /// # Errors
+    /// As [`Target::open`].
+    pub async fn open_as(url: &str, http1: bool, connections: usize, workers: usize, token: Option<&str>) -> Result<Self, TargetError> {
         if url.starts_with("redis://") {
             let n = if connections == 0 { workers.max(1) } else { connections };
             Ok(Target::Redis(RedisTarget::connect(url, n).await?))
         } else if url.starts_with(crate::local::SCHEME) {
             let n = if connections == 0 { workers.max(1) } else { connections };
-            Ok(Target::Local(LocalTarget::connect(url, n, workers.max(1)).await?))
+            Ok(Target::Local(LocalTarget::connect(url, n, workers.max(1), token).await?))
         } else if url.starts_with("http://") {
-            Ok(Target::Kvtier(Client::new(url, http1, connections.max(1))?))
+            let client = Client::new(url, http1, connections.max(1))?;
+            Ok(Target::Kvtier(match token {
+                Some(t) => client.with_token(t)?,
+                None => client,
+            }))
         } else if url.starts_with(MODEL_SCHEME) {
             Ok(Target::Model(ModelTarget::default()))
         } else {

@@ -299,7 +299,7 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
                 Route::DeleteBlock => delete_block(ctx, caller, &key).await,
                 Route::Lookup => lookup(ctx, caller, req).await,
                 Route::Prefetch => prefetch(ctx, caller, req).await,
-                Route::Stats => stats(ctx).await,
+                Route::Stats => stats(ctx, caller).await,
                 Route::Metrics => metrics(ctx).await,
                 Route::Healthz => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
                 Route::Readyz => readyz(ctx).await,
@@ -685,7 +685,7 @@ async fn admin_trace(ctx: &Ctx, route: Route) -> Reply {
     }
 }
 
-async fn stats(ctx: &Ctx) -> Reply {
+async fn stats(ctx: &Ctx, caller: Option<&Tenant>) -> Reply {
     let shards = match ctx.store.stats().await {
         Ok(s) => s,
         Err(e) => return engine_error(&e),
@@ -725,6 +725,8 @@ async fn stats(ctx: &Ctx) -> Reply {
         "local": crate::local::stats_json(ctx.local.as_deref()),
         "trace": ctx.store.trace_status(),
         "tenants": admin::owners_json(&shards, ctx.store.geometry().block_bytes),
+        // The calling tenant (its token's), null without --tenants.
+        "tenant": caller.map(|t| t.name.as_str()),
     });
     let mut body = body;
     if let Some(remote) = ctx.store.remote() {

@@ -278,13 +278,17 @@ fn status_message(r: &Reply) -> String {
     format!("{} ({}): {}", code_name(r.status as i64), r.status, String::from_utf8_lossy(&r.body))
 }
 
-/// Connects and says HELLO (asking for `block_bytes` when given). Blocking.
-fn connect_hello(path: &str, block_bytes: Option<u64>) -> Result<(UnixStream, Hello), String> {
+/// Connects and says HELLO (asking for `block_bytes` when given, with
+/// `token` when given). Blocking.
+fn connect_hello(path: &str, block_bytes: Option<u64>, token: Option<&str>) -> Result<(UnixStream, Hello), String> {
     let mut s = UnixStream::connect(path).map_err(|e| format!("cannot connect: {e}"))?;
     s.set_read_timeout(Some(SETUP_TIMEOUT)).and_then(|()| s.set_write_timeout(Some(SETUP_TIMEOUT))).map_err(|e| e.to_string())?;
     let mut hello = json!({ "versions": [VERSION], "client": concat!("kvtier-loadgen ", env!("CARGO_PKG_VERSION")) });
     if let Some(b) = block_bytes {
         hello["block_bytes"] = json!(b);
+    }
+    if let Some(t) = token {
+        hello["token"] = json!(t);
     }
     let sent = s.write_all(&frame(Op::Hello as u8, 1, hello.to_string().as_bytes()));
     // A refused peer gets one 0xFF frame as soon as it connects and is
@@ -508,7 +512,8 @@ impl LocalTarget {
     /// when connecting, HELLO (with the server's code and message),
     /// creating the memfd or REGISTER fails, or the HTTP address is another
     /// server's.
-    pub async fn connect(url: &str, connections: usize, slots: usize) -> Result<LocalTarget, LocalError> {
+    pub async fn connect(url: &str, connections: usize, slots: usize, token: Option<&str>) -> Result<LocalTarget, LocalError> {
+        let token = token.map(str::to_string);
         let (path, http_url) = parse_url(url)?;
         if path.len() > 107 {
             return Err(LocalError::Setup { path, message: "the path is longer than the 107 bytes of sun_path".into() });
@@ -517,8 +522,9 @@ impl LocalTarget {
         let connections = connections.clamp(1, slots);
         let setup_err = |message: String| LocalError::Setup { path: path.clone(), message };
         // The first HELLO tells the block size the regions are cut into.
-        let p = path.clone();
-        let first = tokio::task::spawn_blocking(move || connect_hello(&p, None)).await.expect("set-up task").map_err(setup_err)?;
+        let (p, t) = (path.clone(), token.clone());
+        let first =
+            tokio::task::spawn_blocking(move || connect_hello(&p, None, t.as_deref())).await.expect("set-up task").map_err(setup_err)?;
         let hello = first.1.clone();
         let block_bytes = hello.block_bytes as usize;
         let mut first = Some(first.0);
@@ -527,13 +533,13 @@ impl LocalTarget {
         let mut slot_list = Vec::with_capacity(slots);
         for c in 0..connections {
             let n = (slots - c).div_ceil(connections);
-            let (p, bb, s) = (path.clone(), hello.block_bytes, first.take());
+            let (p, bb, s, t) = (path.clone(), hello.block_bytes, first.take(), token.clone());
             let epoch = hello.epoch;
             let (stream, region, handle, access) = tokio::task::spawn_blocking(move || {
                 let mut s = match s {
                     Some(s) => s,
                     None => {
-                        let (s, h) = connect_hello(&p, Some(bb))?;
+                        let (s, h) = connect_hello(&p, Some(bb), t.as_deref())?;
                         if h.epoch != epoch {
                             return Err(format!("the server restarted while connecting (epoch {epoch}, then {})", h.epoch));
                         }
@@ -568,7 +574,10 @@ impl LocalTarget {
         let http = match http_url {
             None => None,
             Some(u) => {
-                let client = Client::new(&u, false, 1).map_err(|e| setup_err(e.to_string()))?;
+                let mut client = Client::new(&u, false, 1).map_err(|e| setup_err(e.to_string()))?;
+                if let Some(t) = &token {
+                    client = client.with_token(t).map_err(|e| setup_err(e.to_string()))?;
+                }
                 let stats = client.stats().await.map_err(|e| setup_err(format!("cannot read /v1/stats at {u}: {e}")))?;
                 if stats["local"]["epoch"].as_u64() != Some(hello.epoch) {
                     return Err(setup_err(format!(

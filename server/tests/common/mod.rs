@@ -247,7 +247,7 @@ pub async fn replay_matching_the_oracle(
         verify_full: true,
         generation: replay::GenerationMode::None,
         progress: false,
-        oracle: Some(oracle),
+        oracle: Some(oracle.clone()),
         trace_out: None,
     };
     let geometry = target.geometry().await.unwrap().unwrap();
