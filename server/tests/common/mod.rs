@@ -231,12 +231,21 @@ pub async fn replay_matching_the_oracle(
     url: &str,
     policy: &str,
 ) -> (kvtier_loadgen::replay::OracleConfig, kvtier_loadgen::replay::ReplayResults) {
+    replay_matching_the_oracle_as(url, policy, None).await
+}
+
+/// [`replay_matching_the_oracle`] as the tenant whose token is `token`.
+pub async fn replay_matching_the_oracle_as(
+    url: &str,
+    policy: &str,
+    token: Option<&str>,
+) -> (kvtier_loadgen::replay::OracleConfig, kvtier_loadgen::replay::ReplayResults) {
     use kvtier_loadgen::target::Target;
     use kvtier_loadgen::{replay, sharegpt};
     use std::sync::Arc;
     let path = repo_root().join("tests/data/sharegpt_sample.json");
     let dataset = Arc::new(sharegpt::load(&path).unwrap().conversations);
-    let target = Arc::new(Target::open(url, false, 1, 1).await.unwrap());
+    let target = Arc::new(Target::open_as(url, false, 1, 1, token).await.unwrap());
     let oracle = replay::OracleConfig::from_server(&target).await.unwrap();
     let cfg = replay::ReplayConfig {
         users: 1,
