@@ -8,6 +8,7 @@
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio, also via h2load (target/bench/http/)
 #   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
 #   make bench-size  tier sizing from traces: exact curves vs SHARDS on 10M+ records, predicted vs measured RAM hit ratio, recorder cost (target/bench-size/)
+#   make bench-tenants  tenants: a quiet tenant's hit rates alone, beside a noisy one with and without tenants; sweep cost with one tenant (target/bench-tenants/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
@@ -38,7 +39,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 bench-size fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
@@ -225,6 +226,9 @@ bench-s3: build data target/py-s3/.installed
 # alternating). Settings in loadgen/scripts/bench_size.sh.
 bench-size: build data
 	loadgen/scripts/bench_size.sh
+
+bench-tenants: build data
+	loadgen/scripts/bench_tenants.sh
 
 # The fake CUDA driver (a test double: host memory as device memory, with
 # switches for out-of-memory, failing copies, slow and deferred completion;

@@ -231,17 +231,22 @@ impl SlotLru {
     }
 
     /// The block to move out to make room for a block of `owner`: at its
-    /// limit, its own least recently used block; below it, the least
-    /// recently used block of any owner holding more than its reservation
-    /// (or of `owner` itself). Blocks being demoted are skipped. `None`
-    /// when no block may leave for it.
+    /// limit, its own least recently used block; under its reservation,
+    /// the least recently used block of the other owners holding more than
+    /// theirs (its own only when there is none), so an owner can always
+    /// fill its reservation; between the two, the least recently used
+    /// block of those owners and its own. Blocks being demoted are
+    /// skipped. `None` when no block may leave for it.
     pub fn victim_for(&self, owner: OwnerId) -> Option<Victim> {
         if !self.under_limit(owner) {
             return self.oldest_of(owner);
         }
+        let (used, reserved) = self.owners.get(owner as usize).map_or((0, 0), |l| (l.used, l.reserved));
+        let filling = used < reserved;
         let mut best: Option<Victim> = None;
         for (o, l) in self.owners.iter().enumerate() {
-            if o != owner as usize && l.used <= l.reserved {
+            let eligible = if o == owner as usize { !filling } else { l.used > l.reserved };
+            if !eligible {
                 continue;
             }
             if let Some(v) = self.oldest_of(o as OwnerId) {
@@ -250,7 +255,7 @@ impl SlotLru {
                 }
             }
         }
-        best
+        best.or_else(|| if filling { self.oldest_of(owner) } else { None })
     }
 
     fn victim_at(&self, s: u32) -> Victim {
@@ -506,8 +511,15 @@ mod tests {
         // Owner 1's blocks are the oldest, but within its reservation.
         let v = l.victim_for(2).unwrap();
         assert_eq!((&*v.key, v.owner), ("n1", 2));
-        // Owner 1 itself may evict its own oldest when it needs room.
+        // Owner 1 at its reservation competes with its own oldest.
         assert_eq!(&*l.victim_for(1).unwrap().key, "q1");
+        // Under its reservation, it takes from owners above theirs first,
+        // though its own block is older.
+        let q1 = l.slot_of(&BlockHash(1)).unwrap();
+        l.evict(q1, false);
+        fill(&mut l, "n3", 5, 2);
+        assert_eq!((l.owner_blocks(1), l.owner_blocks(2)), (1, 3));
+        assert_eq!(&*l.victim_for(1).unwrap().key, "n1", "q2 is older, but owner 1 is filling its reservation");
     }
 
     #[test]

@@ -368,12 +368,13 @@ impl Store {
                 }
             }
         }
-        if let Some(first) = keys.first() {
-            // Counted on this shard, under the owner of the chain's keys.
-            let (asked, hits) = (keys.len() as u64, tiers.len() as u64);
-            self.shard.count_owner(self.shard.owner_of(first), |c| {
-                c.lookup_keys += asked;
-                c.prefix_hits += hits;
+        // Counted on this shard, each key under its owner (a chain may
+        // start in a shared namespace and go on in the tenant's own keys).
+        for (i, k) in keys.iter().enumerate() {
+            let hit = u64::from(i < tiers.len());
+            self.shard.count_owner(self.shard.owner_of(k), |c| {
+                c.lookup_keys += 1;
+                c.prefix_hits += hit;
             });
         }
         if self.tracing() {

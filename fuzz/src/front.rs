@@ -257,3 +257,36 @@ pub fn local_frames(data: &[u8]) {
         }
     }
 }
+
+/// A tenants file (`--tenants`, server/src/tenants.rs) as bytes through
+/// `Table::parse`: never a panic; an accepted file's owners are the
+/// engine's (unique names), its reservations fit the capacity it was
+/// checked against, every tenant's token and uids find it, its keys are
+/// scoped to its own name or a namespace's, and an empty quota change
+/// keeps the table valid.
+pub fn tenants_file(data: &[u8]) {
+    use kvtier_server::tenants::{stored_key, QuotaChange};
+    let text = String::from_utf8_lossy(data);
+    let capacity = Capacity { shard_blocks: [4, 8, 100], shards: 2, block_bytes: 65_536 };
+    let Ok(table) = Table::parse(&text, "fuzz.toml", &capacity) else { return };
+    let owners = table.owners();
+    assert_eq!(owners.len(), table.entries.len() + 1, "every entry an owner, beside the default one");
+    table.check_capacity(&capacity).expect("an accepted file fits its capacity");
+    for e in &table.entries {
+        assert_eq!(owners.specs[owners.id_of(&e.name).expect("named") as usize].name, e.name);
+        if let Some(t) = table.tenant(&e.name) {
+            for uid in &t.uids {
+                assert_eq!(table.by_uid(*uid).map(|x| &x.name), Some(&t.name));
+            }
+            for key in ["k", "sys-x", "a"] {
+                if let Ok(stored) = stored_key(Some(t), key, false) {
+                    let scope = stored.split_once('/').expect("scoped").0;
+                    assert!(owners.id_of(scope).is_some(), "{key} scoped to {scope}, no owner of the file");
+                    assert!(scope == t.name || table.entries.iter().any(|n| n.name == scope && n.kind == "namespace"));
+                }
+            }
+        }
+        let next = table.with_quotas(&e.name, &QuotaChange::default(), &capacity).expect("unchanged quotas stay valid");
+        assert!(next.is_some());
+    }
+}

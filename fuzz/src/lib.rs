@@ -135,6 +135,15 @@ pub const TARGETS: &[Target] = &[
         detect_leaks: true,
     },
     Target {
+        name: "tenants_file",
+        about: "server/src/tenants.rs Table::parse on a tenants file (TOML): an accepted file's owners are unique and fit the capacity it was checked against, its tokens and uids find their tenants, and its keys are scoped to an owner of the file",
+        run: front::tenants_file,
+        max_len: 4096,
+        malloc_limit_mb: 64,
+        timeout_s: 10,
+        detect_leaks: true,
+    },
+    Target {
         name: "store_ops",
         about: "a real store on real files: put, get, contains, delete, concurrent puts, clean restart, kill -9 of a forked store mid-write, forced reclaim and a byte flipped on disk, against a model of what must be readable",
         run: store_ops::run,

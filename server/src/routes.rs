@@ -446,7 +446,7 @@ async fn put_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str, req: Request<I
         Ok(k) => k,
         Err(e) => return refuse_put(ctx, req, scope_error(e)).await,
     };
-    let key = key.as_str();
+    let key: &str = &key;
     let block_bytes = ctx.store.geometry().block_bytes;
     let declared = match declared_length(req.headers(), block_bytes, "PUT") {
         Ok(n) => n,
@@ -567,10 +567,13 @@ async fn read_keys(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -
     }
     let (chunks, _) = read_body(ctx, req, limits::LOOKUP_BODY_BYTES_MAX).await?;
     let keys = parse_keys(&chunks.concat())?;
+    if caller.is_none() {
+        return Ok(keys); // checked by parse_keys; stored as given
+    }
     keys.iter()
         .enumerate()
         .map(|(i, k)| {
-            stored_key(caller, k, false).map_err(|e| match e {
+            stored_key(caller, k, false).map(std::borrow::Cow::into_owned).map_err(|e| match e {
                 ScopeError::InvalidKey(m) => error(StatusCode::BAD_REQUEST, "invalid_key", format!("keys[{i}]: {m}")),
                 e => scope_error(e),
             })

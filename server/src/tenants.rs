@@ -28,6 +28,7 @@
 //! tenant's stored key (`/` is not a key byte). GB here is GiB (2^30
 //! bytes), as `--ram-gb` and `--disk-gb`.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -232,15 +233,15 @@ impl std::fmt::Display for ScopeError {
 }
 
 /// The stored key of `key` for `caller` (`None`: no tenants file, the key
-/// itself). `write`: the caller stores or deletes it.
+/// itself, borrowed). `write`: the caller stores or deletes it.
 ///
 /// # Errors
 /// [`ScopeError::InvalidKey`] for a key that breaks the key rules or is too
 /// long with its scope; [`ScopeError::ReadOnly`] for a write into a
 /// namespace the caller only reads.
-pub fn stored_key(caller: Option<&Tenant>, key: &str, write: bool) -> Result<String, ScopeError> {
+pub fn stored_key<'k>(caller: Option<&Tenant>, key: &'k str, write: bool) -> Result<Cow<'k, str>, ScopeError> {
     kvtier_engine::key::validate(key).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
-    let Some(t) = caller else { return Ok(key.to_string()) };
+    let Some(t) = caller else { return Ok(Cow::Borrowed(key)) };
     let scope = match t.namespaces.iter().find(|a| key.starts_with(&a.key_prefix)) {
         Some(a) if write && !a.write => {
             return Err(ScopeError::ReadOnly(format!(
@@ -253,7 +254,7 @@ pub fn stored_key(caller: Option<&Tenant>, key: &str, write: bool) -> Result<Str
     };
     let stored = scoped_key(scope, key);
     kvtier_engine::key::validate_stored(&stored).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
-    Ok(stored)
+    Ok(Cow::Owned(stored))
 }
 
 /// One owner (tenant or namespace) as the file gave it.

@@ -221,6 +221,41 @@ def test_auth_token(tmp_path):
             assert authed.lookup(["k"]) == 1
 
 
+def test_tenants_keep_their_keys_apart_over_http_and_the_socket(tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[[tenant]]\nname = "a"\ntoken = "tok-a"\n'
+        '[[tenant]]\nname = "b"\ntoken = "tok-b"\n'
+        '[[namespace]]\nname = "sys"\nkey_prefix = "sys-"\nreaders = ["a", "b"]\nwriters = ["a"]\n'
+    )
+    with ServerProcess(block_bytes=BLOCK_BYTES, args=("--tenants", str(tenants))) as s:
+        with pytest.raises(kvtier.UnauthorizedError):
+            kvtier.Client(s.url, token="nope").lookup(["k"])
+        a = kvtier.Client(s.url, token="tok-a")
+        b = kvtier.Client(s.url, token="tok-b")
+        assert a.put("k", block(1)) and b.put("k", block(2)), "one key, two tenants, two blocks"
+        assert a.get("k") == block(1) and b.get("k") == block(2)
+        a.put("only-a", block(3))
+        a.put("sys-prompt", block(4))
+        assert b.get("only-a") is None and b.lookup(["only-a"]) == 0
+        assert b.get("sys-prompt") == block(4), "the namespace, read"
+        with pytest.raises(kvtier.KvtierError) as info:
+            b.put("sys-prompt", block(5))
+        assert info.value.status == 403 and info.value.code == "namespace_read_only"
+        assert b.stats()["tenant"] == "b"
+        # The same tenants over the same-host socket.
+        bl = kvtier.Client(s.url, token="tok-b", local="auto")
+        assert bl.transport == "unix"
+        buf = kvtier.SharedBuffer(2 * BLOCK_BYTES)
+        assert bl.register_buffer(buf.ptr, buf.nbytes) == 0
+        ptrs = [buf.ptr, buf.ptr + BLOCK_BYTES]
+        assert bl.batch_get_into(["only-a", "k"], ptrs, [BLOCK_BYTES, BLOCK_BYTES]) == [-2, BLOCK_BYTES]
+        assert bytes(buf.numpy()[BLOCK_BYTES:]) == block(2)
+        assert bl.batch_is_exist(["only-a", "sys-prompt"]) == [0, 1]
+        assert bl.batch_put_from(["sys-prompt"], [ptrs[0]], [BLOCK_BYTES]) == [-12], "UNAUTHORIZED: read-only namespace"
+        assert a.get("only-a") == block(3)
+
+
 def test_a_server_killed_mid_batch_fails_the_batch_and_the_client_recovers():
     with ServerProcess(block_bytes=BLOCK_BYTES) as s:
         c = kvtier.Client(s.url, connections=4, retries=1, timeout_s=5)

@@ -3,6 +3,7 @@
 //! `REGISTER`) off the socket, a task per data request (many in flight), and
 //! a writer that sends the responses as they finish.
 
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -538,7 +539,8 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
             let caller = conn.caller.borrow().clone();
             // A DELETE answers per key; the other ops refuse the request
             // for its first key that cannot be used.
-            let scoped: Vec<Result<String, ScopeError>> = keys.iter().map(|k| stored_key(caller.as_deref(), k, op == Op::Delete)).collect();
+            let scoped: Vec<Result<String, ScopeError>> =
+                keys.iter().map(|k| stored_key(caller.as_deref(), k, op == Op::Delete).map(Cow::into_owned)).collect();
             if op != Op::Delete {
                 if let Some((i, Err(e))) = scoped.iter().enumerate().find(|(_, k)| k.is_err()) {
                     return fail((Code::InvalidKey, format!("key {i}: {e}")));
@@ -598,7 +600,7 @@ fn scope_code(e: &ScopeError) -> Code {
 /// block for a get, exactly the block for a put), so an item that fails
 /// any of them copies nothing.
 fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(String, Vec<Part>), Code> {
-    let key = stored_key(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?;
+    let key = stored_key(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?.into_owned();
     let parts = item
         .parts
         .iter()

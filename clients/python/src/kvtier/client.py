@@ -91,8 +91,10 @@ class Client(MooncakeCalls):
             ``unix:///PATH`` of its same-host socket (docs/LOCAL.md); its
             hello gives the HTTP address :meth:`stats` uses, or give it as
             ``?http=HOST:PORT``.
-        token: bearer token for a server started with ``--auth-token-file``
-            (sent in the socket's hello too).
+        token: bearer token for a server started with ``--auth-token-file``,
+            or a tenant's token for one started with ``--tenants`` (the
+            client then reads and writes that tenant's keys; docs/OPERATIONS.md,
+            "Tenants"); sent in the socket's hello too.
         connections: connections in the pool, and so the most requests in
             flight at once (the batched forms use all of them).
         timeout_s: limit for connecting and for each socket read or write;
