@@ -638,6 +638,9 @@ impl GpuTier {
     /// # Errors
     /// The driver's; the slot goes back to the free list and the block is
     /// not placed.
+    // The block (key, hash, owner), its bytes, and the caller's placement
+    // state (slot, dirty, wanted): mirrors `SlotLru::install`'s arguments.
+    #[allow(clippy::too_many_arguments)]
     pub async fn write(
         &self,
         slot: u32,

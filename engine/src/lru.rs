@@ -368,8 +368,12 @@ impl SlotLru {
     /// Dirty blocks (write-back), least recently used first, for a clean
     /// close that writes them all to NVMe.
     pub fn dirty_blocks(&self) -> Vec<Victim> {
-        let mut out: Vec<Victim> =
-            self.live_by_tick().into_iter().filter(|&s| self.meta[s as usize].dirty && !self.meta[s as usize].demoting).map(|s| self.victim_at(s)).collect();
+        let mut out: Vec<Victim> = self
+            .live_by_tick()
+            .into_iter()
+            .filter(|&s| self.meta[s as usize].dirty && !self.meta[s as usize].demoting)
+            .map(|s| self.victim_at(s))
+            .collect();
         out.reverse();
         out
     }

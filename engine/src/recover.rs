@@ -30,10 +30,10 @@ use crate::error::{Error, Result};
 use crate::index::snapshot::{self, IndexSnapshot, SegmentState};
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::tenant::OwnerId;
 use crate::segment::{self, Segment, Superblock};
 use crate::shard::{RecoveredLog, RecoveryReport, Shard, ShardConfig};
 use crate::slot::{HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::tenant::OwnerId;
 
 /// Header reads in flight per shard during recovery.
 pub const SCAN_DEPTH: usize = 64;

@@ -28,9 +28,9 @@ use crate::recover;
 use crate::remote::Remote;
 use crate::shard::{PutOutcome, PutReport, Shard, ShardStats};
 use crate::startup;
-use crate::tenant::Owners;
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
+use crate::tenant::Owners;
 pub use crate::tier::{Tier, WritePolicy};
 use crate::trace::{ShardTrace, TraceOp, TraceStatus, TraceTier};
 

@@ -180,14 +180,7 @@ impl Owners {
 
     /// One shard's quotas in `tier`, in whole blocks of `block_bytes`, by
     /// owner: `(reserved, limit)`, the limit capped at `capacity_blocks`.
-    pub fn shard_quotas(
-        &self,
-        tier: QuotaTier,
-        block_bytes: u64,
-        shard: usize,
-        shards: usize,
-        capacity_blocks: u64,
-    ) -> Vec<(u64, u64)> {
+    pub fn shard_quotas(&self, tier: QuotaTier, block_bytes: u64, shard: usize, shards: usize, capacity_blocks: u64) -> Vec<(u64, u64)> {
         self.specs
             .iter()
             .map(|s| {

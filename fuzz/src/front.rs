@@ -79,7 +79,7 @@ pub fn http_route(data: &[u8]) {
     let route = routes::route_of(&method, path);
     let authorized = headers.get(http::header::AUTHORIZATION).is_some_and(|v| v.as_bytes().strip_prefix(b"Bearer ") == Some(TOKEN));
     let auth = match (&tenants, token) {
-        (Some(t), _) => Auth::Tenants(*t),
+        (Some(t), _) => Auth::Tenants(t),
         (None, Some(t)) => Auth::Token(t),
         (None, None) => Auth::Open,
     };

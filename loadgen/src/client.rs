@@ -247,7 +247,15 @@ impl Client {
                 b.build(connector)
             })
             .collect();
-        Ok(Client { clients, base, next: AtomicUsize::new(0), http1, refusals: AtomicU64::new(0), body_cuts: AtomicU64::new(0), token: None })
+        Ok(Client {
+            clients,
+            base,
+            next: AtomicUsize::new(0),
+            http1,
+            refusals: AtomicU64::new(0),
+            body_cuts: AtomicU64::new(0),
+            token: None,
+        })
     }
 
     /// This client sending `Authorization: Bearer TOKEN` with every request
@@ -256,7 +264,8 @@ impl Client {
     /// # Errors
     /// [`ClientError::BadTarget`] for a token that cannot be a header value.
     pub fn with_token(mut self, token: &str) -> Result<Self, ClientError> {
-        let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| ClientError::BadTarget("a token with bytes a header cannot carry".into()))?;
+        let v = http::HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| ClientError::BadTarget("a token with bytes a header cannot carry".into()))?;
         self.token = Some(v);
         Ok(self)
     }

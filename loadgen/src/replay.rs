@@ -298,9 +298,9 @@ impl OracleConfig {
             for (tier, slot) in [("ram", &mut ram_limit_blocks), ("gpu", &mut gpu_limit_blocks)] {
                 let q = tiers_of(o, tier);
                 let (reserved, limit) = (q["reserved_bytes"].as_u64().unwrap_or(0), q["limit_bytes"].as_u64().unwrap_or(0));
-                let others: u64 = v["tenants"]
-                    .as_array()
-                    .map_or(0, |all| all.iter().filter(|x| x["name"] != t.as_str()).filter_map(|x| x["tiers"][tier]["blocks"].as_u64()).sum());
+                let others: u64 = v["tenants"].as_array().map_or(0, |all| {
+                    all.iter().filter(|x| x["name"] != t.as_str()).filter_map(|x| x["tiers"][tier]["blocks"].as_u64()).sum()
+                });
                 if others > 0 && reserved != limit {
                     return Err(format!(
                         "--oracle as tenant {t:?}: other tenants hold {others} blocks in the {tier} tier and {t:?} reserves {reserved} bytes there with a limit of {limit}; the oracle models a tenant alone, or one whose reservation is its limit"

@@ -329,7 +329,11 @@ fn register_tenants(registry: &mut Registry, engine: &[ShardStats], block_bytes:
             c
         };
         registry.register("tenants_reloads", "Reloads of the tenants file that took effect (SIGHUP or the admin route)", c(status.reloads));
-        registry.register("tenants_reload_failures", "Reloads of the tenants file refused (the tenants in use were kept)", c(status.reload_failures));
+        registry.register(
+            "tenants_reload_failures",
+            "Reloads of the tenants file refused (the tenants in use were kept)",
+            c(status.reload_failures),
+        );
         registry.register(
             "tenants_unauthorized",
             "Requests and local HELLOs refused because their token (or uid) is no tenant's",
@@ -409,17 +413,29 @@ fn register_requests(registry: &mut Registry, stats: &RequestStats, prefix: &str
     );
 }
 
+/// What `/metrics` is rendered from.
+pub struct Sources<'a> {
+    /// HTTP request counters.
+    pub http: &'a RequestStats,
+    /// The local socket's state, when it is on.
+    pub local: Option<&'a crate::local::LocalShared>,
+    /// Every shard's stats.
+    pub engine: &'a [ShardStats],
+    /// The store's geometry.
+    pub geometry: &'a Geometry,
+    /// The remote tier, when there is one.
+    pub remote: Option<&'a dyn kvtier_engine::remote::Remote>,
+    /// Each tier's health.
+    pub health: &'a [TierHealth],
+    /// The trace recorder's state, with `--trace-dir`.
+    pub trace: Option<&'a kvtier_engine::trace::TraceStatus>,
+    /// The tenants, with `--tenants`.
+    pub tenancy: Option<&'a crate::tenants::Tenancy>,
+}
+
 /// Renders every metric in the Prometheus (OpenMetrics) text format.
-pub fn prometheus_text(
-    http: &RequestStats,
-    local: Option<&crate::local::LocalShared>,
-    engine: &[ShardStats],
-    geometry: &Geometry,
-    remote: Option<&dyn kvtier_engine::remote::Remote>,
-    health: &[TierHealth],
-    trace: Option<&kvtier_engine::trace::TraceStatus>,
-    tenancy: Option<&crate::tenants::Tenancy>,
-) -> String {
+pub fn prometheus_text(sources: &Sources<'_>) -> String {
+    let Sources { http, local, engine, geometry, remote, health, trace, tenancy } = *sources;
     let mut registry = Registry::with_prefix("kvtier");
     register_tenants(&mut registry, engine, geometry.block_bytes, tenancy);
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();

@@ -156,9 +156,7 @@ pub fn route_of(method: &Method, path: &str) -> Route {
         (&Method::POST, "/v1/admin/trace/stop") => Route::AdminTraceStop,
         (&Method::GET, "/v1/admin/tenants") => Route::AdminTenants,
         (&Method::POST, "/v1/admin/tenants/reload") => Route::AdminTenantsReload,
-        (&Method::PUT, p) if p.strip_prefix("/v1/admin/tenants/").is_some_and(|n| !n.is_empty() && n != "reload") => {
-            Route::AdminTenantSet
-        }
+        (&Method::PUT, p) if p.strip_prefix("/v1/admin/tenants/").is_some_and(|n| !n.is_empty() && n != "reload") => Route::AdminTenantSet,
         _ => Route::Other,
     }
 }
@@ -226,7 +224,12 @@ pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, 
     let route = route_of(method, path);
     let is_admin = matches!(
         route,
-        Route::AdminTrace | Route::AdminTraceStart | Route::AdminTraceStop | Route::AdminTenants | Route::AdminTenantSet | Route::AdminTenantsReload
+        Route::AdminTrace
+            | Route::AdminTraceStart
+            | Route::AdminTraceStop
+            | Route::AdminTenants
+            | Route::AdminTenantSet
+            | Route::AdminTenantsReload
     );
     if is_admin && caller.as_ref().is_some_and(|t| !t.admin) {
         return Plan::Refuse(error(
@@ -744,16 +747,16 @@ async fn metrics(ctx: &Ctx) -> Reply {
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
-    let text = crate::metrics::prometheus_text(
-        &ctx.http,
-        ctx.local.as_deref(),
-        &shards,
-        ctx.store.geometry(),
-        ctx.store.remote().map(|r| r.as_ref()),
-        &health,
-        ctx.store.trace_status().as_ref(),
-        ctx.tenancy.as_deref(),
-    );
+    let text = crate::metrics::prometheus_text(&crate::metrics::Sources {
+        http: &ctx.http,
+        local: ctx.local.as_deref(),
+        engine: &shards,
+        geometry: ctx.store.geometry(),
+        remote: ctx.store.remote().map(|r| r.as_ref()),
+        health: &health,
+        trace: ctx.store.trace_status().as_ref(),
+        tenancy: ctx.tenancy.as_deref(),
+    });
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")

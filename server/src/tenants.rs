@@ -62,11 +62,7 @@ pub struct QuotaGb {
 
 impl QuotaGb {
     fn pairs(&self) -> [(Option<f64>, Option<f64>); 3] {
-        [
-            (self.gpu_reserved_gb, self.gpu_limit_gb),
-            (self.ram_reserved_gb, self.ram_limit_gb),
-            (self.nvme_reserved_gb, self.nvme_limit_gb),
-        ]
+        [(self.gpu_reserved_gb, self.gpu_limit_gb), (self.ram_reserved_gb, self.ram_limit_gb), (self.nvme_reserved_gb, self.nvme_limit_gb)]
     }
 
     /// The quotas in bytes, by [`QuotaTier`].

@@ -67,11 +67,7 @@ async fn get(c: &Client, key: &str) -> (StatusCode, Bytes, Option<String>) {
 /// Keys `prefix0, prefix1, ...` whose stored key (`scope/key`) is owned by
 /// `shard` of 2, `n` of them.
 fn keys_on_shard(scope: &str, prefix: &str, shard: usize, n: usize) -> Vec<String> {
-    (0..)
-        .map(|i| format!("{prefix}{i}"))
-        .filter(|k| BlockHash::of(format!("{scope}/{k}").as_bytes()).shard(2) == shard)
-        .take(n)
-        .collect()
+    (0..).map(|i| format!("{prefix}{i}")).filter(|k| BlockHash::of(format!("{scope}/{k}").as_bytes()).shard(2) == shard).take(n).collect()
 }
 
 const ISOLATION: &str = r#"
@@ -239,8 +235,7 @@ async fn reservations_protect_a_quiet_tenant_and_limits_hold_in_ram_and_the_log(
     set_flag(&mut args, "--tenants", file.to_str().unwrap());
     set_flag(&mut args, "--ram-gb", &gib(16));
     let server = start(&args);
-    let (quiet, open, capped, noisy) =
-        (as_tenant(&server, "q"), as_tenant(&server, "o"), as_tenant(&server, "c"), as_tenant(&server, "n"));
+    let (quiet, open, capped, noisy) = (as_tenant(&server, "q"), as_tenant(&server, "o"), as_tenant(&server, "c"), as_tenant(&server, "n"));
     let mut quiet_keys = keys_on_shard("quiet", "q", 0, 3);
     quiet_keys.extend(keys_on_shard("quiet", "q", 1, 3));
     let mut open_keys = keys_on_shard("open", "o", 0, 2);
@@ -270,7 +265,10 @@ async fn reservations_protect_a_quiet_tenant_and_limits_hold_in_ram_and_the_log(
         assert_eq!(get(&open, k).await.2.as_deref(), Some("nvme"), "open's {k} was moved down for noisy");
     }
     let (q, o) = (usage(&quiet, "quiet").await, usage(&quiet, "open").await);
-    assert_eq!((q["tiers"]["ram"]["evicted_by_other"].as_u64(), q["tiers"]["ram"]["reserved_bytes"].as_u64()), (Some(0), Some(6 * BLOCK_BYTES)));
+    assert_eq!(
+        (q["tiers"]["ram"]["evicted_by_other"].as_u64(), q["tiers"]["ram"]["reserved_bytes"].as_u64()),
+        (Some(0), Some(6 * BLOCK_BYTES))
+    );
     assert!(o["tiers"]["ram"]["evicted_by_other"].as_u64().unwrap() >= 4, "{o}");
     assert!(usage(&quiet, "noisy").await["tiers"]["ram"]["evicted_own"].as_u64().unwrap() > 0);
 
@@ -302,7 +300,9 @@ async fn reservations_protect_a_quiet_tenant_and_limits_hold_in_ram_and_the_log(
     }
     let (s, v) = call(&quiet, Method::PUT, "/v1/admin/tenants/nobody", Some(serde_json::json!({}))).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("unknown_tenant")));
-    let metrics = String::from_utf8(quiet.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes().to_vec()).unwrap();
+    let metrics =
+        String::from_utf8(quiet.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes().to_vec())
+            .unwrap();
     assert!(metrics.contains("kvtier_tenant_blocks{tenant=\"quiet\",tier=\"ram\"} 2"), "{metrics}");
     assert!(metrics.contains("kvtier_tenant_evictions_total{tenant=\"open\",tier=\"ram\",cause=\"other\"}"));
     server.stop();
@@ -366,7 +366,8 @@ async fn bad_tenants_files_are_refused_at_start_and_a_reload_keeps_the_old_one()
     assert_eq!(get(&d, "k").await.0, StatusCode::NOT_FOUND);
     put(&d, "d", "k").await;
     assert_eq!(get(&a, "k").await.1, payload_of("a", "k"));
-    let metrics = String::from_utf8(a.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes().to_vec()).unwrap();
+    let metrics =
+        String::from_utf8(a.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap().body.to_bytes().to_vec()).unwrap();
     assert!(metrics.contains("kvtier_tenants_reload_failures_total 2"), "{metrics}");
     server.stop();
 }
@@ -377,10 +378,7 @@ async fn kill_9_and_restart_keep_every_tenants_blocks_and_accounting() {
     let file = dir.path().join("tenants.toml");
     write(
         &file,
-        &format!(
-            "[[tenant]]\nname = \"a\"\ntoken = \"tok-a\"\n[[tenant]]\nname = \"b\"\ntoken = \"tok-b\"\nnvme_limit_gb = {}\n",
-            gib(5)
-        ),
+        &format!("[[tenant]]\nname = \"a\"\ntoken = \"tok-a\"\n[[tenant]]\nname = \"b\"\ntoken = \"tok-b\"\nnvme_limit_gb = {}\n", gib(5)),
     );
     let mut args = test_args(&dir.path().join("data"));
     set_flag(&mut args, "--tenants", file.to_str().unwrap());

@@ -134,8 +134,7 @@ impl Shard {
         if owners.generation < self.owners().generation {
             return;
         }
-        let (block_bytes, shard, shards) =
-            (self.cfg.geometry.block_bytes, self.cfg.shard_id as usize, self.cfg.shards.max(1) as usize);
+        let (block_bytes, shard, shards) = (self.cfg.geometry.block_bytes, self.cfg.shard_id as usize, self.cfg.shards.max(1) as usize);
         if let Some(ram) = &self.ram {
             let capacity = ram.borrow().capacity_blocks();
             ram.borrow_mut().set_quotas(&owners.shard_quotas(QuotaTier::Ram, block_bytes, shard, shards, capacity));

@@ -168,7 +168,8 @@ impl Shard {
             return;
         }
         // A GPU tier takes promotions itself (after the read, `promote`).
-        let mut ram_slot = if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot(self.owner_of(key)) } else { None };
+        let mut ram_slot =
+            if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot(self.owner_of(key)) } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
         // Whole, and not promoting into a RAM slot: the verified chunks wait

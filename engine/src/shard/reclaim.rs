@@ -13,8 +13,8 @@ use crate::error::Result;
 use crate::index::Entry;
 use crate::key::BlockHash;
 use crate::segment::{InFlight, Segment};
-use crate::tenant::{OwnerId, QuotaTier};
 use crate::slot::{ChunkHasher, SlotHeader, PAGE_BYTES};
+use crate::tenant::{OwnerId, QuotaTier};
 
 /// At most this fraction of a reclaimed segment's slots is kept by second
 /// chance, so every reclaim frees at least half a segment even when every

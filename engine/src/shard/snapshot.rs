@@ -43,7 +43,14 @@ impl Shard {
             .index
             .borrow()
             .iter()
-            .map(|(h, e)| EntryState { hash_lo: h.0 as u64, hash_hi: (h.0 >> 64) as u64, segment: e.segment, slot: e.slot, seq: e.seq, owner: e.owner })
+            .map(|(h, e)| EntryState {
+                hash_lo: h.0 as u64,
+                hash_hi: (h.0 >> 64) as u64,
+                segment: e.segment,
+                slot: e.slot,
+                seq: e.seq,
+                owner: e.owner,
+            })
             .collect();
         let owners = self.owners().specs.iter().map(|o| o.name.clone()).collect();
         IndexSnapshot { shard: self.id(), covered_seq, next_seq: self.next_seq.get(), segments, entries, owners }

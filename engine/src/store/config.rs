@@ -7,8 +7,8 @@ use std::sync::Arc;
 use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::remote::Remote;
 use crate::shard::ShardConfig;
-use crate::tier::WritePolicy;
 use crate::tenant::Owners;
+use crate::tier::WritePolicy;
 use crate::trace::{Recorder, TraceHeader};
 
 /// Default DMA buffer memory registered with io_uring across all shards:

@@ -24,8 +24,8 @@ use super::region::{gather, ItemSink, Part, Region};
 use super::LocalShared;
 use crate::limits;
 use crate::routes::{Caller, Ctx};
-use crate::tenants::{stored_key, ScopeError};
 use crate::server::{shutdown_requested, Shared};
+use crate::tenants::{stored_key, ScopeError};
 
 /// Requests in flight on one connection; past it the reader stops reading.
 pub const IN_FLIGHT_MAX: u64 = 256;

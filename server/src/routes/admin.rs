@@ -133,7 +133,9 @@ pub(super) async fn set_tenant(ctx: &Ctx, name: &str, req: Request<Incoming>) ->
             return error(
                 StatusCode::BAD_REQUEST,
                 "bad_json",
-                format!("expected {{\"ram_reserved_gb\": 4, \"ram_limit_gb\": null, ...}} (gpu_, ram_, nvme_ × reserved_gb, limit_gb): {e}"),
+                format!(
+                    "expected {{\"ram_reserved_gb\": 4, \"ram_limit_gb\": null, ...}} (gpu_, ram_, nvme_ × reserved_gb, limit_gb): {e}"
+                ),
             )
         }
     };
