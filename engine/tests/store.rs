@@ -231,7 +231,9 @@ fn wrong_size_and_invalid_keys_are_refused_and_lose_nothing() {
             Err(Error::WrongSize { expected: 8192, got: 100 }) => {}
             other => panic!("{other:?}"),
         }
-        for bad in ["", "a/b", "..", &"x".repeat(257)] {
+        // `a/b` is a stored key scoped to owner `a` (tenants); a bad scope,
+        // two scopes or an empty one are not.
+        for bad in ["", "A/b", "a/b/c", "/b", "..", &"x".repeat(257)] {
             assert!(matches!(store.put(bad, vec![payload(bad, 8192)]).await, Err(Error::InvalidKey { .. })));
             assert!(matches!(store.get(bad).await, Err(Error::InvalidKey { .. })));
         }

@@ -186,8 +186,15 @@ impl Shard {
     pub async fn enforce_memory_limits(&self) {
         let ids = self.owners().len() as OwnerId;
         for o in 0..ids {
+            // At most as many moves as blocks over the limit now: a move
+            // that leaves its block in place (replaced or deleted meanwhile)
+            // cannot keep the loop going.
             if let Some(gpu) = &self.gpu {
-                while gpu.lru().over_limit_by(o) > 0 {
+                let over = gpu.lru().over_limit_by(o);
+                for _ in 0..over {
+                    if gpu.lru().over_limit_by(o) == 0 {
+                        break;
+                    }
                     let Some(v) = gpu.lru().oldest_of(o) else { break };
                     if self.demote_gpu(gpu, v).await.is_err() {
                         break;
@@ -196,7 +203,11 @@ impl Shard {
                 }
             }
             let Some(ram) = &self.ram else { continue };
-            while ram.borrow().lru().over_limit_by(o) > 0 {
+            let over = ram.borrow().lru().over_limit_by(o);
+            for _ in 0..over {
+                if ram.borrow().lru().over_limit_by(o) == 0 {
+                    break;
+                }
                 let Some(v) = ram.borrow().lru().oldest_of(o) else { break };
                 if v.dirty {
                     let bytes = ram.borrow_mut().begin_demotion(v.slot);
