@@ -32,4 +32,4 @@ macro_rules! replay_tests {
     };
 }
 
-replay_tests!(slot_header, slot, index_snapshot, store_json, s3_object, key, key_list, http_route, local_frames);
+replay_tests!(slot_header, slot, index_snapshot, store_json, s3_object, key, key_list, http_route, local_frames, tenants_file);
