@@ -496,7 +496,8 @@ impl Store {
 
     /// `local(shard)` of every shard, in shard order: this one's directly,
     /// the others' by sending `op()` and taking the answer out of its reply.
-    async fn ask_every_shard<T>(&self, local: fn(&Shard) -> T, op: fn() -> Op, take: fn(Reply) -> Option<T>) -> Result<Vec<T>> {
+    async fn ask_every_shard<T>(&self, local: impl Fn(&Shard) -> T, op: impl Fn() -> Op, take: fn(Reply) -> Option<T>) -> Result<Vec<T>> {
+        let (local, op) = (&local, &op);
         let asks = (0..self.shards).map(|owner| async move {
             if owner == self.shard_id() {
                 return Ok(local(&self.shard));
@@ -546,17 +547,9 @@ impl Store {
     /// [`Error::ShuttingDown`] when a shard no longer answers (the shards
     /// that answered have the new owners).
     pub async fn set_owners(&self, owners: Arc<Owners>) -> Result<()> {
-        let asks = (0..self.shards).map(|s| {
-            let owners = owners.clone();
-            async move {
-                if s == self.shard_id() {
-                    self.shard.set_owners(owners);
-                    return Ok(());
-                }
-                self.forward(s, Op::SetOwners(owners)).await.map(|_| ())
-            }
-        });
-        futures::future::join_all(asks).await.into_iter().collect()
+        let local = |shard: &Shard| shard.set_owners(owners.clone());
+        let take = |r| matches!(r, Reply::OwnersSet).then_some(());
+        self.ask_every_shard(local, || Op::SetOwners(owners.clone()), take).await.map(|_| ())
     }
 
     /// Statistics of every shard, in shard order.

@@ -89,16 +89,7 @@ pub fn http_route(data: &[u8]) {
             assert!(token.is_none() || authorized, "{method} {path} handled without the bearer token");
             assert!(tenants.is_none() || (authorized && caller.as_ref().is_some_and(|c| c.name == "fuzz")), "{method} {path}: no tenant");
             assert!(tenants.is_some() || caller.is_none());
-            let admin = matches!(
-                r,
-                Route::AdminTrace
-                    | Route::AdminTraceStart
-                    | Route::AdminTraceStop
-                    | Route::AdminTenants
-                    | Route::AdminTenantSet
-                    | Route::AdminTenantsReload
-            );
-            assert!(!admin || caller.as_ref().is_none_or(|c| c.admin), "{method} {path}: an admin route for a tenant not admin");
+            assert!(!r.is_admin() || caller.as_ref().is_none_or(|c| c.admin), "{method} {path}: an admin route for a tenant not admin");
             let is_block = matches!(r, Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock);
             let want = if is_block {
                 path.strip_prefix("/v1/blocks/")
@@ -286,7 +277,7 @@ pub fn tenants_file(data: &[u8]) {
                 }
             }
         }
-        let next = table.with_quotas(&e.name, &QuotaChange::default(), &capacity).expect("unchanged quotas stay valid");
+        let next = table.with_quotas(&e.name, &QuotaChange::new(), &capacity).expect("unchanged quotas stay valid");
         assert!(next.is_some());
     }
 }

@@ -117,14 +117,6 @@ for i in $(seq "${PAIRS:-7}"); do
   done
 done
 stop
-python3 - "$OUT/recorder.txt.$$" <<'PY'
-import sys, statistics
-rows = [l.split() for l in open(sys.argv[1])]
-off = [float(v) for m, v in rows if m == "off"]; on = [float(v) for m, v in rows if m == "on"]
-print("pair  off tokens/s  on tokens/s  on/off")
-for i, (a, b) in enumerate(zip(off, on)):
-    print(f"{i+1:4}  {a:12.0f}  {b:11.0f}  {b/a:6.3f}")
-print(f"median on/off: {statistics.median(b/a for a, b in zip(off, on)):.3f}")
-PY
+loadgen/scripts/paired_median.py "$OUT/recorder.txt.$$" off on "recorder off tokens/s" "recorder on tokens/s"
 rm -f "$OUT/recorder.txt.$$"
 fi

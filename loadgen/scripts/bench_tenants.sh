@@ -152,13 +152,6 @@ for i in $(seq "${PAIRS:-7}"); do
   done
 done
 stop_all
-python3 - "$OUT/cost.txt" <<'PY'
-import sys, statistics
-rows = [l.split() for l in open(sys.argv[1])]
-plain = [float(v) for m, v in rows if m == "plain"]; ten = [float(v) for m, v in rows if m == "tenant"]
-print("pair  no-tenants tokens/s  one-tenant tokens/s  ratio   (odd pairs: no tenants first)")
-for i, (a, b) in enumerate(zip(plain, ten)):
-    print(f"{i+1:4}  {a:19.0f}  {b:19.0f}  {b/a:6.3f}")
-print(f"median one-tenant/no-tenants: {statistics.median(b/a for a, b in zip(plain, ten)):.3f}")
-PY
+echo "(odd pairs ran the server without tenants first)"
+loadgen/scripts/paired_median.py "$OUT/cost.txt" plain tenant "no tenants tokens/s" "one tenant tokens/s"
 fi

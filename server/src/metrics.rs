@@ -59,6 +59,22 @@ pub enum Route {
     Other,
 }
 
+impl Route {
+    /// Whether it is one of the `/v1/admin/*` routes (with tenants, for
+    /// `admin` tenants only).
+    pub fn is_admin(self) -> bool {
+        matches!(
+            self,
+            Route::AdminTrace
+                | Route::AdminTraceStart
+                | Route::AdminTraceStop
+                | Route::AdminTenants
+                | Route::AdminTenantSet
+                | Route::AdminTenantsReload
+        )
+    }
+}
+
 /// Labels of the [`Route`]s, in declaration order (`route as usize`).
 pub const HTTP_ROUTE_NAMES: [&str; 17] = [
     "put_block",

@@ -222,16 +222,7 @@ pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, 
         },
     };
     let route = route_of(method, path);
-    let is_admin = matches!(
-        route,
-        Route::AdminTrace
-            | Route::AdminTraceStart
-            | Route::AdminTraceStop
-            | Route::AdminTenants
-            | Route::AdminTenantSet
-            | Route::AdminTenantsReload
-    );
-    if is_admin && caller.as_ref().is_some_and(|t| !t.admin) {
+    if route.is_admin() && caller.as_ref().is_some_and(|t| !t.admin) {
         return Plan::Refuse(error(
             StatusCode::FORBIDDEN,
             "admin_only",
@@ -292,14 +283,25 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
         }
         Plan::Refuse(r) if r.status() == StatusCode::FORBIDDEN && req.method() == Method::PUT => refuse_put(ctx, req, r).await,
         Plan::Refuse(r) => r,
+        Plan::Handle(route @ (Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock), key, caller) => {
+            // The key as the caller's tenant stores it (tenants.rs), once
+            // for every block route.
+            let key = key.unwrap_or_default();
+            match stored_key(caller.as_deref(), &key, matches!(route, Route::PutBlock | Route::DeleteBlock)) {
+                Err(e) if route == Route::PutBlock => refuse_put(ctx, req, scope_error(e)).await,
+                Err(e) => scope_error(e),
+                Ok(stored) => match route {
+                    Route::PutBlock => put_block(ctx, &key, &stored, req).await,
+                    Route::GetBlock => get_block(ctx, &stored).await,
+                    Route::HeadBlock => head_block(ctx, &stored).await,
+                    _ => delete_block(ctx, &stored).await,
+                },
+            }
+        }
         Plan::Handle(route, key, caller) => {
             let key = key.unwrap_or_default();
             let caller = caller.as_deref();
             match route {
-                Route::PutBlock => put_block(ctx, caller, &key, req).await,
-                Route::GetBlock => get_block(ctx, caller, &key).await,
-                Route::HeadBlock => head_block(ctx, caller, &key).await,
-                Route::DeleteBlock => delete_block(ctx, caller, &key).await,
                 Route::Lookup => lookup(ctx, caller, req).await,
                 Route::Prefetch => prefetch(ctx, caller, req).await,
                 Route::Stats => stats(ctx, caller).await,
@@ -310,6 +312,7 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
                 Route::AdminTenants => admin::tenants(ctx).await,
                 Route::AdminTenantSet => admin::set_tenant(ctx, &key, req).await,
                 Route::AdminTenantsReload => admin::reload(ctx).await,
+                Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock => unreachable!("block routes are handled above"),
                 Route::Other => unreachable!("plan never hands Route::Other to a handler"),
             }
         }
@@ -443,13 +446,8 @@ fn scope_error(e: ScopeError) -> Reply {
     }
 }
 
-async fn put_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str, req: Request<Incoming>) -> Reply {
-    let client_key = key;
-    let key = match stored_key(caller, key, true) {
-        Ok(k) => k,
-        Err(e) => return refuse_put(ctx, req, scope_error(e)).await,
-    };
-    let key: &str = &key;
+/// `PUT /v1/blocks/{client_key}`, stored under `key` (the caller's scope).
+async fn put_block(ctx: &Ctx, client_key: &str, key: &str, req: Request<Incoming>) -> Reply {
     let block_bytes = ctx.store.geometry().block_bytes;
     let declared = match declared_length(req.headers(), block_bytes, "PUT") {
         Ok(n) => n,
@@ -510,23 +508,15 @@ fn block_reply(body: BlockBody, tier: &'static str) -> Reply {
 /// response off instead of completing it (the block is dropped, so the next
 /// GET falls through to the tiers below). Every tier, the remote one
 /// included, is behind [`Store::get_stream`].
-async fn get_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
-    let key = match stored_key(caller, key, false) {
-        Ok(k) => k,
-        Err(e) => return scope_error(e),
-    };
-    match ctx.store.get_stream(&key).await {
+async fn get_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.get_stream(key).await {
         Ok((body, tier)) => block_reply(body, tier.as_str()),
         Err(e) => engine_error(&e),
     }
 }
 
-async fn head_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
-    let key = match stored_key(caller, key, false) {
-        Ok(k) => k,
-        Err(e) => return scope_error(e),
-    };
-    match ctx.store.contains(&key).await {
+async fn head_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.contains(key).await {
         Ok(Some(_)) => Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/octet-stream")
@@ -538,12 +528,8 @@ async fn head_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
     }
 }
 
-async fn delete_block(ctx: &Ctx, caller: Option<&Tenant>, key: &str) -> Reply {
-    let key = match stored_key(caller, key, true) {
-        Ok(k) => k,
-        Err(e) => return scope_error(e),
-    };
-    match ctx.store.delete(&key).await {
+async fn delete_block(ctx: &Ctx, key: &str) -> Reply {
+    match ctx.store.delete(key).await {
         Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(ReplyBody::empty()).expect("valid response"),
         Err(e) => engine_error(&e),
     }

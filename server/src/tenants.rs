@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 use kvtier_engine::tenant::{check_name, scoped_key, OwnerSpec, Owners, Quota, QuotaTier};
+use kvtier_engine::trace::unix_ms_now;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -92,43 +93,26 @@ impl QuotaGb {
         Ok(out)
     }
 
-    /// `self` with the fields `change` sets replaced.
-    pub fn merged(&self, change: &QuotaChange) -> QuotaGb {
-        let pick = |old: Option<f64>, new: &Option<Option<f64>>| new.unwrap_or(old);
-        QuotaGb {
-            gpu_reserved_gb: pick(self.gpu_reserved_gb, &change.gpu_reserved_gb),
-            gpu_limit_gb: pick(self.gpu_limit_gb, &change.gpu_limit_gb),
-            ram_reserved_gb: pick(self.ram_reserved_gb, &change.ram_reserved_gb),
-            ram_limit_gb: pick(self.ram_limit_gb, &change.ram_limit_gb),
-            nvme_reserved_gb: pick(self.nvme_reserved_gb, &change.nvme_reserved_gb),
-            nvme_limit_gb: pick(self.nvme_limit_gb, &change.nvme_limit_gb),
-        }
+    /// `self` with the fields `change` sets replaced: each field given
+    /// replaces the current value (`null` removes it), fields left out
+    /// keep theirs.
+    ///
+    /// # Errors
+    /// A field that is not one of the six, or a value that is not a number
+    /// or `null`.
+    pub fn merged(&self, change: &QuotaChange) -> Result<QuotaGb, serde_json::Error> {
+        let mut fields = match serde_json::to_value(self)? {
+            serde_json::Value::Object(m) => m,
+            _ => unreachable!("a struct serializes to an object"),
+        };
+        fields.extend(change.iter().map(|(k, v)| (k.clone(), v.clone())));
+        serde_json::from_value(serde_json::Value::Object(fields))
     }
 }
 
-/// The body of `PUT /v1/admin/tenants/{name}`: each field given replaces
-/// the current value (`null` removes it); fields left out keep theirs.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaChange {
-    #[serde(default, deserialize_with = "some")]
-    gpu_reserved_gb: Option<Option<f64>>,
-    #[serde(default, deserialize_with = "some")]
-    gpu_limit_gb: Option<Option<f64>>,
-    #[serde(default, deserialize_with = "some")]
-    ram_reserved_gb: Option<Option<f64>>,
-    #[serde(default, deserialize_with = "some")]
-    ram_limit_gb: Option<Option<f64>>,
-    #[serde(default, deserialize_with = "some")]
-    nvme_reserved_gb: Option<Option<f64>>,
-    #[serde(default, deserialize_with = "some")]
-    nvme_limit_gb: Option<Option<f64>>,
-}
-
-/// A field present (even as `null`) is `Some`.
-fn some<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
-    Option::<f64>::deserialize(d).map(Some)
-}
+/// The body of `PUT /v1/admin/tenants/{name}`: a JSON object of some of
+/// [`QuotaGb`]'s fields ([`QuotaGb::merged`]).
+pub type QuotaChange = serde_json::Map<String, serde_json::Value>;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -446,15 +430,36 @@ impl Table {
     /// `self` with `name`'s quotas changed.
     ///
     /// # Errors
-    /// `Ok(None)` when no owner is named `name`; `Err` as
-    /// [`QuotaGb::to_quotas`] and [`Table::check_capacity`] say.
-    pub fn with_quotas(&self, name: &str, change: &QuotaChange, capacity: &Capacity) -> Result<Option<Table>, String> {
+    /// `Ok(None)` when no owner is named `name`;
+    /// [`QuotaRefusal::Invalid`] for a change [`QuotaGb::merged`] or
+    /// [`QuotaGb::to_quotas`] refuses, [`QuotaRefusal::OverCapacity`] as
+    /// [`Table::check_capacity`] says.
+    pub fn with_quotas(&self, name: &str, change: &QuotaChange, capacity: &Capacity) -> Result<Option<Table>, QuotaRefusal> {
         let mut next = self.clone();
         let Some(e) = next.entries.iter_mut().find(|e| e.name == name) else { return Ok(None) };
-        e.quotas = e.quotas.merged(change);
-        e.quotas.to_quotas(&format!("{} {name:?}", e.kind))?;
-        next.check_capacity(capacity)?;
+        let who = format!("{} {name:?}", e.kind);
+        e.quotas = e.quotas.merged(change).map_err(|err| QuotaRefusal::Invalid(format!("{who}: {err}")))?;
+        e.quotas.to_quotas(&who).map_err(QuotaRefusal::Invalid)?;
+        next.check_capacity(capacity).map_err(QuotaRefusal::OverCapacity)?;
         Ok(Some(next))
+    }
+}
+
+/// Why a quota change was refused (the message says what).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuotaRefusal {
+    /// An unknown field, a value that is not a number of GiB, or a
+    /// reservation above its limit.
+    Invalid(String),
+    /// Reservations would add up to more than a tier holds.
+    OverCapacity(String),
+}
+
+impl std::fmt::Display for QuotaRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuotaRefusal::Invalid(m) | QuotaRefusal::OverCapacity(m) => f.write_str(m),
+        }
     }
 }
 
@@ -509,7 +514,7 @@ impl Tenancy {
             capacity,
             table: ArcSwap::from_pointee(table),
             engine_owners: Mutex::new(Arc::new(owners)),
-            status: Mutex::new(ReloadStatus { loaded_unix_ms: now_ms(), ..Default::default() }),
+            status: Mutex::new(ReloadStatus { loaded_unix_ms: unix_ms_now(), ..Default::default() }),
             reload_requested: AtomicBool::new(false),
             unauthorized: AtomicU64::new(0),
         })
@@ -566,7 +571,7 @@ impl Tenancy {
         match read_table(&self.path, &self.capacity).and_then(|t| self.adopt(t)) {
             Ok(t) => {
                 let mut s = self.status.lock().expect("not poisoned");
-                s.loaded_unix_ms = now_ms();
+                s.loaded_unix_ms = unix_ms_now();
                 s.reloads += 1;
                 s.last_error = None;
                 Ok(t)
@@ -584,10 +589,10 @@ impl Tenancy {
     /// reload). Returns the engine's owners for the new table.
     ///
     /// # Errors
-    /// `Ok(None)` for an unknown name; `Err` for quotas refused.
-    pub fn set_quotas(&self, name: &str, change: &QuotaChange) -> Result<Option<Arc<Owners>>, String> {
+    /// `Ok(None)` for an unknown name; as [`Table::with_quotas`].
+    pub fn set_quotas(&self, name: &str, change: &QuotaChange) -> Result<Option<Arc<Owners>>, QuotaRefusal> {
         let Some(next) = self.table().with_quotas(name, change, &self.capacity)? else { return Ok(None) };
-        self.adopt(next).map(Some)
+        self.adopt(next).map(Some).map_err(QuotaRefusal::Invalid)
     }
 }
 
@@ -597,10 +602,6 @@ pub const RELOAD_POLL: std::time::Duration = std::time::Duration::from_millis(20
 fn read_table(path: &Path, capacity: &Capacity) -> Result<Table, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read tenants file {}: {e}", path.display()))?;
     Table::parse(&text, &path.display().to_string(), capacity)
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 #[cfg(test)]
@@ -690,11 +691,14 @@ writers = ["a"]
     fn quotas_change_and_are_checked() {
         let t = parse(GOOD).unwrap();
         let change: QuotaChange = serde_json::from_str(r#"{"ram_reserved_gb": 2, "ram_limit_gb": null}"#).unwrap();
+        assert_eq!(QuotaGb { ram_limit_gb: Some(5.0), ..Default::default() }.merged(&change).unwrap().ram_limit_gb, None);
         let next = t.with_quotas("a", &change, &CAP).unwrap().unwrap();
         assert_eq!(next.owners().specs[1].quotas[1], Quota { reserved_bytes: 2 << 30, limit_bytes: None });
         assert!(t.with_quotas("zz", &change, &CAP).unwrap().is_none());
         let too_much: QuotaChange = serde_json::from_str(r#"{"ram_reserved_gb": 9, "ram_limit_gb": null}"#).unwrap();
-        assert!(t.with_quotas("a", &too_much, &CAP).unwrap_err().contains("add up to"));
-        assert!(serde_json::from_str::<QuotaChange>(r#"{"ram_gb": 1}"#).is_err());
+        assert!(matches!(t.with_quotas("a", &too_much, &CAP), Err(QuotaRefusal::OverCapacity(m)) if m.contains("add up to")));
+        let bad: QuotaChange = serde_json::from_str(r#"{"ram_gb": 1}"#).unwrap();
+        assert!(QuotaGb::default().merged(&bad).unwrap_err().to_string().contains("unknown field"));
+        assert!(matches!(t.with_quotas("a", &bad, &CAP), Err(QuotaRefusal::Invalid(m)) if m.contains("unknown field")));
     }
 }

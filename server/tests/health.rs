@@ -55,8 +55,7 @@ async fn put(c: &Client, key: &str) -> StatusCode {
 }
 
 async fn get_json(c: &Client, path: &str) -> (StatusCode, Value) {
-    let a = c.send(Method::GET, path, ChunkedBody::default(), None).await.unwrap();
-    (a.status, serde_json::from_slice(&a.body.to_bytes()).unwrap_or(Value::Null))
+    common::json_call(c, Method::GET, path, None).await
 }
 
 /// `tier`'s entry in `/readyz`.

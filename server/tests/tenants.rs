@@ -16,7 +16,7 @@ use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::Value;
 
 use common::local::{items_payload, keys_payload, memfd, Raw, EXISTS, GET_INTO, HELLO, PUT_FROM};
-use common::{set_flag, start, test_args, try_start, Server, BLOCK_BYTES};
+use common::{json_call as call, set_flag, start, test_args, try_start, Server, BLOCK_BYTES};
 
 const LOOKUP: u8 = 7;
 const DELETE: u8 = 8;
@@ -32,13 +32,6 @@ fn write(path: &Path, text: &str) {
 
 fn as_tenant(server: &Server, token: &str) -> Client {
     common::client(server, false).with_token(token).unwrap()
-}
-
-async fn call(c: &Client, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-    let chunks = body.map(|b| vec![Bytes::from(serde_json::to_vec(&b).unwrap())]).unwrap_or_default();
-    let a = c.send(method, path, ChunkedBody::new(chunks), Some("application/json")).await.unwrap();
-    let bytes = a.body.to_bytes();
-    (a.status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
 /// The tenant's entry in `/v1/stats`.

@@ -18,8 +18,7 @@ use kvtier_loadgen::target::Target;
 use kvtier_loadgen::{replay, sharegpt, size};
 
 async fn admin(c: &Client, path: &str, method: Method) -> (StatusCode, serde_json::Value) {
-    let a = c.send(method, path, ChunkedBody::default(), None).await.unwrap();
-    (a.status, serde_json::from_slice(&a.body.to_bytes()).unwrap())
+    common::json_call(c, method, path, None).await
 }
 
 fn post(keys: &[&str]) -> Vec<Bytes> {

@@ -3,7 +3,6 @@
 //! `REGISTER`) off the socket, a task per data request (many in flight), and
 //! a writer that sends the responses as they finish.
 
-use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -537,17 +536,31 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                 Err(e) => return fail(e),
             };
             let caller = conn.caller.borrow().clone();
-            // A DELETE answers per key; the other ops refuse the request
-            // for its first key that cannot be used.
-            let scoped: Vec<Result<String, ScopeError>> =
-                keys.iter().map(|k| stored_key(caller.as_deref(), k, op == Op::Delete).map(Cow::into_owned)).collect();
-            if op != Op::Delete {
-                if let Some((i, Err(e))) = scoped.iter().enumerate().find(|(_, k)| k.is_err()) {
-                    return fail((Code::InvalidKey, format!("key {i}: {e}")));
-                }
+            let caller = caller.as_deref();
+            if op == Op::Delete {
+                // Per key: one that cannot be used answers its own code.
+                let done = futures::future::join_all(keys.iter().map(|k| async move {
+                    match stored_key(caller, k, true) {
+                        Ok(stored) => store.delete(&stored).await.map_or_else(|e| code_of(&e) as i64, |_| 0),
+                        Err(e) => scope_code(&e) as i64,
+                    }
+                }))
+                .await;
+                let mut b = (done.len() as u32).to_le_bytes().to_vec();
+                b.extend(done.iter().flat_map(|r| r.to_le_bytes()));
+                return (Ok((b, 0)), 0, 0);
             }
-            let stored: Vec<String> = scoped.iter().map(|k| k.as_ref().map_or_else(|_| String::new(), Clone::clone)).collect();
-            let keys: Vec<&str> = stored.iter().map(String::as_str).collect();
+            // The other ops refuse the request for its first unusable key.
+            let stored = match keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| stored_key(caller, k, false).map_err(|e| (Code::InvalidKey, format!("key {i}: {e}"))))
+                .collect::<Result<Vec<_>, _>>()
+            {
+                Ok(s) => s,
+                Err(e) => return fail(e),
+            };
+            let keys: Vec<&str> = stored.iter().map(|k| &**k).collect();
             let body = match op {
                 Op::Exists => store.exists_many(&keys).await.map(|found| {
                     let mut b = (found.len() as u32).to_le_bytes().to_vec();
@@ -560,19 +573,6 @@ async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                     b.extend(tiers.into_iter().map(|t| proto::tier_code(Some(t))));
                     b
                 }),
-                Op::Delete => {
-                    let done = futures::future::join_all(keys.iter().zip(&scoped).map(|(k, s)| async move {
-                        match s {
-                            Ok(_) => store.delete(k).await.map_or_else(|e| code_of(&e) as i64, |_| 0),
-                            Err(e) => scope_code(e) as i64,
-                        }
-                    }))
-                    .await;
-                    let results: Vec<(i64, u8)> = done.into_iter().map(|r| (r, 0)).collect();
-                    let mut b = (results.len() as u32).to_le_bytes().to_vec();
-                    b.extend(results.iter().flat_map(|(r, _)| r.to_le_bytes()));
-                    Ok(b)
-                }
                 _ => store.prefetch(&keys).await.map(|report| {
                     let mut b = (keys.len() as u32).to_le_bytes().to_vec();
                     b.extend_from_slice(&(report.found as u32).to_le_bytes());

@@ -226,9 +226,11 @@ fn peer_credentials(s: &UnixStream) -> std::io::Result<libc::ucred> {
 }
 
 impl LocalShared {
-    /// Why a peer is refused, if it is.
-    fn refuse(&self, c: &libc::ucred) -> Option<String> {
-        if c.uid == self.uid || self.allow_uids.contains(&c.uid) || self.allow_gids.contains(&c.gid) {
+    /// Why a peer is refused, if it is: it is let in as the server's uid,
+    /// an allowed uid or gid, or a uid a tenant lists (`tenancy`).
+    fn refuse(&self, c: &libc::ucred, tenancy: Option<&crate::tenants::Tenancy>) -> Option<String> {
+        let a_tenant = tenancy.is_some_and(|t| t.table().by_uid(c.uid).is_some());
+        if c.uid == self.uid || self.allow_uids.contains(&c.uid) || self.allow_gids.contains(&c.gid) || a_tenant {
             return None;
         }
         Some(format!(
@@ -271,9 +273,7 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
             continue;
         }
         let (refusal, peer_uid) = match peer_credentials(&accepted) {
-            // A tenant's uid (--tenants) is let in as the allowed ones are.
-            Ok(c) if shared.tenancy.as_ref().is_some_and(|t| t.table().by_uid(c.uid).is_some()) => (None, c.uid),
-            Ok(c) => (local.refuse(&c), c.uid),
+            Ok(c) => (local.refuse(&c, shared.tenancy.as_deref()), c.uid),
             Err(e) => (Some(format!("cannot read the peer's credentials: {e}")), u32::MAX),
         };
         if let Some(why) = refusal {

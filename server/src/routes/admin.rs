@@ -13,7 +13,7 @@ use kvtier_engine::{ShardStats, Store};
 use serde_json::{json, Value};
 
 use super::{engine_error, error, json_reply, read_body, Ctx, Reply};
-use crate::tenants::{QuotaChange, Tenancy};
+use crate::tenants::{QuotaChange, QuotaGb, QuotaRefusal, Tenancy};
 
 /// Largest body `PUT /v1/admin/tenants/{name}` takes.
 const QUOTA_BODY_BYTES_MAX: u64 = 4096;
@@ -127,23 +127,20 @@ pub(super) async fn set_tenant(ctx: &Ctx, name: &str, req: Request<Incoming>) ->
         Ok((chunks, _)) => chunks.concat(),
         Err(r) => return r,
     };
+    let expected = "expected {\"ram_reserved_gb\": 4, \"ram_limit_gb\": null, ...} (gpu_, ram_, nvme_ × reserved_gb, limit_gb)";
     let change: QuotaChange = match serde_json::from_slice(&body) {
         Ok(c) => c,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_json",
-                format!(
-                    "expected {{\"ram_reserved_gb\": 4, \"ram_limit_gb\": null, ...}} (gpu_, ram_, nvme_ × reserved_gb, limit_gb): {e}"
-                ),
-            )
-        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_json", format!("{expected}: {e}")),
     };
+    // Its fields and their types, before any tenant's quotas are looked at.
+    if let Err(e) = QuotaGb::default().merged(&change) {
+        return error(StatusCode::BAD_REQUEST, "bad_json", format!("{expected}: {e}"));
+    }
     let owners = match tenancy.set_quotas(name, &change) {
         Ok(Some(o)) => o,
         Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_tenant", format!("no tenant or namespace is named {name:?}")),
-        Err(e) if e.contains("add up to") => return error(StatusCode::CONFLICT, "over_capacity", e),
-        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_quota", e),
+        Err(QuotaRefusal::OverCapacity(e)) => return error(StatusCode::CONFLICT, "over_capacity", e),
+        Err(QuotaRefusal::Invalid(e)) => return error(StatusCode::BAD_REQUEST, "bad_quota", e),
     };
     if let Err(e) = ctx.store.set_owners(owners).await {
         return engine_error(&e);

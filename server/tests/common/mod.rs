@@ -119,6 +119,19 @@ pub fn client(server: &Server, http1: bool) -> kvtier_loadgen::client::Client {
     kvtier_loadgen::client::Client::new(&server.url, http1, 1).unwrap()
 }
 
+/// Sends `method path` with `body` as JSON (none: empty), and returns the
+/// status and the answer's JSON (`null` for a body that is not JSON).
+pub async fn json_call(
+    c: &kvtier_loadgen::client::Client,
+    method: http::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (http::StatusCode, serde_json::Value) {
+    let chunks = body.map(|b| vec![bytes::Bytes::from(serde_json::to_vec(&b).unwrap())]).unwrap_or_default();
+    let a = c.send(method, path, kvtier_loadgen::client::ChunkedBody::new(chunks), Some("application/json")).await.unwrap();
+    (a.status, serde_json::from_slice(&a.body.to_bytes()).unwrap_or(serde_json::Value::Null))
+}
+
 /// The test payload of `key`.
 pub fn payload(key: &str) -> bytes::Bytes {
     kvtier_loadgen::payload::Payloads::new(BLOCK_BYTES as usize, 1).chunks(key).concat().into()
