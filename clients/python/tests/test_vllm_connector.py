@@ -1,0 +1,57 @@
+"""KvtierConnector's parts that need no running engine: the interface vLLM
+loads, the shared allocation of the KV cache, the start-up refusals. The
+connector under a real ``vllm serve`` is tests/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kvtier.shm import backing_fd
+from kvtier.vllm_connector import (
+    SHARED_ALLOCATION_BYTES_MIN,
+    ConfigurationError,
+    KvtierConnector,
+    _SharedAllocation,
+    check_hash_algo,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def test_it_is_a_complete_vllm_kv_connector():
+    assert issubclass(KvtierConnector, KVConnectorBase_V1)
+    assert not KvtierConnector.__abstractmethods__
+
+
+def test_the_kv_cache_allocation_lands_in_shared_memory_and_small_ones_do_not():
+    buffers = []
+    with _SharedAllocation(buffers):
+        cache = torch.zeros(SHARED_ALLOCATION_BYTES_MIN * 4, dtype=torch.int8, device="cpu")
+        small = torch.zeros(16, dtype=torch.int8)
+    assert len(buffers) == 1 and buffers[0].nbytes == cache.numel()
+    assert cache.data_ptr() == buffers[0].ptr and int(cache.abs().sum()) == 0
+    cache[123] = 7  # the same bytes, seen through the memfd
+    assert buffers[0].memoryview[123] == 7
+    fd, offset = backing_fd(cache.data_ptr(), cache.numel())  # a file kvtier can map
+    os.close(fd)
+    assert offset == 0
+    with pytest.raises(Exception):  # noqa: B017 - anonymous memory has no file to share
+        backing_fd(small.data_ptr(), small.numel())
+
+
+def config(algo: str) -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+
+
+def test_a_block_hash_seeded_per_process_is_refused_naming_the_flag(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigurationError, match="--prefix-caching-hash-algo sha256"):
+        check_hash_algo(config("xxhash"))  # type: ignore[arg-type]
+    check_hash_algo(config("sha256"))  # type: ignore[arg-type]
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    check_hash_algo(config("xxhash"))  # type: ignore[arg-type]
