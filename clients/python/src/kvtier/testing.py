@@ -1,4 +1,4 @@
-"""Start a real ``kvtier serve`` for tests and benchmarks.
+"""Start a real ``kvtier serve`` (and a real ``vllm serve``) for tests and benchmarks.
 
     with ServerProcess(block_bytes=65536) as server:
         client = kvtier.Client(server.url)
@@ -177,6 +177,206 @@ class ServerProcess:
             self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class VllmServer:
+    """One ``vllm serve`` (vLLM's OpenAI API server) child process on
+    127.0.0.1, for the engine tests and ``make bench-engine``.
+
+    Args:
+        model: the model directory (``tools/make_model.py`` makes one).
+        python: the interpreter of the virtualenv vLLM is installed in.
+        kv_transfer_config: the ``--kv-transfer-config`` dict, or ``None``
+            for an engine with no connector.
+        port: listen port; default a free one.
+        kv_cache_gib: vLLM's CPU KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        single_process: run vLLM's engine core and worker in the API
+            server's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+            ``--distributed-executor-backend uni``): a start about 30 s
+            shorter on 2 cores, the same scheduler, connector and model code.
+        args: further ``vllm serve`` flags.
+        env: further environment variables.
+        log: where its output goes (default a temporary file).
+
+    The server is started with ``VLLM_SERVER_DEV_MODE=1`` so that
+    :meth:`reset_prefix_cache` can empty vLLM's own prefix cache.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        python: str,
+        kv_transfer_config: dict[str, object] | None = None,
+        port: int | None = None,
+        kv_cache_gib: int = 1,
+        single_process: bool = True,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        import json
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        argv = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "kvtier-llama",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--disable-uvicorn-access-log",
+            *(("--distributed-executor-backend", "uni") if single_process else ()),
+            *(("--kv-transfer-config", json.dumps(kv_transfer_config)) if kv_transfer_config is not None else ()),
+            *args,
+        ]
+        self.argv = argv
+        self.env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if single_process else {}),
+            **(env or {}),
+        }
+        self.log = log or Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self) -> VllmServer:
+        """Starts the process and returns at once (:meth:`wait_ready` or
+        :meth:`wait_exit` next)."""
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        return self
+
+    def tail(self, nbytes: int = 4000) -> str:
+        """The end of the server's log."""
+        return self.log.read_bytes()[-nbytes:].decode("utf-8", "replace")
+
+    def wait_ready(self, timeout_s: float = 600.0) -> VllmServer:
+        """Returns once ``/v1/models`` answers.
+
+        Raises:
+            RuntimeError: the process exited or did not answer within
+                ``timeout_s``; the message holds the end of its log.
+        """
+        import urllib.request
+
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not answer within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def start(self, timeout_s: float = 600.0) -> VllmServer:
+        """:meth:`launch`, then :meth:`wait_ready`."""
+        return self.launch().wait_ready(timeout_s)
+
+    def wait_exit(self, timeout_s: float = 600.0) -> int:
+        """Waits for the process to exit (a configuration vLLM refuses);
+        returns its exit status.
+
+        Raises:
+            RuntimeError: it was still running after ``timeout_s`` (it is stopped).
+        """
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RuntimeError(f"vllm serve still ran after {timeout_s:.0f} s:\n{self.tail()}") from None
+
+    def _post(self, path: str, body: dict[str, object] | None, timeout_s: float) -> dict[str, object]:
+        import json
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+        parsed: dict[str, object] = json.loads(raw) if raw else {}
+        return parsed
+
+    def complete(self, prompt: str, max_tokens: int = 16, timeout_s: float = 300.0) -> list[int]:
+        """The greedy (``temperature=0``) completion of ``prompt``, as token ids."""
+        answer = self._post(
+            "/v1/completions",
+            {
+                "model": "kvtier-llama",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+            },
+            timeout_s,
+        )
+        tokens = answer["choices"][0]["logprobs"]["tokens"]  # type: ignore[index]
+        return [int(str(t).removeprefix("token_id:")) for t in tokens]
+
+    def reset_prefix_cache(self) -> None:
+        """Empties vLLM's own prefix cache (``POST /reset_prefix_cache``, a
+        development-mode route)."""
+        self._post("/reset_prefix_cache", None, 60.0)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus counters and gauges (``/metrics``), summed over
+        label sets, by name."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, then SIGKILL after 30 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
