@@ -13,6 +13,7 @@ pub mod blocks;
 pub mod browser;
 pub mod client;
 pub mod crash;
+pub mod engine_report;
 pub mod keys;
 pub mod local;
 pub mod mrc;

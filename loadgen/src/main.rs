@@ -64,6 +64,20 @@ enum Command {
     /// tokens each tier saves per GB. Prints a table; writes OUT/results.json
     /// and OUT/report.html. docs/OPERATIONS.md, "Sizing the tiers".
     Size(kvtier_loadgen::size::cli::SizeArgs),
+    /// The HTML report of `make bench-engine` (a real `vllm serve` per
+    /// connector): reads the benchmark's results.json, writes
+    /// OUT/report.html with its table and TTFT charts.
+    EngineReport(EngineReportArgs),
+}
+
+#[derive(Args, Debug)]
+struct EngineReportArgs {
+    /// results.json of clients/python/bench/bench_engine.py.
+    #[arg(long)]
+    results: PathBuf,
+    /// Directory the report is written to.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -343,6 +357,7 @@ fn main() -> ExitCode {
         Command::Crash(args) => runtime.block_on(crash_cmd(args)),
         Command::Soak(args) => runtime.block_on(soak_cmd(args)),
         Command::Size(args) => kvtier_loadgen::size::cli::run(args).map(|()| ExitCode::SUCCESS),
+        Command::EngineReport(args) => kvtier_loadgen::engine_report::run(&args.results, &args.out).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

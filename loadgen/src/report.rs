@@ -189,7 +189,7 @@ fn trim(s: String) -> String {
 }
 
 /// Escapes text for HTML.
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
@@ -218,7 +218,7 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3
 .charts{display:flex;flex-wrap:wrap;gap:12px}.charts svg{border:1px solid #ddd}.bad{color:#b00;font-weight:bold}\
 .note{color:#555;font-size:13px}.empty{color:#888}";
 
-fn page(title: &str, body: &str) -> String {
+pub(crate) fn page(title: &str, body: &str) -> String {
     format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title><style>{STYLE}</style></head>\n<body><h1>{t}</h1>\n{body}</body></html>\n",
         t = escape(title)
