@@ -11,14 +11,9 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation
 from kvtier.shm import backing_fd
-from kvtier.vllm_connector import (
-    SHARED_ALLOCATION_BYTES_MIN,
-    ConfigurationError,
-    KvtierConnector,
-    _SharedAllocation,
-    check_hash_algo,
-)
+from kvtier.vllm_connector import ConfigurationError, KvtierConnector, check_hash_algo
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +25,7 @@ def test_it_is_a_complete_vllm_kv_connector():
 
 def test_the_kv_cache_allocation_lands_in_shared_memory_and_small_ones_do_not():
     buffers = []
-    with _SharedAllocation(buffers):
+    with SharedAllocation(buffers):
         cache = torch.zeros(SHARED_ALLOCATION_BYTES_MIN * 4, dtype=torch.int8, device="cpu")
         small = torch.zeros(16, dtype=torch.int8)
     assert len(buffers) == 1 and buffers[0].nbytes == cache.numel()

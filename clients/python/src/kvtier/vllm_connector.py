@@ -97,7 +97,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -107,9 +106,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from . import codes
 from ._connector import ConnectorCore
-from .errors import KvtierConnectionError, KvtierError, error_from_code
+from ._vllm_blocks import ConfigurationError, PagedBlocks, SharedAllocation
+from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace, block_id_hex
 from .shm import SharedBuffer
+
+__all__ = ["ConfigurationError", "KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,16 +125,6 @@ if TYPE_CHECKING:
 
 # A child of vLLM's logger, so that its messages reach vLLM's log (vLLM configures "vllm").
 logger = logging.getLogger("vllm.kvtier")
-
-#: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
-#: are those of at least this many bytes (vLLM allocates the whole cache as
-#: one ``torch.zeros`` of int8; smaller tensors made meanwhile stay where
-#: torch puts them).
-SHARED_ALLOCATION_BYTES_MIN = 1 << 20
-
-#: Blocks the staging buffer holds (the path when the KV cache is not
-#: registered); a larger transfer goes in rounds of this many.
-STAGING_BLOCKS = 32
 
 #: The counters of :attr:`KvtierConnector.stats` (worker and scheduler).
 STATS = (
@@ -152,12 +144,6 @@ def _flag(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() not in ("0", "false", "no", "off", "")
     return bool(value)
-
-
-class ConfigurationError(ValueError):
-    """vLLM was started with settings this connector cannot serve: the
-    message names the values and the flag that fixes it. Raised at start, so
-    ``vllm serve`` exits with it."""
 
 
 def namespace_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None) -> Namespace:
@@ -286,32 +272,6 @@ class _Request:
     load: Transfer | None = None
 
 
-class _SharedAllocation(TorchDispatchMode):
-    """Puts the large CPU ``zeros``/``empty`` allocations made inside it in
-    :class:`~kvtier.SharedBuffer` memfds (vLLM allocates its KV cache as one
-    ``torch.zeros`` of int8 inside the connector's ``get_mem_pool_context``)."""
-
-    def __init__(self, buffers: list[SharedBuffer]) -> None:
-        super().__init__()
-        self.buffers = buffers
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format) and args:
-            dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            device = kwargs.get("device")
-            shape = list(args[0])
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            nbytes = count * torch.empty((), dtype=dtype).element_size()
-            if (device is None or torch.device(device).type == "cpu") and nbytes >= SHARED_ALLOCATION_BYTES_MIN:
-                buffer = SharedBuffer(nbytes, name="kvtier-vllm-kv-cache")
-                self.buffers.append(buffer)
-                return buffer.torch().view(dtype).view(shape)  # a fresh memfd reads as zeros
-        return func(*args, **kwargs)
-
-
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM's KV connector for kvtier (module docstring): scheduler side
     (lookups, load and store plans) in the engine core, worker side (the
@@ -347,12 +307,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         # Worker side.
         self._shared: list[SharedBuffer] = []
-        self._layers: list[torch.Tensor] = []
-        self._layer_bytes = 0
-        self._kv_base = 0
-        self._zero_copy = False
-        self._on_gpu = False
-        self._staging: SharedBuffer | None = None
+        self._blocks: PagedBlocks | None = None
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
         logger.info(
@@ -485,7 +440,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
         if not self._share_cache or not current_platform.is_cpu():
             return None
-        return _SharedAllocation(self._shared)
+        return SharedAllocation(self._shared)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learns the layers' paged caches (``[blocks, kv_heads, block_size,
@@ -496,29 +451,23 @@ class KvtierConnector(KVConnectorBase_V1):
         Raises:
             kvtier.GeometryError: kvtier answers with another ``block_bytes``.
         """
-        layers = []
-        for name, cache in kv_caches.items():
-            if cache.device.type not in ("cpu", "cuda"):
-                raise ConfigurationError(
-                    f"kvtier's vLLM connector moves host and CUDA memory; layer {name}'s KV cache is on {cache.device}"
-                )
-            pages = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
-            layers.append(pages.reshape(pages.shape[0], -1) if pages[0].is_contiguous() else pages)
-        self._on_gpu = layers[0].device.type == "cuda"
-        self._layers = layers
-        self._layer_bytes = layers[0][0].numel()
-        block_bytes = self._layer_bytes * len(layers)
+        blocks = PagedBlocks(self._core, kv_caches, self._shared, logger)
+        block_bytes = blocks.block_bytes
         self._core.start(
             block_bytes,
-            chunk=f"a vLLM block here ({self.block_size} tokens x {len(layers)} layers x {self._layer_bytes} bytes)",
+            chunk=(
+                f"a vLLM block here ({self.block_size} tokens x {len(blocks.layers)} layers x "
+                f"{blocks.layer_bytes} bytes)"
+            ),
             remedy="serve vLLM with a --block-size that makes its blocks this size",
         )
         if self._local == "on":
             self._require_socket()
+        self._blocks = blocks
         logger.info(
             "kvtier connector: %d layers, %d bytes per layer page, blocks of %d bytes; KV cache in shared memory: %s",
-            len(layers),
-            self._layer_bytes,
+            len(blocks.layers),
+            blocks.layer_bytes,
             block_bytes,
             bool(self._shared),
         )
@@ -543,69 +492,18 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"user, or give a tenant's token as token_file), or set local to auto to move blocks over HTTP"
             ) from e
 
-    def _paths(self) -> bool:
-        """Registers the KV cache (zero-copy) or the staging buffer with the
-        client the first time kvtier answers; ``False`` while it does not."""
-        if self._kv_base or self._staging is not None:
-            return True
-        if not self._core.ready():
-            return False
-        with self._lock:
-            if self._kv_base or self._staging is not None:
-                return True
-            client = self._core.client
-            contiguous = all(layer.dim() == 2 for layer in self._layers)
-            for buffer in self._shared:
-                if not contiguous or self._core.transport != "unix":
-                    break
-                if client.register_buffer(buffer.ptr, buffer.nbytes) == codes.OK:
-                    self._kv_base, self._zero_copy = buffer.ptr, True
-                    logger.info(
-                        "kvtier connector: zero-copy over the same-host socket: vLLM's KV cache (%d bytes) is "
-                        "registered; kvtier copies blocks straight into and out of its pages",
-                        buffer.nbytes,
-                    )
-                    return True
-            staging = SharedBuffer(STAGING_BLOCKS * self._layer_bytes * len(self._layers), name="kvtier-vllm-staging")
-            code = client.register_buffer(staging.ptr, staging.nbytes)
-            if code != codes.OK:
-                staging.close()
-                self._core.failed("register", error_from_code(code, "registering the staging buffer"))
-                return False
-            if self._on_gpu:
-                # Page-locked, so the host-device copies are DMA from and to it.
-                torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, 0)
-            self._staging = staging
-            if self._on_gpu:
-                why = "vLLM's KV cache is in GPU memory (the staging buffer is pinned)"
-            elif self._core.transport != "unix":
-                why = "the transport is HTTP"
-            else:
-                why = "vLLM's KV cache is not in shared memory (kv_cache_shared is off or its allocation was not seen)"
-            logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
-            return True
-
-    def _spans(self, block_id: int) -> tuple[list[int], list[int]]:
-        """The layer pages of one block in the registered cache, adjacent ones merged."""
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for layer in self._layers:
-            ptr = layer[block_id].data_ptr()
-            if ptrs and ptrs[-1] + sizes[-1] == ptr:
-                sizes[-1] += self._layer_bytes
-            else:
-                ptrs.append(ptr)
-                sizes.append(self._layer_bytes)
-        return ptrs, sizes
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Loads the step's planned blocks into the paged cache before the
         forward; a block that misses or fails (and every later block of its
         request) is reported by :meth:`get_block_ids_with_load_errors`."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        blocks = self._blocks
+        assert blocks is not None, "register_kv_caches comes first"
         for transfer in meta.loads:
-            results = self._move(transfer, load=True) if self._paths() else [codes.CONNECTION_LOST] * len(transfer.keys)
+            ready = blocks.ready()
+            lost = [codes.CONNECTION_LOST] * len(transfer.keys)
+            results = blocks.move(transfer.keys, transfer.block_ids, load=True) if ready else lost
             failed_from = next((i for i, r in enumerate(results) if r < 0), len(results))
             if failed_from < len(results):
                 self._load_errors.update(transfer.block_ids[failed_from:])
@@ -625,60 +523,15 @@ class KvtierConnector(KVConnectorBase_V1):
         wrote them); a failed store is counted and is a later miss."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        blocks = self._blocks
+        assert blocks is not None, "register_kv_caches comes first"
         for transfer in meta.stores:
-            if not self._paths():
+            if not blocks.ready():
                 self._core.count(store_failed_blocks=len(transfer.keys))
                 continue
-            results = self._move(transfer, load=False)
+            results = blocks.move(transfer.keys, transfer.block_ids, load=False)
             failed = sum(1 for r in results if r < 0)
             self._core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
-
-    def _move(self, transfer: Transfer, *, load: bool) -> list[int]:
-        """One transfer's blocks to or from kvtier; per block the call's
-        result (``>= 0`` done, else a docs/LOCAL.md code)."""
-        client = self._core.client
-        kind = "load" if load else "store"
-        out: list[int] = []
-        try:
-            if self._zero_copy:
-                spans = [self._spans(b) for b in transfer.block_ids]
-                call = client.batch_get_into_multi_buffers if load else client.batch_put_from_multi_buffers
-                out = call(transfer.keys, [p for p, _ in spans], [s for _, s in spans])
-                self._core.count(zero_copy_blocks=sum(1 for r in out if r >= 0))
-            else:
-                for start in range(0, len(transfer.keys), STAGING_BLOCKS):
-                    out.extend(self._staged(transfer, start, load=load))
-        except Exception as e:  # a kvtier failure is a miss, never an exception in vLLM
-            self._core.failed(kind, e)
-            out.extend([codes.CONNECTION_LOST] * (len(transfer.keys) - len(out)))
-        for key, result in zip(transfer.keys, out, strict=True):
-            if result < 0 and not (load and result == codes.NOT_FOUND):
-                self._core.failed(kind, error_from_code(result, f"{kind} {key}: {codes.name_of(result)}"))
-        return out
-
-    def _staged(self, transfer: Transfer, start: int, *, load: bool) -> list[int]:
-        """Up to :data:`STAGING_BLOCKS` blocks through the staging buffer,
-        one torch copy per layer page."""
-        assert self._staging is not None
-        keys = transfer.keys[start : start + STAGING_BLOCKS]
-        block_ids = transfer.block_ids[start : start + STAGING_BLOCKS]
-        block_bytes = self._layer_bytes * len(self._layers)
-        rows = self._staging.torch().view(STAGING_BLOCKS, len(self._layers), self._layer_bytes)
-        ptrs = [self._staging.ptr + i * block_bytes for i in range(len(keys))]
-        client = self._core.client
-        if load:
-            results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
-            for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
-                if result >= 0:
-                    for layer, layer_pages in enumerate(self._layers):
-                        layer_pages[block_id].view(-1).copy_(rows[i, layer])
-        else:
-            for i, block_id in enumerate(block_ids):
-                for layer, layer_pages in enumerate(self._layers):
-                    rows[i, layer].copy_(layer_pages[block_id].reshape(-1))
-            results = client.batch_put_from(keys, ptrs, [block_bytes] * len(keys))
-        self._core.count(staged_blocks=sum(1 for r in results if r >= 0))
-        return list(results)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -701,7 +554,5 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """Unregisters the buffers and closes the client."""
         self._core.close()
-        if self._staging is not None:
-            if self._on_gpu:
-                torch.cuda.cudart().cudaHostUnregister(self._staging.ptr)
-            self._staging.close()
+        if self._blocks is not None:
+            self._blocks.close()

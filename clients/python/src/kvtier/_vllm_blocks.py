@@ -1,0 +1,236 @@
+"""Moving blocks between vLLM's paged KV cache and kvtier: the worker side
+of :class:`kvtier.vllm_connector.KvtierConnector` (its module docstring says
+what is copied where).
+
+A kvtier block is one vLLM block of every layer, each layer's page in model
+order. Three paths, chosen once when kvtier first answers (:meth:`PagedBlocks.ready`):
+
+- the KV cache in a memfd (:class:`SharedAllocation`) registered over the
+  same-host socket: kvtier copies each block straight into and out of the
+  layers' pages, one span per layer (``GET_INTO_V``/``PUT_FROM_V``);
+- otherwise a staging buffer of :data:`STAGING_BLOCKS` blocks registered
+  with the client: one torch copy per layer page in this process, then
+  kvtier copies into or out of the staging buffer (over HTTP the client
+  receives into it); on a GPU the staging buffer is page-locked so the
+  host-device copies are DMA.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import codes
+from ._connector import ConnectorCore
+from .errors import error_from_code
+from .shm import SharedBuffer
+
+#: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
+#: are those of at least this many bytes (vLLM allocates the whole cache as
+#: one ``torch.zeros`` of int8; smaller tensors made meanwhile stay where
+#: torch puts them).
+SHARED_ALLOCATION_BYTES_MIN = 1 << 20
+
+#: Blocks the staging buffer holds (the path when the KV cache is not
+#: registered); a larger transfer goes in rounds of this many.
+STAGING_BLOCKS = 32
+
+
+class ConfigurationError(ValueError):
+    """vLLM was started with settings this connector cannot serve: the
+    message names the values and the flag that fixes it. Raised at start, so
+    ``vllm serve`` exits with it."""
+
+
+class SharedAllocation(TorchDispatchMode):
+    """Puts the large CPU ``zeros``/``empty`` allocations made inside it in
+    :class:`~kvtier.SharedBuffer` memfds (vLLM allocates its KV cache as one
+    ``torch.zeros`` of int8 inside the connector's ``get_mem_pool_context``)."""
+
+    def __init__(self, buffers: list[SharedBuffer]) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format) and args:
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            device = kwargs.get("device")
+            shape = list(args[0])
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            nbytes = count * torch.empty((), dtype=dtype).element_size()
+            if (device is None or torch.device(device).type == "cpu") and nbytes >= SHARED_ALLOCATION_BYTES_MIN:
+                buffer = SharedBuffer(nbytes, name="kvtier-vllm-kv-cache")
+                self.buffers.append(buffer)
+                return buffer.torch().view(dtype).view(shape)  # a fresh memfd reads as zeros
+        return func(*args, **kwargs)
+
+
+class PagedBlocks:
+    """The layers' paged caches of one vLLM worker and the path blocks take
+    to and from kvtier (module docstring).
+
+    Args:
+        core: the connector's core (client, failures, counters).
+        kv_caches: vLLM's per-layer caches (``[blocks, ...]`` views; on the
+            CPU backend ``[blocks, kv_heads, block_size, 2 x head_size]``).
+        shared: the memfds :class:`SharedAllocation` put vLLM's cache in
+            (empty when it did not).
+        logger: where the chosen path is logged, once.
+
+    Raises:
+        ConfigurationError: a layer's cache is neither in host nor in CUDA memory.
+
+    Attributes:
+        layers: per layer, its pages as bytes (``[blocks, page_bytes]`` where
+            a page is contiguous).
+        layer_bytes: bytes of one layer's page of one block.
+        block_bytes: ``layer_bytes`` x layers: one kvtier block.
+        zero_copy: whether blocks move through the registered cache.
+    """
+
+    def __init__(
+        self,
+        core: ConnectorCore,
+        kv_caches: dict[str, torch.Tensor],
+        shared: list[SharedBuffer],
+        logger: logging.Logger,
+    ) -> None:
+        layers = []
+        for name, cache in kv_caches.items():
+            if cache.device.type not in ("cpu", "cuda"):
+                raise ConfigurationError(
+                    f"kvtier's vLLM connector moves host and CUDA memory; layer {name}'s KV cache is on {cache.device}"
+                )
+            pages = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+            layers.append(pages.reshape(pages.shape[0], -1) if pages[0].is_contiguous() else pages)
+        self.core = core
+        self.logger = logger
+        self.layers = layers
+        self.layer_bytes = layers[0][0].numel()
+        self.block_bytes = self.layer_bytes * len(layers)
+        self.shared = shared
+        self.on_gpu = layers[0].device.type == "cuda"
+        self.kv_base = 0
+        self.zero_copy = False
+        self.staging: SharedBuffer | None = None
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        """Registers the KV cache (zero-copy) or the staging buffer with the
+        client the first time kvtier answers; ``False`` while it does not."""
+        if self.kv_base or self.staging is not None:
+            return True
+        if not self.core.ready():
+            return False
+        with self._lock:
+            if self.kv_base or self.staging is not None:
+                return True
+            client = self.core.client
+            contiguous = all(layer.dim() == 2 for layer in self.layers)
+            for buffer in self.shared:
+                if not contiguous or self.core.transport != "unix":
+                    break
+                if client.register_buffer(buffer.ptr, buffer.nbytes) == codes.OK:
+                    self.kv_base, self.zero_copy = buffer.ptr, True
+                    self.logger.info(
+                        "kvtier connector: zero-copy over the same-host socket: vLLM's KV cache (%d bytes) is "
+                        "registered; kvtier copies blocks straight into and out of its pages",
+                        buffer.nbytes,
+                    )
+                    return True
+            staging = SharedBuffer(STAGING_BLOCKS * self.layer_bytes * len(self.layers), name="kvtier-vllm-staging")
+            code = client.register_buffer(staging.ptr, staging.nbytes)
+            if code != codes.OK:
+                staging.close()
+                self.core.failed("register", error_from_code(code, "registering the staging buffer"))
+                return False
+            if self.on_gpu:
+                # Page-locked, so the host-device copies are DMA from and to it.
+                torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, 0)
+            self.staging = staging
+            if self.on_gpu:
+                why = "vLLM's KV cache is in GPU memory (the staging buffer is pinned)"
+            elif self.core.transport != "unix":
+                why = "the transport is HTTP"
+            else:
+                why = "vLLM's KV cache is not in shared memory (kv_cache_shared is off or its allocation was not seen)"
+            self.logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
+            return True
+
+    def spans(self, block_id: int) -> tuple[list[int], list[int]]:
+        """The layer pages of one block in the registered cache, adjacent ones merged."""
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for layer in self.layers:
+            ptr = layer[block_id].data_ptr()
+            if ptrs and ptrs[-1] + sizes[-1] == ptr:
+                sizes[-1] += self.layer_bytes
+            else:
+                ptrs.append(ptr)
+                sizes.append(self.layer_bytes)
+        return ptrs, sizes
+
+    def move(self, keys: list[str], block_ids: list[int], *, load: bool) -> list[int]:
+        """Blocks ``block_ids`` of the paged cache to or from kvtier keys
+        ``keys``; per block the call's result (``>= 0`` done, else a
+        docs/LOCAL.md code). Never raises: a failure is a result."""
+        client = self.core.client
+        kind = "load" if load else "store"
+        out: list[int] = []
+        try:
+            if self.zero_copy:
+                spans = [self.spans(b) for b in block_ids]
+                call = client.batch_get_into_multi_buffers if load else client.batch_put_from_multi_buffers
+                out = call(keys, [p for p, _ in spans], [s for _, s in spans])
+                self.core.count(zero_copy_blocks=sum(1 for r in out if r >= 0))
+            else:
+                for start in range(0, len(keys), STAGING_BLOCKS):
+                    out.extend(
+                        self._staged(
+                            keys[start : start + STAGING_BLOCKS], block_ids[start : start + STAGING_BLOCKS], load=load
+                        )
+                    )
+        except Exception as e:  # a kvtier failure is a miss, never an exception in vLLM
+            self.core.failed(kind, e)
+            out.extend([codes.CONNECTION_LOST] * (len(keys) - len(out)))
+        for key, result in zip(keys, out, strict=True):
+            if result < 0 and not (load and result == codes.NOT_FOUND):
+                self.core.failed(kind, error_from_code(result, f"{kind} {key}: {codes.name_of(result)}"))
+        return out
+
+    def _staged(self, keys: list[str], block_ids: list[int], *, load: bool) -> list[int]:
+        """Up to :data:`STAGING_BLOCKS` blocks through the staging buffer,
+        one torch copy per layer page."""
+        assert self.staging is not None
+        block_bytes = self.layer_bytes * len(self.layers)
+        rows = self.staging.torch().view(STAGING_BLOCKS, len(self.layers), self.layer_bytes)
+        ptrs = [self.staging.ptr + i * block_bytes for i in range(len(keys))]
+        client = self.core.client
+        if load:
+            results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
+            for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
+                if result >= 0:
+                    for layer, layer_pages in enumerate(self.layers):
+                        layer_pages[block_id].view(-1).copy_(rows[i, layer])
+        else:
+            for i, block_id in enumerate(block_ids):
+                for layer, layer_pages in enumerate(self.layers):
+                    rows[i, layer].copy_(layer_pages[block_id].reshape(-1))
+            results = client.batch_put_from(keys, ptrs, [block_bytes] * len(keys))
+        self.core.count(staged_blocks=sum(1 for r in results if r >= 0))
+        return list(results)
+
+    def close(self) -> None:
+        """Releases the staging buffer (its page lock on a GPU)."""
+        if self.staging is not None:
+            if self.on_gpu:
+                torch.cuda.cudart().cudaHostUnregister(self.staging.ptr)
+            self.staging.close()
+            self.staging = None
