@@ -27,7 +27,10 @@ import pytest
 import kvtier
 from kvtier.testing import ServerProcess, VllmServer
 
-pytestmark = pytest.mark.vllm
+# The first test also waits for the fleet of vLLM starts (about 4 minutes
+# warm here; a first run on a machine also compiles the model): more than
+# pyproject's 300 s per test.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 #: vLLM's CPU backend: 128-token blocks; the model's KV is 16 KiB a token
 #: (8 layers x K,V x 8 heads x 64 x bf16), so a block is 2 MiB.
