@@ -157,8 +157,7 @@ pub fn engine_html(r: &EngineResults) -> String {
             let turns = c.turn_of.iter().copied().max().map_or(0, |t| t + 1);
             let points = (0..turns)
                 .filter_map(|t| {
-                    let mut v: Vec<f64> =
-                        c.ttfts_s.iter().zip(&c.turn_of).filter(|&(_, &k)| k == t).map(|(s, _)| s * 1e3).collect();
+                    let mut v: Vec<f64> = c.ttfts_s.iter().zip(&c.turn_of).filter(|&(_, &k)| k == t).map(|(s, _)| s * 1e3).collect();
                     v.sort_by(f64::total_cmp);
                     v.get(v.len() / 2).map(|&m| ((t + 1) as f64, m))
                 })
