@@ -190,9 +190,7 @@ pub fn run(results: &Path, out: &Path) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn renders_every_contender_with_its_ratios_and_both_charts() {
-        let json = r#"{"model":"m","working_set_tokens":9000,"vllm_cache_tokens":8192,"conversations":2,"turns":2,"max_tokens":8,
+    const SAMPLE: &str = r#"{"model":"m","working_set_tokens":9000,"vllm_cache_tokens":8192,"conversations":2,"turns":2,"max_tokens":8,
           "contenders":[
             {"name":"none","summary":{"repeat_ttft_s_p50":1.0,"repeat_first_ttft_s_p50":1.0,"ttft_s_p50":0.8,"ttft_s_p99":1.2,"itl_s_p50":0.02,
               "output_tokens_per_s":10.0,"external_prefix_tokens_per_request":0,"local_prefix_tokens_per_request":0,"prompt_tokens_per_request":900,
@@ -200,12 +198,33 @@ mod tests {
             {"name":"kvtier-socket","summary":{"repeat_ttft_s_p50":0.1,"repeat_first_ttft_s_p50":1.0,"ttft_s_p50":0.2,"ttft_s_p99":0.4,"itl_s_p50":0.02,
               "output_tokens_per_s":20.0,"external_prefix_tokens_per_request":512,"local_prefix_tokens_per_request":0,"prompt_tokens_per_request":900,
               "requests":4,"same_tokens_as_none":"4/4","repeat_ttft_ratio":0.1,"ttft_p50_ratio":0.25},"ttfts_s":[0.1,0.2,0.3,0.4],"turn_of":[0,0,1,1]}]}"#;
-        let r: EngineResults = serde_json::from_str(json).unwrap();
+
+    #[test]
+    fn renders_every_contender_with_its_ratios_and_both_charts() {
+        let r: EngineResults = serde_json::from_str(SAMPLE).unwrap();
         let html = engine_html(&r);
         assert!(html.contains("<td class=l>kvtier-socket</td><td>100</td><td>0.10×</td>"), "{html}");
         assert!(html.contains("<td>0.25×</td>") && html.contains("4/4"));
         assert_eq!(html.matches("<svg").count(), 2, "two charts");
         assert!(!html.contains("no data"));
+    }
+
+    #[test]
+    fn the_report_opens_in_chromium_with_every_contenders_curve_drawn() {
+        use crate::browser;
+        assert!(browser::chromium().is_some(), "no chromium on PATH: run `make deps` (it installs the `chromium` package)");
+        let r: EngineResults = serde_json::from_str(SAMPLE).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let page = dir.path().join("report.html");
+        std::fs::write(&page, engine_html(&r)).unwrap();
+        let view = browser::open(&page, Some(&dir.path().join("report.png")), (1400, 1100)).unwrap();
+        assert!(view.console_errors.is_empty(), "{:?}", view.console_errors);
+        let charts = browser::charts(&view.dom);
+        assert_eq!(charts.len(), 2);
+        for chart in &charts {
+            assert_eq!(chart.series_without_curves(), vec![], "every contender's series is drawn");
+            assert_eq!(chart.curves().len(), 2, "one curve per contender");
+        }
     }
 
     #[test]
