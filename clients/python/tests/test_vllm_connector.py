@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation
 from kvtier.shm import backing_fd
-from kvtier.vllm_connector import ConfigurationError, KvtierConnector, check_hash_algo
+from kvtier.vllm_connector import ConfigurationError, KvtierConnector, check_hash_algo, namespace_of
 
 pytestmark = pytest.mark.vllm
 
@@ -50,3 +50,18 @@ def test_a_block_hash_seeded_per_process_is_refused_naming_the_flag(monkeypatch)
     check_hash_algo(config("sha256"))  # type: ignore[arg-type]
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     check_hash_algo(config("xxhash"))  # type: ignore[arg-type]
+
+
+def test_a_hybrid_model_is_refused_at_start_saying_why():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=128, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, sliding_window=1024)
+    groups = [
+        SimpleNamespace(kv_cache_spec=full, layer_names=["model.layers.0.self_attn.attn"]),
+        SimpleNamespace(kv_cache_spec=window, layer_names=["model.layers.1.self_attn.attn"]),
+    ]
+    with pytest.raises(ConfigurationError, match=r"2 KV cache groups .*SupportsHMA"):
+        namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups), None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="full-attention KV caches"):
+        namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups[1:]), None)  # type: ignore[arg-type]
