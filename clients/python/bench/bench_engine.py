@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier
-from kvtier.testing import ServerProcess, VllmServer
+from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
 
 BLOCK_BYTES = 2 * 1024 * 1024  # 128 tokens x 16 KiB (tools/make_model.py)
 #: The ratios to ``none`` reported, and the figure each divides.
@@ -64,15 +64,11 @@ def conversations(path: Path, count: int, turns: int, tokenizer: Any, max_tokens
     """``count`` conversations with at least ``turns`` human turns whose last
     prompt fits ``max_tokens``; each as its turns' prompts (the conversation
     so far: every earlier message, then this turn's)."""
-    text = path.read_text(encoding="utf-8", errors="replace")[:60_000_000]
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
     out: list[list[str]] = []
-    while len(out) < count:
-        while text[pos] in " \r\n\t,":
-            pos += 1
-        item, pos = decoder.raw_decode(text, pos)
-        messages = [m for m in item.get("conversations", []) if m.get("from") in ("human", "gpt") and m.get("value")]
+    for conversation in sharegpt_conversations(path, 60_000_000):
+        if len(out) == count:
+            break
+        messages = [m for m in conversation if m.get("from") in ("human", "gpt") and m.get("value")]
         prompts, history = [], ""
         for m in messages:
             history += ("User: " if m["from"] == "human" else "Assistant: ") + m["value"].strip() + "\n"

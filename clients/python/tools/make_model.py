@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtier.testing import sharegpt_conversations
+
 #: The model's dimensions (``LlamaConfig`` fields). KV bytes per token:
 #: layers x 2 (K and V) x kv_heads x head_dim x 2 (bf16) = 16 KiB.
 DIMENSIONS: dict[str, Any] = {
@@ -73,23 +75,14 @@ def sharegpt_path() -> Path:
 def sharegpt_texts(path: Path, limit_chars: int) -> Iterator[str]:
     """Message texts of the ShareGPT V3 JSON at ``path`` in file order, about
     ``limit_chars`` characters in all."""
-    # The wheel's JSON is cut off inside the array (docs/LOADGEN.md): decode
-    # element by element and stop at the limit or the cut.
-    text = path.read_text(encoding="utf-8", errors="replace")[: limit_chars * 2]
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
     seen = 0
-    while seen < limit_chars:
-        while pos < len(text) and text[pos] in " \r\n\t,":
-            pos += 1
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        for message in item.get("conversations", []):
+    for messages in sharegpt_conversations(path, limit_chars * 2):
+        for message in messages:
             value = message.get("value") or ""
             seen += len(value)
             yield value
+        if seen >= limit_chars:
+            return
 
 
 def make_tokenizer(out: Path, sharegpt: Path) -> None:

