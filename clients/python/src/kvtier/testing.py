@@ -10,6 +10,7 @@ is removed when the server is stopped.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,8 +47,6 @@ def sharegpt_conversations(path: Path, limit_chars: int) -> Iterator[list[dict[s
     (docs/LOADGEN.md), so elements are decoded one by one and the iteration
     ends at the cut or at the limit, never with an error.
     """
-    import json
-
     text = path.read_text(encoding="utf-8", errors="replace")[:limit_chars]
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -244,8 +244,6 @@ class VllmServer:
         env: dict[str, str] | None = None,
         log: Path | None = None,
     ) -> None:
-        import json
-
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -302,8 +300,6 @@ class VllmServer:
             RuntimeError: the process exited or did not answer within
                 ``timeout_s``; the message holds the end of its log.
         """
-        import urllib.request
-
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -336,9 +332,6 @@ class VllmServer:
             raise RuntimeError(f"vllm serve still ran after {timeout_s:.0f} s:\n{self.tail()}") from None
 
     def _post(self, path: str, body: dict[str, object] | None, timeout_s: float) -> dict[str, object]:
-        import json
-        import urllib.request
-
         data = json.dumps(body).encode() if body is not None else b""
         request = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -372,8 +365,6 @@ class VllmServer:
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus counters and gauges (``/metrics``), summed over
         label sets, by name."""
-        import urllib.request
-
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
             text = response.read().decode()
         out: dict[str, float] = {}
