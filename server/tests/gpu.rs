@@ -21,9 +21,12 @@ use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::{json, Value};
 
-/// Whether the tests run against the machine's real driver.
+/// Whether the tests run against the machine's real driver: built with
+/// `KVTIER_GPU_TEST_DRIVER=real` (`make gpu-check`; see server/build.rs).
+/// The tests that need the fake driver's fault switches are then marked
+/// ignored, so the runner reports them as such.
 fn real_driver() -> bool {
-    std::env::var("KVTIER_GPU_TEST_DRIVER").is_ok_and(|v| v == "real")
+    cfg!(kvtier_real_gpu)
 }
 
 /// Builds the fake driver once per test process: target/fake-cuda/
@@ -64,15 +67,6 @@ fn driver_env(switches: &[(&str, &str)]) -> Vec<(String, String)> {
     env
 }
 
-/// Returns true (and says so) when a test needs the fake's switches but
-/// runs against the real driver.
-fn needs_fake(test: &str) -> bool {
-    if real_driver() {
-        eprintln!("{test}: needs the fake driver's switches; not run against the real driver");
-        return true;
-    }
-    false
-}
 
 fn gb(blocks: u64) -> String {
     ((blocks * BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string()
@@ -247,10 +241,8 @@ async fn deferred_copies_and_slow_events_are_waited_for() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn a_failing_read_copy_falls_back_to_the_log() {
-    if needs_fake("a_failing_read_copy_falls_back_to_the_log") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     // The second copy back from the device fails.
     let switches = [("FAKE_CUDA_FAIL_COPY", "2"), ("FAKE_CUDA_FAIL_KIND", "dtoh")];
@@ -283,10 +275,8 @@ async fn a_failing_read_copy_falls_back_to_the_log() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn failing_writes_to_the_device_leave_blocks_in_ram() {
-    if needs_fake("failing_writes_to_the_device_leave_blocks_in_ram") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let switches = [("FAKE_CUDA_FAIL_COPY", "1"), ("FAKE_CUDA_FAIL_EVERY", "1"), ("FAKE_CUDA_FAIL_KIND", "htod")];
     let server = start_gpu(&gpu_args(&dir.path().join("data"), 4, 4, &["--write-policy", "back"]), &switches);
@@ -305,10 +295,8 @@ async fn failing_writes_to_the_device_leave_blocks_in_ram() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn a_corrupted_copy_is_never_served() {
-    if needs_fake("a_corrupted_copy_is_never_served") {
-        return;
-    }
     for policy in ["through", "back"] {
         let dir = tempfile::tempdir().unwrap();
         // The first copy back from the device flips a byte.
@@ -333,10 +321,8 @@ async fn a_corrupted_copy_is_never_served() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn a_lost_write_back_block_is_a_miss_not_its_older_bytes() {
-    if needs_fake("a_lost_write_back_block_is_a_miss_not_its_older_bytes") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     // One GPU slot, no RAM: D2H copies 1 and 2 move blocks to the log; the
     // third (the GET) comes back corrupted.
@@ -357,10 +343,8 @@ async fn a_lost_write_back_block_is_a_miss_not_its_older_bytes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn out_of_device_memory_at_start_and_at_run_time() {
-    if needs_fake("out_of_device_memory_at_start_and_at_run_time") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     // At start: the device is smaller than the tier.
@@ -408,39 +392,45 @@ async fn out_of_device_memory_at_start_and_at_run_time() {
     server.stop();
 }
 
+/// No driver: an empty library path hides the fake, and on a machine whose
+/// loader cache lists no libcuda there is then none to find.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_driver_or_no_device_refuses_to_start_unless_optional() {
-    if needs_fake("no_driver_or_no_device_refuses_to_start_unless_optional") {
-        return;
-    }
+#[cfg_attr(
+    any(kvtier_real_gpu, kvtier_system_cuda),
+    ignore = "this machine has a CUDA driver in its loader cache: no library path hides it"
+)]
+async fn no_driver_refuses_to_start_unless_optional() {
     let dir = tempfile::tempdir().unwrap();
     let args = gpu_args(&dir.path().join("data"), 4, 4, &[]);
     let mut optional = args.clone();
     optional.push("--gpu-optional".into());
-    // A fresh data directory for the second optional start.
-    let mut optional2 = gpu_args(&dir.path().join("data2"), 4, 4, &[]);
-    optional2.push("--gpu-optional".into());
-
-    // No driver: an empty library path (skipped where the system has one).
     let empty = tempfile::tempdir().unwrap();
     let no_lib = vec![("LD_LIBRARY_PATH".to_string(), empty.path().display().to_string())];
-    match try_start_env(&args, &no_lib) {
+    let log = match try_start_env(&args, &no_lib) {
         Ok(s) => {
             s.stop();
-            eprintln!("this machine has a CUDA driver on its default library path: the no-driver case is not testable here");
+            panic!("kvtier found a CUDA driver with an empty LD_LIBRARY_PATH although the loader cache lists none");
         }
-        Err((_, log)) => {
-            assert!(log.contains("no CUDA driver was found") && log.contains("--gpu-optional"), "{log}");
-            let s = try_start_env(&optional, &no_lib).unwrap_or_else(|(_, l)| panic!("{l}"));
-            let c = client(&s, false);
-            put_all(&c, &keys(1)).await;
-            assert_eq!(read_tier(&c, "k0").await, "ram");
-            let stats = c.stats().await.unwrap();
-            assert!(tier(&stats, "gpu")["gpu"]["unavailable"].as_str().unwrap().contains("libcuda"), "{stats}");
-            assert!(s.log().contains("running without the GPU tier"), "{}", s.log());
-            s.stop();
-        }
-    }
+        Err((_, log)) => log,
+    };
+    assert!(log.contains("no CUDA driver was found") && log.contains("--gpu-optional"), "{log}");
+    let s = try_start_env(&optional, &no_lib).unwrap_or_else(|(_, l)| panic!("{l}"));
+    let c = client(&s, false);
+    put_all(&c, &keys(1)).await;
+    assert_eq!(read_tier(&c, "k0").await, "ram");
+    let stats = c.stats().await.unwrap();
+    assert!(tier(&stats, "gpu")["gpu"]["unavailable"].as_str().unwrap().contains("libcuda"), "{stats}");
+    assert!(s.log().contains("running without the GPU tier"), "{}", s.log());
+    s.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
+async fn no_device_refuses_to_start_unless_optional() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = gpu_args(&dir.path().join("data"), 4, 4, &[]);
+    let mut optional2 = gpu_args(&dir.path().join("data2"), 4, 4, &[]);
+    optional2.push("--gpu-optional".into());
 
     // A driver with no device.
     let log = refused(&args, &[("FAKE_CUDA_DEVICES", "0")]);
@@ -530,10 +520,8 @@ async fn replay_through_gpu_and_ram_tiers_matches_the_oracle_block_for_block() {
 /// GETs and lookups find the block, a PUT or DELETE of its key answers as
 /// for a stored block and wins over the move, and nothing comes back later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(kvtier_real_gpu, ignore = "needs the fake driver's fault switches (run by `make test`)")]
 async fn a_block_on_its_way_to_the_gpu_stays_readable_and_newer_writes_win() {
-    if needs_fake("a_block_on_its_way_to_the_gpu_stays_readable_and_newer_writes_win") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     // Each copy waits out 2,000 "not ready" event polls: a window of
     // 100 ms or more per copy, which the GETs below fall into.
