@@ -261,9 +261,6 @@
 #![warn(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(doc, deny(rustdoc::broken_intra_doc_links))]
 #![cfg_attr(feature = "native-tls", feature(thread_local))]
-// kvtier patch: today's rustc warns about code glommio 0.9.0 shipped with;
-// as a path dependency its warnings are not capped like a registry crate's.
-#![allow(dead_code, unused_must_use)]
 
 #[macro_use]
 extern crate nix;

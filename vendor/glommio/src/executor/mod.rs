@@ -2131,8 +2131,9 @@ impl ExecutorProxy {
     /// `RLIMIT_MEMLOCK`; buffers keep working unregistered).
     ///
     /// Needs a kernel that registers buffers without quiescing the ring
-    /// (Linux 5.13 and later); on older ones the call waits for every
-    /// request in flight, and a pending accept never completes.
+    /// (kvtier defers the registration only on Linux 6.0 and later); on one
+    /// that quiesces, the call waits for every request in flight, and a
+    /// pending accept never completes.
     pub fn register_io_memory(&self) -> bool {
         self.reactor().register_io_memory()
     }

@@ -23,7 +23,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 use std::{
     io,
     net::{self, Shutdown, SocketAddr, ToSocketAddrs},
-    os::unix::io::{AsRawFd, FromRawFd, IntoRawFd, RawFd},
+    os::unix::io::{AsRawFd, FromRawFd, RawFd},
     pin::Pin,
     rc::{Rc, Weak},
     task::{Context, Poll},
@@ -311,9 +311,11 @@ pub struct AcceptedTcpStream {
 impl AcceptedTcpStream {
     /// Returns the socket address of the remote peer
     pub fn peer_addr(&self) -> Result<SocketAddr> {
-        let socket = unsafe { Socket::from_raw_fd(self.fd) };
+        // kvtier patch: the fd stays ours, so the `Socket` must never close
+        // it, not even when `peer_addr` fails and `?` returns early (0.9.0
+        // released it with `into_raw_fd()` only after success).
+        let socket = std::mem::ManuallyDrop::new(unsafe { Socket::from_raw_fd(self.fd) });
         let sock_addr = socket.peer_addr()?;
-        socket.into_raw_fd();
         Ok(sock_addr.as_socket().unwrap())
     }
 
