@@ -429,9 +429,12 @@ impl Shard {
     ///
     /// With `stream` a block from the log comes back as a
     /// [`BlockBody::Chunks`] stream, each chunk as soon as it has passed;
-    /// without, whole once every chunk has passed (for a GET forwarded from
-    /// another shard: one message across threads instead of one per chunk,
-    /// which cost 1.2 MB GETs at concurrency 1 about 1.4 ms more at p50).
+    /// without, every chunk at once after the last has passed (for a GET
+    /// forwarded from another shard: one wake-up across threads instead of
+    /// one per chunk, which cost 1.2 MB GETs at concurrency 1 about 1.4 ms
+    /// more at p50). Both end alike on damage: the first chunk failing is
+    /// an `Err` here; a later one arrives as the chunks that passed, then
+    /// an `Err` item.
     pub async fn get(&self, key: &str, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
         bump(&self.counters.gets, 1);
         let result = self.read_tiered(key, hash, stream).await;

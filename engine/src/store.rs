@@ -223,7 +223,9 @@ impl Store {
     /// to. A chunk that fails ends the stream with an error and nothing
     /// after it: the caller must treat a stream that ends short as a miss
     /// (the server resets the response). A key another shard owns
-    /// comes back whole, every chunk checked there ([`Shard::get`]).
+    /// comes back with every chunk at once, checked there, and ends the
+    /// same way on damage: the chunks before the bad one, then the error
+    /// ([`Shard::get`]).
     ///
     /// # Errors
     /// As [`Store::get`].

@@ -3,7 +3,8 @@
 //! any position (first, middle, last) never reaches a client as a
 //! complete response: the first chunk's damage is a clean 404, a later
 //! one resets the response after the chunks before it (all of them
-//! right), over HTTP/2 and HTTP/1.1. And a store written in format 1
+//! right), over HTTP/2 and HTTP/1.1, and the same whether the connection
+//! is on the shard that owns the block or on another. And a store written in format 1
 //! (whole-block CRC only) still opens and serves.
 
 mod common;
@@ -26,9 +27,9 @@ fn args(data: &Path) -> Vec<String> {
 }
 
 /// One shard: every GET is served by the shard that accepted it, so it is
-/// streamed (a GET forwarded from another shard is verified whole on the
-/// owner and its chunks sent back in one message, where a damaged chunk
-/// is a 404).
+/// streamed chunk by chunk (a GET forwarded from another shard gets its
+/// chunks in one message once all have passed, and ends alike on damage:
+/// `a_damaged_block_ends_alike_through_a_connection_on_either_shard`).
 fn one_shard(data: &Path) -> Vec<String> {
     let mut a = args(data);
     set_flag(&mut a, "--shards", "1");
@@ -43,7 +44,11 @@ fn payload(key: &str) -> bytes::Bytes {
 /// received before the server closed).
 fn raw_http1_get(url: &str, key: &str) -> (u16, u64, Vec<u8>) {
     let addr = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    http1_get_on(std::net::TcpStream::connect(addr).unwrap(), addr, key)
+}
+
+/// [`raw_http1_get`] on a connection already open.
+fn http1_get_on(mut s: std::net::TcpStream, addr: &str, key: &str) -> (u16, u64, Vec<u8>) {
     s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
     write!(s, "GET /v1/blocks/{key} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
     let mut all = Vec::new();
@@ -129,6 +134,101 @@ async fn a_damaged_chunk_anywhere_never_completes_a_response_and_earlier_chunks_
     let stats = c.stats().await.unwrap();
     assert_eq!(stats["totals"]["corrupt_blocks"], victims.len() as u64, "{}", stats["totals"]);
     assert!(server.log().contains("CRC-32 mismatch in chunk 2 of 4"), "{}", server.log());
+    assert!(server.stop().success());
+}
+
+/// Per shard, connections accepted since start (`/v1/stats`).
+async fn connections_per_shard(observer: &kvtier_loadgen::client::Client) -> Vec<u64> {
+    let stats = observer.stats().await.unwrap();
+    stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["connections_total"].as_u64().unwrap()).collect()
+}
+
+/// A damaged block read through a connection on the shard that owns it
+/// (streamed there) and through a connection on the other shard (the GET
+/// forwarded to the owner, its chunks sent back together) ends the same
+/// way: damage in the first chunk is a 404, damage later a 200 whose body
+/// stops before the damaged chunk, every byte sent right. Two shards;
+/// the shard that accepted each raw connection is told by which shard's
+/// accepted-connections counter moved, and the victim read on it is one
+/// its shard owns or one it does not, as the case needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_block_ends_alike_through_a_connection_on_either_shard() {
+    use kvtier_engine::key::BlockHash;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut a = args(&data);
+    set_flag(&mut a, "--shards", "2");
+    set_flag(&mut a, "--ram-gb", "0");
+    let owner = |k: &str| BlockHash::of(k.as_bytes()).shard(2);
+    let positions = [("first", 100), ("middle", 2 * CHUNK_BYTES + 5_000), ("last", BLOCK_BYTES - 10)];
+    // Per position and owning shard, one victim to read on its owner and
+    // one to read on the other shard.
+    let mut victims = Vec::new(); // (key, offset, owner, forwarded)
+    for (name, at) in positions {
+        for shard in 0..2 {
+            let keys: Vec<String> = (0..).map(|i| format!("dmg-{name}-{i}")).filter(|k| owner(k) == shard).take(2).collect();
+            victims.push((keys[0].clone(), at, shard, false));
+            victims.push((keys[1].clone(), at, shard, true));
+        }
+    }
+    let server = start(&a);
+    let c = client(&server, false);
+    for (k, ..) in &victims {
+        c.put(k, vec![payload(k)]).await.unwrap();
+    }
+    assert!(server.stop().success());
+    let at = locate(&data, BLOCK_BYTES);
+    for (key, offset, ..) in &victims {
+        let l = &at[key];
+        flip_byte(&l.0, l.3 + PAGE_BYTES + offset);
+    }
+    let server = start(&a);
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let observer = client(&server, false);
+    let mut outcomes = std::collections::BTreeMap::new();
+    for (key, offset, owning, forwarded) in &victims {
+        let want_shard = if *forwarded { 1 - owning } else { *owning };
+        let mut stream = None;
+        for _ in 0..64 {
+            let before = connections_per_shard(&observer).await;
+            let s = std::net::TcpStream::connect(&addr).unwrap();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let on = loop {
+                let now = connections_per_shard(&observer).await;
+                if let Some(i) = (0..2).find(|&i| now[i] > before[i]) {
+                    break i;
+                }
+                assert!(std::time::Instant::now() < deadline, "no shard counted the connection");
+            };
+            if on == want_shard {
+                stream = Some(s);
+                break;
+            }
+        }
+        let stream = stream.unwrap_or_else(|| panic!("64 connections never landed on shard {want_shard}"));
+        let (status, length, got) = http1_get_on(stream, &addr, key);
+        let damaged_chunk = offset / CHUNK_BYTES;
+        let outcome = if status == 404 {
+            "404".to_string()
+        } else {
+            assert_eq!((status, length), (200, BLOCK_BYTES), "{key}");
+            assert!(got[..] == payload(key)[..got.len()], "{key}: a wrong byte was sent");
+            assert!((got.len() as u64) < BLOCK_BYTES, "{key}: a complete response with a damaged chunk");
+            assert!(got.len() as u64 <= damaged_chunk * CHUNK_BYTES, "{key}: bytes of the damaged chunk were sent");
+            "200, cut short".to_string()
+        };
+        outcomes.insert((*offset, *owning, *forwarded), outcome);
+    }
+    for (name, offset) in positions {
+        let want = if offset < CHUNK_BYTES { "404" } else { "200, cut short" };
+        for shard in 0..2 {
+            for forwarded in [false, true] {
+                assert_eq!(outcomes[&(offset, shard, forwarded)], want, "{name} chunk damaged, owner {shard}, forwarded {forwarded}");
+            }
+        }
+    }
+    let stats = observer.stats().await.unwrap();
+    assert_eq!(stats["totals"]["corrupt_blocks"], victims.len() as u64, "{}", stats["totals"]);
     assert!(server.stop().success());
 }
 

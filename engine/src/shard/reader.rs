@@ -172,8 +172,11 @@ impl Shard {
             if promote && self.gpu.is_none() && self.still_newest(&hash, entry) { self.take_ram_slot(self.owner_of(key)) } else { None };
         // Without a slot taken up front, chunks are kept for `promote`.
         let mut kept = Vec::new();
-        // Whole, and not promoting into a RAM slot: the verified chunks wait
-        // here and leave together after the last, with no copy.
+        // Whole: the verified chunks wait here and leave together after the
+        // last, with no copy (promoting into a RAM slot, the filled slot
+        // leaves instead). A chunk that fails sends those that passed
+        // first, then the error: a forwarded GET ends where a streamed one
+        // does (one GET semantics, docs/API.md "Damaged blocks").
         let mut held = Vec::new();
         let mut next = Some(Ok(first));
         for i in 0..chunks {
@@ -189,6 +192,7 @@ impl Shard {
                 Ok(r) => r,
                 Err(e) => {
                     self.abandon_ram_slot(ram_slot.take());
+                    send_held(&mut tx, &mut held);
                     return self.end_stream(&mut tx, Err(e), &mut reads).await;
                 }
             };
@@ -215,6 +219,7 @@ impl Shard {
                 drop(chunk);
                 self.abandon_ram_slot(ram_slot.take());
                 let e = self.drop_corrupt(hash, entry, &format!("CRC-32 mismatch in chunk {i} of {chunks}"));
+                send_held(&mut tx, &mut held);
                 return self.end_stream(&mut tx, Err(e), &mut reads).await;
             }
             let last = i + 1 == chunks;
@@ -231,8 +236,14 @@ impl Shard {
                     }
                     std::mem::take(&mut held)
                 }
-                Some(_) if !last => continue,
-                Some(s) => vec![self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize)],
+                Some(_) if !last => {
+                    held.push(chunk);
+                    continue;
+                }
+                Some(s) => {
+                    held.clear();
+                    vec![self.ram.as_ref().expect("RAM tier").borrow().filled(s, block_bytes as usize)]
+                }
             };
             if last {
                 // Promotion lands before the last chunk leaves, so a client
@@ -289,5 +300,16 @@ impl Shard {
         tracing::error!(shard = self.id(), segment = entry.segment, slot = entry.slot, seq = entry.seq, "corrupt block dropped: {why}");
         self.note_log_error("corrupt", &format!("corrupt block dropped from segment {} slot {}: {why}", entry.segment, entry.slot));
         Error::Corrupt { segment: entry.segment, slot: entry.slot }
+    }
+}
+
+/// Sends the chunks a whole (not streamed) read held back, before the
+/// error that ends it: the receiver then sees the same prefix of verified
+/// chunks and the same error as a streamed read of the same slot.
+fn send_held(tx: &mut mpsc::Sender<Result<Bytes>>, held: &mut Vec<Bytes>) {
+    for chunk in held.drain(..) {
+        if tx.try_send(Ok(chunk)).is_err() {
+            break;
+        }
     }
 }
