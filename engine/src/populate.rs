@@ -1,7 +1,8 @@
 //! Faulting memory in on a helper thread, off the start-up path.
 //!
 //! The store keeps two large regions resident: each shard's registered I/O
-//! memory (glommio's `io_memory`, 256 MiB per shard by default) and its RAM
+//! memory (glommio's `io_memory`: `--io-memory-mib`, 512 MiB by default split
+//! over the shards, at least 64 MiB each) and its RAM
 //! tier. Faulting a page in costs its zeroing, and on a VM that hands freed
 //! guest memory back to the host (virtio-balloon free page reporting) also
 //! the host's fault: measured here, 256 MiB of 2 MiB pages took 30 ms when

@@ -22,8 +22,9 @@ use crate::trace::{Recorder, TraceHeader};
 /// 1.18× slower (docs/BENCHMARKS.md, "Registered I/O memory").
 pub const IO_MEMORY_BYTES_DEFAULT: u64 = 512 << 20;
 
-/// Least DMA buffer memory a shard registers: 64 MiB, glommio's own
-/// default size of `io_memory`.
+/// Least DMA buffer memory a shard registers: 64 MiB (glommio's own default
+/// `io_memory` is 10 MiB, too little for 16 chunk reads in flight of a
+/// 16 MiB block).
 pub const IO_MEMORY_SHARD_BYTES_MIN: u64 = 64 << 20;
 
 /// Default number of block reads and writes in flight per shard.
