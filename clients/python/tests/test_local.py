@@ -171,6 +171,55 @@ def test_every_operation_through_a_shared_buffer(uclient, sb):
     assert uclient.local_stats()["bounce_copies"] == 0
 
 
+def test_memoryview_of_a_shared_buffer_is_the_memory_a_put_stores(server, uclient, sb):
+    view = memoryview(sb)  # the buffer protocol itself, not the .memoryview property
+    assert (view.nbytes, view.readonly, view.format, view.ndim, view.c_contiguous) == (sb.nbytes, False, "B", 1, True)
+    assert kvtier.shm.buffer_address(view, writable=True) == (sb.ptr, sb.nbytes)  # the mapping, not a copy
+    view[BB : 2 * BB] = block(90)
+    view[3 * BB : 4 * BB] = block(91)
+    assert os.pread(sb.fd, BB, BB) == block(90)  # written into the memfd the server is handed
+    assert uclient.register_buffer(sb) == 0
+    # One PUT_FROM by pointer, one by a slice of the view: the server copies both
+    # out of the registered memory (no bounce through the client's staging).
+    assert uclient.batch_put_from(["mv-ptr"], [sb.ptr + BB], [BB]) == [0]
+    assert uclient.batch_put_from(["mv-slice"], [view[3 * BB : 4 * BB]]) == [0]
+    assert uclient.local_stats()["bounce_copies"] == 0
+    with kvtier.Client(server.url) as http:
+        assert http.get("mv-ptr") == block(90) and http.get("mv-slice") == block(91)
+    # And back: a GET_INTO into the registered memory shows through the view.
+    view[:BB] = bytes(BB)
+    assert uclient.batch_get_into(["mv-slice"], [view[:BB]]) == [BB]
+    assert bytes(view[:BB]) == block(91) and uclient.local_stats()["bounce_copies"] == 0
+    assert uclient.unregister_buffer(sb) == 0
+    view.release()
+
+
+def test_a_shared_buffer_is_an_mmap_of_fixed_size_and_says_when_closed():
+    buf = kvtier.SharedBuffer(2 * BB, name="kvtier-test-mv")
+    assert isinstance(buf, mmap.mmap) and len(buf) == 2 * BB and not buf.closed
+    buf[:4] = b"abcd"
+    assert bytes(memoryview(buf)[:4]) == b"abcd" == bytes(buf.memoryview[:4]) == buf.numpy()[:4].tobytes()
+    with pytest.raises(ValueError, match="cannot be resized"):
+        buf.resize(4 * BB)
+    with pytest.raises(ValueError, match="positive"):
+        kvtier.SharedBuffer(0)
+    with pytest.raises(TypeError, match="nbytes must be an int"):
+        kvtier.SharedBuffer(4096.0)  # type: ignore[arg-type]
+    kept = memoryview(buf)
+    buf.close()
+    assert buf.closed and buf.fd == -1
+    assert bytes(kept[:4]) == b"abcd"  # a view made before close keeps the mapping
+    with pytest.raises(ValueError, match="closed"):
+        buf.memoryview  # noqa: B018
+    with pytest.raises(ValueError, match="closed"):
+        buf.numpy()
+    kept.release()
+    buf.close()  # again, with no view left: now unmapped
+    with pytest.raises(ValueError, match="closed"):
+        memoryview(buf)
+    buf.close()
+
+
 def test_every_operation_through_a_dev_shm_file(uclient, shm_file):
     _, mm, ptr = shm_file
     arr = np.frombuffer(mm, dtype=np.uint8)

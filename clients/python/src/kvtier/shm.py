@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import mmap
+import operator
 import os
 import threading
 import weakref
@@ -41,7 +42,7 @@ class UnshareableMemoryError(ValueError):
     open (``reason`` says why and what to use instead)."""
 
 
-class SharedBuffer:
+class SharedBuffer(mmap.mmap):
     """Shared memory for blocks: a sealed memfd of ``nbytes``, mapped here.
 
     The file is created with ``MFD_CLOEXEC | MFD_ALLOW_SEALING`` and sealed
@@ -49,12 +50,30 @@ class SharedBuffer:
     may map it (access mode 1) without risk of a fault. Pages are allocated as
     they are first touched.
 
+    A ``SharedBuffer`` *is* its mapping: it subclasses :class:`mmap.mmap`
+    (``MAP_SHARED``, read-write), so it has the buffer protocol on every
+    Python this package supports (3.10 on; no ``__buffer__``, PEP 688, is
+    needed). ``memoryview(buf)`` is a writable, 1-D, format ``"B"`` view of
+    all ``nbytes``: the very memory the server copies blocks into and out of
+    once ``buf`` is registered; slice it to name one block's room
+    (``memoryview(buf)[i * bb : (i + 1) * bb]``). ``buf.memoryview`` is the
+    same view, ``np.frombuffer(buf)``/:meth:`numpy`, :meth:`torch`,
+    ``buf[a:b] = data`` and the other :class:`mmap.mmap` methods work on it
+    too. Only :meth:`resize` is refused (the size is sealed).
+
     Args:
         nbytes: size in bytes (> 0); a multiple of the huge page size with
             ``hugetlb``.
         name: the memfd's name (shows in ``/proc/PID/maps`` as
             ``/memfd:NAME (deleted)``).
         hugetlb: back it with huge pages (``MFD_HUGETLB``).
+
+    Raises:
+        TypeError: ``nbytes`` is not an integer.
+        ValueError: ``nbytes`` is not positive.
+        OSError: the memfd cannot be created, sized, sealed or mapped (no
+            huge pages free with ``hugetlb``, ``nbytes`` not a multiple of
+            their size, out of memory).
 
     Attributes:
         fd: the memfd (owned; closed by :meth:`close`).
@@ -64,11 +83,20 @@ class SharedBuffer:
             batch calls.
 
     Use as a context manager, or call :meth:`close`. Views made from it
-    (:attr:`memoryview`, :meth:`numpy`, :meth:`torch`) keep the mapping alive
-    after :meth:`close` until they are gone.
+    (``memoryview(buf)``, :meth:`numpy`, :meth:`torch`) keep the mapping
+    alive after :meth:`close` until they are gone.
     """
 
-    def __init__(self, nbytes: int, *, name: str = "kvtier", hugetlb: bool = False) -> None:
+    fd: int
+    nbytes: int
+    ptr: int
+    _closed: bool
+
+    def __new__(cls, nbytes: int, *, name: str = "kvtier", hugetlb: bool = False) -> SharedBuffer:
+        try:
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}") from None
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugetlb else 0)
@@ -76,66 +104,98 @@ class SharedBuffer:
         try:
             os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self = super().__new__(cls, fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
         self.nbytes = nbytes
-        anchor = ctypes.c_char.from_buffer(self._mmap)
-        self.ptr: int = ctypes.addressof(anchor)
+        self._closed = False
+        anchor = ctypes.c_char.from_buffer(self)
+        self.ptr = ctypes.addressof(anchor)
         del anchor  # an export would keep close() from unmapping
         with _live_lock:
             _live[self.ptr] = weakref.ref(self)
+        return self
 
-    def _map(self) -> mmap.mmap:
-        if self._mmap is None:
+    def _map(self) -> SharedBuffer:
+        if self._closed:
             raise ValueError("the SharedBuffer is closed")
-        return self._mmap
+        return self
 
     @property
     def memoryview(self) -> memoryview:
-        """A writable ``memoryview`` of all ``nbytes`` (format ``"B"``); slice
-        it to name one block's room."""
+        """``memoryview(buf)``: a writable ``memoryview`` of all ``nbytes``
+        (format ``"B"``); slice it to name one block's room.
+
+        Raises:
+            ValueError: the buffer is closed.
+        """
         return memoryview(self._map())
 
     def numpy(self, dtype: Any = None) -> Any:
         """A numpy array over the whole buffer (``np.frombuffer``; 1-D,
-        ``nbytes // itemsize`` items of ``dtype``, default ``uint8``). No copy."""
+        ``nbytes // itemsize`` items of ``dtype``, default ``uint8``). No copy.
+
+        Raises:
+            ValueError: the buffer is closed, or ``nbytes`` is not a multiple
+                of ``dtype``'s size.
+        """
         import numpy as np
 
         return np.frombuffer(self._map(), dtype=np.uint8 if dtype is None else dtype)
 
     def torch(self, dtype: Any = None) -> Any:
         """A CPU ``torch.Tensor`` over the whole buffer (``torch.frombuffer``;
-        1-D, ``dtype`` default ``torch.uint8``). No copy; torch is imported here."""
+        1-D, ``dtype`` default ``torch.uint8``). No copy; torch is imported here.
+
+        Raises:
+            ValueError: the buffer is closed, or ``nbytes`` is not a multiple
+                of ``dtype``'s size.
+        """
         import torch
 
         return torch.frombuffer(self._map(), dtype=torch.uint8 if dtype is None else dtype)
+
+    def resize(self, newsize: int) -> None:
+        """Refused: the memfd is sealed against growing and shrinking (the
+        server relies on it), so a ``SharedBuffer``'s size is fixed.
+
+        Raises:
+            ValueError: always; make a new ``SharedBuffer`` of the size needed.
+        """
+        raise ValueError(
+            f"a SharedBuffer cannot be resized (its memfd is sealed at {self.nbytes} bytes); "
+            f"make a new SharedBuffer of {newsize} bytes instead"
+        )
 
     def __len__(self) -> int:
         return self.nbytes
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._mmap is None
+        """Whether :meth:`close` was called (``mmap.mmap``'s own ``closed``
+        would stay false while views keep the mapping)."""
+        return self._closed
 
     def close(self) -> None:
-        """Closes the memfd and unmaps the memory, or, while views made from it
-        live, leaves the mapping to go with the last of them. A registration
-        made from it keeps its own descriptor until unregistered."""
-        if self._mmap is None:
-            return
-        with _live_lock:
-            _live.pop(self.ptr, None)
-        mm, self._mmap = self._mmap, None
-        try:
-            mm.close()
-        except BufferError:
-            pass  # views still export it: unmapped when they are gone
-        os.close(self.fd)
-        self.fd = -1
+        """Closes the memfd and unmaps the memory. While views made from it
+        live (``memoryview(buf)``, :meth:`numpy`, ...), the mapping stays for
+        them: it goes when this object is collected, or at a later
+        ``close()`` made after the views are gone. A registration made from
+        it keeps its own descriptor until unregistered. Closing twice is
+        harmless."""
+        if not self._closed:
+            with _live_lock:
+                _live.pop(self.ptr, None)
+            self._closed = True
+            os.close(self.fd)
+            self.fd = -1
+        if not super().closed:
+            try:
+                super().close()
+            except BufferError:
+                pass  # views still export it
 
     def __enter__(self) -> SharedBuffer:
         return self
@@ -150,7 +210,7 @@ class SharedBuffer:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self._mmap is None else f"fd={self.fd}"
+        state = "closed" if self._closed else f"fd={self.fd}"
         return f"SharedBuffer(nbytes={self.nbytes}, ptr={self.ptr:#x}, {state})"
 
 
