@@ -3,7 +3,9 @@
 //! payloads, both ways. One definition for the server (`server/src/local/`)
 //! and the load generator's client (`loadgen/src/local/`). Pure functions
 //! over bytes, so every decoder is tested (and can be fuzzed) without a
-//! socket.
+//! socket. Its frames are written down, byte for byte, in
+//! `tests/data/local_frame_vectors.json` (`tests/frame_vectors.rs`) for
+//! other clients to check themselves against.
 
 /// Frame magic, `b"TK"` on the wire (0x4B54 little-endian).
 pub const MAGIC: u16 = 0x4B54;
@@ -516,6 +518,59 @@ pub fn encode_results(results: &[(i64, u8)]) -> Vec<u8> {
     out
 }
 
+/// A `REGISTER` payload: u64 `offset` and u64 `length`, bytes of the file
+/// whose descriptor travels with the frame (`SCM_RIGHTS`).
+pub fn encode_register(offset: u64, length: u64) -> Vec<u8> {
+    let mut p = offset.to_le_bytes().to_vec();
+    p.extend_from_slice(&length.to_le_bytes());
+    p
+}
+
+/// A `REGISTER` response body: u64 `handle`, u8 `access` (1 mapped, 2 file
+/// I/O, 3 guarded).
+pub fn encode_registered(handle: u64, access: u8) -> Vec<u8> {
+    let mut b = handle.to_le_bytes().to_vec();
+    b.push(access);
+    b
+}
+
+/// An `UNREGISTER` payload: u64 `handle`. (Its response body is empty.)
+pub fn encode_unregister(handle: u64) -> Vec<u8> {
+    handle.to_le_bytes().to_vec()
+}
+
+/// An `EXISTS` response body: u32 `n`, then `n` × u8 `tier` (0: not stored;
+/// [`TIER_NAMES`]).
+pub fn encode_tiers(tiers: &[u8]) -> Vec<u8> {
+    let mut b = (tiers.len() as u32).to_le_bytes().to_vec();
+    b.extend_from_slice(tiers);
+    b
+}
+
+/// A `LOOKUP` response body: u32 `prefix_hits`, u32 `n` (the same number),
+/// then `n` × u8 `tier`: the tiers of the chain's leading hits.
+pub fn encode_lookup(hit_tiers: &[u8]) -> Vec<u8> {
+    let mut b = (hit_tiers.len() as u32).to_le_bytes().to_vec();
+    b.extend_from_slice(&encode_tiers(hit_tiers));
+    b
+}
+
+/// A `DELETE` response body: u32 `n`, then `n` × i64 `result` (0 deleted,
+/// or a negative [`Code`]: `NOT_FOUND` for a key with no block).
+pub fn encode_deleted(results: &[i64]) -> Vec<u8> {
+    let mut b = (results.len() as u32).to_le_bytes().to_vec();
+    b.extend(results.iter().flat_map(|r| r.to_le_bytes()));
+    b
+}
+
+/// A `PREFETCH` response body: u32 `requested` (keys asked for), u32
+/// `found` (of those, stored locally).
+pub fn encode_prefetched(requested: u32, found: u32) -> Vec<u8> {
+    let mut b = requested.to_le_bytes().to_vec();
+    b.extend_from_slice(&found.to_le_bytes());
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -631,6 +686,24 @@ mod tests {
         // read as a parts count).
         let plain = encode_items(&[(0, 0, 16, "a")]);
         assert_eq!(decode_items_v(&plain).unwrap_err().0, Code::BadRequest);
+    }
+
+    #[test]
+    fn register_and_reply_bodies_have_the_documented_layout() {
+        let register = encode_register(4096, 1 << 40);
+        let mut c = Cursor::new(&register);
+        assert_eq!((c.u64("offset"), c.u64("length"), c.end()), (Ok(4096), Ok(1 << 40), Ok(())));
+        assert_eq!(encode_unregister(0x0102_0304_0506_0708), [8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(encode_registered(0x0102, 3), [2, 1, 0, 0, 0, 0, 0, 0, 3]);
+        assert_eq!(encode_tiers(&[2, 0, 4]), [3, 0, 0, 0, 2, 0, 4]);
+        assert_eq!(encode_tiers(&[]), [0, 0, 0, 0]);
+        // prefix_hits and n are the same number.
+        assert_eq!(encode_lookup(&[1, 2]), [2, 0, 0, 0, 2, 0, 0, 0, 1, 2]);
+        let deleted = encode_deleted(&[0, Code::NotFound as i64]);
+        assert_eq!(deleted.len(), 4 + 2 * 8);
+        assert_eq!((&deleted[..4], &deleted[4..12], &deleted[12..]), (&[2, 0, 0, 0][..], &[0; 8][..], &(-2i64).to_le_bytes()[..]));
+        assert_eq!(encode_prefetched(3, 2), [3, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(encode_results(&[(-9, 0)])[4..12], (-9i64).to_le_bytes());
     }
 
     #[test]

@@ -1,6 +1,12 @@
 """The socket client's retries (docs/LOCAL.md), against a scripted stand-in
 for kvtier's socket: OVERLOADED answered with a hint, a connection dropped
-under a batch. (tests/test_local.py covers the real server.)"""
+under a batch. (tests/test_local.py covers the real server.)
+
+The stand-in frames with its own code, not the client's constants: its
+header layout and magic are those of the Rust crate's frames in
+tests/data/local_frame_vectors.json, which
+``test_the_fake_frames_as_the_rust_crate_does`` holds it to, so a framing
+slip in the client is not mirrored here."""
 
 from __future__ import annotations
 
@@ -12,15 +18,42 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import kvtier
 from kvtier import codes
-from kvtier.local import HEADER, MAGIC
 
 BB = 4096
 EPOCH = 77
+
+VECTORS = json.loads(
+    (Path(__file__).resolve().parents[3] / "tests" / "data" / "local_frame_vectors.json").read_text(encoding="utf-8")
+)
+#: The frame magic as the Rust crate writes it (b"TK").
+WIRE_MAGIC = bytes.fromhex(VECTORS["constants"]["magic_hex"])
+HEADER_BYTES = VECTORS["constants"]["header_bytes"]
+
+
+def frame(op: int, rid: int, payload: bytes) -> bytes:
+    """magic, op, flags 0, u32 payload bytes, u64 request id (little-endian), payload."""
+    return WIRE_MAGIC + bytes([op, 0]) + len(payload).to_bytes(4, "little") + rid.to_bytes(8, "little") + payload
+
+
+def reply(op: int, rid: int, status: int, retry_after_ms: int, body: bytes) -> bytes:
+    """The response to a request of ``op``: i32 status, u32 retry_after_ms, body."""
+    head = status.to_bytes(4, "little", signed=True) + retry_after_ms.to_bytes(4, "little")
+    return frame(op | 0x80, rid, head + body)
+
+
+def parse_header(head: bytes) -> tuple[int, int, int] | None:
+    """``(op, payload bytes, request id)``, or ``None`` for a header that is
+    not one (wrong magic, nonzero flags, over 1 MiB)."""
+    n = int.from_bytes(head[4:8], "little")
+    if head[:2] != WIRE_MAGIC or head[3] != 0 or n > VECTORS["constants"]["payload_bytes_max"]:
+        return None
+    return head[2], n, int.from_bytes(head[8:16], "little")
 
 
 class FakeServer:
@@ -36,6 +69,7 @@ class FakeServer:
         self.accepted = 0
         self.registered = 0
         self.seen: list[int] = []
+        self.bad_frames = 0
         self._sock = socket.socket(socket.AF_UNIX)
         self._sock.bind(path)
         self._sock.listen()
@@ -69,7 +103,13 @@ class FakeServer:
             try:
                 while True:
                     fds: list[int] = []
-                    _, op, _, n, rid = HEADER.unpack(self._recv(conn, 16, fds))
+                    head = self._recv(conn, HEADER_BYTES, fds)
+                    parsed = parse_header(head)
+                    if parsed is None:  # as the server: one 0xFF frame, then close
+                        self.bad_frames += 1
+                        conn.sendall(frame(0xFF, 0, struct.pack("<iI", codes.BAD_FRAME, 0) + b"bad header " + head))
+                        return
+                    op, n, rid = parsed
                     payload = self._recv(conn, n, fds) if n else b""
                     for fd in fds:
                         os.close(fd)
@@ -101,8 +141,7 @@ class FakeServer:
         elif op == 6:
             (count,) = struct.unpack_from("<I", payload)
             body = struct.pack("<I", count) + bytes([2]) * count
-        out = struct.pack("<iI", status, retry) + body
-        return HEADER.pack(MAGIC, op | 0x80, 0, len(out), rid) + out
+        return reply(op, rid, status, retry, body)
 
 
 @pytest.fixture
@@ -113,6 +152,37 @@ def fake() -> Iterator[FakeServer]:
     server.close()
     os.unlink(server.path)
     os.rmdir(root)
+    assert server.bad_frames == 0, "the client sent a frame whose header the Rust crate's framing refuses"
+
+
+def test_the_fake_frames_as_the_rust_crate_does():
+    for v in VECTORS["requests"]:
+        data = bytes.fromhex(v["frame_hex"])
+        assert parse_header(data[:HEADER_BYTES]) == (v["op"], len(data) - HEADER_BYTES, v["request_id"]), v["name"]
+    for v in VECTORS["replies"]:
+        data = bytes.fromhex(v["frame_hex"])
+        body = data[HEADER_BYTES + 8 :]
+        if v["request_op"] is None:  # a connection error
+            made = frame(0xFF, v["request_id"], data[HEADER_BYTES:])
+        else:
+            made = reply(v["request_op"], v["request_id"], v["status"], v["retry_after_ms"], body)
+        assert made.hex() == v["frame_hex"], v["name"]
+    bad = bytearray(bytes.fromhex(VECTORS["requests"][0]["frame_hex"])[:HEADER_BYTES])
+    bad[3] = 1
+    assert parse_header(bytes(bad)) is None
+
+
+def test_a_frame_the_rust_crate_refuses_is_caught(fake):
+    # The check the fixture ends with, shown to fail: a bad magic is counted.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(fake.path)
+        s.sendall(b"GE" + bytes(14))
+        answer = s.recv(64)
+    assert (
+        answer[:3] == WIRE_MAGIC + b"\xff" and int.from_bytes(answer[16:20], "little", signed=True) == codes.BAD_FRAME
+    )
+    assert fake.bad_frames == 1
+    fake.bad_frames = 0
 
 
 def test_overloaded_is_retried_after_the_hint(fake):

@@ -16,6 +16,12 @@ this class directly to speak the protocol op by op.
 Every op raises the :mod:`kvtier.errors` class of a request-wide failure (its
 ``local_code`` is the negative code) and :class:`~kvtier.KvtierConnectionError`
 (``local_code`` -21) when the connection is gone; per-item results are codes.
+
+The bytes themselves are made and read by the module's pure functions
+(:func:`encode_frame`, :func:`decode_header`, :func:`decode_response`, and an
+``encode_*``/``decode_*`` pair per payload), which the connection uses and
+``tests/test_local_vectors.py`` checks against the frames the Rust crate
+``kvtier-local-proto`` (the server's) encodes: ``tests/data/local_frame_vectors.json``.
 """
 
 from __future__ import annotations
@@ -113,17 +119,201 @@ def encode_keys(keys: Sequence[str]) -> bytes:
     return _U32.pack(len(keys)) + b"".join(_str(k) for k in keys)
 
 
-def decode_results(body: memoryview, n: int) -> list[tuple[int, int]]:
-    """``GET_INTO``/``PUT_FROM`` body: u32 n, n × (i64 result, u8 tier or created)."""
+#: Bytes a decoder reads: a response's body, a frame's payload or header.
+Bytes = bytes | bytearray | memoryview
+
+
+def _bad_answer(message: str) -> ProtocolError:
+    return ProtocolError(message, code="bad_answer")
+
+
+def decode_results(body: Bytes, n: int) -> list[tuple[int, int]]:
+    """``GET_INTO``/``PUT_FROM`` (and ``_V``) body: u32 n, n × (i64 result,
+    u8 tier or created), for a request of ``n`` items.
+
+    Raises:
+        ProtocolError: another count, or a body too short for it.
+    """
     count = _check_count(body, n, 9)
     return [(r, f) for r, f in struct.iter_unpack("<qB", body[4 : 4 + 9 * count])]
 
 
-def _check_count(body: memoryview, n: int, each: int) -> int:
+def _check_count(body: Bytes, n: int, each: int) -> int:
+    if len(body) < _U32.size:
+        raise _bad_answer(f"answer of {len(body)} bytes has no item count (a request of {n})")
     (count,) = _U32.unpack_from(body)
     if count != n or len(body) < 4 + each * count:
-        raise ProtocolError(f"answer holds {count} items in {len(body)} bytes for a request of {n}", code="bad_answer")
+        raise _bad_answer(f"answer holds {count} items in {len(body)} bytes for a request of {n}")
     return int(count)
+
+
+def encode_frame(op: int, request_id: int, payload: bytes) -> bytes:
+    """A whole frame (docs/LOCAL.md, "Framing"): the 16-byte header (u16 magic
+    ``b"TK"``, u8 ``op``, u8 flags 0, u32 ``payload_bytes``, u64
+    ``request_id``; little-endian) and ``payload``.
+
+    Raises:
+        struct.error: ``op`` is not 0–255 or ``request_id`` not a u64.
+    """
+    return HEADER.pack(MAGIC, op, 0, len(payload), request_id) + payload
+
+
+def decode_header(head: Bytes) -> tuple[int, int, int]:
+    """``(op, payload_bytes, request_id)`` of a 16-byte frame header.
+
+    Raises:
+        ProtocolError: (``local_code`` ``BAD_FRAME``) not 16 bytes, a wrong
+            magic, nonzero flags, or a payload over :data:`MAX_PAYLOAD_BYTES`:
+            the stream cannot be framed.
+    """
+    if len(head) != HEADER.size:
+        raise error_from_code(codes.BAD_FRAME, f"a frame header of {len(head)} bytes (a header is {HEADER.size})")
+    magic, op, flags, nbytes, rid = HEADER.unpack(head)
+    if magic != MAGIC or flags != 0 or nbytes > MAX_PAYLOAD_BYTES:
+        raise error_from_code(
+            codes.BAD_FRAME, f"a bad frame header (magic {magic:#06x}, flags {flags}, {nbytes} bytes)"
+        )
+    return int(op), int(nbytes), int(rid)
+
+
+def decode_connection_error(payload: Bytes) -> tuple[int, str]:
+    """``(code, message)`` of a connection-error frame (op ``0xFF``, sent
+    before the server closes): its status (``BAD_FRAME`` when absent or 0)
+    and the server's message."""
+    status = _STATUS.unpack_from(payload)[0] if len(payload) >= _STATUS.size else 0
+    return int(status) or codes.BAD_FRAME, bytes(payload[_STATUS.size :]).decode("utf-8", "replace")
+
+
+def decode_response(op: int, frame_op: int, payload: Bytes) -> tuple[memoryview, int]:
+    """``(body, retry_after_ms)`` of the response frame (op ``frame_op``,
+    ``payload``) to a request of ``op``: i32 ``status``, u32
+    ``retry_after_ms``, then the body. Status 0 may carry a hint too (items
+    refused ``OVERLOADED``).
+
+    Raises:
+        ProtocolError: ``frame_op`` is not ``op | 0x80``, or the payload is
+            shorter than its status and hint.
+        KvtierError: a nonzero status, as its class (:func:`kvtier.errors.error_from_code`;
+            ``local_code`` the status, the message the server's text; an
+            :class:`~kvtier.OverloadedError`'s ``retry_after_s`` the hint).
+    """
+    name = OP_NAMES.get(op, op)
+    if frame_op != op | RESPONSE or len(payload) < _STATUS.size:
+        raise _bad_answer(f"answer to {name} has op {frame_op:#x} and {len(payload)} bytes")
+    status, retry_after_ms = _STATUS.unpack_from(payload)
+    view = memoryview(payload)
+    if status != 0:
+        text = bytes(view[_STATUS.size :]).decode("utf-8", "replace")
+        raise error_from_code(status, f"{name}: {text}", retry_after_ms / 1000.0)
+    return view[_STATUS.size :], int(retry_after_ms)
+
+
+def encode_hello(
+    *, token: str | None = None, block_bytes: int | None = None, model: str | None = None, client: str = CLIENT_NAME
+) -> bytes:
+    """``HELLO`` payload: a JSON object of the :data:`VERSIONS` this client
+    speaks, ``client``, and ``token``, ``block_bytes``, ``model`` when given."""
+    req: dict[str, Any] = {"versions": list(VERSIONS), "client": client}
+    if token is not None:
+        req["token"] = token
+    if block_bytes is not None:
+        req["block_bytes"] = block_bytes
+    if model is not None:
+        req["model"] = model
+    return json.dumps(req, separators=(",", ":")).encode()
+
+
+def decode_hello(body: Bytes, *, block_bytes: int | None = None) -> dict[str, Any]:
+    """The server's ``HELLO`` answer (JSON: ``version``, ``epoch``,
+    ``block_bytes``, ``model``, ``max_items``, …), ``epoch`` an ``int``.
+
+    Raises:
+        ProtocolError: not JSON, a field missing or not a number, or a
+            version this client does not speak.
+        GeometryMismatchError: ``block_bytes`` is given and the server's differs.
+    """
+    try:
+        info = json.loads(bytes(body))
+        version, epoch, bb = int(info["version"]), int(info["epoch"]), int(info["block_bytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad_answer(f"unreadable HELLO answer {bytes(body[:200])!r}: {e!r}") from e
+    if version not in VERSIONS:
+        raise ProtocolError(f"the server chose version {version}; this client speaks {list(VERSIONS)}")
+    if block_bytes is not None and bb != block_bytes:
+        raise error_from_code(
+            codes.GEOMETRY_MISMATCH, f"the server's block_bytes is {bb}; the client expects {block_bytes}"
+        )
+    info["epoch"] = epoch
+    return dict(info)
+
+
+def encode_register(offset: int, length: int) -> bytes:
+    """``REGISTER`` payload: u64 ``offset``, u64 ``length`` (bytes of the
+    file whose descriptor travels with the frame)."""
+    return _U64.pack(offset) + _U64.pack(length)
+
+
+def decode_registered(body: Bytes) -> tuple[int, int]:
+    """``REGISTER`` body: ``(handle, access)`` (u64, u8: 1 mapped, 2 file I/O, 3 guarded).
+
+    Raises:
+        ProtocolError: a body shorter than 9 bytes.
+    """
+    if len(body) < _REGISTERED.size:
+        raise _bad_answer(f"REGISTER answered {len(body)} bytes; a handle and access are {_REGISTERED.size}")
+    handle, access = _REGISTERED.unpack_from(body)
+    return int(handle), int(access)
+
+
+def encode_unregister(handle: int) -> bytes:
+    """``UNREGISTER`` payload: u64 ``handle`` (the answer's body is empty)."""
+    return _U64.pack(handle)
+
+
+def decode_tiers(body: Bytes, n: int) -> list[int]:
+    """``EXISTS`` body for ``n`` keys: u32 n, n × u8 tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3).
+
+    Raises:
+        ProtocolError: another count, or a body too short for it.
+    """
+    count = _check_count(body, n, 1)
+    return list(bytes(body[4 : 4 + count]))
+
+
+def decode_lookup(body: Bytes) -> tuple[int, list[int]]:
+    """``LOOKUP`` body: ``(prefix_hits, the hits' tiers)`` (u32 prefix_hits, u32 n, n × u8).
+
+    Raises:
+        ProtocolError: ``n`` is not ``prefix_hits``, or the body is too short.
+    """
+    if len(body) < _TWO_U32.size:
+        raise _bad_answer(f"LOOKUP answered {len(body)} bytes, too few for its two counts")
+    hits, n = _TWO_U32.unpack_from(body)
+    if n != hits or len(body) < 8 + n:
+        raise _bad_answer(f"LOOKUP answered {hits} hits with {n} tiers in {len(body)} bytes")
+    return int(hits), list(bytes(body[8 : 8 + n]))
+
+
+def decode_deleted(body: Bytes, n: int) -> list[int]:
+    """``DELETE`` body for ``n`` keys: per key 0 (deleted) or a negative code (-2: none stored).
+
+    Raises:
+        ProtocolError: another count, or a body too short for it.
+    """
+    count = _check_count(body, n, 8)
+    return [r for (r,) in struct.iter_unpack("<q", body[4 : 4 + 8 * count])]
+
+
+def decode_prefetched(body: Bytes) -> tuple[int, int]:
+    """``PREFETCH`` body: ``(requested, found locally)`` (u32, u32).
+
+    Raises:
+        ProtocolError: a body shorter than 8 bytes.
+    """
+    if len(body) < _TWO_U32.size:
+        raise _bad_answer(f"PREFETCH answered {len(body)} bytes; requested and found are {_TWO_U32.size}")
+    requested, found = _TWO_U32.unpack_from(body)
+    return int(requested), int(found)
 
 
 class _Response:
@@ -216,19 +406,17 @@ class LocalConnection:
                 head = self._recv_exact(HEADER.size)
                 if head is None:
                     break
-                magic, op, flags, nbytes, rid = HEADER.unpack(head)
-                if magic != MAGIC or flags != 0 or nbytes > MAX_PAYLOAD_BYTES:
-                    code = codes.BAD_FRAME
-                    message = f"the server sent a bad frame header (magic {magic:#06x}, flags {flags}, {nbytes} bytes)"
+                try:
+                    op, nbytes, rid = decode_header(head)
+                except ProtocolError as e:
+                    code, message = codes.BAD_FRAME, f"the server sent {e.message}"
                     break
                 payload = self._recv_exact(nbytes) if nbytes else bytearray()
                 if payload is None:
                     message = "the server closed the connection inside a frame"
                     break
                 if op == OP_ERROR:
-                    status, _ = _STATUS.unpack_from(payload) if len(payload) >= 8 else (codes.BAD_FRAME, 0)
-                    code = status or codes.BAD_FRAME
-                    text = bytes(payload[8:]).decode("utf-8", "replace")
+                    code, text = decode_connection_error(payload)
                     message = f"the server closed the connection with {codes.name_of(code)}: {text}"
                     break
                 with self._lock:
@@ -252,7 +440,7 @@ class LocalConnection:
             rid = next(self._ids)
             fut: Future[_Response] = Future()
             self._pending[rid] = fut
-        frame = HEADER.pack(MAGIC, op, 0, len(payload), rid) + payload
+        frame = encode_frame(op, rid, payload)
         try:
             with self._send_lock:
                 if fd is None:
@@ -290,16 +478,7 @@ class LocalConnection:
         except FutureTimeout:
             self.close(f"no answer to {OP_NAMES.get(op, op)} from {self.path} within {limit:.1f} s")
             resp = fut.result(5.0)  # failed by the close, or answered just before it
-        payload = memoryview(resp.payload)
-        if resp.op != op | RESPONSE or len(payload) < _STATUS.size:
-            raise ProtocolError(
-                f"answer to {OP_NAMES.get(op, op)} has op {resp.op:#x} and {len(payload)} bytes", code="bad_answer"
-            )
-        status, retry_after_ms = _STATUS.unpack_from(payload)
-        if status != 0:
-            text = bytes(payload[8:]).decode("utf-8", "replace")
-            raise error_from_code(status, f"{OP_NAMES.get(op, op)}: {text}", retry_after_ms / 1000.0)
-        return payload[8:], retry_after_ms
+        return decode_response(op, resp.op, resp.payload)
 
     def call(self, op: int, payload: bytes, *, fd: int | None = None, timeout_s: float | None = None) -> memoryview:
         """:meth:`request` and :meth:`wait`: the response body."""
@@ -325,26 +504,8 @@ class LocalConnection:
             GeometryMismatchError: ``block_bytes``/``model`` differ (both named).
             ProtocolError: no version in common, or an unreadable answer.
         """
-        req: dict[str, Any] = {"versions": list(VERSIONS), "client": client}
-        if token is not None:
-            req["token"] = token
-        if block_bytes is not None:
-            req["block_bytes"] = block_bytes
-        if model is not None:
-            req["model"] = model
-        body = self.call(OP_HELLO, json.dumps(req, separators=(",", ":")).encode())
-        try:
-            info = json.loads(bytes(body))
-            version, epoch, bb = int(info["version"]), int(info["epoch"]), int(info["block_bytes"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ProtocolError(f"unreadable HELLO answer {bytes(body[:200])!r}: {e!r}", code="bad_answer") from e
-        if version not in VERSIONS:
-            raise ProtocolError(f"the server chose version {version}; this client speaks {list(VERSIONS)}")
-        if block_bytes is not None and bb != block_bytes:
-            raise error_from_code(
-                codes.GEOMETRY_MISMATCH, f"the server's block_bytes is {bb}; the client expects {block_bytes}"
-            )
-        info["epoch"] = epoch
+        payload = encode_hello(token=token, block_bytes=block_bytes, model=model, client=client)
+        info = decode_hello(self.call(OP_HELLO, payload), block_bytes=block_bytes)
         self.info = info
         return info
 
@@ -352,13 +513,11 @@ class LocalConnection:
         """``REGISTER`` ``length`` bytes of file ``fd`` from ``offset`` (the
         descriptor travels in ``SCM_RIGHTS``; the caller keeps its own).
         Returns ``(handle, access)``: access 1 mapped, 2 file I/O, 3 guarded."""
-        body = self.call(OP_REGISTER, _U64.pack(offset) + _U64.pack(length), fd=fd)
-        handle, access = _REGISTERED.unpack_from(body)
-        return int(handle), int(access)
+        return decode_registered(self.call(OP_REGISTER, encode_register(offset, length), fd=fd))
 
     def unregister(self, handle: int) -> None:
         """``UNREGISTER`` ``handle``; items in flight on it finish."""
-        self.call(OP_UNREGISTER, _U64.pack(handle))
+        self.call(OP_UNREGISTER, encode_unregister(handle))
 
     def get_into(self, items: Sequence[Item], timeout_s: float | None = None) -> list[tuple[int, int]]:
         """``GET_INTO``: each block into ``(handle, offset)``; per item
@@ -372,28 +531,19 @@ class LocalConnection:
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         """``EXISTS``: each key's tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3)."""
-        body = self.call(OP_EXISTS, encode_keys(keys))
-        count = _check_count(body, len(keys), 1)
-        return list(body[4 : 4 + count])
+        return decode_tiers(self.call(OP_EXISTS, encode_keys(keys)), len(keys))
 
     def lookup(self, keys: Sequence[str]) -> tuple[int, list[int]]:
         """``LOOKUP`` a prefix chain: ``(prefix_hits, the hits' tiers)``."""
-        body = self.call(OP_LOOKUP, encode_keys(keys))
-        hits, n = _TWO_U32.unpack_from(body)
-        if n != hits or len(body) < 8 + n:
-            raise ProtocolError(f"LOOKUP answered {hits} hits with {n} tiers in {len(body)} bytes", code="bad_answer")
-        return int(hits), list(body[8 : 8 + n])
+        return decode_lookup(self.call(OP_LOOKUP, encode_keys(keys)))
 
     def delete(self, keys: Sequence[str]) -> list[int]:
         """``DELETE``: per key 0 (deleted) or a negative code (-2: none stored)."""
-        body = self.call(OP_DELETE, encode_keys(keys))
-        count = _check_count(body, len(keys), 8)
-        return [r for (r,) in struct.iter_unpack("<q", body[4 : 4 + 8 * count])]
+        return decode_deleted(self.call(OP_DELETE, encode_keys(keys)), len(keys))
 
     def prefetch(self, keys: Sequence[str]) -> tuple[int, int]:
         """``PREFETCH``: ``(requested, found locally)``."""
-        requested, found = _TWO_U32.unpack_from(self.call(OP_PREFETCH, encode_keys(keys)))
-        return int(requested), int(found)
+        return decode_prefetched(self.call(OP_PREFETCH, encode_keys(keys)))
 
     def __enter__(self) -> LocalConnection:
         return self
