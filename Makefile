@@ -51,11 +51,15 @@ help:
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
 # chromium (the loadgen's HTML reports are opened headless and their charts
-# checked on screen), and g++ with OpenSSL's headers (SGLang builds its page
-# hash on first use).
+# checked on screen), g++ with OpenSSL's headers (SGLang builds its page
+# hash on first use), promtool (Debian's prometheus package: `/metrics` is
+# checked by `promtool check metrics`, server/tests/metrics.rs), and
+# e2fsprogs (mkfs.ext4 and chattr: the full-disk and tier-health tests).
 deps:
 	@missing=""; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v mkfs.ext4 >/dev/null || missing="$$missing e2fsprogs"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \

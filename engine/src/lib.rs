@@ -46,6 +46,7 @@ pub mod gpu;
 pub mod health;
 pub mod index;
 pub mod key;
+pub mod latency;
 pub mod lru;
 pub mod pool;
 pub mod populate;

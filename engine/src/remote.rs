@@ -138,8 +138,8 @@ pub trait Remote: Send + Sync {
     /// The tier's settings and counters, for `/v1/stats`.
     fn stats_json(&self) -> serde_json::Value;
 
-    /// Registers the tier's metrics (`kvtier_<name>_*`).
-    fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry);
+    /// Writes the tier's metrics (`kvtier_<name>_*`) into a scrape.
+    fn register_metrics(&self, registry: &mut crate::latency::Scrape<'_>);
 
     /// The tier's health now (see [`crate::health`]).
     fn health(&self) -> TierHealth;

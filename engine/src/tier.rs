@@ -7,9 +7,10 @@
 
 use std::cell::{Cell, RefCell};
 
-use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use crate::counter::Latency;
+use crate::latency::LatencyBuckets;
 use crate::ram::HugePages;
 
 /// Which tier holds or served a block, fastest first.
@@ -74,13 +75,12 @@ pub(crate) struct TierCounters {
     pub evictions: Cell<u64>,
     pub bytes_in: Cell<u64>,
     pub bytes_out: Cell<u64>,
-    pub read_us: RefCell<Histogram<u64>>,
-    pub write_us: RefCell<Histogram<u64>>,
+    pub read_us: RefCell<Latency>,
+    pub write_us: RefCell<Latency>,
 }
 
 impl Default for TierCounters {
     fn default() -> Self {
-        let histogram = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("histogram bounds are valid");
         TierCounters {
             hits: Cell::new(0),
             misses: Cell::new(0),
@@ -89,8 +89,8 @@ impl Default for TierCounters {
             evictions: Cell::new(0),
             bytes_in: Cell::new(0),
             bytes_out: Cell::new(0),
-            read_us: RefCell::new(histogram()),
-            write_us: RefCell::new(histogram()),
+            read_us: RefCell::default(),
+            write_us: RefCell::default(),
         }
     }
 }
@@ -128,6 +128,12 @@ pub struct TierStats {
     pub write_us_p50: u64,
     /// 99th percentile write latency in µs.
     pub write_us_p99: u64,
+    /// Read latencies in Prometheus buckets (`/metrics`; not in the JSON).
+    #[serde(skip)]
+    pub read_latency: LatencyBuckets,
+    /// Write latencies in Prometheus buckets (`/metrics`; not in the JSON).
+    #[serde(skip)]
+    pub write_latency: LatencyBuckets,
     /// RAM: how the arena is backed; `None` for other tiers.
     pub huge_pages: Option<HugePages>,
     /// GPU: the device, its memory and faults, or why the tier is absent;
@@ -143,8 +149,8 @@ impl TierStats {
         used_blocks: u64,
         huge_pages: Option<HugePages>,
     ) -> Self {
-        let pct = |h: &RefCell<Histogram<u64>>, q: f64| {
-            let h = h.borrow();
+        let pct = |h: &RefCell<Latency>, q: f64| {
+            let h = &h.borrow().hdr;
             if h.is_empty() {
                 0
             } else {
@@ -166,13 +172,16 @@ impl TierStats {
             read_us_p99: pct(&c.read_us, 0.99),
             write_us_p50: pct(&c.write_us, 0.5),
             write_us_p99: pct(&c.write_us, 0.99),
+            read_latency: c.read_us.borrow().buckets.clone(),
+            write_latency: c.write_us.borrow().buckets.clone(),
             huge_pages,
             gpu: None,
         }
     }
 
     /// Adds another shard's counters of the same tier (latency percentiles
-    /// become the largest of the two: an upper bound, not a merge).
+    /// become the largest of the two: an upper bound, not a merge; the
+    /// Prometheus buckets add exactly).
     pub fn add(&mut self, o: &TierStats) {
         self.capacity_blocks += o.capacity_blocks;
         self.used_blocks += o.used_blocks;
@@ -187,6 +196,8 @@ impl TierStats {
         self.read_us_p99 = self.read_us_p99.max(o.read_us_p99);
         self.write_us_p50 = self.write_us_p50.max(o.write_us_p50);
         self.write_us_p99 = self.write_us_p99.max(o.write_us_p99);
+        self.read_latency.add(&o.read_latency);
+        self.write_latency.add(&o.write_latency);
         if let (Some(a), Some(b)) = (&mut self.gpu, &o.gpu) {
             a.add(b);
         }

@@ -106,6 +106,11 @@ pub fn http_route(data: &[u8]) {
                 }
             }
         }
+        Plan::Probe(r) => {
+            assert!(matches!(r, Route::Healthz | Route::Readyz) && r == route, "{method} {path} answered as a probe ({r:?})");
+            assert!(token.is_some() || tenants.is_some(), "{method} {path}: a probe plan on an open server");
+            assert!(!authorized, "{method} {path}: a probe plan for a valid bearer token");
+        }
         Plan::Refuse(reply) => {
             let s = reply.status();
             let expected = [

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
+use kvtier_engine::latency::{AtomicLatencyBuckets, HistogramFamily, LatencyBuckets, Scrape};
 use serde_json::{json, Value};
 
 /// Counters of one shard's use of the shared tier. Atomics: uploads finish
@@ -52,28 +53,38 @@ pub(crate) fn latency_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 2).expect("histogram bounds are valid")
 }
 
+/// Latencies of one kind of S3 operation on one shard, in µs: percentiles
+/// for `/v1/stats`, Prometheus buckets for `/metrics`.
+pub(crate) struct OpLatency {
+    pub hdr: Mutex<Histogram<u64>>,
+    pub buckets: AtomicLatencyBuckets,
+}
+
+impl OpLatency {
+    fn new() -> Self {
+        OpLatency { hdr: Mutex::new(latency_histogram()), buckets: AtomicLatencyBuckets::default() }
+    }
+}
+
 /// One shard's counters and latency histograms (µs).
 pub(crate) struct ShardCounters {
     pub c: Counters,
-    pub read_us: Mutex<Histogram<u64>>,
-    pub upload_us: Mutex<Histogram<u64>>,
-    pub exists_us: Mutex<Histogram<u64>>,
+    pub read_us: OpLatency,
+    pub upload_us: OpLatency,
+    pub exists_us: OpLatency,
 }
 
 impl ShardCounters {
     pub(crate) fn new() -> Self {
-        ShardCounters {
-            c: Counters::default(),
-            read_us: Mutex::new(latency_histogram()),
-            upload_us: Mutex::new(latency_histogram()),
-            exists_us: Mutex::new(latency_histogram()),
-        }
+        ShardCounters { c: Counters::default(), read_us: OpLatency::new(), upload_us: OpLatency::new(), exists_us: OpLatency::new() }
     }
 }
 
-pub(crate) fn record(h: &Mutex<Histogram<u64>>, since: Instant) {
+/// Records the time since `since` (at least 1 µs).
+pub(crate) fn record(h: &OpLatency, since: Instant) {
     let us = since.elapsed().as_micros().max(1) as u64;
-    let _ = h.lock().expect("histogram lock").record(us);
+    h.buckets.record(us);
+    let _ = h.hdr.lock().expect("histogram lock").record(us);
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -82,16 +93,15 @@ struct ShardLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-struct OpQuantileLabel {
+struct OpLabel {
     op: String,
-    quantile: String,
 }
 
 pub(crate) fn shard_json(i: usize, s: &ShardCounters, queued: u64) -> Value {
     let c = &s.c;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let pct = |h: &Mutex<Histogram<u64>>, q: f64| {
-        let h = h.lock().expect("histogram lock");
+    let pct = |h: &OpLatency, q: f64| {
+        let h = h.hdr.lock().expect("histogram lock");
         if h.is_empty() {
             0
         } else {
@@ -158,13 +168,9 @@ pub(crate) fn totals(per_shard: &[Value]) -> Value {
     Value::Object(totals)
 }
 
-/// Registers the `kvtier_s3_*` metrics (per shard) of `shards` in
-/// `registry`; `queued(i)` is shard `i`'s write-behind queue length now.
-pub(crate) fn register_metrics(
-    shards: &[std::sync::Arc<ShardCounters>],
-    queued: &dyn Fn(usize) -> u64,
-    registry: &mut prometheus_client::registry::Registry,
-) {
+/// Writes the `kvtier_s3_*` metrics (per shard) of `shards` into a
+/// scrape; `queued(i)` is shard `i`'s write-behind queue length now.
+pub(crate) fn register_metrics(shards: &[std::sync::Arc<ShardCounters>], queued: &dyn Fn(usize) -> u64, registry: &mut Scrape<'_>) {
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::gauge::Gauge;
@@ -218,17 +224,13 @@ pub(crate) fn register_metrics(
         }
         registry.register(name, help, family);
     }
-    let latency = Family::<OpQuantileLabel, Gauge>::default();
+    let mut latency = HistogramFamily::default();
     for (op, h) in [("read", 0), ("upload", 1), ("exists", 2)] {
-        let mut merged = latency_histogram();
+        let mut merged = LatencyBuckets::default();
         for s in shards {
-            let hist = [&s.read_us, &s.upload_us, &s.exists_us][h].lock().expect("histogram lock");
-            let _ = merged.add(&*hist);
+            merged.add(&[&s.read_us, &s.upload_us, &s.exists_us][h].buckets.load());
         }
-        for q in ["0.5", "0.99"] {
-            let v = if merged.is_empty() { 0 } else { merged.value_at_quantile(q.parse().expect("quantile")) };
-            latency.get_or_create(&OpQuantileLabel { op: op.into(), quantile: q.into() }).set(v as i64);
-        }
+        latency.series.push((OpLabel { op: op.into() }, merged));
     }
-    registry.register("s3_latency_us", "S3 read, upload and existence-check latency percentiles in microseconds", latency);
+    registry.register("s3_request_duration_seconds", "S3 read, upload and existence-check latency, in seconds, by op", latency);
 }

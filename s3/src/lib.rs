@@ -253,7 +253,7 @@ impl Remote for S3Tier {
         })
     }
 
-    fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+    fn register_metrics(&self, registry: &mut kvtier_engine::latency::Scrape<'_>) {
         counters::register_metrics(&self.shards, &|i| self.queued(i), registry);
     }
 

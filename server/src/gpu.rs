@@ -107,7 +107,7 @@ impl GpuArgs {
 /// `kvtier_gpu_allocated_bytes`, and the fault counters
 /// `kvtier_gpu_copy_errors_total`, `kvtier_gpu_out_of_memory_total`,
 /// `kvtier_gpu_corrupt_blocks_total`, `kvtier_gpu_blocks_lost_total`.
-pub fn register_metrics(registry: &mut prometheus_client::registry::Registry, tiers: &[kvtier_engine::TierStats]) {
+pub fn register_metrics(registry: &mut kvtier_engine::latency::Scrape<'_>, tiers: &[kvtier_engine::TierStats]) {
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::gauge::Gauge;
     let Some(g) = tiers.iter().find_map(|t| t.gpu.as_ref()) else { return };

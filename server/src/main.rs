@@ -589,6 +589,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
         http: metrics::RequestStats::new(config.shards, &metrics::HTTP_ROUTE_NAMES),
+        metrics: Default::default(),
         idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
         header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
         body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),

@@ -49,6 +49,8 @@ pub use admin::{owners_json, watch_reloads};
 
 /// Everything a request handler needs, one per shard.
 pub struct Ctx {
+    /// The process's Prometheus registry (`GET /metrics`).
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// This shard's store handle.
     pub store: Rc<Store>,
     /// Bearer token every request must carry, when set.
@@ -187,6 +189,12 @@ pub enum Plan {
     /// token, 405 wrong method, 404 no route); the body of a PUT refused
     /// for its token is still drained first (`refuse_put`).
     Refuse(Reply),
+    /// A probe without a valid token on a server that needs one:
+    /// [`Route::Healthz`] answers as always, [`Route::Readyz`] with its
+    /// status code and status only. Neither names a tenant, a key or a
+    /// tier's reason, so a kubelet or load balancer needs no secret
+    /// (as etcd's, MinIO's and Vault's health endpoints).
+    Probe(Route),
 }
 
 /// Routes a request: the header-size limit (HTTP/1; HTTP/2 enforces its
@@ -212,16 +220,21 @@ pub fn plan(method: &Method, path: &str, version: Version, headers: &HeaderMap, 
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         Plan::Refuse(r)
     };
+    let route = route_of(method, path);
+    // Without a valid token, the liveness and readiness probes still answer.
+    let anonymous = || match route {
+        Route::Healthz | Route::Readyz => Plan::Probe(route),
+        _ => unauthorized(),
+    };
     let caller: Caller = match auth {
         Auth::Open => None,
         Auth::Token(token) if authorized(headers, token) => None,
-        Auth::Token(_) => return unauthorized(),
+        Auth::Token(_) => return anonymous(),
         Auth::Tenants(table) => match bearer(headers).and_then(|t| table.by_token(t)) {
             Some(t) => Some(t.clone()),
-            None => return unauthorized(),
+            None => return anonymous(),
         },
     };
-    let route = route_of(method, path);
     if route.is_admin() && caller.as_ref().is_some_and(|t| !t.admin) {
         return Plan::Refuse(error(
             StatusCode::FORBIDDEN,
@@ -283,6 +296,12 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
         }
         Plan::Refuse(r) if r.status() == StatusCode::FORBIDDEN && req.method() == Method::PUT => refuse_put(ctx, req, r).await,
         Plan::Refuse(r) => r,
+        Plan::Probe(Route::Readyz) => {
+            let full = readyz(ctx).await;
+            let status = full.status();
+            json_reply(status, &json!({ "status": if status == StatusCode::OK { "ready" } else { "not_ready" } }))
+        }
+        Plan::Probe(_) => healthz(ctx),
         Plan::Handle(route @ (Route::PutBlock | Route::GetBlock | Route::HeadBlock | Route::DeleteBlock), key, caller) => {
             // The key as the caller's tenant stores it (tenants.rs), once
             // for every block route.
@@ -305,8 +324,8 @@ async fn dispatch(ctx: &Ctx, req: Request<Incoming>) -> Reply {
                 Route::Lookup => lookup(ctx, caller, req).await,
                 Route::Prefetch => prefetch(ctx, caller, req).await,
                 Route::Stats => stats(ctx, caller).await,
-                Route::Metrics => metrics(ctx).await,
-                Route::Healthz => json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()})),
+                Route::Metrics => metrics(ctx, req.headers()).await,
+                Route::Healthz => healthz(ctx),
                 Route::Readyz => readyz(ctx).await,
                 Route::AdminTrace | Route::AdminTraceStart | Route::AdminTraceStop => admin_trace(ctx, route).await,
                 Route::AdminTenants => admin::tenants(ctx).await,
@@ -636,6 +655,12 @@ async fn prefetch(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) ->
 /// log cannot be written (a PUT would fail, or in write-back lose its
 /// block); 200 otherwise, naming the degraded tiers (they cost misses or
 /// refusals, not correctness). Each tier's state, reason and since when.
+/// `GET /healthz`: the process serves (liveness). Open to probes without
+/// a token.
+fn healthz(ctx: &Ctx) -> Reply {
+    json_reply(StatusCode::OK, &json!({"status": "ok", "shards": ctx.store.shards()}))
+}
+
 async fn readyz(ctx: &Ctx) -> Reply {
     let health = match ctx.store.health().await {
         Ok(h) => h,
@@ -699,7 +724,8 @@ async fn stats(ctx: &Ctx, caller: Option<&Tenant>) -> Reply {
             "corrupt_blocks": sum(|s| s.corrupt_blocks),
             "disk_full_refusals": sum(|s| s.disk_full_refusals),
             "io_queue_refusals": sum(|s| s.io_queue_refusals),
-            "put_bytes_refusals": ctx.http.put_bytes_refusals(),
+            // Both front doors' refusals (one budget per shard).
+            "put_bytes_refusals": ctx.http.put_bytes_refusals() + ctx.local.as_ref().map_or(0, |l| l.stats.put_bytes_refusals()),
             "invalid_headers_at_start": sum(|s| s.recovery.headers_invalid),
             "foreign_files_at_start": sum(|s| s.recovery.foreign_files),
             "truncated_segments_at_start": sum(|s| s.recovery.segments_truncated),
@@ -727,25 +753,29 @@ async fn stats(ctx: &Ctx, caller: Option<&Tenant>) -> Reply {
     json_reply(StatusCode::OK, &body)
 }
 
-async fn metrics(ctx: &Ctx) -> Reply {
+/// `GET /metrics`: OpenMetrics when the scraper's `Accept` asks for it (a
+/// Prometheus server does), else Prometheus' text format 0.0.4 (curl,
+/// `promtool check metrics`, older scrapers), as client_golang negotiates.
+async fn metrics(ctx: &Ctx, headers: &HeaderMap) -> Reply {
     let shards = match ctx.store.stats().await {
         Ok(s) => s,
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store.health_table(shards.iter().flat_map(|s| &s.health));
-    let text = crate::metrics::prometheus_text(&crate::metrics::Sources {
-        http: &ctx.http,
-        local: ctx.local.as_deref(),
-        engine: &shards,
-        geometry: ctx.store.geometry(),
-        remote: ctx.store.remote().map(|r| r.as_ref()),
-        health: &health,
-        trace: ctx.store.trace_status().as_ref(),
-        tenancy: ctx.tenancy.as_deref(),
-    });
+    let text = ctx.metrics.render(crate::metrics::EngineSnapshot { engine: shards, health, trace: ctx.store.trace_status() });
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim().starts_with("application/openmetrics-text")));
+    let (body, content_type) = if openmetrics {
+        (text, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+    } else {
+        (crate::metrics::openmetrics_to_text_0_0_4(&text), "text/plain; version=0.0.4; charset=utf-8")
+    };
     Response::builder()
         .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")
-        .body(ReplyBody::full(text))
+        .header(header::CONTENT_TYPE, content_type)
+        .body(ReplyBody::full(body))
         .expect("valid response")
 }

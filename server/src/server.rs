@@ -38,6 +38,9 @@ pub struct Shared {
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
     /// Request metrics of every shard.
     pub http: Arc<RequestStats>,
+    /// The Prometheus registry, built once by the first shard to serve
+    /// (every shard's store has the same geometry and remote tier).
+    pub metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
     /// The same-host data plane's socket, when on (`--local-socket`).
     pub local: Option<Arc<crate::local::LocalShared>>,
     /// Close a connection after this long without a request in flight.
@@ -158,7 +161,20 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             return;
         }
     }
+    let metrics = shared
+        .metrics
+        .get_or_init(|| {
+            crate::metrics::Metrics::new(crate::metrics::Parts {
+                http: shared.http.clone(),
+                local: shared.local.clone(),
+                geometry: store.geometry().clone(),
+                remote: store.remote().cloned(),
+                tenancy: shared.tenancy.clone(),
+            })
+        })
+        .clone();
     let ctx = Rc::new(Ctx {
+        metrics,
         store: store.clone(),
         auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
         tenancy: shared.tenancy.clone(),

@@ -118,7 +118,9 @@ async fn stats(server: &Server) -> Value {
 async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     let dir = tempfile::tempdir().unwrap();
     let fs = LoopFs::make(dir.path()).unwrap_or_else(|why| {
-        panic!("the full-disk test needs a loop-mounted ext4 image: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)")
+        panic!(
+            "the full-disk test needs a loop-mounted ext4 image: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)"
+        )
     });
     let filler = fs.mnt.join("filler");
     std::fs::write(&filler, vec![7u8; (FILLER_MIB << 20) as usize]).unwrap();

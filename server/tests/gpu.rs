@@ -67,7 +67,6 @@ fn driver_env(switches: &[(&str, &str)]) -> Vec<(String, String)> {
     env
 }
 
-
 fn gb(blocks: u64) -> String {
     ((blocks * BLOCK_BYTES) as f64 / (1u64 << 30) as f64).to_string()
 }

@@ -300,9 +300,24 @@ fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_st
     for (k, t) in key_list.iter().zip(&stored.body[4..]) {
         assert_eq!(*t != 0, !refused.contains(k), "{k}: stored exactly when not refused");
     }
+    // Counted in the socket's own series, not HTTP's (one budget per
+    // shard, two counters), and in the totals.
     let stats = stats_of(&server);
-    let refusals: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["put_bytes_refusals"].as_u64().unwrap()).sum();
-    assert_eq!(refusals, refused.len() as u64, "counted with HTTP's refusals (one budget per shard)");
+    let sum = |door: &str| -> u64 {
+        stats[door]["per_shard"].as_array().unwrap().iter().map(|s| s["put_bytes_refusals"].as_u64().unwrap()).sum()
+    };
+    assert_eq!((sum("local"), sum("http")), (refused.len() as u64, 0), "{stats}");
+    assert_eq!(stats["totals"]["put_bytes_refusals"], refused.len() as u64);
+    let metrics = common::exchange(
+        server.url.trim_start_matches("http://"),
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    let series = |name: &str| -> u64 {
+        metrics.lines().filter(|l| l.starts_with(name)).map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap()).sum()
+    };
+    assert_eq!(series("kvtier_local_put_bytes_refusals_total{"), refused.len() as u64, "{metrics}");
+    assert_eq!(series("kvtier_http_put_bytes_refusals_total{"), 0, "{metrics}");
 }
 
 #[test]

@@ -109,7 +109,12 @@ async fn blocks_put_on_one_node_are_read_looked_up_and_prefetched_on_others() {
     // Stats and metrics say what happened.
     let metrics = cc.send(Method::GET, "/metrics", ChunkedBody::default(), None).await.unwrap();
     let text = String::from_utf8(metrics.body.to_bytes().to_vec()).unwrap();
-    for name in ["kvtier_s3_uploads_done_total", "kvtier_s3_read_hits_total", "kvtier_s3_prefetched_total", "kvtier_s3_latency_us"] {
+    for name in [
+        "kvtier_s3_uploads_done_total",
+        "kvtier_s3_read_hits_total",
+        "kvtier_s3_prefetched_total",
+        "kvtier_s3_request_duration_seconds_bucket",
+    ] {
         assert!(text.contains(name), "{name} missing from /metrics");
     }
     let st = cc.stats().await.unwrap();

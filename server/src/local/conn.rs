@@ -648,7 +648,9 @@ async fn put_item(conn: &Conn, key: &str, parts: Vec<Part>, block_bytes: u64) ->
     let ctx = &conn.ctx;
     let held = ctx.put_inflight_bytes.get();
     if held > 0 && held + block_bytes > ctx.put_inflight_bytes_max {
-        ctx.http.shard(ctx.store.shard_id()).put_bytes_refusals.fetch_add(1, Ordering::Relaxed);
+        // The socket's own series (kvtier_local_put_bytes_refusals_total);
+        // the budget is the shard's, shared with HTTP.
+        conn.shared.stats.shard(ctx.store.shard_id()).put_bytes_refusals.fetch_add(1, Ordering::Relaxed);
         return (Code::Overloaded as i64, 0);
     }
     ctx.put_inflight_bytes.set(held + block_bytes);
