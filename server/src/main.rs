@@ -401,16 +401,18 @@ fn probe_port(probe: SocketAddr) -> PortState {
     }
 }
 
-/// Fails when a live server accepts connections on `addr`. A bind cannot
-/// tell: glommio binds with SO_REUSEPORT, which would share the port with a
-/// live kvtier, and a plain bind is refused by the previous run's
-/// connections still in TIME-WAIT (a restart right after a stop).
+/// Binds the block API's listening socket, once for every shard, with
+/// `SO_REUSEADDR` and without `SO_REUSEPORT`: the kernel then refuses the
+/// address to any other process while this one listens (a check before
+/// a shared bind could race with another start), and a restart right
+/// after a stop still binds past the old connections in TIME-WAIT.
 ///
-/// A listener that accepts but does not answer `GET /healthz` is the
-/// orphaned socket of a process that is gone (`kill -9`): wait up to
-/// [`ORPHAN_WAIT_MAX`] for it to close, so that no connection lands in its
-/// backlog once we listen beside it, then go ahead either way.
-fn port_is_free(addr: SocketAddr) -> Result<(), String> {
+/// While the address is in use: a listener that answers `GET /healthz`
+/// (anything, even 401) is a live server, refused at once; one that
+/// accepts but does not answer is the orphaned socket of a killed
+/// process (io_uring closes it within about a second): wait up to
+/// [`ORPHAN_WAIT_MAX`] for it to go, then refuse.
+fn bind_listener(addr: SocketAddr) -> Result<std::net::TcpListener, String> {
     let probe = match addr.ip() {
         ip if ip.is_unspecified() && addr.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
         ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
@@ -419,29 +421,47 @@ fn port_is_free(addr: SocketAddr) -> Result<(), String> {
     let started = std::time::Instant::now();
     let mut warned = false;
     loop {
-        match probe_port(probe) {
-            PortState::Free => {
+        let in_use = match try_bind(addr) {
+            Ok(listener) => {
                 if warned {
                     tracing::info!("the orphaned listener on {addr} closed after {} ms", started.elapsed().as_millis());
                 }
-                return Ok(());
+                return Ok(listener);
             }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => e,
+            Err(e) => return Err(e.to_string()),
+        };
+        match probe_port(probe) {
             PortState::Live => return Err("a server already accepts connections there and answers requests".into()),
-            PortState::Orphaned if started.elapsed() >= ORPHAN_WAIT_MAX => {
-                tracing::warn!("a listener on {addr} still accepts without answering after {ORPHAN_WAIT_MAX:?}; listening beside it");
-                return Ok(());
+            _ if started.elapsed() >= ORPHAN_WAIT_MAX => {
+                return Err(format!(
+                    "the address is still in use after {ORPHAN_WAIT_MAX:?} ({in_use}) by a socket that does not answer requests; \
+                     not listening beside it"
+                ))
             }
-            PortState::Orphaned => {
+            state => {
                 if !warned {
-                    tracing::warn!(
-                        "a listener on {addr} accepts connections but does not answer (a killed process's socket, closing); waiting for it"
-                    );
+                    let what = match state {
+                        PortState::Orphaned => "accepts connections but does not answer (a killed process's socket, closing)",
+                        _ => "is bound by a socket that does not accept connections",
+                    };
+                    tracing::warn!("a listener on {addr} {what}; waiting for it");
                     warned = true;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
         }
     }
+}
+
+/// One bind attempt: a TCP socket on `addr` with `SO_REUSEADDR`, listening
+/// with a backlog of 1024 (glommio's own).
+fn try_bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
 }
 
 /// How long each step of `kvtier serve`'s start-up took, logged once when
@@ -565,12 +585,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     steps.end("configuration");
     let _lock = lock_data_dir(&config.data_dir)?;
     steps.end("the data-directory lock");
-    // glommio binds with SO_REUSEPORT, which would silently share the port
-    // with another process: check first that nothing listens on it.
-    if args.listen.port() != 0 {
-        port_is_free(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
-        steps.end("the port check");
-    }
+    let listener = bind_listener(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
+    steps.end("the listening socket");
 
     let local = args.local.open(&config.data_dir, config.shards)?;
     if local.is_some() {
@@ -582,11 +598,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("installing signal handlers: {e}"))?;
     let (ready_tx, ready_rx) = mpsc::channel();
     let shared = Arc::new(server::Shared {
-        listen: args.listen,
+        listener,
         auth_token,
         tenancy: tenancy.clone(),
         shutdown: Default::default(),
-        bound: Mutex::new(None),
         ready: Mutex::new(ready_tx),
         http: metrics::RequestStats::new(config.shards, &metrics::HTTP_ROUTE_NAMES),
         metrics: Default::default(),

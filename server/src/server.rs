@@ -1,11 +1,11 @@
-//! The per-shard accept loop: every shard listens on the same port
-//! (glommio binds with `SO_REUSEPORT`, so the kernel spreads connections
-//! across shards) and serves HTTP/2 with prior knowledge or HTTP/1.1,
+//! The per-shard accept loop: every shard accepts on the one listening
+//! socket `kvtier serve` bound (each on a duplicate, from its own ring, so
+//! the kernel hands each connection to whichever shard waits) and serves HTTP/2 with prior knowledge or HTTP/1.1,
 //! detected per connection from the first bytes.
 
 use std::cell::Cell;
 use std::net::SocketAddr;
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -24,16 +24,15 @@ use crate::routes::{self, Ctx};
 
 /// State shared by the shards' accept loops and the main thread.
 pub struct Shared {
-    /// Address asked for (port 0 picks a free one).
-    pub listen: SocketAddr,
+    /// The block API's listening socket, bound once by `kvtier serve`
+    /// (port 0 picks a free one); each shard accepts on a duplicate.
+    pub listener: std::net::TcpListener,
     /// Bearer token, when auth is on.
     pub auth_token: Option<Arc<[u8]>>,
     /// Tenants (`--tenants`): callers, key scopes, quotas.
     pub tenancy: Option<Arc<crate::tenants::Tenancy>>,
     /// Set by the signal handler: stop accepting and drain.
     pub shutdown: AtomicBool,
-    /// The address shard 0 bound, which the other shards then bind too.
-    pub bound: Mutex<Option<Result<SocketAddr, String>>>,
     /// Each shard reports here once it accepts, or why it cannot.
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
     /// Request metrics of every shard.
@@ -121,33 +120,21 @@ pub fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
     b
 }
 
-/// Binds this shard's listener: shard 0 binds the requested address, the
-/// others bind the address shard 0 got (so port 0 works for tests).
-async fn bind(store: &Store, shared: &Shared) -> Result<TcpListener, String> {
-    if store.shard_id() == 0 {
-        let result = TcpListener::bind(shared.listen)
-            .map_err(|e| format!("cannot listen on {}: {e}", shared.listen))
-            .and_then(|l| l.local_addr().map(|a| (l, a)).map_err(|e| e.to_string()));
-        *shared.bound.lock().expect("bound lock") = Some(result.as_ref().map(|(_, a)| *a).map_err(Clone::clone));
-        return result.map(|(l, _)| l);
-    }
-    for _ in 0..10_000 {
-        let bound = shared.bound.lock().expect("bound lock").clone();
-        match bound {
-            Some(Ok(addr)) => {
-                return TcpListener::bind(addr).map_err(|e| format!("shard {} cannot listen on {addr}: {e}", store.shard_id()))
-            }
-            Some(Err(e)) => return Err(e),
-            None => glommio::timer::sleep(Duration::from_millis(1)).await,
-        }
-    }
-    Err("shard 0 did not bind within 10 s".into())
+/// This shard's listener: a duplicate of the one socket `kvtier serve`
+/// bound for every shard ([`Shared::listener`]), accepted from on this
+/// shard's ring. One socket, not one per shard with `SO_REUSEPORT`: the
+/// kernel then refuses any other process the address, where
+/// `SO_REUSEPORT` would let a second kvtier share it.
+fn shard_listener(shared: &Shared) -> Result<TcpListener, String> {
+    let fd = shared.listener.try_clone().map_err(|e| format!("cannot duplicate the listening socket: {e}"))?;
+    // SAFETY: a bound, listening TCP socket this shard now owns.
+    Ok(unsafe { TcpListener::from_raw_fd(fd.into_raw_fd()) })
 }
 
 /// Serves HTTP on this shard until shutdown is requested, then drains
 /// in-flight connections for up to [`limits::SHUTDOWN_GRACE`].
 pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
-    let listener = match bind(&store, &shared).await {
+    let listener = match shard_listener(&shared) {
         Ok(l) => l,
         Err(e) => {
             shared.report(Err(e));

@@ -277,6 +277,61 @@ fn refuses_unsafe_or_mismatched_starts_with_clear_messages() {
     first.stop();
 }
 
+/// Two servers started at once on one port (two data directories): the
+/// port is bound once, without `SO_REUSEPORT`, so exactly one serves and
+/// the other is refused at once, naming the port; none listens beside the
+/// other. A third on the same port and the winner's data directory is
+/// refused too. Every connection then reaches the one server.
+#[test]
+fn two_servers_on_one_port_never_share_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let args_for = |name: &str| {
+        let mut a = test_args(&dir.path().join(name));
+        common::set_flag(&mut a, "--listen", &format!("127.0.0.1:{port}"));
+        a
+    };
+    let (a, b) = (args_for("a"), args_for("b"));
+    let started = std::time::Instant::now();
+    let (ra, rb) = std::thread::scope(|s| {
+        let ta = s.spawn(|| try_start(&a));
+        let tb = s.spawn(|| try_start(&b));
+        (ta.join().unwrap(), tb.join().unwrap())
+    });
+    let (winner, refused) = match (ra, rb) {
+        (Ok(w), Err(r)) | (Err(r), Ok(w)) => (w, r),
+        (Ok(_), Ok(_)) => panic!("two servers listen on port {port}"),
+        (Err(a), Err(b)) => panic!("neither started: {a:?} {b:?}"),
+    };
+    assert!(started.elapsed() < std::time::Duration::from_secs(8), "the refusal took {:?}", started.elapsed());
+    assert!(refused.1.contains(&format!("cannot listen on 127.0.0.1:{port}")), "{}", refused.1);
+    let same_dir = {
+        let mut a = test_args(&winner.data_dir);
+        common::set_flag(&mut a, "--listen", &format!("127.0.0.1:{port}"));
+        a
+    };
+    let (_, stderr) = try_start(&same_dir).err().expect("a third server must be refused");
+    assert!(stderr.contains("in use"), "{stderr}");
+    // Every connection lands on the one server: each is counted there.
+    for _ in 0..8 {
+        let answer = common::exchange(
+            &format!("127.0.0.1:{port}"),
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            std::time::Duration::from_secs(5),
+        );
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let stats = common::exchange(
+        &format!("127.0.0.1:{port}"),
+        b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        std::time::Duration::from_secs(5),
+    );
+    let stats: serde_json::Value = serde_json::from_str(stats.split_once("\r\n\r\n").unwrap().1).unwrap();
+    let accepted: u64 = stats["http"]["per_shard"].as_array().unwrap().iter().map(|s| s["connections_total"].as_u64().unwrap()).sum();
+    assert!(accepted >= 9, "the server accepted {accepted} of the 9 connections: {stats}");
+    assert!(winner.stop().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_block_is_a_miss_and_fsck_names_it() {
     let dir = tempfile::tempdir().unwrap();
