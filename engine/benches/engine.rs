@@ -2,12 +2,26 @@
 //!
 //! `make bench` (= `cargo bench -p kvtier-engine --bench engine -- --bench`)
 //! measures whole-block PUTs and GETs through the engine (one shard, one
-//! executor, `O_DIRECT` through io_uring) and `fio --direct=1
-//! --ioengine=io_uring` random writes and reads at the same block size and
-//! queue depth on the same filesystem. Runs alternate engine and fio in
-//! `--pairs` pairs (the disk here swings up to 2× from minute to minute), and
-//! the report gives each pair's ratio and their median. JSON goes to
-//! `target/bench/engine.json`.
+//! executor, `O_DIRECT` through io_uring) against two `fio --direct=1
+//! --ioengine=io_uring` references on the same filesystem:
+//!
+//! - *same op* (the original column): `randwrite` / `randread` of one
+//!   block per request at the engine's queue depth.
+//! - *same bytes* (issue 43): fio's best form of the same work. PUTs: `rw=write`,
+//!   sequential whole blocks at the engine's queue depth, which is what the
+//!   log's appends are. GETs: each block read as the engine reads it, split
+//!   into its chunk-sized requests (1 MiB; a 1.2 MB block is 2 reads of
+//!   600 KiB, the same count) all in flight at once
+//!   (`READ_AHEAD_CHUNKS`, 16, in engine/src/shard/reader.rs), sequential
+//!   within a block and a random block after that (`rw=randread:N`), at
+//!   iodepth = queue depth × reads per block: the same bytes in flight as
+//!   the engine's GETs, where one block-size read at depth 1 has one
+//!   request in flight and leaves the device idle between them.
+//!
+//! The `best` ratio divides by the faster of the two in each pair. Runs
+//! alternate the engine and both fio references in `--pairs` pairs (the disk
+//! here swings up to 2× from minute to minute), and the report gives each
+//! pair's ratios and their medians. JSON goes to `target/bench/engine.json`.
 //!
 //! Bandwidth counts payload bytes only: the engine also writes a 4 KiB
 //! header per block, which this ratio charges against it.
@@ -46,11 +60,22 @@ struct Case {
     queue_depth: usize,
     op: &'static str,
     engine_bytes_per_s: Vec<f64>,
+    /// fio with the same op: randwrite / randread, one block per request
+    /// at `queue_depth` (the original reference).
     fio_bytes_per_s: Vec<f64>,
     ratios: Vec<f64>,
     ratio_median: f64,
     ratio_min: f64,
     ratio_max: f64,
+    /// fio's form of the same bytes ([`same_bytes`]), its command line
+    /// arguments, and the engine's ratios to it.
+    fio_same_bytes: String,
+    fio_same_bytes_bytes_per_s: Vec<f64>,
+    same_bytes_ratios: Vec<f64>,
+    same_bytes_ratio_median: f64,
+    /// Ratios to the faster fio reference of each pair.
+    best_ratios: Vec<f64>,
+    best_ratio_median: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -91,7 +116,28 @@ fn plan() -> Plan {
     }
 }
 
-/// Runs fio and returns bytes/s of `rw` (randwrite or randread).
+/// Reads of one block the engine keeps in flight: `READ_AHEAD_CHUNKS` in
+/// engine/src/shard/reader.rs (private there).
+const READ_AHEAD_CHUNKS: u64 = 16;
+
+/// fio's best form of the engine's work on blocks of `block_bytes` at
+/// `depth`: (rw, bs, iodepth). PUTs are the log's sequential appends:
+/// `write` of whole blocks. A GET reads its block as chunk-sized requests
+/// (`kvtier_engine::slot::chunk_bytes_for`), up to `READ_AHEAD_CHUNKS` in
+/// flight: the same count of equal requests (4 KiB multiples), sequential
+/// within a block (`randread:N`: a random offset every N reads), at the
+/// same bytes in flight.
+fn same_bytes(write: bool, block_bytes: u64, depth: usize) -> (String, u64, usize) {
+    if write {
+        return ("write".into(), block_bytes, depth);
+    }
+    let chunks = kvtier_engine::slot::chunk_count(block_bytes, kvtier_engine::slot::chunk_bytes_for(block_bytes)).max(1);
+    let bs = block_bytes.div_ceil(chunks).div_ceil(4096) * 4096;
+    let rw = if chunks > 1 { format!("randread:{chunks}") } else { "randread".into() };
+    (rw, bs, depth * chunks.min(READ_AHEAD_CHUNKS) as usize)
+}
+
+/// Runs fio and returns bytes/s of `rw` (write, randwrite, randread, ...).
 fn fio(file: &Path, rw: &str, block_bytes: u64, depth: usize, seconds: f64, size_bytes: u64) -> f64 {
     let out = Command::new("fio")
         .args([
@@ -213,21 +259,41 @@ fn main() {
                             ratio_median: 0.0,
                             ratio_min: 0.0,
                             ratio_max: 0.0,
+                            fio_same_bytes: String::new(),
+                            fio_same_bytes_bytes_per_s: vec![],
+                            same_bytes_ratios: vec![],
+                            same_bytes_ratio_median: 0.0,
+                            best_ratios: vec![],
+                            best_ratio_median: 0.0,
                         };
-                        for _ in 0..pairs {
+                        let (best_rw, best_bs, best_depth) = same_bytes(write, block_bytes, depth);
+                        case.fio_same_bytes = format!("--rw={best_rw} --bs={best_bs} --iodepth={best_depth}");
+                        for pair in 0..pairs {
                             let e = engine(&store, write, depth, seconds, &body, &written).await;
                             case.engine_bytes_per_s.push(e);
                             if fio_on {
                                 let rw = if write { "randwrite" } else { "randread" };
-                                let f = fio(&fio_file, rw, block_bytes, depth, seconds, store_bytes);
+                                // The two references alternate which goes first.
+                                let (f, b) = if pair % 2 == 0 {
+                                    let f = fio(&fio_file, rw, block_bytes, depth, seconds, store_bytes);
+                                    (f, fio(&fio_file, &best_rw, best_bs, best_depth, seconds, store_bytes))
+                                } else {
+                                    let b = fio(&fio_file, &best_rw, best_bs, best_depth, seconds, store_bytes);
+                                    (fio(&fio_file, rw, block_bytes, depth, seconds, store_bytes), b)
+                                };
                                 case.fio_bytes_per_s.push(f);
                                 case.ratios.push(e / f);
+                                case.fio_same_bytes_bytes_per_s.push(b);
+                                case.same_bytes_ratios.push(e / b);
+                                case.best_ratios.push(e / f.max(b));
                             }
                         }
                         if !case.ratios.is_empty() {
                             case.ratio_median = median(case.ratios.clone());
                             case.ratio_min = case.ratios.iter().cloned().fold(f64::MAX, f64::min);
                             case.ratio_max = case.ratios.iter().cloned().fold(0.0, f64::max);
+                            case.same_bytes_ratio_median = median(case.same_bytes_ratios.clone());
+                            case.best_ratio_median = median(case.best_ratios.clone());
                         }
                         assert!(case.engine_bytes_per_s.iter().all(|b| *b > 0.0), "engine moved no bytes");
                         cases.push(case);
@@ -241,17 +307,29 @@ fn main() {
         let _ = std::fs::remove_dir_all(&data_dir);
     }
     let _ = std::fs::remove_file(plan.dir.join("fio.dat"));
-    println!("{:>10} {:>3} {:>4} {:>12} {:>12} {:>7}  ratios", "block", "qd", "op", "engine MB/s", "fio MB/s", "median");
+    println!("same op: fio randwrite/randread, one block per request at depth qd (the original reference)");
+    println!("same bytes: fio write (sequential) / randread of chunk-sized requests, the same bytes in flight as the engine");
+    println!("best: the engine over the faster of the two in each pair");
+    println!(
+        "{:>10} {:>3} {:>4} {:>8} {:>8} {:>7} {:>8} {:>7} {:>6}  {:<36} ratios same op / same bytes",
+        "block", "qd", "op", "engine", "same op", "/op", "same by", "/bytes", "/best", "same bytes fio (MB/s columns)"
+    );
+    let round = |v: &[f64]| v.iter().map(|r| (r * 100.0).round() / 100.0).collect::<Vec<_>>();
     for c in &cases {
         println!(
-            "{:>10} {:>3} {:>4} {:>12.0} {:>12.0} {:>7.2}  {:?}",
+            "{:>10} {:>3} {:>4} {:>8.0} {:>8.0} {:>7.2} {:>8.0} {:>7.2} {:>6.2}  {:<36} {:?} / {:?}",
             c.block_bytes,
             c.queue_depth,
             c.op,
             median(c.engine_bytes_per_s.clone()) / 1e6,
             median(c.fio_bytes_per_s.clone()) / 1e6,
             c.ratio_median,
-            c.ratios.iter().map(|r| (r * 100.0).round() / 100.0).collect::<Vec<_>>()
+            median(c.fio_same_bytes_bytes_per_s.clone()) / 1e6,
+            c.same_bytes_ratio_median,
+            c.best_ratio_median,
+            c.fio_same_bytes,
+            round(&c.ratios),
+            round(&c.same_bytes_ratios),
         );
     }
     if let Some(out) = plan.out {
