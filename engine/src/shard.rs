@@ -9,7 +9,9 @@
 //!
 //! | file | role |
 //! |---|---|
-//! | `shard/append.rs` | the log's write path: slot and sequence number, one `O_DIRECT` write, the index; the next head segment |
+//! | `shard/config.rs` | a shard's settings, derived from the store's |
+//! | `shard/append.rs` | the log's write path: one `O_DIRECT` write of a slot, then the index |
+//! | `shard/slots.rs` | the log's slots and sequence numbers: the next slot, the next head segment, writes in flight, the survivors a reclaim hands over |
 //! | `shard/reclaim.rs` | reclaiming the oldest segment, second chance, moving survivors |
 //! | `shard/reader.rs` | the verified `O_DIRECT` reader: chunks read ahead, each CRC-checked before it is handed over |
 //! | `shard/snapshot.rs` | the index snapshot and what it covers |
@@ -22,7 +24,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
-use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,7 +34,6 @@ use glommio::sync::Semaphore;
 
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
-use crate::geometry::Geometry;
 use crate::index::Index;
 use crate::key::BlockHash;
 use crate::pool::BufferPool;
@@ -44,17 +44,20 @@ use crate::stream::BlockBody;
 use crate::tier::{Tier, TierCounters, WritePolicy};
 
 mod append;
+mod config;
 mod health;
 mod owners;
 mod placement;
 mod reader;
 mod reclaim;
 mod remote;
+mod slots;
 mod snapshot;
 mod stats;
 mod transit;
 mod waterfall;
 
+pub use config::ShardConfig;
 pub use owners::{owner_totals, OwnerCounters, OwnerShardStats};
 pub use remote::PutReport;
 use stats::Counters;
@@ -65,59 +68,6 @@ use transit::{Placed, Transits};
 /// How long reclaim sleeps between checks while it waits for reads and
 /// writes of a segment to drain (and reads wait for a compaction).
 const RECLAIM_POLL: Duration = Duration::from_micros(200);
-
-/// Settings of one shard, derived from the store's configuration.
-#[derive(Debug, Clone)]
-pub struct ShardConfig {
-    /// This shard's id, `0..shards`.
-    pub shard_id: u32,
-    /// `<data-dir>/shard-NNN`.
-    pub dir: PathBuf,
-    /// Block geometry.
-    pub geometry: Geometry,
-    /// Size of each segment file in bytes.
-    pub segment_bytes: u64,
-    /// Most segment files this shard may create (its share of `--disk-gb`).
-    pub segments_max: u32,
-    /// `fdatasync` after every write, for power-loss durability.
-    pub sync: bool,
-    /// Most block reads and writes in flight at once on this shard.
-    pub io_depth_max: usize,
-    /// Most client block I/Os waiting for one of those; past it a client
-    /// operation is refused ([`Error::Overloaded`]).
-    pub io_queue_max: usize,
-    /// Write an index snapshot this often (0: only at clean close).
-    pub snapshot_secs: u64,
-    /// Slots of the RAM tier (0: no RAM tier).
-    pub ram_blocks: u32,
-    /// When PUTs are acknowledged.
-    pub write_policy: WritePolicy,
-    /// Whether a read from NVMe promotes the block into RAM.
-    pub promote: bool,
-    /// The GPU tier above RAM (see [`crate::gpu`]).
-    pub gpu: crate::gpu::GpuConfig,
-    /// The remote tier below the log, shared by the process's shards (see
-    /// [`crate::remote`]).
-    pub remote: Option<Arc<dyn crate::remote::Remote>>,
-    /// An error keeps its tier `degraded` this long ([`crate::health`]).
-    pub health_window: Duration,
-    /// Shards in the store (quotas are split evenly over them).
-    pub shards: u32,
-    /// Block owners and their quotas at open ([`crate::tenant`]).
-    pub owners: Arc<crate::tenant::Owners>,
-}
-
-impl ShardConfig {
-    /// Bytes per slot for this geometry.
-    pub fn slot_bytes(&self) -> u64 {
-        slot::slot_bytes(self.geometry.block_bytes)
-    }
-
-    /// Slots that fit in one segment after its superblock.
-    pub fn slots_per_segment(&self) -> u32 {
-        ((self.segment_bytes.saturating_sub(PAGE_BYTES)) / self.slot_bytes()) as u32
-    }
-}
 
 /// Outcome of a successful PUT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -596,14 +546,5 @@ impl Shard {
                 Err(_) => tracing::warn!(shard = self.id(), "segment still in use at close"),
             }
         }
-    }
-}
-
-/// Counts a block read in `io_in_flight` until dropped.
-struct InFlightIo<'a>(&'a Cell<u64>);
-
-impl Drop for InFlightIo<'_> {
-    fn drop(&mut self) {
-        self.0.set(self.0.get() - 1);
     }
 }

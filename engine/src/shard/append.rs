@@ -1,8 +1,8 @@
 //! The log's write path: a slot and a sequence number for each record, one
 //! `O_DIRECT` write of the whole slot, then the index. The index changes
 //! only after the write completes, so a reader sees the old block or the new
-//! one, never a slot in flight. Rolling to a new head segment (a free one, a
-//! new file, or the oldest one reclaimed: `reclaim.rs`) happens here too.
+//! one, never a slot in flight. The slot and its sequence number come from
+//! `slots.rs`.
 
 use std::rc::Rc;
 use std::time::Instant;
@@ -10,27 +10,14 @@ use std::time::Instant;
 use bytes::Bytes;
 use glommio::io::DmaBuffer;
 
-use super::reclaim::Compaction;
+use super::slots::InFlightSeq;
 use super::{PutOutcome, Shard, RECLAIM_POLL};
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::segment::{self, InFlight, Segment};
+use crate::segment::InFlight;
 use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
-
-/// Removes a write's sequence number from the in-flight set when dropped.
-pub(super) struct InFlightSeq<'a> {
-    pub shard: &'a Shard,
-    pub seq: u64,
-}
-
-impl Drop for InFlightSeq<'_> {
-    fn drop(&mut self) {
-        let removed = self.shard.inflight.borrow_mut().remove(&self.seq);
-        debug_assert!(removed.is_some());
-    }
-}
 
 impl Shard {
     /// Writes a block to the log only. `chunks` together are exactly
@@ -128,143 +115,6 @@ impl Shard {
         Ok((entry, existed))
     }
 
-    /// Hands out the next slot of the head segment, rolling to a new head
-    /// (a free segment, a newly created one, or the oldest one reclaimed)
-    /// when it is full. The caller is counted as a writer of the returned
-    /// segment until it drops an [`InFlight::adopt`] guard of it.
-    ///
-    /// A reclaim that keeps survivors hands their copy to a task of its
-    /// own and releases the slot lock first: writers, the one that
-    /// triggered the reclaim included, take slots after the survivors'
-    /// while they move, each waiting only until the copy has read the old
-    /// slot it is about to overwrite (see [`Shard::append`]).
-    pub(super) async fn allocate_slot(&self) -> Result<(Rc<Segment>, u32, u64)> {
-        loop {
-            let compaction = {
-                let _lock = self.alloc_lock.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
-                match self.allocate_slot_locked().await? {
-                    Ok(slot) => return Ok(slot),
-                    Err(compaction) => compaction,
-                }
-            };
-            self.run_compaction(compaction).await;
-        }
-    }
-
-    /// [`Shard::allocate_slot`] under the slot lock: a slot, or the
-    /// survivors a reclaim left to move (the head is then that segment, with
-    /// their slots reserved).
-    pub(super) async fn allocate_slot_locked(&self) -> Result<std::result::Result<(Rc<Segment>, u32, u64), Compaction>> {
-        // Bounded: each pass either returns or installs a new head with free
-        // slots; the second pass always finds room.
-        for _ in 0..3 {
-            if let Some(id) = self.head.get() {
-                let segment = self.segment(id);
-                let used = segment.slots_used.get();
-                if used < self.slots_per_segment {
-                    segment.slots_used.set(used + 1);
-                    segment.writers.set(segment.writers.get() + 1);
-                    let seq = self.next_seq.get();
-                    self.next_seq.set(seq + 1);
-                    self.inflight.borrow_mut().insert(seq, (id, used));
-                    return Ok(Ok((segment, used, seq)));
-                }
-                self.sealed.borrow_mut().push_back(id);
-                self.head.set(None);
-            }
-            let (next, compaction) = self.next_head().await?;
-            self.head.set(Some(next));
-            if let Some(c) = compaction {
-                return Ok(Err(c));
-            }
-        }
-        unreachable!("a fresh head segment always has a free slot")
-    }
-
-    /// Finds the segment to append to next: a free one, else a new file if
-    /// the disk share allows, else the oldest sealed segment, reclaimed.
-    pub(super) async fn next_head(&self) -> Result<(u32, Option<Compaction>)> {
-        let free = self.free.borrow_mut().pop();
-        if let Some(id) = free {
-            let segment = self.segment(id);
-            segment.slots_used.set(0);
-            // A free segment starts a new life: a first_seq past the slots
-            // of its earlier life, and above the one the last snapshot saw
-            // it empty with, so a restart from that snapshot rescans it.
-            // When no sequence number was taken since that life began (its
-            // only writes never landed), one is skipped to make it so.
-            let first_seq = self.next_seq.get().max(segment.first_seq.get() + 1);
-            self.next_seq.set(first_seq);
-            segment.first_seq.set(first_seq);
-            segment.write_superblock(&self.superblock(id, first_seq)).await?;
-            return Ok((id, None));
-        }
-        let created = self.segments.borrow().len() as u32;
-        if created < self.cfg.segments_max {
-            match self.create_segment(created).await {
-                Ok(()) => {
-                    if self.fs_full.replace(false) {
-                        tracing::info!(shard = self.id(), "filesystem has room again: segment {created} created");
-                    }
-                    return Ok((created, None));
-                }
-                // The filesystem is full before our share is. Evicting the
-                // oldest blocks would shrink the cache below what the
-                // operator asked for without saying so: refuse the write
-                // (507) and keep every stored block, unless the oldest
-                // segment holds nothing live any more.
-                Err(Error::DiskFull(why)) => {
-                    let oldest = self.sealed.borrow().front().copied();
-                    let reusable = oldest.filter(|id| !self.index.borrow().iter().any(|(_, e)| e.segment == *id));
-                    let Some(id) = reusable else {
-                        bump(&self.counters.disk_full_refusals, 1);
-                        // Once per episode, not once per refused write.
-                        if !self.fs_full.replace(true) {
-                            tracing::warn!(
-                                shard = self.id(),
-                                "filesystem full: segment {created} not created ({why}); refusing writes with 507 until space frees"
-                            );
-                        }
-                        return Err(Error::DiskFull(format!(
-                            "the filesystem holding {} is full: shard {} could not add segment {created} of {} MiB ({why}); \
-                             every stored block stays readable. Free space on the filesystem, or restart with a --disk-gb \
-                             no larger than the space there so that the log reclaims its oldest segments",
-                            self.cfg.dir.display(),
-                            self.id(),
-                            self.cfg.segment_bytes >> 20,
-                        )));
-                    };
-                    tracing::warn!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
-                    self.sealed.borrow_mut().pop_front();
-                    let compaction = self.reclaim(id).await?;
-                    return Ok((id, compaction));
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let oldest = self.sealed.borrow_mut().pop_front();
-        match oldest {
-            Some(id) => {
-                let compaction = self.reclaim(id).await?;
-                Ok((id, compaction))
-            }
-            None => Err(Error::DiskFull("no segment can be created or reclaimed".into())),
-        }
-    }
-
-    pub(super) async fn create_segment(&self, id: u32) -> Result<()> {
-        let sb = self.superblock(id, self.next_seq.get());
-        let path = segment::create_file(&self.cfg.dir, &sb)?;
-        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment).await?;
-        let mut segments = self.segments.borrow_mut();
-        if segments.len() <= id as usize {
-            segments.resize(id as usize + 1, None);
-        }
-        segments[id as usize] = Some(Rc::new(segment));
-        tracing::debug!(shard = self.id(), segment = id, "created segment");
-        Ok(())
-    }
-
     /// A slot-sized DMA buffer: a pooled one, or a new one when the pool is
     /// empty. Its contents are whatever the last write left.
     pub(super) fn take_write_buffer(&self) -> DmaBuffer {
@@ -279,14 +129,5 @@ impl Shard {
                 pool.push(buf);
             }
         }
-    }
-
-    /// Records that `segment` holds a record with sequence number `seq`.
-    pub(crate) fn note_seq(&self, segment: u32, seq: u64) {
-        let mut max_seq = self.max_seq.borrow_mut();
-        if max_seq.len() <= segment as usize {
-            max_seq.resize(segment as usize + 1, 0);
-        }
-        max_seq[segment as usize] = max_seq[segment as usize].max(seq);
     }
 }

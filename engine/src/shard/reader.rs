@@ -3,6 +3,7 @@
 //! number, full key, the chunk's CRC-32) before it is handed over; a damaged
 //! block is dropped from the index and never served ([`crate::stream`]).
 
+use std::cell::Cell;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -10,7 +11,7 @@ use futures::channel::mpsc;
 use futures::stream::{FuturesOrdered, StreamExt};
 use glommio::io::ReadResult;
 
-use super::{InFlightIo, Shard, RECLAIM_POLL};
+use super::{Shard, RECLAIM_POLL};
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
@@ -311,5 +312,14 @@ fn send_held(tx: &mut mpsc::Sender<Result<Bytes>>, held: &mut Vec<Bytes>) {
         if tx.try_send(Ok(chunk)).is_err() {
             break;
         }
+    }
+}
+
+/// Counts a block read in `io_in_flight` until dropped.
+struct InFlightIo<'a>(&'a Cell<u64>);
+
+impl Drop for InFlightIo<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
     }
 }

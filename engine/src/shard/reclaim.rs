@@ -6,7 +6,7 @@
 
 use std::rc::Rc;
 
-use super::append::InFlightSeq;
+use super::slots::{Compaction, InFlightSeq};
 use super::{Shard, RECLAIM_POLL};
 use crate::counter::bump;
 use crate::error::Result;
@@ -20,17 +20,6 @@ use crate::tenant::{OwnerId, QuotaTier};
 /// chance, so every reclaim frees at least half a segment even when every
 /// block in it is hot.
 const SECOND_CHANCE_SHARE: u32 = 2;
-
-/// A reclaim's survivors, still to be moved into the first slots of the
-/// segment's new life ([`Shard::move_survivors`]).
-pub(super) struct Compaction {
-    segment: Rc<Segment>,
-    /// Sorted by old slot.
-    survivors: Vec<(BlockHash, Entry)>,
-    /// The new life's first sequence number, reserved with the next
-    /// `survivors.len()` for them.
-    first_seq: u64,
-}
 
 impl Shard {
     /// Starts moving a reclaim's survivors in a task of its own: no writer

@@ -1,0 +1,63 @@
+//! A shard's settings, derived from the store's configuration
+//! ([`crate::store::StoreConfig`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::geometry::Geometry;
+use crate::slot::{self, PAGE_BYTES};
+use crate::tier::WritePolicy;
+
+/// Settings of one shard, derived from the store's configuration.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// This shard's id, `0..shards`.
+    pub shard_id: u32,
+    /// `<data-dir>/shard-NNN`.
+    pub dir: PathBuf,
+    /// Block geometry.
+    pub geometry: Geometry,
+    /// Size of each segment file in bytes.
+    pub segment_bytes: u64,
+    /// Most segment files this shard may create (its share of `--disk-gb`).
+    pub segments_max: u32,
+    /// `fdatasync` after every write, for power-loss durability.
+    pub sync: bool,
+    /// Most block reads and writes in flight at once on this shard.
+    pub io_depth_max: usize,
+    /// Most client block I/Os waiting for one of those; past it a client
+    /// operation is refused ([`Error::Overloaded`]).
+    pub io_queue_max: usize,
+    /// Write an index snapshot this often (0: only at clean close).
+    pub snapshot_secs: u64,
+    /// Slots of the RAM tier (0: no RAM tier).
+    pub ram_blocks: u32,
+    /// When PUTs are acknowledged.
+    pub write_policy: WritePolicy,
+    /// Whether a read from NVMe promotes the block into RAM.
+    pub promote: bool,
+    /// The GPU tier above RAM (see [`crate::gpu`]).
+    pub gpu: crate::gpu::GpuConfig,
+    /// The remote tier below the log, shared by the process's shards (see
+    /// [`crate::remote`]).
+    pub remote: Option<Arc<dyn crate::remote::Remote>>,
+    /// An error keeps its tier `degraded` this long ([`crate::health`]).
+    pub health_window: Duration,
+    /// Shards in the store (quotas are split evenly over them).
+    pub shards: u32,
+    /// Block owners and their quotas at open ([`crate::tenant`]).
+    pub owners: Arc<crate::tenant::Owners>,
+}
+
+impl ShardConfig {
+    /// Bytes per slot for this geometry.
+    pub fn slot_bytes(&self) -> u64 {
+        slot::slot_bytes(self.geometry.block_bytes)
+    }
+
+    /// Slots that fit in one segment after its superblock.
+    pub fn slots_per_segment(&self) -> u32 {
+        ((self.segment_bytes.saturating_sub(PAGE_BYTES)) / self.slot_bytes()) as u32
+    }
+}
