@@ -32,14 +32,21 @@
 # - RAM tier: `kvtier-http-reference`, a bare hyper-on-glommio block server
 #   (blocks in a map, same executors and HTTP settings as kvtier; see its
 #   --help), serving beside kvtier: the same cases against it give kvtier's
-#   cost per request beyond HTTP as a ratio (column /ref).
+#   cost per request beyond HTTP as a ratio (column /ref). Since issue 43
+#   each of its executors answers GETs from a map of its own (no lock
+#   another executor's GETs take); before, one RwLock'd map was shared.
+#
+# REFERENCE_BEFORE=path/to/old/kvtier-http-reference (optional): an older
+# reference, serving beside the new one on the RAM tier and measured in the
+# same pairs (GETs only), as column /refold (the new reference's own row
+# gives new/old).
 #
 # KVTIER_BEFORE=path/to/kvtier (optional): an older build, serving beside
 # this one and measured in the same pairs (GETs only), for a before/after
 # table.
 #
 # Settings (environment): SIZES, RAM_GB_LIST, CONCURRENCY, PAIRS,
-# SECONDS_PER, OUT, KVTIER_BEFORE, SHARDS.
+# SECONDS_PER, OUT, KVTIER_BEFORE, REFERENCE_BEFORE, SHARDS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SIZES=${SIZES:-"1228800 16777216"}
@@ -49,6 +56,7 @@ PAIRS=${PAIRS:-3}
 SECONDS_PER=${SECONDS_PER:-5}
 OUT=${OUT:-target/bench/http}
 KVTIER_BEFORE=${KVTIER_BEFORE:-}
+REFERENCE_BEFORE=${REFERENCE_BEFORE:-}
 SHARDS=${SHARDS:-2}
 BIN=target/release
 IPERF_PORT=5299
@@ -91,9 +99,10 @@ start_server() {
   await_url "$OUT/serve-$4.out"
 }
 
-# Starts the reference server ($1: block bytes, $2: log name); sets $url.
+# Starts the reference server ($1: block bytes, $2: log name, $3: binary,
+# $BIN/kvtier-http-reference if none); sets $url.
 start_reference() {
-  $BIN/kvtier-http-reference --listen 127.0.0.1:0 --block-bytes "$1" --shards "$SHARDS" --capacity-mib 2048 \
+  "${3:-$BIN/kvtier-http-reference}" --listen 127.0.0.1:0 --block-bytes "$1" --shards "$SHARDS" --capacity-mib 2048 \
     >"$OUT/serve-$2.out" 2>"$OUT/serve-$2.err" &
   PIDS+=($!)
   await_url "$OUT/serve-$2.out"
@@ -166,6 +175,10 @@ for ram in $RAM_GB_LIST; do
   if [ "$tier" = ram ]; then
     start_reference "$size" "$size-reference"; urls[reference]=$url
     variants="$variants reference"
+    if [ -n "$REFERENCE_BEFORE" ]; then
+      start_reference "$size" "$size-refbefore" "$REFERENCE_BEFORE"; urls[refbefore]=$url
+      variants="$variants refbefore"
+    fi
     remote_blocks=$(( (1 << 30) / size ))
   else
     remote_blocks=$(( (2 << 30) / size ))
@@ -195,7 +208,7 @@ for ram in $RAM_GB_LIST; do
       for proto in h2c http1; do
         flag=""; [ $proto = http1 ] && flag="--http1"
         for variant in $variants; do
-          ops="put get"; [ "$variant" = before ] && ops=get
+          ops="put get"; { [ "$variant" = before ] || [ "$variant" = refbefore ]; } && ops=get
           for op in $ops; do
             $BIN/kvtier-loadgen blocks --target "${urls[$variant]}" --op $op --concurrency "$c" --duration-s "$SECONDS_PER" $flag \
               --out "$OUT/case-$size-$tier-$proto-$c-$op-$pair-$variant" | tee -a "$OUT/log.txt"
@@ -231,25 +244,30 @@ for f in glob.glob(f"{out}/case-*/results.json"):
 cases = {}
 for (size, tier, proto, c, op, pair, variant), r in runs.items():
     ref = runs.get((size, tier, proto, c, op, pair, "reference"))
+    refold = runs.get((size, tier, proto, c, op, pair, "refbefore"))
     cases.setdefault((int(size), tier, proto, int(c), op, variant), []).append(dict(
         kvtier=r["bytes_per_s"], iperf3=iperf[(size, tier, pair)], fio=fio.get((size, c, pair)) if tier == "nvme" else None,
-        ref=ref["bytes_per_s"] if ref and variant != "reference" else None,
+        ref=ref["bytes_per_s"] if ref and variant not in ("reference", "refbefore") else None,
+        refold=refold["bytes_per_s"] if refold and variant != "refbefore" else None,
         p50_us=r["latency"]["p50_us"], p99_us=r["latency"]["p99_us"], mean_us=r["latency"].get("mean_us"), errors=r["errors"]))
 med = statistics.median
 rows = []
 print("client: h2c/http1 = loadgen; h2load = one h2c connection of `conc` streams; "
       "h2conns/h1conns = h2load, `conc` connections of one request (h2c / HTTP/1.1) over random keys")
-print("/fio: NVMe tier against fio randread over a 2 GiB file; /ref: RAM tier against kvtier-http-reference")
-print(f"{'block':>10} {'tier':>5} {'client':>7} {'conc':>4} {'op':>4} {'server':>9} {'MB/s':>7} {'/iperf3':>8} {'/fio':>6} {'/ref':>6}  range       {'p50 ms':>7} {'p99 ms':>7}")
+print("/fio: NVMe tier against fio randread over a 2 GiB file; /ref: RAM tier against kvtier-http-reference"
+      " (per-executor maps); /refold: against REFERENCE_BEFORE (one shared RwLock'd map), when given")
+print(f"{'block':>10} {'tier':>5} {'client':>7} {'conc':>4} {'op':>4} {'server':>9} {'MB/s':>7} {'/iperf3':>8} {'/fio':>6} {'/ref':>6} {'/refold':>7}  range       {'p50 ms':>7} {'p99 ms':>7}")
 for (size, tier, proto, c, op, variant), v in sorted(cases.items()):
     vs_iperf = [x["kvtier"] / x["iperf3"] for x in v]
     vs_fio = [x["kvtier"] / x["fio"] for x in v if x["fio"]]
     vs_ref = [x["kvtier"] / x["ref"] for x in v if x["ref"]]
+    vs_refold = [x["kvtier"] / x["refold"] for x in v if x["refold"]]
     row = dict(block_bytes=size, tier=tier, client=proto, concurrency=c, op=op, build=variant,
                bytes_per_s=[x["kvtier"] for x in v], iperf3_bytes_per_s=[x["iperf3"] for x in v],
                fio_bytes_per_s=[x["fio"] for x in v if x["fio"]], reference_bytes_per_s=[x["ref"] for x in v if x["ref"]],
                ratios=vs_iperf, ratio_median=med(vs_iperf), fio_ratios=vs_fio, fio_ratio_median=med(vs_fio) if vs_fio else None,
                reference_ratios=vs_ref, reference_ratio_median=med(vs_ref) if vs_ref else None,
+               reference_before_ratios=vs_refold, reference_before_ratio_median=med(vs_refold) if vs_refold else None,
                errors=sum(x["errors"] for x in v))
     if v[0]["p50_us"] is None:  # h2load: mean request time only
         row.update(mean_us_median=med(x["mean_us"] for x in v), p50_us_median=None, p99_us_median=None)
@@ -258,9 +276,10 @@ for (size, tier, proto, c, op, variant), v in sorted(cases.items()):
         row.update(p50_us_median=med(x["p50_us"] for x in v), p99_us_median=med(x["p99_us"] for x in v))
         lat = f"{row['p50_us_median']/1000:>7.1f} {row['p99_us_median']/1000:>7.1f}"
     rows.append(row)
-    spread = vs_fio or vs_ref
+    spread = vs_fio or vs_ref or vs_refold
     fio_col = f"{row['fio_ratio_median']:>6.2f}" if vs_fio else f"{'':>6}"
     ref_col = f"{row['reference_ratio_median']:>6.2f}" if vs_ref else f"{'':>6}"
+    ref_col += f" {row['reference_before_ratio_median']:>7.2f}" if vs_refold else f" {'':>7}"
     rng = f"{min(spread):.2f}-{max(spread):.2f}" if spread else ""
     print(f"{size:>10} {tier:>5} {proto:>7} {c:>4} {op:>4} {variant:>9} {med(row['bytes_per_s'])/1e6:>7.0f} "
           f"{row['ratio_median']:>8.2f} {fio_col} {ref_col}  {rng:<11} {lat}")
