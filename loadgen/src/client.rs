@@ -22,13 +22,7 @@ use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::Value;
 
-/// Times a request refused with 503 and `Retry-After` (server overload) is
-/// sent again, after the delay the server asked for, before the refusal is
-/// returned as an error.
-pub const OVERLOAD_RETRIES_MAX: u32 = 8;
-
-/// Longest `Retry-After` honoured; a longer one is cut to this.
-pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(10);
+use crate::retry::OverloadRetry;
 
 /// SETTINGS_MAX_FRAME_SIZE this client advertises: 1 MiB.
 pub const H2_FRAME_BYTES_MAX: u32 = 1 << 20;
@@ -345,8 +339,10 @@ impl Client {
 
     /// Sends a request like [`Client::send`]; a 503 with `Retry-After`
     /// (kvtier's backpressure) is counted in [`Client::refusals`] and sent
-    /// again after that delay (at most [`RETRY_AFTER_MAX`]), up to
-    /// [`OVERLOAD_RETRIES_MAX`] times; the last answer is returned.
+    /// again after that delay, as [`OverloadRetry`] says (at most
+    /// [`RETRY_AFTER_MAX`](crate::retry::RETRY_AFTER_MAX), up to
+    /// [`OVERLOAD_RETRIES_MAX`](crate::retry::OVERLOAD_RETRIES_MAX) times);
+    /// the last answer is returned.
     ///
     /// # Errors
     /// As [`Client::send`].
@@ -357,17 +353,15 @@ impl Client {
         chunks: Vec<Bytes>,
         content_type: Option<&str>,
     ) -> Result<Answer, ClientError> {
-        let mut retries = 0;
+        let mut retry = OverloadRetry::new();
         loop {
             let a = self.send(method.clone(), path, ChunkedBody::new(chunks.clone()), content_type).await?;
             match a.retry_after {
                 Some(delay) if a.status == StatusCode::SERVICE_UNAVAILABLE => {
                     self.refusals.fetch_add(1, Ordering::Relaxed);
-                    if retries == OVERLOAD_RETRIES_MAX {
+                    if !retry.wait(delay).await {
                         return Ok(a);
                     }
-                    retries += 1;
-                    tokio::time::sleep(delay.min(RETRY_AFTER_MAX)).await;
                 }
                 _ => return Ok(a),
             }

@@ -21,6 +21,7 @@ pub mod oracle;
 pub mod payload;
 pub mod replay;
 pub mod report;
+pub mod retry;
 pub mod server_process;
 pub mod sharegpt;
 pub mod size;

@@ -40,7 +40,8 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::client::{BodyChunks, Client, OVERLOAD_RETRIES_MAX, RETRY_AFTER_MAX};
+use crate::client::{BodyChunks, Client};
+use crate::retry::OverloadRetry;
 
 mod wire;
 
@@ -683,9 +684,11 @@ impl LocalTarget {
 
     /// `PUT_FROM` of one block: `chunks` (a whole block) are copied into a
     /// free slot, then stored from there. An item answered `OVERLOADED` is
-    /// sent again after the response's `retry_after_ms` (at most
-    /// [`RETRY_AFTER_MAX`], up to [`OVERLOAD_RETRIES_MAX`] times). Returns
-    /// whether the key was new.
+    /// sent again after the response's `retry_after_ms`, as
+    /// [`OverloadRetry`] says (at most
+    /// [`RETRY_AFTER_MAX`](crate::retry::RETRY_AFTER_MAX), up to
+    /// [`OVERLOAD_RETRIES_MAX`](crate::retry::OVERLOAD_RETRIES_MAX) times).
+    /// Returns whether the key was new.
     ///
     /// # Errors
     /// [`LocalError::Request`] when the chunks are not one block;
@@ -703,17 +706,16 @@ impl LocalTarget {
         let (conn, offset) = (&self.conns[slot.slot().conn], slot.slot().offset);
         slot.fill(chunks);
         let payload = encode_items(&[(conn.handle, offset, total as u64, key)]);
-        let mut retries = 0;
+        let mut retry = OverloadRetry::new();
         loop {
             let reply = conn.call(Op::PutFrom, &payload).await?;
             let (result, created) = decode_results(Op::PutFrom, &reply.body, 1)?[0];
             match result {
                 r if r >= 0 => return Ok(created == 1),
-                OVERLOADED if retries < OVERLOAD_RETRIES_MAX => {
+                // Counted only when retried: a refusal that stands is an error.
+                OVERLOADED if !retry.exhausted() => {
                     self.refusals.fetch_add(1, Ordering::Relaxed);
-                    retries += 1;
-                    let wait = Duration::from_millis(u64::from(reply.retry_after_ms).max(1)).min(RETRY_AFTER_MAX);
-                    tokio::time::sleep(wait).await;
+                    retry.wait(Duration::from_millis(u64::from(reply.retry_after_ms).max(1))).await;
                 }
                 code => return Err(LocalError::Item { op: "PUT_FROM", key: key.to_string(), code, name: code_name(code) }),
             }
