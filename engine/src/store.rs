@@ -6,8 +6,9 @@
 //! shards, then runs the caller's `serve` future (the HTTP server) with a
 //! [`Store`] handle. An operation on a key another shard owns travels to the
 //! owner over the mesh as a message carrying `Bytes` handles (no payload
-//! copy); the answer comes back on a oneshot channel, whose cross-thread wake
-//! glommio delivers through the owner executor's notifier.
+//! copy); the answer comes back on a oneshot channel typed by the operation
+//! (`store/mesh.rs`), whose cross-thread wake glommio delivers through the
+//! owner executor's notifier.
 
 use std::future::Future;
 use std::rc::Rc;
@@ -37,40 +38,10 @@ use crate::trace::{ShardTrace, TraceOp, TraceStatus, TraceTier};
 /// How often each shard evaluates its tiers' health (and logs a change).
 const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Messages queued per shard pair before a sender waits.
-const MESH_QUEUE_DEPTH: usize = 1024;
-
 mod config;
+mod mesh;
 pub use config::*;
-
-/// An operation sent to the owning shard.
-enum Op {
-    Put { key: String, hash: BlockHash, chunks: Vec<Bytes> },
-    Get { key: String, hash: BlockHash },
-    GetInto { key: String, hash: BlockHash, sink: Arc<dyn BlockSink> },
-    Delete { key: String, hash: BlockHash },
-    Contains { hashes: Vec<BlockHash> },
-    RemoteExists { keys: Vec<String> },
-    Prefetch { keys: Vec<(String, BlockHash)> },
-    Stats,
-    Health,
-    TraceFlush,
-    SetOwners(Arc<Owners>),
-}
-
-enum Reply {
-    Put(Result<PutReport>),
-    Get(Result<(BlockBody, Tier)>),
-    GetInto(Result<(u64, Tier)>),
-    Delete(Result<()>),
-    Contains(Vec<Option<Tier>>),
-    RemoteExists(Vec<Option<bool>>),
-    Prefetch(PrefetchReport),
-    Stats(Box<ShardStats>),
-    Health(Vec<TierHealth>),
-    TraceFlushed,
-    OwnersSet,
-}
+use mesh::{copy_block, execute, start_prefetch, Reply, Request, MESH_QUEUE_DEPTH};
 
 /// What a prefetch started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -80,11 +51,6 @@ pub struct PrefetchReport {
     /// Keys not stored locally, being copied from the remote tier (those it
     /// holds); 0 without a remote tier.
     pub remote_requested: usize,
-}
-
-struct Request {
-    op: Op,
-    reply: oneshot::Sender<Reply>,
 }
 
 /// A block read back.
@@ -134,10 +100,16 @@ impl Store {
         self.remote.as_ref()
     }
 
-    async fn forward(&self, owner: usize, op: Op) -> Result<Reply> {
+    /// Sends `request(reply)` to shard `owner` and waits for the answer on
+    /// `reply`, typed by the operation.
+    ///
+    /// # Errors
+    /// [`Error::ShuttingDown`] when the owner no longer takes requests or
+    /// dropped this one unanswered.
+    async fn forward<T>(&self, owner: usize, request: impl FnOnce(Reply<T>) -> Request) -> Result<T> {
         self.shard.count_forwarded();
         let (reply, answer) = oneshot::channel();
-        self.senders.send_to(owner, Request { op, reply }).await.map_err(|_| Error::ShuttingDown)?;
+        self.senders.send_to(owner, request(reply)).await.map_err(|_| Error::ShuttingDown)?;
         answer.await.map_err(|_| Error::ShuttingDown)
     }
 
@@ -167,10 +139,7 @@ impl Store {
         let put = if owner == self.shard_id() {
             self.shard.put_block(key, hash, &chunks).await
         } else {
-            match self.forward(owner, Op::Put { key: key.to_string(), hash, chunks }).await? {
-                Reply::Put(r) => r,
-                _ => unreachable!("put answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::Put { key: key.to_string(), hash, chunks, reply }).await?
         };
         if put.is_ok() {
             self.trace(TraceOp::Put, [(hash, TraceTier::None)]);
@@ -236,10 +205,7 @@ impl Store {
         let read = if owner == self.shard_id() {
             self.shard.get(key, hash, true).await
         } else {
-            match self.forward(owner, Op::Get { key: key.to_string(), hash }).await? {
-                Reply::Get(r) => r,
-                _ => unreachable!("get answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::Get { key: key.to_string(), hash, reply }).await?
         };
         self.trace_read(hash, &read);
         read
@@ -261,10 +227,7 @@ impl Store {
         let read = if owner == self.shard_id() {
             copy_block(&self.shard, key, hash, &*sink).await
         } else {
-            match self.forward(owner, Op::GetInto { key: key.to_string(), hash, sink }).await? {
-                Reply::GetInto(r) => r,
-                _ => unreachable!("get_into answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::GetInto { key: key.to_string(), hash, sink, reply }).await?
         };
         self.trace_read(hash, &read);
         read
@@ -283,10 +246,7 @@ impl Store {
         let deleted = if owner == self.shard_id() {
             self.shard.delete_block(key, hash).await
         } else {
-            match self.forward(owner, Op::Delete { key: key.to_string(), hash }).await? {
-                Reply::Delete(r) => r,
-                _ => unreachable!("delete answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::Delete { key: key.to_string(), hash, reply }).await?
         };
         match &deleted {
             Ok(()) => self.trace(TraceOp::Delete, [(hash, TraceTier::None)]),
@@ -310,10 +270,7 @@ impl Store {
             if owner == self.shard_id() {
                 return Ok(hashes.iter().map(|h| self.shard.contains(h)).collect());
             }
-            match self.forward(owner, Op::Contains { hashes }).await? {
-                Reply::Contains(v) => Ok(v),
-                _ => unreachable!("contains answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::Contains { hashes, reply }).await
         })
         .await
     }
@@ -429,10 +386,7 @@ impl Store {
                 return Ok(self.shard.remote_exists_many(&mine).await);
             }
             let keys = mine.iter().map(|(i, _)| keys[*i].to_string()).collect();
-            match self.forward(owner, Op::RemoteExists { keys }).await? {
-                Reply::RemoteExists(v) => Ok(v),
-                _ => unreachable!("remote exists answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::RemoteExists { keys, reply }).await
         })
         .await
     }
@@ -457,10 +411,7 @@ impl Store {
             if owner == self.shard_id() {
                 return Ok(start_prefetch(&self.shard, keys, parallelism));
             }
-            match self.forward(owner, Op::Prefetch { keys }).await? {
-                Reply::Prefetch(n) => Ok(n),
-                _ => unreachable!("prefetch answered with another reply"),
-            }
+            self.forward(owner, |reply| Request::Prefetch { keys, reply }).await
         });
         if self.tracing() {
             self.trace(TraceOp::Prefetch, keys.iter().map(|k| (BlockHash::of(k.as_bytes()), TraceTier::None)));
@@ -481,8 +432,7 @@ impl Store {
     /// # Errors
     /// [`Error::ShuttingDown`] when a shard no longer answers.
     pub async fn health(&self) -> Result<Vec<TierHealth>> {
-        let per_shard =
-            self.ask_every_shard(Shard::health, || Op::Health, |r| if let Reply::Health(h) = r { Some(h) } else { None }).await?;
+        let per_shard = self.ask_every_shard(Shard::health, Request::Health).await?;
         Ok(self.health_table(per_shard.iter().flatten()))
     }
 
@@ -497,14 +447,14 @@ impl Store {
     }
 
     /// `local(shard)` of every shard, in shard order: this one's directly,
-    /// the others' by sending `op()` and taking the answer out of its reply.
-    async fn ask_every_shard<T>(&self, local: impl Fn(&Shard) -> T, op: impl Fn() -> Op, take: fn(Reply) -> Option<T>) -> Result<Vec<T>> {
-        let (local, op) = (&local, &op);
+    /// the others' by sending them `request(reply)` and waiting on `reply`.
+    async fn ask_every_shard<T>(&self, local: impl Fn(&Shard) -> T, request: impl Fn(Reply<T>) -> Request) -> Result<Vec<T>> {
+        let (local, request) = (&local, &request);
         let asks = (0..self.shards).map(|owner| async move {
             if owner == self.shard_id() {
                 return Ok(local(&self.shard));
             }
-            Ok(take(self.forward(owner, op()).await?).expect("a shard answers an op with its own reply"))
+            self.forward(owner, request).await
         });
         futures::future::join_all(asks).await.into_iter().collect()
     }
@@ -529,7 +479,7 @@ impl Store {
         let trace = self.trace.as_ref()?;
         let flush_all = async {
             trace.flush();
-            let others = (0..self.shards).filter(|s| *s != self.shard_id()).map(|owner| self.forward(owner, Op::TraceFlush));
+            let others = (0..self.shards).filter(|s| *s != self.shard_id()).map(|owner| self.forward(owner, Request::TraceFlush));
             futures::future::join_all(others).await;
         };
         Some(trace.recorder().stop(flush_all).await)
@@ -550,8 +500,7 @@ impl Store {
     /// that answered have the new owners).
     pub async fn set_owners(&self, owners: Arc<Owners>) -> Result<()> {
         let local = |shard: &Shard| shard.set_owners(owners.clone());
-        let take = |r| matches!(r, Reply::OwnersSet).then_some(());
-        self.ask_every_shard(local, || Op::SetOwners(owners.clone()), take).await.map(|_| ())
+        self.ask_every_shard(local, |reply| Request::SetOwners(owners.clone(), reply)).await.map(|_| ())
     }
 
     /// Statistics of every shard, in shard order.
@@ -559,59 +508,7 @@ impl Store {
     /// # Errors
     /// [`Error::ShuttingDown`] when a shard no longer answers.
     pub async fn stats(&self) -> Result<Vec<ShardStats>> {
-        self.ask_every_shard(Shard::stats, || Op::Stats, |r| if let Reply::Stats(s) = r { Some(*s) } else { None }).await
-    }
-}
-
-/// Counts the stored keys among `keys` now and promotes them in a
-/// background task on this shard; the others are copied from the remote
-/// tier, `parallelism` at a time, when there is one.
-fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, parallelism: usize) -> PrefetchReport {
-    let (stored, elsewhere): (Vec<_>, Vec<_>) = keys.into_iter().partition(|(_, h)| shard.contains(h).is_some());
-    let elsewhere = if shard.has_remote() { elsewhere } else { Vec::new() };
-    let report = PrefetchReport { found: stored.len(), remote_requested: elsewhere.len() };
-    let shard = shard.clone();
-    glommio::spawn_local(async move {
-        for (key, hash) in stored {
-            shard.prefetch(&key, hash).await;
-        }
-        shard.prefetch_remote(elsewhere, parallelism).await;
-    })
-    .detach();
-    report
-}
-
-/// [`Store::get_into`] on the owning shard.
-async fn copy_block(shard: &Rc<Shard>, key: &str, hash: BlockHash, sink: &dyn BlockSink) -> Result<(u64, Tier)> {
-    let (body, tier) = shard.get(key, hash, true).await?;
-    Ok((body.copy_into(sink).await?, tier))
-}
-
-async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, op: Op, parallelism: usize) -> Reply {
-    match op {
-        Op::Put { key, hash, chunks } => Reply::Put(shard.put_block(&key, hash, &chunks).await),
-        // Whole: one message back across threads, not one per chunk.
-        Op::Get { key, hash } => Reply::Get(shard.get(&key, hash, false).await),
-        Op::GetInto { key, hash, sink } => Reply::GetInto(copy_block(shard, &key, hash, &*sink).await),
-        Op::Delete { key, hash } => Reply::Delete(shard.delete_block(&key, hash).await),
-        Op::Contains { hashes } => Reply::Contains(hashes.iter().map(|h| shard.contains(h)).collect()),
-        Op::RemoteExists { keys } => {
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            Reply::RemoteExists(shard.remote_exists_many(&keys).await)
-        }
-        Op::Prefetch { keys } => Reply::Prefetch(start_prefetch(shard, keys, parallelism)),
-        Op::Stats => Reply::Stats(Box::new(shard.stats())),
-        Op::Health => Reply::Health(shard.health()),
-        Op::TraceFlush => {
-            if let Some(t) = trace {
-                t.flush();
-            }
-            Reply::TraceFlushed
-        }
-        Op::SetOwners(owners) => {
-            shard.set_owners(owners);
-            Reply::OwnersSet
-        }
+        self.ask_every_shard(Shard::stats, Request::Stats).await
     }
 }
 
@@ -700,11 +597,10 @@ where
                     .map(|(_, receiver)| {
                         let (shard, trace) = (shard.clone(), trace.clone());
                         glommio::spawn_local(async move {
-                            while let Some(req) = receiver.recv().await {
+                            while let Some(request) = receiver.recv().await {
                                 let (shard, trace) = (shard.clone(), trace.clone());
                                 glommio::spawn_local(async move {
-                                    let reply = execute(&shard, trace.as_deref(), req.op, parallelism).await;
-                                    let _ = req.reply.send(reply);
+                                    execute(&shard, trace.as_deref(), request, parallelism).await;
                                 })
                                 .detach();
                             }
