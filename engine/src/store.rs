@@ -12,36 +12,30 @@
 
 use std::future::Future;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use futures::channel::oneshot;
-use glommio::channels::channel_mesh::{MeshBuilder, Senders};
-use glommio::{LocalExecutorBuilder, Placement};
+use glommio::channels::channel_mesh::Senders;
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{self, BlockHash};
-use crate::recover;
 use crate::remote::Remote;
 use crate::shard::{PutOutcome, PutReport, Shard, ShardStats};
-use crate::startup;
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
 pub use crate::tier::{Tier, WritePolicy};
 use crate::trace::{ShardTrace, TraceOp, TraceStatus, TraceTier};
 
-/// How often each shard evaluates its tiers' health (and logs a change).
-const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-
 mod config;
 mod mesh;
+mod startup;
 pub use config::*;
-use mesh::{copy_block, execute, start_prefetch, Reply, Request, MESH_QUEUE_DEPTH};
+use mesh::{copy_block, start_prefetch, Reply, Request};
+pub use startup::run;
 
 /// What a prefetch started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -509,188 +503,5 @@ impl Store {
     /// [`Error::ShuttingDown`] when a shard no longer answers.
     pub async fn stats(&self) -> Result<Vec<ShardStats>> {
         self.ask_every_shard(Shard::stats, Request::Stats).await
-    }
-}
-
-/// Opens the store described by `config` and runs `serve` on every shard.
-/// Returns, in shard order, what each `serve` returned, once every shard has
-/// finished serving, answered its peers' last requests and closed its files.
-///
-/// `serve` is called once per shard on that shard's executor; when it
-/// returns, the shard stops sending, keeps answering peers until they stop
-/// too, then closes.
-///
-/// Start-up does only what serving needs: each executor starts with its
-/// I/O memory allocated but not registered with io_uring (Linux 6.0+, see
-/// [`crate::startup`]), the shard recovers, and once every
-/// shard is open (logged in one line with what each step took) it serves.
-/// Meanwhile a helper thread faults the I/O memory in, the shard registers
-/// it, and then the RAM tier is faulted in ([`crate::populate`] says why
-/// not before: up to 2.6 s for 1 GiB on a VM).
-///
-/// # Errors
-/// [`Error::GeometryMismatch`] and [`Error::Config`] before any shard starts;
-/// the first shard's open error (every shard then returns without serving).
-pub fn run<F, Fut, T>(config: StoreConfig, serve: F) -> Result<Vec<T>>
-where
-    F: Fn(Rc<Store>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = T> + 'static,
-    T: Send + 'static,
-{
-    if config.shards == 0 {
-        return Err(Error::Config("shards must be at least 1".into()));
-    }
-    if config.segment_bytes < 2 * crate::slot::PAGE_BYTES {
-        return Err(Error::Config(format!("segment_bytes {} is too small", config.segment_bytes)));
-    }
-    let started = Instant::now();
-    let manifest = config.manifest().create_or_check(&config.data_dir)?;
-    let mesh: MeshBuilder<Request, _> = MeshBuilder::full(config.shards, MESH_QUEUE_DEPTH);
-    let failed = Arc::new(AtomicBool::new(false));
-    let serve = Arc::new(serve);
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let defer_registration = startup::io_memory_registration_can_wait();
-    let starts = Arc::new(startup::StartLog::new(config.shards, defer_registration, config.io_memory_shard_bytes()));
-    let mut handles = Vec::with_capacity(config.shards);
-    for shard_id in 0..config.shards {
-        let (mesh, failed, serve, starts) = (mesh.clone(), failed.clone(), serve.clone(), starts.clone());
-        let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
-        let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
-        let io_memory_shard_bytes = config.io_memory_shard_bytes();
-        let remote = config.remote.clone();
-        let recorder = config.trace.clone();
-        let parallelism = remote.as_ref().map_or(1, |r| r.parallelism());
-        let placement = if config.pin_cpus { Placement::Fixed(shard_id % cpus) } else { Placement::Unbound };
-        let handle = LocalExecutorBuilder::new(placement)
-            .name(&format!("kvtier-shard-{shard_id}"))
-            .io_memory(io_memory_shard_bytes)
-            .defer_io_memory_registration(defer_registration)
-            .spawn(move || async move {
-                let executor_up = started.elapsed();
-                let opened = recover::open_shard(shard_cfg).await;
-                let recovered = started.elapsed();
-                if opened.is_err() {
-                    failed.store(true, Ordering::SeqCst);
-                }
-                // Joining the mesh is also a barrier: every shard has opened
-                // (or failed to) before any serves.
-                let (senders, mut receivers) = mesh.join().await.map_err(|_| Error::ShuttingDown)?;
-                let shard = match opened {
-                    Ok(s) => Some(s.share()),
-                    Err(e) => {
-                        senders.close();
-                        return Err(e);
-                    }
-                };
-                let shard = shard.expect("opened");
-                // Chunks of forwarded GETs come back here to be freed.
-                glommio::spawn_local(crate::stream::return_chunks_home()).detach();
-                starts.note(shard_id, startup::ShardStart { executor_up, recovered, joined: started.elapsed() });
-                // Fault in and register the I/O memory and fault in the RAM
-                // tier now that the shard serves (not before: see
-                // `crate::populate`).
-                let warm_up = startup::WarmUp::start(&shard, defer_registration);
-                let trace = recorder.map(|r| Rc::new(ShardTrace::new(r)));
-                let answering: Vec<_> = receivers
-                    .streams()
-                    .into_iter()
-                    .map(|(_, receiver)| {
-                        let (shard, trace) = (shard.clone(), trace.clone());
-                        glommio::spawn_local(async move {
-                            while let Some(request) = receiver.recv().await {
-                                let (shard, trace) = (shard.clone(), trace.clone());
-                                glommio::spawn_local(async move {
-                                    execute(&shard, trace.as_deref(), request, parallelism).await;
-                                })
-                                .detach();
-                            }
-                        })
-                    })
-                    .collect();
-                let snapshots = (snapshot_secs > 0).then(|| {
-                    let shard = Rc::downgrade(&shard);
-                    glommio::spawn_local(async move {
-                        let every = std::time::Duration::from_secs(snapshot_secs);
-                        loop {
-                            glommio::timer::sleep(every).await;
-                            let Some(shard) = shard.upgrade() else { return };
-                            if let Err(e) = shard.write_snapshot().await {
-                                tracing::warn!(shard = shard.id(), "periodic index snapshot failed: {e}");
-                            }
-                        }
-                    })
-                });
-                // Health is evaluated every second whatever the traffic, so a
-                // change of state is logged when it happens, not when someone
-                // asks; shard 0 also watches the remote tier.
-                let health = {
-                    let (shard, remote) = (Rc::downgrade(&shard), remote.clone().filter(|_| shard_id == 0));
-                    glommio::spawn_local(async move {
-                        loop {
-                            glommio::timer::sleep(HEALTH_EVERY).await;
-                            let Some(shard) = shard.upgrade() else { return };
-                            shard.health();
-                            if let Some(r) = &remote {
-                                r.health();
-                            }
-                        }
-                    })
-                };
-                // A partly filled trace buffer reaches the file within a second.
-                let trace_flush = trace.clone().map(|t| {
-                    glommio::spawn_local(async move {
-                        loop {
-                            glommio::timer::sleep(crate::trace::FLUSH_EVERY).await;
-                            t.flush();
-                        }
-                    })
-                });
-                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote, trace: trace.clone() });
-                let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
-                store.senders.close();
-                futures::future::join_all(answering).await;
-                drop(store);
-                if let Some(task) = snapshots {
-                    task.cancel().await;
-                }
-                health.cancel().await;
-                if let Some(task) = trace_flush {
-                    task.cancel().await;
-                }
-                if let Some(t) = &trace {
-                    t.flush();
-                }
-                warm_up.stop().await;
-                // Requests from peers may still be finishing; wait for them
-                // to release the shard before closing its files.
-                while Rc::strong_count(&shard) > 1 {
-                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
-                }
-                shard.close().await;
-                out.ok_or(Error::ShuttingDown)
-            })
-            .map_err(|e| Error::Config(format!("starting executor for shard {shard_id}: {e}")))?;
-        handles.push(handle);
-    }
-    let mut outputs = Vec::with_capacity(handles.len());
-    let mut first_error = None;
-    for handle in handles {
-        match handle.join() {
-            Ok(Ok(out)) => outputs.push(out),
-            Ok(Err(e)) => {
-                if first_error.is_none() || matches!(first_error, Some(Error::ShuttingDown)) {
-                    first_error = Some(e);
-                }
-            }
-            Err(e) => first_error = first_error.or(Some(Error::Config(format!("shard executor failed: {e}")))),
-        }
-    }
-    if let Some(recorder) = &config.trace {
-        // Every shard has flushed its buffer: close the file.
-        futures::executor::block_on(recorder.stop(async {}));
-    }
-    match first_error {
-        Some(e) => Err(e),
-        None => Ok(outputs),
     }
 }
