@@ -11,6 +11,7 @@
 
 pub mod blocks;
 pub mod browser;
+pub mod cli;
 pub mod client;
 pub mod crash;
 pub mod engine_report;

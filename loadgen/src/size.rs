@@ -39,8 +39,6 @@ use serde::Serialize;
 use crate::mrc::{Curve, DistanceHistogram, LruStack, Shards};
 use crate::oracle::{Placement, PolicyOracle};
 
-pub mod cli;
-
 /// A workload loaded from one or more trace files.
 #[derive(Debug, Clone)]
 pub struct Workload {

@@ -1,5 +1,5 @@
-//! The `size` subcommand's flags and its run (the binary only dispatches
-//! to it).
+//! `kvtier-loadgen size`: its flags and its run (the sizing itself is
+//! [`crate::size`]).
 
 use std::path::PathBuf;
 
@@ -89,7 +89,7 @@ pub fn run(args: SizeArgs) -> Result<(), String> {
             files.push(p.clone());
         }
     }
-    let opts = super::SizeOptions {
+    let opts = crate::size::SizeOptions {
         sample_rate: args.sample_rate,
         sample_blocks: args.sample_blocks,
         skip_exact: args.skip_exact,
@@ -100,9 +100,9 @@ pub fn run(args: SizeArgs) -> Result<(), String> {
         policy_rate: args.policy_rate,
         ..Default::default()
     };
-    let workload = super::load(&files, args.block_bytes)?;
-    let report = super::size(&workload, &opts);
-    print!("{}", super::text(&report));
+    let workload = crate::size::load(&files, args.block_bytes)?;
+    let report = crate::size::size(&workload, &opts);
+    print!("{}", crate::size::text(&report));
     crate::report::write_out(&args.out, &report, Some(crate::report::size_html(&report)))?;
     println!("results: {}  report: {}", args.out.join("results.json").display(), args.out.join("report.html").display());
     Ok(())
