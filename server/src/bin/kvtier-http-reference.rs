@@ -6,7 +6,7 @@
 //! `GET /v1/stats` with the block geometry the loadgen asks for) on the same
 //! plumbing as `kvtier serve`: hyper on glommio executors pinned one per
 //! CPU, connections spread by `SO_REUSEPORT`, the same connection builder
-//! (`kvtier_server::server::builder`: HTTP/2 windows, 1 MiB frames, stream
+//! (`kvtier_server::http::builder`: HTTP/2 windows, 1 MiB frames, stream
 //! limits) and the same vectored socket writes. Behind the routes there is
 //! no store: a PUT's body is gathered into one buffer, and a GET answers
 //! with that buffer, no copy. No durability, no tiers, no CRC, no key
@@ -53,8 +53,8 @@ use glommio::{LocalExecutorBuilder, Placement};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use kvtier_server::http::builder;
 use kvtier_server::http::GlommioIo;
-use kvtier_server::server::builder;
 
 kvtier_engine::jemalloc_with_huge_pages!();
 
@@ -235,12 +235,15 @@ async fn handle(blocks: Arc<Blocks>, me: usize, limits: Limits, req: Request<Inc
                 buffer.extend_from_slice(f);
             }
             let mut writers = blocks.writers.lock().expect("writers lock");
-            if blocks.update(&mut writers, &key, Some(buffer.freeze())) {
-                status(StatusCode::OK)
-            } else {
-                writers.order.push_back(key);
-                status(StatusCode::CREATED)
+            let replaced = blocks.update(&mut writers, &key, Some(buffer.freeze()));
+            // A replaced block is the newest again: it goes to the back of
+            // the order, or a PUT of a new key could evict the block just
+            // stored (it did, at 16 MiB with the loadgen's working set).
+            if replaced {
+                writers.order.retain(|k| *k != key);
             }
+            writers.order.push_back(key);
+            status(if replaced { StatusCode::OK } else { StatusCode::CREATED })
         }
         Method::DELETE => {
             let mut writers = blocks.writers.lock().expect("writers lock");
