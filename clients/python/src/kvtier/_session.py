@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from . import codes
+from ._retry import CONNECT_BACKOFF, OVERLOAD_BACKOFF, OVERLOAD_RETRIES, retrying
 from .errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
 from .local import (
     CLIENT_NAME,
@@ -44,12 +45,6 @@ from .shm import SharedBuffer
 log = logging.getLogger("kvtier.local")
 T = TypeVar("T")
 
-#: Tries after ``OVERLOADED`` that store nothing (each after the server's
-#: ``retry_after_ms``, at least 10 ms doubling per try), before the code is
-#: answered; a try that stores some items does not count.
-OVERLOAD_RETRIES = 6
-#: The longest single wait on an ``OVERLOADED`` hint, in seconds.
-OVERLOAD_WAIT_MAX_S = 2.0
 #: A batch's answer may take this long per GiB moved, on top of ``timeout_s``.
 SECONDS_PER_GIB = 10.0
 
@@ -246,39 +241,48 @@ class LocalSession:
             self._connect(0.0)
 
     def _connect(self, patience_s: float) -> tuple[LocalConnection, dict[int, int]]:
+        """Connects and says hello, again (backing off) while no server
+        answers, for ``patience_s`` at most (one try when 0)."""
         deadline = time.monotonic() + patience_s
-        pause, last, tries = 0.02, "no try", 0
-        while True:
+        connected = False
+
+        def once() -> tuple[LocalConnection, dict[int, int]]:
+            nonlocal connected
+            connected = False
             left = deadline - time.monotonic()
-            if tries and left <= 0:
-                raise error_from_code(
-                    codes.CONNECTION_LOST, f"cannot reach {self.path} within {self.timeout_s} s; last: {last}"
-                )
-            tries += 1
             try:
                 conn = LocalConnection(self.path, timeout_s=self.timeout_s if left <= 0 else min(left, self.timeout_s))
             except PermissionError as e:
                 raise KvtierConnectionError(f"{self.path}: {e}", code="permission_denied") from e
-            except OSError as e:  # not there yet, refused: a server (re)starting
-                last = repr(e)
-                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
-                pause = min(pause * 2, 0.5)
-                continue
+            connected = True
             try:
-                handles = self._hello_and_register(conn)
-            except KvtierError as e:
+                return conn, self._hello_and_register(conn)
+            except BaseException:
                 conn.close()
-                if e.local_code != codes.CONNECTION_LOST:
-                    raise
-                last = str(e)  # closed under the hello: a server stopping or starting
-                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
-                pause = min(pause * 2, 0.5)
-                continue
-            if self._conn is not None:
-                self.count("reconnects")
-                self.count("registrations_renewed", len(handles))
-            self._conn, self._handles = conn, handles
-            return conn, handles
+                raise
+
+        def why(e: Exception) -> str | None:
+            """What a failure worth another try says; ``None`` for one that is not."""
+            if isinstance(e, KvtierError):  # closed under the hello: a server stopping or starting
+                return str(e) if connected and e.local_code == codes.CONNECTION_LOST else None
+            return repr(e) if not connected and isinstance(e, OSError) else None  # not there yet, refused
+
+        try:
+            conn, handles = retrying(
+                once, lambda e, retry: None if why(e) is None else CONNECT_BACKOFF.delay(retry), deadline=deadline
+            )
+        except Exception as e:
+            last = why(e)
+            if last is None:
+                raise
+            raise error_from_code(
+                codes.CONNECTION_LOST, f"cannot reach {self.path} within {self.timeout_s} s; last: {last}"
+            ) from None
+        if self._conn is not None:
+            self.count("reconnects")
+            self.count("registrations_renewed", len(handles))
+        self._conn, self._handles = conn, handles
+        return conn, handles
 
     def _hello_and_register(self, conn: LocalConnection) -> dict[int, int]:
         expect = self.block_bytes if self.block_bytes is not None else self.expect_block_bytes
@@ -323,24 +327,36 @@ class LocalSession:
         Raises:
             GeometryMismatchError, UnauthorizedError: a (re)connection was refused.
         """
+
+        def once() -> int:
+            conn, handles = self.connection()
+            if region.id not in handles:
+                handles[region.id], region.access = conn.register(region.fd, region.file_offset, region.size)
+            return codes.OK
+
+        def refused(e: KvtierError) -> int:
+            log.warning("kvtier: registering %d bytes at %#x failed: %s", region.size, region.ptr, e)
+            return e.local_code if e.local_code is not None else codes.IO_ERROR
+
+        def wait(e: Exception, retry: int) -> float | None:
+            """A second try, at once, after any failure but the client's
+            refusal (configuration); all but a lost connection are logged."""
+            if retry > 1 or not isinstance(e, KvtierError) or isinstance(e, (GeometryMismatchError, UnauthorizedError)):
+                return None
+            if e.local_code != codes.CONNECTION_LOST:
+                refused(e)
+            return 0.0
+
         with self._lock:
             self._regions[region.id] = region
-            code = codes.CONNECTION_LOST
-            for attempt in range(2):
-                try:
-                    conn, handles = self.connection()
-                    if region.id not in handles:
-                        handles[region.id], region.access = conn.register(region.fd, region.file_offset, region.size)
-                    return codes.OK
-                except (GeometryMismatchError, UnauthorizedError):
-                    del self._regions[region.id]
-                    region.close()
-                    raise
-                except KvtierError as e:
-                    if e.local_code == codes.CONNECTION_LOST and attempt == 0:
-                        continue
-                    code = e.local_code if e.local_code is not None else codes.IO_ERROR
-                    log.warning("kvtier: registering %d bytes at %#x failed: %s", region.size, region.ptr, e)
+            try:
+                return retrying(once, wait)
+            except (GeometryMismatchError, UnauthorizedError):
+                del self._regions[region.id]
+                region.close()
+                raise
+            except KvtierError as e:
+                code = refused(e)
             del self._regions[region.id]
             self._handles.pop(region.id, None)
             region.close()
@@ -472,7 +488,7 @@ class LocalSession:
                 if stalls <= OVERLOAD_RETRIES:
                     self.count("retries_overloaded")
                     todo += overloaded
-                    pause = min(max(hint, 0.01 * 2 ** (stalls - 1)), OVERLOAD_WAIT_MAX_S) if stalls else 0.0
+                    pause = OVERLOAD_BACKOFF.delay(stalls, hint)
             todo.sort()
         return out
 
@@ -483,23 +499,30 @@ class LocalSession:
         Raises:
             KvtierError: the request's error (``local_code`` set).
         """
-        lost_left, overload_left = 1, OVERLOAD_RETRIES
-        while True:
-            conn, _ = self.connection()
-            try:
-                return fn(conn)
-            except KvtierError as e:
-                if e.local_code == codes.CONNECTION_LOST and lost_left:
-                    lost_left -= 1
-                    self.count("retries_after_loss")
-                    continue
-                if e.local_code == codes.OVERLOADED and overload_left:
-                    overload_left -= 1
-                    self.count("retries_overloaded")
-                    backoff = 0.01 * 2 ** (OVERLOAD_RETRIES - overload_left - 1)
-                    time.sleep(min(max(getattr(e, "retry_after_s", None) or 0.0, backoff), OVERLOAD_WAIT_MAX_S))
-                    continue
-                raise
+        lost_left, overloads, connected = 1, 0, False
+
+        def once() -> T:
+            nonlocal connected
+            connected = False
+            conn, _ = self.connection()  # its failure is not retried: it waited timeout_s already
+            connected = True
+            return fn(conn)
+
+        def wait(e: Exception, _retry: int) -> float | None:
+            nonlocal lost_left, overloads
+            if not connected or not isinstance(e, KvtierError):
+                return None
+            if e.local_code == codes.CONNECTION_LOST and lost_left:
+                lost_left -= 1
+                self.count("retries_after_loss")
+                return 0.0
+            if e.local_code == codes.OVERLOADED and overloads < OVERLOAD_RETRIES:
+                overloads += 1
+                self.count("retries_overloaded")
+                return OVERLOAD_BACKOFF.delay(overloads, getattr(e, "retry_after_s", None) or 0.0)
+            return None
+
+        return retrying(once, wait)
 
     # ------------------------------------------------------------- bouncing
 
