@@ -27,7 +27,7 @@ pub struct ShardConfig {
     /// Most block reads and writes in flight at once on this shard.
     pub io_depth_max: usize,
     /// Most client block I/Os waiting for one of those; past it a client
-    /// operation is refused ([`Error::Overloaded`]).
+    /// operation is refused ([`Error::Overloaded`](crate::error::Error::Overloaded)).
     pub io_queue_max: usize,
     /// Write an index snapshot this often (0: only at clean close).
     pub snapshot_secs: u64,
