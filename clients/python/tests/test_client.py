@@ -10,6 +10,7 @@ import pytest
 from conftest import BLOCK_BYTES, block, start_on_same_port
 
 import kvtier
+from kvtier import _http_transport as http_transport
 from kvtier import client as client_module
 from kvtier.errors import error_from_response
 from kvtier.testing import ServerProcess, free_port
@@ -144,7 +145,8 @@ def test_lookup_counts_leading_hits_and_prefetch_counts_stored(client):
 
 
 def test_long_chains_are_split_and_stop_at_the_first_miss(client, monkeypatch):
-    monkeypatch.setattr(client_module, "LOOKUP_KEYS_MAX", 3)
+    # The HTTP transport splits the chain (client.LOOKUP_KEYS_MAX re-exports the limit).
+    monkeypatch.setattr(http_transport, "LOOKUP_KEYS_MAX", 3)
     keys = [f"split-{i}" for i in range(8)]
     client.put_many([(k, block(i)) for i, k in enumerate(keys[:7])])
     assert client.lookup(keys) == 7  # three requests: 3 + 3 + 1 of 2

@@ -1,4 +1,6 @@
-"""The block methods of :class:`kvtier.Client` over the same-host plane.
+"""The same-host transport of :class:`kvtier.Client`: :class:`UnixTransport`
+moves blocks over a :class:`~kvtier._session.LocalSession`, and
+:func:`open_local` decides whether to use one.
 
 Each call names memory: the caller's own where it lies in a registered buffer
 (the server copies straight into or out of it), else a slot of the session's
@@ -13,11 +15,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from . import codes
 from ._session import LocalSession, Region, Regions, copy_bytes, key_chunks
+from ._transport import Parts, Span, Transport
 from .errors import (
     BlockSizeError,
     GeometryMismatchError,
@@ -28,31 +31,34 @@ from .errors import (
 )
 from .keys import check_key
 from .local import OP_GET_INTO, OP_PUT_FROM
-from .shm import buffer_address
-
-if TYPE_CHECKING:
-    from .client import Client
+from .shm import UnshareableMemoryError, backing_fd, buffer_address
 
 log = logging.getLogger("kvtier.local")
-
-#: A target or source of one item: ``(address, nbytes, is a buffer object)``,
-#: or the code it already failed with.
-Span = tuple[int, int, bool] | int
 
 _MISS = (codes.NOT_FOUND, codes.CORRUPT)
 
 
 def open_local(
-    client: Client, socket_path: str | None, mode: str, expect: tuple[int | None, str | None, int]
-) -> tuple[LocalBlocks | None, str | None]:
-    """Chooses ``client``'s transport: ``(blocks, "unix")`` or ``(None, "http")``;
+    socket_path: str | None,
+    mode: str,
+    *,
+    url: str,
+    stats: Callable[[], dict[str, Any]],
+    token: str | None,
+    timeout_s: float,
+    expect: tuple[int | None, str | None, int],
+    regions: Regions,
+) -> tuple[UnixTransport | None, str | None]:
+    """Chooses a client's transport: ``(transport, "unix")`` or ``(None, "http")``;
     ``(None, None)`` leaves it open (``/v1/stats`` did not answer: asked again
     on the next call, which goes over HTTP meanwhile).
 
     With ``unix://`` (``socket_path``) the socket is connected on first use.
-    From an HTTP url (``mode`` ``"auto"``/``"on"``) the socket named by
-    ``local.socket`` is tried once now; ``"auto"`` stays on HTTP when there is
-    none or its connect or hello fails, ``"on"`` raises.
+    From an HTTP ``url`` (``mode`` ``"auto"``/``"on"``) the socket named by
+    ``local.socket`` of ``stats()`` is tried once now; ``"auto"`` stays on HTTP
+    when there is none or its connect or hello fails, ``"on"`` raises.
+    ``token``, ``timeout_s`` and ``expect`` (block bytes, model, staging
+    blocks) are the client's; ``regions`` its table of registered buffers.
 
     Raises:
         GeometryMismatchError: the hello found another geometry (both modes).
@@ -61,23 +67,23 @@ def open_local(
     path = socket_path
     if path is None:
         try:
-            path = (client.stats().get("local") or {}).get("socket")
+            path = (stats().get("local") or {}).get("socket")
         except KvtierError as e:
             if mode == "on":
                 raise
-            log.info("kvtier: /v1/stats of %s did not answer (%s); HTTP for now", client.url, e)
+            log.info("kvtier: /v1/stats of %s did not answer (%s); HTTP for now", url, e)
             return None, None
         if not path:
             if mode == "on":
-                raise KvtierError(f"{client.url} serves no local socket (--local-socket none?)", code="no_local_socket")
-            log.info("kvtier: %s serves no local socket; blocks go over HTTP", client.url)
+                raise KvtierError(f"{url} serves no local socket (--local-socket none?)", code="no_local_socket")
+            log.info("kvtier: %s serves no local socket; blocks go over HTTP", url)
             return None, "http"
         if not os.path.isabs(path):
-            log.warning("kvtier: %s names a relative socket path %r (its --data-dir is relative)", client.url, path)
+            log.warning("kvtier: %s names a relative socket path %r (its --data-dir is relative)", url, path)
     session = LocalSession(
         str(path),
-        token=client._token,
-        timeout_s=client.timeout_s,
+        token=token,
+        timeout_s=timeout_s,
         expect_block_bytes=expect[0],
         expect_model=expect[1],
         staging_blocks=expect[2],
@@ -94,20 +100,32 @@ def open_local(
                 raise
             log.warning("kvtier: the local socket %s is not usable (%s); blocks go over HTTP", path, e)
             return None, "http"
-    return LocalBlocks(session, client._regions), "unix"
+    return UnixTransport(session, regions), "unix"
 
 
 def _raise(op: str, key: str, code: int) -> KvtierError:
     return error_from_code(code, f"{op} {key!r}: {codes.name_of(code)}")
 
 
-class LocalBlocks:
-    """``Client``'s block API on a :class:`~kvtier._session.LocalSession`;
-    ``regions`` is the client's table of registered buffers."""
+class UnixTransport(Transport):
+    """:class:`~kvtier._transport.Transport` over a
+    :class:`~kvtier._session.LocalSession`; ``regions`` is the client's table
+    of registered buffers."""
+
+    name = "unix"
 
     def __init__(self, session: LocalSession, regions: Regions) -> None:
         self.session = session
         self.regions = regions
+
+    def info(self) -> dict[str, Any]:
+        """The server's hello answer (connects if needed)."""
+        self.session.connection()
+        return dict(self.session.info)
+
+    def close(self) -> None:
+        """Closes the session: its connection and descriptors."""
+        self.session.close()
 
     @property
     def block_bytes(self) -> int:
@@ -212,7 +230,7 @@ class LocalBlocks:
                 out[i] = 1 if tier else 0
         return out
 
-    # --------------------------------------------------- Client's block API
+    # ---------------------------------------------------------- block API
 
     def _span(self, buf: Any, *, writable: bool) -> tuple[int, int, bool]:
         ptr, nbytes = buffer_address(buf, writable=writable)
@@ -344,3 +362,36 @@ class LocalBlocks:
         except KvtierError as e:
             return e.local_code not in (codes.CONNECTION_LOST, None)
         return True
+
+    # -------------------------------------------------- Mooncake's buffers
+
+    def share(self, ptr: int, nbytes: int, obj: Any) -> Region | int:
+        """A region with a descriptor of the file behind the memory, or -18
+        ``BAD_BUFFER`` (with a warning) for memory no file backs."""
+        try:
+            fd, offset = backing_fd(ptr, nbytes)
+        except UnshareableMemoryError as e:
+            log.warning("kvtier: register_buffer(%#x, %d): cannot share it with the server: %s", ptr, nbytes, e)
+            return codes.BAD_BUFFER
+        return Region(ptr, nbytes, obj=obj, fd=fd, file_offset=offset)
+
+    def register(self, region: Region) -> int:
+        """``REGISTER`` on the session (again after every reconnect)."""
+        return self.session.register(region)
+
+    def unregister(self, region: Region) -> None:
+        """``UNREGISTER`` on the session; closes the region's descriptor."""
+        self.session.unregister(region)
+
+    def move(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[int]:
+        """:meth:`items`, per item its result."""
+        return [result for result, _ in self.items(op, keys, spans)]
+
+    def move_parts(self, op: int, keys: Sequence[str], parts: Sequence[Parts]) -> list[int]:
+        """One vectored batch: the server copies into (from) every part."""
+        results = self.session.transfer(op, keys, parts) if keys else []
+        return [result for result, _ in results]
+
+    def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
+        """The socket, the server's epoch and the session's counters."""
+        return self.session.path, self.session.epoch, self.session.counters

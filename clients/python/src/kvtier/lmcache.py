@@ -77,6 +77,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import codes
 from ._connector import CALL_ERRORS, ConnectorCore, GeometryError, SharedHost
+from ._http_transport import get_code, put_code
 from .aio import AsyncClient
 from .errors import KvtierError, error_from_code
 from .keys import Namespace
@@ -294,13 +295,13 @@ class KvtierConnector(RemoteConnector):
         in parallel; a batch here would wait on the pool from inside it)."""
         if self._core.transport == "unix":
             return self.client.sync.batch_get_into(names, views)
-        return [self.client.sync._http_get(k, v) for k, v in zip(names, views, strict=True)]
+        return [get_code(self.client.sync, k, v) for k, v in zip(names, views, strict=True)]
 
     def _write(self, names: list[str], views: list[Any]) -> list[int]:
         """Per chunk 0 or a negative code; over HTTP as :meth:`_read`."""
         if self._core.transport == "unix":
             return self.client.sync.batch_put_from(names, views)
-        return [self.client.sync._http_put(k, v) for k, v in zip(names, views, strict=True)]
+        return [put_code(self.client.sync, k, v) for k, v in zip(names, views, strict=True)]
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading chunks of a prompt's chain that are stored: one

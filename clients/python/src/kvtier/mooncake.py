@@ -1,4 +1,6 @@
-"""Mooncake Store's zero-copy calls on :class:`kvtier.Client`.
+"""Mooncake Store's zero-copy calls: :class:`MooncakeStore`, which every
+:class:`kvtier.Client` holds as ``client.mooncake`` (its methods of these
+names hand over to it).
 
 The names, arguments and return conventions are those of Mooncake's
 ``MooncakeDistributedStore`` (``mooncake-integration/store/store_py.cpp``), so
@@ -11,7 +13,7 @@ object (a :class:`~kvtier.SharedBuffer`, a ``memoryview`` slice, a numpy array,
 a CPU torch tensor) with its size optional. An object inside a registered
 buffer is named by its offset there; one outside every registered buffer is
 copied through the client's staging area (one bounce copy, counted by
-:meth:`~MooncakeCalls.local_stats`). A raw pointer outside every registered
+:meth:`~MooncakeStore.local_stats`). A raw pointer outside every registered
 buffer fails with -20 ``NOT_REGISTERED``.
 
 Over the Unix transport the server copies straight into and out of the
@@ -23,73 +25,34 @@ does not depend on the transport.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import codes
-from ._session import Region, Regions
-from .errors import (
-    BadRequestError,
-    BlockSizeError,
-    DiskFullError,
-    InvalidKeyError,
-    KvtierConnectionError,
-    KvtierError,
-    OverloadedError,
-    UnauthorizedError,
-)
+from ._link import Link
+from ._transport import Parts, Span
+from .errors import InvalidKeyError
 from .keys import check_key
 from .local import MAX_PARTS, OP_GET_INTO, OP_GET_INTO_V, OP_PUT_FROM, OP_PUT_FROM_V
-from .shm import UnshareableMemoryError, backing_fd, buffer_address
-
-if TYPE_CHECKING:
-    from ._unix import LocalBlocks, Span
+from .shm import buffer_address
 
 log = logging.getLogger("kvtier.local")
 
 
-def _http_code(e: BaseException) -> int:
-    """The code for an exception of the HTTP client."""
-    if e.__class__ is KvtierError or not isinstance(e, KvtierError):
-        return codes.BAD_BUFFER if isinstance(e, (TypeError, ValueError)) else codes.IO_ERROR
-    if e.local_code is not None:
-        return e.local_code
-    for cls, code in (
-        (InvalidKeyError, codes.INVALID_KEY),
-        (BlockSizeError, codes.WRONG_SIZE),
-        (DiskFullError, codes.DISK_FULL),
-        (UnauthorizedError, codes.UNAUTHORIZED),
-        (KvtierConnectionError, codes.CONNECTION_LOST),
-        (BadRequestError, codes.BAD_REQUEST),
-    ):
-        if isinstance(e, cls):
-            return code
-    if isinstance(e, OverloadedError):
-        return codes.SHUTTING_DOWN if e.code == "shutting_down" else codes.OVERLOADED
-    return codes.IO_ERROR
+class MooncakeStore:
+    """Mooncake Store's buffer calls on one client's transports.
 
-
-class MooncakeCalls:
-    """Mixin of :class:`kvtier.Client`: Mooncake Store's buffer calls.
-
-    Needs of the class it is mixed into: ``_regions`` (a
-    :class:`~kvtier._session.Regions`), ``_unix()`` (the Unix transport's
-    block API, or ``None`` over HTTP), ``block_bytes``, ``get_into``, ``put``,
-    ``exists`` and ``executor()``.
+    Made by :class:`kvtier.Client` (``client.mooncake``) over its
+    :class:`~kvtier._link.Link`: the transport each call goes over, the
+    table of registered buffers and the store's block size. Everything that
+    differs between HTTP and the socket is the transport's
+    (:class:`~kvtier._transport.Transport`); what is here is the same for both.
     """
 
-    _regions: Regions
-
-    if TYPE_CHECKING:
-        block_bytes: int
-
-        def _unix(self) -> LocalBlocks | None: ...
-        def get_into(self, key: str, buf: Any) -> bool: ...
-        def put(self, key: str, data: Any) -> bool: ...
-        def exists(self, key: str) -> bool: ...
-        def executor(self) -> Any: ...
+    def __init__(self, link: Link) -> None:
+        self._link = link
+        self._regions = link.regions
 
     # ---------------------------------------------------------- registering
 
@@ -124,16 +87,10 @@ class MooncakeCalls:
         known = self._regions.find(ptr)
         if known is not None and known.ptr == ptr and known.size == nbytes:
             return codes.OK
-        local = self._unix()
-        if local is None:
-            region = Region(ptr, nbytes, obj=obj)
-        else:
-            try:
-                fd, offset = backing_fd(ptr, nbytes)
-            except UnshareableMemoryError as e:
-                log.warning("kvtier: register_buffer(%#x, %d): cannot share it with the server: %s", ptr, nbytes, e)
-                return codes.BAD_BUFFER
-            region = Region(ptr, nbytes, obj=obj, fd=fd, file_offset=offset)
+        transport = self._link.current()
+        region = transport.share(ptr, nbytes, obj)
+        if isinstance(region, int):
+            return region
         other = self._regions.add(region)
         if other is not None:
             region.close()
@@ -145,16 +102,14 @@ class MooncakeCalls:
                 other.size,
             )
             return codes.BAD_BUFFER
-        if local is not None:
-            try:
-                code = local.session.register(region)
-            except BaseException:
-                self._regions.remove(ptr)
-                raise
-            if code != codes.OK:
-                self._regions.remove(ptr)
-                return code
-        return codes.OK
+        try:
+            code = transport.register(region)
+        except BaseException:
+            self._regions.remove(ptr)
+            raise
+        if code != codes.OK:
+            self._regions.remove(ptr)
+        return code
 
     def unregister_buffer(self, buffer_ptr: int | Any) -> int:
         """Forgets the buffer registered at ``buffer_ptr`` (the address given
@@ -168,9 +123,7 @@ class MooncakeCalls:
         region = self._regions.remove(ptr)
         if region is None:
             return codes.NOT_REGISTERED
-        local = self._unix()
-        if local is not None:
-            local.session.unregister(region)
+        self._link.current().unregister(region)
         region.obj = None
         return codes.OK
 
@@ -196,10 +149,7 @@ class MooncakeCalls:
             TypeError: no size for an ``int`` pointer.
         """
         spans = self._spans(keys, buffer_ptrs, sizes, writable=True)
-        local = self._unix()
-        if local is not None:
-            return [result for result, _ in local.items(OP_GET_INTO, keys, spans)]
-        return self._http_items(keys, spans, self._http_get)
+        return self._link.current().move(OP_GET_INTO, keys, spans)
 
     def batch_put_from(
         self, keys: Sequence[str], buffer_ptrs: Sequence[int | Any], sizes: Sequence[int | None] | None = None
@@ -214,10 +164,7 @@ class MooncakeCalls:
             client's retries), -10 disk full, and as :meth:`batch_get_into`.
         """
         spans = self._spans(keys, buffer_ptrs, sizes, writable=False)
-        local = self._unix()
-        if local is not None:
-            return [min(result, 0) for result, _ in local.items(OP_PUT_FROM, keys, spans)]
-        return self._http_items(keys, spans, self._http_put)
+        return [min(result, 0) for result in self._link.current().move(OP_PUT_FROM, keys, spans)]
 
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
@@ -261,17 +208,7 @@ class MooncakeCalls:
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier, S3 included), 0 (not stored), or -1
         (a bad key, or the request failed)."""
-        local = self._unix()
-        if local is not None:
-            return local.exist_codes(keys)
-
-        def one(key: str) -> int:
-            try:
-                return 1 if self.exists(key) else 0
-            except Exception:
-                return -1
-
-        return list(self.executor().map(one, keys))
+        return self._link.current().exist_codes(keys)
 
     def local_stats(self) -> dict[str, Any]:
         """The client's view of the same-host plane: ``transport``, ``socket``,
@@ -280,19 +217,17 @@ class MooncakeCalls:
         ``bounce_copies`` and ``bounce_bytes`` (items copied through the
         staging area, and their bytes), ``reconnects``,
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``."""
-        local = self._unix()
+        transport = self._link.current()
+        socket, epoch, counters = transport.plane()
         regions = self._regions.all()
         stats: dict[str, Any] = {
-            "transport": "http" if local is None else "unix",
-            "socket": None if local is None else local.session.path,
-            "epoch": None if local is None else local.session.epoch,
+            "transport": transport.name,
+            "socket": socket,
+            "epoch": epoch,
             "registrations": len(regions),
             "buffers": [{"ptr": r.ptr, "size": r.size, "access": r.access} for r in regions],
         }
-        if local is None:
-            stats.update(bounce_copies=0, bounce_bytes=0, reconnects=0)
-        else:
-            stats.update(local.session.counters)
+        stats.update(counters)
         return stats
 
     # ------------------------------------------------------------ internals
@@ -346,9 +281,9 @@ class MooncakeCalls:
         if len(keys) != len(all_ptrs) or len(all_sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys, {len(all_ptrs)} pointer lists and {len(all_sizes)} size lists")
         get = op == OP_GET_INTO_V
-        bb = self.block_bytes
+        bb = self._link.block_bytes
         out = [codes.OK] * len(keys)
-        placed: dict[int, list[tuple[Region, int, int]]] = {}
+        placed: dict[int, Parts] = {}
         for i, (ptrs, sizes) in enumerate(zip(all_ptrs, all_sizes, strict=True)):
             if len(ptrs) != len(sizes):
                 raise ValueError(f"item {i}: {len(ptrs)} pointers but {len(sizes)} sizes")
@@ -358,38 +293,8 @@ class MooncakeCalls:
                     (r, p - r.ptr, n) for p, n in zip(ptrs, sizes, strict=True) if (r := self._regions.find(p))
                 ]
         idx = list(placed)
-        local = self._unix()
-        if local is not None:
-            results = local.session.transfer(op, [keys[i] for i in idx], [placed[i] for i in idx]) if idx else []
-            for i, (result, _) in zip(idx, results, strict=True):
-                out[i] = result
-            return out
-
-        def one(i: int) -> int:
-            spans = [(r.ptr + at, n) for r, at, n in placed[i]]
-            block = bytearray(bb)
-            try:
-                if get:
-                    if not self.get_into(keys[i], block):
-                        return codes.NOT_FOUND
-                    at = 0
-                    for ptr, n in spans:
-                        n = min(n, bb - at)
-                        if n <= 0:
-                            break
-                        ctypes.memmove(ptr, (ctypes.c_char * n).from_buffer(block, at), n)
-                        at += n
-                    return bb
-                at = 0
-                for ptr, n in spans:
-                    ctypes.memmove((ctypes.c_char * n).from_buffer(block, at), ptr, n)
-                    at += n
-                self.put(keys[i], block)
-                return codes.OK
-            except Exception as e:
-                return _http_code(e)
-
-        for i, result in zip(idx, self.executor().map(one, idx), strict=True):
+        results = self._link.current().move_parts(op, [keys[i] for i in idx], [placed[i] for i in idx])
+        for i, result in zip(idx, results, strict=True):
             out[i] = result
         return out
 
@@ -410,36 +315,3 @@ class MooncakeCalls:
                 return codes.OUT_OF_BOUNDS
         total = sum(sizes)
         return codes.OK if (total >= bb if get else total == bb) else codes.WRONG_SIZE
-
-    def _http_items(self, keys: Sequence[str], spans: Sequence[Span], fn: Any) -> list[int]:
-        def one(i: int) -> int:
-            span = spans[i]
-            if isinstance(span, int):
-                return span
-            ptr, size, is_obj = span
-            if not is_obj:
-                region = self._regions.find(ptr)
-                if region is None:
-                    return codes.NOT_REGISTERED
-                if ptr + size > region.end:
-                    return codes.OUT_OF_BOUNDS
-            try:
-                view = memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B") if size else memoryview(b"")
-                result: int = fn(keys[i], view)
-                return result
-            except Exception as e:
-                return _http_code(e)
-
-        return list(self.executor().map(one, range(len(keys))))
-
-    def _http_get(self, key: str, view: memoryview) -> int:
-        bb = self.block_bytes
-        if view.nbytes < bb:
-            return codes.WRONG_SIZE
-        return bb if self.get_into(key, view) else codes.NOT_FOUND
-
-    def _http_put(self, key: str, view: memoryview) -> int:
-        if view.nbytes != self.block_bytes:
-            return codes.WRONG_SIZE
-        self.put(key, view)
-        return codes.OK

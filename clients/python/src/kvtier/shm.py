@@ -21,7 +21,8 @@ a shared file:
   host memory) has no file behind it and cannot be registered.
 
 :func:`backing_fd` finds the file behind an address (``/proc/self/maps``);
-:func:`buffer_address` the address of a Python buffer object.
+:func:`buffer_address` the address of a Python buffer object, and
+:func:`byte_view` a flat byte view of one (what the HTTP transport reads into).
 """
 
 from __future__ import annotations
@@ -297,6 +298,40 @@ def buffer_address(obj: Any, *, writable: bool) -> tuple[int, int]:
         if view.nbytes == 0:
             return 0, 0
         return _view_address(view), view.nbytes
+
+
+def byte_view(buf: Any, *, writable: bool) -> memoryview:
+    """A flat byte ``memoryview`` over ``buf`` without copying it.
+
+    Takes anything with the buffer protocol (``bytes``, ``bytearray``,
+    ``memoryview``, numpy arrays, ``mmap``) and CPU ``torch.Tensor`` s (through
+    their storage address: pinned host tensors included).
+
+    Raises:
+        TypeError: ``buf`` has no buffer, is read-only where ``writable`` is
+            asked, or is a tensor not on the CPU.
+        ValueError: ``buf`` is not contiguous.
+    """
+    if type(buf).__module__.startswith("torch") and hasattr(buf, "data_ptr"):
+        if buf.device.type != "cpu":
+            raise TypeError(f"a tensor on {buf.device} has no host memory to read into; use a CPU (pinned) tensor")
+        if not buf.is_contiguous():
+            raise ValueError("the tensor is not contiguous")
+        nbytes = buf.numel() * buf.element_size()
+        if nbytes == 0:
+            return memoryview(bytearray())
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(buf.data_ptr())).cast("B")
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"{type(buf).__name__} has no buffer; pass bytes, bytearray, memoryview or an array") from None
+    if writable and view.readonly:
+        raise TypeError(f"{type(buf).__name__} is read-only; get_into needs a writable buffer")
+    if not view.c_contiguous:
+        raise ValueError("the buffer is not contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
 
 
 # ------------------------------------------------------------ mappings
