@@ -211,7 +211,7 @@ mod tests {
 
     #[test]
     fn the_report_opens_in_chromium_with_every_contenders_curve_drawn() {
-        use crate::browser;
+        use kvtier_test_support::browser;
         assert!(browser::chromium().is_some(), "no chromium on PATH: run `make deps` (it installs the `chromium` package)");
         let r: EngineResults = serde_json::from_str(SAMPLE).unwrap();
         let dir = tempfile::tempdir().unwrap();

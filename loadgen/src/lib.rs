@@ -10,7 +10,6 @@
 #![deny(missing_docs)]
 
 pub mod blocks;
-pub mod browser;
 pub mod cli;
 pub mod client;
 pub mod crash;

@@ -39,7 +39,7 @@ const CHART_PX: (u32, u32) = (760, 380);
 /// Colors of the series, in order: [`Series::color`] indexes it (modulo
 /// its length). Each is an RGB triple, `PALETTE[i].0`, `.1`, `.2` (0–255),
 /// for checking a rendered chart's pixels
-/// ([`crate::browser::pixels_of`]).
+/// (`kvtier_test_support::browser::pixels_of` in the tests).
 pub const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
@@ -762,6 +762,7 @@ pub fn size_html(r: &crate::size::SizeReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_test_support::browser::{charts, chromium, open, pixels_of};
 
     #[test]
     fn charts_render_svg_with_every_series_named() {
@@ -775,6 +776,48 @@ mod tests {
             assert!(svg.contains("<polyline") || svg.contains("<path"), "no line drawn");
         }
         assert!(line_chart(&Axes { title: "none", x_desc: "", y_desc: "", x_log: true, y_log: true }, &[]).contains("no data"));
+    }
+
+    /// `dir/name`: a page whose body is `body`.
+    fn html_file(dir: &std::path::Path, name: &str, body: &str) -> std::path::PathBuf {
+        let path = dir.join(name);
+        std::fs::write(
+            &path,
+            format!("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>t</title></head><body>{body}</body></html>\n"),
+        )
+        .unwrap();
+        path
+    }
+
+    /// A chart as a browser draws it: its curves in the DOM, its colors
+    /// on the screen ([`kvtier_test_support::browser`]).
+    #[test]
+    fn a_chart_is_found_in_the_dom_and_its_curves_on_the_screen() {
+        assert!(chromium().is_some(), "no chromium on PATH: run `make deps` (it installs the `chromium` package)");
+        let dir = tempfile::tempdir().unwrap();
+        let series = [
+            Series { name: "alpha".into(), points: vec![(1.0, 10.0), (2.0, 20.0), (4.0, 25.0)], color: 0, dashed: false },
+            Series { name: "beta".into(), points: vec![(1.0, 5.0), (4.0, 30.0)], color: 1, dashed: true },
+            Series { name: "empty".into(), points: vec![], color: 2, dashed: false },
+        ];
+        let svg = line_chart(&Axes { title: "t", x_desc: "x", y_desc: "y", x_log: false, y_log: false }, &series);
+        let view = open(&html_file(dir.path(), "chart.html", &svg), Some(&dir.path().join("chart.png")), (800, 420)).unwrap();
+        assert!(view.console_errors.is_empty(), "{:?}", view.console_errors);
+        let charts = charts(&view.dom);
+        assert_eq!(charts.len(), 1);
+        let color = |i: usize| (PALETTE[i].0, PALETTE[i].1, PALETTE[i].2);
+        let curves = charts[0].curves();
+        assert_eq!(curves.iter().filter(|l| l.stroke == Some(color(0))).count(), 1, "alpha: one polyline");
+        assert!(curves.iter().filter(|l| l.stroke == Some(color(1))).count() > 5, "beta: dashes");
+        assert_eq!(curves.iter().filter(|l| l.stroke == Some(color(2))).count(), 0, "empty: its legend sample only");
+        assert_eq!(charts[0].markers.iter().filter(|m| m.fill == Some(color(0))).count(), 3, "alpha: a marker per point");
+        assert_eq!(charts[0].series_without_curves(), vec![]);
+        let png = view.screenshot.unwrap();
+        for (i, min) in [(0, 200), (1, 100)] {
+            let n = pixels_of(&png, color(i), 8).unwrap();
+            assert!(n > min, "{n} pixels of color {i}");
+        }
+        assert!(pixels_of(&png, color(4), 8).unwrap() == 0);
     }
 
     #[test]

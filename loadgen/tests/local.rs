@@ -17,9 +17,7 @@ use kvtier_loadgen::payload::Payloads;
 use kvtier_loadgen::server_process::ServerProcess;
 use kvtier_loadgen::target::Target;
 use kvtier_loadgen::{replay, sharegpt};
-
-/// 64 KiB blocks keep the tests fast.
-const BLOCK_BYTES: u64 = 65_536;
+use kvtier_test_support::server_args::{set_flag, test_args, BLOCK_BYTES};
 
 fn kvtier_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("KVTIER_BIN") {
@@ -36,8 +34,9 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-/// A server on `dir` (2 shards, 64 KiB blocks, RAM tier of `ram_blocks`
-/// blocks, socket at `dir/kvtier.sock`), with `extra` flags.
+/// A test server on `dir` ([`test_args`]: 2 shards, 64 KiB blocks) with a
+/// RAM tier of `ram_blocks` blocks, its socket at `dir/kvtier.sock`, and
+/// `extra` flags.
 struct Server {
     process: ServerProcess,
     socket: String,
@@ -47,29 +46,8 @@ struct Server {
 impl Server {
     fn start(dir: &Path, ram_blocks: u64, extra: &[&str]) -> Server {
         let ram_gb = (ram_blocks * BLOCK_BYTES) as f64 / (1u64 << 30) as f64;
-        let mut args: Vec<String> = [
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            dir.to_str().unwrap(),
-            "--shards",
-            "2",
-            "--block-bytes",
-            &BLOCK_BYTES.to_string(),
-            "--disk-gb",
-            "0.25",
-            "--segment-mib",
-            "8",
-            "--pin-cpus",
-            "false",
-            "--log-level",
-            "warn",
-            "--ram-gb",
-            &ram_gb.to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut args = test_args(dir);
+        set_flag(&mut args, "--ram-gb", &ram_gb.to_string());
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = tempfile::NamedTempFile::new().unwrap();
         let process = ServerProcess::start(&kvtier_bin(), &args, log.path()).unwrap_or_else(|e| panic!("{e}"));

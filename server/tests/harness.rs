@@ -8,26 +8,16 @@ use std::path::PathBuf;
 
 use kvtier_loadgen::{crash, report, soak};
 
+/// The test server's flags ([`common::serve_flags`]; the harness's
+/// launcher adds `--listen` and `--data-dir`) with `disk_gb` of disk,
+/// `block_bytes` blocks, a 64 MiB RAM tier and the log at `info`.
 fn serve_args(disk_gb: &str, block_bytes: u64) -> Vec<String> {
-    [
-        "--shards",
-        "2",
-        "--block-bytes",
-        &block_bytes.to_string(),
-        "--disk-gb",
-        disk_gb,
-        "--segment-mib",
-        "8",
-        "--pin-cpus",
-        "false",
-        "--log-level",
-        "info",
-        "--ram-gb",
-        "0.0625",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    let mut args = common::serve_flags();
+    common::set_flag(&mut args, "--block-bytes", &block_bytes.to_string());
+    common::set_flag(&mut args, "--disk-gb", disk_gb);
+    common::set_flag(&mut args, "--log-level", "info");
+    common::set_flag(&mut args, "--ram-gb", "0.0625");
+    args
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

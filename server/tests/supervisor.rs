@@ -18,12 +18,12 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A test server on `listen` whose store's shape the server's defaults
+/// choose ([`common::launch_args`]) but for the flags in `extra`, logging
+/// at `info`.
 fn serve_args(listen: &str, data_dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> =
-        ["--listen", listen, "--data-dir", data_dir.to_str().unwrap(), "--pin-cpus", "false", "--log-level", "info"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+    let mut args = common::launch_args(listen, data_dir);
+    common::set_flag(&mut args, "--log-level", "info");
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }

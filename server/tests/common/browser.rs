@@ -1,12 +1,13 @@
-//! Opening a loadgen HTML report in headless Chromium, as a person would,
-//! and checking that it renders: no console message, no file pulled in,
+//! Opening a loadgen HTML report in headless Chromium, as a person would
+//! (the driver: `kvtier_test_support::browser`, shared with the loadgen's
+//! tests), and checking that it renders: no console message, no file pulled in,
 //! every chart in the DOM with its points and curves drawn, and the first
 //! series color really on the screen.
 
 use std::path::Path;
 
-use kvtier_loadgen::browser::{self, PageView};
 use kvtier_loadgen::report::PALETTE;
+use kvtier_test_support::browser::{self, PageView};
 
 /// Viewport of the screenshot, CSS pixels: two 760-pixel charts side by
 /// side, and the first rows of charts of every report.

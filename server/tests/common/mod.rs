@@ -10,8 +10,11 @@ use std::process::ExitStatus;
 
 use kvtier_loadgen::server_process::ServerProcess;
 
-/// Block size the tests use: 64 KiB keeps them fast.
-pub const BLOCK_BYTES: u64 = 65_536;
+// The test server's command line (the standard flags, 64 KiB blocks,
+// `set_flag`), written once for the server's and the loadgen's tests; not
+// every test binary uses every one.
+#[allow(unused_imports)]
+pub use kvtier_test_support::server_args::{launch_args, serve_flags, set_flag, test_args, BLOCK_BYTES};
 
 /// A running server on an ephemeral loopback port; its stderr goes to a
 /// temporary log file (never a pipe nobody drains, which would stall the
@@ -23,42 +26,6 @@ pub struct Server {
     pub url: String,
     /// Its data directory.
     pub data_dir: PathBuf,
-}
-
-/// The standard test arguments: 2 shards, 64 KiB blocks, small segments.
-pub fn test_args(data_dir: &Path) -> Vec<String> {
-    [
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data_dir.to_str().unwrap(),
-        "--shards",
-        "2",
-        "--block-bytes",
-        &BLOCK_BYTES.to_string(),
-        "--disk-gb",
-        "0.25",
-        "--segment-mib",
-        "8",
-        "--pin-cpus",
-        "false",
-        "--log-level",
-        "warn",
-        "--ram-gb",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// Sets `flag`'s value in `args`: the word after it where it is there
-/// already (as in [`test_args`]), else `flag value` appended.
-pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
-    match args.iter().position(|a| a == flag) {
-        Some(i) => args[i + 1] = value.to_string(),
-        None => args.extend([flag.to_string(), value.to_string()]),
-    }
 }
 
 /// Runs `kvtier serve ARGS` and waits for its "listening" line.

@@ -1,5 +1,7 @@
 //! Opening a page in a real headless browser (Debian's `chromium`), as a
-//! person would, to prove that a report renders: what the browser parsed
+//! person would, to prove that a report renders (the loadgen's reports, in
+//! `loadgen/tests/browser.rs` and the server's tests through
+//! `server/tests/common/browser.rs`): what the browser parsed
 //! ([`PageView::dom`]), what it said on the console
 //! ([`PageView::console_errors`]), which other files the page pulled in
 //! ([`PageView::file_loads`]) and what it drew ([`PageView::screenshot`],
@@ -278,8 +280,8 @@ impl Line {
 
     /// Whether it is a legend sample: the 20-pixel horizontal stroke of 2
     /// points that the reports' legend draws beside each series name, data
-    /// or not ([`crate::report::line_chart`]). At stroke width 2 it covers
-    /// 40 pixels of the series color on screen.
+    /// or not (`kvtier_loadgen::report::line_chart`). At stroke width 2 it
+    /// covers 40 pixels of the series color on screen.
     pub fn is_legend_sample(&self) -> bool {
         let p = &self.points;
         p.len() == 2 && p[0].1 == p[1].1 && (p[1].0 - p[0].0).abs() == 20.0
@@ -392,7 +394,6 @@ fn line_of(open: &str, points_attr: &str) -> Line {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{line_chart, Axes, Series, PALETTE};
 
     fn browser_or_fail() {
         assert!(chromium().is_some(), "no chromium on PATH: run `make deps` (it installs the `chromium` package)");
@@ -437,35 +438,6 @@ mod tests {
         let e = open_within(&hang, None, (400, 300), Duration::from_secs(3)).unwrap_err();
         assert!(e.contains("within 3 s: killed"), "{e}");
         assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
-    }
-
-    #[test]
-    fn a_chart_is_found_in_the_dom_and_its_curves_on_the_screen() {
-        browser_or_fail();
-        let dir = tempfile::tempdir().unwrap();
-        let series = [
-            Series { name: "alpha".into(), points: vec![(1.0, 10.0), (2.0, 20.0), (4.0, 25.0)], color: 0, dashed: false },
-            Series { name: "beta".into(), points: vec![(1.0, 5.0), (4.0, 30.0)], color: 1, dashed: true },
-            Series { name: "empty".into(), points: vec![], color: 2, dashed: false },
-        ];
-        let svg = line_chart(&Axes { title: "t", x_desc: "x", y_desc: "y", x_log: false, y_log: false }, &series);
-        let view = open(&page(dir.path(), "chart.html", &svg), Some(&dir.path().join("chart.png")), (800, 420)).unwrap();
-        assert!(view.console_errors.is_empty(), "{:?}", view.console_errors);
-        let charts = charts(&view.dom);
-        assert_eq!(charts.len(), 1);
-        let color = |i: usize| (PALETTE[i].0, PALETTE[i].1, PALETTE[i].2);
-        let curves = charts[0].curves();
-        assert_eq!(curves.iter().filter(|l| l.stroke == Some(color(0))).count(), 1, "alpha: one polyline");
-        assert!(curves.iter().filter(|l| l.stroke == Some(color(1))).count() > 5, "beta: dashes");
-        assert_eq!(curves.iter().filter(|l| l.stroke == Some(color(2))).count(), 0, "empty: its legend sample only");
-        assert_eq!(charts[0].markers.iter().filter(|m| m.fill == Some(color(0))).count(), 3, "alpha: a marker per point");
-        assert_eq!(charts[0].series_without_curves(), vec![]);
-        let png = view.screenshot.unwrap();
-        for (i, min) in [(0, 200), (1, 100)] {
-            let n = pixels_of(&png, color(i), 8).unwrap();
-            assert!(n > min, "{n} pixels of color {i}");
-        }
-        assert!(pixels_of(&png, color(4), 8).unwrap() == 0);
     }
 
     #[test]
