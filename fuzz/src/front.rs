@@ -7,22 +7,23 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 use kvtier_local_proto::{self as proto, Code, Cursor, Next, Op, Span};
+use kvtier_server::http::request::{declared_length, parse_keys};
+use kvtier_server::http::routes::{self, Plan, Route};
 use kvtier_server::limits;
 use kvtier_server::local::region::Region;
-use kvtier_server::metrics::Route;
-use kvtier_server::routes::{self, Auth, Plan};
+use kvtier_server::service::Auth;
 use kvtier_server::tenants::{Capacity, Table};
 
 /// `key_list`: the bytes as a `/v1/lookup` (or `/v1/prefetch`) body.
 pub fn key_list(data: &[u8]) {
-    match routes::parse_keys(data) {
+    match parse_keys(data) {
         Ok(keys) => {
             assert!(keys.len() <= limits::LOOKUP_KEYS_MAX, "{} keys accepted", keys.len());
             for k in &keys {
                 assert!(kvtier_engine::key::validate(k).is_ok(), "invalid key {k:?} accepted");
             }
             let again = serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("keys serialize");
-            assert_eq!(routes::parse_keys(&again).ok(), Some(keys), "key list does not round-trip");
+            assert_eq!(parse_keys(&again).ok(), Some(keys), "key list does not round-trip");
         }
         Err(reply) => {
             let s = reply.status();
@@ -100,7 +101,7 @@ pub fn http_route(data: &[u8]) {
             };
             assert_eq!(key.as_deref(), want);
             if r == Route::PutBlock {
-                match routes::declared_length(&headers, 4096, "PUT") {
+                match declared_length(&headers, 4096, "PUT") {
                     Ok(n) => assert_eq!(Some(n), headers[http::header::CONTENT_LENGTH].to_str().ok().and_then(|v| v.parse().ok())),
                     Err(reply) => assert!(matches!(reply.status(), StatusCode::LENGTH_REQUIRED | StatusCode::BAD_REQUEST)),
                 }

@@ -246,14 +246,14 @@ pub fn key(data: &[u8]) {
     assert_eq!(SlotHeader::decode(&page), Ok(header));
     // And it needs no escaping in a path: /v1/blocks/KEY routes to KEY.
     let uri = http::Uri::try_from(format!("/v1/blocks/{k}")).expect("a valid key makes a valid path");
-    match kvtier_server::routes::plan(
+    match kvtier_server::http::routes::plan(
         &http::Method::GET,
         uri.path(),
         http::Version::HTTP_11,
         &http::HeaderMap::new(),
-        kvtier_server::routes::Auth::Open,
+        kvtier_server::service::Auth::Open,
     ) {
-        kvtier_server::routes::Plan::Handle(_, Some(routed), _) => assert_eq!(routed, k),
+        kvtier_server::http::routes::Plan::Handle(_, Some(routed), _) => assert_eq!(routed, k),
         _ => panic!("GET /v1/blocks/{k} does not route to the key"),
     }
 }

@@ -3,13 +3,22 @@
 //! server on the same hyper-on-glommio plumbing, the yardstick
 //! `make bench-http` measures kvtier's HTTP path against:
 //! `src/bin/kvtier-http-reference.rs`).
+//!
+//! Layers, each depending only on those below it:
+//! - [`shard`]: what one shard runs, composed (`main.rs` starts it).
+//! - the front doors, siblings: [`http`] (the block API) and [`local`]
+//!   (the same-host socket).
+//! - [`service`]: what both doors share: callers, key scoping, the PUT
+//!   budget, shutdown.
+//! - [`metrics`] (`/metrics` and `/v1/stats` rendering, request counters),
+//!   [`tenants`] (the tenants file), [`gpu`] (the GPU tier's metrics),
+//!   [`limits`].
 
-pub mod body;
 pub mod gpu;
 pub mod http;
 pub mod limits;
 pub mod local;
 pub mod metrics;
-pub mod routes;
-pub mod server;
+pub mod service;
+pub mod shard;
 pub mod tenants;

@@ -56,9 +56,10 @@ pub const H2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// (`--idle-timeout-s`). HTTP/2 keep-alive pings do not count as use.
 pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
 
-/// Open connections per shard; past it, new connections wait in the
-/// kernel's accept queue.
-pub const CONNECTIONS_PER_SHARD_MAX: usize = 1024;
+/// Open connections per shard, on each front door (HTTP: past it, new
+/// connections wait in the kernel's accept queue; the same-host socket:
+/// past it, a new connection is closed with a warning).
+pub const CONNECTIONS_PER_SHARD_MAX: u64 = 1024;
 
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

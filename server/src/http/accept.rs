@@ -4,52 +4,35 @@
 //! detected per connection from the first bytes.
 
 use std::cell::Cell;
-use std::net::SocketAddr;
 use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use glommio::net::TcpListener;
 use glommio::sync::Semaphore;
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use kvtier_engine::Store;
 
-use crate::http::{GlommioIo, GlommioTimer, LocalExec};
+use super::io::{GlommioIo, GlommioTimer, LocalExec};
+use super::Ctx;
 use crate::limits;
 use crate::metrics::RequestStats;
-use crate::routes::{self, Ctx};
 
-/// State shared by the shards' accept loops and the main thread.
-pub struct Shared {
+/// The HTTP front door's settings, the same for every shard.
+pub struct HttpConfig {
     /// The block API's listening socket, bound once by `kvtier serve`
     /// (port 0 picks a free one); each shard accepts on a duplicate.
     pub listener: std::net::TcpListener,
-    /// Bearer token, when auth is on.
-    pub auth_token: Option<Arc<[u8]>>,
-    /// Tenants (`--tenants`): callers, key scopes, quotas.
-    pub tenancy: Option<Arc<crate::tenants::Tenancy>>,
-    /// Set by the signal handler: stop accepting and drain.
-    pub shutdown: AtomicBool,
-    /// Each shard reports here once it accepts, or why it cannot.
-    pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
     /// Request metrics of every shard.
-    pub http: Arc<RequestStats>,
-    /// The Prometheus registry, built once by the first shard to serve
-    /// (every shard's store has the same geometry and remote tier).
-    pub metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
-    /// The same-host data plane's socket, when on (`--local-socket`).
-    pub local: Option<Arc<crate::local::LocalShared>>,
+    pub stats: Arc<RequestStats>,
     /// Close a connection after this long without a request in flight.
     pub idle_timeout: Duration,
     /// HTTP/1 request headers must arrive within this.
     pub header_timeout: Duration,
     /// A request body must arrive within this (else 408).
     pub body_timeout: Duration,
-    /// PUT body bytes each shard admits at once (else 503).
-    pub put_inflight_bytes_max: u64,
 }
 
 /// What a connection's watchdog needs to know about its use.
@@ -79,19 +62,6 @@ async fn idle_watchdog(fd: std::os::unix::io::RawFd, usage: Rc<ConnUse>, idle: D
             unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
             return;
         }
-    }
-}
-
-impl Shared {
-    fn report(&self, r: Result<SocketAddr, String>) {
-        let _ = self.ready.lock().expect("ready lock").send(r);
-    }
-}
-
-/// Resolves once shutdown is requested.
-pub async fn shutdown_requested(shared: &Shared) {
-    while !shared.shutdown.load(Ordering::Relaxed) {
-        glommio::timer::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -125,65 +95,24 @@ pub fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
 /// shard's ring. One socket, not one per shard with `SO_REUSEPORT`: the
 /// kernel then refuses any other process the address, where
 /// `SO_REUSEPORT` would let a second kvtier share it.
-fn shard_listener(shared: &Shared) -> Result<TcpListener, String> {
-    let fd = shared.listener.try_clone().map_err(|e| format!("cannot duplicate the listening socket: {e}"))?;
+pub fn shard_listener(config: &HttpConfig) -> Result<TcpListener, String> {
+    let fd = config.listener.try_clone().map_err(|e| format!("cannot duplicate the listening socket: {e}"))?;
     // SAFETY: a bound, listening TCP socket this shard now owns.
     Ok(unsafe { TcpListener::from_raw_fd(fd.into_raw_fd()) })
 }
 
-/// Serves HTTP on this shard until shutdown is requested, then drains
-/// in-flight connections for up to [`limits::SHUTDOWN_GRACE`].
-pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
-    let listener = match shard_listener(&shared) {
-        Ok(l) => l,
-        Err(e) => {
-            shared.report(Err(e));
-            return;
-        }
-    };
-    match listener.local_addr() {
-        Ok(a) => shared.report(Ok(a)),
-        Err(e) => {
-            shared.report(Err(e.to_string()));
-            return;
-        }
-    }
-    let metrics = shared
-        .metrics
-        .get_or_init(|| {
-            crate::metrics::Metrics::new(crate::metrics::Parts {
-                http: shared.http.clone(),
-                local: shared.local.clone(),
-                geometry: store.geometry().clone(),
-                remote: store.remote().cloned(),
-                tenancy: shared.tenancy.clone(),
-            })
-        })
-        .clone();
-    let ctx = Rc::new(Ctx {
-        metrics,
-        store: store.clone(),
-        auth_token: shared.auth_token.as_ref().map(|t| Rc::from(&t[..])),
-        tenancy: shared.tenancy.clone(),
-        http: shared.http.clone(),
-        body_timeout: shared.body_timeout,
-        put_inflight_bytes_max: shared.put_inflight_bytes_max,
-        put_inflight_bytes: Cell::new(0),
-        local: shared.local.clone(),
-    });
-    if let (Some(tenancy), 0) = (&shared.tenancy, store.shard_id()) {
-        glommio::spawn_local(crate::routes::watch_reloads(store.clone(), tenancy.clone(), shared.clone())).detach();
-    }
-    if let Some(local) = &shared.local {
-        glommio::spawn_local(crate::local::serve_shard(store.clone(), ctx.clone(), shared.clone(), local.clone())).detach();
-    }
+/// Serves HTTP on this shard's `listener` until shutdown is requested,
+/// then drains in-flight connections for up to [`limits::SHUTDOWN_GRACE`].
+pub async fn serve(ctx: Rc<Ctx>, listener: TcpListener, config: &HttpConfig) {
+    let store = ctx.service.store.clone();
+    let shutdown = ctx.service.shutdown.clone();
     let shard_id = store.shard_id();
-    let builder = builder(shared.header_timeout);
+    let builder = builder(config.header_timeout);
     let graceful = GracefulShutdown::new();
-    let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX as u64));
+    let connections = Rc::new(Semaphore::new(limits::CONNECTIONS_PER_SHARD_MAX));
     loop {
         let permit = match futures_lite::future::or(async { Some(connections.acquire_static_permit(1).await) }, async {
-            shutdown_requested(&shared).await;
+            shutdown.requested().await;
             None
         })
         .await
@@ -192,7 +121,7 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
             _ => break,
         };
         let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
-            shutdown_requested(&shared).await;
+            shutdown.requested().await;
             None
         })
         .await;
@@ -213,13 +142,13 @@ pub async fn serve_shard(store: Rc<Store>, shared: Arc<Shared>) {
         let ctx = ctx.clone();
         let usage = Rc::new(ConnUse::default());
         usage.last.set(Some(Instant::now()));
-        glommio::spawn_local(idle_watchdog(stream.as_raw_fd(), usage.clone(), shared.idle_timeout)).detach();
+        glommio::spawn_local(idle_watchdog(stream.as_raw_fd(), usage.clone(), config.idle_timeout)).detach();
         let closing = usage.clone();
         let service = hyper::service::service_fn(move |req| {
             let (ctx, usage) = (ctx.clone(), usage.clone());
             async move {
                 usage.in_flight.set(usage.in_flight.get() + 1);
-                let reply = routes::handle(ctx, req).await;
+                let reply = super::routes::handle(ctx, req).await;
                 usage.in_flight.set(usage.in_flight.get() - 1);
                 usage.last.set(Some(Instant::now()));
                 reply

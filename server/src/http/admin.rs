@@ -7,57 +7,17 @@ use std::sync::Arc;
 
 use http::{Request, StatusCode};
 use hyper::body::Incoming;
-use kvtier_engine::shard::{owner_totals, OwnerShardStats};
-use kvtier_engine::tenant::{Owners, QuotaTier};
+use kvtier_engine::tenant::Owners;
 use kvtier_engine::{ShardStats, Store};
 use serde_json::{json, Value};
 
-use super::{engine_error, error, json_reply, read_body, Ctx, Reply};
+use super::reply::{engine_error, error, json_reply, Reply};
+use super::request::read_body;
+use super::Ctx;
 use crate::tenants::{QuotaChange, QuotaGb, QuotaRefusal, Tenancy};
 
 /// Largest body `PUT /v1/admin/tenants/{name}` takes.
 const QUOTA_BODY_BYTES_MAX: u64 = 4096;
-
-/// Each block owner summed over shards, as `/v1/stats` and the admin route
-/// show it: per tier (`gpu`, `ram`, `nvme`) blocks and bytes held, bytes
-/// reserved and the limit (this store's shares in whole blocks; a tier
-/// without a limit shows its size), evictions by the owner's own pressure
-/// or by another's; GETs' hits and misses; prefix lookups' keys asked and
-/// hits, and the hit rates (null before any).
-pub fn owners_json(shards: &[ShardStats], block_bytes: u64) -> Vec<Value> {
-    owner_totals(shards).iter().map(|o| owner_json(o, block_bytes)).collect()
-}
-
-fn owner_json(o: &OwnerShardStats, block_bytes: u64) -> Value {
-    let c = &o.counters;
-    let rate = |n: u64, d: u64| if d == 0 { Value::Null } else { json!(n as f64 / d as f64) };
-    let mut tiers = serde_json::Map::new();
-    for t in QuotaTier::ALL {
-        let i = t as usize;
-        tiers.insert(
-            t.as_str().into(),
-            json!({
-                "blocks": o.blocks[i],
-                "bytes": o.blocks[i] * block_bytes,
-                "reserved_bytes": o.reserved_blocks[i] * block_bytes,
-                "limit_bytes": o.limit_blocks[i] * block_bytes,
-                "evicted_own": c.evicted_own[i],
-                "evicted_by_other": c.evicted_by_other[i],
-            }),
-        );
-    }
-    json!({
-        "name": o.name,
-        "configured": o.configured,
-        "tiers": tiers,
-        "hits": c.hits,
-        "misses": c.misses,
-        "hit_rate": rate(c.hits, c.hits + c.misses),
-        "lookup_keys": c.lookup_keys,
-        "prefix_hits": c.prefix_hits,
-        "prefix_hit_rate": rate(c.prefix_hits, c.lookup_keys),
-    })
-}
 
 fn not_configured() -> Reply {
     error(
@@ -69,19 +29,19 @@ fn not_configured() -> Reply {
 
 /// `GET /v1/admin/tenants`: the file, how reloads went, and each tenant
 /// and namespace as configured (quotas in GiB, namespaces, uids) with its
-/// usage ([`owners_json`]).
+/// usage ([`crate::metrics::owners_json`]).
 pub(super) async fn tenants(ctx: &Ctx) -> Reply {
-    let Some(tenancy) = &ctx.tenancy else { return not_configured() };
-    let shards = match ctx.store.stats().await {
+    let Some(tenancy) = ctx.service.access.tenancy() else { return not_configured() };
+    let shards = match ctx.store().stats().await {
         Ok(s) => s,
         Err(e) => return engine_error(&e),
     };
-    json_reply(StatusCode::OK, &tenants_body(tenancy, &shards, ctx.store.geometry().block_bytes))
+    json_reply(StatusCode::OK, &tenants_body(tenancy, &shards, ctx.store().geometry().block_bytes))
 }
 
 fn tenants_body(tenancy: &Tenancy, shards: &[ShardStats], block_bytes: u64) -> Value {
     let table = tenancy.table();
-    let usage = owners_json(shards, block_bytes);
+    let usage = crate::metrics::owners_json(shards, block_bytes);
     let owners: Vec<Value> = table
         .entries
         .iter()
@@ -122,7 +82,7 @@ fn tenants_body(tenancy: &Tenancy, shards: &[ShardStats], block_bytes: u64) -> V
 /// next reload, and applies them on every shard; a lowered limit moves
 /// that owner's oldest blocks down in the background.
 pub(super) async fn set_tenant(ctx: &Ctx, name: &str, req: Request<Incoming>) -> Reply {
-    let Some(tenancy) = &ctx.tenancy else { return not_configured() };
+    let Some(tenancy) = ctx.service.access.tenancy() else { return not_configured() };
     let body = match read_body(ctx, req, QUOTA_BODY_BYTES_MAX).await {
         Ok((chunks, _)) => chunks.concat(),
         Err(r) => return r,
@@ -142,7 +102,7 @@ pub(super) async fn set_tenant(ctx: &Ctx, name: &str, req: Request<Incoming>) ->
         Err(QuotaRefusal::OverCapacity(e)) => return error(StatusCode::CONFLICT, "over_capacity", e),
         Err(QuotaRefusal::Invalid(e)) => return error(StatusCode::BAD_REQUEST, "bad_quota", e),
     };
-    if let Err(e) = ctx.store.set_owners(owners).await {
+    if let Err(e) = ctx.store().set_owners(owners).await {
         return engine_error(&e);
     }
     tracing::info!(tenant = name, "tenant quotas changed by the admin route");
@@ -152,8 +112,8 @@ pub(super) async fn set_tenant(ctx: &Ctx, name: &str, req: Request<Incoming>) ->
 /// `POST /v1/admin/tenants/reload`: reads the tenants file again (as
 /// SIGHUP does); a refused file leaves the one in use.
 pub(super) async fn reload(ctx: &Ctx) -> Reply {
-    let Some(tenancy) = &ctx.tenancy else { return not_configured() };
-    match apply_reload(&ctx.store, tenancy).await {
+    let Some(tenancy) = ctx.service.access.tenancy() else { return not_configured() };
+    match apply_reload(ctx.store(), tenancy).await {
         Ok(()) => tenants(ctx).await,
         Err(e) => error(StatusCode::BAD_REQUEST, "tenants_file_invalid", format!("{e}; the tenants in use are kept")),
     }
@@ -167,18 +127,18 @@ async fn apply_reload(store: &Store, tenancy: &Tenancy) -> Result<(), String> {
     Ok(())
 }
 
-/// Shard 0's task: reloads the tenants file when SIGHUP asked for it
-/// ([`Tenancy::request_reload`]), within [`crate::tenants::RELOAD_POLL`];
-/// a refused file is logged and the tenants in use are kept.
-pub async fn watch_reloads(store: Rc<Store>, tenancy: Arc<Tenancy>, shared: Arc<crate::server::Shared>) {
+/// Shard 0's task: reloads the tenants file as soon as SIGHUP asks for it
+/// ([`Tenancy::request_reload`]), until shutdown; a refused file is logged
+/// and the tenants in use are kept.
+pub async fn watch_reloads(service: Rc<crate::service::Service>, tenancy: Arc<Tenancy>) {
     loop {
         let stop = futures_lite::future::or(
             async {
-                glommio::timer::sleep(crate::tenants::RELOAD_POLL).await;
+                tenancy.reload_requested().await;
                 false
             },
             async {
-                crate::server::shutdown_requested(&shared).await;
+                service.shutdown.requested().await;
                 true
             },
         )
@@ -186,10 +146,8 @@ pub async fn watch_reloads(store: Rc<Store>, tenancy: Arc<Tenancy>, shared: Arc<
         if stop {
             return;
         }
-        if tenancy.take_reload_request() {
-            if let Err(e) = apply_reload(&store, &tenancy).await {
-                tracing::error!("SIGHUP: {e}; the tenants in use are kept");
-            }
+        if let Err(e) = apply_reload(&service.store, &tenancy).await {
+            tracing::error!("SIGHUP: {e}; the tenants in use are kept");
         }
     }
 }

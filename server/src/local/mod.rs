@@ -15,10 +15,13 @@
 
 pub(crate) mod conn;
 pub(crate) mod guard;
+mod inbox;
+mod ops;
 pub(crate) mod proto;
 pub mod region;
+mod session;
 
-pub use conn::{parse_hello, Hello};
+pub use ops::{parse_hello, Hello};
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -31,18 +34,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use glommio::sync::Semaphore;
-use kvtier_engine::Store;
 use serde_json::{json, Value};
 
+use crate::limits::CONNECTIONS_PER_SHARD_MAX;
 use crate::metrics::RequestStats;
-use crate::routes::Ctx;
-use crate::server::{shutdown_requested, Shared};
+use crate::service::Service;
 
 /// Bytes a Unix socket address holds for the path (`sun_path` is 108
 /// bytes, one for the terminating NUL).
 pub const SOCKET_PATH_BYTES_MAX: usize = 107;
-/// Connections one shard serves at once on the local socket.
-pub const CONNECTIONS_PER_SHARD_MAX: u64 = 1024;
 
 /// Command-line settings of the local socket.
 #[derive(clap::Args, Debug, Clone)]
@@ -194,22 +194,81 @@ fn answers_hello(path: &Path) -> bool {
     s.read_exact(&mut reply).is_ok() && proto::Header::decode(&reply).is_ok()
 }
 
-/// `/v1/stats` `local`: the socket, the epoch, per-op counters and the
-/// registrations (`null` when the socket is off).
-pub fn stats_json(local: Option<&LocalShared>) -> Value {
-    let Some(l) = local else { return json!({ "socket": null }) };
-    json!({
-        "socket": l.path.display().to_string(),
-        "epoch": l.epoch,
-        "registrations_open": l.registrations_open.load(Ordering::Relaxed),
-        "registrations_total": l.registrations_total.load(Ordering::Relaxed),
-        "registered_bytes": l.registered_bytes.load(Ordering::Relaxed),
-        "frame_errors": l.frame_errors.load(Ordering::Relaxed),
-        "peers_refused": l.peers_refused.load(Ordering::Relaxed),
-        "sigbus_caught": guard::faults_caught(),
-        "routes": l.stats.routes_json(),
-        "per_shard": l.stats.shards_json(),
-    })
+/// The same-host door's part of `/metrics` (`kvtier_local_*`) and
+/// `/v1/stats` (`local`): the socket's counters when it is on.
+impl crate::metrics::Door for LocalShared {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn put_bytes_refusals(&self) -> u64 {
+        self.stats.put_bytes_refusals()
+    }
+
+    fn write_metrics(&self, registry: &mut kvtier_engine::latency::Scrape<'_>, durations: &mut crate::metrics::Durations) {
+        use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
+        self.stats.write_metrics(registry, durations, "local", "Local-socket requests", "Block bytes", "PUT_FROM items refused OVERLOADED");
+        let gauge = |v: u64| {
+            let g = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+            g.set(v as i64);
+            g
+        };
+        let counter = |v: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            c
+        };
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        registry.register("local_registrations_open", "Buffers registered on the local socket now", gauge(load(&self.registrations_open)));
+        registry.register("local_registered_bytes", "Bytes of the buffers registered now", gauge(load(&self.registered_bytes)));
+        registry.register("local_registrations", "Buffers registered since start", counter(load(&self.registrations_total)));
+        registry.register("local_frame_errors", "Local connections closed for a framing error", counter(load(&self.frame_errors)));
+        registry.register(
+            "local_peers_refused",
+            "Local peers refused by the SO_PEERCRED uid/gid check",
+            counter(load(&self.peers_refused)),
+        );
+        registry.register(
+            "local_sigbus_caught",
+            "Copies that met a client's buffer file shrunk under the server's mapping (SIGBUS caught; that registration is lost)",
+            counter(guard::faults_caught()),
+        );
+    }
+
+    fn stats_json(&self) -> Value {
+        json!({
+            "socket": self.path.display().to_string(),
+            "epoch": self.epoch,
+            "registrations_open": self.registrations_open.load(Ordering::Relaxed),
+            "registrations_total": self.registrations_total.load(Ordering::Relaxed),
+            "registered_bytes": self.registered_bytes.load(Ordering::Relaxed),
+            "frame_errors": self.frame_errors.load(Ordering::Relaxed),
+            "peers_refused": self.peers_refused.load(Ordering::Relaxed),
+            "sigbus_caught": guard::faults_caught(),
+            "routes": self.stats.routes_json(),
+            "per_shard": self.stats.shards_json(),
+        })
+    }
+}
+
+/// The same-host door when `--local-socket` is off: `/v1/stats` shows
+/// `"local": {"socket": null}`, `/metrics` nothing.
+pub struct LocalOff;
+
+impl crate::metrics::Door for LocalOff {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn put_bytes_refusals(&self) -> u64 {
+        0
+    }
+
+    fn write_metrics(&self, _: &mut kvtier_engine::latency::Scrape<'_>, _: &mut crate::metrics::Durations) {}
+
+    fn stats_json(&self) -> Value {
+        json!({ "socket": null })
+    }
 }
 
 /// The peer's uid, gid and pid (`SO_PEERCRED`).
@@ -241,16 +300,16 @@ impl LocalShared {
 }
 
 /// Accepts local connections on this shard until shutdown.
-pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, local: Arc<LocalShared>) {
+pub async fn serve_shard(service: Rc<Service>, local: Arc<LocalShared>) {
     let fd = local.listener.as_raw_fd();
-    let shard = store.shard_id();
+    let shard = service.store.shard_id();
     let connections = Rc::new(Semaphore::new(CONNECTIONS_PER_SHARD_MAX));
     loop {
         let accepted = match local.listener.accept() {
             Ok((s, _)) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 let woke = futures_lite::future::or(async { Some(glommio::executor().wait_readable(fd).await) }, async {
-                    shutdown_requested(&shared).await;
+                    service.shutdown.requested().await;
                     None
                 })
                 .await;
@@ -273,7 +332,7 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
             continue;
         }
         let (refusal, peer_uid) = match peer_credentials(&accepted) {
-            Ok(c) => (local.refuse(&c, shared.tenancy.as_deref()), c.uid),
+            Ok(c) => (local.refuse(&c, service.access.tenancy().map(|t| &**t)), c.uid),
             Err(e) => (Some(format!("cannot read the peer's credentials: {e}")), u32::MAX),
         };
         if let Some(why) = refusal {
@@ -287,9 +346,9 @@ pub async fn serve_shard(store: Rc<Store>, ctx: Rc<Ctx>, shared: Arc<Shared>, lo
         let stats = local.stats.clone();
         stats.shard(shard).connections_open.fetch_add(1, Ordering::Relaxed);
         stats.shard(shard).connections_total.fetch_add(1, Ordering::Relaxed);
-        let (ctx, local, server) = (ctx.clone(), local.clone(), shared.clone());
+        let (service, local) = (service.clone(), local.clone());
         glommio::spawn_local(async move {
-            conn::serve(accepted, peer_uid, ctx, local, server).await;
+            conn::serve(accepted, peer_uid, service, local).await;
             stats.shard(shard).connections_open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         })

@@ -90,7 +90,7 @@ struct ShardLabel {
 
 impl RequestStats {
     /// Counters for `shards` shards and the routes `names` (indexed as
-    /// [`RequestStats::record`]'s `route`): [`super::HTTP_ROUTE_NAMES`] for
+    /// [`RequestStats::record`]'s `route`): the HTTP routes' names for
     /// HTTP, the local socket's ops for it.
     pub fn new(shards: usize, names: &'static [&'static str]) -> Arc<Self> {
         Arc::new(RequestStats {
@@ -209,10 +209,10 @@ impl RequestStats {
     /// (summed over shards) requests and 4xx/5xx-class errors; per shard
     /// bytes, connections and PUT refusals. Latency goes to `durations`,
     /// the one `kvtier_request_duration_seconds` family of every transport.
-    pub(super) fn write_metrics(
+    pub fn write_metrics(
         &self,
         registry: &mut Scrape<'_>,
-        durations: &mut HistogramFamily<impl EncodeLabelSet + From<(&'static str, &'static str)>>,
+        durations: &mut HistogramFamily<DurationLabel>,
         transport: &'static str,
         what: &str,
         bytes: &str,
@@ -267,7 +267,7 @@ impl RequestStats {
 
 /// Labels of `kvtier_request_duration_seconds`: the front door and its route.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(super) struct DurationLabel {
+pub struct DurationLabel {
     transport: String,
     route: String,
 }

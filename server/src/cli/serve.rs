@@ -1,0 +1,297 @@
+//! `kvtier serve`: the start-up (each step timed), the shards started on
+//! the engine thread, the signals, the clean stop.
+
+use std::fs;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::sync::{mpsc, Arc, Mutex};
+
+use kvtier_engine::store::START_WARN_AFTER;
+use kvtier_server::{metrics, shard, tenants};
+
+use super::args::*;
+use super::listen::bind_listener;
+
+/// Where the kernel gives its transparent huge page mode.
+const THP_ENABLED_PATH: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// How long each step of `kvtier serve`'s start-up took, logged once when
+/// the shards listen, so a slow start names what it waited for (a warning
+/// past [`START_WARN_AFTER`]).
+struct StartSteps {
+    started: std::time::Instant,
+    last: std::time::Instant,
+    steps: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl StartSteps {
+    fn new(started: std::time::Instant) -> StartSteps {
+        StartSteps { started, last: started, steps: Vec::new() }
+    }
+
+    /// The step `what` ended now.
+    fn end(&mut self, what: &'static str) {
+        let now = std::time::Instant::now();
+        self.steps.push((what, now - self.last));
+        self.last = now;
+    }
+
+    fn log(&self) {
+        let total = self.last - self.started;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let steps: Vec<String> = self.steps.iter().map(|(what, d)| format!("{what} {:.0} ms", ms(*d))).collect();
+        let line = format!("start-up took {:.0} ms: {}", ms(total), steps.join(", "));
+        match self.steps.iter().max_by_key(|(_, d)| *d) {
+            Some((what, d)) if total > START_WARN_AFTER => {
+                tracing::warn!("{line}; over {START_WARN_AFTER:?}, mostly waiting for {what} ({:.0} ms)", ms(*d))
+            }
+            _ => tracing::info!("{line}"),
+        }
+    }
+}
+
+/// Holds an exclusive `flock` on `<data-dir>/LOCK` for the process's life,
+/// so two servers never write one data directory.
+pub(crate) fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create data directory {}: {e}", dir.display()))?;
+    let path = dir.join("LOCK");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!("data directory {} is in use by another kvtier process", dir.display()));
+    }
+    Ok(file)
+}
+
+fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
+    let raw = fs::read_to_string(path).map_err(|e| format!("cannot read --auth-token-file {}: {e}", path.display()))?;
+    let token = raw.trim();
+    if token.is_empty() {
+        return Err(format!("--auth-token-file {} is empty", path.display()));
+    }
+    Ok(Arc::from(token.as_bytes()))
+}
+
+pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| format!("--log-level {:?}: {e}", args.log_level))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+
+    let auth_token = args.auth_token_file.as_deref().map(read_token).transpose()?;
+    if !args.listen.ip().is_loopback() && auth_token.is_none() && args.tenants.is_none() {
+        return Err(format!(
+            "refusing to listen on non-loopback address {} without --auth-token-file or --tenants: anyone who can reach it could read and overwrite KV blocks",
+            args.listen
+        ));
+    }
+    for (flag, value) in [
+        ("--idle-timeout-s", args.idle_timeout_s),
+        ("--header-timeout-s", args.header_timeout_s),
+        ("--body-timeout-s", args.body_timeout_s),
+    ] {
+        if !(value.is_finite() && value > 0.0) {
+            return Err(format!("{flag} must be a positive number of seconds, got {value}"));
+        }
+    }
+    if args.put_inflight_mib == 0 {
+        return Err("--put-inflight-mib must be at least 1".into());
+    }
+    let (mut config, segment_origin) = args.store.config()?;
+    let (gpu_config, gpu_line) = args.store.gpu.open(&config)?;
+    config.gpu = gpu_config;
+    let s3_tier = match &args.s3.s3_url {
+        Some(_) => Some(kvtier_s3::S3Tier::new(&args.s3, config.shards, config.geometry.block_bytes, config.health_window)?),
+        None => None,
+    };
+    config.remote = s3_tier.clone().map(|t| t as Arc<dyn kvtier_engine::remote::Remote>);
+    if let Some(dir) = &args.trace_dir {
+        let recorder = kvtier_engine::trace::Recorder::new(dir, args.trace_max_mb.saturating_mul(1 << 20))?;
+        recorder.set_header(config.trace_header("kvtier serve"));
+        futures::executor::block_on(recorder.start()).map_err(|e| format!("--trace-dir {}: {e}", dir.display()))?;
+        config.trace = Some(recorder);
+    }
+    let tenancy = match &args.tenants {
+        Some(path) => {
+            let capacity = tenants::Capacity {
+                shard_blocks: config.shard_capacity_blocks(),
+                shards: config.shards,
+                block_bytes: config.geometry.block_bytes,
+            };
+            let t = Arc::new(tenants::Tenancy::load(path, capacity)?);
+            config.owners = t.owners();
+            Some(t)
+        }
+        None => None,
+    };
+    let mut steps = StartSteps::new(started);
+    steps.end("configuration");
+    let _lock = lock_data_dir(&config.data_dir)?;
+    steps.end("the data-directory lock");
+    let listener = bind_listener(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
+    steps.end("the listening socket");
+
+    let local = args.local.open(&config.data_dir, config.shards)?;
+    if local.is_some() {
+        steps.end("the local socket");
+    }
+
+    let mut signals =
+        signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT, signal_hook::consts::SIGHUP])
+            .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let shared = Arc::new(shard::Process {
+        auth_token,
+        tenancy: tenancy.clone(),
+        shutdown: Default::default(),
+        put_budget_bytes: args.put_inflight_mib << 20,
+        http: kvtier_server::http::accept::HttpConfig {
+            listener,
+            stats: metrics::RequestStats::new(config.shards, &kvtier_server::http::routes::HTTP_ROUTE_NAMES),
+            idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
+            header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
+            body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
+        },
+        local: local.clone(),
+        metrics: Default::default(),
+        ready: Mutex::new(ready_tx),
+    });
+    if let Some(tier) = &s3_tier {
+        // S3 down at start is not fatal: reads miss and uploads fail, counted.
+        match tier.probe() {
+            Ok(()) => tracing::info!("shared tier {}", kvtier_engine::remote::Remote::describe(tier.as_ref())),
+            Err(e) => tracing::warn!(
+                "shared tier {} does not answer yet ({e}); serving from the local tiers meanwhile",
+                kvtier_engine::remote::Remote::describe(tier.as_ref())
+            ),
+        }
+        steps.end("the S3 probe");
+    }
+    let (shards, geometry, data_dir, segment_bytes) =
+        (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);
+    let engine = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kvtier-engine".into())
+            .spawn(move || kvtier_engine::run(config, move |store| shard::serve(store, shared.clone())))
+            .map_err(|e| format!("starting the engine thread: {e}"))?
+    };
+
+    let mut addr = None;
+    let mut failure = None;
+    let mut ready = 0;
+    while ready < shards {
+        match ready_rx.recv_timeout(std::time::Duration::from_millis(50)) {
+            Ok(Ok(a)) => {
+                addr = Some(a);
+                ready += 1;
+            }
+            Ok(Err(e)) => {
+                failure = Some(e);
+                break;
+            }
+            // The engine stopped before every shard served (e.g. the data
+            // directory has another geometry): its error is in the join.
+            Err(mpsc::RecvTimeoutError::Timeout) if engine.is_finished() => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    if ready < shards && failure.is_none() {
+        addr = None;
+    }
+    if failure.is_some() || addr.is_none() {
+        shared.shutdown.request();
+        let engine_error = engine.join().map_err(|_| "engine thread panicked".to_string())?.err().map(|e| e.to_string());
+        return Err(failure.or(engine_error).unwrap_or_else(|| "the store stopped before serving".into()));
+    }
+    let addr = addr.expect("bound");
+    steps.end("the shards (executors, recovery, listeners)");
+    steps.log();
+    println!(
+        "kvtier listening on http://{addr} (h2c and HTTP/1.1; {shards} shards; model {}; block_bytes {}; segment_bytes {} {}; data dir {})",
+        geometry.model,
+        geometry.block_bytes,
+        segment_bytes,
+        segment_origin.describe(),
+        data_dir.display()
+    );
+    if let Some(l) = &local {
+        let _ = l.http_addr.set(addr);
+        println!("kvtier: same-host data plane on unix://{} (docs/LOCAL.md)", l.path.display());
+    }
+    if let Some(line) = gpu_line {
+        println!("kvtier: {line}");
+    }
+    if let Some(t) = &tenancy {
+        let table = t.table();
+        let kinds = |k: &str| table.entries.iter().filter(|e| e.kind == k).count();
+        println!(
+            "kvtier: {} tenants and {} shared namespaces from {} (keys scoped per tenant; SIGHUP reloads; docs/OPERATIONS.md \"Tenants\")",
+            kinds("tenant"),
+            kinds("namespace"),
+            t.path().display()
+        );
+    }
+    if let Some(dir) = &args.trace_dir {
+        println!("kvtier: recording block operations to {} (at most {} MiB; docs/TRACE.md)", dir.display(), args.trace_max_mb);
+    }
+    tracing::info!(%addr, shards, block_bytes = geometry.block_bytes, segment_bytes, "serving");
+    if std::fs::read_to_string(THP_ENABLED_PATH).is_ok_and(|mode| mode.contains("[never]")) {
+        tracing::warn!(
+            "transparent huge pages are off ({THP_ENABLED_PATH} is never): DMA buffers sit in scattered 4 KiB pages, so block \
+             reads reach the disk as more, smaller requests (docs/BENCHMARKS.md, \"Huge pages for DMA buffers\")"
+        );
+    }
+
+    {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("kvtier-signals".into())
+            .spawn(move || {
+                let mut count = 0;
+                for signal in signals.forever() {
+                    if signal == signal_hook::consts::SIGHUP {
+                        match &shared.tenancy {
+                            Some(t) => {
+                                tracing::info!("SIGHUP: reloading the tenants file {}", t.path().display());
+                                t.request_reload();
+                            }
+                            None => tracing::info!("SIGHUP ignored: no --tenants file to reload"),
+                        }
+                        continue;
+                    }
+                    count += 1;
+                    if count > 1 {
+                        eprintln!("kvtier: second signal {signal}, exiting now");
+                        std::process::exit(130);
+                    }
+                    tracing::info!(signal, "shutting down: no new connections, draining in-flight requests");
+                    shared.shutdown.request();
+                }
+            })
+            .map_err(|e| format!("starting the signal thread: {e}"))?;
+    }
+    let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
+    if let Some(l) = &local {
+        // The socket file goes with the server that made it.
+        let _ = fs::remove_file(&l.path);
+    }
+    if let Some(tier) = &s3_tier {
+        let left = tier.drain(kvtier_s3::DRAIN_MAX);
+        if left > 0 {
+            tracing::warn!("{left} write-behind uploads still queued or in flight after {:?}; not uploaded", kvtier_s3::DRAIN_MAX);
+        }
+    }
+    outcome.map_err(|e| e.to_string())?;
+    tracing::info!("stopped cleanly");
+    Ok(())
+}

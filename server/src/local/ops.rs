@@ -1,0 +1,311 @@
+//! The same-host ops a connection answers: HELLO (who is calling, the
+//! geometry), REGISTER and UNREGISTER (buffers), and the data ops (GET_INTO,
+//! PUT_FROM and their vectored forms, EXISTS, LOOKUP, DELETE, PREFETCH),
+//! each asking the shard's [`Service`].
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use kvtier_engine::PutOutcome;
+use serde_json::json;
+
+use super::proto::{self, code_of, Code, Item, Op};
+use super::region::{gather, ItemSink, Part, Region};
+use super::session::Conn;
+use crate::limits;
+use crate::service::{PutRefused, StoredKey};
+use crate::tenants::ScopeError;
+
+/// Registrations one connection may hold.
+pub const REGISTRATIONS_MAX: usize = 4096;
+
+pub(super) fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
+    let mut c = proto::Cursor::new(payload);
+    let handle = c.u64("a handle").map_err(|e| (Code::BadRequest, e))?;
+    c.end().map_err(|e| (Code::BadRequest, e))?;
+    let region = conn.regions.borrow_mut().remove(&handle);
+    let region = region.ok_or_else(|| (Code::UnknownHandle, format!("handle {handle} is not registered on this connection")))?;
+    conn.shared.registrations_open.fetch_sub(1, Ordering::Relaxed);
+    conn.shared.registered_bytes.fetch_sub(region.len(), Ordering::Relaxed);
+    Ok(Vec::new())
+}
+
+/// What a HELLO asks for (docs/LOCAL.md): the protocol version chosen
+/// (the highest both sides speak), and the token, block size and model the
+/// client expects, where it gave them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The version the connection will speak, from [`proto::VERSIONS`].
+    pub version: u32,
+    /// `token`, when a string.
+    pub token: Option<String>,
+    /// `block_bytes`, when an unsigned integer.
+    pub block_bytes: Option<u64>,
+    /// `model`, when a string.
+    pub model: Option<String>,
+}
+
+/// Parses a HELLO payload: a JSON object whose `versions` lists the
+/// protocol versions the client speaks. Fields of another type than the
+/// one named above are ignored, as absent. Pure: the fuzz target
+/// `local_frames` drives it.
+///
+/// # Errors
+/// `BAD_REQUEST` for a payload that is not JSON, `UNSUPPORTED_VERSION`
+/// when no listed version is one the server speaks.
+pub fn parse_hello(payload: &[u8]) -> Result<Hello, (Code, String)> {
+    let req: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| (Code::BadRequest, format!("HELLO payload is not JSON: {e}")))?;
+    let versions: Vec<u32> = req.get("versions").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
+    let Some(version) = versions.iter().copied().filter(|v| proto::VERSIONS.contains(v)).max() else {
+        return Err((Code::UnsupportedVersion, format!("client speaks versions {versions:?}, server speaks {:?}", proto::VERSIONS)));
+    };
+    Ok(Hello {
+        version,
+        token: req.get("token").and_then(|t| t.as_str()).map(str::to_string),
+        block_bytes: req.get("block_bytes").and_then(|v| v.as_u64()),
+        model: req.get("model").and_then(|v| v.as_str()).map(str::to_string),
+    })
+}
+
+pub(super) fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
+    if conn.said_hello.get() {
+        return Err((Code::BadRequest, "HELLO was already said on this connection".into()));
+    }
+    let req = parse_hello(payload)?;
+    let access = &conn.service.access;
+    match access.with(|auth| auth.identify_peer(req.token.as_deref().map(str::as_bytes), conn.peer_uid)) {
+        Ok(caller) => *conn.caller.borrow_mut() = caller,
+        Err(denied) => {
+            access.count_refusal();
+            return Err((Code::Unauthorized, denied.0));
+        }
+    }
+    let g = conn.service.store.geometry();
+    if let Some(want) = req.block_bytes {
+        if want != g.block_bytes {
+            return Err((
+                Code::GeometryMismatch,
+                format!(
+                    "client expects block_bytes {want}, server has block_bytes {} (model {}, {} tokens per block)",
+                    g.block_bytes, g.model, g.block_tokens
+                ),
+            ));
+        }
+    }
+    if let Some(want) = &req.model {
+        if *want != g.model {
+            return Err((
+                Code::GeometryMismatch,
+                format!("client expects model {want:?}, server has model {:?} (block_bytes {})", g.model, g.block_bytes),
+            ));
+        }
+    }
+    let version = req.version;
+    conn.said_hello.set(true);
+    let body = json!({
+        "version": version,
+        "epoch": conn.shared.epoch,
+        "block_bytes": g.block_bytes,
+        "model": g.model,
+        "block_tokens": g.block_tokens,
+        "bytes_per_token": g.bytes_per_token,
+        "shards": conn.service.store.shards(),
+        "max_items": proto::ITEMS_MAX,
+        "max_payload_bytes": proto::PAYLOAD_BYTES_MAX,
+        "max_registrations": REGISTRATIONS_MAX,
+        "ops": Op::ALL.map(Op::name),
+        "tenant": conn.caller.borrow().as_ref().map(|t| t.name.clone()),
+        "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
+        "http": conn.shared.http_addr.get().map(|a| {
+            // A wildcard listener is reached on loopback from this host.
+            let ip = match a.ip() {
+                std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+                ip => ip,
+            };
+            std::net::SocketAddr::new(ip, a.port()).to_string()
+        }),
+    });
+    Ok(serde_json::to_vec(&body).expect("JSON"))
+}
+
+pub(super) fn register(conn: &Conn, payload: &[u8], fd: Result<OwnedFd, String>) -> Result<Vec<u8>, (Code, String)> {
+    let fd = fd.map_err(|e| (Code::BadBuffer, e))?;
+    let mut c = proto::Cursor::new(payload);
+    let offset = c.u64("the offset").map_err(|e| (Code::BadRequest, e))?;
+    let length = c.u64("the length").map_err(|e| (Code::BadRequest, e))?;
+    c.end().map_err(|e| (Code::BadRequest, e))?;
+    if conn.regions.borrow().len() >= REGISTRATIONS_MAX {
+        return Err((Code::Limit, format!("this connection holds {REGISTRATIONS_MAX} registrations, the limit; unregister some")));
+    }
+    let region = Region::new(fd, offset, length).map_err(|e| (Code::BadBuffer, e))?;
+    let handle = conn.next_handle.get();
+    conn.next_handle.set(handle + 1);
+    let mut body = handle.to_le_bytes().to_vec();
+    body.push(region.access() as u8);
+    conn.shared.registrations_open.fetch_add(1, Ordering::Relaxed);
+    conn.shared.registrations_total.fetch_add(1, Ordering::Relaxed);
+    conn.shared.registered_bytes.fetch_add(length, Ordering::Relaxed);
+    conn.regions.borrow_mut().insert(handle, Arc::new(region));
+    Ok(body)
+}
+
+pub(super) type DataResult = (Result<(Vec<u8>, u32), (Code, String)>, u64, u64);
+
+pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
+    let (service, store) = (&conn.service, &conn.service.store);
+    let fail = |e: (Code, String)| (Err(e), 0, 0);
+    let engine = |e: kvtier_engine::Error| (code_of(&e), e.to_string());
+    match op {
+        Op::GetInto | Op::PutFrom | Op::GetIntoV | Op::PutFromV => {
+            let decoded = if op.is_vectored() { proto::decode_items_v(payload) } else { proto::decode_items(payload) };
+            let items = match decoded {
+                Ok(i) => i,
+                Err(e) => return fail(e),
+            };
+            let block_bytes = store.geometry().block_bytes;
+            let futures = items.iter().map(|item| async move {
+                let (key, parts) = match item_parts(conn, item, block_bytes, op.is_get()) {
+                    Ok(p) => p,
+                    Err(code) => return (code as i64, 0u8),
+                };
+                if op.is_get() {
+                    get_item(conn, &key, parts).await
+                } else {
+                    put_item(conn, &key, parts, block_bytes).await
+                }
+            });
+            let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
+            let moved: u64 = results.iter().filter(|(r, _)| *r >= 0).count() as u64 * block_bytes;
+            let overloaded = results.iter().any(|(r, _)| *r == Code::Overloaded as i64);
+            let retry = if overloaded { (limits::RETRY_AFTER_S * 1000) as u32 } else { 0 };
+            let (bytes_in, bytes_out) = if op.is_get() { (0, moved) } else { (moved, 0) };
+            (Ok((proto::encode_results(&results), retry)), bytes_in, bytes_out)
+        }
+        Op::Exists | Op::Lookup | Op::Delete | Op::Prefetch => {
+            let keys = match proto::decode_keys(payload) {
+                Ok(k) => k,
+                Err(e) => return fail(e),
+            };
+            let caller = conn.caller.borrow().clone();
+            let caller = caller.as_deref();
+            if op == Op::Delete {
+                // Per key: one that cannot be used answers its own code.
+                let done = futures::future::join_all(keys.iter().map(|k| async move {
+                    match service.scope(caller, k, true) {
+                        Ok(stored) => service.delete(&stored).await.map_or_else(|e| code_of(&e) as i64, |_| 0),
+                        Err(e) => scope_code(&e) as i64,
+                    }
+                }))
+                .await;
+                let mut b = (done.len() as u32).to_le_bytes().to_vec();
+                b.extend(done.iter().flat_map(|r| r.to_le_bytes()));
+                return (Ok((b, 0)), 0, 0);
+            }
+            // The other ops refuse the request for its first unusable key.
+            let keys = match service.scope_all(caller, &keys) {
+                Ok(s) => s,
+                Err((i, e)) => return fail((Code::InvalidKey, format!("key {i}: {e}"))),
+            };
+            let body = match op {
+                Op::Exists => service.exists_many(&keys).await.map(|found| {
+                    let mut b = (found.len() as u32).to_le_bytes().to_vec();
+                    b.extend(found.into_iter().map(proto::tier_code));
+                    b
+                }),
+                Op::Lookup => service.lookup_prefix(&keys).await.map(|tiers| {
+                    let mut b = (tiers.len() as u32).to_le_bytes().to_vec();
+                    b.extend_from_slice(&(tiers.len() as u32).to_le_bytes());
+                    b.extend(tiers.into_iter().map(|t| proto::tier_code(Some(t))));
+                    b
+                }),
+                _ => service.prefetch(&keys).await.map(|report| {
+                    let mut b = (keys.len() as u32).to_le_bytes().to_vec();
+                    b.extend_from_slice(&(report.found as u32).to_le_bytes());
+                    b
+                }),
+            };
+            (body.map(|b| (b, 0)).map_err(engine), 0, 0)
+        }
+        Op::Hello | Op::Register | Op::Unregister => unreachable!("answered by the reader"),
+    }
+}
+
+/// The code of a key its caller cannot use: `INVALID_KEY`, or
+/// `UNAUTHORIZED` for a write into a namespace it only reads.
+fn scope_code(e: &ScopeError) -> Code {
+    match e {
+        ScopeError::InvalidKey(_) => Code::InvalidKey,
+        ScopeError::ReadOnly(_) => Code::Unauthorized,
+    }
+}
+
+/// The item's stored key (scoped to the caller, `tenants.rs`) and its
+/// parts in their regions, after the checks every item gets (key, then
+/// each part's handle and bounds in order, then the size: room for the
+/// block for a get, exactly the block for a put), so an item that fails
+/// any of them copies nothing.
+fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(StoredKey, Vec<Part>), Code> {
+    let key = conn.service.scope(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?;
+    let parts = item
+        .parts
+        .iter()
+        .map(|span| {
+            let region = conn.regions.borrow().get(&span.handle).cloned().ok_or(Code::UnknownHandle)?;
+            region.check(span.offset, span.length).map_err(|(c, _)| c)?;
+            Ok(Part { region, at: span.offset, len: span.length })
+        })
+        .collect::<Result<Vec<_>, Code>>()?;
+    let length = item.length();
+    let size_ok = if get { length >= block_bytes } else { length == block_bytes };
+    if !size_ok {
+        return Err(Code::WrongSize);
+    }
+    Ok((key, parts))
+}
+
+async fn get_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>) -> (i64, u8) {
+    let sink = Arc::new(ItemSink::new(parts));
+    match conn.service.get_into(key, sink.clone()).await {
+        Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
+        Err(_) if sink.shrunk.load(Ordering::Relaxed) => (Code::BufferShrunk as i64, 0),
+        Err(e) => {
+            if code_of(&e).is_server_side() {
+                tracing::warn!(key = key.as_str(), "local GET_INTO failed: {e}");
+            }
+            (code_of(&e) as i64, 0)
+        }
+    }
+}
+
+/// Stores the block the parts hold (`block_bytes` together, checked).
+async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, block_bytes: u64) -> (i64, u8) {
+    // The shard's budget, shared with HTTP; refusals in the socket's own
+    // series (kvtier_local_put_bytes_refusals_total).
+    let _admitted = match conn.service.put_budget.admit(block_bytes) {
+        Ok(a) => a,
+        Err(PutRefused { .. }) => {
+            conn.shared.stats.shard(conn.service.store.shard_id()).put_bytes_refusals.fetch_add(1, Ordering::Relaxed);
+            return (Code::Overloaded as i64, 0);
+        }
+    };
+    // All-or-nothing: the whole block is copied out of the client's memory
+    // (gathered from its parts into one buffer) before the store sees any
+    // of it.
+    let bytes = match gather(&parts) {
+        Ok(b) => b,
+        Err((code, _)) => return (code as i64, 0),
+    };
+    drop(parts);
+    match conn.service.put(key, bytes).await {
+        Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
+        Err(e) => {
+            if code_of(&e).is_server_side() {
+                tracing::warn!(key = key.as_str(), "local PUT_FROM failed: {e}");
+            }
+            (code_of(&e) as i64, 0)
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! One same-host connection's state, as its reader, its request tasks and
+//! its writer share it: the caller HELLO named, the registered buffers,
+//! and the queue of responses to send.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::channel::mpsc;
+use glommio::sync::StaticPermit;
+
+use super::proto::{self, Code, Header, Op, RESPONSE_BIT};
+use super::region::Region;
+use super::LocalShared;
+use crate::service::{Caller, Service};
+
+/// A frame to send and, for a data request, its in-flight permit (given
+/// back once the response is on the socket, so a client that stops reading
+/// responses stops the server reading its requests).
+pub(super) type Outgoing = Option<(Vec<u8>, Option<StaticPermit>)>;
+
+pub(super) struct Conn {
+    pub(super) service: Rc<Service>,
+    pub(super) shared: Arc<LocalShared>,
+    pub(super) out: mpsc::UnboundedSender<Outgoing>,
+    pub(super) said_hello: Cell<bool>,
+    /// The peer's uid (`SO_PEERCRED`).
+    pub(super) peer_uid: u32,
+    /// The tenant HELLO named (by token, else by the peer's uid); `None`
+    /// without `--tenants`.
+    pub(super) caller: RefCell<Caller>,
+    pub(super) regions: RefCell<HashMap<u64, Arc<Region>>>,
+    pub(super) next_handle: Cell<u64>,
+}
+
+impl Conn {
+    pub(super) fn send(&self, frame: Vec<u8>, permit: Option<StaticPermit>) {
+        let _ = self.out.unbounded_send(Some((frame, permit)));
+    }
+
+    pub(super) fn record(&self, op: Option<Op>, code: Option<Code>, started: Instant, bytes_in: u64, bytes_out: u64) {
+        let status = match code {
+            None => 200,
+            Some(c) if c.is_server_side() => 500,
+            Some(_) => 400,
+        };
+        let route = op.map_or(proto::ROUTE_NAMES.len() - 1, |o| o as usize - 1);
+        let us = started.elapsed().as_micros() as u64;
+        self.shared.stats.record(self.service.store.shard_id(), route, status, us, bytes_in, bytes_out);
+    }
+
+    pub(super) fn drop_regions(&self) {
+        let regions = std::mem::take(&mut *self.regions.borrow_mut());
+        self.shared.registrations_open.fetch_sub(regions.len() as u64, Ordering::Relaxed);
+        self.shared.registered_bytes.fetch_sub(regions.values().map(|r| r.len()).sum(), Ordering::Relaxed);
+    }
+}
+
+impl Conn {
+    /// Sends the response to `header`'s request and counts it.
+    pub(super) fn answer(
+        &self,
+        header: Header,
+        result: Result<(Vec<u8>, u32), (Code, String)>,
+        started: Instant,
+        bytes_in: u64,
+        bytes_out: u64,
+        permit: StaticPermit,
+    ) {
+        let op = Op::from_u8(header.op);
+        let frame = match result {
+            Ok((body, retry_after_ms)) => {
+                self.record(op, None, started, bytes_in, bytes_out);
+                proto::response(header.op | RESPONSE_BIT, header.request_id, 0, retry_after_ms, &body)
+            }
+            Err((code, message)) => {
+                self.record(op, Some(code), started, 0, 0);
+                proto::failure(header.op, header.request_id, code, &message)
+            }
+        };
+        self.send(frame, Some(permit));
+    }
+}
