@@ -81,7 +81,11 @@ build:
 run: build
 	./target/release/kvtier serve --listen $(LISTEN) --data-dir $(DATA_DIR) $(SERVE_ARGS)
 
+# The layout rules first (seconds): no import circle among the project's
+# own files, no source file over 600 lines (tests/check_layout.py).
 test: deps python-env
+	$(PYTHON) tests/check_layout.py --self-test
+	$(PYTHON) tests/check_layout.py .
 	$(CARGO) test --workspace
 	$(MAKE) --no-print-directory test-python
 
