@@ -46,7 +46,7 @@ impl Process {
 /// Serves this shard until shutdown: builds its service, starts the
 /// front doors over it, and returns once HTTP has drained.
 pub async fn serve(store: Rc<Store>, process: Arc<Process>) {
-    let listener = match accept::shard_listener(&process.http) {
+    let listener = match accept::shard_listener(&process.http, store.shard_id()) {
         Ok(l) => l,
         Err(e) => return process.report(Err(e)),
     };

@@ -1,4 +1,5 @@
-//! The block API's listening socket, bound once for every shard.
+//! The block API's listening sockets: one per shard with `SO_REUSEPORT`,
+//! under a per-port lock that keeps a second kvtier off the port.
 
 use std::net::SocketAddr;
 
@@ -53,18 +54,92 @@ fn probe_port(probe: SocketAddr) -> PortState {
     }
 }
 
-/// Binds the block API's listening socket, once for every shard, with
-/// `SO_REUSEADDR` and without `SO_REUSEPORT`: the kernel then refuses the
-/// address to any other process while this one listens (a check before
-/// a shared bind could race with another start), and a restart right
-/// after a stop still binds past the old connections in TIME-WAIT.
+/// The block API's listening sockets, one per shard, and the lock that
+/// keeps the port this process's while they live.
+pub(crate) struct Listeners {
+    /// One per shard, each bound with `SO_REUSEPORT` to the same address,
+    /// so the kernel spreads connections across the shards.
+    pub(crate) sockets: Vec<std::net::TcpListener>,
+    /// The port's lock file, `flock`ed while this value lives.
+    _lock: std::fs::File,
+}
+
+impl Listeners {
+    /// Hands the sockets over (to the shards); the lock stays with `self`,
+    /// which the caller keeps for as long as it serves.
+    pub(crate) fn take_sockets(&mut self) -> Vec<std::net::TcpListener> {
+        std::mem::take(&mut self.sockets)
+    }
+}
+
+/// Where the lock file of `port` lives: `$XDG_RUNTIME_DIR` when set, else
+/// the temporary directory (shared by every process of this host that
+/// could bind the port).
+fn port_lock_path(port: u16) -> std::path::PathBuf {
+    let dir = std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    dir.join(format!("kvtier-port-{port}.lock"))
+}
+
+/// Takes the port's lock for the life of the process: an exclusive,
+/// non-blocking `flock`, released by the kernel however the process ends.
+fn lock_port(port: u16) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
+    let path = port_lock_path(port);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o666)
+        .open(&path)
+        .or_else(|_| std::fs::File::open(&path))
+        .map_err(|e| format!("cannot open the port's lock file {}: {e}", path.display()))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!("a server already accepts connections there: another kvtier holds port {port} ({})", path.display()));
+    }
+    Ok(file)
+}
+
+/// Binds the block API's sockets, one per shard. Each has `SO_REUSEPORT`
+/// (the kernel spreads connections over the shards; one socket shared by
+/// every shard's ring would hand nearly all of them to one shard), which
+/// would also let a second kvtier join the port unnoticed: so the port is
+/// first locked for the life of the process (`flock` on a lock file named
+/// by the port, [`port_lock_path`]), which no two kvtier processes can
+/// hold at once however their starts interleave.
 ///
-/// While the address is in use: a listener that answers `GET /healthz`
-/// (anything, even 401) is a live server, refused at once; one that
-/// accepts but does not answer is the orphaned socket of a killed
-/// process (io_uring closes it within about a second): wait up to
-/// [`ORPHAN_WAIT_MAX`] for it to go, then refuse.
-pub(crate) fn bind_listener(addr: SocketAddr) -> Result<std::net::TcpListener, String> {
+/// With the lock held, whatever still listens on the port is not a
+/// kvtier that lives: a listener that answers `GET /healthz` (anything,
+/// even 401) is another server, refused at once; one that accepts but
+/// does not answer is the orphaned socket of a killed process (io_uring
+/// closes it within about a second): wait up to [`ORPHAN_WAIT_MAX`] for it
+/// to go, then refuse, rather than listen beside it.
+pub(crate) fn bind_listeners(addr: SocketAddr, shards: usize) -> Result<Listeners, String> {
+    // Port 0: the kernel picks the port with the first bind; lock that one.
+    let (first, port) = if addr.port() == 0 {
+        let first = try_bind(addr).map_err(|e| e.to_string())?;
+        let port = first.local_addr().map_err(|e| e.to_string())?.port();
+        (Some(first), port)
+    } else {
+        (None, addr.port())
+    };
+    let lock = lock_port(port)?;
+    if first.is_none() {
+        wait_for_orphans(addr)?;
+    }
+    let bound = SocketAddr::new(addr.ip(), port);
+    let mut sockets: Vec<std::net::TcpListener> = first.into_iter().collect();
+    while sockets.len() < shards.max(1) {
+        sockets.push(try_bind(bound).map_err(|e| e.to_string())?);
+    }
+    Ok(Listeners { sockets, _lock: lock })
+}
+
+/// With the port locked: returns once nothing listens on `addr`, or fails
+/// for a live listener, or one still there after [`ORPHAN_WAIT_MAX`].
+fn wait_for_orphans(addr: SocketAddr) -> Result<(), String> {
     let probe = match addr.ip() {
         ip if ip.is_unspecified() && addr.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], addr.port())),
         ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
@@ -73,31 +148,22 @@ pub(crate) fn bind_listener(addr: SocketAddr) -> Result<std::net::TcpListener, S
     let started = std::time::Instant::now();
     let mut warned = false;
     loop {
-        let in_use = match try_bind(addr) {
-            Ok(listener) => {
+        match probe_port(probe) {
+            PortState::Free => {
                 if warned {
                     tracing::info!("the orphaned listener on {addr} closed after {} ms", started.elapsed().as_millis());
                 }
-                return Ok(listener);
+                return Ok(());
             }
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => e,
-            Err(e) => return Err(e.to_string()),
-        };
-        match probe_port(probe) {
             PortState::Live => return Err("a server already accepts connections there and answers requests".into()),
-            _ if started.elapsed() >= ORPHAN_WAIT_MAX => {
-                return Err(format!(
-                    "the address is still in use after {ORPHAN_WAIT_MAX:?} ({in_use}) by a socket that does not answer requests; \
-                     not listening beside it"
-                ))
+            PortState::Orphaned if started.elapsed() >= ORPHAN_WAIT_MAX => {
+                return Err(format!("a listener there still accepts without answering after {ORPHAN_WAIT_MAX:?}; not listening beside it"))
             }
-            state => {
+            PortState::Orphaned => {
                 if !warned {
-                    let what = match state {
-                        PortState::Orphaned => "accepts connections but does not answer (a killed process's socket, closing)",
-                        _ => "is bound by a socket that does not accept connections",
-                    };
-                    tracing::warn!("a listener on {addr} {what}; waiting for it");
+                    tracing::warn!(
+                        "a listener on {addr} accepts connections but does not answer (a killed process's socket, closing); waiting for it"
+                    );
                     warned = true;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(50));
@@ -106,11 +172,13 @@ pub(crate) fn bind_listener(addr: SocketAddr) -> Result<std::net::TcpListener, S
     }
 }
 
-/// One bind attempt: a TCP socket on `addr` with `SO_REUSEADDR`, listening
+/// One socket on `addr` with `SO_REUSEADDR` (a restart binds past the old
+/// connections in TIME-WAIT) and `SO_REUSEPORT` (one per shard), listening
 /// with a backlog of 1024 (glommio's own).
 fn try_bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
     socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
     socket.bind(&addr.into())?;
     socket.listen(1024)?;
     Ok(socket.into())

@@ -10,7 +10,7 @@ use kvtier_engine::store::START_WARN_AFTER;
 use kvtier_server::{metrics, shard, tenants};
 
 use super::args::*;
-use super::listen::bind_listener;
+use super::listen::bind_listeners;
 
 /// Where the kernel gives its transparent huge page mode.
 const THP_ENABLED_PATH: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
@@ -136,8 +136,9 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     steps.end("configuration");
     let _lock = lock_data_dir(&config.data_dir)?;
     steps.end("the data-directory lock");
-    let listener = bind_listener(args.listen).map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
-    steps.end("the listening socket");
+    let mut listeners = bind_listeners(args.listen, config.shards)
+        .map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
+    steps.end("the listening sockets");
 
     let local = args.local.open(&config.data_dir, config.shards)?;
     if local.is_some() {
@@ -154,7 +155,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         shutdown: Default::default(),
         put_budget_bytes: args.put_inflight_mib << 20,
         http: kvtier_server::http::accept::HttpConfig {
-            listener,
+            listeners: listeners.take_sockets(),
             stats: metrics::RequestStats::new(config.shards, &kvtier_server::http::routes::HTTP_ROUTE_NAMES),
             idle_timeout: std::time::Duration::from_secs_f64(args.idle_timeout_s),
             header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),

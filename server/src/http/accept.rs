@@ -1,7 +1,7 @@
-//! The per-shard accept loop: every shard accepts on the one listening
-//! socket `kvtier serve` bound (each on a duplicate, from its own ring, so
-//! the kernel hands each connection to whichever shard waits) and serves HTTP/2 with prior knowledge or HTTP/1.1,
-//! detected per connection from the first bytes.
+//! The per-shard accept loop: every shard accepts on its own socket on the
+//! one port (`SO_REUSEPORT`, so the kernel spreads connections across the
+//! shards) and serves HTTP/2 with prior knowledge or HTTP/1.1, detected
+//! per connection from the first bytes.
 
 use std::cell::Cell;
 use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
@@ -22,9 +22,10 @@ use crate::metrics::RequestStats;
 
 /// The HTTP front door's settings, the same for every shard.
 pub struct HttpConfig {
-    /// The block API's listening socket, bound once by `kvtier serve`
-    /// (port 0 picks a free one); each shard accepts on a duplicate.
-    pub listener: std::net::TcpListener,
+    /// The block API's listening sockets, one per shard (bound by `kvtier
+    /// serve` with `SO_REUSEPORT` under the port's lock; port 0 picks a
+    /// free one).
+    pub listeners: Vec<std::net::TcpListener>,
     /// Request metrics of every shard.
     pub stats: Arc<RequestStats>,
     /// Close a connection after this long without a request in flight.
@@ -90,13 +91,11 @@ pub fn builder(header_timeout: Duration) -> auto::Builder<LocalExec> {
     b
 }
 
-/// This shard's listener: a duplicate of the one socket `kvtier serve`
-/// bound for every shard ([`Shared::listener`]), accepted from on this
-/// shard's ring. One socket, not one per shard with `SO_REUSEPORT`: the
-/// kernel then refuses any other process the address, where
-/// `SO_REUSEPORT` would let a second kvtier share it.
-pub fn shard_listener(config: &HttpConfig) -> Result<TcpListener, String> {
-    let fd = config.listener.try_clone().map_err(|e| format!("cannot duplicate the listening socket: {e}"))?;
+/// Shard `shard`'s listener: its own socket of [`HttpConfig::listeners`]
+/// (a duplicate of it), accepted from on this shard's ring.
+pub fn shard_listener(config: &HttpConfig, shard: usize) -> Result<TcpListener, String> {
+    let socket = config.listeners.get(shard).ok_or_else(|| format!("no listening socket for shard {shard}"))?;
+    let fd = socket.try_clone().map_err(|e| format!("cannot duplicate the listening socket: {e}"))?;
     // SAFETY: a bound, listening TCP socket this shard now owns.
     Ok(unsafe { TcpListener::from_raw_fd(fd.into_raw_fd()) })
 }

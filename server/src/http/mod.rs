@@ -3,7 +3,7 @@
 //! [`crate::service::Service`], and encodes the answers; it knows nothing
 //! of the same-host socket.
 //!
-//! - [`accept`]: each shard's accept loop on the one listening socket, the
+//! - [`accept`]: each shard's accept loop on its own `SO_REUSEPORT` socket, the
 //!   hyper connection builder, idle connections, draining at shutdown.
 //! - [`routes`]: the route table and authentication of each request;
 //!   `blocks` and `status` the handlers; [`request`] reading bodies and
