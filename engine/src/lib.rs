@@ -55,6 +55,7 @@ pub mod recover;
 pub mod remote;
 pub mod segment;
 pub mod shard;
+mod signal;
 pub mod slot;
 mod startup;
 pub mod store;

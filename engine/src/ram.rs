@@ -215,6 +215,9 @@ pub use crate::lru::Victim;
 pub struct RamTier {
     arena: Arc<Arena>,
     lru: SlotLru,
+    /// Fired when a demotion to the log ends: what a DELETE of the block
+    /// waits for (shared, so it is awaited outside the tier's `RefCell`).
+    pub(crate) demotion_ended: Arc<crate::signal::Signal>,
 }
 
 impl RamTier {
@@ -224,7 +227,11 @@ impl RamTier {
     /// As [`Arena::new`].
     pub fn new(capacity_blocks: u32, block_bytes: u64) -> Result<RamTier> {
         let arena = Arena::new(capacity_blocks, block_bytes as usize)?;
-        Ok(RamTier { arena, lru: SlotLru::new(capacity_blocks, capacity_blocks) })
+        Ok(RamTier {
+            arena,
+            lru: SlotLru::new(capacity_blocks, capacity_blocks),
+            demotion_ended: Arc::new(crate::signal::Signal::new("a block's demotion from RAM to the log ended")),
+        })
     }
 
     /// Slots in the tier.
@@ -314,6 +321,7 @@ impl RamTier {
     /// deleted meanwhile) and `written` is true, it leaves the tier.
     pub fn end_demotion(&mut self, slot: u32, written: bool) {
         self.lru.end_demotion(slot, written, self.arena.pinned(slot));
+        self.demotion_ended.notify();
     }
 
     /// Ends a write of a dirty block to the log at a flush: the block stays

@@ -25,6 +25,7 @@ use std::rc::Rc;
 use glommio::io::{DmaFile, ReadResult};
 
 use crate::error::{Error, Result};
+use crate::signal::{InFlightCount, Signal};
 use crate::slot::{self, PAGE_BYTES};
 
 /// `"KVSG"`: first four bytes of every segment superblock.
@@ -182,9 +183,9 @@ pub struct Segment {
     /// Slots handed out in this life; the next write goes to this slot.
     pub slots_used: Cell<u32>,
     /// Reads in flight against this segment; reclaim waits for zero.
-    pub readers: Cell<u32>,
+    pub(crate) readers: InFlightCount,
     /// Writes in flight into this segment; reclaim waits for zero.
-    pub writers: Cell<u32>,
+    pub(crate) writers: InFlightCount,
     /// Reclaim is moving this segment's surviving blocks to new slots:
     /// reads of it wait, then look their block up again.
     pub compacting: Cell<bool>,
@@ -196,6 +197,10 @@ pub struct Segment {
     /// to read (`u32::MAX`: none). A write into a slot at or past it waits,
     /// so that no survivor is overwritten before it is read.
     pub copy_next_old_slot: Cell<u32>,
+    /// Fired when the survivor copy moves past a slot or the compaction
+    /// ends: what writes into a survivor's slot, reads of a survivor not
+    /// yet moved, and a clean close wait for.
+    pub(crate) survivors_moved: Signal,
     /// Per slot: the block there was read since it was written (it gets a
     /// second chance when the segment is reclaimed).
     pub referenced: RefCell<Vec<bool>>,
@@ -220,11 +225,12 @@ impl Segment {
             file,
             first_seq: Cell::new(first_seq),
             slots_used: Cell::new(0),
-            readers: Cell::new(0),
-            writers: Cell::new(0),
+            readers: InFlightCount::new("a segment's reads finished (reclaim)"),
+            writers: InFlightCount::new("a segment's writes finished (reclaim)"),
             compacting: Cell::new(false),
             compact_below_seq: Cell::new(0),
             copy_next_old_slot: Cell::new(u32::MAX),
+            survivors_moved: Signal::new("the survivor copy moved past a slot, or the compaction ended"),
             referenced: RefCell::new(vec![false; slots as usize]),
             slot_bytes,
         })
@@ -307,32 +313,6 @@ impl Segment {
             ));
         }
         self.file.fdatasync().await.map_err(|e| Error::glommio(format!("fdatasync of segment {}", self.id), e))
-    }
-}
-
-/// Decrements a segment's reader or writer count when dropped, so every
-/// exit path of a read or write (errors included) releases the segment.
-pub(crate) struct InFlight<'a> {
-    counter: &'a Cell<u32>,
-}
-
-impl<'a> InFlight<'a> {
-    pub(crate) fn enter(counter: &'a Cell<u32>) -> Self {
-        counter.set(counter.get() + 1);
-        InFlight { counter }
-    }
-
-    /// Takes over a count the caller already added.
-    pub(crate) fn adopt(counter: &'a Cell<u32>) -> Self {
-        debug_assert!(counter.get() > 0);
-        InFlight { counter }
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        debug_assert!(self.counter.get() > 0);
-        self.counter.set(self.counter.get() - 1);
     }
 }
 

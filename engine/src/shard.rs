@@ -26,7 +26,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use glommio::io::DmaBuffer;
@@ -64,10 +64,6 @@ use stats::Counters;
 pub use stats::{tier_totals, RecoveryReport, ShardStats};
 
 use transit::{Placed, Transits};
-
-/// How long reclaim sleeps between checks while it waits for reads and
-/// writes of a segment to drain (and reads wait for a compaction).
-const RECLAIM_POLL: Duration = Duration::from_micros(200);
 
 /// Outcome of a successful PUT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -471,9 +467,7 @@ impl Shard {
         // between tiers) is stored: let it land, then delete it wherever it
         // is. A newer PUT's transit is not waited for; it lands after.
         if let Some(seen) = self.transits.id_of(&hash) {
-            while self.transits.id_of(&hash) == Some(seen) {
-                glommio::timer::sleep(RECLAIM_POLL).await;
-            }
+            self.transits.ended.until(|| self.transits.id_of(&hash) != Some(seen)).await;
         }
         if self.delete_from_gpu(&hash).await
             && !self.ram.as_ref().is_some_and(|r| r.borrow().contains(&hash))
@@ -485,9 +479,8 @@ impl Shard {
         if let Some(ram) = &self.ram {
             // A write-back demotion of this block in flight would land in
             // the log after the tombstone and bring it back: let it finish.
-            while ram.borrow().is_demoting(&hash) {
-                glommio::timer::sleep(RECLAIM_POLL).await;
-            }
+            let ended = ram.borrow().demotion_ended.clone();
+            ended.until(|| !ram.borrow().is_demoting(&hash)).await;
             if ram.borrow_mut().remove(&hash) && !self.index.borrow().contains(&hash) {
                 bump(&self.counters.deletes, 1);
                 return Ok(());
@@ -529,8 +522,9 @@ impl Shard {
         }
         // That flush may have reclaimed a segment: let its survivors finish
         // moving before the snapshot and before the files close.
-        while self.segments.borrow().iter().flatten().any(|s| s.compacting.get()) {
-            glommio::timer::sleep(RECLAIM_POLL).await;
+        let compacting: Vec<Rc<Segment>> = self.segments.borrow().iter().flatten().filter(|s| s.compacting.get()).cloned().collect();
+        for segment in compacting {
+            segment.survivors_moved.until(|| !segment.compacting.get()).await;
         }
         if let Err(e) = self.write_snapshot().await {
             tracing::warn!(shard = self.id(), "index snapshot at close failed (the next start scans headers): {e}");

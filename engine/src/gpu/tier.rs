@@ -75,6 +75,9 @@ pub struct GpuTier {
     growing: Semaphore,
     next_slab_try: Cell<Option<Instant>>,
     pub(crate) faults: GpuFaults,
+    /// Fired when a move of a block down to RAM ends: what a DELETE of the
+    /// block waits for.
+    pub(crate) demotion_ended: crate::signal::Signal,
 }
 
 impl GpuTier {
@@ -98,6 +101,7 @@ impl GpuTier {
             staging: StagingPool::new(),
             growing: Semaphore::new(1),
             next_slab_try: Cell::new(None),
+            demotion_ended: crate::signal::Signal::new("a block's move from the GPU down to RAM ended"),
             faults: GpuFaults::default(),
         };
         for _ in 0..GPU_STAGING_BUFFERS {
@@ -486,6 +490,7 @@ impl GpuTier {
     /// when its copy back failed; otherwise it stays.
     pub(crate) fn end_demotion(&self, slot: u32, moved: bool) {
         self.lru.borrow_mut().end_demotion(slot, moved, false);
+        self.demotion_ended.notify();
     }
 
     /// Ends a flush of a dirty block to the log: it stays, clean if

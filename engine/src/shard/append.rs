@@ -11,12 +11,12 @@ use bytes::Bytes;
 use glommio::io::DmaBuffer;
 
 use super::slots::InFlightSeq;
-use super::{PutOutcome, Shard, RECLAIM_POLL};
+use super::{PutOutcome, Shard};
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::segment::InFlight;
+use crate::signal::InFlight;
 use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
 
 impl Shard {
@@ -78,9 +78,7 @@ impl Shard {
         let _inflight = InFlightSeq { shard: self, seq };
         // Our slot may still hold a survivor of this segment's reclaim that
         // has not been read yet: wait until the copy is past it.
-        while segment.copy_next_old_slot.get() <= slot {
-            glommio::timer::sleep(RECLAIM_POLL).await;
-        }
+        segment.survivors_moved.until(|| segment.copy_next_old_slot.get() > slot).await;
         header.seq = seq;
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
         let len = buf.len() as u64;

@@ -11,12 +11,13 @@ use futures::channel::mpsc;
 use futures::stream::{FuturesOrdered, StreamExt};
 use glommio::io::ReadResult;
 
-use super::{Shard, RECLAIM_POLL};
+use super::Shard;
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::segment::{InFlight, Segment};
+use crate::segment::Segment;
+use crate::signal::InFlight;
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::stream::{dma_chunk, BlockBody, ChunkStream};
 
@@ -70,7 +71,8 @@ impl Shard {
             if !(segment.compacting.get() && entry.seq < segment.compact_below_seq.get()) {
                 break (entry, segment);
             }
-            glommio::timer::sleep(RECLAIM_POLL).await;
+            // Until the block is moved (or deleted, or the compaction ends).
+            segment.survivors_moved.until(|| !segment.compacting.get() || self.index.borrow().get(&hash) != Some(entry)).await;
         };
         let reader = InFlight::enter(&segment.readers);
         let permit = match self.io_permit(true).await {

@@ -7,12 +7,13 @@
 use std::rc::Rc;
 
 use super::slots::{Compaction, InFlightSeq};
-use super::{Shard, RECLAIM_POLL};
+use super::Shard;
 use crate::counter::bump;
 use crate::error::Result;
 use crate::index::Entry;
 use crate::key::BlockHash;
-use crate::segment::{InFlight, Segment};
+use crate::segment::Segment;
+use crate::signal::InFlight;
 use crate::slot::{ChunkHasher, SlotHeader, PAGE_BYTES};
 use crate::tenant::{OwnerId, QuotaTier};
 
@@ -47,9 +48,7 @@ impl Shard {
         let segment = self.segment(id);
         // Writers include the survivor copy of this segment's previous
         // reclaim, should it still run.
-        while segment.writers.get() > 0 {
-            glommio::timer::sleep(RECLAIM_POLL).await;
-        }
+        segment.writers.idle().await;
         // Blocks of owners holding no more than their reservation in the log
         // stay (but one slot is always freed); then second chance: blocks
         // read since they were written stay, up to a share of the segment.
@@ -77,12 +76,11 @@ impl Shard {
         let first_seq = self.next_seq.get();
         segment.compact_below_seq.set(first_seq);
         segment.compacting.set(true);
-        while segment.readers.get() > 0 {
-            glommio::timer::sleep(RECLAIM_POLL).await;
-        }
+        segment.readers.idle().await;
         if let Err(e) = segment.write_superblock(&self.superblock(segment.id, first_seq)).await {
             // Drop the survivors; keep the segment for a retry.
             segment.compacting.set(false);
+            segment.survivors_moved.notify();
             self.index.borrow_mut().remove_segment(id);
             segment.slots_used.set(self.slots_per_segment);
             self.sealed.borrow_mut().push_front(id);
@@ -95,6 +93,7 @@ impl Shard {
         tracing::debug!(shard = self.id(), segment = id, evicted, kept = survivors.len(), "reclaimed segment");
         if survivors.is_empty() {
             segment.compacting.set(false);
+            segment.survivors_moved.notify();
             segment.slots_used.set(0);
             return Ok(None);
         }
@@ -112,7 +111,7 @@ impl Shard {
         self.next_seq.set(first_seq + n as u64);
         segment.slots_used.set(n);
         segment.copy_next_old_slot.set(survivors[0].1.slot);
-        segment.writers.set(segment.writers.get() + 1);
+        segment.writers.add();
         Ok(Some(Compaction { segment, survivors, first_seq }))
     }
 
@@ -131,6 +130,9 @@ impl Shard {
         let _writer = InFlight::adopt(&segment.writers);
         let block_bytes = self.cfg.geometry.block_bytes;
         for (j, (hash, old)) in survivors.iter().enumerate() {
+            // However this survivor ends (moved, dropped), reads waiting
+            // for it look again.
+            let _done = NotifyOnDrop(&segment.survivors_moved);
             let seq = first_seq + j as u64;
             let _inflight = InFlightSeq { shard: self, seq };
             let next_old_slot = survivors.get(j + 1).map_or(u32::MAX, |(_, e)| e.slot);
@@ -139,6 +141,7 @@ impl Shard {
             let read = segment.read_slot(old.slot, self.slot_bytes).await;
             // The old slot is read: writes into it may go ahead.
             segment.copy_next_old_slot.set(next_old_slot);
+            segment.survivors_moved.notify();
             let data = match read {
                 Ok(d) => d,
                 Err(e) => {
@@ -197,6 +200,7 @@ impl Shard {
         }
         segment.copy_next_old_slot.set(u32::MAX);
         segment.compacting.set(false);
+        segment.survivors_moved.notify();
     }
 
     /// The blocks of segment `segment` a reclaim keeps, sorted by slot:
@@ -236,5 +240,14 @@ impl Shard {
         kept.truncate(self.slots_per_segment.saturating_sub(1).max(1) as usize);
         kept.sort_by_key(|(_, e)| e.slot);
         kept
+    }
+}
+
+/// Fires a signal when dropped, on every exit path of a scope.
+struct NotifyOnDrop<'a>(&'a crate::signal::Signal);
+
+impl Drop for NotifyOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.notify();
     }
 }

@@ -24,7 +24,7 @@ use std::rc::Rc;
 use bytes::Bytes;
 use futures::future::{FutureExt, LocalBoxFuture, Shared};
 
-use super::{PutOutcome, Shard, RECLAIM_POLL};
+use super::{PutOutcome, Shard};
 use crate::error::{Error, Result};
 use crate::key::BlockHash;
 use crate::remote::{Fetched, RemoteEvent, UploadOutcome};
@@ -38,12 +38,23 @@ pub(super) struct RemoteRead {
 }
 
 /// What writes of the key did while it was read.
-#[derive(Default)]
 struct ReadState {
     /// A PUT or DELETE of the key came: do not install.
     superseded: Cell<bool>,
     /// The install has begun: writes of the key wait for it.
     installing: Cell<bool>,
+    /// Fired when the install ends.
+    installed: crate::signal::Signal,
+}
+
+impl Default for ReadState {
+    fn default() -> Self {
+        ReadState {
+            superseded: Cell::new(false),
+            installing: Cell::new(false),
+            installed: crate::signal::Signal::new("an S3 install of the key ended"),
+        }
+    }
 }
 
 /// The shard's remote reads in flight, by block hash.
@@ -107,7 +118,7 @@ impl Shard {
             if !state.installing.get() {
                 return;
             }
-            glommio::timer::sleep(RECLAIM_POLL).await;
+            state.installed.until(|| !state.installing.get()).await;
         }
     }
 
@@ -161,6 +172,7 @@ impl Shard {
             ))),
         }
         state.installing.set(false);
+        state.installed.notify();
     }
 
     /// Whether each of `keys` exists in the remote tier (`None`: unknown, or

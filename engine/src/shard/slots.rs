@@ -75,7 +75,7 @@ impl Shard {
                 let used = segment.slots_used.get();
                 if used < self.slots_per_segment {
                     segment.slots_used.set(used + 1);
-                    segment.writers.set(segment.writers.get() + 1);
+                    segment.writers.add();
                     let seq = self.next_seq.get();
                     self.next_seq.set(seq + 1);
                     self.inflight.borrow_mut().insert(seq, (id, used));

@@ -48,10 +48,11 @@ struct InTransit {
 
 /// The shard's blocks in transit, by block hash: at most one per hash, the
 /// newest.
-#[derive(Default)]
 pub(super) struct Transits {
     blocks: RefCell<HashMap<BlockHash, InTransit>>,
     next_id: Cell<u64>,
+    /// Fired when a transit ends: what a DELETE of the block waits for.
+    pub(super) ended: crate::signal::Signal,
 }
 
 /// The right to land one block in a memory tier; dropping it ends the
@@ -60,6 +61,16 @@ pub(super) struct Ticket<'a> {
     transits: &'a Transits,
     hash: BlockHash,
     id: u64,
+}
+
+impl Default for Transits {
+    fn default() -> Self {
+        Transits {
+            blocks: RefCell::default(),
+            next_id: Cell::default(),
+            ended: crate::signal::Signal::new("a block's transit into a memory tier ended"),
+        }
+    }
 }
 
 impl Transits {
@@ -102,6 +113,7 @@ impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         if self.is_current() {
             self.transits.blocks.borrow_mut().remove(&self.hash);
+            self.transits.ended.notify();
         }
     }
 }

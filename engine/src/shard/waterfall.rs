@@ -298,9 +298,7 @@ impl Shard {
     /// in flight. Returns whether it was there.
     pub(super) async fn delete_from_gpu(&self, hash: &BlockHash) -> bool {
         let Some(gpu) = &self.gpu else { return false };
-        while gpu.is_demoting(hash) {
-            glommio::timer::sleep(super::RECLAIM_POLL).await;
-        }
+        gpu.demotion_ended.until(|| !gpu.is_demoting(hash)).await;
         gpu.remove(hash)
     }
 
