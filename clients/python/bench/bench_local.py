@@ -330,7 +330,9 @@ def part_ram_get(args: argparse.Namespace, workers: Workers, scratch: Path) -> t
                 ]
                 rows.append(row)
                 rates = "  ".join(f"{n} {_gbps(row[n]['bytes_per_s'])}" for n in cases)
-                ratios = " / ".join(f"{row[f'unix_over_{n}']:.2f}" for n in ("copyto", "files", "files_1thread", "http"))
+                ratios = " / ".join(
+                    f"{row[f'unix_over_{n}']:.2f}" for n in ("copyto", "files", "files_1thread", "http")
+                )
                 cpu = " ".join(
                     f"{n} {row[n]['client_cpu_s_per_gb']:.3f}·{row[n]['server_cpu_s_per_gb']:.3f}"
                     for n in ("unix", "http")
