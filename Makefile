@@ -14,6 +14,7 @@
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; replay over both (target/bench/local/)
+#   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
 #   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket and HTTP (target/bench/engine/)
@@ -41,7 +42,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
@@ -186,6 +187,15 @@ bench-python: build target/py-vllm/.client
 # Settings in clients/python/bench/bench_local.py; BENCH_LOCAL_ARGS e.g.
 # "--pairs 5 --seconds 3". Cold files drop the page cache (root).
 BENCH_LOCAL_ARGS ?=
+# Latency of an older kvtier build and this one, alternated in one run:
+# PUT/GET p50 at concurrency 1 (RAM and NVMe tiers, h2c and the socket),
+# batch_is_exist of 64 keys, a clean stop with idle socket connections
+# (clients/python/bench/bench_waits.py). BEFORE=path/to/older/kvtier.
+bench-waits: build target/py-vllm/.client
+	@[ -n "$(BEFORE)" ] || { echo "bench-waits needs BEFORE=path/to/an/older/kvtier binary"; exit 1; }
+	target/py-vllm/bin/python clients/python/bench/bench_waits.py --before $(BEFORE) --after target/release/kvtier \
+	  --loadgen target/release/kvtier-loadgen --out target/bench/waits
+
 bench-local: build data target/py-vllm/.client
 	@command -v fio >/dev/null || { \
 	  echo "installing fio"; \
