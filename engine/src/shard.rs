@@ -46,6 +46,8 @@ use crate::tier::{Tier, TierCounters, WritePolicy};
 mod append;
 mod config;
 mod health;
+#[cfg(test)]
+mod interleavings;
 mod owners;
 mod placement;
 mod reader;

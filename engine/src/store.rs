@@ -68,6 +68,12 @@ pub struct Store {
 }
 
 impl Store {
+    /// This executor's shard (the engine's own tests drive its internals).
+    #[cfg(test)]
+    pub(crate) fn shard_for_tests(&self) -> &Rc<Shard> {
+        &self.shard
+    }
+
     /// This executor's shard id.
     pub fn shard_id(&self) -> usize {
         self.shard.id() as usize

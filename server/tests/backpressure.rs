@@ -17,33 +17,18 @@ use common::{read_until_quiet, status_of};
 const BLOCK_BYTES: usize = 1 << 20;
 
 fn start(dir: &std::path::Path) -> common::Server {
-    let args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.to_str().unwrap(),
-        // One shard: every connection lands on the shard whose limit is
-        // being filled.
-        "--shards",
-        "1",
-        "--block-bytes",
-        &BLOCK_BYTES.to_string(),
-        "--disk-gb",
-        "0.125",
-        "--segment-mib",
-        "16",
-        "--ram-gb",
-        "0",
-        "--pin-cpus",
-        "false",
-        "--log-level",
-        "warn",
-        "--put-inflight-mib",
-        "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args = common::test_args(dir);
+    // One shard: every connection lands on the shard whose limit is being
+    // filled.
+    for (flag, value) in [
+        ("--shards", "1"),
+        ("--block-bytes", &BLOCK_BYTES.to_string()),
+        ("--disk-gb", "0.125"),
+        ("--segment-mib", "16"),
+        ("--put-inflight-mib", "2"),
+    ] {
+        common::set_flag(&mut args, flag, value);
+    }
     common::start(&args)
 }
 
