@@ -108,27 +108,26 @@ impl GpuArgs {
 /// `kvtier_gpu_copy_errors_total`, `kvtier_gpu_out_of_memory_total`,
 /// `kvtier_gpu_corrupt_blocks_total`, `kvtier_gpu_blocks_lost_total`.
 pub fn register_metrics(registry: &mut kvtier_engine::latency::Scrape<'_>, tiers: &[kvtier_engine::TierStats]) {
-    use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::metrics::counter::ConstCounter;
+    use prometheus_client::metrics::gauge::ConstGauge;
+    let gauge = |v: u64| ConstGauge::new(v as i64);
     let Some(g) = tiers.iter().find_map(|t| t.gpu.as_ref()) else { return };
-    let gauge = |v: u64| {
-        let m = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
-        m.set(v as i64);
-        m
-    };
-    let counter = |v: u64| {
-        let m = Counter::<u64>::default();
-        m.inc_by(v);
-        m
-    };
     registry.register(
         "gpu_available",
         "1 when the GPU tier is open, 0 when it was asked for but is absent",
         gauge(g.unavailable.is_none() as u64),
     );
     registry.register("gpu_allocated_bytes", "Device memory the GPU tier has allocated", gauge(g.allocated_bytes));
-    registry.register("gpu_copy_errors", "Copies to or from the device that failed", counter(g.copy_errors));
-    registry.register("gpu_out_of_memory", "Slab allocations refused for lack of device memory", counter(g.out_of_memory));
-    registry.register("gpu_corrupt_blocks", "Blocks copied back from the device that failed their CRC-32", counter(g.corrupt_blocks));
-    registry.register("gpu_blocks_lost", "Write-back blocks held only on the device lost to a failed copy", counter(g.blocks_lost));
+    registry.register("gpu_copy_errors", "Copies to or from the device that failed", ConstCounter::new(g.copy_errors));
+    registry.register("gpu_out_of_memory", "Slab allocations refused for lack of device memory", ConstCounter::new(g.out_of_memory));
+    registry.register(
+        "gpu_corrupt_blocks",
+        "Blocks copied back from the device that failed their CRC-32",
+        ConstCounter::new(g.corrupt_blocks),
+    );
+    registry.register(
+        "gpu_blocks_lost",
+        "Write-back blocks held only on the device lost to a failed copy",
+        ConstCounter::new(g.blocks_lost),
+    );
 }

@@ -206,32 +206,27 @@ impl crate::metrics::Door for LocalShared {
     }
 
     fn write_metrics(&self, registry: &mut kvtier_engine::latency::Scrape<'_>, durations: &mut crate::metrics::Durations) {
-        use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
+        use prometheus_client::metrics::{counter::ConstCounter, gauge::ConstGauge};
+        let gauge = |v: u64| ConstGauge::new(v as i64);
         self.stats.write_metrics(registry, durations, "local", "Local-socket requests", "Block bytes", "PUT_FROM items refused OVERLOADED");
-        let gauge = |v: u64| {
-            let g = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
-            g.set(v as i64);
-            g
-        };
-        let counter = |v: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(v);
-            c
-        };
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         registry.register("local_registrations_open", "Buffers registered on the local socket now", gauge(load(&self.registrations_open)));
         registry.register("local_registered_bytes", "Bytes of the buffers registered now", gauge(load(&self.registered_bytes)));
-        registry.register("local_registrations", "Buffers registered since start", counter(load(&self.registrations_total)));
-        registry.register("local_frame_errors", "Local connections closed for a framing error", counter(load(&self.frame_errors)));
+        registry.register("local_registrations", "Buffers registered since start", ConstCounter::new(load(&self.registrations_total)));
+        registry.register(
+            "local_frame_errors",
+            "Local connections closed for a framing error",
+            ConstCounter::new(load(&self.frame_errors)),
+        );
         registry.register(
             "local_peers_refused",
             "Local peers refused by the SO_PEERCRED uid/gid check",
-            counter(load(&self.peers_refused)),
+            ConstCounter::new(load(&self.peers_refused)),
         );
         registry.register(
             "local_sigbus_caught",
             "Copies that met a client's buffer file shrunk under the server's mapping (SIGBUS caught; that registration is lost)",
-            counter(guard::faults_caught()),
+            ConstCounter::new(guard::faults_caught()),
         );
     }
 

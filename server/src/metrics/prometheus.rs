@@ -8,7 +8,7 @@ use kvtier_engine::health::{HealthState, TierHealth};
 use kvtier_engine::latency::{HistogramFamily, Scrape};
 use kvtier_engine::ShardStats;
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
@@ -93,21 +93,20 @@ fn register_tenants(registry: &mut Scrape<'_>, engine: &[ShardStats], block_byte
     registry.register("tenant_prefix_hits", "Of those, keys found in the prefix", prefix_hits);
     if let Some(t) = tenancy {
         let status = t.status();
-        let c = |v: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(v);
-            c
-        };
-        registry.register("tenants_reloads", "Reloads of the tenants file that took effect (SIGHUP or the admin route)", c(status.reloads));
+        registry.register(
+            "tenants_reloads",
+            "Reloads of the tenants file that took effect (SIGHUP or the admin route)",
+            ConstCounter::new(status.reloads),
+        );
         registry.register(
             "tenants_reload_failures",
             "Reloads of the tenants file refused (the tenants in use were kept)",
-            c(status.reload_failures),
+            ConstCounter::new(status.reload_failures),
         );
         registry.register(
             "tenants_unauthorized",
             "Requests and local HELLOs refused because their token (or uid) is no tenant's",
-            c(t.unauthorized.load(Ordering::Relaxed)),
+            ConstCounter::new(t.unauthorized.load(Ordering::Relaxed)),
         );
     }
 }
@@ -176,34 +175,29 @@ pub(super) fn write_metrics(registry: &mut Scrape<'_>, parts: &Parts, snapshot: 
     for door in doors {
         door.write_metrics(registry, &mut durations);
     }
-    let counter = |v: u64| {
-        let c = Counter::<u64>::default();
-        c.inc_by(v);
-        c
-    };
 
     if let Some(t) = trace {
         let g = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
         g.set(i64::from(t.recording));
         registry.register("trace_recording", "1 while the trace recorder takes records (--trace-dir), else 0", g);
-        registry.register("trace_records", "Block operations recorded since start", counter(t.records));
+        registry.register("trace_records", "Block operations recorded since start", ConstCounter::new(t.records));
         registry.register(
             "trace_dropped_records",
             "Records dropped since start: the trace writer's queue was full or a write failed",
-            counter(t.dropped_records),
+            ConstCounter::new(t.dropped_records),
         );
-        registry.register("trace_written_bytes", "Bytes written to trace files since start", counter(t.bytes_written));
+        registry.register("trace_written_bytes", "Bytes written to trace files since start", ConstCounter::new(t.bytes_written));
     }
 
     registry.register(
         "dma_chunks_leaked",
         "Chunks read from the log dropped away from the shard thread that read them with no way home, their DMA buffers leaked (a bug if not 0 while serving)",
-        counter(kvtier_engine::stream::dma_chunks_leaked()),
+        ConstCounter::new(kvtier_engine::stream::dma_chunks_leaked()),
     );
     registry.register(
         "dma_chunks_sent_home",
         "Chunks read from the log for a GET forwarded from another shard, sent by that shard from the owner's DMA buffers and returned to the owner to be freed",
-        counter(kvtier_engine::stream::dma_chunks_sent_home()),
+        ConstCounter::new(kvtier_engine::stream::dma_chunks_sent_home()),
     );
 
     // Engine, per shard.
