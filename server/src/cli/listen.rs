@@ -60,8 +60,8 @@ pub(crate) struct Listeners {
     /// One per shard, each bound with `SO_REUSEPORT` to the same address,
     /// so the kernel spreads connections across the shards.
     pub(crate) sockets: Vec<std::net::TcpListener>,
-    /// The port's lock file, `flock`ed while this value lives.
-    _lock: std::fs::File,
+    /// The port's lock, held while this value lives.
+    _lock: PortLock,
 }
 
 impl Listeners {
@@ -80,26 +80,52 @@ fn port_lock_path(port: u16) -> std::path::PathBuf {
     dir.join(format!("kvtier-port-{port}.lock"))
 }
 
-/// Takes the port's lock for the life of the process: an exclusive,
-/// non-blocking `flock`, released by the kernel however the process ends.
-fn lock_port(port: u16) -> Result<std::fs::File, String> {
-    use std::os::unix::fs::OpenOptionsExt;
+/// The port's lock: an exclusive `flock` on its lock file, held while
+/// this value lives. Dropped at a clean stop, it removes the file first
+/// (still locked, so a kvtier starting meanwhile either fails to lock it
+/// or finds it gone from the path and locks a fresh one); after `kill -9`
+/// the kernel releases the lock and the next start reuses the file.
+pub(crate) struct PortLock {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl Drop for PortLock {
+    fn drop(&mut self) {
+        // `file` (and with it the lock) closes after this, once the path
+        // no longer names it.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Takes the port's lock: an exclusive, non-blocking `flock` on the file
+/// at [`port_lock_path`], kept only if that path still names the file
+/// locked (another kvtier's clean stop may have removed it in between:
+/// then try again with a fresh one).
+fn lock_port(port: u16) -> Result<PortLock, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     use std::os::unix::io::AsRawFd;
     let path = port_lock_path(port);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o666)
-        .open(&path)
-        .or_else(|_| std::fs::File::open(&path))
-        .map_err(|e| format!("cannot open the port's lock file {}: {e}", path.display()))?;
-    // SAFETY: flock on an fd we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(format!("a server already accepts connections there: another kvtier holds port {port} ({})", path.display()));
+    for _ in 0..100 {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o666)
+            .open(&path)
+            .or_else(|_| std::fs::File::open(&path))
+            .map_err(|e| format!("cannot open the port's lock file {}: {e}", path.display()))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(format!("a server already accepts connections there: another kvtier holds port {port} ({})", path.display()));
+        }
+        let locked = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
+        if std::fs::metadata(&path).is_ok_and(|now| now.ino() == locked.ino() && now.dev() == locked.dev()) {
+            return Ok(PortLock { file, path });
+        }
     }
-    Ok(file)
+    Err(format!("the port's lock file {} kept changing under us", path.display()))
 }
 
 /// Binds the block API's sockets, one per shard. Each has `SO_REUSEPORT`
