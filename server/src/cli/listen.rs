@@ -86,13 +86,14 @@ fn port_lock_path(port: u16) -> std::path::PathBuf {
 /// or finds it gone from the path and locks a fresh one); after `kill -9`
 /// the kernel releases the lock and the next start reuses the file.
 pub(crate) struct PortLock {
-    file: std::fs::File,
+    /// The locked file; the lock goes when it closes.
+    _file: std::fs::File,
     path: std::path::PathBuf,
 }
 
 impl Drop for PortLock {
     fn drop(&mut self) {
-        // `file` (and with it the lock) closes after this, once the path
+        // `_file` (and with it the lock) closes after this, once the path
         // no longer names it.
         let _ = std::fs::remove_file(&self.path);
     }
@@ -122,7 +123,7 @@ fn lock_port(port: u16) -> Result<PortLock, String> {
         }
         let locked = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
         if std::fs::metadata(&path).is_ok_and(|now| now.ino() == locked.ino() && now.dev() == locked.dev()) {
-            return Ok(PortLock { file, path });
+            return Ok(PortLock { _file: file, path });
         }
     }
     Err(format!("the port's lock file {} kept changing under us", path.display()))
