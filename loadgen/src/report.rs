@@ -778,17 +778,6 @@ mod tests {
         assert!(line_chart(&Axes { title: "none", x_desc: "", y_desc: "", x_log: true, y_log: true }, &[]).contains("no data"));
     }
 
-    /// `dir/name`: a page whose body is `body`.
-    fn html_file(dir: &std::path::Path, name: &str, body: &str) -> std::path::PathBuf {
-        let path = dir.join(name);
-        std::fs::write(
-            &path,
-            format!("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>t</title></head><body>{body}</body></html>\n"),
-        )
-        .unwrap();
-        path
-    }
-
     /// A chart as a browser draws it: its curves in the DOM, its colors
     /// on the screen ([`kvtier_test_support::browser`]).
     #[test]
@@ -801,7 +790,9 @@ mod tests {
             Series { name: "empty".into(), points: vec![], color: 2, dashed: false },
         ];
         let svg = line_chart(&Axes { title: "t", x_desc: "x", y_desc: "y", x_log: false, y_log: false }, &series);
-        let view = open(&html_file(dir.path(), "chart.html", &svg), Some(&dir.path().join("chart.png")), (800, 420)).unwrap();
+        let view =
+            open(&kvtier_test_support::browser::html_page(dir.path(), "chart.html", &svg), Some(&dir.path().join("chart.png")), (800, 420))
+                .unwrap();
         assert!(view.console_errors.is_empty(), "{:?}", view.console_errors);
         let charts = charts(&view.dom);
         assert_eq!(charts.len(), 1);

@@ -316,6 +316,21 @@ impl Chart {
     }
 }
 
+/// Writes `dir/name`, a minimal HTML page whose body is `body`, for a
+/// test to [`open`]; returns its path.
+///
+/// # Panics
+/// When the file cannot be written (a test helper).
+pub fn html_page(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>t</title></head><body>{body}</body></html>\n"),
+    )
+    .unwrap();
+    path
+}
+
 /// The `<svg>` elements of `dom` (HTML, as [`PageView::dom`]) with their
 /// lines, in document order. A plain scan of the markup, no HTML parser:
 /// it expects what browsers and plotters write (double-quoted attributes,
@@ -399,28 +414,18 @@ mod tests {
         assert!(chromium().is_some(), "no chromium on PATH: run `make deps` (it installs the `chromium` package)");
     }
 
-    fn page(dir: &Path, name: &str, body: &str) -> PathBuf {
-        let path = dir.join(name);
-        std::fs::write(
-            &path,
-            format!("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>t</title></head><body>{body}</body></html>\n"),
-        )
-        .unwrap();
-        path
-    }
-
     #[test]
     fn console_messages_and_stray_loads_are_caught_and_a_clean_page_has_none() {
         browser_or_fail();
         let dir = tempfile::tempdir().unwrap();
-        let boom = open(&page(dir.path(), "boom.html", "<p>x</p><script>console.error(\"boom\")</script>"), None, (400, 300)).unwrap();
+        let boom = open(&html_page(dir.path(), "boom.html", "<p>x</p><script>console.error(\"boom\")</script>"), None, (400, 300)).unwrap();
         assert!(boom.console_errors.iter().any(|e| e.contains("boom")), "{boom:?}");
-        let thrown = open(&page(dir.path(), "throw.html", "<script>notDefined()</script>"), None, (400, 300)).unwrap();
+        let thrown = open(&html_page(dir.path(), "throw.html", "<script>notDefined()</script>"), None, (400, 300)).unwrap();
         assert!(thrown.console_errors.iter().any(|e| e.contains("notDefined")), "{thrown:?}");
-        let img = open(&page(dir.path(), "img.html", "<img src=\"missing.png\">"), None, (400, 300)).unwrap();
+        let img = open(&html_page(dir.path(), "img.html", "<img src=\"missing.png\">"), None, (400, 300)).unwrap();
         assert!(img.file_loads.iter().any(|u| u.ends_with("/missing.png")), "{img:?}");
         let start = Instant::now();
-        let clean = open(&page(dir.path(), "clean é.html", "<p>clean</p>"), Some(&dir.path().join("clean.png")), (400, 300)).unwrap();
+        let clean = open(&html_page(dir.path(), "clean é.html", "<p>clean</p>"), Some(&dir.path().join("clean.png")), (400, 300)).unwrap();
         eprintln!("one page open with a screenshot: {:?}", start.elapsed());
         assert!(clean.console_errors.is_empty() && clean.file_loads.is_empty(), "{clean:?}");
         assert!(clean.dom.contains("<p>clean</p>"), "{}", clean.dom);
@@ -433,7 +438,7 @@ mod tests {
     fn a_page_that_never_finishes_loading_is_killed_at_the_time_limit() {
         browser_or_fail();
         let dir = tempfile::tempdir().unwrap();
-        let hang = page(dir.path(), "hang.html", "<script>while (true) {}</script>");
+        let hang = html_page(dir.path(), "hang.html", "<script>while (true) {}</script>");
         let start = Instant::now();
         let e = open_within(&hang, None, (400, 300), Duration::from_secs(3)).unwrap_err();
         assert!(e.contains("within 3 s: killed"), "{e}");

@@ -114,7 +114,7 @@ struct TenantToml {
 #[serde(deny_unknown_fields)]
 struct NamespaceToml {
     name: String,
-    pub(crate) key_prefix: String,
+    key_prefix: String,
     #[serde(default)]
     readers: Vec<String>,
     #[serde(default)]
