@@ -239,6 +239,7 @@ fn main() {
             health_window: kvtier_engine::health::ERROR_WINDOW,
             trace: None,
             owners: Default::default(),
+            events: None,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

@@ -24,6 +24,10 @@ pub enum Error {
         /// The length the caller supplied.
         got: u64,
     },
+    /// A block tag ([`crate::events::BlockTag`]) that breaks its rules or
+    /// does not fit this store's slot header ([`crate::slot::tag_room`]).
+    #[error("invalid block tag: {0}")]
+    InvalidTag(String),
     /// No block is stored under the key (never written, deleted, or reclaimed).
     #[error("block not found")]
     NotFound,

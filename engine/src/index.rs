@@ -17,6 +17,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
+use crate::events::Journal;
+pub use crate::key::BlockHashHasher;
 use crate::key::BlockHash;
 use crate::tenant::OwnerId;
 
@@ -65,34 +67,14 @@ impl From<Key> for BlockHash {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Packed([u8; 12]);
 
-/// Hashes a table key by taking the low 64 bits of its block hash: it is
-/// already the output of xxh3-128, so hashing it again would only cost time.
-#[derive(Default)]
-pub struct BlockHashHasher(u64);
-
-impl Hasher for BlockHashHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached if something other than a u64 is hashed; fold it in.
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.0 = (self.0 ^ u64::from_le_bytes(word)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 ^= value;
-    }
-}
-
 /// The index of one shard.
 pub struct Index {
     map: HashMap<Key, Packed, BuildHasherDefault<BlockHashHasher>>,
     slots_per_segment: u32,
     /// Blocks indexed, by owner id.
     owner_blocks: Vec<u64>,
+    /// Where arrivals and departures are reported (KV events).
+    journal: Option<Journal>,
 }
 
 impl Index {
@@ -100,7 +82,24 @@ impl Index {
     /// with room for `capacity_blocks` entries without growing.
     pub fn new(capacity_blocks: usize, slots_per_segment: u32) -> Self {
         assert!(slots_per_segment > 0, "a segment holds at least one slot");
-        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()), slots_per_segment, owner_blocks: Vec::new() }
+        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()), slots_per_segment, owner_blocks: Vec::new(), journal: None }
+    }
+
+    /// Reports every block the log starts or stops holding to `journal`.
+    pub fn set_journal(&mut self, journal: Journal) {
+        self.journal = Some(journal);
+    }
+
+    fn arrived(&self, hash: BlockHash) {
+        if let Some(j) = &self.journal {
+            j.arrived(hash);
+        }
+    }
+
+    fn left(&self, hash: BlockHash) {
+        if let Some(j) = &self.journal {
+            j.left(hash);
+        }
     }
 
     /// Whether a shard with `segments` segments of `slots_per_segment`
@@ -161,6 +160,7 @@ impl Index {
                     self.count(o.owner, -1);
                 }
                 self.count(entry.owner, 1);
+                self.arrived(hash);
                 (old, true)
             }
         }
@@ -173,6 +173,7 @@ impl Index {
             Some(e) if e.seq <= seq => {
                 self.map.remove(&Key::from(*hash));
                 self.count(e.owner, -1);
+                self.left(*hash);
                 Some(e)
             }
             _ => None,
@@ -185,6 +186,7 @@ impl Index {
         if self.get(hash) == Some(entry) {
             self.map.remove(&Key::from(*hash));
             self.count(entry.owner, -1);
+            self.left(*hash);
             return true;
         }
         false
@@ -195,10 +197,14 @@ impl Index {
         let before = self.map.len();
         let sps = self.slots_per_segment;
         let counts = &mut self.owner_blocks;
-        self.map.retain(|_, p| {
+        let journal = &self.journal;
+        self.map.retain(|k, p| {
             let keep = u32::from_le_bytes(p.0[..4].try_into().expect("4 bytes")) / sps != segment;
             if !keep {
                 counts[u16::from_le_bytes([p.0[10], p.0[11]]) as usize] -= 1;
+                if let Some(j) = journal {
+                    j.left(BlockHash::from(*k));
+                }
             }
             keep
         });

@@ -7,6 +7,8 @@
 //! keeps the full key in the slot header so a hash collision is detected at
 //! read time, never served.
 
+use std::hash::Hasher;
+
 use crate::error::{Error, Result};
 
 /// Longest key accepted, in bytes. Fits in the slot header with room to spare.
@@ -26,6 +28,28 @@ impl BlockHash {
     pub fn shard(&self, shards: usize) -> usize {
         debug_assert!(shards > 0);
         (self.0 % shards as u128) as usize
+    }
+}
+
+/// Hashes a table key by taking the low 64 bits of its block hash: it is
+/// already the output of xxh3-128, so hashing it again would only cost time.
+#[derive(Default)]
+pub struct BlockHashHasher(u64);
+
+impl Hasher for BlockHashHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached if something other than a u64 is hashed; fold it in.
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0 ^ u64::from_le_bytes(word)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 ^= value;
     }
 }
 

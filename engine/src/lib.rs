@@ -25,6 +25,8 @@
 //! - [`stream`]: a block on its way out, whole or as verified chunks.
 //! - [`recover`]: rebuilding a shard's index from its snapshot and segments.
 //! - [`fsck`]: offline check of every header and payload CRC-32.
+//! - [`events`]: KV events: the block tags clients attach, which tiers hold
+//!   each tagged block, the sink the server's publisher implements.
 //! - [`store`]: one executor per shard, routing over the channel mesh.
 //! - [`trace`]: block-operation traces (`--trace-dir`): format, reader,
 //!   recorder.
@@ -40,6 +42,7 @@
 pub mod alloc;
 mod counter;
 pub mod error;
+pub mod events;
 pub mod fsck;
 pub mod geometry;
 pub mod gpu;

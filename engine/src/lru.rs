@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::rc::Rc;
 
+use crate::events::Journal;
 use crate::index::BlockHashHasher;
 use crate::key::BlockHash;
 use crate::tenant::OwnerId;
@@ -92,6 +93,8 @@ pub struct SlotLru {
     tick: u64,
     free: Vec<u32>,
     retired: Vec<u32>,
+    /// Where arrivals and departures are reported (KV events).
+    journal: Option<Journal>,
 }
 
 impl SlotLru {
@@ -118,7 +121,13 @@ impl SlotLru {
             tick: 0,
             free: (0..usable.min(capacity_blocks)).rev().collect(),
             retired: Vec::new(),
+            journal: None,
         }
+    }
+
+    /// Reports every block this tier starts or stops holding to `journal`.
+    pub fn set_journal(&mut self, journal: Journal) {
+        self.journal = Some(journal);
     }
 
     /// Makes `slots` usable (their memory now exists).
@@ -299,6 +308,9 @@ impl SlotLru {
         let hash = m.hash;
         if self.map.get(&hash) == Some(&slot) {
             self.map.remove(&hash);
+            if let Some(j) = &self.journal {
+                j.left(hash);
+            }
         }
         self.unlink(slot);
         let owner = self.meta[slot as usize].owner;
@@ -348,6 +360,9 @@ impl SlotLru {
         let m = &mut self.meta[slot as usize];
         *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false, owner, tick: 0 };
         self.map.insert(hash, slot);
+        if let Some(j) = &self.journal {
+            j.arrived(hash);
+        }
         self.list_mut(owner).used += 1;
         self.push_front(slot);
     }

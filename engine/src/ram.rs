@@ -239,6 +239,11 @@ impl RamTier {
         self.lru.capacity_blocks()
     }
 
+    /// Reports the blocks this tier starts and stops holding (KV events).
+    pub fn set_journal(&mut self, journal: crate::events::Journal) {
+        self.lru.set_journal(journal);
+    }
+
     /// Blocks held now.
     pub fn used_blocks(&self) -> u64 {
         self.lru.used_blocks()

@@ -33,9 +33,15 @@ use crate::health::TierHealth;
 /// What a remote read found.
 #[derive(Debug, Clone)]
 pub enum Fetched {
-    /// The block's payload, checked by the implementation (its own
-    /// checksum and the key it was stored under), `block_bytes` long.
-    Block(Bytes),
+    /// The block, checked by the implementation (its own checksum and the
+    /// key it was stored under).
+    Block {
+        /// The payload, `block_bytes` long.
+        payload: Bytes,
+        /// The tag it was uploaded with ([`crate::events::BlockTag`],
+        /// encoded), if any.
+        tag: Option<Bytes>,
+    },
     /// No such block.
     Absent,
     /// An error, a timeout or an object that failed its checks: a miss,
@@ -102,9 +108,10 @@ pub trait RemoteShard {
     fn fetch<'a>(&'a self, key: &'a str) -> LocalBoxFuture<'a, Fetched>;
 
     /// Uploads `key`'s block (its payload as `chunks`, `block_bytes` in all,
-    /// reference-counted: no copy) as the implementation's write policy
-    /// says; `None` when it uploads nothing (policy off).
-    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>>;
+    /// reference-counted: no copy) with its encoded tag, if any, as the
+    /// implementation's write policy says; `None` when it uploads nothing
+    /// (policy off).
+    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>>;
 
     /// Whether each of `keys` exists remotely (`None`: unknown after an
     /// error or timeout). The caller bounds the batch

@@ -34,6 +34,7 @@ use glommio::sync::Semaphore;
 
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
+use crate::events::{Medium, Residency};
 use crate::index::Index;
 use crate::key::BlockHash;
 use crate::pool::BufferPool;
@@ -137,6 +138,8 @@ pub struct Shard {
     health: health::Trackers,
     /// Block owners, their quotas and counters (`owners.rs`).
     owner_state: owners::OwnerState,
+    /// Which tiers hold each tagged block; KV events ([`crate::events`]).
+    residency: Rc<Residency>,
 }
 
 /// What recovery rebuilt of a shard's log ([`crate::recover::open_shard`]),
@@ -185,16 +188,26 @@ impl Shard {
                 cfg.segments_max
             )));
         }
+        let residency = Residency::new(cfg.shard_id as usize, cfg.events.clone());
         let ram = match cfg.ram_blocks {
             0 => None,
-            n => Some(RefCell::new(RamTier::new(n, cfg.geometry.block_bytes)?)),
+            n => {
+                let mut ram = RamTier::new(n, cfg.geometry.block_bytes)?;
+                ram.set_journal(residency.journal(Medium::Ram));
+                Some(RefCell::new(ram))
+            }
         };
         let (gpu, gpu_unavailable) = waterfall::open_gpu(&cfg)?;
+        if let Some(gpu) = &gpu {
+            gpu.set_journal(residency.journal(Medium::Gpu));
+        }
+        let mut index = Index::new(capacity_blocks.min(1 << 20), slots_per_segment);
+        index.set_journal(residency.journal(Medium::Nvme));
         let remote = cfg.remote.as_ref().map(|r| r.for_shard(cfg.shard_id as usize));
         Ok(Shard {
             slot_bytes,
             slots_per_segment,
-            index: RefCell::new(Index::new(capacity_blocks.min(1 << 20), slots_per_segment)),
+            index: RefCell::new(index),
             segments: RefCell::new(Vec::new()),
             sealed: RefCell::new(VecDeque::new()),
             fs_full: Cell::new(false),
@@ -223,6 +236,7 @@ impl Shard {
             remote_reads: Default::default(),
             health: health::Trackers::new(cfg.shard_id, cfg.health_window),
             owner_state: owners::OwnerState::new(cfg.owners.clone()),
+            residency,
             cfg,
         })
     }
@@ -261,7 +275,14 @@ impl Shard {
     /// start; it grows past that).
     pub(crate) fn empty_index(&self) -> Index {
         let capacity_blocks = self.cfg.segments_max as usize * self.slots_per_segment as usize;
-        Index::new(capacity_blocks.min(1 << 20), self.slots_per_segment)
+        let mut index = Index::new(capacity_blocks.min(1 << 20), self.slots_per_segment);
+        index.set_journal(self.residency.journal(Medium::Nvme));
+        index
+    }
+
+    /// Which tiers hold each tagged block ([`crate::events`]).
+    pub fn residency(&self) -> &Rc<Residency> {
+        &self.residency
     }
 
     /// Takes over the log recovery rebuilt. Called once, before the shard
@@ -503,6 +524,7 @@ impl Shard {
             key: key.as_bytes().to_vec(),
             chunk_bytes: 0,
             chunk_crcs: Vec::new(),
+            tag: Vec::new(),
         };
         let (_, existed) = self.append(buf, header).await?;
         if !existed {

@@ -9,7 +9,9 @@
 //! life), the payload's CRC-32, a CRC-32 per chunk of the payload (format 2:
 //! each chunk is checked as soon as it is read, so a GET streams verified
 //! chunks instead of waiting for the whole block) and a CRC-32 of the header
-//! itself (so a torn or stale header is never believed).
+//! itself (so a torn or stale header is never believed). Format 3 adds the
+//! block's tag (`events::tag`: the engine's block hashes and token ids),
+//! at the end of the page, so every later KV event of the block names it.
 
 use crate::key::{BlockHash, KEY_BYTES_MAX};
 
@@ -21,9 +23,9 @@ pub const PAGE_BYTES: u64 = 4096;
 pub const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"KVSL");
 
 /// Version of the slot header layout written now: 2 adds the chunk size and
-/// the per-chunk CRC-32s. Version 1 headers (whole-payload CRC only) still
-/// decode, with no chunk CRCs.
-pub const SLOT_VERSION: u16 = 2;
+/// the per-chunk CRC-32s, 3 the block tag. Version 1 headers (whole-payload
+/// CRC only) still decode, with no chunk CRCs; versions 1 and 2 with no tag.
+pub const SLOT_VERSION: u16 = 3;
 
 /// Payload bytes covered by one chunk CRC-32 when the block is small enough:
 /// 1 MiB, the unit a GET reads, verifies and sends (16 chunks for a 16 MiB
@@ -43,6 +45,7 @@ const OFF_HASH: usize = 16; // u128
 const OFF_PAYLOAD_LEN: usize = 32; // u64
 const OFF_PAYLOAD_CRC: usize = 40; // u32
 const OFF_KEY_LEN: usize = 44; // u16
+const OFF_TAG_LEN: usize = 46; // u16, version 3 (0: no tag); the tag ends where the header CRC starts
 const OFF_WRITE_TIME: usize = 48; // u64, microseconds since the Unix epoch
 const OFF_CHUNK_BYTES: usize = 56; // u32, version 2 (0 in version 1 and for tombstones)
 const OFF_CHUNK_COUNT: usize = 60; // u32, version 2
@@ -87,6 +90,9 @@ pub struct SlotHeader {
     /// CRC-32 of each `chunk_bytes` chunk of the payload in order (the last
     /// one may be shorter); empty when `chunk_bytes` is 0.
     pub chunk_crcs: Vec<u32>,
+    /// The block's encoded tag (`crate::events::BlockTag`), kept as bytes;
+    /// empty when the client attached none (and in version 1 and 2 slots).
+    pub tag: Vec<u8>,
 }
 
 /// Why a 4 KiB page is not a usable slot header.
@@ -100,7 +106,7 @@ pub enum HeaderFault {
     BadCrc,
     /// CRC right but a field is out of range (unknown version or kind, key
     /// length over the limit, a tombstone with a payload, chunk CRCs that
-    /// do not cover the payload).
+    /// do not cover the payload, a tag that overlaps them).
     BadField,
 }
 
@@ -116,6 +122,7 @@ impl SlotHeader {
         assert!(!self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX, "key length {}", self.key.len());
         assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
         assert_eq!(self.chunk_crcs.len() as u64, chunk_count(self.payload_len, self.chunk_bytes), "chunk CRCs cover the payload");
+        assert!(self.tag.len() <= tag_room_for(self.chunk_crcs.len()), "a {}-byte tag beside {} chunk CRCs", self.tag.len(), self.chunk_crcs.len());
         let page = &mut page[..PAGE_BYTES as usize];
         page.fill(0);
         put(page, OFF_MAGIC, &SLOT_MAGIC.to_le_bytes());
@@ -129,7 +136,9 @@ impl SlotHeader {
         put(page, OFF_WRITE_TIME, &self.write_time_us.to_le_bytes());
         put(page, OFF_CHUNK_BYTES, &self.chunk_bytes.to_le_bytes());
         put(page, OFF_CHUNK_COUNT, &(self.chunk_crcs.len() as u32).to_le_bytes());
+        put(page, OFF_TAG_LEN, &(self.tag.len() as u16).to_le_bytes());
         put(page, OFF_KEY, &self.key);
+        put(page, OFF_HEADER_CRC - self.tag.len(), &self.tag);
         for (i, crc) in self.chunk_crcs.iter().enumerate() {
             put(page, OFF_CHUNK_CRCS + 4 * i, &crc.to_le_bytes());
         }
@@ -175,6 +184,10 @@ impl SlotHeader {
         if count > CHUNK_CRCS_MAX || count as u64 != chunk_count(payload_len, chunk_bytes) {
             return Err(HeaderFault::BadField);
         }
+        let tag_len = if version >= 3 { u16::from_le_bytes(get(page, OFF_TAG_LEN)) as usize } else { 0 };
+        if tag_len > tag_room_for(count) {
+            return Err(HeaderFault::BadField);
+        }
         Ok(SlotHeader {
             kind,
             seq: u64::from_le_bytes(get(page, OFF_SEQ)),
@@ -185,6 +198,7 @@ impl SlotHeader {
             key: page[OFF_KEY..OFF_KEY + key_len].to_vec(),
             chunk_bytes,
             chunk_crcs: (0..count).map(|i| u32::from_le_bytes(get(page, OFF_CHUNK_CRCS + 4 * i))).collect(),
+            tag: page[OFF_HEADER_CRC - tag_len..OFF_HEADER_CRC].to_vec(),
         })
     }
 }
@@ -211,6 +225,23 @@ pub const fn chunk_bytes_for(block_bytes: u64) -> u32 {
         chunk *= 2;
     }
     chunk as u32
+}
+
+/// Bytes a header page has for a tag beside `chunk_crcs` chunk CRC-32s.
+const fn tag_room_for(chunk_crcs: usize) -> usize {
+    OFF_HEADER_CRC - OFF_CHUNK_CRCS - 4 * chunk_crcs
+}
+
+/// Longest block tag a slot of a `block_bytes` block can hold: the header
+/// page's room after its chunk CRC-32s (3708 bytes for a 16 MiB block),
+/// never over `events::tag::TAG_BYTES_MAX`.
+pub const fn tag_room(block_bytes: u64) -> usize {
+    let room = tag_room_for(chunk_count(block_bytes, chunk_bytes_for(block_bytes)) as usize);
+    if room < crate::events::TAG_BYTES_MAX {
+        room
+    } else {
+        crate::events::TAG_BYTES_MAX
+    }
 }
 
 /// Number of chunks of `chunk_bytes` in a payload of `payload_len` (0 when
@@ -343,6 +374,7 @@ mod tests {
             key,
             chunk_bytes,
             chunk_crcs: (0..chunks).map(|i| crc ^ i as u32).collect(),
+            tag: Vec::new(),
         }
     }
 
@@ -351,8 +383,11 @@ mod tests {
         fn encode_decode_round_trip(
             key in proptest::collection::vec(proptest::sample::select(b"abcXYZ019._~-".to_vec()), 1..=KEY_BYTES_MAX),
             seq in any::<u64>(), len in any::<u64>(), crc in any::<u32>(), tomb in any::<bool>(),
+            tag in proptest::collection::vec(any::<u8>(), 0..=crate::events::TAG_BYTES_MAX),
         ) {
-            let h = header(key, seq, len, crc, tomb);
+            let mut h = header(key, seq, len, crc, tomb);
+            h.tag = tag;
+            h.tag.truncate(tag_room_for(h.chunk_crcs.len()));
             let mut page = vec![0xAAu8; PAGE_BYTES as usize];
             h.encode(&mut page);
             prop_assert_eq!(SlotHeader::decode(&page), Ok(h));
@@ -418,11 +453,36 @@ mod tests {
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
         put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
         assert_eq!(SlotHeader::decode(&page), Ok(h));
-        // A version 3 header is not ours.
-        put(&mut page, OFF_VERSION, &3u16.to_le_bytes());
+        // A version 4 header is not ours.
+        put(&mut page, OFF_VERSION, &4u16.to_le_bytes());
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
         put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
         assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
+    }
+
+    #[test]
+    fn version_2_headers_decode_without_a_tag_and_a_tag_may_not_overlap_the_chunk_crcs() {
+        let mut h = header(b"v2-block".to_vec(), 9, 16 << 20, 0x55AA, false);
+        h.tag = vec![0xEE; 100];
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        h.encode(&mut page);
+        // As the previous release wrote it: version 2, bytes 46..48 and the
+        // page's end zero.
+        put(&mut page, OFF_VERSION, &2u16.to_le_bytes());
+        put(&mut page, OFF_TAG_LEN, &0u16.to_le_bytes());
+        page[OFF_HEADER_CRC - 100..OFF_HEADER_CRC].fill(0);
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        h.tag.clear();
+        assert_eq!(SlotHeader::decode(&page), Ok(h.clone()));
+        // Version 3 with a tag length reaching into the chunk CRC-32s.
+        put(&mut page, OFF_VERSION, &3u16.to_le_bytes());
+        put(&mut page, OFF_TAG_LEN, &((tag_room_for(h.chunk_crcs.len()) + 1) as u16).to_le_bytes());
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
+        assert_eq!(tag_room(16 << 20), 3072);
+        assert_eq!(tag_room(1 << 30), OFF_HEADER_CRC - OFF_CHUNK_CRCS - 4 * 512);
     }
 
     proptest! {

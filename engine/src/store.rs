@@ -120,26 +120,43 @@ impl Store {
     /// [`Error::InvalidKey`], [`Error::WrongSize`], [`Error::DiskFull`],
     /// [`Error::Io`], [`Error::ShuttingDown`].
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutOutcome> {
-        Ok(self.put_reporting(key, chunks).await?.outcome)
+        Ok(self.put_reporting(key, chunks, None).await?.outcome)
     }
 
-    /// [`Store::put`], and then the upload to the remote tier as its write
-    /// policy says (on the owning shard); reports both.
+    /// [`Store::put`] with the block's `tag` (an encoded
+    /// [`crate::events::BlockTag`]; `None`: untagged), and then the upload to
+    /// the remote tier as its write policy says (on the owning shard);
+    /// reports both. The tag is kept with the block in every tier and names
+    /// it in KV events ([`crate::events`]); a PUT without one replaces the
+    /// key's tag with none.
     ///
     /// # Errors
-    /// As [`Store::put`]; the remote tier never fails a PUT.
-    pub async fn put_reporting(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutReport> {
+    /// As [`Store::put`]; [`Error::InvalidTag`] when the tag breaks its rules
+    /// or is longer than this store's slot header holds
+    /// ([`crate::slot::tag_room`]). The remote tier never fails a PUT.
+    pub async fn put_reporting(&self, key: &str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
         key::validate_stored(key)?;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
             return Err(Error::WrongSize { expected: self.geometry().block_bytes, got });
         }
+        if let Some(tag) = &tag {
+            crate::events::BlockTag::decode(tag).map_err(Error::InvalidTag)?;
+            let room = crate::slot::tag_room(self.geometry().block_bytes);
+            if tag.len() > room {
+                return Err(Error::InvalidTag(format!(
+                    "the tag is {} bytes; a slot header of this store's {}-byte blocks holds {room}",
+                    tag.len(),
+                    self.geometry().block_bytes
+                )));
+            }
+        }
         let hash = BlockHash::of(key.as_bytes());
         let owner = hash.shard(self.shards);
         let put = if owner == self.shard_id() {
-            self.shard.put_block(key, hash, &chunks).await
+            self.shard.put_block(key, hash, &chunks, tag).await
         } else {
-            self.forward(owner, |reply| Request::Put { key: key.to_string(), hash, chunks, reply }).await?
+            self.forward(owner, |reply| Request::Put { key: key.to_string(), hash, chunks, tag, reply }).await?
         };
         if put.is_ok() {
             self.trace(TraceOp::Put, [(hash, TraceTier::None)]);

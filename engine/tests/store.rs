@@ -31,6 +31,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         health_window: kvtier_engine::health::ERROR_WINDOW,
         trace: None,
         owners: Default::default(),
+        events: None,
     }
 }
 

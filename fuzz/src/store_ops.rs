@@ -218,6 +218,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         health_window: kvtier_engine::health::ERROR_WINDOW,
         trace: None,
         owners: Default::default(),
+        events: None,
     }
 }
 

@@ -56,7 +56,7 @@ use serde_json::{json, Value};
 pub use args::{S3Args, S3WritePolicy};
 pub use breaker::{DOWN_AFTER_FAILURES, DOWN_COOLDOWN};
 use counters::ShardCounters;
-pub use object::{decode_object, encode_header, object_name, parse_url, ObjectFault, S3Location, OBJECT_MAGIC};
+pub use object::{decode_object, encode_header, object_name, parse_url, Object, ObjectFault, S3Location, OBJECT_MAGIC};
 
 /// Tier name in `x-kvtier-tier`, lookup answers, a PUT's answer and
 /// `/v1/stats`.

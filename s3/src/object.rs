@@ -2,14 +2,18 @@
 //! (docs/FORMAT.md, "Shared tier objects"): `PREFIX/kvtier/v1/BLOCK_BYTES/XX/KEY`,
 //! `XX` the key's block hash's low byte in hex (spreads keys over S3's
 //! partitions); the object is a header (magic, header length, block size,
-//! payload CRC-32, key, header CRC-32) followed by the payload. A read
-//! checks all of it before a byte is served.
+//! payload CRC-32, key, block tag (format 2), header CRC-32) followed by the
+//! payload. A read checks all of it before a byte is served; format 1
+//! objects (no tag) still read.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvtier_engine::key::BlockHash;
 
-/// Object header magic: "KVTS3" + format 1.
-pub const OBJECT_MAGIC: [u8; 8] = *b"KVTS3\0\0\x01";
+/// Object header magic: "KVTS3" + format 2 (format 1 had no block tag).
+pub const OBJECT_MAGIC: [u8; 8] = *b"KVTS3\0\0\x02";
+
+/// Format 1's magic: still read, never written.
+const OBJECT_MAGIC_V1: [u8; 8] = *b"KVTS3\0\0\x01";
 
 /// Fixed part of the object header before the key: magic (8), header
 /// length (u32), block bytes (u64), payload CRC-32 (u32), key length (u16).
@@ -66,9 +70,10 @@ pub fn object_name(prefix: &str, block_bytes: u64, key: &str) -> String {
 }
 
 /// The object header for `key` and a payload of `block_bytes` with CRC-32
-/// `payload_crc` (docs/FORMAT.md).
-pub fn encode_header(key: &str, block_bytes: u64, payload_crc: u32) -> Bytes {
-    let header_len = HEADER_FIXED_BYTES + key.len() + 4;
+/// `payload_crc` and the block's encoded tag, if any (docs/FORMAT.md).
+pub fn encode_header(key: &str, block_bytes: u64, payload_crc: u32, tag: Option<&[u8]>) -> Bytes {
+    let tag = tag.unwrap_or_default();
+    let header_len = HEADER_FIXED_BYTES + key.len() + 2 + tag.len() + 4;
     let mut b = BytesMut::with_capacity(header_len);
     b.put_slice(&OBJECT_MAGIC);
     b.put_u32_le(header_len as u32);
@@ -76,6 +81,8 @@ pub fn encode_header(key: &str, block_bytes: u64, payload_crc: u32) -> Bytes {
     b.put_u32_le(payload_crc);
     b.put_u16_le(key.len() as u16);
     b.put_slice(key.as_bytes());
+    b.put_u16_le(tag.len() as u16);
+    b.put_slice(tag);
     let crc = crc32fast::hash(&b);
     b.put_u32_le(crc);
     b.freeze()
@@ -98,22 +105,39 @@ pub enum ObjectFault {
     PayloadCrc,
 }
 
-/// Checks an object read back and returns its payload (a slice of
-/// `object`, no copy).
+/// A checked object: its payload and block tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Object {
+    /// The payload (a slice of the object read, no copy).
+    pub payload: Bytes,
+    /// The encoded block tag it was uploaded with; `None` for none (and for
+    /// format 1 objects).
+    pub tag: Option<Bytes>,
+}
+
+/// Checks an object read back and returns its payload and tag.
 ///
 /// # Errors
 /// The first check that failed.
-pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Bytes, ObjectFault> {
+pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Object, ObjectFault> {
     if object.len() < HEADER_FIXED_BYTES + 4 {
         return Err(ObjectFault::Truncated);
     }
-    if object[..8] != OBJECT_MAGIC {
-        return Err(ObjectFault::BadHeader);
-    }
+    let v1 = match object[..8].try_into().expect("8 bytes") {
+        OBJECT_MAGIC => false,
+        OBJECT_MAGIC_V1 => true,
+        _ => return Err(ObjectFault::BadHeader),
+    };
     let u32_at = |i: usize| u32::from_le_bytes(object[i..i + 4].try_into().expect("4 bytes"));
     let header_len = u32_at(8) as usize;
     let key_len = u16::from_le_bytes(object[24..26].try_into().expect("2 bytes")) as usize;
-    if header_len != HEADER_FIXED_BYTES + key_len + 4 {
+    let tag_at = HEADER_FIXED_BYTES + key_len;
+    let tag_len = match v1 {
+        true => None,
+        false if object.len() >= tag_at + 2 => Some(u16::from_le_bytes(object[tag_at..tag_at + 2].try_into().expect("2 bytes")) as usize),
+        false => return Err(ObjectFault::Truncated),
+    };
+    if header_len != tag_at + tag_len.map_or(0, |t| 2 + t) + 4 {
         return Err(ObjectFault::BadHeader);
     }
     if object.len() < header_len {
@@ -122,6 +146,7 @@ pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Byte
     if crc32fast::hash(&object[..header_len - 4]) != u32_at(header_len - 4) {
         return Err(ObjectFault::BadHeader);
     }
+    let tag = tag_len.filter(|t| *t > 0).map(|t| object.slice(tag_at + 2..tag_at + 2 + t));
     let stored_block_bytes = u64::from_le_bytes(object[12..20].try_into().expect("8 bytes"));
     if stored_block_bytes != block_bytes {
         return Err(ObjectFault::WrongBlockBytes(stored_block_bytes));
@@ -140,7 +165,7 @@ pub fn decode_object(object: &Bytes, key: &str, block_bytes: u64) -> Result<Byte
     if crc32fast::hash(&payload) != u32_at(20) {
         return Err(ObjectFault::PayloadCrc);
     }
-    Ok(payload)
+    Ok(Object { payload, tag })
 }
 
 #[cfg(test)]
@@ -170,16 +195,37 @@ mod tests {
     }
 
     fn object(key: &str, payload: &[u8]) -> Bytes {
-        let mut b = encode_header(key, payload.len() as u64, crc32fast::hash(payload)).to_vec();
+        let mut b = encode_header(key, payload.len() as u64, crc32fast::hash(payload), None).to_vec();
         b.extend_from_slice(payload);
         b.into()
+    }
+
+    #[test]
+    fn a_tag_round_trips_and_format_1_objects_still_read() {
+        let payload = vec![7u8; 4096];
+        let mut b = encode_header("k-1", 4096, crc32fast::hash(&payload), Some(b"tag-bytes")).to_vec();
+        b.extend_from_slice(&payload);
+        let got = decode_object(&b.into(), "k-1", 4096).unwrap();
+        assert_eq!((got.payload.len(), got.tag.as_deref()), (4096, Some(&b"tag-bytes"[..])));
+        // Format 1, as the previous release wrote it: no tag length.
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(&OBJECT_MAGIC_V1);
+        v1.extend_from_slice(&((HEADER_FIXED_BYTES + 3 + 4) as u32).to_le_bytes());
+        v1.extend_from_slice(&4096u64.to_le_bytes());
+        v1.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+        v1.extend_from_slice(&3u16.to_le_bytes());
+        v1.extend_from_slice(b"k-1");
+        let crc = crc32fast::hash(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        v1.extend_from_slice(&payload);
+        assert_eq!(decode_object(&v1.into(), "k-1", 4096).unwrap(), Object { payload: payload.into(), tag: None });
     }
 
     #[test]
     fn an_object_round_trips_and_every_damage_is_refused() {
         let payload: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
         let good = object("k-1", &payload);
-        assert_eq!(decode_object(&good, "k-1", 4096).unwrap(), &payload[..]);
+        assert_eq!(decode_object(&good, "k-1", 4096).unwrap().payload, &payload[..]);
         assert_eq!(decode_object(&good, "k-2", 4096), Err(ObjectFault::WrongKey));
         assert_eq!(decode_object(&good, "k-1", 8192), Err(ObjectFault::WrongBlockBytes(4096)));
         assert_eq!(decode_object(&good.slice(..good.len() - 1), "k-1", 4096), Err(ObjectFault::Truncated));

@@ -80,7 +80,7 @@ impl S3Shard {
     /// `behind` queues it (never waits; a full queue drops it), `through`
     /// waits for the upload, `off` does nothing (`None`). A block this
     /// shard knows is in the bucket is not sent again.
-    async fn upload(&self, key: &str, chunks: Vec<Bytes>) -> Option<UploadOutcome> {
+    async fn upload(&self, key: &str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Option<UploadOutcome> {
         let tier = &self.tier;
         let c = &self.counters.c;
         if tier.settings.policy == S3WritePolicy::Off {
@@ -94,7 +94,7 @@ impl S3Shard {
             S3WritePolicy::Behind => {
                 // Counted before the send: the worker may take it at once.
                 c.uploads_pending.fetch_add(1, Ordering::Relaxed);
-                return match tier.queues[self.shard].try_send(Upload { key: key.to_string(), chunks }) {
+                return match tier.queues[self.shard].try_send(Upload { key: key.to_string(), chunks, tag }) {
                     Ok(()) => {
                         c.uploads_queued_max.fetch_max(tier.queued(self.shard), Ordering::Relaxed);
                         Some(UploadOutcome::Queued)
@@ -114,7 +114,7 @@ impl S3Shard {
             }
             S3WritePolicy::Through => {
                 c.uploads_inflight.fetch_add(1, Ordering::Relaxed);
-                let job = upload::job(tier, self.shard, key.to_string(), chunks);
+                let job = upload::job(tier, self.shard, key.to_string(), chunks, tag);
                 let outcome = tier.call(job).await.unwrap_or(UploadOutcome::Failed);
                 c.uploads_inflight.fetch_sub(1, Ordering::Relaxed);
                 outcome
@@ -163,11 +163,11 @@ impl S3Shard {
                 tier.breaker.success();
                 c.read_bytes.fetch_add(object.len() as u64, Ordering::Relaxed);
                 match decode_object(&object, key, tier.block_bytes) {
-                    Ok(payload) => {
+                    Ok(object) => {
                         record(&counters.read_us, started);
                         inc(&c.read_hits);
                         self.learn(key, true);
-                        Fetched::Block(payload)
+                        Fetched::Block { payload: object.payload, tag: object.tag }
                     }
                     Err(fault) => {
                         inc(&c.read_corrupt);
@@ -308,8 +308,8 @@ impl RemoteShard for S3Shard {
         S3Shard::fetch(self, key).boxed_local()
     }
 
-    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>> {
-        S3Shard::upload(self, key, chunks).boxed_local()
+    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>> {
+        S3Shard::upload(self, key, chunks, tag).boxed_local()
     }
 
     fn exists_many<'a>(&'a self, keys: &'a [&'a str]) -> LocalBoxFuture<'a, Vec<Option<bool>>> {

@@ -19,6 +19,7 @@ use crate::S3Tier;
 pub(crate) struct Upload {
     pub key: String,
     pub chunks: Vec<Bytes>,
+    pub tag: Option<Bytes>,
 }
 
 /// One shard's write-behind worker, on the runtime: takes queued uploads
@@ -38,7 +39,7 @@ pub(crate) async fn worker(tier: Weak<S3Tier>, shard: usize, mut rx: tokio::sync
         // In flight before out of the queue: a drain never sees it in neither.
         counters.c.uploads_inflight.fetch_add(1, Ordering::Relaxed);
         counters.c.uploads_pending.fetch_sub(1, Ordering::Relaxed);
-        let job = job(&t, shard, up.key, up.chunks);
+        let job = job(&t, shard, up.key, up.chunks, up.tag);
         drop(t);
         tokio::spawn(async move {
             job.await;
@@ -50,7 +51,7 @@ pub(crate) async fn worker(tier: Weak<S3Tier>, shard: usize, mut rx: tokio::sync
 
 /// The future of one create-only upload of `key`, counted in `shard`'s
 /// counters. Owns what it needs, so it runs on any runtime thread.
-pub(crate) fn job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>) -> impl Future<Output = UploadOutcome> + Send + 'static {
+pub(crate) fn job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>, tag: Option<Bytes>) -> impl Future<Output = UploadOutcome> + Send + 'static {
     let client = tier.client.clone();
     let path = tier.path(&key);
     let timeout = tier.settings.upload_timeout;
@@ -70,7 +71,7 @@ pub(crate) fn job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>) 
         for chunk in &chunks {
             crc.update(chunk);
         }
-        let header = encode_header(&key, block_bytes, crc.finalize());
+        let header = encode_header(&key, block_bytes, crc.finalize(), tag.as_deref());
         let object_bytes = (header.len() as u64) + block_bytes;
         let payload: PutPayload = std::iter::once(header).chain(chunks).collect();
         let opts = PutOptions { mode: PutMode::Create, ..Default::default() };

@@ -135,6 +135,11 @@ impl GpuTier {
         self.lru.borrow().capacity_blocks()
     }
 
+    /// Reports the blocks this tier starts and stops holding (KV events).
+    pub fn set_journal(&self, journal: crate::events::Journal) {
+        self.lru.borrow_mut().set_journal(journal);
+    }
+
     /// Blocks held now.
     pub fn used_blocks(&self) -> u64 {
         self.lru.borrow().used_blocks()

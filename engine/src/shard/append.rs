@@ -52,6 +52,7 @@ impl Shard {
             key: key.as_bytes().to_vec(),
             chunk_bytes: self.chunk_bytes,
             chunk_crcs,
+            tag: self.residency.tag_of(&hash).map(|t| t.to_vec()).unwrap_or_default(),
         };
         let (entry, replaced) = self.append(buf, header).await?;
         bump(&self.counters.puts, 1);

@@ -48,6 +48,8 @@ pub struct ShardConfig {
     pub shards: u32,
     /// Block owners and their quotas at open ([`crate::tenant`]).
     pub owners: Arc<crate::tenant::Owners>,
+    /// Where this shard's KV events go ([`crate::events`]).
+    pub events: Option<Arc<dyn crate::events::EventSink>>,
 }
 
 impl ShardConfig {

@@ -42,6 +42,7 @@ fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
         health_window: crate::health::ERROR_WINDOW,
         trace: None,
         owners: Default::default(),
+        events: None,
     }
 }
 

@@ -26,6 +26,7 @@ use futures::future::{FutureExt, LocalBoxFuture, Shared};
 
 use super::{PutOutcome, Shard};
 use crate::error::{Error, Result};
+use crate::events::Medium;
 use crate::key::BlockHash;
 use crate::remote::{Fetched, RemoteEvent, UploadOutcome};
 
@@ -77,13 +78,19 @@ impl Shard {
     ///
     /// # Errors
     /// As [`Shard::put`]; the remote tier never fails a PUT.
-    pub async fn put_block(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutReport> {
+    pub async fn put_block(&self, key: &str, hash: BlockHash, chunks: &[Bytes], tag: Option<Bytes>) -> Result<PutReport> {
         self.supersede_remote_read(&hash).await;
+        // Tracked from here, so the log writes the tag into the slot header
+        // and the tiers' arrivals are published under it.
+        let _putting = self.residency.begin_put(hash, tag.clone());
         let outcome = self.put(key, hash, chunks).await?;
         let upload = match &self.remote {
-            Some(remote) => remote.upload(key, chunks.to_vec()).await,
+            Some(remote) => remote.upload(key, chunks.to_vec(), tag).await,
             None => None,
         };
+        if matches!(upload, Some(UploadOutcome::Uploaded | UploadOutcome::Present)) {
+            self.residency.journal(Medium::S3).arrived(hash);
+        }
         Ok(PutReport { outcome, upload })
     }
 
@@ -100,10 +107,15 @@ impl Shard {
             // The remote copy goes too, else the next GET would bring the
             // block back.
             Ok(()) => {
-                remote.delete(key).await;
+                if remote.delete(key).await {
+                    self.residency.journal(Medium::S3).left(hash);
+                }
                 Ok(())
             }
-            Err(Error::NotFound) if remote.exists_many(&[key]).await[0] == Some(true) && remote.delete(key).await => Ok(()),
+            Err(Error::NotFound) if remote.exists_many(&[key]).await[0] == Some(true) && remote.delete(key).await => {
+                self.residency.journal(Medium::S3).left(hash);
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }
@@ -140,8 +152,8 @@ impl Shard {
         // GET that started them goes away.
         let task = glommio::spawn_local(async move {
             let got = match remote.fetch(&owned).await {
-                Fetched::Block(payload) => {
-                    me.install_remote(&owned, hash, payload.clone(), &flags).await;
+                Fetched::Block { payload, tag } => {
+                    me.install_remote(&owned, hash, payload.clone(), tag, &flags).await;
                     Some(payload)
                 }
                 Fetched::Absent | Fetched::Failed => None,
@@ -157,13 +169,16 @@ impl Shard {
 
     /// Stores a block read from the remote tier in the local tiers, unless a
     /// write of its key came while it was read. Not uploaded again.
-    async fn install_remote(&self, key: &str, hash: BlockHash, payload: Bytes, state: &ReadState) {
+    async fn install_remote(&self, key: &str, hash: BlockHash, payload: Bytes, tag: Option<Bytes>, state: &ReadState) {
         let remote = self.remote.as_ref().expect("a remote read has a remote tier");
         if state.superseded.get() {
             remote.count(RemoteEvent::InstallSuperseded);
             return;
         }
         state.installing.set(true);
+        // The object's tag comes with it; the block is in the shared tier too.
+        let _putting = self.residency.begin_put(hash, tag);
+        self.residency.journal(Medium::S3).arrived(hash);
         match self.put(key, hash, &[payload]).await {
             Ok(_) => remote.count(RemoteEvent::Installed),
             Err(e) => remote.count(RemoteEvent::InstallFailed(format!(

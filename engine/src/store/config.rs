@@ -124,6 +124,9 @@ pub struct StoreConfig {
     /// quotas ([`crate::tenant`]); [`Owners::default`]: the default owner
     /// alone, no quotas. Changed at run time with [`Store::set_owners`].
     pub owners: Arc<Owners>,
+    /// Where KV events go (`--kv-events`; `None`: none published, block
+    /// tags are still kept and written). See [`crate::events`].
+    pub events: Option<Arc<dyn crate::events::EventSink>>,
 }
 
 impl StoreConfig {
@@ -165,6 +168,7 @@ impl StoreConfig {
             health_window: self.health_window,
             shards: self.shards as u32,
             owners: self.owners.clone(),
+            events: self.events.clone(),
         }
     }
 

@@ -30,7 +30,7 @@ pub(super) type Reply<T> = oneshot::Sender<T>;
 
 /// An operation sent to the owning shard, with the channel of its answer.
 pub(super) enum Request {
-    Put { key: String, hash: BlockHash, chunks: Vec<Bytes>, reply: Reply<Result<PutReport>> },
+    Put { key: String, hash: BlockHash, chunks: Vec<Bytes>, tag: Option<Bytes>, reply: Reply<Result<PutReport>> },
     Get { key: String, hash: BlockHash, reply: Reply<Result<(BlockBody, Tier)>> },
     GetInto { key: String, hash: BlockHash, sink: Arc<dyn BlockSink>, reply: Reply<Result<(u64, Tier)>> },
     Delete { key: String, hash: BlockHash, reply: Reply<Result<()>> },
@@ -71,8 +71,8 @@ pub(super) async fn copy_block(shard: &Rc<Shard>, key: &str, hash: BlockHash, si
 /// back. An asker that has gone away (its future dropped) is not an error.
 pub(super) async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, request: Request, parallelism: usize) {
     match request {
-        Request::Put { key, hash, chunks, reply } => {
-            let _ = reply.send(shard.put_block(&key, hash, &chunks).await);
+        Request::Put { key, hash, chunks, tag, reply } => {
+            let _ = reply.send(shard.put_block(&key, hash, &chunks, tag).await);
         }
         // Whole: one message back across threads, not one per chunk.
         Request::Get { key, hash, reply } => {

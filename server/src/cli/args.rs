@@ -283,6 +283,7 @@ impl StoreArgs {
             health_window: std::time::Duration::from_millis(self.health_window_ms),
             trace: None,
             owners: Default::default(),
+            events: None,
         };
         Ok((config, segment_origin))
     }

@@ -44,7 +44,7 @@ pub(crate) async fn put_block(ctx: &Ctx, client_key: &str, key: &StoredKey, req:
         Ok(b) => b,
         Err(r) => return r,
     };
-    match ctx.service.put(key, chunks).await {
+    match ctx.service.put(key, chunks, None).await {
         Ok(report) => {
             let (status, word) = match report.outcome {
                 PutOutcome::Created => (StatusCode::CREATED, "created"),

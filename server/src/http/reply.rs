@@ -37,6 +37,7 @@ pub(crate) fn json_reply(status: StatusCode, body: &impl Serialize) -> Reply {
 pub fn engine_error(e: &Error) -> Reply {
     let (status, code) = match e {
         Error::InvalidKey { .. } => (StatusCode::BAD_REQUEST, "invalid_key"),
+        Error::InvalidTag(_) => (StatusCode::BAD_REQUEST, "invalid_tag"),
         Error::WrongSize { expected, got } if got > expected => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
         Error::WrongSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "wrong_block_size"),
         Error::NotFound => (StatusCode::NOT_FOUND, "not_found"),

@@ -299,7 +299,7 @@ async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, block_bytes: u
         Err((code, _)) => return (code as i64, 0),
     };
     drop(parts);
-    match conn.service.put(key, bytes).await {
+    match conn.service.put(key, bytes, None).await {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
             if code_of(&e).is_server_side() {

@@ -78,12 +78,13 @@ impl Service {
         keys.iter().enumerate().map(|(i, k)| self.scope(caller, k.as_ref(), false).map_err(|e| (i, e))).collect()
     }
 
-    /// Stores a block ([`Store::put_reporting`]).
+    /// Stores a block with its encoded block tag, if any
+    /// ([`Store::put_reporting`]).
     ///
     /// # Errors
     /// As [`Store::put_reporting`].
-    pub async fn put(&self, key: &StoredKey, chunks: Vec<Bytes>) -> Result<kvtier_engine::PutReport> {
-        self.store.put_reporting(key.as_str(), chunks).await
+    pub async fn put(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<kvtier_engine::PutReport> {
+        self.store.put_reporting(key.as_str(), chunks, tag).await
     }
 
     /// A block, whole or streamed ([`Store::get_stream`]).
