@@ -384,8 +384,10 @@ pub mod snapshot {
     /// File name inside the shard directory.
     pub const FILE: &str = "index.snapshot";
     const MAGIC: u32 = u32::from_le_bytes(*b"KVIX");
-    /// 3: entries name their owner, the snapshot the owners' names.
-    const VERSION: u32 = 3;
+    /// 3: entries name their owner, the snapshot the owners' names; 4: the
+    /// blocks' tags. A snapshot of another version is not used (the shard
+    /// reads every slot header instead, once).
+    const VERSION: u32 = 4;
     const PREAMBLE_BYTES: usize = 16;
 
     /// One segment as the snapshot saw it.
@@ -425,6 +427,17 @@ pub mod snapshot {
         pub owner: u16,
     }
 
+    /// The tag of one indexed block ([`crate::events::BlockTag`], encoded).
+    #[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+    pub struct TagState {
+        /// Block hash, low 64 bits.
+        pub hash_lo: u64,
+        /// Block hash, high 64 bits.
+        pub hash_hi: u64,
+        /// The encoded tag.
+        pub tag: Vec<u8>,
+    }
+
     /// A whole shard snapshot.
     #[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
     pub struct IndexSnapshot {
@@ -441,6 +454,8 @@ pub mod snapshot {
         pub entries: Vec<EntryState>,
         /// Owner names by the ids entries use (`""`: the default owner).
         pub owners: Vec<String>,
+        /// The tags of the indexed blocks that have one.
+        pub tags: Vec<TagState>,
     }
 
     /// Encodes a snapshot into the file layout above.
@@ -495,6 +510,7 @@ pub mod snapshot {
                 segments: vec![SegmentState { id: 0, first_seq: 1, slots_used: 3, max_seq: 11, rescan: true, scan_from_slot: 2 }],
                 entries: vec![EntryState { hash_lo: 1, hash_hi: 2, segment: 0, slot: 2, seq: 11, owner: 1 }],
                 owners: vec![String::new(), "acme".into()],
+                tags: vec![TagState { hash_lo: 1, hash_hi: 2, tag: vec![1, 2, 3] }],
             };
             let bytes = encode(&s);
             assert_eq!(decode(&bytes), Ok(s));

@@ -45,6 +45,8 @@ struct Record {
     segment: u32,
     slot: u32,
     owner: OwnerId,
+    /// The block's encoded tag (empty: none).
+    tag: Vec<u8>,
 }
 
 /// Segment files of a shard directory whose superblock belongs to this
@@ -178,7 +180,7 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
             continue;
         }
         let owner = shard.owner_of_bytes(&header.key);
-        records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot, owner });
+        records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot, owner, tag: header.tag });
     }
     Ok(records)
 }
@@ -246,6 +248,12 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
         // to this process's (an owner no longer known is the default one).
         let owner_ids: Vec<OwnerId> =
             snap.as_ref().map(|s| s.owners.iter().map(|name| shard.owners().id_of(name).unwrap_or(0)).collect()).unwrap_or_default();
+        // Tags first, so the blocks' arrivals in the log are tracked (and
+        // published once the shard serves: `crate::events`).
+        let tag = |t: &[u8]| (!t.is_empty()).then(|| bytes::Bytes::copy_from_slice(t));
+        for t in snap.iter().flat_map(|s| s.tags.iter()) {
+            shard.residency().set_tag(BlockHash(((t.hash_hi as u128) << 64) | t.hash_lo as u128), tag(&t.tag));
+        }
         for e in snap.iter().flat_map(|s| s.entries.iter()).filter(|e| fresh.get(&e.segment).is_some_and(|first| e.seq >= *first)) {
             let hash = BlockHash(((e.hash_hi as u128) << 64) | e.hash_lo as u128);
             let owner = owner_ids.get(e.owner as usize).copied().unwrap_or(0);
@@ -256,6 +264,7 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
             match r.kind {
                 RecordKind::Block => {
                     report.blocks_found += 1;
+                    shard.residency().set_tag(r.hash, tag(&r.tag));
                     index.insert_if_newer(r.hash, Entry { segment: r.segment, slot: r.slot, seq: r.seq, owner: r.owner });
                 }
                 RecordKind::Tombstone => {

@@ -732,3 +732,77 @@ fn writes_go_ahead_while_reclaim_moves_survivors_and_newer_writes_win_after_rest
     remove_snapshots(dir.path());
     on_shard0(cfg, check_after_concurrent_reclaim).unwrap();
 }
+
+/// A KV event sink that keeps what it is given.
+#[derive(Debug, Default)]
+struct Collect(std::sync::Mutex<Vec<kvtier_engine::events::TierEvent>>);
+
+impl kvtier_engine::events::EventSink for Collect {
+    fn submit(&self, _shard: usize, events: Vec<kvtier_engine::events::TierEvent>) {
+        self.0.lock().unwrap().extend(events);
+    }
+}
+
+fn tag(i: u8) -> Bytes {
+    kvtier_engine::events::BlockTag { block_hashes: vec![vec![i; 32]], parent_hash: None, block_size: 4, token_ids: vec![i as u32; 4] }
+        .encode()
+}
+
+#[test]
+fn block_tags_survive_a_restart_by_snapshot_and_by_header_scan_and_are_published_for_the_blocks_found() {
+    use kvtier_engine::events::{Medium, TierEvent};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8192, 2, 1 << 20, 8 << 20);
+    cfg.ram_bytes = 4 * 8192 * 2;
+    let sink = Arc::new(Collect::default());
+    cfg.events = Some(sink.clone());
+    on_shard0(cfg.clone(), |store| async move {
+        for i in 0..4u8 {
+            store.put_reporting(&format!("t{i}"), vec![payload(&format!("t{i}"), 8192)], Some(tag(i))).await.unwrap();
+        }
+        store.put("untagged", vec![payload("untagged", 8192)]).await.unwrap();
+        // Published (a block's moves within one interval publish only their
+        // net effect).
+        glommio::timer::sleep(kvtier_engine::events::FLUSH_EVERY * 10).await;
+        // Retagged to nothing, then deleted: neither is found again.
+        store.put_reporting("t2", vec![payload("t2", 8192)], None).await.unwrap();
+        store.delete("t3").await.unwrap();
+        // A tag the store refuses: garbage, or one too long for no reason.
+        let bad = store.put_reporting("bad", vec![payload("bad", 8192)], Some(Bytes::from_static(b"\x01\x20"))).await;
+        assert!(matches!(&bad, Err(Error::InvalidTag(m)) if m.contains("ends after")), "{bad:?}");
+        assert!(matches!(store.get("bad").await, Err(Error::NotFound)), "a refused tag stores nothing");
+    })
+    .unwrap();
+    let stored = |events: &[TierEvent], medium: Medium| -> Vec<u8> {
+        let mut got: Vec<u8> = events
+            .iter()
+            .filter_map(|e| match e {
+                TierEvent::Stored { medium: m, tag } if *m == medium => Some(tag[3]),
+                _ => None,
+            })
+            .collect();
+        got.sort();
+        got
+    };
+    {
+        let events = sink.0.lock().unwrap();
+        // Each tagged block arrived in RAM and the log (write-through); t2
+        // and t3 left both again.
+        assert_eq!(stored(&events, Medium::Ram), [0, 1, 2, 3]);
+        assert_eq!(stored(&events, Medium::Nvme), [0, 1, 2, 3]);
+        let removed = events.iter().filter(|e| matches!(e, TierEvent::Removed { .. })).count();
+        assert_eq!(removed, 4, "t2 and t3 out of RAM and the log: {events:?}");
+    }
+    for from_snapshot in [true, false] {
+        if !from_snapshot {
+            remove_snapshots(dir.path());
+        }
+        sink.0.lock().unwrap().clear();
+        on_shard0(cfg.clone(), |_store| async move {}).unwrap();
+        let events = sink.0.lock().unwrap();
+        // Recovery finds t0 and t1 in the log with their tags (the RAM tier
+        // starts empty), nothing else.
+        assert_eq!(stored(&events, Medium::Nvme), [0, 1], "from snapshot: {from_snapshot}: {events:?}");
+        assert_eq!(events.len(), 2, "from snapshot: {from_snapshot}: {events:?}");
+    }
+}

@@ -22,6 +22,12 @@ use bytes::Bytes;
 pub use residency::{Journal, Residency};
 pub use tag::{BlockTag, TAG_BYTES_MAX};
 
+/// How long a shard gathers tier changes before it hands them to the sink:
+/// a block's moves within this interval publish only their net effect
+/// ([`Residency::flush`]). Short beside a request's life, long beside the
+/// microseconds a move takes.
+pub const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// A tier as KV events name it. The log's index and the memory tiers'
 /// slot maps report through a [`Journal`] of their medium.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

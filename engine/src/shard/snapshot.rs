@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::Shard;
 use crate::counter::bump;
 use crate::error::{Error, Result};
-use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState};
+use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState, TagState};
 
 impl Shard {
     /// The index and segment states now, as an [`IndexSnapshot`].
@@ -53,7 +53,16 @@ impl Shard {
             })
             .collect();
         let owners = self.owners().specs.iter().map(|o| o.name.clone()).collect();
-        IndexSnapshot { shard: self.id(), covered_seq, next_seq: self.next_seq.get(), segments, entries, owners }
+        let tags = self
+            .index
+            .borrow()
+            .iter()
+            .filter_map(|(h, _)| {
+                let tag = self.residency.tag_of(&h)?;
+                Some(TagState { hash_lo: h.0 as u64, hash_hi: (h.0 >> 64) as u64, tag: tag.to_vec() })
+            })
+            .collect();
+        IndexSnapshot { shard: self.id(), covered_seq, next_seq: self.next_seq.get(), segments, entries, owners, tags }
     }
 
     /// Writes `index.snapshot` atomically (temp file, fsync, rename, fsync of

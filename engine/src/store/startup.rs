@@ -109,6 +109,7 @@ where
                 let snapshots = (snapshot_secs > 0).then(|| snapshot_loop(&shard, snapshot_secs));
                 let health = health_loop(&shard, remote.clone().filter(|_| shard_id == 0));
                 let trace_flush = trace.clone().map(trace_flush_loop);
+                let events = events_loop(shard.residency().clone());
                 let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote, trace: trace.clone() });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
@@ -118,6 +119,7 @@ where
                     task.cancel().await;
                 }
                 health.cancel().await;
+                events.cancel().await;
                 if let Some(task) = trace_flush {
                     task.cancel().await;
                 }
@@ -131,6 +133,9 @@ where
                     glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
                 }
                 shard.close().await;
+                // What the close moved (write-back blocks to the log) is
+                // published too.
+                shard.residency().flush();
                 out.ok_or(Error::ShuttingDown)
             })
             .map_err(|e| Error::Config(format!("starting executor for shard {shard_id}: {e}")))?;
@@ -214,6 +219,19 @@ fn health_loop(shard: &Rc<Shard>, remote: Option<Arc<dyn Remote>>) -> Task<()> {
             if let Some(r) = &remote {
                 r.health();
             }
+        }
+    })
+}
+
+/// Hands the shard's tier changes to the KV event sink once per
+/// [`crate::events::FLUSH_EVERY`] while there are any; without a sink, stops
+/// tracking blocks no tier holds.
+fn events_loop(residency: Rc<crate::events::Residency>) -> Task<()> {
+    glommio::spawn_local(async move {
+        loop {
+            residency.until_pending().await;
+            glommio::timer::sleep(crate::events::FLUSH_EVERY).await;
+            residency.flush();
         }
     })
 }
