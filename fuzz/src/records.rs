@@ -232,7 +232,7 @@ pub fn key(data: &[u8]) {
         assert!(hash.shard(shards) < shards);
     }
     let name = object_name("p", 4096, &k);
-    assert!(name.starts_with("p/kvtier/v1/4096/") && name.ends_with(&format!("/{k}")));
+    assert!(name.starts_with("p/kvtier/v2/4096/") && name.ends_with(&format!("/{k}")));
     // A valid key fits a slot header and comes back byte for byte.
     let header = SlotHeader {
         kind: RecordKind::Tombstone,

@@ -1,5 +1,5 @@
 //! Where blocks live in the bucket and the bytes of one object
-//! (docs/FORMAT.md, "Shared tier objects"): `PREFIX/kvtier/v1/BLOCK_BYTES/XX/KEY`,
+//! (docs/FORMAT.md, "Shared tier objects"): `PREFIX/kvtier/v2/BLOCK_BYTES/XX/KEY`,
 //! `XX` the key's block hash's low byte in hex (spreads keys over S3's
 //! partitions); the object is a header (magic, header length, block size,
 //! payload CRC-32, key, block tag (format 2), header CRC-32) followed by the
@@ -51,16 +51,16 @@ pub fn parse_url(url: &str) -> Result<S3Location, String> {
 }
 
 /// The object name of the stored `key` for blocks of `block_bytes`:
-/// `PREFIX/kvtier/v1/BLOCK_BYTES/XX/KEY`, and for a tenant's key
+/// `PREFIX/kvtier/v2/BLOCK_BYTES/XX/KEY`, and for a tenant's key
 /// (`SCOPE/KEY`, docs/OPERATIONS.md "Tenants")
-/// `PREFIX/tenants/SCOPE/kvtier/v1/BLOCK_BYTES/XX/KEY`: each tenant's
+/// `PREFIX/tenants/SCOPE/kvtier/v2/BLOCK_BYTES/XX/KEY`: each tenant's
 /// blocks under a prefix of their own, which the bucket's lifecycle rules,
 /// quotas and policies can name.
 pub fn object_name(prefix: &str, block_bytes: u64, key: &str) -> String {
     let spread = BlockHash::of(key.as_bytes()).0 as u8;
     let base = match key.split_once('/') {
-        Some((scope, rest)) => format!("tenants/{scope}/kvtier/v1/{block_bytes}/{spread:02x}/{rest}"),
-        None => format!("kvtier/v1/{block_bytes}/{spread:02x}/{key}"),
+        Some((scope, rest)) => format!("tenants/{scope}/kvtier/v2/{block_bytes}/{spread:02x}/{rest}"),
+        None => format!("kvtier/v2/{block_bytes}/{spread:02x}/{key}"),
     };
     if prefix.is_empty() {
         base
@@ -188,10 +188,10 @@ mod tests {
     fn object_names_carry_prefix_block_size_and_a_spread_byte() {
         let name = object_name("fleet", 65_536, "k-1");
         let spread = BlockHash::of(b"k-1").0 as u8;
-        assert_eq!(name, format!("fleet/kvtier/v1/65536/{spread:02x}/k-1"));
-        assert_eq!(object_name("", 65_536, "k-1"), format!("kvtier/v1/65536/{spread:02x}/k-1"));
+        assert_eq!(name, format!("fleet/kvtier/v2/65536/{spread:02x}/k-1"));
+        assert_eq!(object_name("", 65_536, "k-1"), format!("kvtier/v2/65536/{spread:02x}/k-1"));
         let spread = BlockHash::of(b"acme/k-1").0 as u8;
-        assert_eq!(object_name("fleet", 65_536, "acme/k-1"), format!("fleet/tenants/acme/kvtier/v1/65536/{spread:02x}/k-1"));
+        assert_eq!(object_name("fleet", 65_536, "acme/k-1"), format!("fleet/tenants/acme/kvtier/v2/65536/{spread:02x}/k-1"));
     }
 
     fn object(key: &str, payload: &[u8]) -> Bytes {

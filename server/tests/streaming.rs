@@ -251,7 +251,7 @@ fn downgrade_to_format_1(data: &Path, block_bytes: u64) {
         f.write_all_at(&page, at).unwrap();
     }
     let manifest = data.join("store.json");
-    let text = std::fs::read_to_string(&manifest).unwrap().replace("\"format_version\": 2", "\"format_version\": 1");
+    let text = std::fs::read_to_string(&manifest).unwrap().replace("\"format_version\": 3", "\"format_version\": 1");
     std::fs::write(&manifest, text).unwrap();
 }
 
@@ -280,7 +280,7 @@ async fn a_format_1_store_opens_serves_every_block_and_takes_format_2_writes() {
         }
     }
     let manifest = std::fs::read_to_string(data.join("store.json")).unwrap();
-    assert!(manifest.contains("\"format_version\": 2"), "{manifest}");
+    assert!(manifest.contains("\"format_version\": 3"), "{manifest}");
     client(&server, false).put("new-0", vec![payload("new-0")]).await.unwrap();
     assert!(server.stop().success());
     let (clean, report) = fsck_json(&data);

@@ -159,7 +159,7 @@ impl Drop for Moto {
 
 /// The object name docs/FORMAT.md gives `key` (64 KiB blocks).
 pub fn object_name(key: &str) -> String {
-    format!("{PREFIX}/kvtier/v1/{BLOCK_BYTES}/{:02x}/{key}", BlockHash::of(key.as_bytes()).0 as u8)
+    format!("{PREFIX}/kvtier/v2/{BLOCK_BYTES}/{:02x}/{key}", BlockHash::of(key.as_bytes()).0 as u8)
 }
 
 /// Node arguments: the test defaults, a small RAM tier, the shared tier at
