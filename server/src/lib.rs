@@ -6,14 +6,16 @@
 //!
 //! Layers, each depending only on those below it:
 //! - [`shard`]: what one shard runs, composed (`main.rs` starts it).
-//! - the front doors, siblings: [`http`] (the block API) and [`local`]
-//!   (the same-host socket).
+//! - the front doors, siblings: [`http`] (the block API), [`local`]
+//!   (the same-host socket) and [`events`] (KV events for routers, a
+//!   ZeroMQ publisher on a thread of its own).
 //! - [`service`]: what both doors share: callers, key scoping, the PUT
 //!   budget, shutdown.
 //! - [`metrics`] (`/metrics` and `/v1/stats` rendering, request counters),
 //!   [`tenants`] (the tenants file), [`gpu`] (the GPU tier's metrics),
 //!   [`limits`].
 
+pub mod events;
 pub mod gpu;
 pub mod http;
 pub mod limits;

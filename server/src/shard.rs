@@ -1,7 +1,8 @@
 //! What one shard runs, composed: its [`Service`] and, over it, each front
 //! door — the HTTP accept loop and, when on, the same-host socket — plus
 //! shard 0's tenants-reload task. Neither door knows the other; a new door
-//! (an event publisher, leases) is one more spawn here.
+//! (leases) is one more spawn here. The KV event publisher runs on a thread
+//! of its own (`crate::events`) and is here only as a metrics door.
 
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -30,6 +31,10 @@ pub struct Process {
     pub http: HttpConfig,
     /// The same-host front door's socket, when on (`--local-socket`).
     pub local: Option<Arc<LocalShared>>,
+    /// The KV event publisher, when on (`--kv-events`): the engine hands it
+    /// events itself (`StoreConfig::events`); here it is only a
+    /// [`crate::metrics::Door`].
+    pub events: Option<Arc<crate::events::Publisher>>,
     /// The Prometheus registry, built once by the first shard to serve
     /// (every shard's store has the same geometry and remote tier).
     pub metrics: OnceLock<Arc<Metrics>>,
@@ -61,8 +66,12 @@ pub async fn serve(store: Rc<Store>, process: Arc<Process>) {
                 Some(l) => l.clone(),
                 None => Arc::new(crate::local::LocalOff),
             };
+            let events: Arc<dyn crate::metrics::Door> = match &process.events {
+                Some(p) => p.clone(),
+                None => Arc::new(crate::events::EventsOff),
+            };
             Metrics::new(Parts {
-                doors: vec![Arc::new(crate::http::HttpDoor(process.http.stats.clone())), local],
+                doors: vec![Arc::new(crate::http::HttpDoor(process.http.stats.clone())), local, events],
                 geometry: store.geometry().clone(),
                 remote: store.remote().cloned(),
                 tenancy: process.tenancy.clone(),

@@ -11,7 +11,7 @@ use kvtier_engine::store::{
     auto_segment_bytes, IO_DEPTH_DEFAULT, IO_MEMORY_BYTES_DEFAULT, IO_MEMORY_SHARD_BYTES_MIN, IO_QUEUE_MAX_DEFAULT, SNAPSHOT_SECS_DEFAULT,
 };
 use kvtier_engine::StoreConfig;
-use kvtier_server::{gpu, limits, local};
+use kvtier_server::{events, gpu, limits, local};
 
 /// kvtier: a KV-cache block store that runs beside an LLM inference engine.
 ///
@@ -108,6 +108,9 @@ pub(crate) struct ServeArgs {
     pub(crate) s3: kvtier_s3::S3Args,
     #[command(flatten)]
     pub(crate) local: local::LocalArgs,
+    // `--kv-events*`: KV events for routers (server/src/events/args.rs).
+    #[command(flatten)]
+    pub(crate) events: events::EventsArgs,
 }
 
 #[derive(Args, Debug)]

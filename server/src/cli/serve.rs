@@ -144,6 +144,14 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     if local.is_some() {
         steps.end("the local socket");
     }
+    // Before the store opens: its first events (blocks recovery finds)
+    // follow the publisher's [AllBlocksCleared], and a bad flag or a port
+    // in use stops the start here.
+    let events = args.events.open()?;
+    if let Some(publisher) = &events {
+        config.events = Some(publisher.clone() as Arc<dyn kvtier_engine::events::EventSink>);
+        steps.end("the KV event sockets");
+    }
 
     let mut signals =
         signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT, signal_hook::consts::SIGHUP])
@@ -162,6 +170,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
             body_timeout: std::time::Duration::from_secs_f64(args.body_timeout_s),
         },
         local: local.clone(),
+        events: events.clone(),
         metrics: Default::default(),
         ready: Mutex::new(ready_tx),
     });
@@ -212,6 +221,9 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     if failure.is_some() || addr.is_none() {
         shared.shutdown.request();
         let engine_error = engine.join().map_err(|_| "engine thread panicked".to_string())?.err().map(|e| e.to_string());
+        if let Some(publisher) = &events {
+            publisher.stop();
+        }
         return Err(failure.or(engine_error).unwrap_or_else(|| "the store stopped before serving".into()));
     }
     let addr = addr.expect("bound");
@@ -241,6 +253,10 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
             kinds("namespace"),
             t.path().display()
         );
+    }
+    if let Some(p) = &events {
+        let replay = p.replay_endpoint().map(|a| format!(", replay on tcp://{a}")).unwrap_or_default();
+        println!("kvtier: KV events on tcp://{}{replay} (vLLM's format; docs/OPERATIONS.md \"KV events for routers\")", p.endpoint());
     }
     if let Some(dir) = &args.trace_dir {
         println!("kvtier: recording block operations to {} (at most {} MiB; docs/TRACE.md)", dir.display(), args.trace_max_mb);
@@ -282,6 +298,10 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("starting the signal thread: {e}"))?;
     }
     let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
+    if let Some(publisher) = &events {
+        // The shards' last events are queued: sent as the last batch.
+        publisher.stop();
+    }
     if let Some(l) = &local {
         // The socket file goes with the server that made it.
         let _ = fs::remove_file(&l.path);
