@@ -226,6 +226,30 @@ pub fn local_frames(data: &[u8]) {
                     regions.retain(|(h, _)| *h != handle);
                 }
             }
+            Op::PutFrom | Op::PutFromV if header.request_id & 1 == 1 => {
+                // Odd request ids read the batch as a version-2 connection
+                // would: tagged put items.
+                if let Ok(items) = proto::decode_op_items(op, proto::VERSION_TAGS, payload) {
+                    let parts: Vec<Vec<(u64, u64, u64)>> =
+                        items.iter().map(|i| i.parts.iter().map(|s| (s.handle, s.offset, s.length)).collect()).collect();
+                    let again = if op.is_vectored() {
+                        let v: Vec<proto::TaggedItemV<'_>> = items.iter().zip(&parts).map(|(i, p)| (&p[..], i.key, i.tag)).collect();
+                        proto::encode_tagged_items_v(&v)
+                    } else {
+                        let flat: Vec<proto::TaggedItem<'_>> =
+                            items.iter().zip(&parts).map(|(i, p)| (p[0].0, p[0].1, p[0].2, i.key, i.tag)).collect();
+                        proto::encode_tagged_items(&flat)
+                    };
+                    assert_eq!(again, payload, "a tagged batch does not round-trip");
+                    for item in &items {
+                        // A tag that decodes is one the engine would keep (or refuse with a message).
+                        if let Ok(tag) = kvtier_engine::events::BlockTag::decode(item.tag) {
+                            assert_eq!(&tag.encode()[..], item.tag, "a block tag does not round-trip");
+                        }
+                    }
+                    check_spans(&items, &regions);
+                }
+            }
             Op::GetInto | Op::PutFrom => {
                 if let Ok(items) = proto::decode_items(payload) {
                     let flat: Vec<(u64, u64, u64, &str)> =

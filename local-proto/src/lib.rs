@@ -17,8 +17,13 @@ pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
 pub const ITEMS_MAX: usize = 4096;
 /// Most spans (`parts`) of one `GET_INTO_V`/`PUT_FROM_V` item.
 pub const PARTS_MAX: usize = 256;
-/// Protocol versions this server speaks.
-pub const VERSIONS: [u32; 1] = [1];
+/// Protocol versions this server speaks: 2 adds a block tag to every
+/// `PUT_FROM`/`PUT_FROM_V` item ([`VERSION_TAGS`]); a version-1 client's
+/// frames are read as they always were.
+pub const VERSIONS: [u32; 2] = [1, 2];
+/// The first version whose `PUT_FROM` and `PUT_FROM_V` items end with a
+/// block tag (u16 `tag_bytes`, then the tag; docs/LOCAL.md).
+pub const VERSION_TAGS: u32 = 2;
 /// `op` of the frame the server sends before closing on a framing error.
 pub const OP_CONNECTION_ERROR: u8 = 0xFF;
 /// Set in a response's `op`.
@@ -89,6 +94,12 @@ impl Op {
     pub fn is_vectored(self) -> bool {
         matches!(self, Op::GetIntoV | Op::PutFromV)
     }
+
+    /// Whether the op's items end with a block tag on a connection that
+    /// speaks `version` (`PUT_FROM`, `PUT_FROM_V` from [`VERSION_TAGS`] on).
+    pub fn carries_tags(self, version: u32) -> bool {
+        matches!(self, Op::PutFrom | Op::PutFromV) && version >= VERSION_TAGS
+    }
 }
 
 /// Metrics labels (`/v1/stats` `local.routes`, `kvtier_local_requests`):
@@ -131,11 +142,14 @@ pub enum Code {
     UnknownOp = -17,
     BadBuffer = -18,
     BadFrame = -19,
+    // -20 and -21 are the Python client's own (NOT_REGISTERED,
+    // CONNECTION_LOST, docs/LOCAL.md): never sent by the server.
+    InvalidTag = -22,
 }
 
 impl Code {
     /// Every code, from -1 down.
-    pub const ALL: [Code; 19] = [
+    pub const ALL: [Code; 20] = [
         Code::IoError,
         Code::NotFound,
         Code::InvalidKey,
@@ -155,12 +169,13 @@ impl Code {
         Code::UnknownOp,
         Code::BadBuffer,
         Code::BadFrame,
+        Code::InvalidTag,
     ];
 
     /// The name docs/LOCAL.md gives a status or item code (`NOT_FOUND` for
     /// -2, `OK` for 0); `UNKNOWN_CODE` for one the table does not have.
     pub fn name_of(code: i64) -> &'static str {
-        const NAMES: [&str; 19] = [
+        const NAMES: [&str; 22] = [
             "IO_ERROR",
             "NOT_FOUND",
             "INVALID_KEY",
@@ -180,10 +195,13 @@ impl Code {
             "UNKNOWN_OP",
             "BAD_BUFFER",
             "BAD_FRAME",
+            "UNKNOWN_CODE", // -20, the Python client's NOT_REGISTERED
+            "UNKNOWN_CODE", // -21, the Python client's CONNECTION_LOST
+            "INVALID_TAG",
         ];
         match code {
             0 => "OK",
-            -19..=-1 => NAMES[(-code - 1) as usize],
+            -22..=-1 => NAMES[(-code - 1) as usize],
             _ => "UNKNOWN_CODE",
         }
     }
@@ -239,7 +257,7 @@ mod tests {
     fn items_decode_and_malformed_payloads_are_bad_requests() {
         let p = encode_items(&[(1, 0, 16, "a"), (2, 4096, 16, "key-b")]);
         let items = decode_items(&p).unwrap();
-        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 4096, length: 16 }], key: "key-b" });
+        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 4096, length: 16 }], key: "key-b", tag: &[] });
         assert_eq!(items[1].length(), 16);
         for cut in 1..p.len() {
             let e = decode_items(&p[..cut]).unwrap_err();
@@ -265,7 +283,7 @@ mod tests {
         assert_eq!(items.len(), 3);
         assert_eq!(items[0].parts, vec![Span { handle: 1, offset: 0, length: 40 }, Span { handle: 3, offset: 1000, length: 60 }]);
         assert_eq!((items[0].key, items[0].length()), ("k-two", 100));
-        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 8, length: 100 }], key: "k-one" });
+        assert_eq!(items[1], Item { parts: vec![Span { handle: 2, offset: 8, length: 100 }], key: "k-one", tag: &[] });
         assert_eq!((items[2].parts.len(), items[2].key, items[2].length()), (PARTS_MAX, "", 10 * PARTS_MAX as u64));
         // One part is the plain item with a u16 count in front of it.
         let plain = encode_items(&[(2, 8, 100, "k-one")]);
@@ -316,6 +334,32 @@ mod tests {
         // read as a parts count).
         let plain = encode_items(&[(0, 0, 16, "a")]);
         assert_eq!(decode_items_v(&plain).unwrap_err().0, Code::BadRequest);
+    }
+
+    #[test]
+    fn tagged_put_items_carry_their_tag_after_the_key() {
+        let tag: &[u8] = &[1, 2, 3];
+        let p = encode_tagged_items(&[(1, 0, 16, "a", tag), (2, 16, 16, "b", &[])]);
+        // The plain item's bytes (after the count), then u16 tag_bytes and the tag.
+        let plain = encode_items(&[(1, 0, 16, "a")]);
+        assert_eq!(&p[4..plain.len()], &plain[4..]);
+        assert_eq!(&p[plain.len()..plain.len() + 5], &[3, 0, 1, 2, 3]);
+        let items = decode_tagged_items(&p).unwrap();
+        assert_eq!((items[0].key, items[0].tag, items[1].key, items[1].tag), ("a", tag, "b", &[][..]));
+        assert_eq!(decode_op_items(Op::PutFrom, VERSION_TAGS, &p).unwrap(), items);
+        // Version 1 reads the same op untagged, and GET_INTO never has tags.
+        assert_eq!(decode_op_items(Op::PutFrom, 1, &plain).unwrap(), decode_items(&plain).unwrap());
+        assert_eq!(decode_op_items(Op::GetInto, VERSION_TAGS, &plain).unwrap(), decode_items(&plain).unwrap());
+        assert!(decode_op_items(Op::PutFrom, 1, &p).is_err(), "a tagged payload is not a version-1 one");
+        for cut in 1..p.len() {
+            assert_eq!(decode_tagged_items(&p[..cut]).unwrap_err().0, Code::BadRequest, "cut at {cut}");
+        }
+        let two: &[(u64, u64, u64)] = &[(1, 0, 40), (3, 1000, 60)];
+        let v = encode_tagged_items_v(&[(two, "k", tag)]);
+        let items = decode_op_items(Op::PutFromV, VERSION_TAGS, &v).unwrap();
+        assert_eq!((items[0].parts.len(), items[0].key, items[0].tag), (2, "k", tag));
+        assert_eq!(&v[..v.len() - 5], &encode_items_v(&[(two, "k")])[..]);
+        assert!(Op::PutFromV.carries_tags(2) && !Op::PutFromV.carries_tags(1) && !Op::GetIntoV.carries_tags(2));
     }
 
     #[test]
@@ -371,6 +415,9 @@ mod tests {
         assert_eq!(Code::name_of(-19), "BAD_FRAME");
         assert_eq!(Code::name_of(0), "OK");
         assert_eq!(Code::name_of(-20), "UNKNOWN_CODE");
+        assert_eq!(Code::name_of(-21), "UNKNOWN_CODE");
+        assert_eq!(Code::name_of(Code::InvalidTag as i64), "INVALID_TAG");
+        assert_eq!(Code::name_of(-23), "UNKNOWN_CODE");
         assert_eq!(tier_name(3), "nvme");
         assert_eq!(tier_name(9), "unknown");
     }

@@ -1,7 +1,7 @@
 //! Payloads: the bodies of each op's requests and replies, encoded and
 //! decoded (item batches, key lists, results, registrations, tiers).
 
-use crate::{Code, ITEMS_MAX, PARTS_MAX};
+use crate::{Code, Op, ITEMS_MAX, PARTS_MAX};
 
 /// Reads a payload front to back; every read checks the length left.
 pub struct Cursor<'a> {
@@ -40,8 +40,13 @@ impl<'a> Cursor<'a> {
 
     /// A `str`: u16 length and UTF-8 bytes.
     pub fn str(&mut self, what: &str) -> Result<&'a str, String> {
+        std::str::from_utf8(self.bytes(what)?).map_err(|_| format!("{what} is not UTF-8"))
+    }
+
+    /// Bytes with a u16 length in front (a `str` that need not be UTF-8).
+    pub fn bytes(&mut self, what: &str) -> Result<&'a [u8], String> {
         let n = self.u16(what)? as usize;
-        std::str::from_utf8(self.take(n, what)?).map_err(|_| format!("{what} is not UTF-8"))
+        self.take(n, what)
     }
 
     /// A batch count: at most [`ITEMS_MAX`], and no more than the payload
@@ -88,6 +93,10 @@ pub struct Item<'a> {
     pub parts: Vec<Span>,
     /// Block key.
     pub key: &'a str,
+    /// The block tag a tagged put item carries (the engine's binary form,
+    /// docs/FORMAT.md "Block tags"), as sent: unchecked here; empty for an
+    /// untagged item and for every item of an untagged batch.
+    pub tag: &'a [u8],
 }
 
 impl Item<'_> {
@@ -103,7 +112,7 @@ impl Item<'_> {
 /// [`Code::BadRequest`] with a message for a payload that does not parse
 /// (truncated, trailing bytes); [`Code::Limit`] for over [`ITEMS_MAX`] items.
 pub fn decode_items(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
-    decode_batch(payload, false)
+    decode_batch(payload, false, false)
 }
 
 /// Decodes a `GET_INTO_V`/`PUT_FROM_V` payload: each item a u16 `parts`
@@ -113,16 +122,53 @@ pub fn decode_items(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
 /// As [`decode_items`]; a `parts` of 0 or over [`PARTS_MAX`] is
 /// [`Code::BadRequest`].
 pub fn decode_items_v(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
-    decode_batch(payload, true)
+    decode_batch(payload, true, false)
 }
 
-/// The one decoder of item batches; `vectored` items carry a `parts` count.
-fn decode_batch(payload: &[u8], vectored: bool) -> Result<Vec<Item<'_>>, (Code, String)> {
+/// Decodes a version-2 `PUT_FROM` payload ([`crate::VERSION_TAGS`]): each
+/// item as [`decode_items`] reads it, then u16 `tag_bytes` and that many
+/// bytes of block tag (0: untagged).
+///
+/// # Errors
+/// As [`decode_items`]. The tag's bytes are not checked here (the server
+/// answers a bad one `INVALID_TAG` for its item).
+pub fn decode_tagged_items(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
+    decode_batch(payload, false, true)
+}
+
+/// Decodes a version-2 `PUT_FROM_V` payload: each item as
+/// [`decode_items_v`] reads it, then its tag as [`decode_tagged_items`].
+///
+/// # Errors
+/// As [`decode_items_v`].
+pub fn decode_tagged_items_v(payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
+    decode_batch(payload, true, true)
+}
+
+/// Decodes the items of `op` (`GET_INTO`, `PUT_FROM` and their vectored
+/// forms) on a connection that speaks `version`: the one rule of which form
+/// a batch takes ([`Op::carries_tags`]), for the server's reader and the
+/// fuzz target `local_frames`.
+///
+/// # Errors
+/// As the decoder of that form.
+///
+/// # Panics
+/// For an op that carries no items (`HELLO`, `EXISTS`, ...): a caller bug.
+pub fn decode_op_items(op: Op, version: u32, payload: &[u8]) -> Result<Vec<Item<'_>>, (Code, String)> {
+    assert!(matches!(op, Op::GetInto | Op::PutFrom | Op::GetIntoV | Op::PutFromV), "{} carries no items", op.name());
+    decode_batch(payload, op.is_vectored(), op.carries_tags(version))
+}
+
+/// The one decoder of item batches; `vectored` items carry a `parts` count,
+/// `tagged` ones end with a tag.
+fn decode_batch(payload: &[u8], vectored: bool, tagged: bool) -> Result<Vec<Item<'_>>, (Code, String)> {
     let mut c = Cursor::new(payload);
-    // Smallest item: one span and an empty key's length; a vectored item's
-    // is counted from its `parts` and key length alone, so an item with 0
-    // parts is refused for that, not for its size.
-    let n = c.count(if vectored { 2 + 2 } else { 24 + 2 }).map_err(count_code)?;
+    // Smallest item: one span and an empty key's length (and an empty
+    // tag's); a vectored item's is counted from its `parts` and key length
+    // alone, so an item with 0 parts is refused for that, not for its size.
+    let min_item_bytes = if vectored { 2 + 2 } else { 24 + 2 } + if tagged { 2 } else { 0 };
+    let n = c.count(min_item_bytes).map_err(count_code)?;
     let mut items = Vec::with_capacity(n);
     for i in 0..n {
         let bad = |e: String| (Code::BadRequest, format!("item {i}: {e}"));
@@ -134,7 +180,9 @@ fn decode_batch(payload: &[u8], vectored: bool) -> Result<Vec<Item<'_>>, (Code, 
             .map(|_| Ok(Span { handle: c.u64("a handle")?, offset: c.u64("an offset")?, length: c.u64("a length")? }))
             .collect::<Result<Vec<_>, String>>()
             .map_err(bad)?;
-        items.push(Item { parts, key: c.str("a key").map_err(bad)? });
+        let key = c.str("a key").map_err(bad)?;
+        let tag = if tagged { c.bytes("a block tag").map_err(bad)? } else { &[] };
+        items.push(Item { parts, key, tag });
     }
     c.end().map_err(|e| (Code::BadRequest, e))?;
     Ok(items)
@@ -174,7 +222,33 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 /// A `GET_INTO`/`PUT_FROM` payload: `(handle, offset, length, key)` items
 /// ([`decode_items`] reads it).
 pub fn encode_items(items: &[(u64, u64, u64, &str)]) -> Vec<u8> {
-    encode_batch(items.iter().map(|&(handle, offset, length, key)| (None, [(handle, offset, length)].into_iter(), key)))
+    encode_batch(items.iter().map(|&(handle, offset, length, key)| (None, [(handle, offset, length)].into_iter(), key, None)))
+}
+
+/// One item for [`encode_tagged_items`]: handle, offset and length (bytes),
+/// key, and the encoded block tag (empty: untagged).
+pub type TaggedItem<'a> = (u64, u64, u64, &'a str, &'a [u8]);
+
+/// A version-2 `PUT_FROM` payload ([`decode_tagged_items`] reads it).
+///
+/// # Panics
+/// A tag over 65,535 bytes (its u16 length cannot say it); the server
+/// refuses any over 3,072 anyway.
+pub fn encode_tagged_items(items: &[TaggedItem<'_>]) -> Vec<u8> {
+    encode_batch(items.iter().map(|&(handle, offset, length, key, tag)| (None, [(handle, offset, length)].into_iter(), key, Some(tag))))
+}
+
+/// One item for [`encode_tagged_items_v`]: its parts, its key and its
+/// encoded block tag (empty: untagged).
+pub type TaggedItemV<'a> = (&'a [(u64, u64, u64)], &'a str, &'a [u8]);
+
+/// A version-2 `PUT_FROM_V` payload ([`decode_tagged_items_v`] reads it);
+/// nothing is checked, as [`encode_items_v`].
+///
+/// # Panics
+/// As [`encode_tagged_items`].
+pub fn encode_tagged_items_v(items: &[TaggedItemV<'_>]) -> Vec<u8> {
+    encode_batch(items.iter().map(|&(parts, key, tag)| (Some(parts.len() as u16), parts.iter().copied(), key, Some(tag))))
 }
 
 /// One item for [`encode_items_v`]: its parts, each a `(handle, offset,
@@ -186,15 +260,20 @@ pub type ItemV<'a> = (&'a [(u64, u64, u64)], &'a str);
 /// checked: a part count of 0 or over [`PARTS_MAX`] is sent as it is (the
 /// server refuses it with `BAD_REQUEST`).
 pub fn encode_items_v(items: &[ItemV<'_>]) -> Vec<u8> {
-    encode_batch(items.iter().map(|&(parts, key)| (Some(parts.len() as u16), parts.iter().copied(), key)))
+    encode_batch(items.iter().map(|&(parts, key)| (Some(parts.len() as u16), parts.iter().copied(), key, None)))
 }
 
+/// What [`encode_batch`] writes of one item: its `parts` count (vectored
+/// ops only), its spans, its key and its tag (tagged batches only).
+type BatchItem<'k, S> = (Option<u16>, S, &'k str, Option<&'k [u8]>);
+
 /// The one encoder of item batches: u32 `n`, then per item its `parts`
-/// count (vectored ops only), its spans and its key.
-fn encode_batch<'k, S: Iterator<Item = (u64, u64, u64)>>(items: impl ExactSizeIterator<Item = (Option<u16>, S, &'k str)>) -> Vec<u8> {
+/// count (vectored ops only), its spans, its key and, in a tagged batch,
+/// u16 `tag_bytes` and its tag.
+fn encode_batch<'k, S: Iterator<Item = (u64, u64, u64)>>(items: impl ExactSizeIterator<Item = BatchItem<'k, S>>) -> Vec<u8> {
     let mut p = Vec::with_capacity(4 + items.len() * 64);
     p.extend_from_slice(&(items.len() as u32).to_le_bytes());
-    for (parts, spans, key) in items {
+    for (parts, spans, key, tag) in items {
         if let Some(parts) = parts {
             p.extend_from_slice(&parts.to_le_bytes());
         }
@@ -204,6 +283,11 @@ fn encode_batch<'k, S: Iterator<Item = (u64, u64, u64)>>(items: impl ExactSizeIt
             p.extend_from_slice(&length.to_le_bytes());
         }
         put_str(&mut p, key);
+        if let Some(tag) = tag {
+            let n = u16::try_from(tag.len()).unwrap_or_else(|_| panic!("a {}-byte block tag does not fit its u16 length", tag.len()));
+            p.extend_from_slice(&n.to_le_bytes());
+            p.extend_from_slice(tag);
+        }
     }
     p
 }

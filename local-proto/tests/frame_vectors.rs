@@ -16,11 +16,18 @@
 use std::fmt::Write as _;
 
 use kvtier_local_proto::{
-    decode_items, decode_items_v, decode_keys, encode_deleted, encode_items, encode_items_v, encode_keys, encode_lookup, encode_prefetched,
-    encode_register, encode_registered, encode_results, encode_tiers, encode_unregister, failure, frame, next_frame, response, Code,
-    Cursor, Header, Item, ItemV, Next, Op, Span, HEADER_BYTES, ITEMS_MAX, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX,
-    RESPONSE_BIT, TIER_NAMES, VERSIONS,
+    decode_items, decode_items_v, decode_keys, decode_op_items, encode_deleted, encode_items, encode_items_v, encode_keys, encode_lookup,
+    encode_prefetched, encode_register, encode_registered, encode_results, encode_tagged_items, encode_tagged_items_v, encode_tiers,
+    encode_unregister, failure, frame, next_frame, response, Code, Cursor, Header, Item, ItemV, Next, Op, Span, TaggedItem, TaggedItemV,
+    HEADER_BYTES, ITEMS_MAX, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX, RESPONSE_BIT, TIER_NAMES, VERSIONS, VERSION_TAGS,
 };
+
+/// A block tag in the engine's binary form (docs/FORMAT.md, "Block tags"):
+/// two 8-byte hashes `0001..07` and `0809..0f`, parent `f0f1..f7`, 2
+/// tokens per block, token ids 1, 2, 300, 70000. The same bytes are pinned
+/// in the Python client's `tests/test_block_tag.py` (its encoder) and the
+/// server's `tests/block_tags.rs` (the HTTP headers that make them).
+const TAG_HEX: &str = "010802000102030405060708090a0b0c0d0e0f08f0f1f2f3f4f5f6f702000000040001000000020000002c01000070110100";
 
 /// The committed vectors, from the repository root.
 const PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/local_frame_vectors.json");
@@ -168,6 +175,26 @@ fn items_v_json(items: &[ItemV<'_>]) -> J {
     )
 }
 
+fn tagged_items_json(items: &[TaggedItem<'_>]) -> J {
+    J::Arr(items.iter().map(|&(h, o, l, k, t)| J::Arr(vec![J::n(h), J::n(o), J::n(l), J::s(k), J::s(&hex(t))])).collect())
+}
+
+fn tagged_items_v_json(items: &[TaggedItemV<'_>]) -> J {
+    J::Arr(
+        items
+            .iter()
+            .map(|&(parts, key, tag)| {
+                let parts = parts.iter().map(|&(h, o, l)| J::Arr(vec![J::n(h), J::n(o), J::n(l)])).collect();
+                J::Obj(vec![("parts", J::Arr(parts)), ("key", J::s(key)), ("tag_hex", J::s(&hex(tag)))])
+            })
+            .collect(),
+    )
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
+}
+
 fn keys_json(keys: &[&str]) -> J {
     J::Arr(keys.iter().map(|k| J::s(k)).collect())
 }
@@ -237,7 +264,7 @@ fn ok(op: Op, request_id: u64, retry_after_ms: u32, body: &[u8]) -> Vec<u8> {
 }
 
 fn requests() -> Vec<J> {
-    let hello = r#"{"versions":[1],"client":"kvtier-python 0.1.0","token":"s3cret","block_bytes":65536,"model":"llama3-8b"}"#;
+    let hello = r#"{"versions":[1,2],"client":"kvtier-python 0.1.0","token":"s3cret","block_bytes":65536,"model":"llama3-8b"}"#;
     let get_items: &[(u64, u64, u64, &str)] =
         &[(1, 0, 65536, "key-a"), (2, 4096, 65536, "ee468baf912ff911-00000000000000000000000000000000")];
     let put_items: &[(u64, u64, u64, &str)] = &[(1, 65536, 65536, "blk.0~x_Y")];
@@ -246,6 +273,9 @@ fn requests() -> Vec<J> {
     let three: &[(u64, u64, u64)] = &[(1, 0, 16384), (2, 1 << 20, 16384), (1, 1 << 32, 32768)];
     let get_v: &[ItemV<'_>] = &[(two, "k-two"), (one, "k-one")];
     let put_v: &[ItemV<'_>] = &[(three, "k-three")];
+    let tag = unhex(TAG_HEX);
+    let put_tagged: &[TaggedItem<'_>] = &[(1, 0, 65536, "tagged-0", &tag), (1, 65536, 65536, "untagged-1", &[])];
+    let put_v_tagged: &[TaggedItemV<'_>] = &[(two, "tagged-v", &tag)];
     // 256 bytes, the longest key: its u16 length is 0x0100, so a byte-order
     // slip shows (and the payload passes 255 bytes).
     let long_key = format!("blk-{}", "x".repeat(252));
@@ -255,7 +285,7 @@ fn requests() -> Vec<J> {
 
     // Every payload decodes back to what it was made of.
     let as_items = |items: &[(u64, u64, u64, &'static str)]| -> Vec<Item<'static>> {
-        items.iter().map(|&(handle, offset, length, key)| Item { parts: vec![Span { handle, offset, length }], key }).collect()
+        items.iter().map(|&(handle, offset, length, key)| Item { parts: vec![Span { handle, offset, length }], key, tag: &[] }).collect()
     };
     assert_eq!(decode_items(&encode_items(get_items)).unwrap(), as_items(get_items));
     assert_eq!(decode_items(&encode_items(put_items)).unwrap(), as_items(put_items));
@@ -268,6 +298,12 @@ fn requests() -> Vec<J> {
             assert_eq!(d.parts.iter().map(|s| (s.handle, s.offset, s.length)).collect::<Vec<_>>(), parts.to_vec());
         }
     }
+    let payload = encode_tagged_items(put_tagged);
+    let decoded = decode_op_items(Op::PutFrom, VERSION_TAGS, &payload).unwrap();
+    assert_eq!(decoded.iter().map(|i| (i.key, i.tag)).collect::<Vec<_>>(), vec![("tagged-0", &tag[..]), ("untagged-1", &[][..])]);
+    let payload = encode_tagged_items_v(put_v_tagged);
+    let decoded = decode_op_items(Op::PutFromV, VERSION_TAGS, &payload).unwrap();
+    assert_eq!((decoded[0].key, decoded[0].tag, decoded[0].parts.len()), ("tagged-v", &tag[..], 2));
     for keys in [&exists[..], &chain[..], &prefetch[..], &[]] {
         assert_eq!(decode_keys(&encode_keys(keys)).unwrap(), keys.to_vec());
     }
@@ -303,6 +339,20 @@ fn requests() -> Vec<J> {
         ),
         request("PUT_FROM of one item", Op::PutFrom as u8, 5, &encode_items(put_items), vec![("items", items_json(put_items))]),
         request(
+            "PUT_FROM on a version-2 connection: a tagged item, an untagged one (tag_bytes 0)",
+            Op::PutFrom as u8,
+            16,
+            &encode_tagged_items(put_tagged),
+            vec![("version", J::n(VERSION_TAGS)), ("items", tagged_items_json(put_tagged))],
+        ),
+        request(
+            "PUT_FROM_V on a version-2 connection: one tagged item of two parts",
+            Op::PutFromV as u8,
+            17,
+            &encode_tagged_items_v(put_v_tagged),
+            vec![("version", J::n(VERSION_TAGS)), ("items", tagged_items_v_json(put_v_tagged))],
+        ),
+        request(
             "GET_INTO_V: an item of two parts, an item of one",
             Op::GetIntoV as u8,
             11,
@@ -329,7 +379,7 @@ fn replies() -> Vec<J> {
     let ops = Op::ALL.iter().map(|o| format!("\"{}\"", o.name())).collect::<Vec<_>>().join(",");
     let hello = format!(
         concat!(
-            r#"{{"version":1,"epoch":9912345678901234567,"block_bytes":65536,"model":"llama3-8b","block_tokens":16,"#,
+            r#"{{"version":2,"epoch":9912345678901234567,"block_bytes":65536,"model":"llama3-8b","block_tokens":16,"#,
             r#""bytes_per_token":4096,"shards":2,"max_items":{},"max_payload_bytes":{},"max_registrations":4096,"ops":[{}],"#,
             r#""tenant":null,"server":"kvtier 0.1.0","http":"127.0.0.1:8085"}}"#
         ),
@@ -339,6 +389,7 @@ fn replies() -> Vec<J> {
     let put = [(0, 1), (Code::Overloaded as i64, 0)];
     let get_v = [(65536, 3), (Code::WrongSize as i64, 0)];
     let put_v = [(0, 0)];
+    let put_tagged = [(0, 1), (Code::InvalidTag as i64, 0)];
     let bad_items = decode_items(&encode_items(&[(1, 0, 65536, "key-a")])[..10]).unwrap_err();
     assert_eq!(bad_items.0, Code::BadRequest);
     let mut bad_magic = Header { op: Op::Hello as u8, payload_bytes: 2, request_id: 1 }.encode();
@@ -396,6 +447,14 @@ fn replies() -> Vec<J> {
             Code::Overloaded as i32,
             250,
             msg("shard 0 has 1 MiB of PUTs in flight"),
+        ),
+        reply(
+            "PUT_FROM (tagged) answered: one stored, one refused INVALID_TAG",
+            ok(Op::PutFrom, 16, 0, &encode_results(&put_tagged)),
+            16,
+            0,
+            0,
+            vec![("results", results_json(&put_tagged))],
         ),
         reply(
             "GET_INTO_V answered: a block from NVMe, a WRONG_SIZE",
@@ -494,6 +553,7 @@ fn vectors() -> String {
                 ("items_max", J::n(ITEMS_MAX as u32)),
                 ("parts_max", J::n(PARTS_MAX as u32)),
                 ("versions", J::Arr(VERSIONS.iter().map(|&v| J::n(v)).collect())),
+                ("version_tags", J::n(VERSION_TAGS)),
                 ("response_bit", J::n(RESPONSE_BIT)),
                 ("op_connection_error", J::n(OP_CONNECTION_ERROR)),
             ]),

@@ -15,8 +15,10 @@ pub use kvtier_local_proto::{
     encode_items, encode_keys, frame, tier_name, Code, Op, HEADER_BYTES, ITEMS_MAX, OP_CONNECTION_ERROR, PAYLOAD_BYTES_MAX, RESPONSE_BIT,
 };
 
-/// The protocol version this client speaks (the newest of the shared table).
-pub const VERSION: u32 = kvtier_local_proto::VERSIONS[kvtier_local_proto::VERSIONS.len() - 1];
+/// The protocol version this client speaks: 1, whose `PUT_FROM` items
+/// carry no block tag (the loadgen sends untagged blocks; version 2 adds the
+/// tag, docs/LOCAL.md).
+pub const VERSION: u32 = kvtier_local_proto::VERSIONS[0];
 /// How long connection set-up (connect, HELLO, REGISTER) may wait for the
 /// server on each read or write: 10 s.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
