@@ -8,15 +8,22 @@ use kvtier_engine::{BlockBody, Error, PutOutcome};
 use serde_json::json;
 
 use super::body::ReplyBody;
-use super::reply::{engine_error, json_reply, overloaded, Reply, TIER_HEADER};
+use super::reply::{engine_error, error, json_reply, overloaded, Reply, TIER_HEADER};
 use super::request::{declared_length, read_body, read_keys, refuse_put};
+use super::tag::tag_from_headers;
 use super::Ctx;
 use crate::service::{PutRefused, StoredKey};
 use crate::tenants::Tenant;
 
-/// `PUT /v1/blocks/{client_key}`, stored under `key` (the caller's scope).
+/// `PUT /v1/blocks/{client_key}`, stored under `key` (the caller's scope),
+/// with the block tag its `x-kvtier-*` headers give ([`tag_from_headers`]).
 pub(crate) async fn put_block(ctx: &Ctx, client_key: &str, key: &StoredKey, req: Request<Incoming>) -> Reply {
     let block_bytes = ctx.store().geometry().block_bytes;
+    // The tag is read before the body, so a bad one stores nothing.
+    let tag = match tag_from_headers(req.headers(), block_bytes) {
+        Ok(t) => t,
+        Err(why) => return refuse_put(ctx, req, error(StatusCode::BAD_REQUEST, "invalid_tag", why)).await,
+    };
     let declared = match declared_length(req.headers(), block_bytes, "PUT") {
         Ok(n) => n,
         Err(r) => return refuse_put(ctx, req, r).await,
@@ -44,7 +51,7 @@ pub(crate) async fn put_block(ctx: &Ctx, client_key: &str, key: &StoredKey, req:
         Ok(b) => b,
         Err(r) => return r,
     };
-    match ctx.service.put(key, chunks, None).await {
+    match ctx.service.put(key, chunks, tag).await {
         Ok(report) => {
             let (status, word) = match report.outcome {
                 PutOutcome::Created => (StatusCode::CREATED, "created"),

@@ -9,6 +9,7 @@
 //!   `blocks` and `status` the handlers; [`request`] reading bodies and
 //!   key lists; [`reply`] the replies and the one mapping from engine
 //!   errors to statuses.
+//! - [`tag`]: a PUT's block tag, read from its `x-kvtier-*` headers.
 //! - [`admin`]: `/v1/admin/tenants*` and the SIGHUP reload task.
 //! - [`body`]: response bodies (whole, or a block streamed chunk by chunk).
 //! - [`io`]: hyper on glommio (executor, timer, vectored socket I/O).
@@ -23,6 +24,7 @@ pub mod request;
 pub mod routes;
 mod status;
 pub mod table;
+pub mod tag;
 
 use std::rc::Rc;
 

@@ -46,6 +46,7 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
         shared,
         out,
         said_hello: Cell::new(false),
+        version: Cell::new(1),
         peer_uid,
         caller: RefCell::new(None),
         regions: RefCell::default(),

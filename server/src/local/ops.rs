@@ -7,6 +7,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use kvtier_engine::PutOutcome;
 use serde_json::json;
 
@@ -104,6 +105,7 @@ pub(super) fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, Strin
     }
     let version = req.version;
     conn.said_hello.set(true);
+    conn.version.set(version);
     let body = json!({
         "version": version,
         "epoch": conn.shared.epoch,
@@ -160,21 +162,20 @@ pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
     let engine = |e: kvtier_engine::Error| (code_of(&e), e.to_string());
     match op {
         Op::GetInto | Op::PutFrom | Op::GetIntoV | Op::PutFromV => {
-            let decoded = if op.is_vectored() { proto::decode_items_v(payload) } else { proto::decode_items(payload) };
-            let items = match decoded {
+            let items = match proto::decode_op_items(op, conn.version.get(), payload) {
                 Ok(i) => i,
                 Err(e) => return fail(e),
             };
             let block_bytes = store.geometry().block_bytes;
             let futures = items.iter().map(|item| async move {
-                let (key, parts) = match item_parts(conn, item, block_bytes, op.is_get()) {
+                let (key, parts, tag) = match item_parts(conn, item, block_bytes, op.is_get()) {
                     Ok(p) => p,
                     Err(code) => return (code as i64, 0u8),
                 };
                 if op.is_get() {
                     get_item(conn, &key, parts).await
                 } else {
-                    put_item(conn, &key, parts, block_bytes).await
+                    put_item(conn, &key, parts, tag, block_bytes).await
                 }
             });
             let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
@@ -242,12 +243,12 @@ fn scope_code(e: &ScopeError) -> Code {
     }
 }
 
-/// The item's stored key (scoped to the caller, `tenants.rs`) and its
-/// parts in their regions, after the checks every item gets (key, then
-/// each part's handle and bounds in order, then the size: room for the
-/// block for a get, exactly the block for a put), so an item that fails
-/// any of them copies nothing.
-fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(StoredKey, Vec<Part>), Code> {
+/// The item's stored key (scoped to the caller, `tenants.rs`), its parts in
+/// their regions and its block tag, after the checks every item gets (key,
+/// then each part's handle and bounds in order, then the size: room for the
+/// block for a get, exactly the block for a put; then a put's tag), so an
+/// item that fails any of them copies nothing and stores nothing.
+fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(StoredKey, Vec<Part>, Option<Bytes>), Code> {
     let key = conn.service.scope(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?;
     let parts = item
         .parts
@@ -263,7 +264,24 @@ fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Resu
     if !size_ok {
         return Err(Code::WrongSize);
     }
-    Ok((key, parts))
+    Ok((key, parts, item_tag(item.tag, block_bytes)?))
+}
+
+/// A put item's block tag, checked before its bytes are copied or admitted
+/// (the store checks it again): `None` for an empty one (untagged),
+/// `INVALID_TAG` for one that does not decode
+/// ([`kvtier_engine::events::BlockTag::decode`]) or is longer than this
+/// store's slot header holds ([`kvtier_engine::slot::tag_room`]). The item's
+/// code carries no message; a client that wants the reason checks its tag
+/// first (the Python client's `BlockTag.validate`) or sends it over HTTP.
+fn item_tag(tag: &[u8], block_bytes: u64) -> Result<Option<Bytes>, Code> {
+    if tag.is_empty() {
+        return Ok(None);
+    }
+    if kvtier_engine::events::BlockTag::decode(tag).is_err() || tag.len() > kvtier_engine::slot::tag_room(block_bytes) {
+        return Err(Code::InvalidTag);
+    }
+    Ok(Some(Bytes::copy_from_slice(tag)))
 }
 
 async fn get_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>) -> (i64, u8) {
@@ -280,8 +298,9 @@ async fn get_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>) -> (i64, u8) {
     }
 }
 
-/// Stores the block the parts hold (`block_bytes` together, checked).
-async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, block_bytes: u64) -> (i64, u8) {
+/// Stores the block the parts hold (`block_bytes` together, checked) with
+/// its block tag, if any (checked).
+async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, tag: Option<Bytes>, block_bytes: u64) -> (i64, u8) {
     // The shard's budget, shared with HTTP; refusals in the socket's own
     // series (kvtier_local_put_bytes_refusals_total).
     let _admitted = match conn.service.put_budget.admit(block_bytes) {
@@ -299,7 +318,7 @@ async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, block_bytes: u
         Err((code, _)) => return (code as i64, 0),
     };
     drop(parts);
-    match conn.service.put(key, bytes, None).await {
+    match conn.service.put(key, bytes, tag).await {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
             if code_of(&e).is_server_side() {
@@ -307,5 +326,26 @@ async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, block_bytes: u
             }
             (code_of(&e) as i64, 0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_items_tag_is_checked_before_anything_is_copied() {
+        assert_eq!(item_tag(&[], 65536), Ok(None), "empty: untagged");
+        let tag = kvtier_engine::events::BlockTag {
+            block_hashes: vec![vec![7; 32]; 10],
+            parent_hash: None,
+            block_size: 64,
+            token_ids: vec![1; 640],
+        };
+        let bytes = tag.encode();
+        assert_eq!(item_tag(&bytes, 16 << 20), Ok(Some(bytes.clone())));
+        assert_eq!(item_tag(&bytes[..bytes.len() - 1], 16 << 20), Err(Code::InvalidTag), "cut");
+        // 2,890 bytes: more than a 512 MiB block's slot header holds (1,724).
+        assert_eq!(item_tag(&bytes, 512 << 20), Err(Code::InvalidTag), "too long for this store");
     }
 }

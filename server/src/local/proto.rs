@@ -9,6 +9,7 @@ pub use kvtier_local_proto::*;
 pub fn code_of(e: &Error) -> Code {
     match e {
         Error::InvalidKey { .. } => Code::InvalidKey,
+        Error::InvalidTag(_) => Code::InvalidTag,
         Error::WrongSize { .. } => Code::WrongSize,
         Error::NotFound => Code::NotFound,
         Error::Corrupt { .. } => Code::Corrupt,

@@ -27,6 +27,9 @@ pub(super) struct Conn {
     pub(super) shared: Arc<LocalShared>,
     pub(super) out: mpsc::UnboundedSender<Outgoing>,
     pub(super) said_hello: Cell<bool>,
+    /// The protocol version HELLO chose ([`proto::VERSIONS`]): from
+    /// [`proto::VERSION_TAGS`] on, PUT items carry block tags.
+    pub(super) version: Cell<u32>,
     /// The peer's uid (`SO_PEERCRED`).
     pub(super) peer_uid: u32,
     /// The tenant HELLO named (by token, else by the peer's uid); `None`
