@@ -236,3 +236,20 @@ def test_an_unanswered_batch_times_out_and_is_sent_again(fake):
         assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [BB]
         assert 1.0 <= time.monotonic() - t0 < 3.0
         assert c.local_stats()["retries_after_loss"] == 1 and fake.accepted == 2
+
+
+def test_tags_for_a_version_1_server_fail_clearly_and_untagged_puts_still_go(fake):
+    """The stand-in speaks version 1 (no block tags): a tagged put raises
+    UNSUPPORTED_VERSION naming the way out before anything is sent, a batch
+    fails only its tagged items (-14), and untagged puts go as before."""
+    tag = kvtier.BlockTag(block_hashes=[b"\x01" * 8], block_size=4)
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=5) as c, kvtier.SharedBuffer(2 * BB) as buf:
+        assert c.server_info["version"] == 1
+        with pytest.raises(kvtier.ProtocolError, match="version 1, whose PUT_FROM carries no block tags") as e:
+            c.put("tagged", bytes(BB), tag=tag)
+        assert e.value.local_code == codes.UNSUPPORTED_VERSION
+        assert 5 not in fake.seen
+        assert c.register_buffer(buf) == 0
+        got = c.batch_put_from(["tagged", "plain"], [buf.ptr, buf.ptr + BB], [BB, BB], [tag, None])
+        assert got == [codes.UNSUPPORTED_VERSION, 0]
+        assert c.put("plain-2", bytes(BB)) is True

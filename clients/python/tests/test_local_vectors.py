@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import kvtier
 from kvtier import codes, local
 from kvtier.errors import KvtierError, OverloadedError, ProtocolError, error_from_code
 
@@ -49,6 +50,12 @@ def client_payload(vector: dict[str, Any]) -> bytes:
         return local.encode_register(fields["offset"], fields["length"])
     if op == local.OP_UNREGISTER:
         return local.encode_unregister(fields["handle"])
+    if op == local.OP_PUT_FROM and fields.get("version", 1) >= local.VERSION_TAGS:
+        items = [(h, o, n, k, bytes.fromhex(t)) for h, o, n, k, t in fields["items"]]
+        return local.encode_tagged_items(items)
+    if op == local.OP_PUT_FROM_V and fields.get("version", 1) >= local.VERSION_TAGS:
+        items_v = [([tuple(p) for p in it["parts"]], it["key"], bytes.fromhex(it["tag_hex"])) for it in fields["items"]]
+        return local.encode_tagged_items_v(items_v)
     if op in (local.OP_GET_INTO, local.OP_PUT_FROM):
         return local.encode_items([tuple(item) for item in fields["items"]])
     if op in (local.OP_GET_INTO_V, local.OP_PUT_FROM_V):
@@ -99,6 +106,7 @@ def test_constants_ops_and_tiers_are_the_rust_crates():
         c["parts_max"],
     )
     assert list(local.VERSIONS) == c["versions"]
+    assert local.VERSION_TAGS == c["version_tags"]
     assert (local.RESPONSE, local.OP_ERROR) == (c["response_bit"], c["op_connection_error"])
     assert local.OP_NAMES == {o["op"]: o["name"] for o in VECTORS["ops"]}
     for o in VECTORS["ops"]:
@@ -109,7 +117,7 @@ def test_constants_ops_and_tiers_are_the_rust_crates():
 
 def test_every_code_is_known_to_the_client_by_the_same_number_and_name():
     wire = {c["code"]: c["name"] for c in VECTORS["codes"]}
-    assert wire[0] == "OK" and len(wire) == len(VECTORS["codes"]) == 20
+    assert wire[0] == "OK" and len(wire) == len(VECTORS["codes"]) == 21
     for code, name in wire.items():
         assert codes.name_of(code) == name and getattr(codes, name) == code, (code, name)
     # The client knows no server code the crate does not, and its own two
@@ -197,6 +205,21 @@ def test_a_reply_to_another_op_or_too_short_is_refused():
         local.decode_prefetched(bytes(4))
     with pytest.raises(ProtocolError, match="LOOKUP answered 2 hits with 1 tiers"):
         local.decode_lookup(b"\x02\x00\x00\x00\x01\x00\x00\x00\x01")
+
+
+def test_the_pinned_block_tag_is_what_the_client_encodes():
+    """The tagged PUT_FROM vector carries the tag pinned in
+    tests/test_block_tag.py and server/tests/block_tags.rs: the client's
+    encoder makes the same bytes the Rust crate framed."""
+    vector = next(v for v in VECTORS["requests"] if v["op"] == local.OP_PUT_FROM and v["fields"].get("version") == 2)
+    tag = kvtier.BlockTag(
+        block_hashes=[bytes(range(8)), bytes(range(8, 16))],
+        parent_hash=bytes(range(0xF0, 0xF8)),
+        block_size=2,
+        token_ids=[1, 2, 300, 70000],
+    )
+    assert vector["fields"]["items"][0][4] == tag.encode().hex()
+    assert vector["fields"]["items"][1][4] == ""
 
 
 def test_a_bad_header_is_a_framing_error():

@@ -10,7 +10,9 @@ over the same-host socket of docs/LOCAL.md (``unix://`` urls, ``local="auto"``),
 where Mooncake Store's buffer calls (``register_buffer``, ``batch_get_into``,
 ``batch_put_from``, ``batch_is_exist``) move blocks in and out of a
 :class:`SharedBuffer` without copies (:mod:`kvtier.mooncake`, :mod:`kvtier.codes`);
-:mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; the engine
+:mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; a
+:class:`BlockTag` (``put(key, data, tag=...)``) names a block in the
+inference engine's hash space for kvtier's KV events; the engine
 connectors are :mod:`kvtier.lmcache` (an LMCache remote-storage plugin),
 :mod:`kvtier.vllm` (a vLLM offloading tier) and :mod:`kvtier.sglang` (an
 SGLang HiCache storage backend), each the shared core of ``kvtier._connector``
@@ -29,6 +31,7 @@ from .errors import (
     DiskFullError,
     GeometryMismatchError,
     InvalidKeyError,
+    InvalidTagError,
     KvtierConnectionError,
     KvtierError,
     OverloadedError,
@@ -38,16 +41,19 @@ from .errors import (
 )
 from .keys import Namespace, block_key, chain_keys, check_key
 from .shm import SharedBuffer
+from .tag import BlockTag
 
 __all__ = [
     "AsyncClient",
     "BadRequestError",
     "BlockSizeError",
+    "BlockTag",
     "Client",
     "DiskFullError",
     "GeometryError",
     "GeometryMismatchError",
     "InvalidKeyError",
+    "InvalidTagError",
     "KvtierConnectionError",
     "KvtierError",
     "Namespace",

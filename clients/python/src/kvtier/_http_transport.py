@@ -23,6 +23,7 @@ from .errors import (
     BlockSizeError,
     DiskFullError,
     InvalidKeyError,
+    InvalidTagError,
     KvtierConnectionError,
     KvtierError,
     OverloadedError,
@@ -32,6 +33,7 @@ from .errors import (
 from .keys import check_key
 from .local import OP_GET_INTO, OP_GET_INTO_V
 from .shm import byte_view
+from .tag import BlockTag, tags_for
 
 #: The server's lookup limits (docs/API.md, "Limits"): longer chains are sent
 #: in pieces, each under both.
@@ -53,6 +55,7 @@ def code_of(e: BaseException) -> int:
         return e.local_code
     for cls, code in (
         (InvalidKeyError, codes.INVALID_KEY),
+        (InvalidTagError, codes.INVALID_TAG),
         (BlockSizeError, codes.WRONG_SIZE),
         (DiskFullError, codes.DISK_FULL),
         (UnauthorizedError, codes.UNAUTHORIZED),
@@ -79,8 +82,8 @@ class Blocks(Protocol):
         """Reads a block into ``buf``: ``False`` on a miss."""
         ...
 
-    def put(self, key: str, data: Any) -> bool:
-        """Stores a block."""
+    def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
+        """Stores a block (with its block tag, if any)."""
         ...
 
 
@@ -93,12 +96,12 @@ def get_code(blocks: Blocks, key: str, view: memoryview) -> int:
     return bb if blocks.get_into(key, view) else codes.NOT_FOUND
 
 
-def put_code(blocks: Blocks, key: str, view: memoryview) -> int:
-    """``put`` of one item as a buffer call answers it: 0, or -4 for a view
-    not a block long; raises any other failure."""
+def put_code(blocks: Blocks, key: str, view: memoryview, tag: BlockTag | None = None) -> int:
+    """``put`` of one item (with its block tag, if any) as a buffer call
+    answers it: 0, or -4 for a view not a block long; raises any other failure."""
     if view.nbytes != blocks.block_bytes:
         return codes.WRONG_SIZE
-    blocks.put(key, view)
+    blocks.put(key, view, tag=tag)
     return codes.OK
 
 
@@ -182,13 +185,15 @@ class HttpTransport(Transport):
         body: memoryview | None = None,
         json_body: bool = False,
         into: memoryview | None = None,
+        headers: dict[str, str] | None = None,
     ) -> _Answer:
-        """One request, retried on a fresh connection after a connection failure."""
+        """One request (with ``headers`` added), retried on a fresh
+        connection after a connection failure."""
         pool = self._pool_for(method, path)
 
         def once() -> _Answer:
             with pool.connection() as conn:
-                return self._once(conn, method, path, body, json_body, into)
+                return self._once(conn, method, path, body, json_body, into, headers)
 
         def wait_before(e: Exception, retry: int) -> float | None:
             if retry > self.retries or isinstance(e, TimeoutError) or not isinstance(e, (*_RETRYABLE, OSError)):
@@ -214,10 +219,13 @@ class HttpTransport(Transport):
         body: memoryview | None,
         json_body: bool,
         into: memoryview | None,
+        headers: dict[str, str] | None = None,
     ) -> _Answer:
         conn.putrequest(method, path, skip_accept_encoding=True)
         if self._auth is not None:
             conn.putheader("Authorization", self._auth)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
         if body is not None:
             conn.putheader("Content-Length", str(body.nbytes))
             conn.putheader("Content-Type", "application/json" if json_body else "application/octet-stream")
@@ -268,16 +276,18 @@ class HttpTransport(Transport):
     def _block_path(self, key: str) -> str:
         return "/v1/blocks/" + check_key(key)
 
-    def put(self, key: str, data: Any) -> bool:
-        """``PUT /v1/blocks/KEY``: ``True`` when the key was new (201)."""
+    def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
+        """``PUT /v1/blocks/KEY``, with ``tag``'s ``x-kvtier-*`` headers when
+        given (checked first): ``True`` when the key was new (201)."""
         path = self._block_path(key)
+        headers = None if tag is None else tag.headers()
         view = byte_view(data, writable=False)
         if view.nbytes != self.block_bytes:
             raise BlockSizeError(
                 f"block for {key!r} is {view.nbytes} bytes; the store's block_bytes is {self.block_bytes}",
                 code="wrong_block_size",
             )
-        answer = self.exchange("PUT", path, body=view)
+        answer = self.exchange("PUT", path, body=view, headers=headers)
         if answer.status in (200, 201):
             return answer.status == 201
         raise answer.error()
@@ -374,9 +384,10 @@ class HttpTransport(Transport):
 
     # ------------------------------------------------------------- batches
 
-    def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
-        """:meth:`put` of each item, in parallel over the pool."""
-        return self._map(self.put, list(items))
+    def put_many(self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None) -> list[bool]:
+        """:meth:`put` of each item (with ``tags[i]``), in parallel over the pool."""
+        pairs = list(items)
+        return self._map(self.put, [(*pair, tag) for pair, tag in zip(pairs, tags_for(tags, len(pairs)), strict=True)])
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of each key, in parallel over the pool."""
@@ -428,10 +439,12 @@ class HttpTransport(Transport):
     def unregister(self, region: Region) -> None:
         """Nothing to tell the server."""
 
-    def move(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[int]:
-        """A GET or PUT per item on the pool's threads, each through a view
-        of the item's memory."""
-        fn = get_code if op == OP_GET_INTO else put_code
+    def move(
+        self, op: int, keys: Sequence[str], spans: Sequence[Span], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
+        """A GET or PUT (with its tag's headers) per item on the pool's
+        threads, each through a view of the item's memory."""
+        tag_list = tags_for(tags, len(keys))
 
         def one(i: int) -> int:
             span = spans[i]
@@ -446,17 +459,22 @@ class HttpTransport(Transport):
                     return codes.OUT_OF_BOUNDS
             try:
                 view = memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B") if size else memoryview(b"")
-                return fn(self, keys[i], view)
+                if op == OP_GET_INTO:
+                    return get_code(self, keys[i], view)
+                return put_code(self, keys[i], view, tag_list[i])
             except Exception as e:
                 return code_of(e)
 
         return list(self._threads.pool().map(one, range(len(keys))))
 
-    def move_parts(self, op: int, keys: Sequence[str], parts: Sequence[Parts]) -> list[int]:
-        """A GET or PUT per item through a block-sized buffer of its own,
-        scattered to (gathered from) its parts here."""
+    def move_parts(
+        self, op: int, keys: Sequence[str], parts: Sequence[Parts], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
+        """A GET or PUT (with its tag's headers) per item through a
+        block-sized buffer of its own, scattered to (gathered from) its parts here."""
         get = op == OP_GET_INTO_V
         bb = self.block_bytes
+        tag_list = tags_for(tags, len(keys))
 
         def one(i: int) -> int:
             spans = [(r.ptr + at, n) for r, at, n in parts[i]]
@@ -477,7 +495,7 @@ class HttpTransport(Transport):
                 for ptr, n in spans:
                     ctypes.memmove((ctypes.c_char * n).from_buffer(block, at), ptr, n)
                     at += n
-                self.put(keys[i], block)
+                self.put(keys[i], block, tag_list[i])
                 return codes.OK
             except Exception as e:
                 return code_of(e)

@@ -35,10 +35,10 @@ from .local import (
     OP_PUT_FROM,
     OP_PUT_FROM_V,
     PART_BYTES,
+    VERSION_TAGS,
     LocalConnection,
     decode_results,
-    encode_items,
-    encode_items_v,
+    encode_batch,
 )
 from .shm import SharedBuffer
 
@@ -395,21 +395,35 @@ class LocalSession:
     def _answer_timeout(self, nbytes: int) -> float:
         return self.timeout_s + SECONDS_PER_GIB * nbytes / (1 << 30)
 
-    def transfer(self, op: int, keys: Sequence[str], spans: Sequence[Any]) -> list[tuple[int, int]]:
+    def transfer(
+        self, op: int, keys: Sequence[str], spans: Sequence[Any], tags: Sequence[bytes] | None = None
+    ) -> list[tuple[int, int]]:
         """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]`` = ``(region,
         offset in it, length)``, or for ``GET_INTO_V``/``PUT_FROM_V`` at the
         parts ``spans[i]`` = a list of such spans; all chunks in flight at
-        once. Per item ``(result, tier or created)``; never raises for an
-        item. A chunk whose connection broke is sent once more; ``OVERLOADED``
-        items are retried.
+        once. A put's item ``i`` carries the encoded block tag ``tags[i]``
+        (``b""``: none) on a connection of version 2 or later; on an older
+        server a tagged item fails with ``UNSUPPORTED_VERSION`` (untagged
+        ones are stored). Per item ``(result, tier or created)``; never
+        raises for an item. A chunk whose connection broke is sent once
+        more; ``OVERLOADED`` items are retried.
 
         Raises:
             GeometryMismatchError, UnauthorizedError, ProtocolError: a
                 reconnect was refused (configuration, not an item's fate).
         """
         vectored = op in (OP_GET_INTO_V, OP_PUT_FROM_V)
+        put = op in (OP_PUT_FROM, OP_PUT_FROM_V)
         parts_of: list[Sequence[tuple[Region, int, int]]] = [s if vectored else (s,) for s in spans]
-        each: int | Callable[[int], int] = (lambda i: 4 + PART_BYTES * len(parts_of[i])) if vectored else ITEM_BYTES + 2
+
+        def tag_of(i: int) -> bytes:
+            return tags[i] if tags is not None else b""
+
+        def each(i: int) -> int:
+            """Payload bytes of item ``i`` but its key (a tag's u16 counted even where none is sent)."""
+            item = 4 + PART_BYTES * len(parts_of[i]) if vectored else ITEM_BYTES + 2
+            return item + (2 + len(tag_of(i)) if put else 0)
+
         out: list[tuple[int, int]] = [(codes.CONNECTION_LOST, 0)] * len(keys)
         todo = list(range(len(keys)))
         lost_left, stalls, pause = 1, 0, 0.0
@@ -424,25 +438,28 @@ class LocalSession:
                 for i in todo:
                     out[i] = (codes.CONNECTION_LOST, 0)
                 break
+            # The form of a put's items is the connection's: a server
+            # restarted meanwhile may speak another version.
+            tagged = put and conn.version >= VERSION_TAGS
             sendable, handle_of = [], {}
             for i in todo:
                 named = [handles.get(region.id) for region, _, _ in parts_of[i]]
                 if None in named:  # unregistered meanwhile, or refused on this connection
                     out[i] = (codes.UNKNOWN_HANDLE, 0)
+                elif put and not tagged and tag_of(i):
+                    out[i] = (codes.UNSUPPORTED_VERSION, 0)  # a version-1 server takes no tags
                 else:
                     sendable.append(i)
                     handle_of[i] = named
             flights = []
             for chunk in key_chunks(keys, sendable, each):
-                if vectored:
-                    payload = encode_items_v(
-                        [
-                            ([(h, p[1], p[2]) for h, p in zip(handle_of[i], parts_of[i], strict=True)], keys[i])
-                            for i in chunk
-                        ]
-                    )
-                else:
-                    payload = encode_items([(handle_of[i][0], spans[i][1], spans[i][2], keys[i]) for i in chunk])
+                rows: list[Any] = [
+                    ([(h, p[1], p[2]) for h, p in zip(handle_of[i], parts_of[i], strict=True)], keys[i])
+                    if vectored
+                    else (handle_of[i][0], spans[i][1], spans[i][2], keys[i])
+                    for i in chunk
+                ]
+                payload = encode_batch(vectored, rows, [tag_of(i) for i in chunk] if tagged else None)
                 nbytes = sum(p[2] for i in chunk for p in parts_of[i])
                 try:
                     flights.append((chunk, nbytes, conn.request(op, payload)))
@@ -532,10 +549,13 @@ class LocalSession:
         item ``(result, tier)``."""
         return self._bounce(OP_GET_INTO, keys, sink=sink)
 
-    def bounce_put(self, keys: Sequence[str], fill: Callable[[int, int], None]) -> list[tuple[int, int]]:
-        """``PUT_FROM`` of ``keys`` through the staging area: ``fill(i,
-        address)`` copies item i's ``block_bytes`` into its slot first."""
-        return self._bounce(OP_PUT_FROM, keys, fill=fill)
+    def bounce_put(
+        self, keys: Sequence[str], fill: Callable[[int, int], None], tags: Sequence[bytes] | None = None
+    ) -> list[tuple[int, int]]:
+        """``PUT_FROM`` of ``keys`` (with the encoded block tags ``tags``, if
+        given) through the staging area: ``fill(i, address)`` copies item
+        i's ``block_bytes`` into its slot first."""
+        return self._bounce(OP_PUT_FROM, keys, fill=fill, tags=tags)
 
     def _bounce(
         self,
@@ -543,6 +563,7 @@ class LocalSession:
         keys: Sequence[str],
         fill: Callable[[int, int], None] | None = None,
         sink: Callable[[int, int, int], None] | None = None,
+        tags: Sequence[bytes] | None = None,
     ) -> list[tuple[int, int]]:
         """``op`` over ``keys`` in rounds of as many staging slots as are
         free: ``fill`` each slot before the call, ``sink`` each hit after."""
@@ -558,7 +579,8 @@ class LocalSession:
                     for j, address in enumerate(addresses):
                         fill(start + j, address)
                 spans = [(staging.region, s * bb, bb) for s in slots]
-                results = self.transfer(op, keys[start : start + len(slots)], spans)
+                end = start + len(slots)
+                results = self.transfer(op, keys[start:end], spans, None if tags is None else tags[start:end])
                 if sink is not None:
                     for j, (result, _) in enumerate(results):
                         if result > 0:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ._session import Region
 from .errors import GeometryMismatchError
+from .tag import BlockTag
 
 #: A target or source of one item of a buffer call: ``(address, nbytes, is a
 #: buffer object)``, or the code it already failed with.
@@ -80,7 +81,7 @@ class Transport(ABC):
     # ------------------------------------------------------------ block API
 
     @abstractmethod
-    def put(self, key: str, data: Any) -> bool:
+    def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
         """:meth:`kvtier.Client.put`."""
 
     @abstractmethod
@@ -112,7 +113,7 @@ class Transport(ABC):
         """:meth:`kvtier.Client.prefetch`."""
 
     @abstractmethod
-    def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None) -> list[bool]:
         """:meth:`kvtier.Client.put_many`."""
 
     @abstractmethod
@@ -148,14 +149,20 @@ class Transport(ABC):
         """Forgets ``region`` on the server (a no-op where it never knew it)."""
 
     @abstractmethod
-    def move(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[int]:
-        """``OP_GET_INTO``/``OP_PUT_FROM`` of ``keys[i]`` at ``spans[i]``; per
+    def move(
+        self, op: int, keys: Sequence[str], spans: Sequence[Span], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
+        """``OP_GET_INTO``/``OP_PUT_FROM`` of ``keys[i]`` at ``spans[i]`` (a
+        put with the block tag ``tags[i]``, checked already, if any); per
         item the bytes read (get), 0 or more (put), or a negative code."""
 
     @abstractmethod
-    def move_parts(self, op: int, keys: Sequence[str], parts: Sequence[Parts]) -> list[int]:
+    def move_parts(
+        self, op: int, keys: Sequence[str], parts: Sequence[Parts], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
         """``OP_GET_INTO_V``/``OP_PUT_FROM_V`` of ``keys[i]`` scattered over
-        (gathered from) ``parts[i]``, all checked already; per item as :meth:`move`."""
+        (gathered from) ``parts[i]`` (a put with ``tags[i]``), all checked
+        already; per item as :meth:`move`."""
 
     @abstractmethod
     def exist_codes(self, keys: Sequence[str]) -> list[int]:

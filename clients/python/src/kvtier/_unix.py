@@ -25,13 +25,15 @@ from .errors import (
     BlockSizeError,
     GeometryMismatchError,
     InvalidKeyError,
+    InvalidTagError,
     KvtierError,
     UnauthorizedError,
     error_from_code,
 )
 from .keys import check_key
-from .local import OP_GET_INTO, OP_PUT_FROM
+from .local import OP_GET_INTO, OP_PUT_FROM, VERSION_TAGS
 from .shm import UnshareableMemoryError, backing_fd, buffer_address
+from .tag import BlockTag, tags_for
 
 log = logging.getLogger("kvtier.local")
 
@@ -103,6 +105,19 @@ def open_local(
     return UnixTransport(session, regions), "unix"
 
 
+def _encoded(tags: Sequence[BlockTag | None] | None, n: int) -> list[bytes | int]:
+    """Per item its encoded tag (``b""``: none), or ``INVALID_TAG`` for one
+    that breaks the rules."""
+    out: list[bytes | int] = []
+    for tag in tags_for(tags, n):
+        try:
+            out.append(b"" if tag is None else tag.encode())
+        except InvalidTagError as e:
+            log.warning("kvtier: %s", e)
+            out.append(codes.INVALID_TAG)
+    return out
+
+
 def _raise(op: str, key: str, code: int) -> KvtierError:
     return error_from_code(code, f"{op} {key!r}: {codes.name_of(code)}")
 
@@ -145,10 +160,15 @@ class UnixTransport(Transport):
             return region, ptr - region.ptr, size
         return None if is_obj else codes.NOT_REGISTERED
 
-    def items(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[tuple[int, int]]:
-        """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]``, direct where
-        registered, else bounced; per item ``(result, tier or created)``."""
+    def items(
+        self, op: int, keys: Sequence[str], spans: Sequence[Span], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[tuple[int, int]]:
+        """``GET_INTO``/``PUT_FROM`` of ``keys[i]`` at ``spans[i]`` (a put with
+        the block tag ``tags[i]``, if any), direct where registered, else
+        bounced; per item ``(result, tier or created)``: ``INVALID_TAG`` for
+        a tag that breaks the rules."""
         out: list[tuple[int, int]] = [(codes.OK, 0)] * len(keys)
+        encoded = _encoded(tags, len(keys))
         direct: list[int] = []
         placed: list[tuple[Region, int, int]] = []
         bounced: list[int] = []
@@ -167,6 +187,9 @@ class UnixTransport(Transport):
             if isinstance(span, int):
                 out[i] = (span, 0)
                 continue
+            if isinstance(encoded[i], int):
+                out[i] = (codes.INVALID_TAG, 0)
+                continue
             where = self._place(span)
             if isinstance(where, int):
                 out[i] = (where, 0)
@@ -177,8 +200,12 @@ class UnixTransport(Transport):
                 out[i] = (codes.WRONG_SIZE, 0)
             else:
                 bounced.append(i)
+
+        def tags_of(idx: list[int]) -> list[bytes] | None:
+            return None if tags is None else [encoded[i] for i in idx]  # type: ignore[misc]
+
         if direct:
-            results = self.session.transfer(op, [keys[i] for i in direct], placed)
+            results = self.session.transfer(op, [keys[i] for i in direct], placed, tags_of(direct))
             for i, result in zip(direct, results, strict=True):
                 out[i] = result
         if bounced:
@@ -202,7 +229,7 @@ class UnixTransport(Transport):
                     counters.count("bounce_copies")
                     counters.count("bounce_bytes", bb)
 
-                results = self.session.bounce_put([keys[i] for i in bounced], fill)
+                results = self.session.bounce_put([keys[i] for i in bounced], fill, tags_of(bounced))
             for i, result in zip(bounced, results, strict=True):
                 out[i] = result
         return out
@@ -236,12 +263,28 @@ class UnixTransport(Transport):
         ptr, nbytes = buffer_address(buf, writable=writable)
         return ptr, nbytes, True
 
-    def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
-        """``put`` of each ``(key, data)`` in batches; raises the first
-        item's error after the batch (others may be stored)."""
+    def put_many(self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None) -> list[bool]:
+        """``put`` of each ``(key, data)`` (with ``tags[i]``) in batches;
+        raises the first item's error after the batch (others may be stored).
+
+        Raises:
+            InvalidTagError: a tag breaks the rules (checked before sending).
+            ProtocolError: tags for a server whose socket speaks version 1.
+        """
         pairs = list(items)
         keys = [check_key(key) for key, _ in pairs]
+        tag_list = tags_for(tags, len(pairs))
+        for tag in tag_list:
+            if tag is not None:
+                tag.validate()
         bb = self.block_bytes
+        version = int(self.session.info.get("version", 1))
+        if version < VERSION_TAGS and any(tag is not None for tag in tag_list):
+            raise error_from_code(
+                codes.UNSUPPORTED_VERSION,
+                f"the server at {self.session.path} speaks socket protocol version {version}, whose PUT_FROM carries "
+                f"no block tags: upgrade kvtier, or put tagged blocks over HTTP (Client(local='off'))",
+            )
         spans: list[Span] = []
         for key, data in pairs:
             span = self._span(data, writable=False)
@@ -250,15 +293,15 @@ class UnixTransport(Transport):
                     f"block for {key!r} is {span[1]} bytes; the store's block_bytes is {bb}", code="wrong_block_size"
                 )
             spans.append(span)
-        results = self.items(OP_PUT_FROM, keys, spans)
+        results = self.items(OP_PUT_FROM, keys, spans, tag_list if tags is not None else None)
         for key, (result, _) in zip(keys, results, strict=True):
             if result < 0:
                 raise _raise("PUT_FROM", key, result)
         return [created == 1 for _, created in results]
 
-    def put(self, key: str, data: Any) -> bool:
-        """``put`` over the socket: ``True`` if the key was new."""
-        return self.put_many([(key, data)])[0]
+    def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
+        """``put`` over the socket (with ``tag``): ``True`` if the key was new."""
+        return self.put_many([(key, data)], None if tag is None else [tag])[0]
 
     def get_many_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[bool]:
         """``get_into`` of ``keys[i]`` into ``bufs[i]``; ``False`` per miss."""
@@ -383,14 +426,26 @@ class UnixTransport(Transport):
         """``UNREGISTER`` on the session; closes the region's descriptor."""
         self.session.unregister(region)
 
-    def move(self, op: int, keys: Sequence[str], spans: Sequence[Span]) -> list[int]:
+    def move(
+        self, op: int, keys: Sequence[str], spans: Sequence[Span], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
         """:meth:`items`, per item its result."""
-        return [result for result, _ in self.items(op, keys, spans)]
+        return [result for result, _ in self.items(op, keys, spans, tags)]
 
-    def move_parts(self, op: int, keys: Sequence[str], parts: Sequence[Parts]) -> list[int]:
-        """One vectored batch: the server copies into (from) every part."""
-        results = self.session.transfer(op, keys, parts) if keys else []
-        return [result for result, _ in results]
+    def move_parts(
+        self, op: int, keys: Sequence[str], parts: Sequence[Parts], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[int]:
+        """One vectored batch (a put's items with their tags, checked
+        already): the server copies into (from) every part."""
+        encoded = _encoded(tags, len(keys))
+        good = [i for i, e in enumerate(encoded) if isinstance(e, bytes)]
+        out = [codes.INVALID_TAG] * len(keys)  # the callers check tags first; a bad one fails alone
+        if good:
+            tag_bytes = None if tags is None else [encoded[i] for i in good]
+            results = self.session.transfer(op, [keys[i] for i in good], [parts[i] for i in good], tag_bytes)  # type: ignore[arg-type]
+            for i, (result, _) in zip(good, results, strict=True):
+                out[i] = result
+        return out
 
     def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
         """The socket, the server's epoch and the session's counters."""

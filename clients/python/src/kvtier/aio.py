@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .client import Client
+from .tag import BlockTag, tags_for
 
 T = TypeVar("T")
 
@@ -76,9 +77,9 @@ class AsyncClient:
         """The store's block size in bytes, asked of the server once."""
         return await self._run(lambda: self.sync.block_bytes)
 
-    async def put(self, key: str, data: Any) -> bool:
-        """:meth:`kvtier.Client.put`: ``True`` if created, ``False`` if replaced."""
-        return await self._run(self.sync.put, key, data)
+    async def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
+        """:meth:`kvtier.Client.put` (with ``tag``): ``True`` if created, ``False`` if replaced."""
+        return await self._run(self.sync.put, key, data, tag)
 
     async def get(self, key: str) -> bytes | None:
         """:meth:`kvtier.Client.get`: the block, or ``None`` on a miss."""
@@ -116,10 +117,14 @@ class AsyncClient:
         """:meth:`kvtier.Client.ping`."""
         return await self._run(self.sync.ping)
 
-    async def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
-        """:meth:`kvtier.Client.put_many`, the puts running concurrently (on
+    async def put_many(
+        self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None
+    ) -> list[bool]:
+        """:meth:`kvtier.Client.put_many` (item ``i`` with ``tags[i]``), the puts running concurrently (on
         the first error, those not yet started are cancelled)."""
-        return await _gather([self.put(key, data) for key, data in items])
+        pairs = list(items)
+        tag_list = tags_for(tags, len(pairs))
+        return await _gather([self.put(key, data, tag) for (key, data), tag in zip(pairs, tag_list, strict=True)])
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`kvtier.Client.get_many`."""

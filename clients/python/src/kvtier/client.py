@@ -27,6 +27,7 @@ from ._http_transport import LOOKUP_BODY_BYTES_MAX, LOOKUP_KEYS_MAX
 from ._link import Link
 from .mooncake import MooncakeStore
 from .shm import byte_view
+from .tag import BlockTag
 
 
 class Client:
@@ -178,8 +179,17 @@ class Client:
         is exactly this long). Asked of the server once, then remembered."""
         return self._link.block_bytes
 
-    def put(self, key: str, data: Any) -> bool:
+    def put(self, key: str, data: Any, tag: BlockTag | None = None) -> bool:
         """Stores ``data`` (exactly ``block_bytes`` bytes, any buffer) under ``key``.
+
+        Args:
+            key: the block's key (docs/API.md, "Keys").
+            data: the block's bytes.
+            tag: the inference engine's identity of the block (its block
+                hashes, parent hash, tokens per block, token ids), kept with
+                it so that KV events name it in the engine's hash space
+                (:class:`kvtier.BlockTag`; docs/API.md, "Block tags"). A put
+                without one stores the block untagged (replacing any tag).
 
         Returns:
             ``True`` when the key was new (201), ``False`` when it replaced a
@@ -187,13 +197,18 @@ class Client:
 
         Raises:
             InvalidKeyError: a bad key (checked before sending).
+            InvalidTagError: ``tag`` breaks the rules (checked before
+                sending), or the server refused it (400 ``invalid_tag``,
+                ``INVALID_TAG``); nothing was stored.
             BlockSizeError: ``data`` is not ``block_bytes`` long (checked
                 before sending).
             DiskFullError: 507, the server's disk is full.
+            ProtocolError: a tag for a server whose socket speaks protocol
+                version 1 (``UNSUPPORTED_VERSION``: upgrade kvtier or use HTTP).
             UnauthorizedError, OverloadedError, ServerError,
             KvtierConnectionError: as for every call.
         """
-        return self._link.current().put(key, data)
+        return self._link.current().put(key, data, tag)
 
     def get(self, key: str) -> bytes | None:
         """The block stored under ``key``, or ``None`` on a miss (404, which
@@ -269,12 +284,18 @@ class Client:
 
     # ------------------------------------------------------------- batches
 
-    def put_many(self, items: Iterable[tuple[str, Any]]) -> list[bool]:
-        """:meth:`put` of each ``(key, data)``, in parallel over the pool.
-        Returns each put's answer in order. On the first error, puts not yet
-        started are skipped and the error is raised once the running ones
-        finish (puts before it may have been stored)."""
-        return self._link.current().put_many(items)
+    def put_many(self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None) -> list[bool]:
+        """:meth:`put` of each ``(key, data)``, in parallel over the pool,
+        item ``i`` with the block tag ``tags[i]`` when ``tags`` is given (one
+        per item, ``None`` for an untagged one). Returns each put's answer
+        in order. On the first error, puts not yet started are skipped and
+        the error is raised once the running ones finish (puts before it may
+        have been stored; over the socket every tag is checked before any is sent).
+
+        Raises:
+            ValueError: ``tags`` is given with another length than ``items``.
+        """
+        return self._link.current().put_many(items, tags)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of each key, in parallel over the pool; ``None`` per miss."""
@@ -309,11 +330,15 @@ class Client:
         return self.mooncake.batch_get_into(keys, buffer_ptrs, sizes)
 
     def batch_put_from(
-        self, keys: Sequence[str], buffer_ptrs: Sequence[int | Any], sizes: Sequence[int | None] | None = None
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int | Any],
+        sizes: Sequence[int | None] | None = None,
+        tags: Sequence[BlockTag | None] | None = None,
     ) -> list[int]:
-        """:meth:`MooncakeStore.batch_put_from <kvtier.mooncake.MooncakeStore.batch_put_from>`:
-        per item 0 or a negative code."""
-        return self.mooncake.batch_put_from(keys, buffer_ptrs, sizes)
+        """:meth:`MooncakeStore.batch_put_from <kvtier.mooncake.MooncakeStore.batch_put_from>`
+        (with a block tag per item when ``tags`` is given): per item 0 or a negative code."""
+        return self.mooncake.batch_put_from(keys, buffer_ptrs, sizes, tags)
 
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
@@ -324,12 +349,16 @@ class Client:
         return self.mooncake.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes)
 
     def batch_put_from_multi_buffers(
-        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        tags: Sequence[BlockTag | None] | None = None,
     ) -> list[int]:
         """:meth:`MooncakeStore.batch_put_from_multi_buffers
-        <kvtier.mooncake.MooncakeStore.batch_put_from_multi_buffers>`: per item
-        0 or a negative code."""
-        return self.mooncake.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes)
+        <kvtier.mooncake.MooncakeStore.batch_put_from_multi_buffers>` (with a
+        block tag per item when ``tags`` is given): per item 0 or a negative code."""
+        return self.mooncake.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, tags)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """:meth:`MooncakeStore.batch_is_exist <kvtier.mooncake.MooncakeStore.batch_is_exist>`:

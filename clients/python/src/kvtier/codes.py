@@ -1,8 +1,8 @@
 """Result codes of the same-host data plane (docs/LOCAL.md, "Codes").
 
-Every code is a negative ``int``. The server answers -1 … -19, either for a
-whole request (the response's ``status``) or for one item of a batch (its
-``result``); the Python client adds -20 and -21. The Mooncake-style calls of
+Every code is a negative ``int``. The server answers -1 … -19 and -22, either
+for a whole request (the response's ``status``) or for one item of a batch
+(its ``result``); the Python client adds -20 and -21. The Mooncake-style calls of
 :class:`kvtier.Client` (``batch_get_into``, ``batch_put_from``, …) return these
 numbers per item and never raise for one item's failure.
 
@@ -62,7 +62,9 @@ BAD_REQUEST = -13
 """A payload that does not parse for its op (a client bug)."""
 
 UNSUPPORTED_VERSION = -14
-"""The client and the server speak no protocol version in common."""
+"""The client and the server speak no protocol version in common; also, per
+item, a tagged put to a server whose socket speaks version 1 (no block tags:
+upgrade kvtier, or put over HTTP)."""
 
 GEOMETRY_MISMATCH = -15
 """The client's expected ``block_bytes``/``model`` differ from the server's."""
@@ -89,6 +91,12 @@ CONNECTION_LOST = -21
 """Client-side: the connection broke and the server was not back (reconnect,
 hello, re-registration) within the client's ``timeout_s``, or it did not
 answer within it."""
+
+INVALID_TAG = -22
+"""A ``PUT_FROM`` item's block tag breaks the rules (:class:`kvtier.BlockTag`,
+docs/API.md "Block tags") or is longer than the store's slot header holds;
+nothing was stored. The client checks tags before sending; its batch calls
+answer this code for a tag that fails the check."""
 
 #: ``code → name`` for every code above.
 NAMES: dict[int, str] = {

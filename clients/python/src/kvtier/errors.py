@@ -52,6 +52,13 @@ class BlockSizeError(KvtierError, ValueError):
     buffer smaller than the block (``buffer_too_small``)."""
 
 
+class InvalidTagError(KvtierError, ValueError):
+    """A block tag breaks the rules (:class:`kvtier.BlockTag`; docs/API.md,
+    "Block tags"): checked before sending (the message names the field), and
+    the server's 400 ``invalid_tag`` (the message names the header) and the
+    socket's ``INVALID_TAG`` item code map here too. Nothing was stored."""
+
+
 class UnauthorizedError(KvtierError):
     """401 ``unauthorized``: the server wants ``Authorization: Bearer <token>``
     and the client sent none or a wrong one (``Client(token=...)``)."""
@@ -109,6 +116,7 @@ class GeometryMismatchError(KvtierError, ValueError):
 #: Server error codes with a class of their own; other codes go by status.
 _BY_CODE: dict[str, type[KvtierError]] = {
     "invalid_key": InvalidKeyError,
+    "invalid_tag": InvalidTagError,
     "wrong_block_size": BlockSizeError,
     "length_required": BlockSizeError,
     "unauthorized": UnauthorizedError,
@@ -140,6 +148,7 @@ def error_from_response(status: int, code: str, message: str, retry_after_s: flo
 #: negative codes raise :class:`ServerError` (-1) or :class:`ProtocolError`.
 _BY_LOCAL_CODE: dict[int, type[KvtierError]] = {
     codes.INVALID_KEY: InvalidKeyError,
+    codes.INVALID_TAG: InvalidTagError,
     codes.WRONG_SIZE: BlockSizeError,
     codes.UNAUTHORIZED: UnauthorizedError,
     codes.DISK_FULL: DiskFullError,

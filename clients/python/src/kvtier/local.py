@@ -37,6 +37,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from . import codes
+from ._items import ITEM_BYTES as ITEM_BYTES
+from ._items import PART_BYTES as PART_BYTES
+from ._items import Item as Item
+from ._items import Part as Part
+from ._items import TaggedItem as TaggedItem
+from ._items import encode_batch as encode_batch
+from ._items import encode_items as encode_items
+from ._items import encode_items_v as encode_items_v
+from ._items import encode_tagged_items as encode_tagged_items
+from ._items import encode_tagged_items_v as encode_tagged_items_v
 from .errors import ProtocolError, error_from_code
 
 MAGIC = 0x4B54
@@ -44,8 +54,6 @@ MAGIC = 0x4B54
 HEADER = struct.Struct("<HBBIQ")
 """magic u16, op u8, flags u8, payload_bytes u32, request_id u64: 16 bytes."""
 _STATUS = struct.Struct("<iI")
-_ITEM = struct.Struct("<QQQH")
-_PART = struct.Struct("<QQQ")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -72,46 +80,16 @@ MAX_IN_FLIGHT = 256
 """Requests in flight on one connection, at most (the server stops reading beyond)."""
 CLIENT_NAME = "kvtier-python 0.1.0"
 """What the hello's ``client`` field says."""
-VERSIONS = (1,)
-"""Protocol versions this client speaks."""
-ITEM_BYTES = _ITEM.size
-"""Payload bytes of one ``GET_INTO``/``PUT_FROM`` item, not counting its key."""
-
-PART_BYTES = _PART.size
-"""Payload bytes of one part of a ``GET_INTO_V``/``PUT_FROM_V`` item."""
-
-#: One ``GET_INTO``/``PUT_FROM`` item: handle, offset and length in bytes within
-#: the registered region, key.
-Item = tuple[int, int, int, str]
-#: One part of a ``GET_INTO_V``/``PUT_FROM_V`` item: handle, offset, length in bytes.
-Part = tuple[int, int, int]
+VERSIONS = (1, 2)
+"""Protocol versions this client speaks (the server picks the highest both speak)."""
+VERSION_TAGS = 2
+"""The first version whose ``PUT_FROM``/``PUT_FROM_V`` items end with a block
+tag (u16 ``tag_bytes``, then :meth:`kvtier.BlockTag.encode`'s bytes; 0: untagged)."""
 
 
 def _str(key: str) -> bytes:
     raw = key.encode()
     return _U16.pack(len(raw)) + raw
-
-
-def encode_items(items: Sequence[Item]) -> bytes:
-    """``GET_INTO``/``PUT_FROM`` payload: u32 n, n × (u64 handle, u64 offset, u64 length, str key)."""
-    parts = [_U32.pack(len(items))]
-    for handle, offset, length, key in items:
-        raw = key.encode()
-        parts.append(_ITEM.pack(handle, offset, length, len(raw)))
-        parts.append(raw)
-    return b"".join(parts)
-
-
-def encode_items_v(items: Sequence[tuple[Sequence[Part], str]]) -> bytes:
-    """``GET_INTO_V``/``PUT_FROM_V`` payload: u32 n, n × (u16 parts, parts ×
-    (u64 handle, u64 offset, u64 length), str key). The block's bytes are
-    laid across an item's parts in order (docs/LOCAL.md)."""
-    out = [_U32.pack(len(items))]
-    for parts, key in items:
-        out.append(_U16.pack(len(parts)))
-        out.extend(_PART.pack(*part) for part in parts)
-        out.append(_str(key))
-    return b"".join(out)
 
 
 def encode_keys(keys: Sequence[str]) -> bytes:
@@ -524,10 +502,34 @@ class LocalConnection:
         ``(bytes written or a negative code, tier)``."""
         return decode_results(self.call(OP_GET_INTO, encode_items(items), timeout_s=timeout_s), len(items))
 
-    def put_from(self, items: Sequence[Item], timeout_s: float | None = None) -> list[tuple[int, int]]:
-        """``PUT_FROM``: each item's bytes stored under its key; per item
-        ``(result: >= 0 stored, else a negative code, created: 1 new key)``."""
-        return decode_results(self.call(OP_PUT_FROM, encode_items(items), timeout_s=timeout_s), len(items))
+    @property
+    def version(self) -> int:
+        """The protocol version the hello chose (1 before it)."""
+        return int(self.info.get("version", 1))
+
+    def put_from(
+        self, items: Sequence[Item], timeout_s: float | None = None, *, tags: Sequence[bytes] | None = None
+    ) -> list[tuple[int, int]]:
+        """``PUT_FROM``: each item's bytes stored under its key, with
+        ``tags[i]`` (an encoded :class:`kvtier.BlockTag`, ``b""`` for none)
+        when given; per item ``(result: >= 0 stored, else a negative code,
+        created: 1 new key)``.
+
+        Raises:
+            ProtocolError: tags on a connection whose server speaks version 1.
+        """
+        if self.version < VERSION_TAGS:
+            if tags is not None and any(tags):
+                raise error_from_code(
+                    codes.UNSUPPORTED_VERSION,
+                    f"the server at {self.path} speaks protocol version {self.version}, whose PUT_FROM carries no "
+                    f"block tags (version {VERSION_TAGS} does): upgrade kvtier, or put tagged blocks over HTTP",
+                )
+            payload = encode_items(items)
+        else:
+            tags = [b""] * len(items) if tags is None else tags
+            payload = encode_tagged_items([(*item, tag) for item, tag in zip(items, tags, strict=True)])
+        return decode_results(self.call(OP_PUT_FROM, payload, timeout_s=timeout_s), len(items))
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         """``EXISTS``: each key's tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3)."""

@@ -32,10 +32,11 @@ from typing import Any
 from . import codes
 from ._link import Link
 from ._transport import Parts, Span
-from .errors import InvalidKeyError
+from .errors import InvalidKeyError, InvalidTagError
 from .keys import check_key
 from .local import MAX_PARTS, OP_GET_INTO, OP_GET_INTO_V, OP_PUT_FROM, OP_PUT_FROM_V
 from .shm import buffer_address
+from .tag import BlockTag, tags_for
 
 log = logging.getLogger("kvtier.local")
 
@@ -152,19 +153,35 @@ class MooncakeStore:
         return self._link.current().move(OP_GET_INTO, keys, spans)
 
     def batch_put_from(
-        self, keys: Sequence[str], buffer_ptrs: Sequence[int | Any], sizes: Sequence[int | None] | None = None
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int | Any],
+        sizes: Sequence[int | None] | None = None,
+        tags: Sequence[BlockTag | None] | None = None,
     ) -> list[int]:
         """Stores ``sizes[i]`` bytes at ``buffer_ptrs[i]`` (exactly
         ``block_bytes``) under ``keys[i]``, each all-or-nothing and durable as
-        an HTTP PUT. All items in flight at once.
+        an HTTP PUT, with the block tag ``tags[i]`` when given (kvtier's
+        argument, not Mooncake's: the engine's block hashes for KV events).
+        All items in flight at once.
 
         Returns:
             Per item 0, or a negative code: -3 bad key, -4 size not
             ``block_bytes`` (nothing stored), -9 overloaded (after the
-            client's retries), -10 disk full, and as :meth:`batch_get_into`.
+            client's retries), -10 disk full, -22 a tag that breaks the rules
+            (nothing stored; a warning says why), -14 a tag for a server
+            whose socket takes none, and as :meth:`batch_get_into`.
+
+        Raises:
+            ValueError: ``tags`` is given with another length than ``keys``.
         """
         spans = self._spans(keys, buffer_ptrs, sizes, writable=False)
-        return [min(result, 0) for result in self._link.current().move(OP_PUT_FROM, keys, spans)]
+        tag_list = self._tags(keys, tags)
+        for i, tag in enumerate(tag_list):
+            if tag is _BAD_TAG:
+                spans[i] = codes.INVALID_TAG
+        moved = self._link.current().move(OP_PUT_FROM, keys, spans, _good(tag_list) if tags is not None else None)
+        return [min(result, 0) for result in moved]
 
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
@@ -192,18 +209,23 @@ class MooncakeStore:
         return self._multi(OP_GET_INTO_V, keys, all_buffer_ptrs, all_sizes)
 
     def batch_put_from_multi_buffers(
-        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        tags: Sequence[BlockTag | None] | None = None,
     ) -> list[int]:
         """Stores under ``keys[i]`` the block gathered from the spans
         ``all_buffer_ptrs[i]`` of ``all_sizes[i]`` bytes, in order (together
-        exactly ``block_bytes``), each all-or-nothing as :meth:`batch_put_from`.
+        exactly ``block_bytes``), each all-or-nothing as :meth:`batch_put_from`,
+        with the block tag ``tags[i]`` when given.
 
         Returns:
             Per item 0, or a negative code: -4 the sizes do not add up to
             ``block_bytes`` (nothing stored), and as
             :meth:`batch_get_into_multi_buffers` and :meth:`batch_put_from`.
         """
-        return [min(r, 0) for r in self._multi(OP_PUT_FROM_V, keys, all_buffer_ptrs, all_sizes)]
+        return [min(r, 0) for r in self._multi(OP_PUT_FROM_V, keys, all_buffer_ptrs, all_sizes, tags)]
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier, S3 included), 0 (not stored), or -1
@@ -273,29 +295,59 @@ class MooncakeStore:
         return spans
 
     def _multi(
-        self, op: int, keys: Sequence[str], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+        self,
+        op: int,
+        keys: Sequence[str],
+        all_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        tags: Sequence[BlockTag | None] | None = None,
     ) -> list[int]:
-        """The multi-buffer calls: each item's spans checked and placed in
-        their registered buffers, then one vectored batch over the socket,
-        or a GET/PUT per item over HTTP through a buffer of its own."""
+        """The multi-buffer calls: each item's spans (and a put's tag)
+        checked and placed in their registered buffers, then one vectored
+        batch over the socket, or a GET/PUT per item over HTTP through a
+        buffer of its own."""
         if len(keys) != len(all_ptrs) or len(all_sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys, {len(all_ptrs)} pointer lists and {len(all_sizes)} size lists")
         get = op == OP_GET_INTO_V
         bb = self._link.block_bytes
+        tag_list = self._tags(keys, tags)
         out = [codes.OK] * len(keys)
         placed: dict[int, Parts] = {}
         for i, (ptrs, sizes) in enumerate(zip(all_ptrs, all_sizes, strict=True)):
             if len(ptrs) != len(sizes):
                 raise ValueError(f"item {i}: {len(ptrs)} pointers but {len(sizes)} sizes")
             out[i] = self._check_multi(keys[i], ptrs, sizes, bb, get)
+            if out[i] == codes.OK and tag_list[i] is _BAD_TAG:
+                out[i] = codes.INVALID_TAG
             if out[i] == codes.OK:
                 placed[i] = [
                     (r, p - r.ptr, n) for p, n in zip(ptrs, sizes, strict=True) if (r := self._regions.find(p))
                 ]
         idx = list(placed)
-        results = self._link.current().move_parts(op, [keys[i] for i in idx], [placed[i] for i in idx])
+        good = _good(tag_list)
+        results = self._link.current().move_parts(
+            op, [keys[i] for i in idx], [placed[i] for i in idx], [good[i] for i in idx] if tags is not None else None
+        )
         for i, result in zip(idx, results, strict=True):
             out[i] = result
+        return out
+
+    def _tags(self, keys: Sequence[str], tags: Sequence[BlockTag | None] | None) -> list[Any]:
+        """Per item its tag, ``None``, or :data:`_BAD_TAG` for one that breaks
+        the rules (logged: the item fails -22 ``INVALID_TAG`` alone).
+
+        Raises:
+            ValueError: ``tags`` is given with another length than ``keys``.
+        """
+        out: list[Any] = []
+        for i, tag in enumerate(tags_for(tags, len(keys))):
+            if tag is not None:
+                try:
+                    tag.validate()
+                except InvalidTagError as e:
+                    log.warning("kvtier: item %d (%s): %s", i, keys[i], e)
+                    tag = _BAD_TAG
+            out.append(tag)
         return out
 
     def _check_multi(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], bb: int, get: bool) -> int:
@@ -315,3 +367,12 @@ class MooncakeStore:
                 return codes.OUT_OF_BOUNDS
         total = sum(sizes)
         return codes.OK if (total >= bb if get else total == bb) else codes.WRONG_SIZE
+
+
+#: A tag :meth:`MooncakeStore._tags` found broken (its item fails alone).
+_BAD_TAG = object()
+
+
+def _good(tags: list[Any]) -> list[BlockTag | None]:
+    """The tags with the broken ones as ``None`` (their items are not sent)."""
+    return [None if tag is _BAD_TAG else tag for tag in tags]
