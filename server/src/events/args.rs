@@ -31,9 +31,10 @@ pub struct EventsArgs {
     /// here, in vLLM's format (docs/OPERATIONS.md, "KV events for
     /// routers"): a BlockStored or BlockRemoved per block and tier as
     /// tagged blocks (x-kvtier-block-hashes) move between GPU, RAM, NVMe
-    /// and S3, batched every --kv-events-interval-ms, the first batch
-    /// [AllBlocksCleared]. HOST: an IP address, localhost or *; loopback
-    /// only unless --kv-events-public. Off by default.
+    /// and S3, batched every --kv-events-interval-ms; the first batch, an
+    /// AllBlocksCleared, tells routers to forget this node's earlier run.
+    /// HOST: an IP address, localhost or *; loopback only unless
+    /// --kv-events-public. Off by default.
     #[arg(long, value_name = "tcp://HOST:PORT")]
     pub kv_events: Option<String>,
     /// Also answer replay requests on a ZeroMQ ROUTER socket bound here, as
