@@ -124,18 +124,28 @@ target/py-s3/.installed: server/tests/requirements-s3.txt
 	target/py-s3/bin/pip install --quiet --disable-pip-version-check -r server/tests/requirements-s3.txt
 	touch $@
 
+# NVIDIA Dynamo's KV indexer (ai-dynamo-runtime, ~280 MB), the real router
+# component tests/test_kv_router.py feeds kvtier's KV events to.
+target/py-router/.installed: clients/python/requirements-router.txt
+	@echo "installing Dynamo's KV indexer in target/py-router"
+	rm -rf target/py-router
+	$(PYTHON) -m venv target/py-router
+	target/py-router/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r clients/python/requirements-router.txt
+	touch $@
+
 # The virtualenvs of releases before this layout (target/py-lmcache) are
 # removed: 6 GB no target uses any more.
-python-env: target/py-vllm/.client target/py-sglang/.client target/py-s3/.installed
+python-env: target/py-vllm/.client target/py-sglang/.client target/py-s3/.installed target/py-router/.installed
 	@rm -rf target/py-lmcache
 
 # Every Python test runs against the debug kvtier that cargo test built.
-PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen
+PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen \
+  KVTIER_ROUTER_PYTHON=$(CURDIR)/target/py-router/bin/python
 PYTEST = -m pytest -p no:cacheprovider -q
 
 # Lint, then the client and the LMCache plugin (in vLLM's virtualenv, which
 # also has ruff); then each engine's connector.
-test-lmcache: target/py-vllm/.client
+test-lmcache: target/py-vllm/.client target/py-router/.installed
 	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
 	target/py-vllm/bin/ruff check clients/python
 	target/py-vllm/bin/ruff format --check clients/python
