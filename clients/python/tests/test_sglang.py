@@ -32,7 +32,7 @@ with warnings.catch_warnings():  # sglang's imports warn about every missing GPU
     warnings.simplefilter("ignore")
     sglang = pytest.importorskip("sglang", reason="needs the pinned sglang (make test-sglang installs it)")
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -300,6 +300,39 @@ def without_map_files(monkeypatch) -> None:
         return real_open(path, *args, **kw)
 
     monkeypatch.setattr(os, "open", open_)
+
+
+def test_pages_carry_sglangs_page_hash_and_its_parent_as_a_block_tag(kvserver, plane, monkeypatch):
+    """Each stored page names itself in SGLang's hash space for kvtier's KV
+    events: its page hash, the previous page's as parent (from the batch,
+    or SGLang's prefix_keys before it), the page size; a page whose parent
+    SGLang does not say is stored untagged, never claimed to start a sequence."""
+    b = backend(kvserver.url, plane)
+    host = host_pool("page_first", allocator="shm" if plane == "unix" else "default")
+    b.register_mem_pool_host(host)
+    try:
+        keys = page_hashes(list(range(31000, 31000 + 3 * PAGE_TOKENS)))
+        tags = b.page_tags(keys[1:], keys[:1])
+        assert [t.block_hashes for t in tags] == [[bytes.fromhex(k)] for k in keys[1:]]
+        assert [t.parent_hash for t in tags] == [bytes.fromhex(k) for k in keys[:2]]
+        assert all(t.block_size == PAGE_TOKENS and t.token_ids == [] for t in tags)
+        assert b.page_tags(keys[:1], [])[0].parent_hash is None  # the sequence's first page
+        unknown = b.page_tags(keys, None)
+        assert unknown[0] is None and unknown[1].parent_hash == bytes.fromhex(keys[0])
+        assert b.page_tags(["not-a-hash", keys[0]], []) == [None, None]  # the chain is broken after it too
+        sent: list = []
+        put, put_v = b.client.put, b.client.batch_put_from_multi_buffers
+        monkeypatch.setattr(b.client, "put", lambda key, data, tag=None: sent.append(tag) or put(key, data, tag=tag))
+        monkeypatch.setattr(
+            b.client,
+            "batch_put_from_multi_buffers",
+            lambda k, p, s, tags=None: sent.extend(tags) or put_v(k, p, s, tags),
+        )
+        written, _ = fill_pool(host, 3, seed=5)
+        assert b.batch_set_v1(keys, written, HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 3
+        assert sent == b.page_tags(keys, []) and all(t is not None for t in sent)
+    finally:
+        b.close()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

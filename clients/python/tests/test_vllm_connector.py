@@ -1,5 +1,6 @@
 """KvtierConnector's parts that need no running engine: the interface vLLM
-loads, the shared allocation of the KV cache, the start-up refusals. The
+loads, the shared allocation of the KV cache, the start-up refusals, the
+block tags of the store plan. The
 connector under a real ``vllm serve`` is tests/test_vllm_serve.py."""
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation
+from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation, block_tags
 from kvtier.shm import backing_fd
-from kvtier.vllm_connector import ConfigurationError, KvtierConnector, check_hash_algo, namespace_of
+from kvtier.vllm_connector import (
+    ConfigurationError,
+    KvtierConnector,
+    KvtierConnectorMetadata,
+    _Request,
+    check_hash_algo,
+    namespace_of,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -65,3 +73,34 @@ def test_a_hybrid_model_is_refused_at_start_saying_why():
         namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups), None)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="full-attention KV caches"):
         namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups[1:]), None)  # type: ignore[arg-type]
+
+
+def test_each_stored_block_carries_vllms_hash_its_parent_and_its_tokens():
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    tokens = list(range(100, 116))
+    tags = block_tags(hashes, tokens, 4, 1, 3)
+    assert [t.block_hashes for t in tags] == [[hashes[1]], [hashes[2]]]
+    assert [t.parent_hash for t in tags] == [hashes[0], hashes[1]]
+    assert [t.token_ids for t in tags] == [tokens[4:8], tokens[8:12]]
+    assert all(t.block_size == 4 for t in tags)
+    first = block_tags(hashes, tokens, 4, 0, 1)[0]
+    assert first.parent_hash is None and first.encode()  # a request's first block starts the sequence
+    # More tokens per block than a tag takes: the hashes alone.
+    big = block_tags([b"\x01" * 32], list(range(1024)), 1024, 0, 1)[0]
+    assert big.token_ids == [] and big.block_size == 1024
+    # A hash no tag can hold: the block is stored untagged, never refused.
+    assert block_tags([b"\x01" * 40], list(range(4)), 4, 0, 1) == [None]
+
+
+def test_the_store_plan_hands_the_worker_each_blocks_tag():
+    connector = object.__new__(KvtierConnector)
+    connector.block_size, connector._fingerprint = 4, "ns"
+    hashes = [bytes([i]) * 32 for i in range(1, 4)]
+    request = SimpleNamespace(request_id="r", block_hashes=hashes, all_token_ids=list(range(12)), num_prompt_tokens=12)
+    state = _Request(request, block_ids=[7, 8, 9], hit_blocks=1)
+    meta = KvtierConnectorMetadata()
+    connector._plan(meta, state, 12)
+    (store,) = meta.stores
+    assert store.block_ids == [8, 9] and store.keys == [connector.key_of(h) for h in hashes[1:]]
+    assert store.tags == block_tags(hashes, list(range(12)), 4, 1, 3)
+    assert store.tags[0].parent_hash == hashes[0] and store.tags[1].token_ids == [8, 9, 10, 11]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import codes
 from ._connector import ConnectorCore
-from .errors import error_from_code
+from .errors import InvalidTagError, error_from_code
 from .shm import SharedBuffer
+from .tag import TAG_TOKENS_MAX, BlockTag
 
 #: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
 #: are those of at least this many bytes (vLLM allocates the whole cache as
@@ -38,6 +40,35 @@ SHARED_ALLOCATION_BYTES_MIN = 1 << 20
 #: Blocks the staging buffer holds (the path when the KV cache is not
 #: registered); a larger transfer goes in rounds of this many.
 STAGING_BLOCKS = 32
+
+
+def block_tags(
+    block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int, first: int, last: int
+) -> list[BlockTag | None]:
+    """The block tags of a request's blocks ``first`` to ``last`` (one vLLM
+    block per kvtier block): block ``i``'s vLLM hash ``block_hashes[i]``, its
+    parent ``block_hashes[i - 1]`` (``None`` for the first block of the
+    request), ``block_size`` and its token ids ``token_ids[i * block_size :
+    (i + 1) * block_size]``: what vLLM's own ``BlockStored`` event says of
+    the block. Token ids are left out when a block holds more than a tag
+    takes (640), and a block whose tag would break the rules (a hash wider
+    than 32 bytes) gets none: it is stored untagged, never refused for it."""
+    tags: list[BlockTag | None] = []
+    for i in range(first, last):
+        tokens = list(token_ids[i * block_size : (i + 1) * block_size]) if block_size <= TAG_TOKENS_MAX else []
+        tag: BlockTag | None = BlockTag(
+            block_hashes=[bytes(block_hashes[i])],
+            parent_hash=bytes(block_hashes[i - 1]) if i > 0 else None,
+            block_size=block_size,
+            token_ids=tokens if len(tokens) == block_size else [],
+        )
+        try:
+            tag.validate()  # type: ignore[union-attr]
+        except InvalidTagError as e:
+            logging.getLogger("vllm.kvtier").warning("kvtier connector: block %d is stored untagged: %s", i, e)
+            tag = None
+        tags.append(tag)
+    return tags
 
 
 class ConfigurationError(ValueError):
@@ -177,9 +208,12 @@ class PagedBlocks:
                 sizes.append(self.layer_bytes)
         return ptrs, sizes
 
-    def move(self, keys: list[str], block_ids: list[int], *, load: bool) -> list[int]:
+    def move(
+        self, keys: list[str], block_ids: list[int], *, load: bool, tags: list[BlockTag | None] | None = None
+    ) -> list[int]:
         """Blocks ``block_ids`` of the paged cache to or from kvtier keys
-        ``keys``; per block the call's result (``>= 0`` done, else a
+        ``keys`` (a store's block ``i`` with the block tag ``tags[i]``, if
+        given); per block the call's result (``>= 0`` done, else a
         docs/LOCAL.md code). Never raises: a failure is a result."""
         client = self.core.client
         kind = "load" if load else "store"
@@ -187,14 +221,21 @@ class PagedBlocks:
         try:
             if self.zero_copy:
                 spans = [self.spans(b) for b in block_ids]
-                call = client.batch_get_into_multi_buffers if load else client.batch_put_from_multi_buffers
-                out = call(keys, [p for p, _ in spans], [s for _, s in spans])
+                ptrs, sizes = [p for p, _ in spans], [s for _, s in spans]
+                if load:
+                    out = client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+                else:
+                    out = client.batch_put_from_multi_buffers(keys, ptrs, sizes, tags)
                 self.core.count(zero_copy_blocks=sum(1 for r in out if r >= 0))
             else:
                 for start in range(0, len(keys), STAGING_BLOCKS):
+                    end = start + STAGING_BLOCKS
                     out.extend(
                         self._staged(
-                            keys[start : start + STAGING_BLOCKS], block_ids[start : start + STAGING_BLOCKS], load=load
+                            keys[start:end],
+                            block_ids[start:end],
+                            load=load,
+                            tags=None if tags is None else tags[start:end],
                         )
                     )
         except Exception as e:  # a kvtier failure is a miss, never an exception in vLLM
@@ -205,9 +246,11 @@ class PagedBlocks:
                 self.core.failed(kind, error_from_code(result, f"{kind} {key}: {codes.name_of(result)}"))
         return out
 
-    def _staged(self, keys: list[str], block_ids: list[int], *, load: bool) -> list[int]:
+    def _staged(
+        self, keys: list[str], block_ids: list[int], *, load: bool, tags: list[BlockTag | None] | None = None
+    ) -> list[int]:
         """Up to :data:`STAGING_BLOCKS` blocks through the staging buffer,
-        one torch copy per layer page."""
+        one torch copy per layer page (a store with its blocks' tags)."""
         assert self.staging is not None
         block_bytes = self.layer_bytes * len(self.layers)
         rows = self.staging.torch().view(STAGING_BLOCKS, len(self.layers), self.layer_bytes)
@@ -223,7 +266,7 @@ class PagedBlocks:
             for i, block_id in enumerate(block_ids):
                 for layer, layer_pages in enumerate(self.layers):
                     rows[i, layer].copy_(layer_pages[block_id].reshape(-1))
-            results = client.batch_put_from(keys, ptrs, [block_bytes] * len(keys))
+            results = client.batch_put_from(keys, ptrs, [block_bytes] * len(keys), tags)
         self.core.count(staged_blocks=sum(1 for r in results if r >= 0))
         return list(results)
 

@@ -23,6 +23,12 @@ Keys: ``CacheEngineKey`` (``model@world@worker@hash@dtype[@tags]``) becomes
 ``<fingerprint>-<hash>`` where the fingerprint (docs/KEYS.md) covers the model,
 dtype, worker rank and world size, chunk tokens and tags.
 
+Block tags (kvtier's KV events): none. LMCache hands a remote connector a
+``CacheEngineKey`` and the chunk's bytes only: no token ids, not vLLM's
+block hashes, and LMCache's own chunk hash (an int, chained over its
+chunks) with nothing naming the chunk before, so a tag could only claim
+that every chunk starts a sequence (docs/INTEGRATIONS.md).
+
 A kvtier that is down, slow or answering 5xx costs misses and a warning (at
 most one per 10 s per kind), never an exception where LMCache waits on the
 answer (``exists``, ``get``, lookups). A failed ``put`` raises into LMCache's

@@ -23,6 +23,13 @@ namespace fingerprint (docs/KEYS.md) of the model, KV dtype, TP rank and size
 (``0/1`` for MLA models, whose KV every TP rank holds whole), PP rank and
 size, page size, and the host layout and context-parallel shard.
 
+Block tags (kvtier's KV events, docs/INTEGRATIONS.md): every stored page
+carries its page hash as the engine block hash, the previous page's as its
+parent and the page size (:meth:`KvtierHiCacheStorage.page_tags`); no token
+ids, which HiCache never hands a storage backend. The first page of a call
+is tagged only when SGLang says what precedes it (``prefix_keys``, sent with
+``"hicache_storage_pass_prefix_keys": true`` in the extra config).
+
 ``batch_exists`` is one ``POST /v1/lookup`` for the whole chain of pages.
 Both of HiCache's page interfaces are served:
 
@@ -88,8 +95,9 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from . import codes
 from ._connector import ConnectorCore, SharedHost
-from .errors import error_from_code
+from .errors import InvalidTagError, error_from_code
 from .keys import Namespace
+from .tag import TAG_HASH_BYTES_MAX, BlockTag
 
 logger = logging.getLogger("kvtier.sglang")
 
@@ -276,10 +284,37 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # ----------------------------------------------------------- writes
 
-    def _set_one(self, key: str, value: Any) -> bool:
-        self.client.put(self.key_of(key), value)
+    def _set_one(self, key: str, value: Any, tag: BlockTag | None = None) -> bool:
+        self.client.put(self.key_of(key), value, tag=tag)
         self._host.count_moved(value)
         return True
+
+    def page_tags(self, keys: list[str], prefix_keys: list[str] | None) -> list[BlockTag | None]:
+        """The block tag of each page of the chain ``keys``: its SGLang page
+        hash (the 64 hex digits of the key, 32 bytes), the previous page's
+        hash as its parent, and the page size; no token ids (HiCache hands a
+        storage backend none). ``prefix_keys`` are the pages before
+        ``keys[0]`` (SGLang's ``HiCacheStorageExtraInfo.prefix_keys``, sent
+        with ``"hicache_storage_pass_prefix_keys": true``; empty: ``keys[0]``
+        starts a sequence); when SGLang does not say (``None``), the first
+        page's parent is unknown and it is stored untagged rather than
+        claimed to start a sequence. A key that is not a hex hash is untagged too."""
+        parent = _unknown = object()
+        if prefix_keys is not None:
+            parent = _page_hash(prefix_keys[-1]) if prefix_keys else None
+        tags: list[BlockTag | None] = []
+        for key in keys:
+            page = _page_hash(key)
+            tag = None
+            if page is not None and parent is not _unknown and self._page_size:
+                tag = BlockTag(block_hashes=[page], parent_hash=parent, block_size=self._page_size)  # type: ignore[arg-type]
+                try:
+                    tag.validate()
+                except InvalidTagError:
+                    tag = None
+            tags.append(tag)
+            parent = page if page is not None else _unknown
+        return tags
 
     def set(
         self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
@@ -312,7 +347,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if start < 0:
                 return False
         self._core.count(sets=len(keys) - start, sets_skipped=start)
-        results = self._core.map("set", self._set_one, list(zip(keys[start:], pages[start:], strict=True)), False)
+        tags = self.page_tags(keys, None)[start:]
+        results = self._core.map("set", self._set_one, list(zip(keys[start:], pages[start:], tags, strict=True)), False)
         return all(results)
 
     # --------------------------------------------------- interface_v1
@@ -395,14 +431,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 return [False] * len(keys)
         self._core.count(sets=len(keys) - start, sets_skipped=start)
         rest = keys[start:]
+        tags = self.page_tags(keys, getattr(extra_info, "prefix_keys", None))[start:]
         pool = self.mem_pool_host
         if not self._host.decide():
             pages = [pool.get_data_page(int(host_indices[i * pool.page_size])) for i in range(start, len(keys))]
-            return [True] * start + self._core.map("set", self._set_one, list(zip(rest, pages, strict=True)), False)
+            staged = list(zip(rest, pages, tags, strict=True))
+            return [True] * start + self._core.map("set", self._set_one, staged, False)
         ptrs, sizes = self._page_spans(len(keys), host_indices)
         names = [self.key_of(k) for k in rest]
         put = self.client.batch_put_from_multi_buffers
-        results = self._core.call("set", put, names, ptrs[start:], sizes[start:], failed=None)
+        results = self._core.call("set", put, names, ptrs[start:], sizes[start:], tags, failed=None)
         if results is None:
             return [True] * start + [False] * len(rest)
         for name, result in zip(names, results, strict=True):
@@ -456,3 +494,13 @@ def _page_bytes(mem_pool_host: Any) -> int | None:
     if callable(size_per_token) and page_size:
         return int(size_per_token()) * int(page_size)
     return None
+
+
+def _page_hash(key: str) -> bytes | None:
+    """An SGLang page key as the hash bytes it spells (hex, 1 to 32 bytes),
+    or ``None`` for a key that is not one."""
+    try:
+        raw = bytes.fromhex(key)
+    except (TypeError, ValueError):
+        return None
+    return raw if 0 < len(raw) <= TAG_HASH_BYTES_MAX else None

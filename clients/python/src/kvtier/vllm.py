@@ -25,6 +25,12 @@ KV cache group index) under a namespace fingerprint (docs/KEYS.md) of the
 model, KV dtype, parallel layout, tokens per chunk and KV cache groups, the
 fields vLLM's own file-system tier names its directory by.
 
+Block tags (kvtier's KV events): none. A tier is handed ``OffloadKey`` s
+only (the hash of a chunk's last block and its group), not the hashes of
+the chunk's blocks, their parent or their tokens; kvtier's own
+``KvtierConnector`` (:mod:`kvtier.vllm_connector`) tags every block
+(docs/INTEGRATIONS.md).
+
 Nothing here blocks vLLM's scheduler: ``lookup`` answers from a per-step
 batch that one background thread resolves with one ``POST /v1/lookup`` per
 request chain (``RETRY`` until it has), and stores and loads run on the

@@ -50,6 +50,13 @@ memory, each block goes through the client (a staging buffer, then one copy
 per layer page). Which path is used is logged once and counted
 (``zero_copy_blocks``, ``staged_blocks``).
 
+**Block tags.** Every stored block carries its :class:`kvtier.BlockTag`:
+vLLM's hash of the block (``Request.block_hashes[i]``), the previous
+block's as its parent (none for a request's first block), vLLM's
+``block_size`` and the block's token ids, the fields of vLLM's own
+``BlockStored`` event, so kvtier's KV events name it as vLLM does
+(docs/INTEGRATIONS.md). The scheduler side builds them with the store plan.
+
 **Failures.** A kvtier that is down or slow costs misses (vLLM recomputes),
 never an exception or a stalled scheduler (``kvtier._connector``). A store
 that fails is a later miss.
@@ -106,10 +113,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from . import codes
 from ._connector import ConnectorCore
-from ._vllm_blocks import ConfigurationError, PagedBlocks, SharedAllocation
+from ._vllm_blocks import ConfigurationError, PagedBlocks, SharedAllocation, block_tags
 from .errors import KvtierConnectionError, KvtierError
 from .keys import Namespace, block_id_hex
 from .shm import SharedBuffer
+from .tag import BlockTag
 
 __all__ = ["ConfigurationError", "KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats"]
 
@@ -218,11 +226,13 @@ def check_hash_algo(vllm_config: VllmConfig) -> None:
 @dataclass
 class Transfer:
     """Blocks of one request to move in one step: ``keys[i]`` is the kvtier
-    key of vLLM block ``block_ids[i]``."""
+    key of vLLM block ``block_ids[i]``; a store's ``tags[i]`` names it in
+    vLLM's hash space for kvtier's KV events (:func:`block_tags`)."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    tags: list[BlockTag | None] | None = None
 
 
 @dataclass
@@ -407,8 +417,10 @@ class KvtierConnector(KVConnectorBase_V1):
             start = max(state.stored_blocks, state.local_tokens // self.block_size)
         full = min(tokens_after_step // self.block_size, len(state.request.block_hashes), len(state.block_ids))
         if full > start:
-            keys = self._keys(state.request, start, full)
-            meta.stores.append(Transfer(state.request.request_id, keys, state.block_ids[start:full]))
+            request = state.request
+            keys = self._keys(request, start, full)
+            tags = block_tags(request.block_hashes, request.all_token_ids, self.block_size, start, full)
+            meta.stores.append(Transfer(request.request_id, keys, state.block_ids[start:full], tags))
             state.stored_blocks = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -529,7 +541,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if not blocks.ready():
                 self._core.count(store_failed_blocks=len(transfer.keys))
                 continue
-            results = blocks.move(transfer.keys, transfer.block_ids, load=False)
+            results = blocks.move(transfer.keys, transfer.block_ids, load=False, tags=transfer.tags)
             failed = sum(1 for r in results if r < 0)
             self._core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
 
