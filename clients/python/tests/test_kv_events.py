@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -268,4 +272,67 @@ def test_bytes_hashes_and_no_ownership_for_dynamo() -> None:
         assert e.ownership is None
         sub.close(linger=0)
     finally:
+        node.close()
+
+
+@pytest.fixture
+def router_python() -> str:
+    """Dynamo's virtualenv's python ($KVTIER_ROUTER_PYTHON, set by make)."""
+    python = os.environ.get("KVTIER_ROUTER_PYTHON", "")
+    if not python or not os.path.exists(python):
+        pytest.fail(
+            f"KVTIER_ROUTER_PYTHON={python!r} is not Dynamo's virtualenv's python; "
+            "run `make target/py-router/.installed` (pip install ai-dynamo-runtime==1.6.1) and the tests through make"
+        )
+    return python
+
+
+def test_dynamo_replays_what_it_missed_from_the_replay_socket(router_python: str) -> None:
+    """A real router's replay client on kvtier's ROUTER socket: Dynamo's
+    indexer, registered after a block was published, sees the sequence
+    start past 0, asks for batches 0 on, and indexes the block it missed."""
+    node = Node("--kv-events-ownership", "")
+    port = free_port()
+    indexer = subprocess.Popen(
+        [router_python, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def call(path: str, body: object = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read() or b"null")
+
+    def matched(tokens: list[int]) -> dict:
+        return call("/query", {"token_ids": tokens, "model_name": "default"}).get("instances", {}).get("1", {})
+
+    try:
+        missed = list(range(5000, 5016))
+        node.put("missed", [bytes([0xE1] * 32)], None, 16, missed)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                call("/health")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and indexer.poll() is None, "dynamo.indexer did not come up"
+                time.sleep(0.1)
+        endpoints = {"endpoint": f"tcp://127.0.0.1:{node.pub}", "replay_endpoint": f"tcp://127.0.0.1:{node.replay}"}
+        call("/register", {"instance_id": 1, "block_size": 16, "model_name": "default", **endpoints})
+        # Later blocks until one reaches it live: its sequence number then
+        # shows Dynamo the gap, which it fills from the replay socket.
+        for i in range(int(WAIT_S * 5)):
+            node.put(f"live-{i}", [bytes([0xE2, i] + [0] * 30)], None, 16, list(range(7000 + 16 * i, 7016 + 16 * i)))
+            time.sleep(0.2)
+            if matched(missed).get("disk") == 16:
+                break
+        # Published before the indexer existed: only the replay could bring it.
+        m = matched(missed)
+        assert (m.get("gpu"), m.get("cpu"), m.get("disk")) == (0, 16, 16), m
+        assert node.stats()["replay_requests"] >= 1
+    finally:
+        indexer.terminate()
+        indexer.wait(10)
         node.close()
