@@ -24,9 +24,8 @@
 //! **Why zmq.rs** (`zeromq` 0.7, the ZeroMQ organisation's own Rust
 //! implementation): it is maintained (0.7.0 is recent: it needs Rust
 //! 1.89), pure Rust (no libzmq and no C++ build, where the `zmq` crate
-//! binds libzmq), runs on
-//! tokio, and has the PUB and ROUTER sockets vLLM's publisher uses,
-//! speaking ZMTP 3 to pyzmq and libzmq subscribers.
+//! binds libzmq), runs on tokio, and has the PUB and ROUTER sockets
+//! vLLM's publisher uses, speaking ZMTP 3 to pyzmq and libzmq peers.
 //!
 //! **A slow subscriber never slows the server** (read in zeromq 0.7.0's
 //! `src/pub.rs`): `PubSocket::send` only pushes the message onto a bounded
