@@ -9,6 +9,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 use kvtier_local_proto::{self as proto, Code, Cursor, Next, Op, Span};
 use kvtier_server::http::request::{declared_length, parse_keys};
 use kvtier_server::http::routes::{self, Plan, Route};
+use kvtier_server::http::tag::tag_from_headers;
 use kvtier_server::limits;
 use kvtier_server::local::region::Region;
 use kvtier_server::service::Auth;
@@ -104,6 +105,18 @@ pub fn http_route(data: &[u8]) {
                 match declared_length(&headers, 4096, "PUT") {
                     Ok(n) => assert_eq!(Some(n), headers[http::header::CONTENT_LENGTH].to_str().ok().and_then(|v| v.parse().ok())),
                     Err(reply) => assert!(matches!(reply.status(), StatusCode::LENGTH_REQUIRED | StatusCode::BAD_REQUEST)),
+                }
+                // A PUT's block tag headers: a tag the engine reads back as
+                // it is, or a message naming what is wrong.
+                match tag_from_headers(&headers, 4096) {
+                    Ok(Some(tag)) => {
+                        let decoded = kvtier_engine::events::BlockTag::decode(&tag).expect("a tag from headers decodes");
+                        assert_eq!(decoded.encode(), tag, "a tag from headers does not round-trip");
+                    }
+                    Ok(None) => assert!(["x-kvtier-block-hashes", "x-kvtier-parent-hash", "x-kvtier-block-size", "x-kvtier-token-ids"]
+                        .iter()
+                        .all(|h| !headers.contains_key(*h))),
+                    Err(why) => assert!(why.contains("x-kvtier-") || why.starts_with("block tag:"), "{why}"),
                 }
             }
         }
