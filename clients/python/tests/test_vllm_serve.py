@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.testing import ServerProcess, VllmServer
+from kvtier.testing import ServerProcess, VllmServer, free_port
 
 # The first test also waits for the fleet of vLLM starts (about 4 minutes
 # warm here; a first run on a machine also compiles the model): more than
@@ -113,6 +113,7 @@ class Fleet:
     mismatched: VllmServer
     refused: VllmServer
     strict_dir: str
+    events_replay: int
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,11 @@ def fleet() -> Iterator[Fleet]:
     strict = ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.0625, disk_gb=0.25, data_dir=strict_dir)
     # kvtier runs as 65534, so its socket admits uid 65534 only; vLLM runs as root.
     strict.argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *strict.argv]
-    store = ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.25, disk_gb=1, shards=2)
+    # The store publishes KV events (docs/OPERATIONS.md): the blocks' tags,
+    # read back from its replay socket, say what the connector attached.
+    pub, replay = free_port(), free_port()
+    events = ("--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
+    store = ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.25, disk_gb=1, shards=2, args=events)
     wrong = ServerProcess(block_bytes=BLOCK_BYTES // 2, ram_gb=0.0625, disk_gb=0.25)
     servers = [store, wrong, strict]
     engines: list[VllmServer] = []
@@ -142,6 +147,7 @@ def fleet() -> Iterator[Fleet]:
             mismatched=vllm(kv_transfer_config=connector(wrong.url), args=("--enforce-eager",)),
             refused=vllm(kv_transfer_config=connector(strict.url, local="on"), args=("--enforce-eager",)),
             strict_dir=strict_dir,
+            events_replay=replay,
         )
         engines = [fleet.plain, fleet.engine, fleet.second, fleet.mismatched, fleet.refused]
         for e in engines:
@@ -175,12 +181,50 @@ def engine(fleet: Fleet, reference: list[list[int]]) -> VllmServer:
     return fleet.engine.wait_ready()
 
 
-def test_outputs_match_no_connector_on_misses_and_on_kvtier_hits(store, reference, engine):
+def stored_events(replay_port: int) -> list[object]:
+    """Every ``BlockStored`` kvtier published so far, replayed from its
+    ROUTER socket from sequence 0 and decoded by vLLM's own classes."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        events: list[object] = []
+        while True:
+            assert dealer.poll(10_000), "no end of the replay within 10 s"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return [e for e in events if isinstance(e, BlockStored)]
+            events.extend(decoder.decode(payload).events)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_outputs_match_no_connector_on_misses_and_on_kvtier_hits(fleet, store, reference, engine):
     before = server_totals(store)
     # Misses: computed by vLLM, every full block stored in kvtier.
     assert [engine.complete(p, MAX_TOKENS) for p in PROMPTS] == reference
     after_store = server_totals(store)
     assert after_store["puts"] - before["puts"] >= 3 * 10, (before, after_store)
+    # Each block carries the tag KvtierConnector attached (vLLM's block
+    # hash, its parent's, the block size, its tokens), so kvtier's events
+    # name it as vLLM's own BlockStored would: a prompt's first block has
+    # no parent and holds the prompt's first 128 tokens, every other
+    # block's parent is a block kvtier holds.
+    deadline = time.monotonic() + 10
+    while not (events := stored_events(fleet.events_replay)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert events and all(e.block_size == BLOCK_TOKENS and len(e.token_ids) == BLOCK_TOKENS for e in events)
+    hashes = {h for e in events for h in e.block_hashes}
+    assert len(hashes) >= 3 * 10, len(hashes)
+    assert all(e.parent_block_hash in hashes for e in events if e.parent_block_hash is not None)
+    firsts = {tuple(e.token_ids) for e in events if e.parent_block_hash is None}
+    assert {tuple(engine.tokenize(p)[:BLOCK_TOKENS]) for p in PROMPTS} <= firsts
     # vLLM's prefix cache emptied: the prompts' blocks come from kvtier.
     engine.reset_prefix_cache()
     hits_before = external_hit_tokens(engine)

@@ -357,6 +357,12 @@ class VllmServer:
         tokens = answer["choices"][0]["logprobs"]["tokens"]  # type: ignore[index]
         return [int(str(t).removeprefix("token_id:")) for t in tokens]
 
+    def tokenize(self, prompt: str, timeout_s: float = 60.0) -> list[int]:
+        """The token ids vLLM makes of ``prompt`` (``POST /tokenize``, as a
+        completion request tokenizes it)."""
+        answer = self._post("/tokenize", {"model": "kvtier-llama", "prompt": prompt}, timeout_s)
+        return [int(t) for t in answer["tokens"]]  # type: ignore[attr-defined]
+
     def reset_prefix_cache(self) -> None:
         """Empties vLLM's own prefix cache (``POST /reset_prefix_cache``, a
         development-mode route)."""
