@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 use crate::events::Journal;
-pub use crate::key::BlockHashHasher;
 use crate::key::BlockHash;
+pub use crate::key::BlockHashHasher;
 use crate::tenant::OwnerId;
 
 /// Where a block's newest record is.
@@ -82,7 +82,12 @@ impl Index {
     /// with room for `capacity_blocks` entries without growing.
     pub fn new(capacity_blocks: usize, slots_per_segment: u32) -> Self {
         assert!(slots_per_segment > 0, "a segment holds at least one slot");
-        Index { map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()), slots_per_segment, owner_blocks: Vec::new(), journal: None }
+        Index {
+            map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()),
+            slots_per_segment,
+            owner_blocks: Vec::new(),
+            journal: None,
+        }
     }
 
     /// Reports every block the log starts or stops holding to `journal`.

@@ -122,7 +122,12 @@ impl SlotHeader {
         assert!(!self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX, "key length {}", self.key.len());
         assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
         assert_eq!(self.chunk_crcs.len() as u64, chunk_count(self.payload_len, self.chunk_bytes), "chunk CRCs cover the payload");
-        assert!(self.tag.len() <= tag_room_for(self.chunk_crcs.len()), "a {}-byte tag beside {} chunk CRCs", self.tag.len(), self.chunk_crcs.len());
+        assert!(
+            self.tag.len() <= tag_room_for(self.chunk_crcs.len()),
+            "a {}-byte tag beside {} chunk CRCs",
+            self.tag.len(),
+            self.chunk_crcs.len()
+        );
         let page = &mut page[..PAGE_BYTES as usize];
         page.fill(0);
         put(page, OFF_MAGIC, &SLOT_MAGIC.to_le_bytes());

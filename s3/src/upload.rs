@@ -51,7 +51,13 @@ pub(crate) async fn worker(tier: Weak<S3Tier>, shard: usize, mut rx: tokio::sync
 
 /// The future of one create-only upload of `key`, counted in `shard`'s
 /// counters. Owns what it needs, so it runs on any runtime thread.
-pub(crate) fn job(tier: &S3Tier, shard: usize, key: String, chunks: Vec<Bytes>, tag: Option<Bytes>) -> impl Future<Output = UploadOutcome> + Send + 'static {
+pub(crate) fn job(
+    tier: &S3Tier,
+    shard: usize,
+    key: String,
+    chunks: Vec<Bytes>,
+    tag: Option<Bytes>,
+) -> impl Future<Output = UploadOutcome> + Send + 'static {
     let client = tier.client.clone();
     let path = tier.path(&key);
     let timeout = tier.settings.upload_timeout;

@@ -104,7 +104,10 @@ async fn a_running_publisher_shows_in_stats_and_metrics() {
     assert!(ev["replay_endpoint"].as_str().unwrap().starts_with("tcp://127.0.0.1:"), "{ev}");
     assert_eq!((ev["topic"].as_str(), ev["hash"].as_str(), ev["ownership"].as_str()), (Some("node-a"), Some("int"), Some("kvtier")));
     // Batch 0, [AllBlocksCleared], went out at start and is kept for replay.
-    assert_eq!((ev["batches_published"].as_u64(), ev["last_seq"].as_u64(), ev["replay_batches_kept"].as_u64()), (Some(1), Some(0), Some(1)));
+    assert_eq!(
+        (ev["batches_published"].as_u64(), ev["last_seq"].as_u64(), ev["replay_batches_kept"].as_u64()),
+        (Some(1), Some(0), Some(1))
+    );
     assert_eq!(ev["events_dropped"].as_u64(), Some(0));
 
     let text = common::exchange(

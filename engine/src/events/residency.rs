@@ -138,7 +138,13 @@ impl Residency {
                 }
                 match new {
                     Some(tag) => {
-                        let t = inner.blocks.entry(hash).or_insert(Tracked { tag: tag.clone(), held: 0, published: 0, putting: 0, touched: false });
+                        let t = inner.blocks.entry(hash).or_insert(Tracked {
+                            tag: tag.clone(),
+                            held: 0,
+                            published: 0,
+                            putting: 0,
+                            touched: false,
+                        });
                         t.tag = tag;
                         t.published = 0;
                     }

@@ -87,11 +87,7 @@ impl BlockTag {
         }
         let want = n as u64 * self.block_size as u64;
         if !self.token_ids.is_empty() && self.token_ids.len() as u64 != want {
-            return Err(format!(
-                "{} token ids for {n} block(s) of {} tokens: send {want} or none",
-                self.token_ids.len(),
-                self.block_size
-            ));
+            return Err(format!("{} token ids for {n} block(s) of {} tokens: send {want} or none", self.token_ids.len(), self.block_size));
         }
         if self.token_ids.len() > TAG_TOKENS_MAX {
             return Err(format!("a tag holds at most {TAG_TOKENS_MAX} token ids, got {}", self.token_ids.len()));
@@ -180,9 +176,11 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let end = self.at.checked_add(n).filter(|e| *e <= self.bytes.len()).ok_or_else(|| {
-            format!("the tag ends after {} bytes, {n} more expected at byte {}", self.bytes.len(), self.at)
-        })?;
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|e| *e <= self.bytes.len())
+            .ok_or_else(|| format!("the tag ends after {} bytes, {n} more expected at byte {}", self.bytes.len(), self.at))?;
         let out = &self.bytes[self.at..end];
         self.at = end;
         Ok(out)
