@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, Method, Request, StatusCode};
+use http::{header, HeaderName, HeaderValue, Method, Request, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -294,6 +294,22 @@ impl Client {
     /// [`ClientError::Transport`] when the exchange fails before the
     /// response head; [`ClientError::BodyCut`] when the body is cut off.
     pub async fn send(&self, method: Method, path: &str, body: ChunkedBody, content_type: Option<&str>) -> Result<Answer, ClientError> {
+        self.send_with_headers(method, path, body, content_type, &[]).await
+    }
+
+    /// [`Client::send`] with `headers` added to the request (a block tag's
+    /// `x-kvtier-*` headers, [`crate::tag`]).
+    ///
+    /// # Errors
+    /// As [`Client::send`].
+    pub async fn send_with_headers(
+        &self,
+        method: Method,
+        path: &str,
+        body: ChunkedBody,
+        content_type: Option<&str>,
+        headers: &[(HeaderName, HeaderValue)],
+    ) -> Result<Answer, ClientError> {
         let transport = |e: &dyn std::error::Error| {
             let mut message = e.to_string();
             let mut source = e.source();
@@ -310,6 +326,9 @@ impl Client {
         }
         if let Some(t) = &self.token {
             req = req.header(header::AUTHORIZATION, t.clone());
+        }
+        for (name, value) in headers {
+            req = req.header(name, value);
         }
         let req = req.body(body).map_err(|e| transport(&e))?;
         let client = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len()];
@@ -353,9 +372,21 @@ impl Client {
         chunks: Vec<Bytes>,
         content_type: Option<&str>,
     ) -> Result<Answer, ClientError> {
+        self.send_retrying(method, path, chunks, content_type, &[]).await
+    }
+
+    /// [`Client::send_honouring_retry_after`] with `headers` added.
+    async fn send_retrying(
+        &self,
+        method: Method,
+        path: &str,
+        chunks: Vec<Bytes>,
+        content_type: Option<&str>,
+        headers: &[(HeaderName, HeaderValue)],
+    ) -> Result<Answer, ClientError> {
         let mut retry = OverloadRetry::new();
         loop {
-            let a = self.send(method.clone(), path, ChunkedBody::new(chunks.clone()), content_type).await?;
+            let a = self.send_with_headers(method.clone(), path, ChunkedBody::new(chunks.clone()), content_type, headers).await?;
             match a.retry_after {
                 Some(delay) if a.status == StatusCode::SERVICE_UNAVAILABLE => {
                     self.refusals.fetch_add(1, Ordering::Relaxed);
@@ -394,8 +425,22 @@ impl Client {
     /// # Errors
     /// [`ClientError::Status`] for any other status; transport errors.
     pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<StatusCode, ClientError> {
+        self.put_with_headers(key, chunks, &[]).await
+    }
+
+    /// `PUT /v1/blocks/{key}` with `headers` (a block tag,
+    /// [`crate::tag::BlockTag::headers`]); returns 201 or 200.
+    ///
+    /// # Errors
+    /// As [`Client::put`]; a tag the server refuses is 400 `invalid_tag`.
+    pub async fn put_with_headers(
+        &self,
+        key: &str,
+        chunks: Vec<Bytes>,
+        headers: &[(HeaderName, HeaderValue)],
+    ) -> Result<StatusCode, ClientError> {
         let path = format!("/v1/blocks/{key}");
-        let a = self.send_honouring_retry_after(Method::PUT, &path, chunks, Some("application/octet-stream")).await?;
+        let a = self.send_retrying(Method::PUT, &path, chunks, Some("application/octet-stream"), headers).await?;
         match a.status {
             StatusCode::CREATED | StatusCode::OK => Ok(a.status),
             _ => Err(Self::unexpected(Method::PUT, &path, a)),
@@ -430,6 +475,16 @@ impl Client {
     /// [`ClientError::Status`] for a non-200; [`ClientError::BadResponse`]
     /// when `prefix_hits` is missing.
     pub async fn lookup(&self, keys: &[String]) -> Result<usize, ClientError> {
+        self.lookup_tiers(keys).await.map(|(hits, _)| hits)
+    }
+
+    /// `POST /v1/lookup`: how many leading keys are stored, and the tier
+    /// each of them is in (`gpu`, `ram`, `nvme` or `s3`; the fastest that
+    /// holds it; empty when the server names none).
+    ///
+    /// # Errors
+    /// As [`Client::lookup`].
+    pub async fn lookup_tiers(&self, keys: &[String]) -> Result<(usize, Vec<String>), ClientError> {
         let path = "/v1/lookup";
         let body = serde_json::to_vec(&serde_json::json!({ "keys": keys })).expect("JSON serializes");
         let a = self.send_honouring_retry_after(Method::POST, path, vec![Bytes::from(body)], Some("application/json")).await?;
@@ -438,10 +493,12 @@ impl Client {
         }
         let v: Value = serde_json::from_slice(&a.body.to_bytes())
             .map_err(|e| ClientError::BadResponse { path: path.into(), message: e.to_string() })?;
-        v["prefix_hits"]
+        let hits = v["prefix_hits"]
             .as_u64()
             .map(|n| n as usize)
-            .ok_or_else(|| ClientError::BadResponse { path: path.into(), message: format!("no prefix_hits in {v}") })
+            .ok_or_else(|| ClientError::BadResponse { path: path.into(), message: format!("no prefix_hits in {v}") })?;
+        let tiers = v["tiers"].as_array().map_or_else(Vec::new, |ts| ts.iter().map(|t| t.as_str().unwrap_or("").to_string()).collect());
+        Ok((hits, tiers))
     }
 
     /// `GET /v1/stats` as JSON.

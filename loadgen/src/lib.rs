@@ -5,7 +5,8 @@
 //! against kvtier (over HTTP or its same-host local socket, [`local`]) or
 //! Redis ([`target`]), with chained block keys, verified
 //! payloads, hdrhistogram latency percentiles, JSON results and HTML
-//! reports ([`report`]). The binary `kvtier-loadgen` wraps it; the server's
+//! reports ([`report`]); KV-aware routing over a fleet of nodes on their
+//! KV events ([`route`], blocks tagged by [`tag`]). The binary `kvtier-loadgen` wraps it; the server's
 //! integration tests use it directly.
 #![deny(missing_docs)]
 
@@ -22,10 +23,12 @@ pub mod payload;
 pub mod replay;
 pub mod report;
 pub mod retry;
+pub mod route;
 pub mod server_process;
 pub mod sharegpt;
 pub mod size;
 pub mod soak;
 pub mod stats;
 pub mod sweep;
+pub mod tag;
 pub mod target;

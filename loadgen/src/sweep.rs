@@ -33,9 +33,12 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::{Deserialize, Serialize};
 
+use http::{HeaderName, HeaderValue};
+
 use crate::keys;
 use crate::payload::Payloads;
 use crate::stats::{ratio, FirstError, LatencySummary, OpLatency, TierLatency};
+use crate::tag::{BlockTag, TagHeaders};
 use crate::target::{Target, TargetError};
 
 /// Consecutive failed operations after which a worker stops (an
@@ -325,6 +328,9 @@ impl SweepResults {
 /// The fixed key space and payloads.
 pub struct Workload {
     chains: Vec<Vec<String>>,
+    /// Each block's tag headers, by chain and block (`--kv-tags`); `None`:
+    /// blocks are stored untagged.
+    tags: Option<Vec<Vec<TagHeaders>>>,
     payloads: Payloads,
     cfg: SweepConfig,
 }
@@ -332,21 +338,52 @@ pub struct Workload {
 impl Workload {
     /// Builds the chains of `cfg` (at least one chain of at least one block).
     pub fn new(cfg: &SweepConfig) -> Self {
-        let chain_blocks = cfg.chain_blocks.max(1);
-        let n_chains = cfg.working_set_blocks.div_ceil(chain_blocks).max(1);
-        let chains = (0..n_chains)
+        let chains = (0..Self::chain_count(cfg))
             .map(|c| {
-                let mut rng = Xoshiro256PlusPlus::seed_from_u64(cfg.seed ^ ((c as u64 + 1) << 20));
-                let mut chain: Vec<String> = Vec::with_capacity(chain_blocks);
-                for _ in 0..chain_blocks {
-                    let tokens: Vec<u32> = (0..cfg.block_tokens).map(|_| rng.gen_range(0..100_000)).collect();
+                let mut chain: Vec<String> = Vec::with_capacity(cfg.chain_blocks.max(1));
+                for tokens in Self::chain_tokens(cfg, c) {
                     let key = keys::block_key(chain.last().map(String::as_str).unwrap_or(""), &tokens);
                     chain.push(key);
                 }
                 chain
             })
             .collect();
-        Workload { chains, payloads: Payloads::new(cfg.block_bytes as usize, cfg.seed), cfg: cfg.clone() }
+        Workload { chains, tags: None, payloads: Payloads::new(cfg.block_bytes as usize, cfg.seed), cfg: cfg.clone() }
+    }
+
+    fn chain_count(cfg: &SweepConfig) -> usize {
+        cfg.working_set_blocks.div_ceil(cfg.chain_blocks.max(1)).max(1)
+    }
+
+    /// The token ids of each block of chain `c`: seeded pseudo-random ids.
+    fn chain_tokens(cfg: &SweepConfig, c: usize) -> Vec<Vec<u32>> {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(cfg.seed ^ ((c as u64 + 1) << 20));
+        (0..cfg.chain_blocks.max(1)).map(|_| (0..cfg.block_tokens).map(|_| rng.gen_range(0..100_000)).collect()).collect()
+    }
+
+    /// This workload with every block tagged (`--kv-tags`): each chain's
+    /// engine hashes chained over its token ids ([`crate::tag`]), one engine
+    /// block of `block_tokens` per kvtier block, the token ids sent too (up
+    /// to [`crate::tag::TOKEN_IDS_MAX`]). The headers are made here, once,
+    /// so that a tagged sweep measures the server's cost of the tag, not
+    /// the loadgen's of formatting it.
+    pub fn with_kv_tags(mut self) -> Self {
+        let block_tokens = self.cfg.block_tokens as usize;
+        let tags = (0..self.chains.len())
+            .map(|c| {
+                let tokens: Vec<u32> = Self::chain_tokens(&self.cfg, c).concat();
+                let mut hashes = Vec::new();
+                crate::tag::extend_hashes(&mut hashes, &tokens, block_tokens);
+                (0..hashes.len()).map(|b| BlockTag::of_block(&hashes, &tokens, block_tokens, b).headers()).collect()
+            })
+            .collect();
+        self.tags = Some(tags);
+        self
+    }
+
+    /// The tag headers of block `b` of chain `c` (none when untagged).
+    fn tag_headers(&self, c: usize, b: usize) -> &[(HeaderName, HeaderValue)] {
+        self.tags.as_ref().map_or(&[], |t| &t[c][b])
     }
 
     /// Every key of the working set.
@@ -492,9 +529,10 @@ impl Level {
             }
             for _ in 0..cfg.mix.writes {
                 let c = rng.gen_range(0..wl.chains.len());
-                let key = &wl.chains[c][rng.gen_range(0..wl.chains[c].len())];
+                let b = rng.gen_range(0..wl.chains[c].len());
+                let key = &wl.chains[c][b];
                 let t = Instant::now();
-                match self.target.put(key, wl.payloads.chunks(key)).await {
+                match self.target.put_tagged(key, wl.payloads.chunks(key), wl.tag_headers(c, b)).await {
                     Ok(()) => {
                         streak = 0;
                         let done = Instant::now();
@@ -540,7 +578,9 @@ pub(crate) fn progress_bar(enabled: bool, len: u64, prefix: String) -> indicatif
 /// The first failed PUT: a sweep on a partly stored working set would
 /// measure misses, not the store.
 pub async fn preload(target: Arc<Target>, workload: Arc<Workload>, progress: bool) -> Result<Preload, TargetError> {
-    let keys: Arc<Vec<String>> = Arc::new(workload.keys().cloned().collect());
+    // Every block by (chain, block), in key order.
+    let keys: Arc<Vec<(usize, usize)>> =
+        Arc::new(workload.chains.iter().enumerate().flat_map(|(c, chain)| (0..chain.len()).map(move |b| (c, b))).collect());
     let bar = progress_bar(progress, keys.len() as u64, format!("{} preload", target.kind()));
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
@@ -550,8 +590,9 @@ pub async fn preload(target: Arc<Target>, workload: Arc<Workload>, progress: boo
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(key) = keys.get(i) else { return Ok(()) };
-                    target.put(key, workload.payloads.chunks(key)).await?;
+                    let Some(&(c, b)) = keys.get(i) else { return Ok(()) };
+                    let key = &workload.chains[c][b];
+                    target.put_tagged(key, workload.payloads.chunks(key), workload.tag_headers(c, b)).await?;
                     bar.inc(1);
                 }
             })

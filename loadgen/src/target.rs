@@ -360,6 +360,26 @@ impl Target {
         }
     }
 
+    /// Stores a block given as chunks with `headers` added (a block tag's,
+    /// [`crate::tag::BlockTag::headers`]): [`Target::put`] when there are
+    /// none.
+    ///
+    /// # Errors
+    /// As [`Target::put`]; headers for a target other than kvtier over HTTP
+    /// ([`TargetError::BadTarget`]: the loadgen tags blocks over HTTP only).
+    pub async fn put_tagged(
+        &self,
+        key: &str,
+        chunks: Vec<Bytes>,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<(), TargetError> {
+        match self {
+            _ if headers.is_empty() => self.put(key, chunks).await,
+            Target::Kvtier(c) => c.put_with_headers(key, chunks, headers).await.map(|_| ()).map_err(Into::into),
+            _ => Err(TargetError::BadTarget(format!("{}: block tags are sent over HTTP only", self.url()))),
+        }
+    }
+
     /// Bytes the server has received and sent so far, `(in, out)`: kvtier's
     /// request and response body bytes summed over shards (`/v1/stats`; for
     /// the local socket its own counters, `local.per_shard`, which need

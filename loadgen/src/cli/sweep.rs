@@ -72,6 +72,12 @@ pub struct SweepArgs {
     /// redis-benchmark).
     #[arg(long, default_value_t = 0)]
     connections: usize,
+    /// Send every PUT with a block tag (docs/API.md, "Block tags"):
+    /// engine hashes chained over each block's token ids, the block size
+    /// and the ids, so a server with --kv-events publishes every block's
+    /// moves (an untagged block publishes nothing). kvtier over HTTP only.
+    #[arg(long)]
+    kv_tags: bool,
     /// Directory for results.json and report.html.
     #[arg(long, default_value = "target/loadgen/sweep")]
     out: PathBuf,
@@ -90,6 +96,11 @@ pub async fn run(args: SweepArgs) -> Result<ExitCode, String> {
     let label = args.targets.join(" ");
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         return fail_early(&args.out, "sweep", &label, "--concurrency needs levels of at least 1".into());
+    }
+    if args.kv_tags {
+        if let Some(t) = args.targets.iter().find(|t| !t.starts_with("http://")) {
+            return fail_early(&args.out, "sweep", &label, format!("--kv-tags sends block tags over HTTP only, not to {t}"));
+        }
     }
     let workers_max = args.concurrency.iter().copied().max().unwrap_or(1);
     let token = match read_token_file(args.token_file.as_deref()) {
@@ -142,7 +153,8 @@ pub async fn run(args: SweepArgs) -> Result<ExitCode, String> {
         target_tokens_per_s: args.target_tokens_per_s,
         progress: true,
     };
-    let workload = Arc::new(sweep::Workload::new(&config));
+    let workload = sweep::Workload::new(&config);
+    let workload = Arc::new(if args.kv_tags { workload.with_kv_tags() } else { workload });
     let mut results = SweepResults {
         mode: "sweep".into(),
         started_unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -152,7 +164,7 @@ pub async fn run(args: SweepArgs) -> Result<ExitCode, String> {
         error: None,
     };
     eprintln!(
-        "kvtier-loadgen: sweep of {} at concurrency {:?}, {} s + {} s per level, mix {}:{}:{}, {} blocks of {} bytes; link {}",
+        "kvtier-loadgen: sweep of {} at concurrency {:?}, {} s + {} s per level, mix {}:{}:{}, {} blocks of {} bytes{}; link {}",
         label,
         config.concurrency,
         config.warmup_s,
@@ -162,6 +174,7 @@ pub async fn run(args: SweepArgs) -> Result<ExitCode, String> {
         config.mix.writes,
         workload.blocks(),
         block_bytes,
+        if args.kv_tags { ", tagged" } else { "" },
         link.bytes_per_s.map_or("unknown".to_string(), |b| format!("{:.2} GB/s ({})", b / 1e9, link.source))
     );
     let save = |r: &SweepResults| report::write_out(&args.out, r, Some(report::sweep_html(r)));
