@@ -62,6 +62,15 @@ enum Command {
     /// connector): reads the benchmark's results.json, writes
     /// OUT/report.html with its table and TTFT charts.
     EngineReport(cli::engine_report::EngineReportArgs),
+    /// KV-aware routing: the ShareGPT replay over several kvtier nodes
+    /// (`serve --kv-events`), each turn sent by a router that follows the
+    /// nodes' KV events (every event, store events only, or round robin),
+    /// its PUTs tagged with the engine's block hashes; prefix tokens served
+    /// from the nodes' own tiers against the shared bucket, tokens/s, p99.
+    Route(cli::route::RouteArgs),
+    /// Read a node's whole KV event stream (as a router would) until a stop
+    /// file appears; counts batches, events and gaps.
+    Subscribe(cli::subscribe::SubscribeArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +84,8 @@ fn main() -> ExitCode {
         Command::Soak(args) => runtime.block_on(cli::soak::run(args)),
         Command::Size(args) => cli::size::run(args).map(|()| ExitCode::SUCCESS),
         Command::EngineReport(args) => cli::engine_report::run(args),
+        Command::Route(args) => runtime.block_on(cli::route::run(args)),
+        Command::Subscribe(args) => runtime.block_on(cli::subscribe::run(args)),
     };
     match result {
         Ok(code) => code,

@@ -506,7 +506,7 @@ struct Shared {
 }
 
 /// Token ids of each turn: (user message, reply).
-fn tokenize(conv: &Conversation) -> Vec<(Vec<u32>, Vec<u32>)> {
+pub(crate) fn tokenize(conv: &Conversation) -> Vec<(Vec<u32>, Vec<u32>)> {
     let bpe = tiktoken_rs::cl100k_base_singleton();
     conv.turns().into_iter().map(|(user, reply)| (bpe.encode_ordinary(user), bpe.encode_ordinary(reply))).collect()
 }

@@ -14,8 +14,10 @@ pub mod blocks;
 pub mod crash;
 pub mod engine_report;
 pub mod replay;
+pub mod route;
 pub mod size;
 pub mod soak;
+pub mod subscribe;
 pub mod sweep;
 
 /// Block geometry for targets that have none of their own (Redis), or to
