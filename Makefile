@@ -7,6 +7,8 @@
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio, also via h2load (target/bench/http/)
 #   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
+#   make bench-router  two nodes on one bucket, ShareGPT routed on their KV events vs store events only vs round robin (target/bench/router/)
+#   make bench-events  what KV events cost: tagged sweeps with events and a subscriber vs events off, alternated (target/bench/events/)
 #   make bench-size  tier sizing from traces: exact curves vs SHARDS on 10M+ records, predicted vs measured RAM hit ratio, recorder cost (target/bench-size/)
 #   make bench-tenants  tenants: a quiet tenant's hit rates alone, beside a noisy one with and without tenants; sweep cost with one tenant (target/bench-tenants/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
@@ -42,12 +44,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,23p' Makefile
+	@sed -n '2,25p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -282,6 +284,19 @@ bench-http: build
 # (PAIRS, USERS_PER_NODE, CONVERSATIONS, BLOCK_BYTES, BURST_QUEUE_MIB, ...).
 bench-s3: build data target/py-s3/.installed
 	loadgen/scripts/bench_s3.sh
+
+# KV-aware routing (issue 42): two small nodes on one moto bucket, each with
+# --kv-events; one ShareGPT replay routed by `kvtier-loadgen route` on every
+# event, on store events only, and round robin, PAIRS rounds, fresh nodes
+# each run. Settings in loadgen/scripts/bench_router.sh.
+bench-router: build data target/py-s3/.installed
+	loadgen/scripts/bench_router.sh
+
+# The publisher's cost: tagged sweeps (--kv-tags) against a server with
+# --kv-events and a subscriber attached, and one without, alternating.
+# Settings in loadgen/scripts/bench_events_cost.sh.
+bench-events: build
+	loadgen/scripts/bench_events_cost.sh
 
 # Tier sizing from traces: exact LRU curves against SHARDS at 1 % and 0.1 %
 # on a ShareGPT trace of 10+ million records (time, memory, error), the
