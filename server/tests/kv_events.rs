@@ -7,11 +7,9 @@
 
 mod common;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{client, json_call, set_flag, start, test_args, try_start};
+use common::{client, json_call, promtool_check, set_flag, start, test_args, try_start};
 
 /// Starts a server with `flags` added, expects it to refuse, and returns
 /// its stderr; the store was never opened (no shard directory).
@@ -61,20 +59,6 @@ fn a_port_in_use_is_refused_naming_the_flag() {
     let same = format!("tcp://127.0.0.1:{free}");
     let e = refused(&["--kv-events", &same, "--kv-events-replay", &same]);
     assert!(e.contains("--kv-events-replay") && e.contains("in use"), "{e}");
-}
-
-/// Runs `promtool check metrics` on `text`: (success, what it printed).
-fn promtool_check(text: &str) -> (bool, String) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run promtool ({e}): `make deps` installs it (apt-get install prometheus)"));
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,11 +7,9 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{client, payload, start, test_args};
+use common::{client, payload, promtool_check, start, test_args};
 
 /// `GET /metrics` over HTTP/1.1 with `accept` (if any): (content type, body).
 fn scrape(url: &str, accept: Option<&str>) -> (String, String) {
@@ -29,20 +27,6 @@ fn sample(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
-}
-
-/// Runs `promtool check metrics` on `text`: (success, what it printed).
-fn promtool_check(text: &str) -> (bool, String) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run promtool ({e}): `make deps` installs it (apt-get install prometheus)"));
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 /// Every series name a scrape (text format 0.0.4) declares in its `# TYPE`

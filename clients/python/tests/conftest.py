@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -26,6 +27,18 @@ def server() -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[kvtier.Client]:
     with kvtier.Client(server.url, connections=4, timeout_s=10) as c:
         yield c
+
+
+@pytest.fixture
+def router_python() -> str:
+    """Dynamo's virtualenv's python ($KVTIER_ROUTER_PYTHON, set by make)."""
+    python = os.environ.get("KVTIER_ROUTER_PYTHON", "")
+    if not python or not os.path.exists(python):
+        pytest.fail(
+            f"KVTIER_ROUTER_PYTHON={python!r} is not Dynamo's virtualenv's python; "
+            "run `make target/py-router/.installed` (pip install ai-dynamo-runtime==1.6.1) and the tests through make"
+        )
+    return python
 
 
 def block(seed: int, nbytes: int = BLOCK_BYTES) -> bytes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import subprocess
 import time
 import urllib.error
@@ -273,18 +272,6 @@ def test_bytes_hashes_and_no_ownership_for_dynamo() -> None:
         sub.close(linger=0)
     finally:
         node.close()
-
-
-@pytest.fixture
-def router_python() -> str:
-    """Dynamo's virtualenv's python ($KVTIER_ROUTER_PYTHON, set by make)."""
-    python = os.environ.get("KVTIER_ROUTER_PYTHON", "")
-    if not python or not os.path.exists(python):
-        pytest.fail(
-            f"KVTIER_ROUTER_PYTHON={python!r} is not Dynamo's virtualenv's python; "
-            "run `make target/py-router/.installed` (pip install ai-dynamo-runtime==1.6.1) and the tests through make"
-        )
-    return python
 
 
 def test_dynamo_replays_what_it_missed_from_the_replay_socket(router_python: str) -> None:

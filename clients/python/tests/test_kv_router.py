@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import time
@@ -122,18 +121,6 @@ class Indexer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-@pytest.fixture
-def router_python() -> str:
-    """Dynamo's virtualenv's python ($KVTIER_ROUTER_PYTHON, set by make)."""
-    python = os.environ.get("KVTIER_ROUTER_PYTHON", "")
-    if not python or not os.path.exists(python):
-        pytest.fail(
-            f"KVTIER_ROUTER_PYTHON={python!r} is not Dynamo's virtualenv's python; "
-            "run `make target/py-router/.installed` (pip install ai-dynamo-runtime==1.6.1) and the tests through make"
-        )
-    return python
 
 
 @pytest.fixture

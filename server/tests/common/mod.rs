@@ -300,3 +300,18 @@ pub async fn ready_tier(c: &kvtier_loadgen::client::Client, tier: &str) -> serde
     assert_eq!(a.status, http::StatusCode::OK, "{ready}");
     ready["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == tier).unwrap_or_else(|| panic!("no {tier} in {ready}")).clone()
 }
+
+/// Runs `promtool check metrics` on `text`: (success, what it printed).
+pub fn promtool_check(text: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run promtool ({e}): `make deps` installs it (apt-get install prometheus)"));
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
