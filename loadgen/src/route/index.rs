@@ -17,6 +17,9 @@ use super::wire::{KvEvent, Medium};
 /// the router's memory: 16 bytes or so a block, about 320 MB at the limit).
 pub const INDEX_BLOCKS_MAX: usize = 20_000_000;
 
+/// The bits of the local media (GPU, RAM, NVMe).
+const LOCAL_MEDIA: u8 = Medium::Gpu.bit() | Medium::Cpu.bit() | Medium::Storage.bit();
+
 /// One node's blocks as its events told them.
 #[derive(Debug, Default)]
 pub struct NodeIndex {
@@ -66,8 +69,18 @@ impl NodeIndex {
     /// medium (GPU, RAM or NVMe; the shared bucket is every node's, so it
     /// tells the router nothing).
     pub fn local_prefix(&self, chain: &[u64]) -> usize {
-        let local = Medium::ALL.iter().filter(|m| m.is_local()).fold(0u8, |bits, m| bits | m.bit());
-        chain.iter().take_while(|h| self.blocks.get(h).is_some_and(|m| m & local != 0)).count()
+        chain.iter().take_while(|&&h| self.is_local(h)).count()
+    }
+
+    /// Whether this node holds `hash` in a local medium.
+    pub fn is_local(&self, hash: u64) -> bool {
+        self.blocks.get(&hash).is_some_and(|&m| m & LOCAL_MEDIA != 0)
+    }
+
+    /// Whether this node holds `hash` in any medium, the shared bucket
+    /// included.
+    pub fn holds(&self, hash: u64) -> bool {
+        self.blocks.contains_key(&hash)
     }
 
     /// Blocks held in `medium`.
@@ -123,6 +136,7 @@ mod tests {
         assert!(index.is_empty());
         index.apply(&stored(&[9], Medium::External));
         assert_eq!((index.local_prefix(&[9]), index.blocks_in(Medium::External)), (0, 1), "the shared tier is not local");
+        assert!(index.holds(9) && !index.is_local(9) && !index.holds(1));
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub mod router;
 pub mod subscriber;
 pub mod wire;
 
-use self::router::{RouteMode, Router};
+use self::router::{RouteMode, RouteScore, Router};
 use self::subscriber::{Subscriber, SubscriberStats};
 
 /// Consecutive failed requests after which a user gives up.
@@ -78,6 +78,8 @@ pub struct RouteConfig {
     /// The router's weight of a prefill block against an active block
     /// ([`router`]).
     pub overlap_weight: f64,
+    /// What the router counts as a node's local prefix.
+    pub score: RouteScore,
 }
 
 /// One kvtier node of the fleet: its block API and its event stream.
@@ -149,13 +151,14 @@ pub struct RouteResults {
     pub get_latency_by_tier: BTreeMap<String, LatencySummary>,
     /// Block PUTs, µs.
     pub put_latency: LatencySummary,
-    /// Prefix blocks the router believed the chosen node held locally,
-    /// summed over turns (0 in round robin).
+    /// Prefix blocks the router believed the chosen node held locally, as
+    /// its score counts them, summed over turns (0 in round robin).
     pub predicted_local_blocks: u64,
-    /// Leading prefix blocks the chosen node did serve locally, summed.
+    /// The same blocks as the chosen node served them (score `prefix`: its
+    /// leading run of local GETs; `fleet`: all its local GETs), summed.
     pub served_local_prefix_blocks: u64,
-    /// Turns whose chosen node served fewer leading blocks locally than
-    /// the router believed (a stale index).
+    /// Turns whose chosen node served fewer blocks locally than the router
+    /// believed (a stale index).
     pub turns_overpredicted: u64,
     /// Each node's event stream as the router received it.
     pub subscribers: Vec<SubscriberStats>,
@@ -283,8 +286,9 @@ impl Shared {
     }
 
     /// A turn's storage work on the chosen node: lookup, prefix GETs, the
-    /// prompt's PUTs. Returns the leading blocks served locally, or `None`
-    /// when the lookup failed.
+    /// prompt's PUTs. Returns the blocks served locally, as the router's
+    /// score counts them (the leading run for `prefix`, all for `fleet`),
+    /// or `None` when the lookup failed.
     async fn prefill(&self, node: &Node, prompt: &Prompt<'_>, stats: &mut UserStats, streak: &mut u32) -> Option<usize> {
         let block_tokens = self.cfg.block_tokens;
         let blocks = prompt.keys.len();
@@ -301,10 +305,14 @@ impl Shared {
         let hits = hits.min(blocks);
         stats.tokens_looked_up += blocks as u64 * block_tokens;
         stats.tokens_hit += hits as u64 * block_tokens;
-        let (mut leading_local, mut still_leading) = (0, true);
+        let (mut leading_local, mut all_local, mut still_leading) = (0, 0, true);
+        let served = |leading, all| match self.cfg.score {
+            RouteScore::Prefix => leading,
+            RouteScore::Fleet => all,
+        };
         for key in &prompt.keys[..hits] {
             if self.done() {
-                return Some(leading_local);
+                return Some(served(leading_local, all_local));
             }
             let g = Instant::now();
             match node.client.get(key).await {
@@ -322,6 +330,7 @@ impl Shared {
                     }
                     still_leading &= local;
                     leading_local += usize::from(still_leading);
+                    all_local += usize::from(local);
                     if !self.payloads.verify_body(key, &body, false) {
                         stats.wrong_bytes += 1;
                         eprintln!("kvtier-loadgen: block {key} read back with wrong bytes");
@@ -339,7 +348,7 @@ impl Shared {
         }
         self.put_blocks(node, prompt, hits..blocks, stats, streak).await;
         stats.turn.record(t.elapsed().as_micros() as u64);
-        Some(leading_local)
+        Some(served(leading_local, all_local))
     }
 
     async fn user(self: Arc<Self>) -> UserStats {
@@ -418,7 +427,7 @@ pub async fn run(nodes: Vec<Node>, urls: Vec<String>, dataset: Arc<Vec<Conversat
     let duration = Duration::from_secs_f64(cfg.duration_s.max(0.0));
     let shared = Arc::new(Shared {
         nodes,
-        router: Router::new(cfg.mode, cfg.overlap_weight),
+        router: Router::new(cfg.mode, cfg.score, cfg.overlap_weight),
         dataset: dataset.clone(),
         order,
         next: AtomicUsize::new(0),

@@ -51,7 +51,7 @@ impl Medium {
     }
 
     /// Its bit in a set of media (one byte per block in a router's index).
-    pub fn bit(self) -> u8 {
+    pub const fn bit(self) -> u8 {
         1 << (self as u8)
     }
 
