@@ -167,7 +167,7 @@ for m in modes:
                  f"{r('turn_p99_ms', '.0f'):>18} {json.dumps(s['gets_by_tier'])}")
 for m in modes:
     s = summary["modes"][m]
-    lines.append(f"  {m}: router believed {s['predicted_local_blocks']} leading local blocks, {s['served_local_prefix_blocks']} served locally, "
+    lines.append(f"  {m}: router believed {s['predicted_local_blocks']} local blocks on the chosen nodes, {s['served_local_prefix_blocks']} served there, "
                  f"{s['turns_overpredicted']} turns over; {s['events_received']} events received, {s['batches_missed']} batches missed; "
                  f"turns per node {s['turns_per_node']}; errors {s['errors']}, wrong bytes {s['wrong_bytes']}")
 d1, d2 = summary["events_minus_round_robin_points"], summary["events_minus_store_only_points"]
