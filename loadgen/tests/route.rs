@@ -116,3 +116,66 @@ fn the_router_learns_from_both_nodes_events_and_its_figures_add_up() {
     }
     assert!(turns_by_mode.iter().all(|&t| t == turns_by_mode[0]), "one pass over the same conversations: {turns_by_mode:?}");
 }
+
+/// The cost benchmark's two halves in small: `sweep --kv-tags` stores
+/// tagged blocks, and `subscribe` reads every event they publish.
+#[test]
+fn a_tagged_sweep_publishes_what_subscribe_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, _log) = node(&dir.path().join("node"));
+    let stop = dir.path().join("stop");
+    let sub_out = dir.path().join("subscribe");
+    let mut subscriber = Command::new(env!("CARGO_BIN_EXE_kvtier-loadgen"))
+        .args(["subscribe", "--node", server.url(), "--duration-s", "120", "--stop-file"])
+        .arg(&stop)
+        .arg("--out")
+        .arg(&sub_out)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Until the node counts the subscriber, and its subscription has arrived.
+    let stats = || -> serde_json::Value {
+        let o = Command::new("curl").args(["-sf", &format!("{}/v1/stats", server.url())]).output().unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let waited = std::time::Instant::now();
+    while u(&stats()["kv_events"]["subscribers"]) == 0 {
+        assert!(waited.elapsed().as_secs() < 30, "the subscriber never connected");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+
+    // 1 MiB of 64 KiB blocks: 16 blocks, 2 chains of 8.
+    let sweep_out = dir.path().join("sweep");
+    let o = Command::new(env!("CARGO_BIN_EXE_kvtier-loadgen"))
+        .args(["sweep", "--target", server.url(), "--kv-tags", "--concurrency", "1", "--warmup-s", "0.2", "--duration-s", "0.5"])
+        .args(["--working-set-mib", "1", "--link-gbps", "1", "--out"])
+        .arg(&sweep_out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("16 blocks of 65536 bytes, tagged"), "{}", String::from_utf8_lossy(&o.stderr));
+    let published = |s: &serde_json::Value| u(&s["kv_events"]["events_published"]);
+    let waited = std::time::Instant::now();
+    while published(&stats()) < 16 {
+        assert!(waited.elapsed().as_secs() < 30, "the node published {} events", published(&stats()));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::fs::write(&stop, b"").unwrap();
+    assert!(subscriber.wait().unwrap().success());
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(sub_out.join("results.json")).unwrap()).unwrap();
+    let e = &r["events"];
+    assert_eq!((u(&e["malformed"]), u(&e["missed_batches"])), (0, 0), "{r}");
+    assert!(u(&e["stored"]) >= 16, "every block of the working set stored at least once: {r}");
+    assert_eq!(u(&r["index_blocks"]), 16, "one engine hash per block: {r}");
+    assert_eq!(u(&e["events"]), published(&stats()), "the subscriber read everything the node published: {r}");
+
+    // Tags go over HTTP only.
+    let o = Command::new(env!("CARGO_BIN_EXE_kvtier-loadgen"))
+        .args(["sweep", "--target", "redis://127.0.0.1:1", "--kv-tags", "--out"])
+        .arg(dir.path().join("redis"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("over HTTP only"), "{}", String::from_utf8_lossy(&o.stderr));
+}
