@@ -17,18 +17,7 @@ use kvtier_loadgen::payload::Payloads;
 use kvtier_loadgen::server_process::ServerProcess;
 use kvtier_loadgen::target::Target;
 use kvtier_loadgen::{replay, sharegpt};
-use kvtier_test_support::server_args::{set_flag, test_args, BLOCK_BYTES};
-
-fn kvtier_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVTIER_BIN") {
-        return PathBuf::from(p);
-    }
-    // target/debug/deps/local-HASH → target/debug/kvtier
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(Path::parent).unwrap().join("kvtier");
-    assert!(bin.exists(), "{} is missing: build it first (cargo build -p kvtier-server), or set KVTIER_BIN", bin.display());
-    bin
-}
+use kvtier_test_support::server_args::{kvtier_bin, set_flag, test_args, BLOCK_BYTES};
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()

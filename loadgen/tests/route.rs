@@ -14,22 +14,11 @@
 //! (`target/debug/kvtier`, which `cargo test --workspace` builds), or
 //! `KVTIER_BIN`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use kvtier_loadgen::server_process::ServerProcess;
-use kvtier_test_support::server_args::{set_flag, test_args, BLOCK_BYTES};
-
-fn kvtier_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVTIER_BIN") {
-        return PathBuf::from(p);
-    }
-    // target/debug/deps/route-HASH → target/debug/kvtier
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(Path::parent).unwrap().join("kvtier");
-    assert!(bin.exists(), "{} is missing: build it first (cargo build -p kvtier-server), or set KVTIER_BIN", bin.display());
-    bin
-}
+use kvtier_test_support::server_args::{kvtier_bin, set_flag, test_args, BLOCK_BYTES};
 
 /// A test node with a RAM tier of 64 blocks and KV events on a free port.
 fn node(dir: &Path) -> (ServerProcess, tempfile::NamedTempFile) {

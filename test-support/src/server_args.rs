@@ -1,7 +1,7 @@
 //! The command line of a test `kvtier serve`, written once: the server's
 //! tests (`server/tests/common`, and through it the S3 tests, the crash and
 //! soak harnesses and the supervisor tests) and the loadgen's
-//! (`loadgen/tests/local.rs`) all start from these, changing a flag with
+//! (`loadgen/tests/local.rs`, `route.rs`) all start from these, changing a flag with
 //! [`set_flag`] or adding their own after.
 
 use std::path::Path;
@@ -76,6 +76,22 @@ pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
 
 fn path(p: &Path) -> String {
     p.to_str().expect("a test data directory's path is UTF-8").to_string()
+}
+
+/// The `kvtier` binary the tests start: `$KVTIER_BIN`, else the one cargo
+/// built beside the calling test executable (`target/debug/deps/NAME-HASH`
+/// → `target/debug/kvtier`).
+///
+/// # Panics
+/// When neither exists, naming the command that builds it.
+pub fn kvtier_bin() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KVTIER_BIN") {
+        return std::path::PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let bin = exe.parent().and_then(std::path::Path::parent).expect("target/debug/deps/NAME").join("kvtier");
+    assert!(bin.exists(), "{} is missing: build it first (cargo build -p kvtier-server), or set KVTIER_BIN", bin.display());
+    bin
 }
 
 #[cfg(test)]
