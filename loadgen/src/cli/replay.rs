@@ -90,28 +90,10 @@ pub struct ReplayArgs {
 /// The output cannot be written; a run that fails before it measures
 /// anything also writes `OUT/results.json` saying why.
 pub async fn run(args: ReplayArgs) -> Result<ExitCode, String> {
-    let path = match &args.dataset_path {
-        Some(p) => p.clone(),
-        None => match sharegpt::installed_path() {
-            Ok(p) => p,
-            Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
-        },
-    };
-    let loaded = match sharegpt::load(&path) {
-        Ok(l) => l,
+    let (path, dataset) = match sharegpt::replay_set(args.dataset_path.as_deref(), args.conversations) {
+        Ok(d) => d,
         Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
     };
-    if loaded.truncated {
-        eprintln!(
-            "kvtier-loadgen: {} ends mid-conversation (truncated file); using the {} complete conversations before the cut",
-            path.display(),
-            loaded.conversations.len()
-        );
-    }
-    let mut dataset = loaded.conversations;
-    if let Some(n) = args.conversations {
-        dataset.truncate(n.max(1));
-    }
     let token = match read_token_file(args.token_file.as_deref()) {
         Ok(t) => t,
         Err(e) => return fail_early(&args.out, "replay", &args.target, e),

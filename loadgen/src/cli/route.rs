@@ -100,20 +100,10 @@ pub async fn run(args: RouteArgs) -> Result<ExitCode, String> {
     if !(args.overlap_weight.is_finite() && args.overlap_weight >= 0.0) {
         return fail(format!("--overlap-weight must be 0 or more, got {}", args.overlap_weight));
     }
-    let path = match &args.dataset_path {
-        Some(p) => p.clone(),
-        None => match sharegpt::installed_path() {
-            Ok(p) => p,
-            Err(e) => return fail(e.to_string()),
-        },
-    };
-    let mut dataset = match sharegpt::load(&path) {
-        Ok(l) => l.conversations,
+    let (_, dataset) = match sharegpt::replay_set(args.dataset_path.as_deref(), args.conversations) {
+        Ok(d) => d,
         Err(e) => return fail(e.to_string()),
     };
-    if let Some(n) = args.conversations {
-        dataset.truncate(n.max(1));
-    }
     let (nodes, geometry) = match open_nodes(&args.nodes, args.mode, args.connections).await {
         Ok(n) => n,
         Err(e) => return fail(e),
