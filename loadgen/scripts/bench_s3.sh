@@ -29,9 +29,7 @@ BURST_CONCURRENCY=${BURST_CONCURRENCY:-16}
 BURST_QUEUE_MIB=${BURST_QUEUE_MIB:-8}
 OUT=${OUT:-target/bench/s3}
 BIN=${BIN:-target/release}
-MOTO=target/py-s3/bin/moto_server
 BUCKET=kvtier-bench
-[ -x "$MOTO" ] || { echo "$MOTO is missing: run make target/py-s3/.installed" >&2; exit 2; }
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 SCRATCH=$(mktemp -d)
@@ -42,14 +40,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-MOTO_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-ENDPOINT=http://127.0.0.1:$MOTO_PORT
-# moto checks no signature but treats requests without one as anonymous.
-AUTH='Authorization: AWS4-HMAC-SHA256 Credential=bench/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00'
-(cd "$SCRATCH" && exec "$OLDPWD/$MOTO" -H 127.0.0.1 -p "$MOTO_PORT") >"$OUT/moto.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 300); do curl -sf -X PUT -H "$AUTH" "$ENDPOINT/$BUCKET" >/dev/null && break; sleep 0.1; done
-export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench AWS_REGION=us-east-1
+# moto_server with the bucket: ENDPOINT, AWS_* (loadgen/scripts/moto.sh).
+source loadgen/scripts/moto.sh
 
 # start NAME [flags...]: a node on a free port; sets URL_<NAME>, PID_<NAME>.
 start() {
