@@ -159,16 +159,30 @@ impl Encoding {
         payload
     }
 
-    fn block_stored(&self, out: &mut Vec<u8>, tag: &BlockTag, medium: Medium) {
-        let mut w = Writer(out);
-        w.map(8 + u32::from(self.ownership.is_some()));
+    /// An event map's start: its size (`fields` and the ownership, if
+    /// any), the `type` tag, then `block_hashes`.
+    fn head(&self, w: &mut Writer<'_>, kind: &str, fields: u32, tag: &BlockTag) {
+        w.map(fields + u32::from(self.ownership.is_some()));
         w.str("type");
-        w.str("BlockStored");
+        w.str(kind);
         w.str("block_hashes");
         w.array(tag.block_hashes.len());
         for h in &tag.block_hashes {
             w.hash(self.hash, h);
         }
+    }
+
+    /// An event map's last field, `ownership`, when one is set.
+    fn ownership(&self, w: &mut Writer<'_>) {
+        if let Some(owner) = &self.ownership {
+            w.str("ownership");
+            w.str(owner);
+        }
+    }
+
+    fn block_stored(&self, out: &mut Vec<u8>, tag: &BlockTag, medium: Medium) {
+        let mut w = Writer(out);
+        self.head(&mut w, "BlockStored", 8, tag);
         w.str("parent_block_hash");
         match &tag.parent_hash {
             Some(p) => w.hash(self.hash, p),
@@ -189,28 +203,15 @@ impl Encoding {
         w.str("lora_name");
         w.nil();
         // extra_keys, group_idx, kv_cache_spec_*, locality: defaults, left out.
-        if let Some(owner) = &self.ownership {
-            w.str("ownership");
-            w.str(owner);
-        }
+        self.ownership(&mut w);
     }
 
     fn block_removed(&self, out: &mut Vec<u8>, tag: &BlockTag, medium: Medium) {
         let mut w = Writer(out);
-        w.map(3 + u32::from(self.ownership.is_some()));
-        w.str("type");
-        w.str("BlockRemoved");
-        w.str("block_hashes");
-        w.array(tag.block_hashes.len());
-        for h in &tag.block_hashes {
-            w.hash(self.hash, h);
-        }
+        self.head(&mut w, "BlockRemoved", 3, tag);
         w.str("medium");
         w.str(medium_name(medium));
-        if let Some(owner) = &self.ownership {
-            w.str("ownership");
-            w.str(owner);
-        }
+        self.ownership(&mut w);
     }
 }
 
