@@ -764,6 +764,10 @@ fn block_tags_survive_a_restart_by_snapshot_and_by_header_scan_and_are_published
         // Published (a block's moves within one interval publish only their
         // net effect).
         glommio::timer::sleep(kvtier_engine::events::FLUSH_EVERY * 10).await;
+        // The four tagged blocks keep their tags in memory; the untagged
+        // one keeps none.
+        let tagged: u64 = store.stats().await.unwrap().iter().map(|s| s.tagged_blocks).sum();
+        assert_eq!(tagged, 4);
         // Retagged to nothing, then deleted: neither is found again.
         store.put_reporting("t2", vec![payload("t2", 8192)], None).await.unwrap();
         store.delete("t3").await.unwrap();

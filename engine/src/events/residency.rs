@@ -83,11 +83,6 @@ impl Residency {
         })
     }
 
-    /// Whether events are published (a sink is attached).
-    pub fn publishing(&self) -> bool {
-        self.sink.is_some()
-    }
-
     /// A journal for the tier `medium` to report its arrivals and
     /// departures through.
     pub fn journal(self: &Rc<Self>, medium: Medium) -> Journal {
@@ -99,7 +94,8 @@ impl Residency {
         self.inner.borrow().blocks.get(hash).map(|t| t.tag.clone())
     }
 
-    /// Tagged blocks tracked now.
+    /// Tagged blocks tracked now (each keeps its tag in memory; `/v1/stats`
+    /// `tagged_blocks` per shard).
     pub fn tracked(&self) -> usize {
         self.inner.borrow().blocks.len()
     }

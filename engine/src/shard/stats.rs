@@ -158,6 +158,10 @@ pub struct ShardStats {
     /// [`super::owner_totals`]).
     #[serde(skip)]
     pub owners: Vec<super::OwnerShardStats>,
+    /// Blocks stored with a block tag that some tier of this shard holds
+    /// (or a PUT is bringing): each keeps its tag in memory
+    /// ([`crate::events`]; docs/OPERATIONS.md "KV events for routers").
+    pub tagged_blocks: u64,
 }
 
 impl Shard {
@@ -212,6 +216,7 @@ impl Shard {
             tiers,
             health: self.health(),
             owners: self.owner_stats(),
+            tagged_blocks: self.residency.tracked() as u64,
         }
     }
 
