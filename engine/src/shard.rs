@@ -40,6 +40,7 @@ use crate::key::BlockHash;
 use crate::pool::BufferPool;
 use crate::ram::RamTier;
 use crate::segment::{Segment, Superblock};
+use crate::signal::InFlightCount;
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::stream::BlockBody;
 use crate::tier::{Tier, TierCounters, WritePolicy};
@@ -57,6 +58,7 @@ mod remote;
 mod slots;
 mod snapshot;
 mod stats;
+mod tasks;
 mod transit;
 mod waterfall;
 
@@ -65,6 +67,7 @@ pub use owners::{owner_totals, OwnerCounters, OwnerShardStats};
 pub use remote::PutReport;
 use stats::Counters;
 pub use stats::{tier_totals, RecoveryReport, ShardStats};
+pub(crate) use tasks::Hold;
 
 use transit::{Placed, Transits};
 
@@ -104,6 +107,9 @@ pub struct Shard {
     /// The shard itself, once shared ([`Shard::share`]): survivor copies
     /// run as tasks of their own.
     me: RefCell<std::rc::Weak<Shard>>,
+    /// Tasks holding the shard ([`Shard::spawn_holding`]), which a close
+    /// waits out ([`Shard::tasks_ended`]).
+    tasks: InFlightCount,
     /// Slot-sized DMA buffers kept between writes (at most `io_depth_max`),
     /// so steady-state PUTs allocate nothing.
     buffers: RefCell<Vec<DmaBuffer>>,
@@ -218,6 +224,7 @@ impl Shard {
             max_seq: RefCell::new(Vec::new()),
             alloc_lock: Semaphore::new(1),
             me: RefCell::new(std::rc::Weak::new()),
+            tasks: InFlightCount::new("the tasks holding the shard ended"),
             io_permits: Semaphore::new(cfg.io_depth_max.max(1) as u64),
             buffers: RefCell::new(Vec::new()),
             read_buffers: BufferPool::new(cfg.geometry.block_bytes),

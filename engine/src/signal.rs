@@ -80,6 +80,18 @@ impl InFlightCount {
         self.count.set(self.count.get() + 1);
     }
 
+    /// Counts one fewer (what an [`InFlight`] does when dropped, for
+    /// holders that own their count rather than borrow it); the last one
+    /// out wakes the tasks waiting for zero.
+    pub(crate) fn remove(&self) {
+        let c = &self.count;
+        debug_assert!(c.get() > 0);
+        c.set(c.get() - 1);
+        if c.get() == 0 {
+            self.idle.notify();
+        }
+    }
+
     /// Resolves once none is in flight.
     pub(crate) async fn idle(&self) {
         self.idle.until(|| self.count.get() == 0).await
@@ -108,12 +120,7 @@ impl<'a> InFlight<'a> {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let c = &self.counter.count;
-        debug_assert!(c.get() > 0);
-        c.set(c.get() - 1);
-        if c.get() == 0 {
-            self.counter.idle.notify();
-        }
+        self.counter.remove();
     }
 }
 

@@ -23,7 +23,7 @@ use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{self, BlockHash};
 use crate::remote::Remote;
-use crate::shard::{PutOutcome, PutReport, Shard, ShardStats};
+use crate::shard::{Hold, PutOutcome, PutReport, Shard, ShardStats};
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
@@ -59,7 +59,9 @@ pub struct Block {
 /// The handle a shard's tasks use to reach the whole store. Lives on one
 /// executor (`!Send`); every shard has its own.
 pub struct Store {
-    shard: Rc<Shard>,
+    /// Counted: a close waits for the last `Store` (held by the front
+    /// doors' connections) to drop ([`Shard::tasks_ended`]).
+    shard: Hold,
     senders: Senders<Request>,
     shards: usize,
     manifest: StoreManifest,

@@ -220,3 +220,46 @@ fn a_delete_waits_for_a_demotion_of_the_block_from_ram_then_deletes() {
         assert!(shard.get("demoting", hash, false).await.is_err(), "deleted");
     });
 }
+
+#[test]
+fn a_close_waits_for_a_task_still_holding_the_shard_then_keeps_its_write() {
+    let dir = tempfile::tempdir().unwrap();
+    // The front door returns at once; a task it started still holds the
+    // shard, waits on a signal, then writes. The shard must not close its
+    // files before that task has ended (its hold is the wait's condition).
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = released.clone();
+    run(config(dir.path(), 0), move |store| {
+        let r = r.clone();
+        async move {
+            let shard = store.shard_for_tests().clone();
+            let gate = Rc::new(crate::signal::Signal::new("the test let the late write go"));
+            let go = Rc::new(Cell::new(false));
+            let (g, flag) = (gate.clone(), go.clone());
+            shard.spawn_holding(|shard| async move {
+                g.until(|| flag.get()).await;
+                put(&shard, "late").await;
+            });
+            // Nothing else holds the shard but this store (alive until the
+            // serve future returns) and that task.
+            assert_eq!(shard.tasks.get(), 2, "the store's hold and the task's");
+            drop(shard);
+            // Let the close begin waiting, then release the task from a
+            // task of the executor (the serve future has returned by then).
+            glommio::spawn_local(async move {
+                settle().await;
+                go.set(true);
+                gate.notify();
+                r.store(true, std::sync::atomic::Ordering::SeqCst);
+            })
+            .detach();
+        }
+    })
+    .unwrap();
+    assert!(released.load(std::sync::atomic::Ordering::SeqCst), "the store closed before the holding task was released");
+    run(config(dir.path(), 0), |store| async move {
+        let shard = store.shard_for_tests().clone();
+        assert!(shard.contains(&BlockHash::of(b"late")).is_some(), "the late write was lost: the files closed under it");
+    })
+    .unwrap();
+}

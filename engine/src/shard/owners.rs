@@ -150,7 +150,7 @@ impl Shard {
             self.trim_nvme(o);
         }
         if let Some(shard) = self.me.borrow().upgrade() {
-            glommio::spawn_local(async move { shard.enforce_memory_limits().await }).detach();
+            shard.spawn_holding(|shard| async move { shard.enforce_memory_limits().await });
         }
     }
 

@@ -39,7 +39,7 @@ impl Shard {
         let chunks = slot::chunk_count(block_bytes, self.chunk_bytes) as usize;
         let (tx, mut rx) = mpsc::channel(chunks);
         let key = key.to_string();
-        glommio::spawn_local(async move { me.stream_slot(&key, hash, promote, stream, tx).await }).detach();
+        me.spawn_holding(|me| async move { me.stream_slot(&key, hash, promote, stream, tx).await });
         match rx.next().await {
             Some(Ok(first)) if first.len() as u64 == block_bytes => Ok(BlockBody::Whole(first)),
             Some(Ok(first)) => Ok(BlockBody::Chunks(ChunkStream::new(block_bytes, first, rx))),

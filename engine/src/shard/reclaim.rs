@@ -31,7 +31,7 @@ impl Shard {
         let shard = self.me.borrow().upgrade();
         match shard {
             Some(shard) => {
-                glommio::spawn_local(async move { shard.move_survivors(compaction).await }).detach();
+                shard.spawn_holding(|shard| async move { shard.move_survivors(compaction).await });
             }
             None => self.move_survivors(compaction).await,
         }

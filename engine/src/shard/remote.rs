@@ -150,7 +150,7 @@ impl Shard {
         let (owned, flags) = (key.to_string(), state.clone());
         // A task of its own: the read and its install finish even when the
         // GET that started them goes away.
-        let task = glommio::spawn_local(async move {
+        let task = me.spawn_holding(|me| async move {
             let got = match remote.fetch(&owned).await {
                 Fetched::Block { payload, tag } => {
                     me.install_remote(&owned, hash, payload.clone(), tag, &flags).await;
@@ -160,8 +160,7 @@ impl Shard {
             };
             me.remote_reads.borrow_mut().remove(&hash);
             got
-        })
-        .detach();
+        });
         let read = async move { task.await.flatten() }.boxed_local().shared();
         self.remote_reads.borrow_mut().insert(hash, RemoteRead { key: key.into(), read: read.clone(), state });
         read.await

@@ -50,14 +50,12 @@ pub(super) fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, 
     let (stored, elsewhere): (Vec<_>, Vec<_>) = keys.into_iter().partition(|(_, h)| shard.contains(h).is_some());
     let elsewhere = if shard.has_remote() { elsewhere } else { Vec::new() };
     let report = PrefetchReport { found: stored.len(), remote_requested: elsewhere.len() };
-    let shard = shard.clone();
-    glommio::spawn_local(async move {
+    shard.spawn_holding(|shard| async move {
         for (key, hash) in stored {
             shard.prefetch(&key, hash).await;
         }
         shard.prefetch_remote(elsewhere, parallelism).await;
-    })
-    .detach();
+    });
     report
 }
 

@@ -19,7 +19,7 @@ use super::{Store, StoreConfig};
 use crate::error::{Error, Result};
 use crate::recover;
 use crate::remote::Remote;
-use crate::shard::Shard;
+use crate::shard::{Hold, Shard};
 use crate::startup;
 use crate::trace::ShardTrace;
 
@@ -110,7 +110,7 @@ where
                 let health = health_loop(&shard, remote.clone().filter(|_| shard_id == 0));
                 let trace_flush = trace.clone().map(trace_flush_loop);
                 let events = events_loop(shard.residency().clone());
-                let store = Rc::new(Store { shard: shard.clone(), senders, shards, manifest, remote, trace: trace.clone() });
+                let store = Rc::new(Store { shard: Hold::new(&shard), senders, shards, manifest, remote, trace: trace.clone() });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;
@@ -127,11 +127,10 @@ where
                     t.flush();
                 }
                 warm_up.stop().await;
-                // Requests from peers may still be finishing; wait for them
-                // to release the shard before closing its files.
-                while Rc::strong_count(&shard) > 1 {
-                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
-                }
+                // Requests from peers, streamed reads and S3 installs may
+                // still be finishing: their tasks hold the shard; its files
+                // close once the last has ended.
+                shard.tasks_ended().await;
                 shard.close().await;
                 // What the close moved (write-back blocks to the log) is
                 // published too.
@@ -180,11 +179,10 @@ fn answer_peers(
             let (shard, trace) = (shard.clone(), trace.clone());
             glommio::spawn_local(async move {
                 while let Some(request) = receiver.recv().await {
-                    let (shard, trace) = (shard.clone(), trace.clone());
-                    glommio::spawn_local(async move {
+                    let trace = trace.clone();
+                    shard.spawn_holding(|shard| async move {
                         execute(&shard, trace.as_deref(), request, parallelism).await;
-                    })
-                    .detach();
+                    });
                 }
             })
         })
