@@ -145,8 +145,7 @@ pub(super) fn register(conn: &Conn, payload: &[u8], fd: Result<OwnedFd, String>)
     let region = Region::new(fd, offset, length).map_err(|e| (Code::BadBuffer, e))?;
     let handle = conn.next_handle.get();
     conn.next_handle.set(handle + 1);
-    let mut body = handle.to_le_bytes().to_vec();
-    body.push(region.access() as u8);
+    let body = proto::encode_registered(handle, region.access() as u8);
     conn.shared.registrations_open.fetch_add(1, Ordering::Relaxed);
     conn.shared.registrations_total.fetch_add(1, Ordering::Relaxed);
     conn.shared.registered_bytes.fetch_add(length, Ordering::Relaxed);
@@ -201,9 +200,7 @@ pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                     }
                 }))
                 .await;
-                let mut b = (done.len() as u32).to_le_bytes().to_vec();
-                b.extend(done.iter().flat_map(|r| r.to_le_bytes()));
-                return (Ok((b, 0)), 0, 0);
+                return (Ok((proto::encode_deleted(&done), 0)), 0, 0);
             }
             // The other ops refuse the request for its first unusable key.
             let keys = match service.scope_all(caller, &keys) {
@@ -211,22 +208,15 @@ pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
                 Err((i, e)) => return fail((Code::InvalidKey, format!("key {i}: {e}"))),
             };
             let body = match op {
-                Op::Exists => service.exists_many(&keys).await.map(|found| {
-                    let mut b = (found.len() as u32).to_le_bytes().to_vec();
-                    b.extend(found.into_iter().map(proto::tier_code));
-                    b
-                }),
-                Op::Lookup => service.lookup_prefix(&keys).await.map(|tiers| {
-                    let mut b = (tiers.len() as u32).to_le_bytes().to_vec();
-                    b.extend_from_slice(&(tiers.len() as u32).to_le_bytes());
-                    b.extend(tiers.into_iter().map(|t| proto::tier_code(Some(t))));
-                    b
-                }),
-                _ => service.prefetch(&keys).await.map(|report| {
-                    let mut b = (keys.len() as u32).to_le_bytes().to_vec();
-                    b.extend_from_slice(&(report.found as u32).to_le_bytes());
-                    b
-                }),
+                Op::Exists => service
+                    .exists_many(&keys)
+                    .await
+                    .map(|found| proto::encode_tiers(&found.into_iter().map(proto::tier_code).collect::<Vec<_>>())),
+                Op::Lookup => service
+                    .lookup_prefix(&keys)
+                    .await
+                    .map(|tiers| proto::encode_lookup(&tiers.into_iter().map(|t| proto::tier_code(Some(t))).collect::<Vec<_>>())),
+                _ => service.prefetch(&keys).await.map(|report| proto::encode_prefetched(keys.len() as u32, report.found as u32)),
             };
             (body.map(|b| (b, 0)).map_err(engine), 0, 0)
         }
