@@ -147,7 +147,7 @@ PYTEST = -m pytest -p no:cacheprovider -q
 
 # Lint, then the client and the LMCache plugin (in vLLM's virtualenv, which
 # also has ruff); then each engine's connector.
-test-lmcache: target/py-vllm/.client target/py-router/.installed
+test-lmcache: target/py-vllm/.client target/py-router/.installed fake-cuda
 	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
 	target/py-vllm/bin/ruff check clients/python
 	target/py-vllm/bin/ruff format --check clients/python

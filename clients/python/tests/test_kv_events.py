@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -44,10 +45,10 @@ def as_int(h: bytes) -> int:
 class Node:
     """A kvtier server publishing events on ``pub`` (replay on ``replay``)."""
 
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, shards: int = 2, ram_gb: float = 0.0625) -> None:
         self.pub, self.replay = free_port(), free_port()
         args = ("--kv-events", f"tcp://127.0.0.1:{self.pub}", "--kv-events-replay", f"tcp://127.0.0.1:{self.replay}")
-        self.server = ServerProcess(block_bytes=BLOCK_BYTES, args=(*args, *extra)).start()
+        self.server = ServerProcess(block_bytes=BLOCK_BYTES, shards=shards, ram_gb=ram_gb, args=(*args, *extra)).start()
         self.http = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
         self.ctx = zmq.Context()
         self.decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
@@ -72,12 +73,25 @@ class Node:
             headers["x-kvtier-token-ids"] = ",".join(map(str, tokens))
         assert self.call("PUT", f"/v1/blocks/{key}", block(len(key)), headers) in (200, 201)
 
+    def get(self, key: str) -> str:
+        """GETs ``key``; returns the tier that served it (``x-kvtier-tier``)."""
+        self.http.request("GET", f"/v1/blocks/{key}")
+        answer = self.http.getresponse()
+        answer.read()
+        assert answer.status == 200, answer.status
+        return answer.getheader("x-kvtier-tier") or ""
+
     def delete(self, key: str) -> None:
         assert self.call("DELETE", f"/v1/blocks/{key}") == 204
 
     def stats(self) -> dict:
         self.http.request("GET", "/v1/stats")
         return json.loads(self.http.getresponse().read())["kv_events"]
+
+    def tier_names(self) -> list[str]:
+        """The store's tiers, fastest first (``/v1/stats`` ``tiers``)."""
+        self.http.request("GET", "/v1/stats")
+        return [t["tier"] for t in json.loads(self.http.getresponse().read())["tiers"]]
 
     def subscribe(self) -> zmq.Socket:
         """A SUB socket that receives events: probe blocks are PUT until one
@@ -322,4 +336,49 @@ def test_dynamo_replays_what_it_missed_from_the_replay_socket(router_python: str
     finally:
         indexer.terminate()
         indexer.wait(10)
+        node.close()
+
+
+#: The fake CUDA driver (server/tests/fake-cuda/fake_cuda.c) that
+#: ``make fake-cuda`` (and the Rust GPU tests) build.
+FAKE_CUDA = Path(__file__).resolve().parents[3] / "target" / "fake-cuda"
+
+
+def test_the_gpu_tier_publishes_arrivals_demotions_and_promotions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU tier (on the fake CUDA driver, as in CI) in vLLM's medium
+    ``GPU``: a PUT lands on the GPU and in the log; two newer blocks push it
+    down to RAM (removed from ``GPU``, stored in ``CPU``), two more out of
+    RAM (the log keeps it); a read from the log promotes it to the GPU."""
+    if not (FAKE_CUDA / "libcuda.so.1").exists():
+        pytest.fail(f"the fake CUDA driver is not built: {FAKE_CUDA}/libcuda.so.1 is missing (run `make fake-cuda`)")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(FAKE_CUDA))
+    two_blocks_gb = str(2 * BLOCK_BYTES / (1 << 30))
+    node = Node("--gpu-mem-gb", two_blocks_gb, shards=1, ram_gb=2 * BLOCK_BYTES / (1 << 30))
+    try:
+        assert node.tier_names() == ["gpu", "ram", "nvme"], node.tier_names()
+        sub = node.subscribe()
+        a = bytes([0x6A] * 8)
+        ida = as_int(a)
+
+        def media(kind: type, evs: list) -> set[str]:
+            return {e.medium for e in evs if isinstance(e, kind) and e.block_hashes == [ida]}
+
+        def expect(what: str, done: Callable[[list], bool]) -> None:
+            assert batches(sub, done, node.decoder), f"no events for: {what}"
+
+        node.put("gpu-a", [a], None, 16, [])
+        expect("A on the GPU and in the log", lambda evs: media(kv_events.BlockStored, evs) == {"GPU", "STORAGE"})
+        for i in range(2):
+            node.put(f"gpu-b{i}", [bytes([0x6B, i] * 4)], None, 16, [])
+        expect(
+            "A demoted from the GPU to RAM",
+            lambda evs: media(kv_events.BlockRemoved, evs) == {"GPU"} and media(kv_events.BlockStored, evs) == {"CPU"},
+        )
+        for i in range(2):
+            node.put(f"gpu-c{i}", [bytes([0x6C, i] * 4)], None, 16, [])
+        expect("A out of RAM, kept by the log", lambda evs: media(kv_events.BlockRemoved, evs) == {"CPU"})
+        assert node.get("gpu-a") == "nvme"
+        expect("A promoted to the GPU", lambda evs: media(kv_events.BlockStored, evs) == {"GPU"})
+        sub.close(linger=0)
+    finally:
         node.close()
