@@ -28,7 +28,10 @@
 # hold, so blocks of open conversations are evicted between their turns.
 #
 # Settings (environment): PAIRS (3), USERS (64), CONVERSATIONS (200),
-# GENERATION_MODE (realistic), MAX_CONTEXT_TOKENS (4096), REPLAY_MAX_S
+# GENERATION_MODE (realistic), THINK_MS (100: a user's wait between a
+# reply and its next turn; at 0 the next turn reaches the router 1 ms
+# after the reply's PUTs, before their events can have; see
+# docs/BENCHMARKS.md), MAX_CONTEXT_TOKENS (4096), REPLAY_MAX_S
 # (400), BLOCK_BYTES (65536), BLOCK_TOKENS (64), RAM_GB (0.0078125: 128
 # blocks), DISK_GB (0.03125: 512 blocks), SEGMENT_MIB (1), OVERLAP_WEIGHT (1),
 # SCORE (fleet; or prefix: see loadgen/src/route/router.rs), OUT
@@ -39,6 +42,7 @@ PAIRS=${PAIRS:-3}
 USERS=${USERS:-64}
 CONVERSATIONS=${CONVERSATIONS:-200}
 GENERATION_MODE=${GENERATION_MODE:-realistic}
+THINK_MS=${THINK_MS:-100}
 MAX_CONTEXT_TOKENS=${MAX_CONTEXT_TOKENS:-4096}
 REPLAY_MAX_S=${REPLAY_MAX_S:-400}
 BLOCK_BYTES=${BLOCK_BYTES:-65536}
@@ -98,7 +102,7 @@ for pair in $(seq "$PAIRS"); do
     start a "router-$pair-$mode"
     start b "router-$pair-$mode"
     $BIN/kvtier-loadgen route --node "$URL_a" --node "$URL_b" --mode "$mode" --users "$USERS" \
-      --conversations "$CONVERSATIONS" --passes 1 --duration-s "$REPLAY_MAX_S" --generation-mode "$GENERATION_MODE" \
+      --conversations "$CONVERSATIONS" --passes 1 --duration-s "$REPLAY_MAX_S" --generation-mode "$GENERATION_MODE" --think-ms "$THINK_MS" \
       --max-context-tokens "$MAX_CONTEXT_TOKENS" --overlap-weight "$OVERLAP_WEIGHT" --score "$SCORE" --seed 1 \
       --out "$OUT/route-$mode-$pair" >"$OUT/route-$mode-$pair.log" 2>&1 || { tail -5 "$OUT/route-$mode-$pair.log" >&2; exit 1; }
     for node in a b; do
@@ -150,7 +154,7 @@ summary["goal_met"] = met_rr and met_so
 lines = []
 c = summary["config"]
 lines.append(f"KV-aware routing: 2 nodes, shared bucket (moto), {c['users']} users, {runs['events'][0]['dataset_conversations']} conversations once, "
-             f"generation {c['generation']}, {c['block_tokens']}-token blocks of {c['block_bytes']} bytes, {pairs} runs per mode (medians, ranges)")
+             f"generation {c['generation']}, think {c.get('think_ms', 0)} ms, {c['block_tokens']}-token blocks of {c['block_bytes']} bytes, {pairs} runs per mode (medians, ranges)")
 lines.append(f"{'mode':<12} {'local % of prefix hits':>24} {'local % of prompts':>20} {'tokens/s':>18} {'turn p99 ms':>18} {'GETs by tier (all runs)':<40}")
 for m in modes:
     s = summary["modes"][m]

@@ -32,6 +32,11 @@ fn node(dir: &Path) -> (ServerProcess, tempfile::NamedTempFile) {
 }
 
 fn route(nodes: &[&str], mode: &str, out: &Path) -> serde_json::Value {
+    route_with(nodes, mode, out, &[])
+}
+
+/// [`route`] with `extra` flags.
+fn route_with(nodes: &[&str], mode: &str, out: &Path, extra: &[&str]) -> serde_json::Value {
     let dataset = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/sharegpt_sample.json");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-loadgen"));
     cmd.arg("route");
@@ -41,6 +46,7 @@ fn route(nodes: &[&str], mode: &str, out: &Path) -> serde_json::Value {
     let o = cmd
         .args(["--mode", mode, "--users", "2", "--conversations", "4", "--passes", "1", "--duration-s", "120"])
         .args(["--generation-mode", "fast", "--seed", "5"])
+        .args(extra)
         .arg("--dataset-path")
         .arg(&dataset)
         .arg("--out")
@@ -104,6 +110,23 @@ fn the_router_learns_from_both_nodes_events_and_its_figures_add_up() {
         turns_by_mode.push(turns);
     }
     assert!(turns_by_mode.iter().all(|&t| t == turns_by_mode[0]), "one pass over the same conversations: {turns_by_mode:?}");
+}
+
+/// With a think time longer than a node's publishing interval the router
+/// has every event of a conversation's last reply before its next turn: on
+/// nodes that evict nothing, with conversations kept where they are (a
+/// large overlap weight), it predicts exactly the blocks the node serves.
+#[test]
+fn with_think_time_the_router_sees_the_last_replys_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _la) = node(&dir.path().join("a"));
+    let (b, _lb) = node(&dir.path().join("b"));
+    let r = route_with(&[a.url(), b.url()], "events", &dir.path().join("out"), &["--think-ms", "200", "--overlap-weight", "1000000"]);
+    assert_eq!(u(&r["config"]["think_ms"]), 200, "{r}");
+    assert_eq!((u(&r["errors"]), u(&r["wrong_bytes"])), (0, 0), "{r}");
+    let (predicted, served) = (u(&r["predicted_local_blocks"]), u(&r["served_local_prefix_blocks"]));
+    assert!(served > 0, "later turns read their prefix: {r}");
+    assert_eq!(predicted, served, "the router saw every block the chosen node served: {r}");
 }
 
 /// The cost benchmark's two halves in small: `sweep --kv-tags` stores

@@ -74,6 +74,13 @@ pub struct RouteArgs {
     /// blocks (events go out every --kv-events-interval-ms).
     #[arg(long, value_enum, default_value_t = GenerationMode::Fast)]
     generation_mode: GenerationMode,
+    /// A user's think time in ms: the wait between a reply (its blocks
+    /// written) and the same user's next turn. 0 sends the next turn at
+    /// once, typically before the node has published the reply's blocks
+    /// (events go out every --kv-events-interval-ms), so a router sees a
+    /// conversation's newest blocks only at the turn after.
+    #[arg(long, default_value_t = 0)]
+    think_ms: u64,
     /// A conversation stops once its context passes this many tokens.
     #[arg(long, default_value_t = 8192)]
     max_context_tokens: usize,
@@ -127,6 +134,7 @@ pub async fn run(args: RouteArgs) -> Result<ExitCode, String> {
         passes: args.passes,
         max_context_tokens: args.max_context_tokens,
         generation: args.generation_mode,
+        think_ms: args.think_ms,
         block_bytes,
         block_tokens,
         overlap_weight: args.overlap_weight,

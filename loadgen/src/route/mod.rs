@@ -18,7 +18,8 @@
 //!    (`x-kvtier-tier`: `gpu`, `ram` and `nvme` are the node's own, `s3`
 //!    the bucket the nodes share), tagged PUTs of the blocks that missed;
 //! 3. the decode wait of `--generation-mode`, then tagged PUTs of the
-//!    blocks the reply completed, on the same node.
+//!    blocks the reply completed, on the same node;
+//! 4. the user's think time (`--think-ms`) before the next turn.
 //!
 //! The figure of merit is the share of prefix tokens served from the
 //! node's own tiers rather than from S3: what a router's choice decides.
@@ -71,6 +72,10 @@ pub struct RouteConfig {
     pub max_context_tokens: usize,
     /// Decode-time simulation.
     pub generation: GenerationMode,
+    /// A user's think time, ms: the wait between a turn's reply (its blocks
+    /// written) and the user's next turn of the same conversation.
+    #[serde(default)]
+    pub think_ms: u64,
     /// Bytes per block.
     pub block_bytes: u64,
     /// Tokens per block (one engine block per kvtier block).
@@ -410,6 +415,10 @@ impl Shared {
                 }
                 stats.turns += 1;
                 self.turns_done.fetch_add(1, Ordering::Relaxed);
+                if self.cfg.think_ms > 0 {
+                    let left = self.deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(Duration::from_millis(self.cfg.think_ms).min(left)).await;
+                }
             }
         }
         stats.gave_up = streak >= USER_ERRORS_MAX;
