@@ -163,9 +163,14 @@ impl PolicyOracle {
         self
     }
 
-    /// The block hash the server gives a client's `key`.
+    /// The block hash the server gives a client's `key`: xxh3-128 of its
+    /// stored key, `NAME/KEY` for a tenant's key and the key itself without
+    /// one (docs/ARCHITECTURE.md, "Tenants"). Written here from that rule,
+    /// not taken from the server's scoping, so a bug there shows as a
+    /// mismatch instead of being repeated.
     pub fn hash(&self, key: &str) -> BlockHash {
-        BlockHash::of(kvtier_engine::tenant::scoped_key(&self.scope, key).as_bytes())
+        let stored = if self.scope.is_empty() { key.to_string() } else { format!("{}/{key}", self.scope) };
+        BlockHash::of(stored.as_bytes())
     }
 
     fn shard(&self, key: &Key) -> usize {
