@@ -30,30 +30,18 @@ OUT=${OUT:-target/bench/events}
 BIN=${BIN:-target/release}
 
 rm -rf "$OUT" && mkdir -p "$OUT"
-SCRATCH=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-  rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
+# SCRATCH, PIDS, start and stop (loadgen/scripts/nodes.sh).
+source loadgen/scripts/nodes.sh
 json() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
 
-# start NAME [flags...]: a server on a free port; sets URL_<NAME>.
-start() {
+# start_node NAME [flags...]: a server of this bench's geometry.
+start_node() {
   local name=$1; shift
-  mkdir -p "$SCRATCH/$name"
-  $BIN/kvtier serve --listen 127.0.0.1:0 --data-dir "$SCRATCH/$name" --shards "$SHARDS" --pin-cpus false \
-    --block-bytes "$BLOCK_BYTES" --disk-gb 2 --ram-gb "$RAM_GB" --log-level warn "$@" \
-    >"$OUT/serve-$name.out" 2>"$OUT/serve-$name.err" &
-  PIDS+=($!)
-  for _ in $(seq 200); do grep -q listening "$OUT/serve-$name.out" && break; sleep 0.05; done
-  grep -q listening "$OUT/serve-$name.out" || { cat "$OUT/serve-$name.err" >&2; exit 1; }
-  eval "URL_$name=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$name.out" | head -1)"
+  start "$name" --shards "$SHARDS" --block-bytes "$BLOCK_BYTES" --disk-gb 2 --ram-gb "$RAM_GB" "$@"
 }
 
-start plain
-start events --kv-events tcp://127.0.0.1:0
+start_node plain
+start_node events --kv-events tcp://127.0.0.1:0
 $BIN/kvtier-loadgen subscribe --node "$URL_events" --stop-file "$SCRATCH/stop" --out "$OUT/subscriber" \
   >"$OUT/subscriber.log" 2>&1 &
 SUBSCRIBER=$!

@@ -57,40 +57,18 @@ BIN=${BIN:-target/release}
 BUCKET=kvtier-bench
 
 rm -rf "$OUT" && mkdir -p "$OUT"
-SCRATCH=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
+# SCRATCH, PIDS, start and stop (loadgen/scripts/nodes.sh).
+source loadgen/scripts/nodes.sh
 
 # moto_server with the bucket: ENDPOINT, AWS_* (loadgen/scripts/moto.sh).
 source loadgen/scripts/moto.sh
 
-# start NAME PREFIX: a node on a free port sharing s3://BUCKET/PREFIX,
-# its KV events on a free port; sets URL_<NAME>, PID_<NAME>.
-start() {
-  local name=$1 prefix=$2
-  mkdir -p "$SCRATCH/$name"
-  $BIN/kvtier serve --listen 127.0.0.1:0 --data-dir "$SCRATCH/$name" --shards 1 --pin-cpus false \
-    --block-bytes "$BLOCK_BYTES" --block-tokens "$BLOCK_TOKENS" --disk-gb "$DISK_GB" --segment-mib "$SEGMENT_MIB" \
-    --ram-gb "$RAM_GB" --log-level warn \
-    --s3-url "s3://$BUCKET/$prefix" --s3-endpoint "$ENDPOINT" --s3-write-policy through \
-    --kv-events tcp://127.0.0.1:0 \
-    >"$OUT/serve-$name.out" 2>"$OUT/serve-$name.err" &
-  local pid=$!
-  PIDS+=($pid)
-  for _ in $(seq 200); do grep -q listening "$OUT/serve-$name.out" && break; sleep 0.05; done
-  grep -q listening "$OUT/serve-$name.out" || { cat "$OUT/serve-$name.err" >&2; exit 1; }
-  eval "URL_$name=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$name.out" | head -1)"
-  eval "PID_$name=$pid"
-}
-stop() {
-  local pid
-  eval "pid=\$PID_$1"
-  kill -TERM "$pid"; wait "$pid" || true
-  rm -rf "${SCRATCH:?}/$1"
+# start_node NAME PREFIX: a node sharing s3://BUCKET/PREFIX, its KV events on a
+# free port.
+start_node() {
+  start "$1" --shards 1 --block-bytes "$BLOCK_BYTES" --block-tokens "$BLOCK_TOKENS" --disk-gb "$DISK_GB" \
+    --segment-mib "$SEGMENT_MIB" --ram-gb "$RAM_GB" \
+    --s3-url "s3://$BUCKET/$2" --s3-endpoint "$ENDPOINT" --s3-write-policy through --kv-events tcp://127.0.0.1:0
 }
 
 MODES=(events store-only round-robin)
@@ -99,8 +77,8 @@ for pair in $(seq "$PAIRS"); do
   order=()
   for k in 0 1 2; do order+=("${MODES[$(((pair - 1 + k) % 3))]}"); done
   for mode in "${order[@]}"; do
-    start a "router-$pair-$mode"
-    start b "router-$pair-$mode"
+    start_node a "router-$pair-$mode"
+    start_node b "router-$pair-$mode"
     $BIN/kvtier-loadgen route --node "$URL_a" --node "$URL_b" --mode "$mode" --users "$USERS" \
       --conversations "$CONVERSATIONS" --passes 1 --duration-s "$REPLAY_MAX_S" --generation-mode "$GENERATION_MODE" --think-ms "$THINK_MS" \
       --max-context-tokens "$MAX_CONTEXT_TOKENS" --overlap-weight "$OVERLAP_WEIGHT" --score "$SCORE" --seed 1 \

@@ -32,43 +32,24 @@ BIN=${BIN:-target/release}
 BUCKET=kvtier-bench
 
 rm -rf "$OUT" && mkdir -p "$OUT"
-SCRATCH=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
+# SCRATCH, PIDS, start and stop (loadgen/scripts/nodes.sh).
+source loadgen/scripts/nodes.sh
 
 # moto_server with the bucket: ENDPOINT, AWS_* (loadgen/scripts/moto.sh).
 source loadgen/scripts/moto.sh
 
-# start NAME [flags...]: a node on a free port; sets URL_<NAME>, PID_<NAME>.
-start() {
+# start_node NAME [flags...]: a one-shard node of this bench's geometry.
+start_node() {
   local name=$1; shift
-  mkdir -p "$SCRATCH/$name"
-  $BIN/kvtier serve --listen 127.0.0.1:0 --data-dir "$SCRATCH/$name" --shards 1 --pin-cpus false \
-    --block-bytes "$BLOCK_BYTES" --disk-gb 2 --ram-gb 0.25 --log-level warn "$@" \
-    >"$OUT/serve-$name.out" 2>"$OUT/serve-$name.err" &
-  local pid=$!
-  PIDS+=($pid)
-  for _ in $(seq 200); do grep -q listening "$OUT/serve-$name.out" && break; sleep 0.05; done
-  eval "URL_$name=$(grep -o 'http://[0-9.:]*' "$OUT/serve-$name.out")"
-  eval "PID_$name=$pid"
-}
-stop() {
-  local pid
-  eval "pid=\$PID_$1"
-  kill -TERM "$pid"; wait "$pid" || true
-  rm -rf "${SCRATCH:?}/$1"
+  start "$name" --shards 1 --block-bytes "$BLOCK_BYTES" --disk-gb 2 --ram-gb 0.25 "$@"
 }
 
 for pair in $(seq "$PAIRS"); do
   for mode in local shared; do
     s3=()
     [ $mode = shared ] && s3=(--s3-url "s3://$BUCKET/replay-$pair" --s3-endpoint "$ENDPOINT")
-    start a "${s3[@]}"
-    start b "${s3[@]}"
+    start_node a "${s3[@]}"
+    start_node b "${s3[@]}"
     seed=1
     for node in a b; do
       eval "url=\$URL_$node"
@@ -94,7 +75,7 @@ done
 for mode in local shared; do
   s3=()
   [ $mode = shared ] && s3=(--s3-url "s3://$BUCKET/burst" --s3-endpoint "$ENDPOINT" --s3-upload-queue-mib "$BURST_QUEUE_MIB")
-  start w "${s3[@]}"
+  start_node w "${s3[@]}"
   $BIN/kvtier-loadgen blocks --target "$URL_w" --op put --concurrency "$BURST_CONCURRENCY" --duration-s "$BURST_S" \
     --out "$OUT/burst-$mode" >"$OUT/burst-$mode.log" 2>&1
   : >"$OUT/burst-$mode-queue.jsonl"

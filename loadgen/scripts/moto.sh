@@ -1,5 +1,5 @@
 # Sourced by the shared-tier benches (bench_s3.sh, bench_router.sh), after
-# they set OUT, SCRATCH, PIDS (killed at exit) and BUCKET: starts
+# they set OUT and BUCKET and source nodes.sh (SCRATCH, PIDS killed at exit): starts
 # moto_server (target/py-s3) on a free loopback port in $SCRATCH, logging
 # to $OUT/moto.log, creates the bucket, and sets ENDPOINT and the AWS_*
 # variables kvtier reads. Exits 2 naming the make target when moto is
