@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,20 +27,13 @@ import pytest
 from conftest import block
 
 import kvtier
-from kvtier.testing import ServerProcess
+from kvtier.testing import ServerProcess, free_port
 
 BLOCK_BYTES = 65536
 #: Tokens per engine block, as the indexer is told (`--block-size`).
 BLOCK_TOKENS = 16
 #: RAM-tier blocks of the one shard.
 RAM_BLOCKS = 8
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chain(tokens: list[int]) -> list[bytes]:
