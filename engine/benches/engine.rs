@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::{BlockBody, Error, Geometry, Store, StoreConfig};
 use serde::Serialize;
 
@@ -164,7 +165,7 @@ fn fio(file: &Path, rw: &str, block_bytes: u64, depth: usize, seconds: f64, size
 
 /// PUTs (or GETs) whole blocks from `depth` concurrent tasks for `seconds`;
 /// returns payload bytes/s.
-async fn engine(store: &Rc<Store>, write: bool, depth: usize, seconds: f64, body: &Bytes, written: &Rc<RefCell<Vec<String>>>) -> f64 {
+async fn engine(store: &Rc<Store>, write: bool, depth: usize, seconds: f64, body: &Bytes, written: &Rc<RefCell<Vec<StoredKey>>>) -> f64 {
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let next = Rc::new(Cell::new(0u64));
     let moved = Rc::new(Cell::new(0u64));
@@ -177,7 +178,7 @@ async fn engine(store: &Rc<Store>, write: bool, depth: usize, seconds: f64, body
                 if write {
                     let n = next.get();
                     next.set(n + 1);
-                    let key = format!("bench-{}-{n}", written.borrow().len() + 1_000_000 * w);
+                    let key = StoredKey::unscoped(&format!("bench-{}-{n}", written.borrow().len() + 1_000_000 * w)).expect("a valid key");
                     store.put(&key, vec![body.clone()]).await.expect("put");
                     written.borrow_mut().push(key);
                     moved.set(moved.get() + body.len() as u64);

@@ -21,7 +21,7 @@ use std::time::Instant;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use kvtier_engine::gpu::{GpuDevice, GpuRead, GpuTier};
-use kvtier_engine::key::BlockHash;
+use kvtier_engine::key::{BlockHash, StoredKey};
 use kvtier_engine::pool::BufferPool;
 use serde::Serialize;
 
@@ -121,7 +121,13 @@ async fn measure(device: Arc<GpuDevice>, block_bytes: u64, blocks: u32, rounds: 
     let tier = GpuTier::new(device.clone(), blocks, block_bytes).expect("GPU tier");
     let pool = BufferPool::new(block_bytes);
     let data: Vec<u8> = (0..block_bytes).map(|i| (i * 31 % 251) as u8).collect();
-    let keys: Vec<(String, BlockHash)> = (0..blocks).map(|i| (format!("b{i}"), BlockHash::of(format!("b{i}").as_bytes()))).collect();
+    let keys: Vec<(StoredKey, BlockHash)> = (0..blocks)
+        .map(|i| StoredKey::unscoped(&format!("b{i}")).expect("a valid key"))
+        .map(|k| {
+            let hash = k.hash();
+            (k, hash)
+        })
+        .collect();
     let mut r = Report {
         device: device.name.clone(),
         block_bytes,

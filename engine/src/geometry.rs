@@ -18,11 +18,13 @@ use crate::error::{Error, Result};
 pub const BLOCK_TOKENS_DEFAULT: u32 = 128;
 
 /// Version of `store.json` and of the on-disk segment format (docs/FORMAT.md).
-/// 2: slot headers carry a CRC-32 per chunk; 3: and the block's tag. An
-/// older store opens and serves (version 1 slots by their whole-block CRC,
-/// version 1 and 2 slots with no tag) and is marked 3 on open, since new
-/// slots are written in the new layout.
-pub const FORMAT_VERSION: u32 = 3;
+/// 2: slot headers carry a CRC-32 per chunk; 3: and the block's tag; 4: and
+/// the length of the key's owner scope, in a key area wide enough for the
+/// longest key under any tenant. An older store opens and serves (version 1
+/// slots by their whole-block CRC, version 1 and 2 slots with no tag,
+/// version 1 to 3 slots with the scope found as they wrote it) and is
+/// marked 4 on open, since new slots are written in the new layout.
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The model whose geometry a store uses when none is given.
 pub const MODEL_DEFAULT: &str = "llama3.1-8b";
@@ -184,7 +186,7 @@ impl StoreManifest {
                     upgraded.write(dir)?;
                     tracing::info!(
                         dir = %dir.display(),
-                        "store format {} upgraded to {FORMAT_VERSION}: existing blocks read as before, new ones carry per-chunk CRC-32s and block tags",
+                        "store format {} upgraded to {FORMAT_VERSION}: existing blocks read as before, new ones carry per-chunk CRC-32s, block tags and their key's scope",
                         stored.format_version
                     );
                     return Ok(upgraded);

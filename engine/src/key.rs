@@ -74,27 +74,108 @@ pub fn validate(key: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks a stored key: a client key, or `SCOPE/KEY` with an owner's name
-/// as its scope ([`crate::tenant`]), at most [`KEY_BYTES_MAX`] bytes in
-/// all. The engine's calls take stored keys; the server scopes client keys
-/// (checked with [`validate`]) before it calls them.
+/// Longest stored key, in bytes: a client key of [`KEY_BYTES_MAX`] under
+/// the longest owner scope ([`crate::tenant::OWNER_NAME_BYTES_MAX`]) and
+/// the `/` between them (289). The slot header's key area holds this many.
+pub const STORED_KEY_BYTES_MAX: usize = crate::tenant::OWNER_NAME_BYTES_MAX + 1 + KEY_BYTES_MAX;
+
+/// A key as the engine stores it: the owner's scope and the client's key,
+/// typed once where a front door scopes the client's key, and passed as
+/// such through [`crate::Store`] to the tiers and the shared tier, so no
+/// layer parses the owner back out of a string.
 ///
-/// # Errors
-/// [`Error::InvalidKey`] as [`validate`] says, or naming a bad scope.
-pub fn validate_stored(key: &str) -> Result<()> {
-    let Some((scope, rest)) = key.split_once('/') else { return validate(key) };
-    crate::tenant::check_name(scope).map_err(|reason| Error::InvalidKey { reason: format!("scope of {key:?}: {reason}") })?;
-    validate(rest)?;
-    if key.len() > KEY_BYTES_MAX {
-        return Err(Error::InvalidKey {
-            reason: format!(
-                "key is {} bytes; with the scope {scope:?} of its tenant a key may be at most {} bytes",
-                rest.len(),
-                KEY_BYTES_MAX - scope.len() - 1
-            ),
-        });
+/// Its persisted form ([`StoredKey::as_str`]) is `SCOPE/KEY`, or `KEY` for
+/// the default owner: what the block hash is taken of, what a slot header
+/// and an S3 object header carry. A slot header also records the scope's
+/// length (format 4, docs/FORMAT.md), so recovery rebuilds the typed key
+/// from the header's fields.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct StoredKey {
+    /// Shared, so the tiers' maps and the mesh's messages clone it cheaply.
+    text: std::sync::Arc<str>,
+    /// Bytes of `text` before the `/`; 0 for the default owner.
+    scope_bytes: u8,
+}
+
+impl StoredKey {
+    /// `key` stored by the owner whose scope is `scope` (an owner's name,
+    /// [`crate::tenant::check_name`]; empty for the default owner). The key
+    /// may be [`KEY_BYTES_MAX`] bytes under any scope.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] as [`validate`] says, or naming a bad scope.
+    pub fn new(scope: &str, key: &str) -> Result<StoredKey> {
+        validate(key)?;
+        if scope.is_empty() {
+            return Ok(StoredKey { text: key.into(), scope_bytes: 0 });
+        }
+        crate::tenant::check_name(scope).map_err(|reason| Error::InvalidKey { reason: format!("scope of {key:?}: {reason}") })?;
+        Ok(StoredKey { text: format!("{scope}/{key}").into(), scope_bytes: scope.len() as u8 })
     }
-    Ok(())
+
+    /// `key` of the default owner: [`StoredKey::new`] with no scope.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] as [`validate`] says.
+    pub fn unscoped(key: &str) -> Result<StoredKey> {
+        StoredKey::new("", key)
+    }
+
+    /// The typed key of a persisted form (`text`, as a slot header holds it)
+    /// whose first `scope_bytes` bytes are the scope; `None` when the two do
+    /// not make a valid stored key.
+    pub fn from_persisted(text: &[u8], scope_bytes: u8) -> Option<StoredKey> {
+        let text = std::str::from_utf8(text).ok()?;
+        let (scope, key) = match scope_bytes as usize {
+            0 => ("", text),
+            n => (text.get(..n)?, text.get(n..)?.strip_prefix('/')?),
+        };
+        StoredKey::new(scope, key).ok()
+    }
+
+    /// The owner's scope: an owner's name, empty for the default owner.
+    pub fn scope(&self) -> &str {
+        match self.scope_bytes {
+            0 => "",
+            n => &self.text[..n as usize],
+        }
+    }
+
+    /// The client's key, without its scope.
+    pub fn key(&self) -> &str {
+        match self.scope_bytes {
+            0 => &self.text,
+            n => &self.text[n as usize + 1..],
+        }
+    }
+
+    /// Length of [`StoredKey::scope`] in bytes, as a slot header records it.
+    pub fn scope_bytes(&self) -> u8 {
+        self.scope_bytes
+    }
+
+    /// The persisted form: `SCOPE/KEY`, or `KEY` for the default owner
+    /// (1 to [`STORED_KEY_BYTES_MAX`] bytes).
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The block hash: [`BlockHash::of`] the persisted form.
+    pub fn hash(&self) -> BlockHash {
+        BlockHash::of(self.text.as_bytes())
+    }
+}
+
+impl std::fmt::Debug for StoredKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.text, f)
+    }
+}
+
+impl std::fmt::Display for StoredKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
 }
 
 fn is_key_byte(b: u8) -> bool {
@@ -116,15 +197,36 @@ mod tests {
     }
 
     #[test]
-    fn stored_keys_take_one_scope() {
-        assert!(validate_stored("acme/k-1").is_ok());
-        assert!(validate_stored("k-1").is_ok());
-        for bad in ["/k", "acme/", "Acme/k", "a/b/c", "acme/a b"] {
-            assert!(matches!(validate_stored(bad), Err(Error::InvalidKey { .. })), "{bad:?} accepted");
+    fn a_stored_key_keeps_its_scope_typed() {
+        let k = StoredKey::new("acme", "k-1").unwrap();
+        assert_eq!((k.scope(), k.key(), k.as_str(), k.scope_bytes()), ("acme", "k-1", "acme/k-1", 4));
+        assert_eq!(k.hash(), BlockHash::of(b"acme/k-1"));
+        let d = StoredKey::unscoped("k-1").unwrap();
+        assert_eq!((d.scope(), d.key(), d.as_str(), d.scope_bytes()), ("", "k-1", "k-1", 0));
+        for (scope, key) in [("acme", ""), ("Acme", "k"), ("acme", "a/b"), ("acme", "a b"), ("a/b", "k"), (&*"s".repeat(33), "k")] {
+            assert!(matches!(StoredKey::new(scope, key), Err(Error::InvalidKey { .. })), "{scope:?} {key:?} accepted");
         }
-        let long = format!("acme/{}", "k".repeat(252));
-        let e = validate_stored(&long).unwrap_err().to_string();
-        assert!(e.contains("at most 251 bytes"), "{e}");
+    }
+
+    #[test]
+    fn a_key_may_be_the_longest_under_any_scope() {
+        let scope = "s".repeat(crate::tenant::OWNER_NAME_BYTES_MAX);
+        let k = StoredKey::new(&scope, &"k".repeat(KEY_BYTES_MAX)).unwrap();
+        assert_eq!(k.as_str().len(), STORED_KEY_BYTES_MAX);
+        let e = StoredKey::new("acme", &"k".repeat(KEY_BYTES_MAX + 1)).unwrap_err().to_string();
+        assert!(e.contains("the limit is 256"), "{e}");
+    }
+
+    #[test]
+    fn the_persisted_form_reads_back_only_with_its_scope_length() {
+        let k = StoredKey::new("acme", "k-1").unwrap();
+        assert_eq!(StoredKey::from_persisted(k.as_str().as_bytes(), 4), Some(k));
+        assert_eq!(StoredKey::from_persisted(b"k-1", 0), Some(StoredKey::unscoped("k-1").unwrap()));
+        for (text, scope_bytes) in
+            [(&b"acme/k-1"[..], 0), (b"acme/k-1", 3), (b"acme/k-1", 5), (b"acme/k-1", 200), (b"k-1", 3), (b"\xff", 0)]
+        {
+            assert_eq!(StoredKey::from_persisted(text, scope_bytes), None, "{text:?} {scope_bytes}");
+        }
     }
 
     #[test]
@@ -135,5 +237,16 @@ mod tests {
         }
         assert!(counts.iter().all(|c| *c > 800), "{counts:?}");
         assert_eq!(BlockHash::of(b"abc"), BlockHash::of(b"abc"));
+    }
+}
+
+/// Keys for the crate's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::StoredKey;
+
+    /// The default owner's stored key of `key`.
+    pub(crate) fn sk(key: &str) -> StoredKey {
+        StoredKey::unscoped(key).expect("a valid test key")
     }
 }

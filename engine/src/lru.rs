@@ -17,11 +17,10 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::rc::Rc;
 
 use crate::events::Journal;
 use crate::index::BlockHashHasher;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::tenant::OwnerId;
 
 const NIL: u32 = u32::MAX;
@@ -39,7 +38,7 @@ enum SlotState {
 
 struct Meta {
     hash: BlockHash,
-    key: Option<Rc<str>>,
+    key: Option<StoredKey>,
     prev: u32,
     next: u32,
     state: SlotState,
@@ -76,7 +75,7 @@ pub struct Victim {
     /// Its hash.
     pub hash: BlockHash,
     /// Its key.
-    pub key: Rc<str>,
+    pub key: StoredKey,
     /// Whether it must be written to NVMe first (write-back).
     pub dirty: bool,
     /// Whose block it is.
@@ -167,9 +166,9 @@ impl SlotLru {
 
     /// The slot of `key`, made most recently used. `None` when not held (or
     /// held under another key with the same hash).
-    pub fn touch(&mut self, key: &str, hash: &BlockHash) -> Option<u32> {
+    pub fn touch(&mut self, key: &StoredKey, hash: &BlockHash) -> Option<u32> {
         let slot = *self.map.get(hash)?;
-        if self.meta[slot as usize].key.as_deref() != Some(key) {
+        if self.meta[slot as usize].key.as_ref() != Some(key) {
             return None;
         }
         self.unlink(slot);
@@ -352,13 +351,13 @@ impl SlotLru {
 
     /// Makes the filled `slot` (from [`SlotLru::take_free`]) the most
     /// recently used block of `hash`, replacing an older copy.
-    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId, dirty: bool, pinned: impl Fn(u32) -> bool) {
+    pub fn install(&mut self, slot: u32, key: &StoredKey, hash: BlockHash, owner: OwnerId, dirty: bool, pinned: impl Fn(u32) -> bool) {
         debug_assert_eq!(self.meta[slot as usize].state, SlotState::Free);
         if let Some(&old) = self.map.get(&hash) {
             self.evict(old, pinned(old));
         }
         let m = &mut self.meta[slot as usize];
-        *m = Meta { hash, key: Some(Rc::from(key)), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false, owner, tick: 0 };
+        *m = Meta { hash, key: Some(key.clone()), prev: NIL, next: NIL, state: SlotState::Live, dirty, demoting: false, owner, tick: 0 };
         self.map.insert(hash, slot);
         if let Some(j) = &self.journal {
             j.arrived(hash);
@@ -395,7 +394,10 @@ impl SlotLru {
 
     /// Keys held, most recently used first (tests and the policy oracle).
     pub fn lru_keys(&self) -> Vec<String> {
-        self.live_by_tick().into_iter().map(|s| self.meta[s as usize].key.as_deref().unwrap_or("").to_string()).collect()
+        self.live_by_tick()
+            .into_iter()
+            .map(|s| self.meta[s as usize].key.as_ref().map_or(String::new(), |k| k.as_str().to_string()))
+            .collect()
     }
 
     /// Live slots, most recently used first, across owners.
@@ -463,6 +465,7 @@ impl SlotLru {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::testing::sk;
 
     #[test]
     fn slots_join_as_memory_backs_them() {
@@ -470,8 +473,8 @@ mod tests {
         let (a, b) = (l.take_free(|_| false).unwrap(), l.take_free(|_| false).unwrap());
         assert_eq!((a, b), (0, 1));
         assert_eq!(l.take_free(|_| false), None, "slots 2 and 3 have no memory yet");
-        l.install(a, "a", BlockHash(1), 0, false, |_| false);
-        l.install(b, "b", BlockHash(2), 0, true, |_| false);
+        l.install(a, &sk("a"), BlockHash(1), 0, false, |_| false);
+        l.install(b, &sk("b"), BlockHash(2), 0, true, |_| false);
         l.add_free(2..4);
         assert_eq!(l.take_free(|_| false), Some(2));
         assert_eq!(l.take_free(|_| false), Some(3));
@@ -484,12 +487,12 @@ mod tests {
         let mut l = SlotLru::new(2, 2);
         for (key, h) in [("a", 1), ("b", 2)] {
             let s = l.take_free(|_| false).unwrap();
-            l.install(s, key, BlockHash(h), 0, false, |_| false);
+            l.install(s, &sk(key), BlockHash(h), 0, false, |_| false);
         }
         let v = l.victim_for(0).unwrap();
-        assert_eq!(&*v.key, "a");
+        assert_eq!(v.key.as_str(), "a");
         l.begin_demotion(v.slot);
-        assert_eq!(&*l.victim_for(0).unwrap().key, "b", "not chosen twice");
+        assert_eq!(l.victim_for(0).unwrap().key.as_str(), "b", "not chosen twice");
         // Replaced while it moves: the old slot is retired, not reused...
         let s = l.take_free(|_| false);
         assert_eq!(s, None);
@@ -501,7 +504,7 @@ mod tests {
         assert_eq!(l.take_free(|_| false), Some(v.slot));
     }
 
-    fn fill(l: &mut SlotLru, key: &str, h: u128, owner: OwnerId) {
+    fn fill(l: &mut SlotLru, key: &StoredKey, h: u128, owner: OwnerId) {
         let s = l.take_free(|_| false).expect("a free slot");
         l.install(s, key, BlockHash(h), owner, false, |_| false);
     }
@@ -510,11 +513,11 @@ mod tests {
     fn one_owner_is_plain_lru() {
         let mut l = SlotLru::new(3, 3);
         for (k, h) in [("a", 1), ("b", 2), ("c", 3)] {
-            fill(&mut l, k, h, 0);
+            fill(&mut l, &sk(k), h, 0);
         }
-        l.touch("a", &BlockHash(1));
+        l.touch(&sk("a"), &BlockHash(1));
         assert_eq!(l.lru_keys(), ["a", "c", "b"]);
-        assert_eq!(&*l.victim_for(0).unwrap().key, "b");
+        assert_eq!(l.victim_for(0).unwrap().key.as_str(), "b");
         assert_eq!(l.dirty_blocks().len(), 0);
     }
 
@@ -523,34 +526,34 @@ mod tests {
         let mut l = SlotLru::new(4, 4);
         // Owner 1 reserves 2 blocks; owner 2 has none.
         l.set_quotas(&[(0, 4), (2, 4), (0, 4)]);
-        fill(&mut l, "q1", 1, 1);
-        fill(&mut l, "q2", 2, 1);
-        fill(&mut l, "n1", 3, 2);
-        fill(&mut l, "n2", 4, 2);
+        fill(&mut l, &sk("q1"), 1, 1);
+        fill(&mut l, &sk("q2"), 2, 1);
+        fill(&mut l, &sk("n1"), 3, 2);
+        fill(&mut l, &sk("n2"), 4, 2);
         // Owner 1's blocks are the oldest, but within its reservation.
         let v = l.victim_for(2).unwrap();
-        assert_eq!((&*v.key, v.owner), ("n1", 2));
+        assert_eq!((v.key.as_str(), v.owner), ("n1", 2));
         // Owner 1 at its reservation competes with its own oldest.
-        assert_eq!(&*l.victim_for(1).unwrap().key, "q1");
+        assert_eq!(l.victim_for(1).unwrap().key.as_str(), "q1");
         // Under its reservation, it takes from owners above theirs first,
         // though its own block is older.
         let q1 = l.slot_of(&BlockHash(1)).unwrap();
         l.evict(q1, false);
-        fill(&mut l, "n3", 5, 2);
+        fill(&mut l, &sk("n3"), 5, 2);
         assert_eq!((l.owner_blocks(1), l.owner_blocks(2)), (1, 3));
-        assert_eq!(&*l.victim_for(1).unwrap().key, "n1", "q2 is older, but owner 1 is filling its reservation");
+        assert_eq!(l.victim_for(1).unwrap().key.as_str(), "n1", "q2 is older, but owner 1 is filling its reservation");
     }
 
     #[test]
     fn at_its_limit_an_owner_evicts_only_its_own() {
         let mut l = SlotLru::new(4, 4);
         l.set_quotas(&[(0, 4), (0, 4), (0, 2)]);
-        fill(&mut l, "a", 1, 1);
-        fill(&mut l, "n1", 2, 2);
-        fill(&mut l, "n2", 3, 2);
+        fill(&mut l, &sk("a"), 1, 1);
+        fill(&mut l, &sk("n1"), 2, 2);
+        fill(&mut l, &sk("n2"), 3, 2);
         assert!(!l.under_limit(2), "owner 2 is at its limit of 2");
         assert!(l.under_limit(1));
-        assert_eq!(&*l.victim_for(2).unwrap().key, "n1", "its own, though a free slot is left and a's block is older");
+        assert_eq!(l.victim_for(2).unwrap().key.as_str(), "n1", "its own, though a free slot is left and a's block is older");
         assert_eq!(l.owner_blocks(2), 2);
         // Shrinking the limit leaves it over by one.
         l.set_quotas(&[(0, 4), (0, 4), (0, 1)]);

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::lru::SlotLru;
 use crate::tenant::OwnerId;
 
@@ -283,7 +283,7 @@ impl RamTier {
     /// The block of `key`, made most recently used, as a zero-copy `Bytes`
     /// pinning its slot. `None` when not held (or held under another key
     /// with the same hash).
-    pub fn get(&mut self, key: &str, hash: &BlockHash) -> Option<Bytes> {
+    pub fn get(&mut self, key: &StoredKey, hash: &BlockHash) -> Option<Bytes> {
         let slot = self.lru.touch(key, hash)?;
         Some(self.arena.pin(slot))
     }
@@ -358,7 +358,7 @@ impl RamTier {
 
     /// Fills `slot` (from [`RamTier::take_free`]) with `parts` and makes it
     /// the most recently used block of `hash`, replacing an older copy.
-    pub fn install(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId, parts: &[&[u8]], dirty: bool) {
+    pub fn install(&mut self, slot: u32, key: &StoredKey, hash: BlockHash, owner: OwnerId, parts: &[&[u8]], dirty: bool) {
         self.arena.fill(slot, parts);
         let arena = &self.arena;
         self.lru.install(slot, key, hash, owner, dirty, |s| arena.pinned(s));
@@ -383,7 +383,7 @@ impl RamTier {
     /// Makes `slot`, filled with [`RamTier::fill_chunk`], the most recently
     /// used (clean) block of `hash`. The caller checked no copy of `hash` is
     /// held (a newer one may have been stored while the chunks were read).
-    pub fn install_filled(&mut self, slot: u32, key: &str, hash: BlockHash, owner: OwnerId) {
+    pub fn install_filled(&mut self, slot: u32, key: &StoredKey, hash: BlockHash, owner: OwnerId) {
         debug_assert!(!self.lru.contains(&hash));
         let arena = &self.arena;
         self.lru.install(slot, key, hash, owner, false, |s| arena.pinned(s));
@@ -410,12 +410,13 @@ impl RamTier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::testing::sk;
 
     fn h(i: u128) -> BlockHash {
         BlockHash(i)
     }
 
-    fn put(t: &mut RamTier, key: &str, hash: BlockHash, fill: u8) -> bool {
+    fn put(t: &mut RamTier, key: &StoredKey, hash: BlockHash, fill: u8) -> bool {
         let data = vec![fill; 4096];
         loop {
             if let Some(slot) = t.take_free(0) {
@@ -433,35 +434,35 @@ mod tests {
     fn lru_order_and_eviction() {
         let mut t = RamTier::new(3, 4096).unwrap();
         for (i, k) in ["a", "b", "c"].iter().enumerate() {
-            assert!(put(&mut t, k, h(i as u128), i as u8));
+            assert!(put(&mut t, &sk(k), h(i as u128), i as u8));
         }
         assert_eq!(t.lru_keys(), ["c", "b", "a"]);
-        assert!(t.get("a", &h(0)).is_some());
+        assert!(t.get(&sk("a"), &h(0)).is_some());
         assert_eq!(t.lru_keys(), ["a", "c", "b"]);
-        put(&mut t, "d", h(3), 3);
+        put(&mut t, &sk("d"), h(3), 3);
         assert_eq!(t.lru_keys(), ["d", "a", "c"], "b was least recently used");
         assert!(!t.contains(&h(1)));
-        assert!(t.get("x", &h(0)).is_none(), "same hash, other key: not served");
+        assert!(t.get(&sk("x"), &h(0)).is_none(), "same hash, other key: not served");
         assert_eq!(t.used_blocks(), 3);
     }
 
     #[test]
     fn pinned_slot_is_never_rewritten() {
         let mut t = RamTier::new(2, 4096).unwrap();
-        put(&mut t, "a", h(1), 0xAA);
-        let held = t.get("a", &h(1)).unwrap();
-        put(&mut t, "b", h(2), 0xBB);
+        put(&mut t, &sk("a"), h(1), 0xAA);
+        let held = t.get(&sk("a"), &h(1)).unwrap();
+        put(&mut t, &sk("b"), h(2), 0xBB);
         // "a" is evicted while a response still holds it...
-        put(&mut t, "c", h(3), 0xCC);
+        put(&mut t, &sk("c"), h(3), 0xCC);
         assert!(!t.contains(&h(1)));
         assert_eq!(t.retired_blocks(), 1);
         // ... and the tier is full of pinned or live slots: "d" evicts "b",
         // not "a"'s memory.
-        put(&mut t, "d", h(4), 0xDD);
+        put(&mut t, &sk("d"), h(4), 0xDD);
         assert!(held.iter().all(|&b| b == 0xAA), "the response still sends a's bytes");
         // Sent on another thread, dropped there: the slot comes back.
         std::thread::spawn(move || drop(held)).join().unwrap();
-        put(&mut t, "e", h(5), 0xEE);
+        put(&mut t, &sk("e"), h(5), 0xEE);
         assert_eq!(t.retired_blocks(), 0);
         assert_eq!(t.lru_keys(), ["e", "d"]);
     }
@@ -469,12 +470,12 @@ mod tests {
     #[test]
     fn replacing_a_key_moves_it_to_a_new_slot() {
         let mut t = RamTier::new(2, 4096).unwrap();
-        put(&mut t, "a", h(1), 1);
-        let old = t.get("a", &h(1)).unwrap();
-        put(&mut t, "a", h(1), 2);
+        put(&mut t, &sk("a"), h(1), 1);
+        let old = t.get(&sk("a"), &h(1)).unwrap();
+        put(&mut t, &sk("a"), h(1), 2);
         assert_eq!(t.used_blocks(), 1);
         assert_eq!(old[0], 1);
-        assert_eq!(t.get("a", &h(1)).unwrap()[0], 2);
+        assert_eq!(t.get(&sk("a"), &h(1)).unwrap()[0], 2);
     }
 
     #[test]
@@ -482,7 +483,7 @@ mod tests {
         let mut t = RamTier::new(1, 4096).unwrap();
         let data = vec![7u8; 4096];
         let s = t.take_free(0).unwrap();
-        t.install(s, "a", h(1), 0, &[&data], true);
+        t.install(s, &sk("a"), h(1), 0, &[&data], true);
         assert!(t.is_dirty(&h(1)));
         let v = t.victim_for(0).unwrap();
         assert!(v.dirty);

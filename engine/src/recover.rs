@@ -174,12 +174,15 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
         if header.seq < first_seq {
             continue; // left over from the segment's earlier life
         }
-        if !header.is_consistent(shard.cfg.geometry.block_bytes) {
-            report.headers_invalid += 1;
-            tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping inconsistent slot header");
-            continue;
-        }
-        let owner = shard.owner_of_bytes(&header.key);
+        let key = match header.stored_key() {
+            Some(key) if header.is_consistent(shard.cfg.geometry.block_bytes) => key,
+            _ => {
+                report.headers_invalid += 1;
+                tracing::warn!(shard = shard.id(), segment = segment.id, slot, "skipping inconsistent slot header");
+                continue;
+            }
+        };
+        let owner = shard.owner_of(&key);
         records.push(Record { seq: header.seq, kind: header.kind, hash: header.hash, segment: segment.id, slot, owner, tag: header.tag });
     }
     Ok(records)

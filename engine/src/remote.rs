@@ -29,6 +29,7 @@ use bytes::Bytes;
 use futures::future::LocalBoxFuture;
 
 use crate::health::TierHealth;
+use crate::key::StoredKey;
 
 /// What a remote read found.
 #[derive(Debug, Clone)]
@@ -105,22 +106,22 @@ pub enum RemoteEvent {
 /// futures run there.
 pub trait RemoteShard {
     /// Reads `key`'s block. Never an error: failures are [`Fetched::Failed`].
-    fn fetch<'a>(&'a self, key: &'a str) -> LocalBoxFuture<'a, Fetched>;
+    fn fetch<'a>(&'a self, key: &'a StoredKey) -> LocalBoxFuture<'a, Fetched>;
 
     /// Uploads `key`'s block (its payload as `chunks`, `block_bytes` in all,
     /// reference-counted: no copy) with its encoded tag, if any, as the
     /// implementation's write policy says; `None` when it uploads nothing
     /// (policy off).
-    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>>;
+    fn upload<'a>(&'a self, key: &'a StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>>;
 
     /// Whether each of `keys` exists remotely (`None`: unknown after an
     /// error or timeout). The caller bounds the batch
     /// ([`Remote::parallelism`]).
-    fn exists_many<'a>(&'a self, keys: &'a [&'a str]) -> LocalBoxFuture<'a, Vec<Option<bool>>>;
+    fn exists_many<'a>(&'a self, keys: &'a [&'a StoredKey]) -> LocalBoxFuture<'a, Vec<Option<bool>>>;
 
     /// Deletes `key`'s remote copy (best effort); whether the delete was
     /// accepted.
-    fn delete<'a>(&'a self, key: &'a str) -> LocalBoxFuture<'a, bool>;
+    fn delete<'a>(&'a self, key: &'a StoredKey) -> LocalBoxFuture<'a, bool>;
 
     /// Counts what the waterfall did with a remote block.
     fn count(&self, event: RemoteEvent);

@@ -36,7 +36,7 @@ use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::events::{Medium, Residency};
 use crate::index::Index;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::pool::BufferPool;
 use crate::ram::RamTier;
 use crate::segment::{Segment, Superblock};
@@ -356,7 +356,7 @@ impl Shard {
     /// # Errors
     /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`] (write-back:
     /// also from writing a demoted block to the log to make room).
-    pub async fn put(&self, key: &str, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
+    pub async fn put(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != block_bytes {
@@ -411,7 +411,7 @@ impl Shard {
     /// more at p50). Both end alike on damage: the first chunk failing is
     /// an `Err` here; a later one arrives as the chunks that passed, then
     /// an `Err` item.
-    pub async fn get(&self, key: &str, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
+    pub async fn get(&self, key: &StoredKey, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
         bump(&self.counters.gets, 1);
         let result = self.read_tiered(key, hash, stream).await;
         match &result {
@@ -432,7 +432,7 @@ impl Shard {
     /// `promote` on a block read from the log is promoted to the fastest
     /// memory tier (`waterfall.rs`), and a block read from the remote tier
     /// is installed locally (`shard/remote.rs`).
-    async fn read_tiered(&self, key: &str, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
+    async fn read_tiered(&self, key: &StoredKey, hash: BlockHash, stream: bool) -> Result<(BlockBody, Tier)> {
         // A block on its way into a memory tier: its newest bytes, which no
         // tier may hold yet.
         if let Some(parts) = self.transits.get(key, &hash) {
@@ -492,7 +492,7 @@ impl Shard {
     ///
     /// # Errors
     /// [`Error::NotFound`] when not stored; [`Error::DiskFull`], [`Error::Io`].
-    pub async fn delete(&self, key: &str, hash: BlockHash) -> Result<()> {
+    pub async fn delete(&self, key: &StoredKey, hash: BlockHash) -> Result<()> {
         // A block on its way into a memory tier (a PUT being placed, a move
         // between tiers) is stored: let it land, then delete it wherever it
         // is. A newer PUT's transit is not waited for; it lands after.
@@ -528,12 +528,13 @@ impl Shard {
             payload_len: 0,
             payload_crc: 0,
             write_time_us: slot::now_us(),
-            key: key.as_bytes().to_vec(),
+            key: key.as_str().as_bytes().to_vec(),
+            scope_bytes: key.scope_bytes(),
             chunk_bytes: 0,
             chunk_crcs: Vec::new(),
             tag: Vec::new(),
         };
-        let (_, existed) = self.append(buf, header).await?;
+        let (_, existed) = self.append(buf, header, self.owner_of(key)).await?;
         if !existed {
             return Err(Error::NotFound);
         }

@@ -12,8 +12,12 @@
 //! itself (so a torn or stale header is never believed). Format 3 adds the
 //! block's tag (`events::tag`: the engine's block hashes and token ids),
 //! at the end of the page, so every later KV event of the block names it.
+//! Format 4 records the length of the key's owner scope
+//! ([`crate::key::StoredKey`]) and widens the key area to
+//! [`STORED_KEY_BYTES_MAX`], so a client key may be the longest under any
+//! tenant and recovery rebuilds the typed key without parsing it.
 
-use crate::key::{BlockHash, KEY_BYTES_MAX};
+use crate::key::{BlockHash, StoredKey, KEY_BYTES_MAX, STORED_KEY_BYTES_MAX};
 
 /// Size of a slot header and of a segment superblock: one 4 KiB page, the
 /// `O_DIRECT` alignment of every filesystem we target.
@@ -23,9 +27,12 @@ pub const PAGE_BYTES: u64 = 4096;
 pub const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"KVSL");
 
 /// Version of the slot header layout written now: 2 adds the chunk size and
-/// the per-chunk CRC-32s, 3 the block tag. Version 1 headers (whole-payload
-/// CRC only) still decode, with no chunk CRCs; versions 1 and 2 with no tag.
-pub const SLOT_VERSION: u16 = 3;
+/// the per-chunk CRC-32s, 3 the block tag, 4 the scope length and the wider
+/// key area (the chunk CRC-32s move from byte 320 to 356). Version 1
+/// headers (whole-payload CRC only) still decode, with no chunk CRCs;
+/// versions 1 and 2 with no tag; versions 1 to 3 with the scope found as
+/// they wrote it (below [`SlotHeader::decode`]).
+pub const SLOT_VERSION: u16 = 4;
 
 /// Payload bytes covered by one chunk CRC-32 when the block is small enough:
 /// 1 MiB, the unit a GET reads, verifies and sends (16 chunks for a 16 MiB
@@ -40,6 +47,7 @@ pub const CHUNK_CRCS_MAX: usize = (OFF_HEADER_CRC - OFF_CHUNK_CRCS) / 4;
 const OFF_MAGIC: usize = 0; // u32
 const OFF_VERSION: usize = 4; // u16
 const OFF_KIND: usize = 6; // u8
+const OFF_SCOPE_LEN: usize = 7; // u8, version 4 (zero before): bytes of the key's owner scope
 const OFF_SEQ: usize = 8; // u64
 const OFF_HASH: usize = 16; // u128
 const OFF_PAYLOAD_LEN: usize = 32; // u64
@@ -49,13 +57,17 @@ const OFF_TAG_LEN: usize = 46; // u16, version 3 (0: no tag); the tag ends where
 const OFF_WRITE_TIME: usize = 48; // u64, microseconds since the Unix epoch
 const OFF_CHUNK_BYTES: usize = 56; // u32, version 2 (0 in version 1 and for tombstones)
 const OFF_CHUNK_COUNT: usize = 60; // u32, version 2
-const OFF_KEY: usize = 64; // KEY_BYTES_MAX bytes
-const OFF_CHUNK_CRCS: usize = OFF_KEY + KEY_BYTES_MAX; // u32 × chunk count, version 2
+const OFF_KEY: usize = 64; // STORED_KEY_BYTES_MAX bytes (KEY_BYTES_MAX before version 4)
+/// Where the chunk CRC-32s start (u32 × chunk count): after the key area,
+/// rounded up to 4 bytes (356).
+const OFF_CHUNK_CRCS: usize = (OFF_KEY + STORED_KEY_BYTES_MAX).div_ceil(4) * 4;
+/// Where versions 2 and 3 put them: after a key area of [`KEY_BYTES_MAX`].
+const OFF_CHUNK_CRCS_V3: usize = OFF_KEY + KEY_BYTES_MAX;
 /// Offset of the header's own CRC-32, which covers bytes `0..OFF_HEADER_CRC`.
 const OFF_HEADER_CRC: usize = PAGE_BYTES as usize - 4;
 
 // The header must fit in its page with the key and its own CRC.
-const _: () = assert!(OFF_KEY + KEY_BYTES_MAX <= OFF_HEADER_CRC);
+const _: () = assert!(OFF_CHUNK_CRCS <= OFF_HEADER_CRC);
 
 /// What a slot records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,8 +94,13 @@ pub struct SlotHeader {
     pub payload_crc: u32,
     /// Microseconds since the Unix epoch at write time.
     pub write_time_us: u64,
-    /// The full key, 1..=[`KEY_BYTES_MAX`] bytes.
+    /// The key's persisted form ([`StoredKey::as_str`]), 1 to
+    /// [`STORED_KEY_BYTES_MAX`] bytes (at most [`KEY_BYTES_MAX`] before
+    /// version 4).
     pub key: Vec<u8>,
+    /// Bytes of `key` that are its owner's scope, before a `/`; 0 for the
+    /// default owner ([`StoredKey::scope_bytes`]).
+    pub scope_bytes: u8,
     /// Payload bytes per chunk CRC ([`chunk_bytes_for`]); 0 when the record
     /// has no chunk CRCs (a version 1 slot, or a tombstone).
     pub chunk_bytes: u32,
@@ -115,11 +132,12 @@ impl SlotHeader {
     /// the page first.
     ///
     /// # Panics
-    /// If `page` is shorter than a page or the key breaks the key rules;
-    /// callers validate keys before this point.
+    /// If `page` is shorter than a page or the key is out of bounds;
+    /// callers pass keys of a [`StoredKey`].
     pub fn encode(&self, page: &mut [u8]) {
         assert!(page.len() >= PAGE_BYTES as usize, "header page is {} bytes", page.len());
-        assert!(!self.key.is_empty() && self.key.len() <= KEY_BYTES_MAX, "key length {}", self.key.len());
+        assert!(!self.key.is_empty() && self.key.len() <= STORED_KEY_BYTES_MAX, "key length {}", self.key.len());
+        assert!((self.scope_bytes as usize) < self.key.len(), "scope of {} bytes in a key of {}", self.scope_bytes, self.key.len());
         assert!(self.kind == RecordKind::Block || self.payload_len == 0, "tombstone with a payload");
         assert_eq!(self.chunk_crcs.len() as u64, chunk_count(self.payload_len, self.chunk_bytes), "chunk CRCs cover the payload");
         assert!(
@@ -133,6 +151,7 @@ impl SlotHeader {
         put(page, OFF_MAGIC, &SLOT_MAGIC.to_le_bytes());
         put(page, OFF_VERSION, &SLOT_VERSION.to_le_bytes());
         page[OFF_KIND] = self.kind as u8;
+        page[OFF_SCOPE_LEN] = self.scope_bytes;
         put(page, OFF_SEQ, &self.seq.to_le_bytes());
         put(page, OFF_HASH, &self.hash.0.to_le_bytes());
         put(page, OFF_PAYLOAD_LEN, &self.payload_len.to_le_bytes());
@@ -153,7 +172,9 @@ impl SlotHeader {
         debug_assert_eq!(SlotHeader::decode(page).as_ref(), Ok(self));
     }
 
-    /// Decodes and checks a header page.
+    /// Decodes and checks a header page. Versions 1 to 3 recorded no scope
+    /// length: they wrote a tenant's key as `SCOPE/KEY` and a client key has
+    /// no `/`, so the scope of such a header is what precedes its first `/`.
     ///
     /// # Errors
     /// The [`HeaderFault`] that makes the page unusable.
@@ -175,9 +196,19 @@ impl SlotHeader {
         };
         let key_len = u16::from_le_bytes(get(page, OFF_KEY_LEN)) as usize;
         let version = u16::from_le_bytes(get(page, OFF_VERSION));
-        if !(1..=SLOT_VERSION).contains(&version) || key_len == 0 || key_len > KEY_BYTES_MAX {
+        let key_max = if version >= 4 { STORED_KEY_BYTES_MAX } else { KEY_BYTES_MAX };
+        if !(1..=SLOT_VERSION).contains(&version) || key_len == 0 || key_len > key_max {
             return Err(HeaderFault::BadField);
         }
+        let key = &page[OFF_KEY..OFF_KEY + key_len];
+        let scope_bytes = match version {
+            4.. => page[OFF_SCOPE_LEN],
+            _ => key.iter().position(|b| *b == b'/').unwrap_or(0) as u8,
+        };
+        if scope_bytes as usize >= key_len {
+            return Err(HeaderFault::BadField);
+        }
+        let crcs_at = if version >= 4 { OFF_CHUNK_CRCS } else { OFF_CHUNK_CRCS_V3 };
         let payload_len = u64::from_le_bytes(get(page, OFF_PAYLOAD_LEN));
         if kind == RecordKind::Tombstone && payload_len != 0 {
             return Err(HeaderFault::BadField);
@@ -186,11 +217,11 @@ impl SlotHeader {
             1 => (0, 0),
             _ => (u32::from_le_bytes(get(page, OFF_CHUNK_BYTES)), u32::from_le_bytes(get(page, OFF_CHUNK_COUNT)) as usize),
         };
-        if count > CHUNK_CRCS_MAX || count as u64 != chunk_count(payload_len, chunk_bytes) {
+        if count > (OFF_HEADER_CRC - crcs_at) / 4 || count as u64 != chunk_count(payload_len, chunk_bytes) {
             return Err(HeaderFault::BadField);
         }
         let tag_len = if version >= 3 { u16::from_le_bytes(get(page, OFF_TAG_LEN)) as usize } else { 0 };
-        if tag_len > tag_room_for(count) {
+        if tag_len > OFF_HEADER_CRC - crcs_at - 4 * count {
             return Err(HeaderFault::BadField);
         }
         Ok(SlotHeader {
@@ -200,20 +231,44 @@ impl SlotHeader {
             payload_len,
             payload_crc: u32::from_le_bytes(get(page, OFF_PAYLOAD_CRC)),
             write_time_us: u64::from_le_bytes(get(page, OFF_WRITE_TIME)),
-            key: page[OFF_KEY..OFF_KEY + key_len].to_vec(),
+            key: key.to_vec(),
+            scope_bytes,
             chunk_bytes,
-            chunk_crcs: (0..count).map(|i| u32::from_le_bytes(get(page, OFF_CHUNK_CRCS + 4 * i))).collect(),
+            chunk_crcs: (0..count).map(|i| u32::from_le_bytes(get(page, crcs_at + 4 * i))).collect(),
             tag: page[OFF_HEADER_CRC - tag_len..OFF_HEADER_CRC].to_vec(),
         })
     }
 }
 
 impl SlotHeader {
-    /// Whether a decoded header is a record this store can hold: its hash is
-    /// its key's, and its length fits its kind (`block_bytes` for a block,
-    /// 0 for a tombstone). Recovery skips, and fsck reports, any that is not.
+    /// Makes a header decoded from an older version fit this version's page
+    /// before it is written again (a reclaim keeping its block): a tag
+    /// longer than the room beside its chunk CRC-32s now is dropped. Only a
+    /// version 3 header of a block over 166 MiB can have one, since version
+    /// 4's wider key area took 36 bytes of that room (a tag may be 3,072
+    /// bytes; version 4 leaves less beside more than 166 chunk CRC-32s).
+    /// Returns whether the tag was dropped.
+    pub fn drop_tag_past_room(&mut self) -> bool {
+        let past = self.tag.len() > tag_room_for(self.chunk_crcs.len());
+        if past {
+            self.tag.clear();
+        }
+        past
+    }
+
+    /// The typed key the header records; `None` when its key and scope
+    /// length do not make one ([`StoredKey::from_persisted`]).
+    pub fn stored_key(&self) -> Option<StoredKey> {
+        StoredKey::from_persisted(&self.key, self.scope_bytes)
+    }
+
+    /// Whether a decoded header is a record this store can hold: its key is
+    /// a valid [`StoredKey`], its hash is its key's, and its length fits its
+    /// kind (`block_bytes` for a block, 0 for a tombstone). Recovery skips,
+    /// and fsck reports, any that is not.
     pub fn is_consistent(&self, block_bytes: u64) -> bool {
         self.hash == BlockHash::of(&self.key)
+            && self.stored_key().is_some()
             && match self.kind {
                 RecordKind::Block => self.payload_len == block_bytes,
                 RecordKind::Tombstone => self.payload_len == 0,
@@ -223,7 +278,7 @@ impl SlotHeader {
 
 /// Payload bytes per chunk CRC for blocks of `block_bytes`:
 /// [`CHUNK_BYTES_DEFAULT`], doubled until the chunk count fits in a header
-/// page ([`CHUNK_CRCS_MAX`]; only blocks over 943 MiB need 2 MiB chunks).
+/// page ([`CHUNK_CRCS_MAX`]; only blocks over 934 MiB need 2 MiB chunks).
 pub const fn chunk_bytes_for(block_bytes: u64) -> u32 {
     let mut chunk = CHUNK_BYTES_DEFAULT as u64;
     while block_bytes.div_ceil(chunk) > CHUNK_CRCS_MAX as u64 {
@@ -238,7 +293,7 @@ const fn tag_room_for(chunk_crcs: usize) -> usize {
 }
 
 /// Longest block tag a slot of a `block_bytes` block can hold: the header
-/// page's room after its chunk CRC-32s (3708 bytes for a 16 MiB block),
+/// page's room after its chunk CRC-32s (3672 bytes for a 16 MiB block),
 /// never over `events::tag::TAG_BYTES_MAX`.
 pub const fn tag_room(block_bytes: u64) -> usize {
     let room = tag_room_for(chunk_count(block_bytes, chunk_bytes_for(block_bytes)) as usize);
@@ -377,20 +432,40 @@ mod tests {
             payload_crc: crc,
             write_time_us: 1_700_000_000_000_000,
             key,
+            scope_bytes: 0,
             chunk_bytes,
             chunk_crcs: (0..chunks).map(|i| crc ^ i as u32).collect(),
             tag: Vec::new(),
         }
     }
 
+    /// `h` encoded as a version 1 to 3 writer laid it out: no scope length,
+    /// the chunk CRC-32s right after a 256-byte key area.
+    fn encode_as(h: &SlotHeader, version: u16) -> Vec<u8> {
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        h.encode(&mut page);
+        put(&mut page, OFF_VERSION, &version.to_le_bytes());
+        page[OFF_SCOPE_LEN] = 0;
+        let crcs = page[OFF_CHUNK_CRCS..OFF_CHUNK_CRCS + 4 * h.chunk_crcs.len()].to_vec();
+        page[OFF_CHUNK_CRCS_V3..OFF_CHUNK_CRCS + 4 * h.chunk_crcs.len()].fill(0);
+        put(&mut page, OFF_CHUNK_CRCS_V3, &crcs);
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        page
+    }
+
     proptest! {
         #[test]
         fn encode_decode_round_trip(
+            scope in proptest::collection::vec(proptest::sample::select(b"abz09_-".to_vec()), 0..=crate::tenant::OWNER_NAME_BYTES_MAX),
             key in proptest::collection::vec(proptest::sample::select(b"abcXYZ019._~-".to_vec()), 1..=KEY_BYTES_MAX),
             seq in any::<u64>(), len in any::<u64>(), crc in any::<u32>(), tomb in any::<bool>(),
             tag in proptest::collection::vec(any::<u8>(), 0..=crate::events::TAG_BYTES_MAX),
         ) {
-            let mut h = header(key, seq, len, crc, tomb);
+            let scoped = if scope.is_empty() { key } else { [&scope[..], b"/", &key[..]].concat() };
+            let mut h = header(scoped, seq, len, crc, tomb);
+            h.scope_bytes = scope.len() as u8;
+            prop_assert!(h.stored_key().is_some());
             h.tag = tag;
             h.tag.truncate(tag_room_for(h.chunk_crcs.len()));
             let mut page = vec![0xAAu8; PAGE_BYTES as usize];
@@ -452,14 +527,10 @@ mod tests {
         let mut h = header(b"old-block".to_vec(), 7, 16 << 20, 0x1234_5678, false);
         h.chunk_bytes = 0;
         h.chunk_crcs.clear();
-        let mut page = vec![0u8; PAGE_BYTES as usize];
-        h.encode(&mut page);
-        put(&mut page, OFF_VERSION, &1u16.to_le_bytes());
-        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
-        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        let mut page = encode_as(&h, 1);
         assert_eq!(SlotHeader::decode(&page), Ok(h));
-        // A version 4 header is not ours.
-        put(&mut page, OFF_VERSION, &4u16.to_le_bytes());
+        // A version 5 header is not ours.
+        put(&mut page, OFF_VERSION, &5u16.to_le_bytes());
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
         put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
         assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
@@ -469,11 +540,9 @@ mod tests {
     fn version_2_headers_decode_without_a_tag_and_a_tag_may_not_overlap_the_chunk_crcs() {
         let mut h = header(b"v2-block".to_vec(), 9, 16 << 20, 0x55AA, false);
         h.tag = vec![0xEE; 100];
-        let mut page = vec![0u8; PAGE_BYTES as usize];
-        h.encode(&mut page);
         // As the previous release wrote it: version 2, bytes 46..48 and the
         // page's end zero.
-        put(&mut page, OFF_VERSION, &2u16.to_le_bytes());
+        let mut page = encode_as(&h, 2);
         put(&mut page, OFF_TAG_LEN, &0u16.to_le_bytes());
         page[OFF_HEADER_CRC - 100..OFF_HEADER_CRC].fill(0);
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
@@ -482,12 +551,67 @@ mod tests {
         assert_eq!(SlotHeader::decode(&page), Ok(h.clone()));
         // Version 3 with a tag length reaching into the chunk CRC-32s.
         put(&mut page, OFF_VERSION, &3u16.to_le_bytes());
-        put(&mut page, OFF_TAG_LEN, &((tag_room_for(h.chunk_crcs.len()) + 1) as u16).to_le_bytes());
+        put(&mut page, OFF_TAG_LEN, &((OFF_HEADER_CRC - OFF_CHUNK_CRCS_V3 - 4 * h.chunk_crcs.len() + 1) as u16).to_le_bytes());
         let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
         put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
         assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
+        assert_eq!(OFF_CHUNK_CRCS, 356);
         assert_eq!(tag_room(16 << 20), 3072);
         assert_eq!(tag_room(1 << 30), OFF_HEADER_CRC - OFF_CHUNK_CRCS - 4 * 512);
+    }
+
+    #[test]
+    fn a_version_3_tenant_key_reads_with_its_scope_and_its_chunk_crcs_where_they_were() {
+        let mut h = header(b"acme/k-1".to_vec(), 11, 16 << 20, 0xABCD, false);
+        h.scope_bytes = 4;
+        h.tag = vec![0x5A; 64];
+        let page = encode_as(&h, 3);
+        let got = SlotHeader::decode(&page).unwrap();
+        assert_eq!(got, h);
+        let key = got.stored_key().unwrap();
+        assert_eq!((key.scope(), key.key()), ("acme", "k-1"));
+        // A version 3 key may not use the wider key area.
+        let mut long = header(vec![b'k'; KEY_BYTES_MAX + 1], 1, 0, 0, true);
+        long.scope_bytes = 0;
+        assert_eq!(SlotHeader::decode(&encode_as(&long, 3)), Err(HeaderFault::BadField));
+        assert_eq!(SlotHeader::decode(&encode_as(&long, 4)).map(|h| h.key.len()), Ok(KEY_BYTES_MAX + 1));
+    }
+
+    #[test]
+    fn a_version_3_tag_that_filled_its_room_is_dropped_before_the_header_is_written_again() {
+        // 200 MiB: 200 chunk CRC-32s, a version 3 room of 2972 bytes.
+        let mut h = header(b"big".to_vec(), 3, 200 << 20, 1, false);
+        let v3_room = OFF_HEADER_CRC - OFF_CHUNK_CRCS_V3 - 4 * h.chunk_crcs.len();
+        h.tag = vec![0x77; v3_room - 36];
+        let mut page = encode_as(&h, 3);
+        put(&mut page, OFF_TAG_LEN, &(v3_room as u16).to_le_bytes());
+        page[OFF_HEADER_CRC - v3_room..OFF_HEADER_CRC].fill(0x77);
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        let mut old = SlotHeader::decode(&page).unwrap();
+        assert_eq!(old.tag.len(), v3_room);
+        assert!(old.drop_tag_past_room());
+        assert!(old.tag.is_empty());
+        old.encode(&mut page);
+        // One that fits keeps its tag.
+        let mut fits = SlotHeader::decode(&encode_as(&h, 3)).unwrap();
+        assert!(!fits.drop_tag_past_room());
+        assert_eq!(fits.tag.len(), v3_room - 36);
+    }
+
+    #[test]
+    fn a_scope_length_that_does_not_end_at_a_slash_is_not_a_stored_key() {
+        let mut h = header(b"acme/k-1".to_vec(), 11, 0, 0, true);
+        h.scope_bytes = 3;
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        h.encode(&mut page);
+        let got = SlotHeader::decode(&page).unwrap();
+        assert_eq!(got.stored_key(), None);
+        assert!(!got.is_consistent(4096));
+        page[OFF_SCOPE_LEN] = 8;
+        let crc = crc32fast::hash(&page[..OFF_HEADER_CRC]);
+        put(&mut page, OFF_HEADER_CRC, &crc.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&page), Err(HeaderFault::BadField));
     }
 
     proptest! {
@@ -511,11 +635,11 @@ mod tests {
         assert_eq!(chunk_count(16 << 20, 1 << 20), 16);
         assert_eq!(chunk_count(1_228_800, 1 << 20), 2);
         assert_eq!(chunk_count(4096, 1 << 20), 1);
-        assert_eq!(chunk_bytes_for(943 << 20), 1 << 20);
-        assert_eq!(chunk_bytes_for(944 << 20), 2 << 20);
+        assert_eq!(chunk_bytes_for(934 << 20), 1 << 20);
+        assert_eq!(chunk_bytes_for(935 << 20), 2 << 20);
         let max = super::super::geometry::BLOCK_BYTES_MAX;
         assert!(chunk_count(max, chunk_bytes_for(max)) <= CHUNK_CRCS_MAX as u64);
-        assert_eq!(CHUNK_CRCS_MAX, 943);
+        assert_eq!(CHUNK_CRCS_MAX, 934);
     }
 
     #[test]

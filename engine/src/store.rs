@@ -21,7 +21,7 @@ use glommio::channels::channel_mesh::Senders;
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
-use crate::key::{self, BlockHash};
+use crate::key::{BlockHash, StoredKey};
 use crate::remote::Remote;
 use crate::shard::{Hold, PutOutcome, PutReport, Shard, ShardStats};
 pub use crate::startup::START_WARN_AFTER;
@@ -119,9 +119,9 @@ impl Store {
     /// acknowledged once the O_DIRECT write has completed on the owning shard.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], [`Error::WrongSize`], [`Error::DiskFull`],
+    /// [`Error::WrongSize`], [`Error::DiskFull`],
     /// [`Error::Io`], [`Error::ShuttingDown`].
-    pub async fn put(&self, key: &str, chunks: Vec<Bytes>) -> Result<PutOutcome> {
+    pub async fn put(&self, key: &StoredKey, chunks: Vec<Bytes>) -> Result<PutOutcome> {
         Ok(self.put_reporting(key, chunks, None).await?.outcome)
     }
 
@@ -136,8 +136,7 @@ impl Store {
     /// As [`Store::put`]; [`Error::InvalidTag`] when the tag breaks its rules
     /// or is longer than this store's slot header holds
     /// ([`crate::slot::tag_room`]). The remote tier never fails a PUT.
-    pub async fn put_reporting(&self, key: &str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
-        key::validate_stored(key)?;
+    pub async fn put_reporting(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
             return Err(Error::WrongSize { expected: self.geometry().block_bytes, got });
@@ -153,12 +152,12 @@ impl Store {
                 )));
             }
         }
-        let hash = BlockHash::of(key.as_bytes());
+        let hash = key.hash();
         let owner = hash.shard(self.shards);
         let put = if owner == self.shard_id() {
             self.shard.put_block(key, hash, &chunks, tag).await
         } else {
-            self.forward(owner, |reply| Request::Put { key: key.to_string(), hash, chunks, tag, reply }).await?
+            self.forward(owner, |reply| Request::Put { key: key.clone(), hash, chunks, tag, reply }).await?
         };
         if put.is_ok() {
             self.trace(TraceOp::Put, [(hash, TraceTier::None)]);
@@ -194,9 +193,9 @@ impl Store {
     /// [`Store::get_stream`], which the server uses).
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::Corrupt`] (treat
+    /// [`Error::NotFound`], [`Error::Corrupt`] (treat
     /// as a miss), [`Error::Io`], [`Error::ShuttingDown`].
-    pub async fn get(&self, key: &str) -> Result<Block> {
+    pub async fn get(&self, key: &StoredKey) -> Result<Block> {
         let (body, tier) = self.get_stream(key).await?;
         Ok(Block { bytes: body.collect().await?, tier })
     }
@@ -217,14 +216,13 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::get`].
-    pub async fn get_stream(&self, key: &str) -> Result<(BlockBody, Tier)> {
-        key::validate_stored(key)?;
-        let hash = BlockHash::of(key.as_bytes());
+    pub async fn get_stream(&self, key: &StoredKey) -> Result<(BlockBody, Tier)> {
+        let hash = key.hash();
         let owner = hash.shard(self.shards);
         let read = if owner == self.shard_id() {
             self.shard.get(key, hash, true).await
         } else {
-            self.forward(owner, |reply| Request::Get { key: key.to_string(), hash, reply }).await?
+            self.forward(owner, |reply| Request::Get { key: key.clone(), hash, reply }).await?
         };
         self.trace_read(hash, &read);
         read
@@ -239,14 +237,13 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::get`]; [`Error::Io`] when the sink refused a chunk.
-    pub async fn get_into(&self, key: &str, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
-        key::validate_stored(key)?;
-        let hash = BlockHash::of(key.as_bytes());
+    pub async fn get_into(&self, key: &StoredKey, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
+        let hash = key.hash();
         let owner = hash.shard(self.shards);
         let read = if owner == self.shard_id() {
             copy_block(&self.shard, key, hash, &*sink).await
         } else {
-            self.forward(owner, |reply| Request::GetInto { key: key.to_string(), hash, sink, reply }).await?
+            self.forward(owner, |reply| Request::GetInto { key: key.clone(), hash, sink, reply }).await?
         };
         self.trace_read(hash, &read);
         read
@@ -256,16 +253,15 @@ impl Store {
     /// the remote tier; a key stored only there is deleted there.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`], [`Error::NotFound`], [`Error::DiskFull`],
+    /// [`Error::NotFound`], [`Error::DiskFull`],
     /// [`Error::Io`], [`Error::ShuttingDown`].
-    pub async fn delete(&self, key: &str) -> Result<()> {
-        key::validate_stored(key)?;
-        let hash = BlockHash::of(key.as_bytes());
+    pub async fn delete(&self, key: &StoredKey) -> Result<()> {
+        let hash = key.hash();
         let owner = hash.shard(self.shards);
         let deleted = if owner == self.shard_id() {
             self.shard.delete_block(key, hash).await
         } else {
-            self.forward(owner, |reply| Request::Delete { key: key.to_string(), hash, reply }).await?
+            self.forward(owner, |reply| Request::Delete { key: key.clone(), hash, reply }).await?
         };
         match &deleted {
             Ok(()) => self.trace(TraceOp::Delete, [(hash, TraceTier::None)]),
@@ -279,11 +275,8 @@ impl Store {
     /// message per shard that owns any of the keys, sent in parallel.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
-    pub async fn contains_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
-        for k in keys {
-            key::validate_stored(k)?;
-        }
+    /// [`Error::ShuttingDown`].
+    pub async fn contains_many(&self, keys: &[StoredKey]) -> Result<Vec<Option<Tier>>> {
         self.ask_owners(keys, |owner, mine| async move {
             let hashes: Vec<BlockHash> = mine.iter().map(|(_, h)| *h).collect();
             if owner == self.shard_id() {
@@ -298,7 +291,7 @@ impl Store {
     /// parallel, and returns the answers in key order. `ask(owner, mine)`
     /// gets the owner's keys as (index into `keys`, block hash) and answers
     /// one item per key, in that order.
-    async fn ask_owners<'a, T, F, Fut>(&'a self, keys: &[&str], ask: F) -> Result<Vec<T>>
+    async fn ask_owners<'a, T, F, Fut>(&'a self, keys: &[StoredKey], ask: F) -> Result<Vec<T>>
     where
         T: Clone + Default,
         F: Fn(usize, Vec<(usize, BlockHash)>) -> Fut,
@@ -306,7 +299,7 @@ impl Store {
     {
         let mut by_shard: Vec<Vec<(usize, BlockHash)>> = vec![Vec::new(); self.shards];
         for (i, k) in keys.iter().enumerate() {
-            let hash = BlockHash::of(k.as_bytes());
+            let hash = k.hash();
             by_shard[hash.shard(self.shards)].push((i, hash));
         }
         let asks = by_shard.into_iter().enumerate().filter(|(_, mine)| !mine.is_empty()).map(|(owner, mine)| {
@@ -334,7 +327,7 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::contains_many`].
-    pub async fn lookup_prefix(&self, keys: &[&str]) -> Result<Vec<Tier>> {
+    pub async fn lookup_prefix(&self, keys: &[StoredKey]) -> Result<Vec<Tier>> {
         let found = self.contains_many(keys).await?;
         let mut tiers: Vec<Tier> = found.into_iter().map_while(|t| t).collect();
         if let Some(remote) = &self.remote {
@@ -358,7 +351,7 @@ impl Store {
         if self.tracing() {
             // Every key of the chain: those past the prefix hits as misses.
             let tier = |i: usize| tiers.get(i).map_or(TraceTier::Miss, |t| TraceTier::In(*t));
-            self.trace(TraceOp::Lookup, keys.iter().enumerate().map(|(i, k)| (BlockHash::of(k.as_bytes()), tier(i))));
+            self.trace(TraceOp::Lookup, keys.iter().enumerate().map(|(i, k)| (k.hash(), tier(i))));
         }
         Ok(tiers)
     }
@@ -368,8 +361,8 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::contains_many`].
-    pub async fn contains(&self, key: &str) -> Result<Option<Tier>> {
-        Ok(self.exists_many(&[key]).await?[0])
+    pub async fn contains(&self, key: &StoredKey) -> Result<Option<Tier>> {
+        Ok(self.exists_many(std::slice::from_ref(key)).await?[0])
     }
 
     /// The fastest tier holding each key, the remote tier included (`None`:
@@ -379,11 +372,11 @@ impl Store {
     ///
     /// # Errors
     /// As [`Store::contains_many`].
-    pub async fn exists_many(&self, keys: &[&str]) -> Result<Vec<Option<Tier>>> {
+    pub async fn exists_many(&self, keys: &[StoredKey]) -> Result<Vec<Option<Tier>>> {
         let mut found = self.contains_many(keys).await?;
         if self.remote.is_some() {
             let missing: Vec<usize> = (0..keys.len()).filter(|i| found[*i].is_none()).collect();
-            let asked: Vec<&str> = missing.iter().map(|i| keys[*i]).collect();
+            let asked: Vec<StoredKey> = missing.iter().map(|i| keys[*i].clone()).collect();
             if !asked.is_empty() {
                 for (i, present) in missing.into_iter().zip(self.remote_exists_many(&asked).await?) {
                     found[i] = (present == Some(true)).then_some(Tier::Remote);
@@ -391,20 +384,20 @@ impl Store {
             }
         }
         if self.tracing() {
-            self.trace(TraceOp::Head, keys.iter().zip(&found).map(|(k, t)| (BlockHash::of(k.as_bytes()), TraceTier::found(*t))));
+            self.trace(TraceOp::Head, keys.iter().zip(&found).map(|(k, t)| (k.hash(), TraceTier::found(*t))));
         }
         Ok(found)
     }
 
     /// Whether each of `keys` is in the remote tier, asked of the shards
     /// owning them, in parallel (`None`: unknown after an error).
-    async fn remote_exists_many(&self, keys: &[&str]) -> Result<Vec<Option<bool>>> {
+    async fn remote_exists_many(&self, keys: &[StoredKey]) -> Result<Vec<Option<bool>>> {
         self.ask_owners(keys, |owner, mine| async move {
             if owner == self.shard_id() {
-                let mine: Vec<&str> = mine.iter().map(|(i, _)| keys[*i]).collect();
+                let mine: Vec<&StoredKey> = mine.iter().map(|(i, _)| &keys[*i]).collect();
                 return Ok(self.shard.remote_exists_many(&mine).await);
             }
-            let keys = mine.iter().map(|(i, _)| keys[*i].to_string()).collect();
+            let keys = mine.iter().map(|(i, _)| keys[*i].clone()).collect();
             self.forward(owner, |reply| Request::RemoteExists { keys, reply }).await
         })
         .await
@@ -417,13 +410,12 @@ impl Store {
     /// of the remote tier.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] for the first invalid key; [`Error::ShuttingDown`].
-    pub async fn prefetch(&self, keys: &[&str]) -> Result<PrefetchReport> {
-        let mut by_shard: Vec<Vec<(String, BlockHash)>> = vec![Vec::new(); self.shards];
+    /// [`Error::ShuttingDown`].
+    pub async fn prefetch(&self, keys: &[StoredKey]) -> Result<PrefetchReport> {
+        let mut by_shard: Vec<Vec<(StoredKey, BlockHash)>> = vec![Vec::new(); self.shards];
         for k in keys {
-            key::validate_stored(k)?;
-            let hash = BlockHash::of(k.as_bytes());
-            by_shard[hash.shard(self.shards)].push((k.to_string(), hash));
+            let hash = k.hash();
+            by_shard[hash.shard(self.shards)].push((k.clone(), hash));
         }
         let parallelism = self.remote.as_ref().map_or(1, |r| r.parallelism());
         let asks = by_shard.into_iter().enumerate().filter(|(_, ks)| !ks.is_empty()).map(|(owner, keys)| async move {
@@ -433,7 +425,7 @@ impl Store {
             self.forward(owner, |reply| Request::Prefetch { keys, reply }).await
         });
         if self.tracing() {
-            self.trace(TraceOp::Prefetch, keys.iter().map(|k| (BlockHash::of(k.as_bytes()), TraceTier::None)));
+            self.trace(TraceOp::Prefetch, keys.iter().map(|k| (k.hash(), TraceTier::None)));
         }
         let mut total = PrefetchReport::default();
         for r in futures::future::join_all(asks).await {

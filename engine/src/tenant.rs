@@ -153,10 +153,10 @@ impl Owners {
 
     /// The owner of a stored key: its scope's id; [`DEFAULT_OWNER`] for a
     /// key with no scope or one naming no known owner.
-    pub fn owner_of(&self, stored_key: &str) -> OwnerId {
-        match stored_key.split_once('/') {
-            Some((scope, _)) => self.id_of(scope).unwrap_or(DEFAULT_OWNER),
-            None => DEFAULT_OWNER,
+    pub fn owner_of(&self, key: &crate::key::StoredKey) -> OwnerId {
+        match key.scope() {
+            "" => DEFAULT_OWNER,
+            scope => self.id_of(scope).unwrap_or(DEFAULT_OWNER),
         }
     }
 
@@ -216,16 +216,6 @@ pub fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The stored key of a client key in `scope` (an owner's name): `SCOPE/KEY`;
-/// the key itself for the default owner (empty scope).
-pub fn scoped_key(scope: &str, key: &str) -> String {
-    if scope.is_empty() {
-        key.to_string()
-    } else {
-        format!("{scope}/{key}")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,10 +229,11 @@ mod tests {
     #[test]
     fn owner_of_stored_keys() {
         let o = Owners::new(vec![spec("acme", 0), spec("beta", 0)]).unwrap();
-        assert_eq!(o.owner_of("acme/k"), 1);
-        assert_eq!(o.owner_of("beta/k/x"), 2);
-        assert_eq!(o.owner_of("k"), DEFAULT_OWNER);
-        assert_eq!(o.owner_of("gone/k"), DEFAULT_OWNER);
+        let key = |scope: &str, key: &str| crate::key::StoredKey::new(scope, key).unwrap();
+        assert_eq!(o.owner_of(&key("acme", "k")), 1);
+        assert_eq!(o.owner_of(&key("beta", "k")), 2);
+        assert_eq!(o.owner_of(&key("", "k")), DEFAULT_OWNER);
+        assert_eq!(o.owner_of(&key("gone", "k")), DEFAULT_OWNER);
         assert_eq!(o.display_name(0), "default");
         assert_eq!(o.display_name(2), "beta");
     }

@@ -6,9 +6,19 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvtier_engine::key::BlockHash;
+use kvtier_engine::key::{BlockHash, StoredKey};
 use kvtier_engine::slot::PAGE_BYTES;
 use kvtier_engine::{Error, Geometry, PutOutcome, Store, StoreConfig};
+
+/// The default owner's stored key of `key`.
+fn sk(key: &str) -> StoredKey {
+    StoredKey::unscoped(key).expect("a valid test key")
+}
+
+/// [`sk`] of each key.
+fn sks<K: AsRef<str>>(keys: &[K]) -> Vec<StoredKey> {
+    keys.iter().map(|k| sk(k.as_ref())).collect()
+}
 
 fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_bytes: u64) -> StoreConfig {
     StoreConfig {
@@ -81,8 +91,8 @@ fn round_trip_for_several_geometries() {
                 // Split the body in uneven chunks, as HTTP frames arrive.
                 let cut = (block_bytes / 3) as usize;
                 let chunks = vec![body.slice(..cut), body.slice(cut..)];
-                assert_eq!(store.put(&key, chunks).await.unwrap(), PutOutcome::Created);
-                let got = store.get(&key).await.unwrap();
+                assert_eq!(store.put(&sk(&key), chunks).await.unwrap(), PutOutcome::Created);
+                let got = store.get(&sk(&key)).await.unwrap();
                 assert_eq!(got.bytes, body, "block {i} of {block_bytes} bytes");
             }
             true
@@ -98,14 +108,14 @@ fn overwrite_delete_and_restart() {
     let cfg = config(dir.path(), 8192, 2, 1 << 20, 8 << 20);
     on_shard0(cfg.clone(), |store| async move {
         let (a1, a2) = (payload("a1", 8192), payload("a2", 8192));
-        assert_eq!(store.put("a", vec![a1]).await.unwrap(), PutOutcome::Created);
-        assert_eq!(store.put("a", vec![a2.clone()]).await.unwrap(), PutOutcome::Replaced);
-        assert_eq!(store.get("a").await.unwrap().bytes, a2);
-        store.put("gone", vec![payload("gone", 8192)]).await.unwrap();
-        store.delete("gone").await.unwrap();
-        assert!(matches!(store.delete("gone").await, Err(Error::NotFound)));
-        assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
-        assert!(matches!(store.get("never").await, Err(Error::NotFound)));
+        assert_eq!(store.put(&sk("a"), vec![a1]).await.unwrap(), PutOutcome::Created);
+        assert_eq!(store.put(&sk("a"), vec![a2.clone()]).await.unwrap(), PutOutcome::Replaced);
+        assert_eq!(store.get(&sk("a")).await.unwrap().bytes, a2);
+        store.put(&sk("gone"), vec![payload("gone", 8192)]).await.unwrap();
+        store.delete(&sk("gone")).await.unwrap();
+        assert!(matches!(store.delete(&sk("gone")).await, Err(Error::NotFound)));
+        assert!(matches!(store.get(&sk("gone")).await, Err(Error::NotFound)));
+        assert!(matches!(store.get(&sk("never")).await, Err(Error::NotFound)));
     })
     .unwrap();
     // Reopen from the snapshot the clean close wrote, then from a header
@@ -116,8 +126,8 @@ fn overwrite_delete_and_restart() {
             remove_snapshots(dir.path());
         }
         on_shard0(cfg.clone(), move |store| async move {
-            assert_eq!(store.get("a").await.unwrap().bytes, payload("a2", 8192));
-            assert!(matches!(store.get("gone").await, Err(Error::NotFound)));
+            assert_eq!(store.get(&sk("a")).await.unwrap().bytes, payload("a2", 8192));
+            assert!(matches!(store.get(&sk("gone")).await, Err(Error::NotFound)));
             let stats = store.stats().await.unwrap();
             assert_eq!(stats.iter().map(|s| s.blocks).sum::<u64>(), 1);
             assert!(stats.iter().all(|s| s.recovery.snapshot_loaded == from_snapshot));
@@ -145,7 +155,7 @@ fn restart_from_an_old_snapshot_sees_every_later_write_delete_and_reclaim() {
     let cfg = config(dir.path(), 4096, 1, segment, 4 * segment);
     on_shard0(cfg.clone(), |store| async move {
         for k in ["a", "b", "c", "d"] {
-            store.put(k, vec![payload(k, 4096)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 4096)]).await.unwrap();
         }
     })
     .unwrap();
@@ -153,22 +163,22 @@ fn restart_from_an_old_snapshot_sees_every_later_write_delete_and_reclaim() {
     let old = std::fs::read(&snap).unwrap();
     on_shard0(cfg.clone(), |store| async move {
         assert!(store.stats().await.unwrap()[0].recovery.snapshot_loaded);
-        store.delete("b").await.unwrap();
-        store.put("c", vec![payload("c2", 4096)]).await.unwrap();
+        store.delete(&sk("b")).await.unwrap();
+        store.put(&sk("c"), vec![payload("c2", 4096)]).await.unwrap();
         for i in 0..6 {
             let k = format!("n{i}");
-            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+            store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap();
         }
     })
     .unwrap();
     // As if the process had crashed after the old snapshot was written.
     std::fs::write(&snap, &old).unwrap();
     let expect = |store: Rc<Store>| async move {
-        assert!(matches!(store.get("b").await, Err(Error::NotFound)), "a delete after the snapshot holds");
-        assert_eq!(store.get("c").await.unwrap().bytes, payload("c2", 4096));
+        assert!(matches!(store.get(&sk("b")).await, Err(Error::NotFound)), "a delete after the snapshot holds");
+        assert_eq!(store.get(&sk("c")).await.unwrap().bytes, payload("c2", 4096));
         for i in 0..6 {
             let k = format!("n{i}");
-            assert_eq!(store.get(&k).await.unwrap().bytes, payload(&k, 4096));
+            assert_eq!(store.get(&sk(&k)).await.unwrap().bytes, payload(&k, 4096));
         }
         store.stats().await.unwrap()[0].clone()
     };
@@ -194,7 +204,7 @@ fn a_write_into_a_free_segment_survives_a_restart_from_the_snapshot_that_saw_it_
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4096, 1, PAGE_BYTES + 3 * 8192, 4 * (PAGE_BYTES + 3 * 8192));
     on_shard0(cfg.clone(), |store| async move {
-        store.put("lost", vec![payload("lost", 4096)]).await.unwrap();
+        store.put(&sk("lost"), vec![payload("lost", 4096)]).await.unwrap();
     })
     .unwrap();
     // As if the process had died before that write reached the disk.
@@ -212,13 +222,13 @@ fn a_write_into_a_free_segment_survives_a_restart_from_the_snapshot_that_saw_it_
     let saw_it_free = std::fs::read(&snap).unwrap();
     on_shard0(cfg.clone(), |store| async move {
         assert!(store.stats().await.unwrap()[0].recovery.snapshot_loaded);
-        store.put("kept", vec![payload("kept", 4096)]).await.unwrap();
+        store.put(&sk("kept"), vec![payload("kept", 4096)]).await.unwrap();
     })
     .unwrap();
     std::fs::write(&snap, &saw_it_free).unwrap();
     on_shard0(cfg, |store| async move {
         assert!(store.stats().await.unwrap()[0].recovery.snapshot_loaded);
-        assert_eq!(store.get("kept").await.unwrap().bytes, payload("kept", 4096), "an acknowledged write was lost");
+        assert_eq!(store.get(&sk("kept")).await.unwrap().bytes, payload("kept", 4096), "an acknowledged write was lost");
     })
     .unwrap();
 }
@@ -227,19 +237,18 @@ fn a_write_into_a_free_segment_survives_a_restart_from_the_snapshot_that_saw_it_
 fn wrong_size_and_invalid_keys_are_refused_and_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
     on_shard0(config(dir.path(), 8192, 1, 1 << 20, 4 << 20), |store| async move {
-        store.put("keep", vec![payload("keep", 8192)]).await.unwrap();
-        match store.put("short", vec![Bytes::from(vec![0u8; 100])]).await {
+        store.put(&sk("keep"), vec![payload("keep", 8192)]).await.unwrap();
+        match store.put(&sk("short"), vec![Bytes::from(vec![0u8; 100])]).await {
             Err(Error::WrongSize { expected: 8192, got: 100 }) => {}
             other => panic!("{other:?}"),
         }
-        // `a/b` is a stored key scoped to owner `a` (tenants); a bad scope,
-        // two scopes or an empty one are not.
-        for bad in ["", "A/b", "a/b/c", "/b", "..", &"x".repeat(257)] {
-            assert!(matches!(store.put(bad, vec![payload(bad, 8192)]).await, Err(Error::InvalidKey { .. })));
-            assert!(matches!(store.get(bad).await, Err(Error::InvalidKey { .. })));
+        // A store call takes only a typed key: a bad key or scope is refused
+        // where the key is made, before any call can see it.
+        for (scope, bad) in [("", ""), ("A", "b"), ("a", "b/c"), ("", "a/b"), ("", ".."), ("a", &"x".repeat(257))] {
+            assert!(matches!(StoredKey::new(scope, bad), Err(Error::InvalidKey { .. })), "{scope:?} {bad:?} accepted");
         }
-        assert_eq!(store.get("keep").await.unwrap().bytes, payload("keep", 8192));
-        assert!(matches!(store.get("short").await, Err(Error::NotFound)));
+        assert_eq!(store.get(&sk("keep")).await.unwrap().bytes, payload("keep", 8192));
+        assert!(matches!(store.get(&sk("short")).await, Err(Error::NotFound)));
     })
     .unwrap();
 }
@@ -263,10 +272,10 @@ fn two_shards_route_keys_to_their_owner() {
     on_shard0(cfg.clone(), |store| async move {
         let keys: Vec<String> = key_on_shard(0, 2, 5).into_iter().chain(key_on_shard(1, 2, 5)).collect();
         for k in &keys {
-            store.put(k, vec![payload(k, 4096)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 4096)]).await.unwrap();
         }
         for k in &keys {
-            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 4096));
+            assert_eq!(store.get(&sk(k)).await.unwrap().bytes, payload(k, 4096));
         }
         let stats = store.stats().await.unwrap();
         assert_eq!(stats.iter().map(|s| s.blocks).collect::<Vec<_>>(), vec![5, 5]);
@@ -274,7 +283,7 @@ fn two_shards_route_keys_to_their_owner() {
         let mut chain: Vec<&str> = keys.iter().map(|s| s.as_str()).take(3).collect();
         chain.push("missing");
         chain.push(&keys[4]);
-        assert_eq!(store.lookup_prefix(&chain).await.unwrap().len(), 3);
+        assert_eq!(store.lookup_prefix(&sks(&chain)).await.unwrap().len(), 3);
     })
     .unwrap();
     // Files exist per shard, each owning its keys after restart.
@@ -282,7 +291,7 @@ fn two_shards_route_keys_to_their_owner() {
     assert!(dir.path().join("shard-001/seg-000000.kvt").exists());
     on_shard0(cfg, |store| async move {
         for k in key_on_shard(1, 2, 5) {
-            assert_eq!(store.get(&k).await.unwrap().bytes, payload(&k, 4096));
+            assert_eq!(store.get(&sk(&k)).await.unwrap().bytes, payload(&k, 4096));
         }
     })
     .unwrap();
@@ -298,18 +307,18 @@ fn io_memory_is_registered_after_start_and_blocks_read_back_either_side() {
         // Linux 6.0+ the shard serves first), then after it.
         let keys = key_on_shard(store.shard_id(), 2, 6);
         for k in &keys[..3] {
-            store.put(k, vec![payload(k, 65_536)]).await.unwrap();
-            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 65_536));
+            store.put(&sk(k), vec![payload(k, 65_536)]).await.unwrap();
+            assert_eq!(store.get(&sk(k)).await.unwrap().bytes, payload(k, 65_536));
         }
         let waited = std::time::Instant::now();
         while !glommio::executor().io_memory_registered() && waited.elapsed() < std::time::Duration::from_secs(20) {
             glommio::timer::sleep(std::time::Duration::from_millis(5)).await;
         }
         for k in &keys[3..] {
-            store.put(k, vec![payload(k, 65_536)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 65_536)]).await.unwrap();
         }
         for k in &keys {
-            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 65_536));
+            assert_eq!(store.get(&sk(k)).await.unwrap().bytes, payload(k, 65_536));
         }
         glommio::executor().io_memory_registered()
     })
@@ -331,15 +340,15 @@ fn log_full_reclaims_oldest_segment_and_stays_consistent() {
     on_shard0(cfg.clone(), move |store| async move {
         for i in 0..written {
             let k = format!("b{i}");
-            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+            store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap();
         }
         let s = &store.stats().await.unwrap()[0];
         assert!(s.reclaimed_segments >= 3, "{s:?}");
         assert!(s.blocks <= 9 && s.blocks >= 6, "{s:?}");
         // The newest block is always there; the oldest is gone.
         let last = format!("b{}", written - 1);
-        assert_eq!(store.get(&last).await.unwrap().bytes, payload(&last, 4096));
-        assert!(matches!(store.get("b0").await, Err(Error::NotFound)));
+        assert_eq!(store.get(&sk(&last)).await.unwrap().bytes, payload(&last, 4096));
+        assert!(matches!(store.get(&sk("b0")).await, Err(Error::NotFound)));
     })
     .unwrap();
     // After a restart the same blocks are found, and no reclaimed one returns.
@@ -347,7 +356,7 @@ fn log_full_reclaims_oldest_segment_and_stays_consistent() {
         let mut present = 0;
         for i in 0..written {
             let k = format!("b{i}");
-            match store.get(&k).await {
+            match store.get(&sk(&k)).await {
                 Ok(b) => {
                     assert_eq!(b.bytes, payload(&k, 4096));
                     present += 1;
@@ -362,9 +371,9 @@ fn log_full_reclaims_oldest_segment_and_stays_consistent() {
         // Writes go on after the restart, reclaiming again.
         for i in 0..10 {
             let k = format!("c{i}");
-            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+            store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap();
         }
-        assert_eq!(store.get("c9").await.unwrap().bytes, payload("c9", 4096));
+        assert_eq!(store.get(&sk("c9")).await.unwrap().bytes, payload("c9", 4096));
     })
     .unwrap();
 }
@@ -390,7 +399,7 @@ fn flipped_payload_byte_is_corrupt_never_served() {
     let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
     on_shard0(cfg.clone(), |store| async move {
         for k in ["s0", "s1", "s2"] {
-            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 8192)]).await.unwrap();
         }
     })
     .unwrap();
@@ -398,12 +407,12 @@ fn flipped_payload_byte_is_corrupt_never_served() {
     remove_snapshots(dir.path());
     flip_byte(&dir.path().join("shard-000/seg-000000.kvt"), slot_offset(8192, 1) + PAGE_BYTES + 5000);
     on_shard0(cfg, |store| async move {
-        assert!(matches!(store.get("s1").await, Err(Error::Corrupt { segment: 0, slot: 1 })));
+        assert!(matches!(store.get(&sk("s1")).await, Err(Error::Corrupt { segment: 0, slot: 1 })));
         // Dropped from the index: a miss from now on, and counted.
-        assert!(matches!(store.get("s1").await, Err(Error::NotFound)));
+        assert!(matches!(store.get(&sk("s1")).await, Err(Error::NotFound)));
         assert_eq!(store.stats().await.unwrap()[0].corrupt_blocks, 1);
         for k in ["s0", "s2"] {
-            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 8192));
+            assert_eq!(store.get(&sk(k)).await.unwrap().bytes, payload(k, 8192));
         }
     })
     .unwrap();
@@ -415,7 +424,7 @@ fn torn_header_and_torn_payload_after_crash() {
     let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
     on_shard0(cfg.clone(), |store| async move {
         for k in ["t0", "t1", "t2", "t3"] {
-            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 8192)]).await.unwrap();
         }
     })
     .unwrap();
@@ -432,14 +441,14 @@ fn torn_header_and_torn_payload_after_crash() {
     on_shard0(cfg, |store| async move {
         let s = &store.stats().await.unwrap()[0];
         assert_eq!(s.recovery.headers_invalid, 1, "{s:?}");
-        assert!(matches!(store.get("t3").await, Err(Error::NotFound)));
-        assert!(matches!(store.get("t2").await, Err(Error::Corrupt { .. })));
+        assert!(matches!(store.get(&sk("t3")).await, Err(Error::NotFound)));
+        assert!(matches!(store.get(&sk("t2")).await, Err(Error::Corrupt { .. })));
         for k in ["t0", "t1"] {
-            assert_eq!(store.get(k).await.unwrap().bytes, payload(k, 8192));
+            assert_eq!(store.get(&sk(k)).await.unwrap().bytes, payload(k, 8192));
         }
         // The log keeps taking writes after the damaged slots.
-        store.put("t4", vec![payload("t4", 8192)]).await.unwrap();
-        assert_eq!(store.get("t4").await.unwrap().bytes, payload("t4", 8192));
+        store.put(&sk("t4"), vec![payload("t4", 8192)]).await.unwrap();
+        assert_eq!(store.get(&sk("t4")).await.unwrap().bytes, payload("t4", 8192));
     })
     .unwrap();
 }
@@ -453,17 +462,17 @@ fn concurrent_puts_of_one_key_never_tear() {
         let writers = versions.iter().map(|body| {
             let store = store.clone();
             let body = body.clone();
-            async move { store.put("hot", vec![body]).await.unwrap() }
+            async move { store.put(&sk("hot"), vec![body]).await.unwrap() }
         });
         let readers = (0..8).map(|_| {
             let store = store.clone();
-            async move { store.get("hot").await.ok().map(|b| b.bytes) }
+            async move { store.get(&sk("hot")).await.ok().map(|b| b.bytes) }
         });
         let (_, reads) = futures::future::join(futures::future::join_all(writers), futures::future::join_all(readers)).await;
         for r in reads.into_iter().flatten() {
             assert!(versions.contains(&r), "a read returned bytes no writer wrote");
         }
-        let last = store.get("hot").await.unwrap().bytes;
+        let last = store.get(&sk("hot")).await.unwrap().bytes;
         assert!(versions.contains(&last));
     })
     .unwrap();
@@ -478,22 +487,22 @@ fn second_chance_keeps_a_block_read_since_written_once() {
     on_shard0(cfg.clone(), |store| async move {
         let put = |k: String| {
             let store = store.clone();
-            async move { store.put(&k, vec![payload(&k, 4096)]).await.unwrap() }
+            async move { store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap() }
         };
         for i in 0..4 {
             put(format!("h{i}")).await;
         }
-        store.get("h1").await.unwrap(); // h1 is hot
+        store.get(&sk("h1")).await.unwrap(); // h1 is hot
         for i in 0..8 {
             put(format!("x{i}")).await; // fills segments 1 and 2
         }
         put("y0".into()).await; // reclaims segment 0
                                 // h1 moves in the background; a read of it waits for the move.
-        assert_eq!(store.get("h1").await.unwrap().bytes, payload("h1", 4096));
+        assert_eq!(store.get(&sk("h1")).await.unwrap().bytes, payload("h1", 4096));
         let s = &store.stats().await.unwrap()[0];
         assert_eq!((s.reclaimed_segments, s.second_chance_blocks), (1, 1), "{s:?}");
         for k in ["h0", "h2", "h3"] {
-            assert!(matches!(store.get(k).await, Err(Error::NotFound)), "{k} should be evicted");
+            assert!(matches!(store.get(&sk(k)).await, Err(Error::NotFound)), "{k} should be evicted");
         }
     })
     .unwrap();
@@ -503,7 +512,7 @@ fn second_chance_keeps_a_block_read_since_written_once() {
             remove_snapshots(dir.path());
         }
         on_shard0(cfg.clone(), |store| async move {
-            assert_eq!(store.get("h1").await.unwrap().bytes, payload("h1", 4096));
+            assert_eq!(store.get(&sk("h1")).await.unwrap().bytes, payload("h1", 4096));
         })
         .unwrap();
     }
@@ -512,9 +521,9 @@ fn second_chance_keeps_a_block_read_since_written_once() {
     on_shard0(cfg, |store| async move {
         for i in 0..12 {
             let k = format!("z{i}");
-            store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+            store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap();
         }
-        assert!(matches!(store.get("h1").await, Err(Error::NotFound)));
+        assert!(matches!(store.get(&sk("h1")).await, Err(Error::NotFound)));
     })
     .unwrap();
 }
@@ -527,14 +536,14 @@ fn reads_during_reclaim_and_compaction_never_see_wrong_bytes() {
     on_shard0(cfg, |store| async move {
         let hot: Vec<String> = (0..3).map(|i| format!("hot{i}")).collect();
         for k in &hot {
-            store.put(k, vec![payload(k, 4096)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 4096)]).await.unwrap();
         }
         let writer = {
             let store = store.clone();
             async move {
                 for i in 0..60 {
                     let k = format!("w{i}");
-                    store.put(&k, vec![payload(&k, 4096)]).await.unwrap();
+                    store.put(&sk(&k), vec![payload(&k, 4096)]).await.unwrap();
                 }
             }
         };
@@ -545,7 +554,7 @@ fn reads_during_reclaim_and_compaction_never_see_wrong_bytes() {
                 let (mut served, mut missed) = (0, 0);
                 for round in 0..200 {
                     let k = &hot[round % hot.len()];
-                    match store.get(k).await {
+                    match store.get(&sk(k)).await {
                         Ok(b) => {
                             assert_eq!(b.bytes, payload(k, 4096), "wrong bytes for {k}");
                             served += 1;
@@ -572,10 +581,10 @@ fn fsck_lists_exactly_the_damaged_blocks() {
     let cfg = config(dir.path(), 8192, 1, 1 << 20, 4 << 20);
     on_shard0(cfg, |store| async move {
         for k in ["f0", "f1", "f2", "f3", "old"] {
-            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 8192)]).await.unwrap();
         }
-        store.put("old", vec![payload("new", 8192)]).await.unwrap(); // slot 5 supersedes slot 4
-        store.delete("f3").await.unwrap();
+        store.put(&sk("old"), vec![payload("new", 8192)]).await.unwrap(); // slot 5 supersedes slot 4
+        store.delete(&sk("f3")).await.unwrap();
     })
     .unwrap();
     let clean = kvtier_engine::fsck::fsck(dir.path()).unwrap();
@@ -607,18 +616,18 @@ fn a_response_holding_a_ram_slot_keeps_its_bytes_while_eviction_runs() {
         let held_keys: Vec<String> = key_on_shard(0, 2, 1).into_iter().chain(key_on_shard(1, 2, 1)).collect();
         let mut held = Vec::new();
         for k in &held_keys {
-            store.put(k, vec![payload(k, 8192)]).await.unwrap();
-            let block = store.get(k).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 8192)]).await.unwrap();
+            let block = store.get(&sk(k)).await.unwrap();
             assert_eq!(block.tier, kvtier_engine::Tier::Ram);
             held.push(block.bytes);
         }
         // 40 more blocks per shard push the held ones out of RAM, ten times over.
         for k in key_on_shard(0, 2, 41).into_iter().skip(1).chain(key_on_shard(1, 2, 41).into_iter().skip(1)) {
-            store.put(&k, vec![payload(&k, 8192)]).await.unwrap();
+            store.put(&sk(&k), vec![payload(&k, 8192)]).await.unwrap();
         }
         for (k, bytes) in held_keys.iter().zip(&held) {
             assert_eq!(bytes, &payload(k, 8192), "a held response changed under eviction");
-            let again = store.get(k).await.unwrap();
+            let again = store.get(&sk(k)).await.unwrap();
             assert_eq!((again.tier, &again.bytes), (kvtier_engine::Tier::Nvme, &payload(k, 8192)));
         }
         // While held, each shard's pinned slot stayed out of use.
@@ -628,7 +637,7 @@ fn a_response_holding_a_ram_slot_keeps_its_bytes_while_eviction_runs() {
         // Released (shard 1's on this thread), the slots serve again.
         drop(held);
         for k in [&key_on_shard(0, 2, 42)[41], &key_on_shard(1, 2, 42)[41]] {
-            store.put(k, vec![payload(k, 8192)]).await.unwrap();
+            store.put(&sk(k), vec![payload(k, 8192)]).await.unwrap();
         }
         for s in store.stats().await.unwrap() {
             let ram = &s.tiers[0];
@@ -650,7 +659,7 @@ fn client_io_past_the_queue_limit_is_refused_not_queued() {
     on_shard0(cfg, |store| async move {
         let puts = (0..8).map(|i| {
             let store = store.clone();
-            async move { store.put(&format!("q{i}"), vec![payload("q", 8192)]).await }
+            async move { store.put(&sk(&format!("q{i}")), vec![payload("q", 8192)]).await }
         });
         let results = futures::future::join_all(puts).await;
         let stored = results.iter().filter(|r| r.is_ok()).count();
@@ -659,8 +668,8 @@ fn client_io_past_the_queue_limit_is_refused_not_queued() {
         let stats = &store.stats().await.unwrap()[0];
         assert_eq!((stats.io_queue_refusals, stats.io_queued, stats.puts), (5, 0, 3));
         // Refused means nothing was stored, and the queue is free again.
-        assert!(matches!(store.get("q7").await, Err(Error::NotFound)));
-        assert_eq!(store.put("q7", vec![payload("q", 8192)]).await.unwrap(), PutOutcome::Created);
+        assert!(matches!(store.get(&sk("q7")).await, Err(Error::NotFound)));
+        assert_eq!(store.put(&sk("q7"), vec![payload("q", 8192)]).await.unwrap(), PutOutcome::Created);
     })
     .unwrap();
 }
@@ -670,17 +679,17 @@ fn client_io_past_the_queue_limit_is_refused_not_queued() {
 /// survivors (k8..k15) kept, k0..k7 evicted.
 async fn check_after_concurrent_reclaim(store: Rc<Store>) {
     let old = |k: &str| payload(k, 65_536);
-    assert_eq!(store.get("k12").await.unwrap().bytes, payload("k12-new", 65_536));
-    assert!(matches!(store.get("k13").await, Err(Error::NotFound)));
+    assert_eq!(store.get(&sk("k12")).await.unwrap().bytes, payload("k12-new", 65_536));
+    assert!(matches!(store.get(&sk("k13")).await, Err(Error::NotFound)));
     for i in (8..12).chain(14..16) {
         let k = format!("k{i}");
-        assert_eq!(store.get(&k).await.unwrap().bytes, old(&k), "{k}");
+        assert_eq!(store.get(&sk(&k)).await.unwrap().bytes, old(&k), "{k}");
     }
     for i in 0..8 {
-        assert!(matches!(store.get(&format!("k{i}")).await, Err(Error::NotFound)), "k{i} was evicted");
+        assert!(matches!(store.get(&sk(&format!("k{i}"))).await, Err(Error::NotFound)), "k{i} was evicted");
     }
     for k in ["t", "u", "f0", "f15"] {
-        assert_eq!(store.get(k).await.unwrap().bytes, old(k), "{k}");
+        assert_eq!(store.get(&sk(k)).await.unwrap().bytes, old(k), "{k}");
     }
 }
 
@@ -695,31 +704,32 @@ fn writes_go_ahead_while_reclaim_moves_survivors_and_newer_writes_win_after_rest
         let old = |k: &str| payload(k, 65_536);
         for i in 0..16 {
             let k = format!("k{i}");
-            store.put(&k, vec![old(&k)]).await.unwrap();
+            store.put(&sk(&k), vec![old(&k)]).await.unwrap();
         }
         for i in 8..16 {
-            store.get(&format!("k{i}")).await.unwrap(); // slots 8..15 survive
+            store.get(&sk(&format!("k{i}"))).await.unwrap(); // slots 8..15 survive
         }
         for i in 0..16 {
             let k = format!("f{i}");
-            store.put(&k, vec![old(&k)]).await.unwrap();
+            store.put(&sk(&k), vec![old(&k)]).await.unwrap();
         }
         // "t" reclaims segment 0, whose 8 survivors then move in the
         // background; the writes take slots 8 to 11 meanwhile, each waiting
         // only for the survivor in its slot to be read.
-        let t = store.put("t", vec![old("t")]);
+        let (t_key, k12_key, k13_key) = (sk("t"), sk("k12"), sk("k13"));
+        let t = store.put(&t_key, vec![old("t")]);
         let u = async {
-            store.put("u", vec![old("u")]).await.unwrap();
+            store.put(&sk("u"), vec![old("u")]).await.unwrap();
             store.stats().await.unwrap()[0].second_chance_blocks
         };
-        let k12 = store.put("k12", vec![payload("k12-new", 65_536)]);
-        let k13 = store.delete("k13");
+        let k12 = store.put(&k12_key, vec![payload("k12-new", 65_536)]);
+        let k13 = store.delete(&k13_key);
         let (t, moved_when_u_landed, k12, k13) = futures::join!(t, u, k12, k13);
         assert_eq!((t.unwrap(), k12.unwrap()), (PutOutcome::Created, PutOutcome::Replaced));
         k13.unwrap();
         assert!(moved_when_u_landed < 8, "a PUT waited for the whole survivor copy ({moved_when_u_landed} of 8 moved)");
         // Reads of the last survivor wait for its move.
-        assert_eq!(store.get("k15").await.unwrap().bytes, old("k15"));
+        assert_eq!(store.get(&sk("k15")).await.unwrap().bytes, old("k15"));
         let s = &store.stats().await.unwrap()[0];
         assert_eq!((s.reclaimed_segments, s.evicted_blocks, s.corrupt_blocks), (1, 8, 0), "{s:?}");
         check_after_concurrent_reclaim(store).await;
@@ -758,9 +768,9 @@ fn block_tags_survive_a_restart_by_snapshot_and_by_header_scan_and_are_published
     cfg.events = Some(sink.clone());
     on_shard0(cfg.clone(), |store| async move {
         for i in 0..4u8 {
-            store.put_reporting(&format!("t{i}"), vec![payload(&format!("t{i}"), 8192)], Some(tag(i))).await.unwrap();
+            store.put_reporting(&sk(&format!("t{i}")), vec![payload(&format!("t{i}"), 8192)], Some(tag(i))).await.unwrap();
         }
-        store.put("untagged", vec![payload("untagged", 8192)]).await.unwrap();
+        store.put(&sk("untagged"), vec![payload("untagged", 8192)]).await.unwrap();
         // Published (a block's moves within one interval publish only their
         // net effect).
         glommio::timer::sleep(kvtier_engine::events::FLUSH_EVERY * 10).await;
@@ -769,12 +779,12 @@ fn block_tags_survive_a_restart_by_snapshot_and_by_header_scan_and_are_published
         let tagged: u64 = store.stats().await.unwrap().iter().map(|s| s.tagged_blocks).sum();
         assert_eq!(tagged, 4);
         // Retagged to nothing, then deleted: neither is found again.
-        store.put_reporting("t2", vec![payload("t2", 8192)], None).await.unwrap();
-        store.delete("t3").await.unwrap();
+        store.put_reporting(&sk("t2"), vec![payload("t2", 8192)], None).await.unwrap();
+        store.delete(&sk("t3")).await.unwrap();
         // A tag the store refuses: garbage, or one too long for no reason.
-        let bad = store.put_reporting("bad", vec![payload("bad", 8192)], Some(Bytes::from_static(b"\x01\x20"))).await;
+        let bad = store.put_reporting(&sk("bad"), vec![payload("bad", 8192)], Some(Bytes::from_static(b"\x01\x20"))).await;
         assert!(matches!(&bad, Err(Error::InvalidTag(m)) if m.contains("ends after")), "{bad:?}");
-        assert!(matches!(store.get("bad").await, Err(Error::NotFound)), "a refused tag stores nothing");
+        assert!(matches!(store.get(&sk("bad")).await, Err(Error::NotFound)), "a refused tag stores nothing");
     })
     .unwrap();
     let stored = |events: &[TierEvent], medium: Medium| -> Vec<u8> {

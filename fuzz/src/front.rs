@@ -314,7 +314,8 @@ pub fn tenants_file(data: &[u8]) {
             }
             for key in ["k", "sys-x", "a"] {
                 if let Ok(stored) = stored_key(Some(t), key, false) {
-                    let scope = stored.split_once('/').expect("scoped").0;
+                    let scope = stored.scope();
+                    assert!(!scope.is_empty() && stored.key() == key, "{key} stored as {stored:?}");
                     assert!(owners.id_of(scope).is_some(), "{key} scoped to {scope}, no owner of the file");
                     assert!(scope == t.name || table.entries.iter().any(|n| n.name == scope && n.kind == "namespace"));
                 }

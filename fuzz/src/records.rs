@@ -6,7 +6,7 @@ use arbitrary::Unstructured;
 use bytes::Bytes;
 use kvtier_engine::geometry::StoreManifest;
 use kvtier_engine::index::snapshot;
-use kvtier_engine::key::{self, BlockHash, KEY_BYTES_MAX};
+use kvtier_engine::key::{self, BlockHash, StoredKey, KEY_BYTES_MAX, STORED_KEY_BYTES_MAX};
 use kvtier_engine::slot::{self, ChunkHasher, HeaderFault, RecordKind, SlotHeader, CHUNK_CRCS_MAX, PAGE_BYTES, SLOT_MAGIC};
 use kvtier_s3::object::{decode_object, encode_header, object_name};
 
@@ -20,17 +20,28 @@ fn fix_header_crc(page: &mut [u8]) {
     page[HEADER_CRC_AT..PAGE].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// Decodes `page` and checks what an accepted header promises: it
-/// re-encodes to a page that decodes to itself, and its consistency check
-/// answers without panicking.
+/// Most chunk CRC-32s a version 2 or 3 header held: they started at byte
+/// 320 (docs/FORMAT.md).
+const CHUNK_CRCS_MAX_V3: usize = (4092 - 320) / 4;
+
+/// Decodes `page` and checks what an accepted header promises: its key and
+/// chunk CRC-32s within its version's bounds, a header of the version
+/// written now re-encodes to a page that decodes to itself, and its
+/// consistency check answers without panicking.
 fn check_header(page: &[u8]) -> Option<SlotHeader> {
     match SlotHeader::decode(page) {
         Ok(h) => {
-            assert!(!h.key.is_empty() && h.key.len() <= KEY_BYTES_MAX, "accepted a key of {} bytes", h.key.len());
-            assert!(h.chunk_crcs.len() <= CHUNK_CRCS_MAX);
-            let mut again = vec![0u8; PAGE];
-            h.encode(&mut again);
-            assert_eq!(SlotHeader::decode(&again).as_ref(), Ok(&h), "header does not round-trip");
+            let version = u16::from_le_bytes([page[4], page[5]]);
+            let (key_max, crcs_max) =
+                if version >= 4 { (STORED_KEY_BYTES_MAX, CHUNK_CRCS_MAX) } else { (KEY_BYTES_MAX, CHUNK_CRCS_MAX_V3) };
+            assert!(!h.key.is_empty() && h.key.len() <= key_max, "accepted a key of {} bytes in version {version}", h.key.len());
+            assert!(h.chunk_crcs.len() <= crcs_max);
+            assert!((h.scope_bytes as usize) < h.key.len());
+            if version == slot::SLOT_VERSION {
+                let mut again = vec![0u8; PAGE];
+                h.encode(&mut again);
+                assert_eq!(SlotHeader::decode(&again).as_ref(), Ok(&h), "header does not round-trip");
+            }
             let _ = h.is_consistent(h.payload_len);
             Some(h)
         }
@@ -114,6 +125,7 @@ pub fn slot(data: &[u8]) {
         payload_crc,
         write_time_us: 1,
         key,
+        scope_bytes: 0,
         chunk_bytes,
         chunk_crcs,
         tag: Vec::new(),
@@ -231,7 +243,8 @@ pub fn key(data: &[u8]) {
     for shards in [1usize, 2, 3, 7, 64, kvtier_engine::geometry::SHARDS_MAX as usize] {
         assert!(hash.shard(shards) < shards);
     }
-    let name = object_name("p", 4096, &k);
+    let stored = StoredKey::unscoped(&k).expect("a valid key is a stored key of the default owner");
+    let name = object_name("p", 4096, &stored);
     assert!(name.starts_with("p/kvtier/v2/4096/") && name.ends_with(&format!("/{k}")));
     // A valid key fits a slot header and comes back byte for byte.
     let header = SlotHeader {
@@ -242,6 +255,7 @@ pub fn key(data: &[u8]) {
         payload_crc: 0,
         write_time_us: 0,
         key: k.as_bytes().to_vec(),
+        scope_bytes: 0,
         chunk_bytes: 0,
         chunk_crcs: Vec::new(),
         tag: Vec::new(),

@@ -34,12 +34,18 @@ use std::sync::{Arc, Mutex};
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::slot::{slot_bytes, PAGE_BYTES};
 use kvtier_engine::{Error, Geometry, Store, StoreConfig};
 use serde::{Deserialize, Serialize};
 
 /// Keys the operations choose from (few, so operations meet).
 const KEYS: [&str; 6] = ["k0", "k1", "k2", "k3", "k4", "k5"];
+
+/// The default owner's stored key of `KEYS[k]`.
+fn stored(k: usize) -> StoredKey {
+    StoredKey::unscoped(KEYS[k]).expect("a valid key")
+}
 /// Most operations one input runs.
 const OPS_MAX: usize = 48;
 
@@ -439,7 +445,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
         match *op {
             Op::Put { key, seed } => {
                 let k = key as usize % KEYS.len();
-                match store.put(KEYS[k], vec![payload(k, seed, block_bytes)]).await {
+                match store.put(&stored(k), vec![payload(k, seed, block_bytes)]).await {
                     Ok(_) => model.acked(k, &[Some(seed)]),
                     Err(e @ (Error::DiskFull(_) | Error::Overloaded(_))) => panic!("PUT {} refused on an idle store: {e}", KEYS[k]),
                     Err(e) => panic!("PUT {} failed: {e}", KEYS[k]),
@@ -448,8 +454,8 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             Op::PutPair { key, a, b } => {
                 let k = key as usize % KEYS.len();
                 let (ra, rb) = futures_lite::future::zip(
-                    store.put(KEYS[k], vec![payload(k, a, block_bytes)]),
-                    store.put(KEYS[k], vec![payload(k, b, block_bytes)]),
+                    store.put(&stored(k), vec![payload(k, a, block_bytes)]),
+                    store.put(&stored(k), vec![payload(k, b, block_bytes)]),
                 )
                 .await;
                 if let Err(e) = ra.and(rb) {
@@ -459,7 +465,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             }
             Op::Get { key } => {
                 let k = key as usize % KEYS.len();
-                match store.get(KEYS[k]).await {
+                match store.get(&stored(k)).await {
                     Ok(block) => {
                         assert_eq!(block.bytes.len() as u64, block_bytes, "GET {} served a short block", KEYS[k]);
                         let seed = model.identify(k, &block.bytes);
@@ -471,7 +477,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             }
             Op::Contains { key } => {
                 let k = key as usize % KEYS.len();
-                let found = store.contains(KEYS[k]).await.unwrap_or_else(|e| panic!("HEAD {} failed: {e}", KEYS[k]));
+                let found = store.contains(&stored(k)).await.unwrap_or_else(|e| panic!("HEAD {} failed: {e}", KEYS[k]));
                 if found.is_none() {
                     model.read(k, None, "HEAD");
                 } else {
@@ -487,7 +493,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             }
             Op::Delete { key } => {
                 let k = key as usize % KEYS.len();
-                match store.delete(KEYS[k]).await {
+                match store.delete(&stored(k)).await {
                     Ok(()) => model.acked(k, &[None]),
                     Err(e) if miss(&e) => model.read(k, None, "DELETE"),
                     Err(e) => panic!("DELETE {} failed: {e}", KEYS[k]),
@@ -500,7 +506,10 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 for _ in 0..capacity + 4 {
                     model.fillers += 1;
                     let key = format!("fill-{}", model.fillers);
-                    store.put(&key, vec![payload(0xff, model.fillers as u8, block_bytes)]).await.expect("a filler PUT");
+                    store
+                        .put(&StoredKey::unscoped(&key).expect("a valid key"), vec![payload(0xff, model.fillers as u8, block_bytes)])
+                        .await
+                        .expect("a filler PUT");
                     let now: u64 = store.stats().await.expect("stats").iter().map(|s| s.reclaimed_segments).sum();
                     if now > before {
                         break;
@@ -517,7 +526,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 for (k, seed) in puts {
                     let store = store.clone();
                     glommio::spawn_local(async move {
-                        let _ = store.put(KEYS[k], vec![payload(k, seed, block_bytes)]).await;
+                        let _ = store.put(&stored(k), vec![payload(k, seed, block_bytes)]).await;
                     })
                     .detach();
                 }

@@ -47,6 +47,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_engine::health::{HealthState, HealthTracker, TierHealth};
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::remote::{Remote, RemoteShard};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
@@ -163,7 +164,7 @@ impl S3Tier {
         })
     }
 
-    fn path(&self, key: &str) -> ObjectPath {
+    fn path(&self, key: &StoredKey) -> ObjectPath {
         ObjectPath::from(object_name(&self.settings.location.prefix, self.block_bytes, key))
     }
 

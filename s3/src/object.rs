@@ -7,7 +7,7 @@
 //! objects (no tag) still read.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use kvtier_engine::key::BlockHash;
+use kvtier_engine::key::StoredKey;
 
 /// Object header magic: "KVTS3" + format 2 (format 1 had no block tag).
 pub const OBJECT_MAGIC: [u8; 8] = *b"KVTS3\0\0\x02";
@@ -51,16 +51,17 @@ pub fn parse_url(url: &str) -> Result<S3Location, String> {
 }
 
 /// The object name of the stored `key` for blocks of `block_bytes`:
-/// `PREFIX/kvtier/v2/BLOCK_BYTES/XX/KEY`, and for a tenant's key
-/// (`SCOPE/KEY`, docs/OPERATIONS.md "Tenants")
+/// `PREFIX/kvtier/v2/BLOCK_BYTES/XX/KEY`, and for a tenant's key (one with
+/// a scope, docs/OPERATIONS.md "Tenants")
 /// `PREFIX/tenants/SCOPE/kvtier/v2/BLOCK_BYTES/XX/KEY`: each tenant's
 /// blocks under a prefix of their own, which the bucket's lifecycle rules,
-/// quotas and policies can name.
-pub fn object_name(prefix: &str, block_bytes: u64, key: &str) -> String {
-    let spread = BlockHash::of(key.as_bytes()).0 as u8;
-    let base = match key.split_once('/') {
-        Some((scope, rest)) => format!("tenants/{scope}/kvtier/v2/{block_bytes}/{spread:02x}/{rest}"),
-        None => format!("kvtier/v2/{block_bytes}/{spread:02x}/{key}"),
+/// quotas and policies can name. `XX` is the low byte of the block hash, in
+/// hex, spreading keys over 256 prefixes.
+pub fn object_name(prefix: &str, block_bytes: u64, key: &StoredKey) -> String {
+    let spread = key.hash().0 as u8;
+    let base = match key.scope() {
+        "" => format!("kvtier/v2/{block_bytes}/{spread:02x}/{}", key.key()),
+        scope => format!("tenants/{scope}/kvtier/v2/{block_bytes}/{spread:02x}/{}", key.key()),
     };
     if prefix.is_empty() {
         base
@@ -186,12 +187,13 @@ mod tests {
 
     #[test]
     fn object_names_carry_prefix_block_size_and_a_spread_byte() {
-        let name = object_name("fleet", 65_536, "k-1");
-        let spread = BlockHash::of(b"k-1").0 as u8;
+        let key = |scope: &str, key: &str| StoredKey::new(scope, key).unwrap();
+        let name = object_name("fleet", 65_536, &key("", "k-1"));
+        let spread = kvtier_engine::key::BlockHash::of(b"k-1").0 as u8;
         assert_eq!(name, format!("fleet/kvtier/v2/65536/{spread:02x}/k-1"));
-        assert_eq!(object_name("", 65_536, "k-1"), format!("kvtier/v2/65536/{spread:02x}/k-1"));
-        let spread = BlockHash::of(b"acme/k-1").0 as u8;
-        assert_eq!(object_name("fleet", 65_536, "acme/k-1"), format!("fleet/tenants/acme/kvtier/v2/65536/{spread:02x}/k-1"));
+        assert_eq!(object_name("", 65_536, &key("", "k-1")), format!("kvtier/v2/65536/{spread:02x}/k-1"));
+        let spread = kvtier_engine::key::BlockHash::of(b"acme/k-1").0 as u8;
+        assert_eq!(object_name("fleet", 65_536, &key("acme", "k-1")), format!("fleet/tenants/acme/kvtier/v2/65536/{spread:02x}/k-1"));
     }
 
     fn object(key: &str, payload: &[u8]) -> Bytes {

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use futures::future::{FutureExt, LocalBoxFuture};
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::remote::{Fetched, RemoteEvent, RemoteShard, UploadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStoreExt;
@@ -30,7 +31,7 @@ const PRESENCE_ENTRIES_MAX: usize = 1 << 16;
 
 /// What one shard knows of the bucket for a short while: key → (present,
 /// when learned).
-type PresenceCache = HashMap<String, (bool, Instant)>;
+type PresenceCache = HashMap<StoredKey, (bool, Instant)>;
 
 /// A shard's handle. Lives on the shard's executor (`!Send`).
 pub(crate) struct S3Shard {
@@ -45,7 +46,7 @@ impl S3Shard {
         S3Shard { tier, shard, counters, presence: RefCell::new(HashMap::new()) }
     }
 
-    fn known(&self, key: &str) -> Option<bool> {
+    fn known(&self, key: &StoredKey) -> Option<bool> {
         let ttl = self.tier.settings.presence_ttl;
         if ttl.is_zero() {
             return None;
@@ -53,7 +54,7 @@ impl S3Shard {
         self.presence.borrow().get(key).filter(|(_, at)| at.elapsed() < ttl).map(|(present, _)| *present)
     }
 
-    fn learn(&self, key: &str, present: bool) {
+    fn learn(&self, key: &StoredKey, present: bool) {
         let ttl = self.tier.settings.presence_ttl;
         if ttl.is_zero() {
             return;
@@ -65,7 +66,7 @@ impl S3Shard {
                 p.clear();
             }
         }
-        p.insert(key.to_string(), (present, Instant::now()));
+        p.insert(key.clone(), (present, Instant::now()));
     }
 
     /// A failed S3 request: the breaker, the warning of its kind, the
@@ -80,7 +81,7 @@ impl S3Shard {
     /// `behind` queues it (never waits; a full queue drops it), `through`
     /// waits for the upload, `off` does nothing (`None`). A block this
     /// shard knows is in the bucket is not sent again.
-    async fn upload(&self, key: &str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Option<UploadOutcome> {
+    async fn upload(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Option<UploadOutcome> {
         let tier = &self.tier;
         let c = &self.counters.c;
         if tier.settings.policy == S3WritePolicy::Off {
@@ -94,7 +95,7 @@ impl S3Shard {
             S3WritePolicy::Behind => {
                 // Counted before the send: the worker may take it at once.
                 c.uploads_pending.fetch_add(1, Ordering::Relaxed);
-                return match tier.queues[self.shard].try_send(Upload { key: key.to_string(), chunks, tag }) {
+                return match tier.queues[self.shard].try_send(Upload { key: key.clone(), chunks, tag }) {
                     Ok(()) => {
                         c.uploads_queued_max.fetch_max(tier.queued(self.shard), Ordering::Relaxed);
                         Some(UploadOutcome::Queued)
@@ -114,7 +115,7 @@ impl S3Shard {
             }
             S3WritePolicy::Through => {
                 c.uploads_inflight.fetch_add(1, Ordering::Relaxed);
-                let job = upload::job(tier, self.shard, key.to_string(), chunks, tag);
+                let job = upload::job(tier, self.shard, key.clone(), chunks, tag);
                 let outcome = tier.call(job).await.unwrap_or(UploadOutcome::Failed);
                 c.uploads_inflight.fetch_sub(1, Ordering::Relaxed);
                 outcome
@@ -130,7 +131,7 @@ impl S3Shard {
     /// Reads `key` from the bucket and checks it; [`Fetched::Failed`] on an
     /// error, a timeout or a bad object (each counted and logged; a bad
     /// object is deleted).
-    async fn fetch(&self, key: &str) -> Fetched {
+    async fn fetch(&self, key: &StoredKey) -> Fetched {
         let tier = &self.tier;
         let counters = &self.counters;
         let c = &counters.c;
@@ -162,7 +163,7 @@ impl S3Shard {
             Some(Ok(Ok(object))) => {
                 tier.breaker.success();
                 c.read_bytes.fetch_add(object.len() as u64, Ordering::Relaxed);
-                match decode_object(&object, key, tier.block_bytes) {
+                match decode_object(&object, key.as_str(), tier.block_bytes) {
                     Ok(object) => {
                         record(&counters.read_us, started);
                         inc(&c.read_hits);
@@ -171,7 +172,12 @@ impl S3Shard {
                     }
                     Err(fault) => {
                         inc(&c.read_corrupt);
-                        tracing::error!(shard = self.shard, key, ?fault, "S3 object failed its checks; not served, deleting it");
+                        tracing::error!(
+                            shard = self.shard,
+                            key = key.as_str(),
+                            ?fault,
+                            "S3 object failed its checks; not served, deleting it"
+                        );
                         tier.health.error("corrupt", format!("the object of {key} failed its checks ({fault:?}); deleted"));
                         self.learn(key, false);
                         self.delete(key).await;
@@ -207,7 +213,7 @@ impl S3Shard {
     /// Whether each of `keys` is in the bucket (`None`: unknown after an
     /// error or timeout), from the presence cache or by HEAD requests, all
     /// at once on the runtime (callers bound the batch).
-    async fn exists_many(&self, keys: &[&str]) -> Vec<Option<bool>> {
+    async fn exists_many(&self, keys: &[&StoredKey]) -> Vec<Option<bool>> {
         let tier = &self.tier;
         let counters = &self.counters;
         let c = &counters.c;
@@ -269,7 +275,7 @@ impl S3Shard {
 
     /// Deletes `key`'s object (best effort; errors are counted and logged)
     /// and remembers it as absent. Returns whether the delete was accepted.
-    async fn delete(&self, key: &str) -> bool {
+    async fn delete(&self, key: &StoredKey) -> bool {
         let tier = &self.tier;
         let c = &self.counters.c;
         self.learn(key, false);
@@ -304,19 +310,19 @@ impl S3Shard {
 }
 
 impl RemoteShard for S3Shard {
-    fn fetch<'a>(&'a self, key: &'a str) -> LocalBoxFuture<'a, Fetched> {
+    fn fetch<'a>(&'a self, key: &'a StoredKey) -> LocalBoxFuture<'a, Fetched> {
         S3Shard::fetch(self, key).boxed_local()
     }
 
-    fn upload<'a>(&'a self, key: &'a str, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>> {
+    fn upload<'a>(&'a self, key: &'a StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> LocalBoxFuture<'a, Option<UploadOutcome>> {
         S3Shard::upload(self, key, chunks, tag).boxed_local()
     }
 
-    fn exists_many<'a>(&'a self, keys: &'a [&'a str]) -> LocalBoxFuture<'a, Vec<Option<bool>>> {
+    fn exists_many<'a>(&'a self, keys: &'a [&'a StoredKey]) -> LocalBoxFuture<'a, Vec<Option<bool>>> {
         S3Shard::exists_many(self, keys).boxed_local()
     }
 
-    fn delete<'a>(&'a self, key: &'a str) -> LocalBoxFuture<'a, bool> {
+    fn delete<'a>(&'a self, key: &'a StoredKey) -> LocalBoxFuture<'a, bool> {
         S3Shard::delete(self, key).boxed_local()
     }
 

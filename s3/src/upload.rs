@@ -7,6 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use bytes::Bytes;
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::remote::UploadOutcome;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
@@ -17,7 +18,7 @@ use crate::S3Tier;
 
 /// One block upload waiting in a shard's write-behind queue.
 pub(crate) struct Upload {
-    pub key: String,
+    pub key: StoredKey,
     pub chunks: Vec<Bytes>,
     pub tag: Option<Bytes>,
 }
@@ -54,7 +55,7 @@ pub(crate) async fn worker(tier: Weak<S3Tier>, shard: usize, mut rx: tokio::sync
 pub(crate) fn job(
     tier: &S3Tier,
     shard: usize,
-    key: String,
+    key: StoredKey,
     chunks: Vec<Bytes>,
     tag: Option<Bytes>,
 ) -> impl Future<Output = UploadOutcome> + Send + 'static {
@@ -77,7 +78,7 @@ pub(crate) fn job(
         for chunk in &chunks {
             crc.update(chunk);
         }
-        let header = encode_header(&key, block_bytes, crc.finalize(), tag.as_deref());
+        let header = encode_header(key.as_str(), block_bytes, crc.finalize(), tag.as_deref());
         let object_bytes = (header.len() as u64) + block_bytes;
         let payload: PutPayload = std::iter::once(header).chain(chunks).collect();
         let opts = PutOptions { mode: PutMode::Create, ..Default::default() };

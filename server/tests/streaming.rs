@@ -13,6 +13,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use common::{client, flip_byte, fsck_json, locate, set_flag, start};
+use kvtier_engine::geometry::FORMAT_VERSION;
 use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
 
 /// 3.5 MiB: chunks 0, 1 and 2 of 1 MiB and a short last chunk 3.
@@ -251,7 +252,8 @@ fn downgrade_to_format_1(data: &Path, block_bytes: u64) {
         f.write_all_at(&page, at).unwrap();
     }
     let manifest = data.join("store.json");
-    let text = std::fs::read_to_string(&manifest).unwrap().replace("\"format_version\": 3", "\"format_version\": 1");
+    let text =
+        std::fs::read_to_string(&manifest).unwrap().replace(&format!("\"format_version\": {FORMAT_VERSION}"), "\"format_version\": 1");
     std::fs::write(&manifest, text).unwrap();
 }
 
@@ -280,7 +282,7 @@ async fn a_format_1_store_opens_serves_every_block_and_takes_format_2_writes() {
         }
     }
     let manifest = std::fs::read_to_string(data.join("store.json")).unwrap();
-    assert!(manifest.contains("\"format_version\": 3"), "{manifest}");
+    assert!(manifest.contains(&format!("\"format_version\": {FORMAT_VERSION}")), "{manifest}");
     client(&server, false).put("new-0", vec![payload("new-0")]).await.unwrap();
     assert!(server.stop().success());
     let (clean, report) = fsck_json(&data);

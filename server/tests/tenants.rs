@@ -425,3 +425,94 @@ async fn the_oracle_predicts_a_partitioned_tenant_beside_another() {
     assert!(o.measured_gets_by_tier.get("nvme").copied().unwrap_or(0) > 0, "the run outgrew its 8 blocks: {o:?}");
     server.stop();
 }
+
+/// Rewrites every slot header of a stopped store as format 3 wrote it
+/// (version 3, no scope length at byte 7, the chunk CRC-32s at byte 320
+/// instead of 356: docs/FORMAT.md), drops the index snapshots so the
+/// restart rebuilds each block's owner from its header, and marks
+/// `store.json` format 3.
+fn downgrade_to_format_3(data: &Path) {
+    use kvtier_engine::slot::{SlotHeader, PAGE_BYTES};
+    use std::os::unix::fs::FileExt;
+    for (key, (path, shard, _, at)) in common::locate(data, BLOCK_BYTES) {
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        f.read_exact_at(&mut page, at).unwrap();
+        let h = SlotHeader::decode(&page).unwrap();
+        assert_eq!(u16::from_le_bytes([page[4], page[5]]), 4, "{key} written as format 4");
+        assert_eq!(h.scope_bytes as usize, key.find('/').unwrap(), "{key}'s scope length recorded");
+        let crcs = page[356..356 + 4 * h.chunk_crcs.len()].to_vec();
+        page[320..356 + 4 * h.chunk_crcs.len()].fill(0);
+        page[320..320 + crcs.len()].copy_from_slice(&crcs);
+        page[4..6].copy_from_slice(&3u16.to_le_bytes());
+        page[7] = 0;
+        let crc = crc32fast::hash(&page[..4092]);
+        page[4092..].copy_from_slice(&crc.to_le_bytes());
+        f.write_all_at(&page, at).unwrap();
+        let _ = std::fs::remove_file(data.join(format!("shard-{shard:03}")).join("index.snapshot"));
+    }
+    let manifest = data.join("store.json");
+    let format = kvtier_engine::geometry::FORMAT_VERSION;
+    let text = std::fs::read_to_string(&manifest).unwrap().replace(&format!("\"format_version\": {format}"), "\"format_version\": 3");
+    std::fs::write(&manifest, text).unwrap();
+}
+
+/// A key may be the longest (256 bytes) under any tenant, and a store whose
+/// tenant keys were written before format 4 recorded their scope opens with
+/// every block under its owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_key_fits_any_tenant_and_a_format_3_store_keeps_each_blocks_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.toml");
+    let long_name = "t".repeat(kvtier_engine::tenant::OWNER_NAME_BYTES_MAX);
+    write(&file, &format!("[[tenant]]\nname = \"a\"\ntoken = \"tok-a\"\n[[tenant]]\nname = \"{long_name}\"\ntoken = \"tok-t\"\n"));
+    let args_over = |data: &Path| {
+        let mut args = test_args(data);
+        set_flag(&mut args, "--tenants", file.to_str().unwrap());
+        args
+    };
+    // The longest key under the longest tenant name.
+    let data = dir.path().join("longest");
+    let args = args_over(&data);
+    let server = start(&args);
+    let t = as_tenant(&server, "tok-t");
+    let longest = "k".repeat(kvtier_engine::key::KEY_BYTES_MAX);
+    put(&t, &long_name, &longest).await;
+    assert_eq!(get(&t, &longest).await.1, payload_of(&long_name, &longest));
+    let too_long = "k".repeat(kvtier_engine::key::KEY_BYTES_MAX + 1);
+    let refused = t.send(Method::PUT, &format!("/v1/blocks/{too_long}"), ChunkedBody::new(vec![payload_of("t", "x")]), None).await.unwrap();
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "a 257-byte key");
+    // Restarted from its headers alone, the longest key is still t's.
+    server.crash();
+    for shard in 0..2 {
+        let _ = std::fs::remove_file(data.join(format!("shard-{shard:03}")).join("index.snapshot"));
+    }
+    let server = start(&args);
+    let t = as_tenant(&server, "tok-t");
+    assert_eq!(get(&t, &longest).await.1, payload_of(&long_name, &longest));
+    assert_eq!(usage(&t, &long_name).await["tiers"]["nvme"]["blocks"], 1);
+    assert!(server.stop().success());
+
+    // A's blocks written as format 3 wrote them.
+    let data = dir.path().join("format-3");
+    let args = args_over(&data);
+    let server = start(&args);
+    let a = as_tenant(&server, "tok-a");
+    for i in 0..6 {
+        put(&a, "a", &format!("k{i}")).await;
+    }
+    assert!(server.stop().success());
+    downgrade_to_format_3(&data);
+    let (clean, report) = common::fsck_json(&data);
+    assert!(clean, "fsck reads format 3: {report}");
+    let server = start(&args);
+    let a = as_tenant(&server, "tok-a");
+    for i in 0..6 {
+        let k = format!("k{i}");
+        assert_eq!(get(&a, &k).await.1, payload_of("a", &k), "a's {k} after the upgrade");
+    }
+    assert_eq!(usage(&a, "a").await["tiers"]["nvme"]["blocks"], 6, "each format 3 block counted under its owner");
+    let manifest = std::fs::read_to_string(data.join("store.json")).unwrap();
+    assert!(manifest.contains(&format!("\"format_version\": {}", kvtier_engine::geometry::FORMAT_VERSION)), "{manifest}");
+    assert!(server.stop().success());
+}

@@ -18,7 +18,7 @@ use super::driver::{describe, driver_error, GpuDevice, GpuUnavailable};
 use super::slabs::{Slabs, GPU_SLAB_RETRY};
 use super::staging::{Staging, StagingGuard, StagingPool, GPU_STAGING_BUFFERS};
 use super::GpuInfo;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::lru::{SlotLru, Victim};
 use crate::pool::BufferPool;
 use crate::tenant::OwnerId;
@@ -167,7 +167,7 @@ impl GpuTier {
     }
 
     /// Makes the block of `key` most recently used; false when not held.
-    pub fn touch(&self, key: &str, hash: &BlockHash) -> bool {
+    pub fn touch(&self, key: &StoredKey, hash: &BlockHash) -> bool {
         self.lru.borrow_mut().touch(key, hash).is_some()
     }
 
@@ -316,7 +316,7 @@ impl GpuTier {
     pub async fn write(
         &self,
         slot: u32,
-        key: &str,
+        key: &StoredKey,
         hash: BlockHash,
         owner: OwnerId,
         parts: &[&[u8]],
@@ -328,7 +328,12 @@ impl GpuTier {
             Err(e) => {
                 crate::counter::bump(&self.faults.copy_errors, 1);
                 self.give_back(slot);
-                tracing::warn!(device = self.device.ordinal, key, "copy to the GPU failed ({}); block not placed there", describe(&e));
+                tracing::warn!(
+                    device = self.device.ordinal,
+                    key = key.as_str(),
+                    "copy to the GPU failed ({}); block not placed there",
+                    describe(&e)
+                );
                 return Err(e);
             }
         };
@@ -373,7 +378,7 @@ impl GpuTier {
     /// staging buffer, wait for the copy's event, then one pass that
     /// copies the bytes into a response buffer from `pool` and checks them
     /// against the block's CRC-32. A failed copy or CRC drops the block.
-    pub async fn read(&self, key: &str, hash: &BlockHash, pool: &Arc<BufferPool>) -> GpuRead {
+    pub async fn read(&self, key: &StoredKey, hash: &BlockHash, pool: &Arc<BufferPool>) -> GpuRead {
         if !self.contains(hash) {
             return GpuRead::Miss;
         }
@@ -408,7 +413,7 @@ impl GpuTier {
             crate::counter::bump(&self.faults.corrupt_blocks, 1);
             tracing::error!(
                 device = self.device.ordinal,
-                key,
+                key = key.as_str(),
                 slot,
                 "GPU block failed its CRC-32 after the copy back; dropped, not served"
             );
@@ -478,14 +483,14 @@ impl GpuTier {
         });
         if let Err(e) = issued.and(self.wait(event).await) {
             crate::counter::bump(&self.faults.copy_errors, 1);
-            tracing::warn!(key = &*v.key, "copy from the GPU to move a block down failed: {}", describe(&e));
+            tracing::warn!(key = v.key.as_str(), "copy from the GPU to move a block down failed: {}", describe(&e));
             return Err(());
         }
         let mut crc = crc32fast::Hasher::new();
         let bytes = pool.copy_parts(&[staging.buf().bytes()], |step| crc.update(step));
         if crc.finalize() != expected {
             crate::counter::bump(&self.faults.corrupt_blocks, 1);
-            tracing::error!(key = &*v.key, "GPU block failed its CRC-32 when moved down; dropped");
+            tracing::error!(key = v.key.as_str(), "GPU block failed its CRC-32 when moved down; dropped");
             return Err(());
         }
         Ok(bytes)

@@ -15,9 +15,10 @@ use super::{PutOutcome, Shard};
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::signal::InFlight;
 use crate::slot::{self, ChunkHasher, RecordKind, SlotHeader, PAGE_BYTES};
+use crate::tenant::OwnerId;
 
 impl Shard {
     /// Writes a block to the log only. `chunks` together are exactly
@@ -27,7 +28,7 @@ impl Shard {
     ///
     /// # Errors
     /// [`Error::DiskFull`], [`Error::Io`].
-    pub(super) async fn put_nvme(&self, key: &str, hash: BlockHash, chunks: &[Bytes], refusable: bool) -> Result<PutOutcome> {
+    pub(super) async fn put_nvme(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], refusable: bool) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         debug_assert_eq!(chunks.iter().map(|c| c.len() as u64).sum::<u64>(), block_bytes);
         let _permit = self.io_permit(refusable).await?;
@@ -49,12 +50,13 @@ impl Shard {
             payload_len: block_bytes,
             payload_crc,
             write_time_us: slot::now_us(),
-            key: key.as_bytes().to_vec(),
+            key: key.as_str().as_bytes().to_vec(),
+            scope_bytes: key.scope_bytes(),
             chunk_bytes: self.chunk_bytes,
             chunk_crcs,
             tag: self.residency.tag_of(&hash).map(|t| t.to_vec()).unwrap_or_default(),
         };
-        let (entry, replaced) = self.append(buf, header).await?;
+        let (entry, replaced) = self.append(buf, header, self.owner_of(key)).await?;
         bump(&self.counters.puts, 1);
         debug_assert_eq!(self.index.borrow().get(&hash).map(|e| e.seq >= entry.seq), Some(true));
         Ok(if replaced { PutOutcome::Replaced } else { PutOutcome::Created })
@@ -62,15 +64,16 @@ impl Shard {
 
     /// Takes a slot, stamps the header with its sequence number, writes the
     /// slot and applies the record to the index. Returns the new entry and
-    /// whether the key was stored before.
-    pub(super) async fn append(&self, buf: DmaBuffer, header: SlotHeader) -> Result<(Entry, bool)> {
-        let written = self.write_record(buf, header).await;
+    /// whether the key was stored before. `owner` is the owner of the
+    /// header's key ([`Shard::owner_of`]).
+    pub(super) async fn append(&self, buf: DmaBuffer, header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
+        let written = self.write_record(buf, header, owner).await;
         self.note_log_write(&written);
         written
     }
 
     /// [`Shard::append`] without the health bookkeeping.
-    async fn write_record(&self, mut buf: DmaBuffer, mut header: SlotHeader) -> Result<(Entry, bool)> {
+    async fn write_record(&self, mut buf: DmaBuffer, mut header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
         // `allocate_slot` counted us as a writer of the segment and recorded
@@ -98,7 +101,6 @@ impl Shard {
         result?;
         bump(&self.counters.bytes_written, len);
         record_us(&self.nvme_counters.write_us, started.elapsed().as_micros());
-        let owner = self.owner_of_bytes(&header.key);
         let entry = Entry { segment: segment.id, slot, seq, owner };
         self.note_seq(segment.id, seq);
         let existed = {

@@ -13,7 +13,8 @@ use bytes::Bytes;
 
 use super::Shard;
 use crate::geometry::Geometry;
-use crate::key::BlockHash;
+use crate::key::testing::sk;
+use crate::key::{BlockHash, StoredKey};
 use crate::signal::InFlight;
 use crate::store::{run, Store, StoreConfig};
 
@@ -71,12 +72,12 @@ where
     .unwrap();
 }
 
-fn block(key: &str) -> Bytes {
-    Bytes::from(key.as_bytes().iter().cycle().take(BLOCK_BYTES as usize).copied().collect::<Vec<u8>>())
+fn block(key: &StoredKey) -> Bytes {
+    Bytes::from(key.as_str().as_bytes().iter().cycle().take(BLOCK_BYTES as usize).copied().collect::<Vec<u8>>())
 }
 
-async fn put(shard: &Shard, key: &str) {
-    shard.put(key, BlockHash::of(key.as_bytes()), &[block(key)]).await.unwrap();
+async fn put(shard: &Shard, key: &StoredKey) {
+    shard.put(key, key.hash(), &[block(key)]).await.unwrap();
 }
 
 /// Lets every other task of the executor run until none can go on: their
@@ -111,7 +112,7 @@ fn a_reclaim_waits_for_the_segments_writers_then_for_its_readers() {
         let shard = store.shard_for_tests().clone();
         // 20 blocks: segment 0 is full and sealed, segment 1 the head.
         for i in 0..20 {
-            put(&shard, &format!("k{i}")).await;
+            put(&shard, &sk(&format!("k{i}"))).await;
         }
         let segment = shard.segment(0);
         let writer = InFlight::enter(&segment.writers);
@@ -136,7 +137,7 @@ fn a_reclaim_waits_for_the_segments_writers_then_for_its_readers() {
 fn a_read_of_a_survivor_not_yet_moved_waits_for_the_copy_and_reads_the_right_bytes() {
     on_shard(|store| async move {
         let shard = store.shard_for_tests().clone();
-        put(&shard, "survivor").await;
+        put(&shard, &sk("survivor")).await;
         let hash = BlockHash::of(b"survivor");
         let entry = shard.index.borrow().get(&hash).unwrap();
         let segment = shard.segment(entry.segment);
@@ -145,7 +146,7 @@ fn a_read_of_a_survivor_not_yet_moved_waits_for_the_copy_and_reads_the_right_byt
         segment.compacting.set(true);
         let (done, task) = {
             let shard = shard.clone();
-            watched(async move { shard.get("survivor", hash, false).await.map(|(body, _)| body) })
+            watched(async move { shard.get(&sk("survivor"), hash, false).await.map(|(body, _)| body) })
         };
         settle().await;
         assert!(!done.get(), "a survivor not yet moved was read");
@@ -153,7 +154,7 @@ fn a_read_of_a_survivor_not_yet_moved_waits_for_the_copy_and_reads_the_right_byt
         segment.compacting.set(false);
         segment.survivors_moved.notify();
         let body = task.await.unwrap().unwrap();
-        assert!(body.collect().await.unwrap() == block("survivor"));
+        assert!(body.collect().await.unwrap() == block(&sk("survivor")));
     });
 }
 
@@ -161,22 +162,22 @@ fn a_read_of_a_survivor_not_yet_moved_waits_for_the_copy_and_reads_the_right_byt
 fn a_write_into_a_slot_a_survivor_holds_waits_until_the_copy_has_read_it() {
     on_shard(|store| async move {
         let shard = store.shard_for_tests().clone();
-        put(&shard, "first").await;
+        put(&shard, &sk("first")).await;
         let head = shard.segment(shard.head.get().unwrap());
         // The copy has yet to read the old slot of a survivor at slot 0:
         // every later slot of this segment waits for it.
         head.copy_next_old_slot.set(0);
         let (done, task) = {
             let shard = shard.clone();
-            watched(async move { put(&shard, "second").await })
+            watched(async move { put(&shard, &sk("second")).await })
         };
         settle().await;
         assert!(!done.get(), "a write went into a slot the copy had not read yet");
         head.copy_next_old_slot.set(u32::MAX);
         head.survivors_moved.notify();
         task.await.unwrap();
-        let (body, _) = shard.get("second", BlockHash::of(b"second"), false).await.unwrap();
-        assert!(body.collect().await.unwrap() == block("second"));
+        let (body, _) = shard.get(&sk("second"), BlockHash::of(b"second"), false).await.unwrap();
+        assert!(body.collect().await.unwrap() == block(&sk("second")));
     });
 }
 
@@ -184,18 +185,18 @@ fn a_write_into_a_slot_a_survivor_holds_waits_until_the_copy_has_read_it() {
 fn a_delete_waits_for_the_transit_it_saw_then_deletes() {
     on_shard(|store| async move {
         let shard = store.shard_for_tests().clone();
-        put(&shard, "moving").await;
+        put(&shard, &sk("moving")).await;
         let hash = BlockHash::of(b"moving");
-        let ticket = shard.transits.begin("moving", hash, vec![block("moving")]);
+        let ticket = shard.transits.begin(&sk("moving"), hash, vec![block(&sk("moving"))]);
         let (done, task) = {
             let shard = shard.clone();
-            watched(async move { shard.delete("moving", hash).await })
+            watched(async move { shard.delete(&sk("moving"), hash).await })
         };
         settle().await;
         assert!(!done.get(), "the DELETE went on while the block was in transit");
         drop(ticket);
         task.await.unwrap().unwrap();
-        assert!(shard.get("moving", hash, false).await.is_err(), "deleted");
+        assert!(shard.get(&sk("moving"), hash, false).await.is_err(), "deleted");
     });
 }
 
@@ -203,21 +204,21 @@ fn a_delete_waits_for_the_transit_it_saw_then_deletes() {
 fn a_delete_waits_for_a_demotion_of_the_block_from_ram_then_deletes() {
     on_shard_with_ram(4, |store| async move {
         let shard = store.shard_for_tests().clone();
-        put(&shard, "demoting").await;
+        put(&shard, &sk("demoting")).await;
         let hash = BlockHash::of(b"demoting");
         let ram = shard.ram.as_ref().expect("a RAM tier");
         let victim = ram.borrow().victim_for(crate::tenant::DEFAULT_OWNER).expect("the block is in RAM");
         let pinned = ram.borrow_mut().begin_demotion(victim.slot);
         let (done, task) = {
             let shard = shard.clone();
-            watched(async move { shard.delete("demoting", hash).await })
+            watched(async move { shard.delete(&sk("demoting"), hash).await })
         };
         settle().await;
         assert!(!done.get(), "the DELETE went on while a demotion of the block could still land after its tombstone");
         drop(pinned);
         ram.borrow_mut().end_demotion(victim.slot, false);
         task.await.unwrap().unwrap();
-        assert!(shard.get("demoting", hash, false).await.is_err(), "deleted");
+        assert!(shard.get(&sk("demoting"), hash, false).await.is_err(), "deleted");
     });
 }
 
@@ -238,7 +239,7 @@ fn a_close_waits_for_a_task_still_holding_the_shard_then_keeps_its_write() {
             let (g, flag) = (gate.clone(), go.clone());
             shard.spawn_holding(|shard| async move {
                 g.until(|| flag.get()).await;
-                put(&shard, "late").await;
+                put(&shard, &sk("late")).await;
             });
             // Nothing else holds the shard but this store (alive until the
             // serve future returns) and that task.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::Shard;
+use crate::key::StoredKey;
 use crate::tenant::{OwnerId, Owners, QuotaTier};
 
 /// One owner's counters in one shard.
@@ -94,14 +95,9 @@ impl Shard {
         self.owner_state.owners.borrow().clone()
     }
 
-    /// The owner of a stored key.
-    pub(crate) fn owner_of(&self, key: &str) -> OwnerId {
+    /// The owner of a stored key: its scope's owner ([`Owners::owner_of`]).
+    pub(crate) fn owner_of(&self, key: &StoredKey) -> OwnerId {
         self.owner_state.owners.borrow().owner_of(key)
-    }
-
-    /// The owner of a stored key as a slot header holds it (bytes).
-    pub(crate) fn owner_of_bytes(&self, key: &[u8]) -> OwnerId {
-        std::str::from_utf8(key).map_or(0, |k| self.owner_of(k))
     }
 
     /// Applies `f` to `owner`'s counters.

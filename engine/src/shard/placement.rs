@@ -13,7 +13,7 @@ use super::Shard;
 use crate::counter::{bump, record_us};
 use crate::error::Result;
 use crate::index::Entry;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::stream::{BlockBody, ChunkStream};
 use crate::tenant::{OwnerId, QuotaTier};
 use crate::tier::Tier;
@@ -30,7 +30,7 @@ impl Shard {
     /// Writing a demoted block to the log failed (the block stays in RAM).
     pub(super) async fn cache(
         &self,
-        key: &str,
+        key: &StoredKey,
         hash: BlockHash,
         parts: &[&[u8]],
         dirty: bool,
@@ -114,7 +114,7 @@ impl Shard {
     /// Promotes a stored block into RAM (a prefetch): a block already in
     /// RAM becomes most recently used; one only in the log is read (CRC
     /// checked) into RAM. Returns whether the block is stored.
-    pub async fn prefetch(&self, key: &str, hash: BlockHash) -> bool {
+    pub async fn prefetch(&self, key: &StoredKey, hash: BlockHash) -> bool {
         if self.gpu.is_some() {
             return self.prefetch_gpu(key, hash).await;
         }
@@ -131,7 +131,7 @@ impl Shard {
     /// Used when no RAM slot could be taken before the read (a GPU tier
     /// takes promotions; or write-back: every RAM candidate is dirty and
     /// must be written to the log first) and for format 1 slots.
-    pub(super) async fn promote(&self, key: &str, hash: BlockHash, parts: &[Bytes], entry: Entry) {
+    pub(super) async fn promote(&self, key: &StoredKey, hash: BlockHash, parts: &[Bytes], entry: Entry) {
         if !self.still_newest(&hash, entry) {
             return;
         }
@@ -156,7 +156,7 @@ impl Shard {
     /// Reads a block from the log with promotion, whole (every chunk
     /// checked before it answers; a prefetch). Returns whether it was read
     /// in full.
-    pub(super) async fn read_to_promote(&self, key: &str, hash: BlockHash) -> bool {
+    pub(super) async fn read_to_promote(&self, key: &StoredKey, hash: BlockHash) -> bool {
         self.read_block(key, hash, true, false).await.is_ok()
     }
 

@@ -15,7 +15,7 @@ use super::Shard;
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::segment::Segment;
 use crate::signal::InFlight;
 use crate::slot::{self, RecordKind, SlotHeader, PAGE_BYTES};
@@ -33,12 +33,12 @@ impl Shard {
     /// for its first message: with `stream` its first chunk, else the whole
     /// block (with `promote`, filled into a RAM slot; see
     /// [`Shard::stream_slot`]).
-    pub(super) async fn read_block(&self, key: &str, hash: BlockHash, promote: bool, stream: bool) -> Result<BlockBody> {
+    pub(super) async fn read_block(&self, key: &StoredKey, hash: BlockHash, promote: bool, stream: bool) -> Result<BlockBody> {
         let me = self.me.borrow().upgrade().expect("a serving shard is shared");
         let block_bytes = self.cfg.geometry.block_bytes;
         let chunks = slot::chunk_count(block_bytes, self.chunk_bytes) as usize;
         let (tx, mut rx) = mpsc::channel(chunks);
-        let key = key.to_string();
+        let key = key.clone();
         me.spawn_holding(|me| async move { me.stream_slot(&key, hash, promote, stream, tx).await });
         match rx.next().await {
             Some(Ok(first)) if first.len() as u64 == block_bytes => Ok(BlockBody::Whole(first)),
@@ -59,7 +59,14 @@ impl Shard {
     ///
     /// A format 1 slot (no chunk CRCs) is read whole, checked against its
     /// whole-block CRC-32 and sent as one message.
-    pub(super) async fn stream_slot(&self, key: &str, hash: BlockHash, promote: bool, stream: bool, mut tx: mpsc::Sender<Result<Bytes>>) {
+    pub(super) async fn stream_slot(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        promote: bool,
+        stream: bool,
+        mut tx: mpsc::Sender<Result<Bytes>>,
+    ) {
         // A segment being compacted moves its blocks: wait, then look again.
         let (entry, segment) = loop {
             let Some(entry) = self.index.borrow().get(&hash) else {
@@ -138,10 +145,10 @@ impl Shard {
             let e = self.drop_corrupt(hash, entry, &why);
             return self.end_stream(&mut tx, Err(e), &mut reads).await;
         }
-        if header.key != key.as_bytes() {
+        if header.key != key.as_str().as_bytes() {
             // Another key with the same 128-bit hash: never serve it.
             bump(&self.counters.hash_collisions, 1);
-            tracing::warn!(shard = self.id(), key, "block hash collision; answering as a miss");
+            tracing::warn!(shard = self.id(), key = key.as_str(), "block hash collision; answering as a miss");
             return self.end_stream(&mut tx, Err(Error::NotFound), &mut reads).await;
         }
         if header.chunk_bytes as u64 != chunk_bytes || header.chunk_crcs.len() != chunks {

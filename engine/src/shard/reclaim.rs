@@ -173,6 +173,14 @@ impl Shard {
             header.seq = seq;
             header.chunk_bytes = self.chunk_bytes;
             header.chunk_crcs = chunk_crcs;
+            if header.drop_tag_past_room() {
+                tracing::warn!(
+                    shard = self.id(),
+                    segment = segment.id,
+                    slot = old.slot,
+                    "a format 3 block's tag no longer fits its header; kept without it"
+                );
+            }
             let mut buf = self.take_write_buffer();
             buf.as_bytes_mut()[PAGE_BYTES as usize..].copy_from_slice(&data[PAGE_BYTES as usize..self.slot_bytes as usize]);
             drop(data);

@@ -27,13 +27,13 @@ use futures::future::{FutureExt, LocalBoxFuture, Shared};
 use super::{PutOutcome, Shard};
 use crate::error::{Error, Result};
 use crate::events::Medium;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::remote::{Fetched, RemoteEvent, UploadOutcome};
 
 /// A remote read in flight on this shard, joined by every local miss of
 /// its key meanwhile.
 pub(super) struct RemoteRead {
-    key: Box<str>,
+    key: StoredKey,
     read: Shared<LocalBoxFuture<'static, Option<Bytes>>>,
     state: Rc<ReadState>,
 }
@@ -78,7 +78,7 @@ impl Shard {
     ///
     /// # Errors
     /// As [`Shard::put`]; the remote tier never fails a PUT.
-    pub async fn put_block(&self, key: &str, hash: BlockHash, chunks: &[Bytes], tag: Option<Bytes>) -> Result<PutReport> {
+    pub async fn put_block(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], tag: Option<Bytes>) -> Result<PutReport> {
         self.supersede_remote_read(&hash).await;
         // Tracked from here, so the log writes the tag into the slot header
         // and the tiers' arrivals are published under it.
@@ -99,7 +99,7 @@ impl Shard {
     ///
     /// # Errors
     /// [`Error::NotFound`] when neither holds it; as [`Shard::delete`].
-    pub async fn delete_block(&self, key: &str, hash: BlockHash) -> Result<()> {
+    pub async fn delete_block(&self, key: &StoredKey, hash: BlockHash) -> Result<()> {
         self.supersede_remote_read(&hash).await;
         let local = self.delete(key, hash).await;
         let Some(remote) = &self.remote else { return local };
@@ -138,16 +138,16 @@ impl Shard {
     /// of it in flight), installs it in the local tiers unless a write of
     /// the key superseded the read, and returns its payload. `None`: no
     /// remote tier, not there, or the remote tier failed (a miss).
-    pub(super) async fn read_remote(&self, key: &str, hash: BlockHash) -> Option<Bytes> {
+    pub(super) async fn read_remote(&self, key: &StoredKey, hash: BlockHash) -> Option<Bytes> {
         let remote = self.remote.clone()?;
-        let joined = self.remote_reads.borrow().get(&hash).filter(|r| &*r.key == key).map(|r| r.read.clone());
+        let joined = self.remote_reads.borrow().get(&hash).filter(|r| r.key == *key).map(|r| r.read.clone());
         if let Some(read) = joined {
             remote.count(RemoteEvent::ReadJoined);
             return read.await;
         }
         let me = self.me.borrow().upgrade().expect("a serving shard is shared");
         let state = Rc::new(ReadState::default());
-        let (owned, flags) = (key.to_string(), state.clone());
+        let (owned, flags) = (key.clone(), state.clone());
         // A task of its own: the read and its install finish even when the
         // GET that started them goes away.
         let task = me.spawn_holding(|me| async move {
@@ -162,13 +162,13 @@ impl Shard {
             got
         });
         let read = async move { task.await.flatten() }.boxed_local().shared();
-        self.remote_reads.borrow_mut().insert(hash, RemoteRead { key: key.into(), read: read.clone(), state });
+        self.remote_reads.borrow_mut().insert(hash, RemoteRead { key: key.clone(), read: read.clone(), state });
         read.await
     }
 
     /// Stores a block read from the remote tier in the local tiers, unless a
     /// write of its key came while it was read. Not uploaded again.
-    async fn install_remote(&self, key: &str, hash: BlockHash, payload: Bytes, tag: Option<Bytes>, state: &ReadState) {
+    async fn install_remote(&self, key: &StoredKey, hash: BlockHash, payload: Bytes, tag: Option<Bytes>, state: &ReadState) {
         let remote = self.remote.as_ref().expect("a remote read has a remote tier");
         if state.superseded.get() {
             remote.count(RemoteEvent::InstallSuperseded);
@@ -191,7 +191,7 @@ impl Shard {
 
     /// Whether each of `keys` exists in the remote tier (`None`: unknown, or
     /// no remote tier).
-    pub async fn remote_exists_many(&self, keys: &[&str]) -> Vec<Option<bool>> {
+    pub async fn remote_exists_many(&self, keys: &[&StoredKey]) -> Vec<Option<bool>> {
         match &self.remote {
             Some(remote) => remote.exists_many(keys).await,
             None => vec![None; keys.len()],
@@ -200,7 +200,7 @@ impl Shard {
 
     /// Copies `keys` (not stored locally) from the remote tier into the
     /// local tiers, `parallelism` at a time; absent ones are skipped.
-    pub(crate) async fn prefetch_remote(&self, keys: Vec<(String, BlockHash)>, parallelism: usize) {
+    pub(crate) async fn prefetch_remote(&self, keys: Vec<(StoredKey, BlockHash)>, parallelism: usize) {
         let Some(remote) = self.remote.clone() else { return };
         for window in keys.chunks(parallelism.max(1)) {
             let reads = window.iter().map(|(k, h)| self.read_remote(k, *h));

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::tier::Tier;
 
 /// What became of a block offered to a memory tier.
@@ -42,7 +42,7 @@ pub(super) enum Placed {
 /// its payload, `block_bytes` in all.
 struct InTransit {
     id: u64,
-    key: Box<str>,
+    key: StoredKey,
     parts: Vec<Bytes>,
 }
 
@@ -76,17 +76,17 @@ impl Default for Transits {
 impl Transits {
     /// Starts the transit of `hash` with payload `parts`, superseding any
     /// earlier transit of it.
-    pub(super) fn begin(&self, key: &str, hash: BlockHash, parts: Vec<Bytes>) -> Ticket<'_> {
+    pub(super) fn begin(&self, key: &StoredKey, hash: BlockHash, parts: Vec<Bytes>) -> Ticket<'_> {
         let id = self.next_id.get();
         self.next_id.set(id + 1);
-        self.blocks.borrow_mut().insert(hash, InTransit { id, key: key.into(), parts });
+        self.blocks.borrow_mut().insert(hash, InTransit { id, key: key.clone(), parts });
         Ticket { transits: self, hash, id }
     }
 
     /// The payload of `key` if it is in transit (cheap: reference-counted
     /// buffers).
-    pub(super) fn get(&self, key: &str, hash: &BlockHash) -> Option<Vec<Bytes>> {
-        self.blocks.borrow().get(hash).filter(|t| &*t.key == key).map(|t| t.parts.clone())
+    pub(super) fn get(&self, key: &StoredKey, hash: &BlockHash) -> Option<Vec<Bytes>> {
+        self.blocks.borrow().get(hash).filter(|t| t.key == *key).map(|t| t.parts.clone())
     }
 
     /// Whether a block under `hash` is in transit.
@@ -121,20 +121,21 @@ impl Drop for Ticket<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::testing::sk;
 
     #[test]
     fn the_newest_transit_wins_and_only_its_own_ticket_ends_it() {
         let t = Transits::default();
         let h = BlockHash(7);
-        let first = t.begin("k", h, vec![Bytes::from_static(b"old")]);
+        let first = t.begin(&sk("k"), h, vec![Bytes::from_static(b"old")]);
         assert!(first.is_current());
-        assert_eq!(t.get("k", &h), Some(vec![Bytes::from_static(b"old")]));
-        assert_eq!(t.get("other key, same hash", &h), None, "a collision is not served");
-        let second = t.begin("k", h, vec![Bytes::from_static(b"new")]);
+        assert_eq!(t.get(&sk("k"), &h), Some(vec![Bytes::from_static(b"old")]));
+        assert_eq!(t.get(&sk("other-key-same-hash"), &h), None, "a collision is not served");
+        let second = t.begin(&sk("k"), h, vec![Bytes::from_static(b"new")]);
         assert!(!first.is_current() && second.is_current());
         assert!(t.id_of(&h).is_some_and(|id| id > first.id));
         drop(first);
-        assert_eq!(t.get("k", &h), Some(vec![Bytes::from_static(b"new")]), "an old ticket's drop leaves the newer transit");
+        assert_eq!(t.get(&sk("k"), &h), Some(vec![Bytes::from_static(b"new")]), "an old ticket's drop leaves the newer transit");
         drop(second);
         assert!(!t.contains(&h) && t.id_of(&h).is_none());
     }

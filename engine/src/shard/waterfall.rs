@@ -18,7 +18,7 @@ use super::Shard;
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::gpu::{GpuRead, GpuTier};
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::lru::Victim;
 use crate::shard::ShardConfig;
 use crate::tenant::QuotaTier;
@@ -63,7 +63,14 @@ impl Shard {
     ///
     /// # Errors
     /// Writing a demoted write-back block to the log failed.
-    pub(super) async fn place(&self, key: &str, hash: BlockHash, parts: &[&[u8]], dirty: bool, ticket: &Ticket<'_>) -> Result<Placed> {
+    pub(super) async fn place(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        parts: &[&[u8]],
+        dirty: bool,
+        ticket: &Ticket<'_>,
+    ) -> Result<Placed> {
         let wanted = || ticket.is_current();
         if !wanted() {
             return Ok(Placed::Superseded);
@@ -103,7 +110,7 @@ impl Shard {
     async fn cache_gpu(
         &self,
         gpu: &GpuTier,
-        key: &str,
+        key: &StoredKey,
         hash: BlockHash,
         parts: &[&[u8]],
         dirty: bool,
@@ -157,7 +164,11 @@ impl Shard {
                 gpu.end_demotion(v.slot, true);
                 if v.dirty {
                     bump(&gpu.faults.blocks_lost, 1);
-                    tracing::error!(shard = self.id(), key = &*v.key, "write-back block held only on the GPU lost: its copy back failed");
+                    tracing::error!(
+                        shard = self.id(),
+                        key = v.key.as_str(),
+                        "write-back block held only on the GPU lost: its copy back failed"
+                    );
                 }
                 return Ok(());
             }
@@ -199,7 +210,7 @@ impl Shard {
     /// and the log, which hold it unless it was a write-back block held only
     /// on the GPU; then an older block of the key in the log is dropped from
     /// the index too and the GET is a miss).
-    pub(super) async fn read_gpu(&self, key: &str, hash: BlockHash) -> Option<Bytes> {
+    pub(super) async fn read_gpu(&self, key: &StoredKey, hash: BlockHash) -> Option<Bytes> {
         let gpu = self.gpu.as_ref()?;
         let started = Instant::now();
         match gpu.read(key, &hash, &self.read_buffers).await {
@@ -232,7 +243,7 @@ impl Shard {
     /// Returns the bytes to serve: with a GPU tier, a copy, so that the RAM
     /// slot is not pinned by the response and the GPU victim displaced can
     /// take it.
-    pub(super) async fn promote_from_ram(&self, key: &str, hash: BlockHash, bytes: Bytes) -> Bytes {
+    pub(super) async fn promote_from_ram(&self, key: &StoredKey, hash: BlockHash, bytes: Bytes) -> Bytes {
         if self.gpu.is_none() {
             return bytes;
         }
@@ -248,7 +259,7 @@ impl Shard {
     /// until it lands; if the GPU does not take it, it goes back to RAM (a
     /// dirty block must not be lost). A PUT of the key meanwhile wins: the
     /// move then changes nothing (a DELETE waits for the move to land).
-    async fn move_up_from_ram(&self, key: &str, hash: BlockHash, bytes: &Bytes) {
+    async fn move_up_from_ram(&self, key: &StoredKey, hash: BlockHash, bytes: &Bytes) {
         let (Some(gpu), Some(ram)) = (&self.gpu, &self.ram) else { return };
         let (dirty, demoting) = {
             let r = ram.borrow();
@@ -269,7 +280,7 @@ impl Shard {
                     // Neither tier took it back: write it to the log.
                     if let Err(e) = self.put_nvme(key, hash, std::slice::from_ref(bytes), false).await {
                         bump(&gpu.faults.blocks_lost, 1);
-                        tracing::error!(shard = self.id(), key, "write-back block lost moving up from RAM: {e}");
+                        tracing::error!(shard = self.id(), key = key.as_str(), "write-back block lost moving up from RAM: {e}");
                     }
                 }
             }
@@ -279,7 +290,7 @@ impl Shard {
     /// Prefetch with a GPU tier: a block on the GPU becomes most recently
     /// used; one in RAM or only in the log is copied up to the GPU (CRC
     /// checked on the way). Returns whether the block is stored.
-    pub(super) async fn prefetch_gpu(&self, key: &str, hash: BlockHash) -> bool {
+    pub(super) async fn prefetch_gpu(&self, key: &StoredKey, hash: BlockHash) -> bool {
         let Some(gpu) = &self.gpu else { return false };
         if gpu.touch(key, &hash) {
             return true;
@@ -316,7 +327,11 @@ impl Shard {
                 Err(()) => {
                     gpu.end_flush(v.slot, false);
                     bump(&gpu.faults.blocks_lost, 1);
-                    tracing::error!(shard = self.id(), key = &*v.key, "write-back block on the GPU lost at flush: its copy back failed");
+                    tracing::error!(
+                        shard = self.id(),
+                        key = v.key.as_str(),
+                        "write-back block on the GPU lost at flush: its copy back failed"
+                    );
                     continue;
                 }
             };

@@ -14,7 +14,7 @@ use futures::channel::oneshot;
 use super::PrefetchReport;
 use crate::error::Result;
 use crate::health::TierHealth;
-use crate::key::BlockHash;
+use crate::key::{BlockHash, StoredKey};
 use crate::shard::{PutReport, Shard, ShardStats};
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
@@ -30,13 +30,13 @@ pub(super) type Reply<T> = oneshot::Sender<T>;
 
 /// An operation sent to the owning shard, with the channel of its answer.
 pub(super) enum Request {
-    Put { key: String, hash: BlockHash, chunks: Vec<Bytes>, tag: Option<Bytes>, reply: Reply<Result<PutReport>> },
-    Get { key: String, hash: BlockHash, reply: Reply<Result<(BlockBody, Tier)>> },
-    GetInto { key: String, hash: BlockHash, sink: Arc<dyn BlockSink>, reply: Reply<Result<(u64, Tier)>> },
-    Delete { key: String, hash: BlockHash, reply: Reply<Result<()>> },
+    Put { key: StoredKey, hash: BlockHash, chunks: Vec<Bytes>, tag: Option<Bytes>, reply: Reply<Result<PutReport>> },
+    Get { key: StoredKey, hash: BlockHash, reply: Reply<Result<(BlockBody, Tier)>> },
+    GetInto { key: StoredKey, hash: BlockHash, sink: Arc<dyn BlockSink>, reply: Reply<Result<(u64, Tier)>> },
+    Delete { key: StoredKey, hash: BlockHash, reply: Reply<Result<()>> },
     Contains { hashes: Vec<BlockHash>, reply: Reply<Vec<Option<Tier>>> },
-    RemoteExists { keys: Vec<String>, reply: Reply<Vec<Option<bool>>> },
-    Prefetch { keys: Vec<(String, BlockHash)>, reply: Reply<PrefetchReport> },
+    RemoteExists { keys: Vec<StoredKey>, reply: Reply<Vec<Option<bool>>> },
+    Prefetch { keys: Vec<(StoredKey, BlockHash)>, reply: Reply<PrefetchReport> },
     Stats(Reply<ShardStats>),
     Health(Reply<Vec<TierHealth>>),
     TraceFlush(Reply<()>),
@@ -46,7 +46,7 @@ pub(super) enum Request {
 /// Counts the stored keys among `keys` now and promotes them in a
 /// background task on this shard; the others are copied from the remote
 /// tier, `parallelism` at a time, when there is one.
-pub(super) fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, parallelism: usize) -> PrefetchReport {
+pub(super) fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(StoredKey, BlockHash)>, parallelism: usize) -> PrefetchReport {
     let (stored, elsewhere): (Vec<_>, Vec<_>) = keys.into_iter().partition(|(_, h)| shard.contains(h).is_some());
     let elsewhere = if shard.has_remote() { elsewhere } else { Vec::new() };
     let report = PrefetchReport { found: stored.len(), remote_requested: elsewhere.len() };
@@ -60,7 +60,7 @@ pub(super) fn start_prefetch(shard: &Rc<Shard>, keys: Vec<(String, BlockHash)>, 
 }
 
 /// [`super::Store::get_into`] on the owning shard.
-pub(super) async fn copy_block(shard: &Rc<Shard>, key: &str, hash: BlockHash, sink: &dyn BlockSink) -> Result<(u64, Tier)> {
+pub(super) async fn copy_block(shard: &Rc<Shard>, key: &StoredKey, hash: BlockHash, sink: &dyn BlockSink) -> Result<(u64, Tier)> {
     let (body, tier) = shard.get(key, hash, true).await?;
     Ok((body.copy_into(sink).await?, tier))
 }
@@ -86,7 +86,7 @@ pub(super) async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, reque
             let _ = reply.send(hashes.iter().map(|h| shard.contains(h)).collect());
         }
         Request::RemoteExists { keys, reply } => {
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let keys: Vec<&StoredKey> = keys.iter().collect();
             let _ = reply.send(shard.remote_exists_many(&keys).await);
         }
         Request::Prefetch { keys, reply } => {

@@ -1,6 +1,6 @@
 //! The block routes: PUT, GET, HEAD, DELETE of `/v1/blocks/{key}`, and
 //! `/v1/lookup`, `/v1/prefetch`; every key already scoped to its caller
-//! ([`crate::service::StoredKey`]).
+//! ([`crate::service::ScopedKey`]).
 
 use http::{header, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -12,12 +12,12 @@ use super::reply::{engine_error, error, json_reply, overloaded, Reply, TIER_HEAD
 use super::request::{declared_length, read_body, read_keys, refuse_put};
 use super::tag::tag_from_headers;
 use super::Ctx;
-use crate::service::{PutRefused, StoredKey};
+use crate::service::{PutRefused, ScopedKey};
 use crate::tenants::Tenant;
 
 /// `PUT /v1/blocks/{client_key}`, stored under `key` (the caller's scope),
 /// with the block tag its `x-kvtier-*` headers give ([`tag_from_headers`]).
-pub(crate) async fn put_block(ctx: &Ctx, client_key: &str, key: &StoredKey, req: Request<Incoming>) -> Reply {
+pub(crate) async fn put_block(ctx: &Ctx, client_key: &str, key: &ScopedKey, req: Request<Incoming>) -> Reply {
     let block_bytes = ctx.store().geometry().block_bytes;
     // The tag is read before the body, so a bad one stores nothing.
     let tag = match tag_from_headers(req.headers(), block_bytes) {
@@ -83,14 +83,14 @@ pub(crate) fn block_reply(body: BlockBody, tier: &'static str) -> Reply {
 /// response off instead of completing it (the block is dropped, so the next
 /// GET falls through to the tiers below). Every tier, the remote one
 /// included, is behind [`Store::get_stream`].
-pub(crate) async fn get_block(ctx: &Ctx, key: &StoredKey) -> Reply {
+pub(crate) async fn get_block(ctx: &Ctx, key: &ScopedKey) -> Reply {
     match ctx.service.get_stream(key).await {
         Ok((body, tier)) => block_reply(body, tier.as_str()),
         Err(e) => engine_error(&e),
     }
 }
 
-pub(crate) async fn head_block(ctx: &Ctx, key: &StoredKey) -> Reply {
+pub(crate) async fn head_block(ctx: &Ctx, key: &ScopedKey) -> Reply {
     match ctx.service.contains(key).await {
         Ok(Some(_)) => Response::builder()
             .status(StatusCode::OK)
@@ -103,7 +103,7 @@ pub(crate) async fn head_block(ctx: &Ctx, key: &StoredKey) -> Reply {
     }
 }
 
-pub(crate) async fn delete_block(ctx: &Ctx, key: &StoredKey) -> Reply {
+pub(crate) async fn delete_block(ctx: &Ctx, key: &ScopedKey) -> Reply {
     match ctx.service.delete(key).await {
         Ok(()) => Response::builder().status(StatusCode::NO_CONTENT).body(ReplyBody::empty()).expect("valid response"),
         Err(e) => engine_error(&e),

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use super::reply::{error, scope_error, Reply};
 use super::Ctx;
 use crate::limits;
-use crate::service::StoredKey;
+use crate::service::ScopedKey;
 use crate::tenants::{ScopeError, Tenant};
 
 /// The bearer token a request carries.
@@ -119,7 +119,7 @@ pub(crate) struct LookupRequest {
 
 /// Reads and checks a `{"keys":[...]}` body (lookup, prefetch): size,
 /// JSON shape, key count, every key valid.
-pub(crate) async fn read_keys(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -> Result<Vec<StoredKey>, Reply> {
+pub(crate) async fn read_keys(ctx: &Ctx, caller: Option<&Tenant>, req: Request<Incoming>) -> Result<Vec<ScopedKey>, Reply> {
     if let Some(Ok(declared)) = req.headers().get(header::CONTENT_LENGTH).map(|v| v.to_str().map(|s| s.parse::<u64>())) {
         if declared.map(|n| n > limits::LOOKUP_BODY_BYTES_MAX).unwrap_or(false) {
             return Err(error(

@@ -15,7 +15,7 @@ use super::proto::{self, code_of, Code, Item, Op};
 use super::region::{gather, ItemSink, Part, Region};
 use super::session::Conn;
 use crate::limits;
-use crate::service::{PutRefused, StoredKey};
+use crate::service::{PutRefused, ScopedKey};
 use crate::tenants::ScopeError;
 
 /// Registrations one connection may hold.
@@ -238,7 +238,7 @@ fn scope_code(e: &ScopeError) -> Code {
 /// then each part's handle and bounds in order, then the size: room for the
 /// block for a get, exactly the block for a put; then a put's tag), so an
 /// item that fails any of them copies nothing and stores nothing.
-fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(StoredKey, Vec<Part>, Option<Bytes>), Code> {
+fn item_parts(conn: &Conn, item: &Item<'_>, block_bytes: u64, get: bool) -> Result<(ScopedKey, Vec<Part>, Option<Bytes>), Code> {
     let key = conn.service.scope(conn.caller.borrow().as_deref(), item.key, !get).map_err(|e| scope_code(&e))?;
     let parts = item
         .parts
@@ -274,7 +274,7 @@ fn item_tag(tag: &[u8], block_bytes: u64) -> Result<Option<Bytes>, Code> {
     Ok(Some(Bytes::copy_from_slice(tag)))
 }
 
-async fn get_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>) -> (i64, u8) {
+async fn get_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>) -> (i64, u8) {
     let sink = Arc::new(ItemSink::new(parts));
     match conn.service.get_into(key, sink.clone()).await {
         Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
@@ -290,7 +290,7 @@ async fn get_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>) -> (i64, u8) {
 
 /// Stores the block the parts hold (`block_bytes` together, checked) with
 /// its block tag, if any (checked).
-async fn put_item(conn: &Conn, key: &StoredKey, parts: Vec<Part>, tag: Option<Bytes>, block_bytes: u64) -> (i64, u8) {
+async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<Bytes>, block_bytes: u64) -> (i64, u8) {
     // The shard's budget, shared with HTTP; refusals in the socket's own
     // series (kvtier_local_put_bytes_refusals_total).
     let _admitted = match conn.service.put_budget.admit(block_bytes) {

@@ -1,7 +1,7 @@
 //! The service layer: what both front doors (`http/`, `local/`) stand on
 //! and neither owns. Per shard, a [`Service`]: who is calling ([`Access`]:
 //! a bearer token, a HELLO token or a peer uid → one [`Caller`]), the key
-//! each caller's key is stored under ([`Service::scope`] → [`StoredKey`],
+//! each caller's key is stored under ([`Service::scope`] → [`ScopedKey`],
 //! the only key the block operations take), the shard's PUT budget
 //! ([`PutBudget`]) and the process's shutdown ([`Shutdown`], a broadcast).
 //! A front door parses its wire format, asks the service, and encodes the
@@ -15,6 +15,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use kvtier_engine::key::StoredKey;
 use kvtier_engine::stream::BlockSink;
 use kvtier_engine::{BlockBody, Result, Store, Tier};
 
@@ -28,12 +29,17 @@ use crate::tenants::{stored_key, ScopeError, Tenant};
 /// only by [`Service::scope`], so a block operation cannot be handed a key
 /// that skipped scoping.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredKey(String);
+pub struct ScopedKey(StoredKey);
 
-impl StoredKey {
-    /// The key the engine stores.
-    pub fn as_str(&self) -> &str {
+impl ScopedKey {
+    /// The typed key the engine stores.
+    pub fn stored(&self) -> &StoredKey {
         &self.0
+    }
+
+    /// Its persisted form ([`StoredKey::as_str`]), for logs and messages.
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
     }
 }
 
@@ -59,11 +65,11 @@ impl Service {
     /// The key `caller` stores `key` under; `write` for a PUT or DELETE.
     ///
     /// # Errors
-    /// [`ScopeError::InvalidKey`] for a key that breaks the key rules (or
-    /// is too long with its scope); [`ScopeError::ReadOnly`] for a write
-    /// into a namespace the caller only reads.
-    pub fn scope(&self, caller: Option<&Tenant>, key: &str, write: bool) -> std::result::Result<StoredKey, ScopeError> {
-        stored_key(caller, key, write).map(|k| StoredKey(k.into_owned()))
+    /// [`ScopeError::InvalidKey`] for a key that breaks the key rules;
+    /// [`ScopeError::ReadOnly`] for a write into a namespace the caller
+    /// only reads.
+    pub fn scope(&self, caller: Option<&Tenant>, key: &str, write: bool) -> std::result::Result<ScopedKey, ScopeError> {
+        stored_key(caller, key, write).map(ScopedKey)
     }
 
     /// [`Service::scope`] for reading, of each key in order.
@@ -74,7 +80,7 @@ impl Service {
         &self,
         caller: Option<&Tenant>,
         keys: &[K],
-    ) -> std::result::Result<Vec<StoredKey>, (usize, ScopeError)> {
+    ) -> std::result::Result<Vec<ScopedKey>, (usize, ScopeError)> {
         keys.iter().enumerate().map(|(i, k)| self.scope(caller, k.as_ref(), false).map_err(|e| (i, e))).collect()
     }
 
@@ -83,67 +89,68 @@ impl Service {
     ///
     /// # Errors
     /// As [`Store::put_reporting`].
-    pub async fn put(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<kvtier_engine::PutReport> {
-        self.store.put_reporting(key.as_str(), chunks, tag).await
+    pub async fn put(&self, key: &ScopedKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<kvtier_engine::PutReport> {
+        self.store.put_reporting(key.stored(), chunks, tag).await
     }
 
     /// A block, whole or streamed ([`Store::get_stream`]).
     ///
     /// # Errors
     /// As [`Store::get_stream`].
-    pub async fn get_stream(&self, key: &StoredKey) -> Result<(BlockBody, Tier)> {
-        self.store.get_stream(key.as_str()).await
+    pub async fn get_stream(&self, key: &ScopedKey) -> Result<(BlockBody, Tier)> {
+        self.store.get_stream(key.stored()).await
     }
 
     /// Copies a block into `sink` ([`Store::get_into`]).
     ///
     /// # Errors
     /// As [`Store::get_into`].
-    pub async fn get_into(&self, key: &StoredKey, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
-        self.store.get_into(key.as_str(), sink).await
+    pub async fn get_into(&self, key: &ScopedKey, sink: Arc<dyn BlockSink>) -> Result<(u64, Tier)> {
+        self.store.get_into(key.stored(), sink).await
     }
 
     /// The fastest tier holding a block ([`Store::contains`]).
     ///
     /// # Errors
     /// As [`Store::contains`].
-    pub async fn contains(&self, key: &StoredKey) -> Result<Option<Tier>> {
-        self.store.contains(key.as_str()).await
+    pub async fn contains(&self, key: &ScopedKey) -> Result<Option<Tier>> {
+        self.store.contains(key.stored()).await
     }
 
     /// Deletes a block ([`Store::delete`]).
     ///
     /// # Errors
     /// As [`Store::delete`].
-    pub async fn delete(&self, key: &StoredKey) -> Result<()> {
-        self.store.delete(key.as_str()).await
+    pub async fn delete(&self, key: &ScopedKey) -> Result<()> {
+        self.store.delete(key.stored()).await
     }
 
     /// The tier of each key ([`Store::exists_many`]).
     ///
     /// # Errors
     /// As [`Store::exists_many`].
-    pub async fn exists_many(&self, keys: &[StoredKey]) -> Result<Vec<Option<Tier>>> {
-        self.store.exists_many(&as_strs(keys)).await
+    pub async fn exists_many(&self, keys: &[ScopedKey]) -> Result<Vec<Option<Tier>>> {
+        self.store.exists_many(&stored_all(keys)).await
     }
 
     /// The tiers of the stored prefix of `keys` ([`Store::lookup_prefix`]).
     ///
     /// # Errors
     /// As [`Store::lookup_prefix`].
-    pub async fn lookup_prefix(&self, keys: &[StoredKey]) -> Result<Vec<Tier>> {
-        self.store.lookup_prefix(&as_strs(keys)).await
+    pub async fn lookup_prefix(&self, keys: &[ScopedKey]) -> Result<Vec<Tier>> {
+        self.store.lookup_prefix(&stored_all(keys)).await
     }
 
     /// Moves `keys` toward the fastest tier ([`Store::prefetch`]).
     ///
     /// # Errors
     /// As [`Store::prefetch`].
-    pub async fn prefetch(&self, keys: &[StoredKey]) -> Result<kvtier_engine::PrefetchReport> {
-        self.store.prefetch(&as_strs(keys)).await
+    pub async fn prefetch(&self, keys: &[ScopedKey]) -> Result<kvtier_engine::PrefetchReport> {
+        self.store.prefetch(&stored_all(keys)).await
     }
 }
 
-fn as_strs(keys: &[StoredKey]) -> Vec<&str> {
-    keys.iter().map(StoredKey::as_str).collect()
+/// The engine's keys of `keys` (reference-counted: no key is copied).
+fn stored_all(keys: &[ScopedKey]) -> Vec<StoredKey> {
+    keys.iter().map(|k| k.0.clone()).collect()
 }

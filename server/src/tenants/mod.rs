@@ -222,15 +222,18 @@ writers = ["a"]
         assert_eq!(a.name, "a");
         assert!(t.by_token(b"tok-b").is_none());
         assert_eq!(t.by_uid(1001).unwrap().name, "a");
-        assert_eq!(stored_key(Some(&a), "k1", false).unwrap(), "a/k1");
-        assert_eq!(stored_key(Some(&a), "sys-p", true).unwrap(), "sys/sys-p");
-        assert_eq!(stored_key(None, "k1", true).unwrap(), "k1");
+        let typed = |scope: &str, key: &str| kvtier_engine::key::StoredKey::new(scope, key).unwrap();
+        assert_eq!(stored_key(Some(&a), "k1", false).unwrap(), typed("a", "k1"));
+        assert_eq!(stored_key(Some(&a), "sys-p", true).unwrap(), typed("sys", "sys-p"));
+        assert_eq!(stored_key(None, "k1", true).unwrap(), typed("", "k1"));
         let b = t.tenants[1].clone();
-        assert_eq!(stored_key(Some(&b), "sys-p", false).unwrap(), "sys/sys-p");
+        assert_eq!(stored_key(Some(&b), "sys-p", false).unwrap(), typed("sys", "sys-p"));
         assert!(matches!(stored_key(Some(&b), "sys-p", true), Err(ScopeError::ReadOnly(_))));
         assert!(matches!(stored_key(Some(&a), "a/k", false), Err(ScopeError::InvalidKey(_))));
-        let e = stored_key(Some(&a), &"k".repeat(255), false).unwrap_err().to_string();
-        assert!(e.contains("at most 254 bytes"), "{e}");
+        // The longest key is the same under every tenant as without one.
+        assert_eq!(stored_key(Some(&a), &"k".repeat(256), false).unwrap().key().len(), 256);
+        let e = stored_key(Some(&a), &"k".repeat(257), false).unwrap_err().to_string();
+        assert!(e.contains("the limit is 256"), "{e}");
         let owners = t.owners();
         assert_eq!(owners.id_of("sys"), Some(3));
         assert_eq!(owners.specs[1].quotas[1], Quota { reserved_bytes: 1 << 30, limit_bytes: Some(2 << 30) });

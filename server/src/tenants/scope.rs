@@ -1,8 +1,6 @@
 //! The key space of each caller: a client key as its tenant stores it.
 
-use std::borrow::Cow;
-
-use kvtier_engine::tenant::scoped_key;
+use kvtier_engine::key::StoredKey;
 
 use super::file::Tenant;
 
@@ -23,16 +21,17 @@ impl std::fmt::Display for ScopeError {
     }
 }
 
-/// The stored key of `key` for `caller` (`None`: no tenants file, the key
-/// itself, borrowed). `write`: the caller stores or deletes it.
+/// The stored key of `key` for `caller`: in the scope of the namespace it
+/// falls in, else of the tenant itself (`None`: no tenants file, the
+/// default owner's key). `write`: the caller stores or deletes it.
 ///
 /// # Errors
-/// [`ScopeError::InvalidKey`] for a key that breaks the key rules or is too
-/// long with its scope; [`ScopeError::ReadOnly`] for a write into a
-/// namespace the caller only reads.
-pub fn stored_key<'k>(caller: Option<&Tenant>, key: &'k str, write: bool) -> Result<Cow<'k, str>, ScopeError> {
-    kvtier_engine::key::validate(key).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
-    let Some(t) = caller else { return Ok(Cow::Borrowed(key)) };
+/// [`ScopeError::InvalidKey`] for a key that breaks the key rules;
+/// [`ScopeError::ReadOnly`] for a write into a namespace the caller only
+/// reads.
+pub fn stored_key(caller: Option<&Tenant>, key: &str, write: bool) -> Result<StoredKey, ScopeError> {
+    let invalid = |e: kvtier_engine::Error| ScopeError::InvalidKey(e.to_string());
+    let Some(t) = caller else { return StoredKey::unscoped(key).map_err(invalid) };
     let scope = match t.namespaces.iter().find(|a| key.starts_with(&a.key_prefix)) {
         Some(a) if write && !a.write => {
             return Err(ScopeError::ReadOnly(format!(
@@ -43,7 +42,5 @@ pub fn stored_key<'k>(caller: Option<&Tenant>, key: &'k str, write: bool) -> Res
         Some(a) => &a.scope,
         None => &t.name,
     };
-    let stored = scoped_key(scope, key);
-    kvtier_engine::key::validate_stored(&stored).map_err(|e| ScopeError::InvalidKey(e.to_string()))?;
-    Ok(Cow::Owned(stored))
+    StoredKey::new(scope, key).map_err(invalid)
 }
