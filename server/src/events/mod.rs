@@ -152,7 +152,9 @@ pub struct Publisher {
     /// Where the sockets listen (a port 0 in the flags resolved).
     bound: (SocketAddr, Option<SocketAddr>),
     stop: Arc<tokio::sync::Notify>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The thread, and the channel whose sender it holds until it ends (so
+    /// a receive returns when the thread has ended, panicked or not).
+    thread: Mutex<Option<(std::thread::JoinHandle<()>, std::sync::mpsc::Receiver<()>)>>,
 }
 
 impl Publisher {
@@ -173,11 +175,15 @@ impl Publisher {
         });
         let stop = Arc::new(tokio::sync::Notify::new());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (ended_tx, ended_rx) = std::sync::mpsc::channel::<()>();
         let thread = {
             let (shared, stop) = (shared.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("kvtier-events".into())
-                .spawn(move || run::thread_main(shared, listeners, stop, ready_tx))
+                .spawn(move || {
+                    let _ended = ended_tx;
+                    run::thread_main(shared, listeners, stop, ready_tx)
+                })
                 .map_err(|e| format!("--kv-events: starting the publisher thread: {e}"))?
         };
         let bound = match ready_rx.recv() {
@@ -185,7 +191,7 @@ impl Publisher {
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err("--kv-events: the publisher thread stopped before it was ready".into()),
         };
-        Ok(Arc::new(Publisher { shared, bound, stop, thread: Mutex::new(Some(thread)) }))
+        Ok(Arc::new(Publisher { shared, bound, stop, thread: Mutex::new(Some((thread, ended_rx))) }))
     }
 
     /// The PUB socket's address.
@@ -213,15 +219,13 @@ impl Publisher {
     /// engine has stopped, so its last events are in that batch. A second
     /// call does nothing.
     pub fn stop(&self) {
-        let Some(thread) = self.thread.lock().expect("publisher thread lock").take() else { return };
+        let Some((thread, ended)) = self.thread.lock().expect("publisher thread lock").take() else { return };
         self.stop.notify_one();
-        let deadline = std::time::Instant::now() + STOP_WAIT_MAX;
-        while !thread.is_finished() {
-            if std::time::Instant::now() > deadline {
-                tracing::warn!("the KV event publisher did not stop within {STOP_WAIT_MAX:?}; leaving it");
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        // Nothing is ever sent: the receive ends when the thread drops the
+        // sender, that is when it ends.
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = ended.recv_timeout(STOP_WAIT_MAX) {
+            tracing::warn!("the KV event publisher did not stop within {STOP_WAIT_MAX:?}; leaving it");
+            return;
         }
         if thread.join().is_err() {
             tracing::error!("the KV event publisher thread panicked");
