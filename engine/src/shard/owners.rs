@@ -97,7 +97,7 @@ impl Shard {
 
     /// The owner of a stored key: its scope's owner ([`Owners::owner_of`]).
     pub(crate) fn owner_of(&self, key: &StoredKey) -> OwnerId {
-        self.owner_state.owners.borrow().owner_of(key)
+        self.owner_state.owners.borrow().owner_of(key.scope())
     }
 
     /// Applies `f` to `owner`'s counters.
