@@ -263,12 +263,12 @@ mod tests {
         let e = tag_from_headers(&h, BLOCK_BYTES).unwrap_err();
         assert!(e.contains("block tag:") && e.contains("3072"), "{e}");
         // 10 hashes and 640 tokens: 2,890 bytes, which a 16 MiB block's
-        // slot header holds (3,708) and a 512 MiB block's does not (1,724:
+        // slot header holds (3,672) and a 512 MiB block's does not (1,688:
         // its 512 chunk CRC-32s take the rest of the page).
         let hashes = vec!["ab".repeat(32); 10].join(",");
         let h = headers(&[(BLOCK_HASHES_HEADER, &hashes), (BLOCK_SIZE_HEADER, "64"), (TOKEN_IDS_HEADER, &tokens)]);
         assert_eq!(tag_from_headers(&h, 16 << 20).unwrap().unwrap().len(), 2890);
         let e = tag_from_headers(&h, 512 << 20).unwrap_err();
-        assert!(e.contains("2890 bytes encoded; a slot header of this store's 536870912-byte blocks holds 1724"), "{e}");
+        assert!(e.contains("2890 bytes encoded; a slot header of this store's 536870912-byte blocks holds 1688"), "{e}");
     }
 }

@@ -335,7 +335,7 @@ mod tests {
         let bytes = tag.encode();
         assert_eq!(item_tag(&bytes, 16 << 20), Ok(Some(bytes.clone())));
         assert_eq!(item_tag(&bytes[..bytes.len() - 1], 16 << 20), Err(Code::InvalidTag), "cut");
-        // 2,890 bytes: more than a 512 MiB block's slot header holds (1,724).
+        // 2,890 bytes: more than a 512 MiB block's slot header holds (1,688).
         assert_eq!(item_tag(&bytes, 512 << 20), Err(Code::InvalidTag), "too long for this store");
     }
 }
