@@ -232,6 +232,7 @@ fn main() {
             pin_cpus: true,
             snapshot_secs: 0,
             ram_bytes: 0,
+            ram_shared: Default::default(),
             write_policy: kvtier_engine::WritePolicy::Through,
             promote: false,
             gpu: Default::default(),

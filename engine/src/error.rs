@@ -65,6 +65,10 @@ pub enum Error {
     /// admits (`io_queue_max`); nothing was done. Retry after a moment.
     #[error("overloaded: {0}")]
     Overloaded(String),
+    /// This store cannot lease blocks to same-host clients (docs/LOCAL.md,
+    /// "Leases"); the message says why (no RAM tier, or one not shared).
+    #[error("no leases: {0}")]
+    LeasesOff(String),
     /// The store is shutting down or a shard is gone; retry against a
     /// restarted process.
     #[error("store is shutting down")]

@@ -13,202 +13,41 @@
 //! pins; readers only ever see slots through a pin taken on that thread
 //! after the write completed. The pin count's release (drop) / acquire
 //! (reuse check) pair orders a reader's last access before the next write.
+//!
+//! **Leases.** A same-host client's lease (docs/LOCAL.md) is such a pin,
+//! held by the client's connection instead of a response, over an arena
+//! the client has mapped read-only (`arena.rs`): the same rule keeps the
+//! slot unwritten until the lease ends, and the slot's generation tells
+//! the client afterwards whether it did end before the client was done.
 
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+mod arena;
+
 use std::sync::Arc;
 
 use bytes::Bytes;
-use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::key::{BlockHash, StoredKey};
 use crate::lru::SlotLru;
 use crate::tenant::OwnerId;
 
-/// Huge page size the arena asks for: 2 MiB (x86-64 and arm64 default).
-pub const HUGE_PAGE_BYTES: usize = 2 << 20;
-
-/// How the arena's memory is backed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HugePages {
-    /// `MAP_HUGETLB`: reserved 2 MiB pages (`vm.nr_hugepages`).
-    Reserved,
-    /// Transparent huge pages, asked for with `madvise(MADV_HUGEPAGE)`.
-    Transparent,
-    /// 4 KiB pages (the madvise was refused).
-    None,
-}
-
-/// Slot memory, shared with the `Bytes` that pin its slots.
-pub struct Arena {
-    base: NonNull<u8>,
-    map_bytes: usize,
-    slot_bytes: usize,
-    pins: Box<[AtomicU32]>,
-    huge_pages: HugePages,
-    /// [`Arena::prefault_in_background`] ran (or nothing to fault in).
-    prefault_started: AtomicBool,
-}
-
-// SAFETY: the arena is plain memory; who may write which slot and when is
-// the pin protocol in the module docs, kept by `RamTier` (single-threaded)
-// and `SlotRef` (atomics).
-unsafe impl Send for Arena {}
-// SAFETY: as above; shared access is reads of pinned slots and atomic pins.
-unsafe impl Sync for Arena {}
-
-impl Arena {
-    /// Maps `slots` slots of `slot_bytes`: reserved huge pages are faulted
-    /// in at once; other memory on a helper thread once
-    /// [`Arena::prefault_in_background`] is called (after start-up).
-    ///
-    /// # Errors
-    /// [`Error::Config`] when the mapping fails (too large for memory or
-    /// `vm.max_map_count`).
-    pub fn new(slots: u32, slot_bytes: usize) -> Result<Arc<Arena>> {
-        let bytes = slots as usize * slot_bytes;
-        let map_bytes = bytes.div_ceil(HUGE_PAGE_BYTES).max(1) * HUGE_PAGE_BYTES;
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        // SAFETY: an anonymous private mapping; the result is checked.
-        let mut ptr = unsafe { libc::mmap(std::ptr::null_mut(), map_bytes, prot, flags | libc::MAP_HUGETLB | libc::MAP_POPULATE, -1, 0) };
-        let mut huge_pages = HugePages::Reserved;
-        if ptr == libc::MAP_FAILED {
-            // SAFETY: as above.
-            ptr = unsafe { libc::mmap(std::ptr::null_mut(), map_bytes, prot, flags, -1, 0) };
-            if ptr == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error();
-                return Err(Error::Config(format!("cannot map a RAM tier of {map_bytes} bytes: {e}; lower --ram-gb")));
-            }
-            // SAFETY: advice on the mapping just made.
-            huge_pages =
-                if unsafe { libc::madvise(ptr, map_bytes, libc::MADV_HUGEPAGE) } == 0 { HugePages::Transparent } else { HugePages::None };
-        }
-        let arena = Arc::new(Arena {
-            base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
-            map_bytes,
-            slot_bytes,
-            pins: (0..slots).map(|_| AtomicU32::new(0)).collect(),
-            huge_pages,
-            prefault_started: AtomicBool::new(huge_pages == HugePages::Reserved),
-        });
-        Ok(arena)
-    }
-
-    /// Faults every page in on a helper thread
-    /// ([`crate::populate::populate`]: `MADV_POPULATE_WRITE`, Linux 5.14+, a
-    /// huge page per call), so steady-state PUTs take no page faults; once
-    /// per arena (reserved huge pages are in already). Called after the
-    /// shard serves, not at start-up: populating 1 GiB took ~1 s here (page
-    /// by page from user space 3.8 s), and up to 2.6 s on a VM whose freed
-    /// memory had gone back to the host. The advice only maps pages not yet
-    /// present and never changes data, so it may run while slots are being
-    /// filled. Older kernels refuse it and pages fault on first use instead.
-    pub fn prefault_in_background(self: &Arc<Self>) {
-        if self.prefault_started.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let arena = self.clone();
-        let spawned = std::thread::Builder::new().name("kvtier-ram-prefault".into()).spawn(move || {
-            crate::populate::run_in_background();
-            // `arena` keeps the mapping alive until this returns.
-            let stop = AtomicBool::new(false);
-            if let Err(e) = crate::populate::populate(arena.base.as_ptr() as usize, arena.map_bytes, &stop) {
-                tracing::debug!("RAM tier prefault not available: {e}");
-            }
-        });
-        if let Err(e) = spawned {
-            tracing::warn!("RAM tier prefault thread not started ({e}); pages fault on first use");
-        }
-    }
-
-    fn slot_ptr(&self, slot: u32) -> *mut u8 {
-        debug_assert!((slot as usize) < self.pins.len());
-        // SAFETY: slot < slots, so the offset lies inside the mapping.
-        unsafe { self.base.as_ptr().add(slot as usize * self.slot_bytes) }
-    }
-
-    fn pinned(&self, slot: u32) -> bool {
-        self.pins[slot as usize].load(Ordering::Acquire) > 0
-    }
-
-    /// A `Bytes` over `slot`, pinning it until the last clone drops.
-    fn pin(self: &Arc<Self>, slot: u32) -> Bytes {
-        self.pin_range(slot, 0, self.slot_bytes)
-    }
-
-    /// A `Bytes` over `len` bytes of `slot` from `offset`, pinning the slot
-    /// until the last clone drops. A slot being filled chunk by chunk hands
-    /// out each filled range while later ranges are still written: the
-    /// ranges never overlap, so no byte a reader holds is written.
-    fn pin_range(self: &Arc<Self>, slot: u32, offset: usize, len: usize) -> Bytes {
-        assert!(offset + len <= self.slot_bytes, "range within the slot");
-        self.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
-        Bytes::from_owner(SlotRef { arena: self.clone(), slot, offset, len })
-    }
-
-    /// Copies `bytes` to `offset` in `slot`, handing each 256 KiB step to
-    /// `inspect` just before it is copied (a CRC reads it while hot). The
-    /// range must not have been handed out ([`Arena::pin_range`]) and the
-    /// slot must be unreachable by lookups (reserved, not mapped).
-    fn fill_range(&self, slot: u32, offset: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
-        const STEP_BYTES: usize = 256 << 10;
-        assert!(offset + bytes.len() <= self.slot_bytes, "block larger than a RAM slot");
-        let mut at = offset;
-        for step in bytes.chunks(STEP_BYTES) {
-            inspect(step);
-            // SAFETY: in bounds (checked above); no reader holds this range
-            // (the caller's protocol, above).
-            unsafe { std::ptr::copy_nonoverlapping(step.as_ptr(), self.slot_ptr(slot).add(at), step.len()) };
-            at += step.len();
-        }
-    }
-
-    /// Copies `parts` (together `slot_bytes`) into an unpinned slot that no
-    /// reader can reach.
-    fn fill(&self, slot: u32, parts: &[&[u8]]) {
-        assert!(!self.pinned(slot), "a pinned RAM slot is never written");
-        let mut at = 0;
-        for p in parts {
-            self.fill_range(slot, at, p, |_| {});
-            at += p.len();
-        }
-    }
-}
-
-impl Drop for Arena {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`; no `SlotRef` outlives the
-        // arena (each holds an `Arc` of it).
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_bytes) };
-    }
-}
-
-/// Owner of a RAM-served `Bytes`: keeps the slot pinned.
-struct SlotRef {
-    arena: Arc<Arena>,
-    slot: u32,
-    offset: usize,
-    len: usize,
-}
-
-impl AsRef<[u8]> for SlotRef {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: the slot is pinned while this exists, so nothing writes
-        // this range (`pin_range` checked it lies inside the slot).
-        unsafe { std::slice::from_raw_parts(self.arena.slot_ptr(self.slot).add(self.offset), self.len) }
-    }
-}
-
-impl Drop for SlotRef {
-    fn drop(&mut self) {
-        self.arena.pins[self.slot as usize].fetch_sub(1, Ordering::Release);
-    }
-}
-
 pub use crate::lru::Victim;
+pub use arena::{shared_arena, Arena, ArenaLayout, HugePages, RamShared, HUGE_PAGE_BYTES};
+
+/// A block of the RAM tier pinned for a client's lease: its bytes (the
+/// pin: the slot is not written while this lives) and where a client that
+/// mapped the arena finds them.
+#[derive(Clone)]
+pub struct LeasedSlot {
+    /// The block, over its slot (dropping the last clone ends the pin).
+    pub bytes: Bytes,
+    /// The arena's number ([`Arena::id`]).
+    pub arena: u32,
+    /// Offset of the block in the arena's file.
+    pub offset: u64,
+    /// The slot's generation when leased.
+    pub generation: u64,
+}
 
 /// One shard's RAM tier: the arena and its [`SlotLru`]. Single-threaded
 /// (lives in the shard).
@@ -221,12 +60,13 @@ pub struct RamTier {
 }
 
 impl RamTier {
-    /// A tier of `capacity_blocks` slots of `block_bytes`.
+    /// A tier of `capacity_blocks` slots of `block_bytes`, its memory shared
+    /// as `shared` says.
     ///
     /// # Errors
     /// As [`Arena::new`].
-    pub fn new(capacity_blocks: u32, block_bytes: u64) -> Result<RamTier> {
-        let arena = Arena::new(capacity_blocks, block_bytes as usize)?;
+    pub fn new(capacity_blocks: u32, block_bytes: u64, shared: RamShared) -> Result<RamTier> {
+        let arena = Arena::new(capacity_blocks, block_bytes as usize, shared)?;
         Ok(RamTier {
             arena,
             lru: SlotLru::new(capacity_blocks, capacity_blocks),
@@ -262,7 +102,28 @@ impl RamTier {
 
     /// How the arena is backed.
     pub fn huge_pages(&self) -> HugePages {
-        self.arena.huge_pages
+        self.arena.huge_pages()
+    }
+
+    /// The tier's memory.
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// The block of `key` pinned for a lease, made most recently used;
+    /// `None` when not held (or held under another key with the same hash)
+    /// or when the arena is not shared.
+    pub fn lease(&mut self, key: &StoredKey, hash: &BlockHash) -> Option<LeasedSlot> {
+        if !self.arena.is_shared() {
+            return None;
+        }
+        let slot = self.lru.touch(key, hash)?;
+        Some(LeasedSlot {
+            bytes: self.arena.pin(slot),
+            arena: self.arena.id(),
+            offset: slot as u64 * self.arena.layout().slot_bytes,
+            generation: self.arena.generation_of(slot),
+        })
     }
 
     /// Whether `hash` is held (no LRU change).
@@ -296,7 +157,11 @@ impl RamTier {
             return None;
         }
         let arena = &self.arena;
-        self.lru.take_free(|s| arena.pinned(s))
+        let slot = self.lru.take_free(|s| arena.pinned(s))?;
+        // Whoever takes it writes it: a lease that ended on it sees the
+        // generation change first.
+        self.arena.reuse(slot);
+        Some(slot)
     }
 
     /// The block to move out to make room for a block of `owner`
@@ -432,7 +297,7 @@ mod tests {
 
     #[test]
     fn lru_order_and_eviction() {
-        let mut t = RamTier::new(3, 4096).unwrap();
+        let mut t = RamTier::new(3, 4096, RamShared::Off).unwrap();
         for (i, k) in ["a", "b", "c"].iter().enumerate() {
             assert!(put(&mut t, &sk(k), h(i as u128), i as u8));
         }
@@ -448,7 +313,7 @@ mod tests {
 
     #[test]
     fn pinned_slot_is_never_rewritten() {
-        let mut t = RamTier::new(2, 4096).unwrap();
+        let mut t = RamTier::new(2, 4096, RamShared::Off).unwrap();
         put(&mut t, &sk("a"), h(1), 0xAA);
         let held = t.get(&sk("a"), &h(1)).unwrap();
         put(&mut t, &sk("b"), h(2), 0xBB);
@@ -469,7 +334,7 @@ mod tests {
 
     #[test]
     fn replacing_a_key_moves_it_to_a_new_slot() {
-        let mut t = RamTier::new(2, 4096).unwrap();
+        let mut t = RamTier::new(2, 4096, RamShared::Off).unwrap();
         put(&mut t, &sk("a"), h(1), 1);
         let old = t.get(&sk("a"), &h(1)).unwrap();
         put(&mut t, &sk("a"), h(1), 2);
@@ -480,7 +345,7 @@ mod tests {
 
     #[test]
     fn demotion_keeps_the_block_until_written() {
-        let mut t = RamTier::new(1, 4096).unwrap();
+        let mut t = RamTier::new(1, 4096, RamShared::Off).unwrap();
         let data = vec![7u8; 4096];
         let s = t.take_free(0).unwrap();
         t.install(s, &sk("a"), h(1), 0, &[&data], true);
@@ -494,5 +359,49 @@ mod tests {
         t.end_demotion(v.slot, true);
         assert!(!t.contains(&h(1)));
         assert!(t.take_free(0).is_some());
+    }
+
+    #[test]
+    fn a_leased_slot_is_never_reused_and_its_generation_changes_before_it_is() {
+        let mut t = RamTier::new(2, 4096, RamShared::On).unwrap();
+        assert!(t.arena().is_shared());
+        put(&mut t, &sk("a"), h(1), 0xAA);
+        let lease = t.lease(&sk("a"), &h(1)).unwrap();
+        assert!(t.lease(&sk("x"), &h(1)).is_none(), "same hash, other key: not leased");
+        let slot = (lease.offset / 4096) as u32;
+        assert_eq!(t.arena().generation_of(slot), lease.generation);
+        // "a" is deleted and the tier churned past its size: the leased
+        // slot keeps a's bytes and generation.
+        assert!(t.remove(&h(1)));
+        for i in 2..10u8 {
+            put(&mut t, &sk(&format!("k{i}")), h(i as u128), i);
+        }
+        assert!(lease.bytes.iter().all(|&b| b == 0xAA));
+        assert_eq!(t.arena().generation_of(slot), lease.generation);
+        // The lease ends: the slot is taken again, generation first.
+        let generation = lease.generation;
+        drop(lease);
+        for i in 10..13u8 {
+            put(&mut t, &sk(&format!("k{i}")), h(i as u128), i);
+        }
+        assert!(t.arena().generation_of(slot) > generation, "reused, so its generation moved on");
+        // An arena that is not shared leases nothing.
+        let mut private = RamTier::new(1, 4096, RamShared::Off).unwrap();
+        put(&mut private, &sk("a"), h(1), 1);
+        assert!(private.lease(&sk("a"), &h(1)).is_none());
+    }
+
+    #[test]
+    fn a_client_descriptor_maps_only_to_read() {
+        let t = RamTier::new(2, 4096, RamShared::On).unwrap();
+        let fd = t.arena().read_only_fd().unwrap();
+        let bytes = t.arena().layout().file_bytes as usize;
+        let map =
+            |prot| unsafe { libc::mmap(std::ptr::null_mut(), bytes, prot, libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(&fd), 0) };
+        assert_eq!(map(libc::PROT_READ | libc::PROT_WRITE), libc::MAP_FAILED, "a writable shared mapping");
+        let read = map(libc::PROT_READ);
+        assert_ne!(read, libc::MAP_FAILED);
+        // SAFETY: the mapping just made.
+        unsafe { libc::munmap(read, bytes) };
     }
 }

@@ -50,6 +50,7 @@ mod config;
 mod health;
 #[cfg(test)]
 mod interleavings;
+mod lease;
 mod owners;
 mod placement;
 mod reader;
@@ -63,6 +64,7 @@ mod transit;
 mod waterfall;
 
 pub use config::ShardConfig;
+pub use lease::LeaseOutcome;
 pub use owners::{owner_totals, OwnerCounters, OwnerShardStats};
 pub use remote::PutReport;
 use stats::Counters;
@@ -198,7 +200,7 @@ impl Shard {
         let ram = match cfg.ram_blocks {
             0 => None,
             n => {
-                let mut ram = RamTier::new(n, cfg.geometry.block_bytes)?;
+                let mut ram = RamTier::new(n, cfg.geometry.block_bytes, cfg.ram_shared)?;
                 ram.set_journal(residency.journal(Medium::Ram));
                 Some(RefCell::new(ram))
             }

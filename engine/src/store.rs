@@ -23,7 +23,7 @@ use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{BlockHash, StoredKey};
 use crate::remote::Remote;
-use crate::shard::{Hold, PutOutcome, PutReport, Shard, ShardStats};
+use crate::shard::{Hold, LeaseOutcome, PutOutcome, PutReport, Shard, ShardStats};
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
@@ -247,6 +247,42 @@ impl Store {
         };
         self.trace_read(hash, &read);
         read
+    }
+
+    /// Leases the block stored under `key` to a same-host client, on the
+    /// shard that owns the key: its slot in that shard's RAM tier stays
+    /// pinned (neither evicted for reuse nor written) while the returned
+    /// [`crate::ram::LeasedSlot`]'s bytes live. A block found only in a
+    /// lower tier is read into RAM first, as a promoting GET reads it
+    /// (docs/LOCAL.md, "Leases").
+    ///
+    /// # Errors
+    /// As [`Store::get`]; [`Error::LeasesOff`] when the store cannot lease
+    /// ([`Store::lease_support`]).
+    pub async fn lease(&self, key: &StoredKey) -> Result<LeaseOutcome> {
+        let hash = key.hash();
+        let owner = hash.shard(self.shards);
+        let leased = if owner == self.shard_id() {
+            self.shard.lease(key, hash).await
+        } else {
+            self.forward(owner, |reply| Request::Lease { key: key.clone(), hash, reply }).await?
+        };
+        if self.tracing() {
+            let tier = match &leased {
+                Ok(LeaseOutcome::Leased(_, tier) | LeaseOutcome::NotInRam(tier)) => TraceTier::In(*tier),
+                Err(Error::NotFound | Error::Corrupt { .. }) => TraceTier::Miss,
+                Err(_) => return leased,
+            };
+            self.trace(TraceOp::Get, [(hash, tier)]);
+        }
+        leased
+    }
+
+    /// Whether this store can lease blocks: `Err` says why not (no RAM
+    /// tier, or one clients cannot map). Every shard's RAM tier is made
+    /// alike, so this shard answers for all.
+    pub fn lease_support(&self) -> std::result::Result<(), String> {
+        self.shard.lease_support()
     }
 
     /// Deletes the block under `key` (a tombstone is logged), and its copy in

@@ -33,6 +33,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         pin_cpus: false,
         snapshot_secs: 0,
         ram_bytes: 0,
+        ram_shared: Default::default(),
         write_policy: kvtier_engine::WritePolicy::Through,
         promote: false,
         gpu: Default::default(),

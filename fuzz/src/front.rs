@@ -282,7 +282,18 @@ pub fn local_frames(data: &[u8]) {
                     check_spans(&items, &regions);
                 }
             }
-            Op::Exists | Op::Lookup | Op::Delete | Op::Prefetch => {
+            Op::MapArena => {
+                if let Ok(arena) = proto::decode_map_arena(payload) {
+                    assert_eq!(proto::encode_map_arena(arena), payload, "a MAP_ARENA request does not round-trip");
+                }
+            }
+            Op::Release => {
+                if let Ok(ids) = proto::decode_release(payload) {
+                    assert!(ids.len() <= proto::ITEMS_MAX);
+                    assert_eq!(proto::encode_release(&ids), payload, "a RELEASE request does not round-trip");
+                }
+            }
+            Op::Exists | Op::Lookup | Op::Delete | Op::Prefetch | Op::Lease => {
                 if let Ok(keys) = proto::decode_keys(payload) {
                     assert!(keys.len() <= proto::ITEMS_MAX);
                     assert_eq!(proto::encode_keys(&keys), payload, "a key batch does not round-trip");

@@ -216,6 +216,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         pin_cpus: false,
         snapshot_secs: 0,
         ram_bytes: shards as u64 * (setup.ram_blocks % 4) as u64 * block_bytes,
+        ram_shared: Default::default(),
         write_policy: kvtier_engine::WritePolicy::Through,
         promote: setup.promote,
         gpu: Default::default(),

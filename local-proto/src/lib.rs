@@ -18,12 +18,19 @@ pub const ITEMS_MAX: usize = 4096;
 /// Most spans (`parts`) of one `GET_INTO_V`/`PUT_FROM_V` item.
 pub const PARTS_MAX: usize = 256;
 /// Protocol versions this server speaks: 2 adds a block tag to every
-/// `PUT_FROM`/`PUT_FROM_V` item ([`VERSION_TAGS`]); a version-1 client's
-/// frames are read as they always were.
-pub const VERSIONS: [u32; 2] = [1, 2];
+/// `PUT_FROM`/`PUT_FROM_V` item ([`VERSION_TAGS`]), 3 the lease ops
+/// ([`VERSION_LEASES`]); a version-1 client's frames are read as they always
+/// were.
+pub const VERSIONS: [u32; 3] = [1, 2, 3];
 /// The first version whose `PUT_FROM` and `PUT_FROM_V` items end with a
 /// block tag (u16 `tag_bytes`, then the tag; docs/LOCAL.md).
 pub const VERSION_TAGS: u32 = 2;
+/// The first version with `MAP_ARENA`, `LEASE` and `RELEASE` (docs/LOCAL.md,
+/// "Leases").
+pub const VERSION_LEASES: u32 = 3;
+/// Bytes of one `LEASE` answer item: i64 `result`, u8 `tier`, u32 `arena`,
+/// u64 `offset`, u64 `generation`, u64 `lease`.
+pub const LEASE_ITEM_BYTES: usize = 8 + 1 + 4 + 8 + 8 + 8;
 /// `op` of the frame the server sends before closing on a framing error.
 pub const OP_CONNECTION_ERROR: u8 = 0xFF;
 /// Set in a response's `op`.
@@ -54,11 +61,17 @@ pub enum Op {
     GetIntoV = 10,
     /// 11: store blocks from registered memory, each gathered from spans.
     PutFromV = 11,
+    /// 12: a RAM-tier arena's descriptor (`SCM_RIGHTS` in the answer).
+    MapArena = 12,
+    /// 13: pin blocks in the RAM tier for reading in place.
+    Lease = 13,
+    /// 14: end leases.
+    Release = 14,
 }
 
 impl Op {
     /// Every operation, in `op` order (metrics label order).
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 14] = [
         Op::Hello,
         Op::Register,
         Op::Unregister,
@@ -70,6 +83,9 @@ impl Op {
         Op::Prefetch,
         Op::GetIntoV,
         Op::PutFromV,
+        Op::MapArena,
+        Op::Lease,
+        Op::Release,
     ];
 
     /// The operation numbered `op`, if known.
@@ -79,8 +95,22 @@ impl Op {
 
     /// `HELLO`, `GET_INTO`, ... as docs/LOCAL.md names them.
     pub fn name(self) -> &'static str {
-        ["HELLO", "REGISTER", "UNREGISTER", "GET_INTO", "PUT_FROM", "EXISTS", "LOOKUP", "DELETE", "PREFETCH", "GET_INTO_V", "PUT_FROM_V"]
-            [self as usize - 1]
+        [
+            "HELLO",
+            "REGISTER",
+            "UNREGISTER",
+            "GET_INTO",
+            "PUT_FROM",
+            "EXISTS",
+            "LOOKUP",
+            "DELETE",
+            "PREFETCH",
+            "GET_INTO_V",
+            "PUT_FROM_V",
+            "MAP_ARENA",
+            "LEASE",
+            "RELEASE",
+        ][self as usize - 1]
     }
 
     /// Whether the op copies blocks into registered memory (`GET_INTO`,
@@ -100,11 +130,19 @@ impl Op {
     pub fn carries_tags(self, version: u32) -> bool {
         matches!(self, Op::PutFrom | Op::PutFromV) && version >= VERSION_TAGS
     }
+
+    /// The first protocol version that has the op.
+    pub fn since_version(self) -> u32 {
+        match self {
+            Op::MapArena | Op::Lease | Op::Release => VERSION_LEASES,
+            _ => 1,
+        }
+    }
 }
 
 /// Metrics labels (`/v1/stats` `local.routes`, `kvtier_local_requests`):
 /// op `n` is `ROUTE_NAMES[n - 1]`, then `other` (unknown ops).
-pub const ROUTE_NAMES: [&str; 12] = [
+pub const ROUTE_NAMES: [&str; 15] = [
     "hello",
     "register",
     "unregister",
@@ -116,6 +154,9 @@ pub const ROUTE_NAMES: [&str; 12] = [
     "prefetch",
     "get_into_v",
     "put_from_v",
+    "map_arena",
+    "lease",
+    "release",
     "other",
 ];
 
@@ -145,11 +186,13 @@ pub enum Code {
     // -20 and -21 are the Python client's own (NOT_REGISTERED,
     // CONNECTION_LOST, docs/LOCAL.md): never sent by the server.
     InvalidTag = -22,
+    NotInRam = -23,
+    LeasesOff = -24,
 }
 
 impl Code {
     /// Every code, from -1 down.
-    pub const ALL: [Code; 20] = [
+    pub const ALL: [Code; 22] = [
         Code::IoError,
         Code::NotFound,
         Code::InvalidKey,
@@ -170,12 +213,14 @@ impl Code {
         Code::BadBuffer,
         Code::BadFrame,
         Code::InvalidTag,
+        Code::NotInRam,
+        Code::LeasesOff,
     ];
 
     /// The name docs/LOCAL.md gives a status or item code (`NOT_FOUND` for
     /// -2, `OK` for 0); `UNKNOWN_CODE` for one the table does not have.
     pub fn name_of(code: i64) -> &'static str {
-        const NAMES: [&str; 22] = [
+        const NAMES: [&str; 24] = [
             "IO_ERROR",
             "NOT_FOUND",
             "INVALID_KEY",
@@ -198,10 +243,12 @@ impl Code {
             "UNKNOWN_CODE", // -20, the Python client's NOT_REGISTERED
             "UNKNOWN_CODE", // -21, the Python client's CONNECTION_LOST
             "INVALID_TAG",
+            "NOT_IN_RAM",
+            "LEASES_OFF",
         ];
         match code {
             0 => "OK",
-            -22..=-1 => NAMES[(-code - 1) as usize],
+            -24..=-1 => NAMES[(-code - 1) as usize],
             _ => "UNKNOWN_CODE",
         }
     }
@@ -214,9 +261,11 @@ impl Code {
 }
 
 mod frame;
+mod lease;
 mod payload;
 
 pub use frame::*;
+pub use lease::*;
 pub use payload::*;
 
 #[cfg(test)]
@@ -393,7 +442,9 @@ mod tests {
             assert_eq!(Op::from_u8(op as u8), Some(op));
         }
         assert_eq!(Op::from_u8(0), None);
-        assert_eq!(Op::from_u8(12), None);
+        assert_eq!(Op::from_u8(15), None);
+        assert_eq!((Op::from_u8(12), Op::from_u8(14)), (Some(Op::MapArena), Some(Op::Release)));
+        assert_eq!((Op::Lease.since_version(), Op::GetInto.since_version()), (VERSION_LEASES, 1));
         assert_eq!(Op::from_u8(10), Some(Op::GetIntoV));
         assert_eq!(Op::PutFromV as u8, 11);
         for (i, op) in Op::ALL.into_iter().enumerate() {
@@ -417,7 +468,8 @@ mod tests {
         assert_eq!(Code::name_of(-20), "UNKNOWN_CODE");
         assert_eq!(Code::name_of(-21), "UNKNOWN_CODE");
         assert_eq!(Code::name_of(Code::InvalidTag as i64), "INVALID_TAG");
-        assert_eq!(Code::name_of(-23), "UNKNOWN_CODE");
+        assert_eq!((Code::name_of(-23), Code::name_of(-24)), ("NOT_IN_RAM", "LEASES_OFF"));
+        assert_eq!(Code::name_of(-25), "UNKNOWN_CODE");
         assert_eq!(tier_name(3), "nvme");
         assert_eq!(tier_name(9), "unknown");
     }

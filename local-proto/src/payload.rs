@@ -23,6 +23,11 @@ impl<'a> Cursor<'a> {
         Ok(head)
     }
 
+    /// A byte.
+    pub fn u8(&mut self, what: &str) -> Result<u8, String> {
+        Ok(self.take(1, what)?[0])
+    }
+
     /// A little-endian u16.
     pub fn u16(&mut self, what: &str) -> Result<u16, String> {
         Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))

@@ -16,10 +16,12 @@
 use std::fmt::Write as _;
 
 use kvtier_local_proto::{
-    decode_items, decode_items_v, decode_keys, decode_op_items, encode_deleted, encode_items, encode_items_v, encode_keys, encode_lookup,
-    encode_prefetched, encode_register, encode_registered, encode_results, encode_tagged_items, encode_tagged_items_v, encode_tiers,
-    encode_unregister, failure, frame, next_frame, response, Code, Cursor, Header, Item, ItemV, Next, Op, Span, TaggedItem, TaggedItemV,
-    HEADER_BYTES, ITEMS_MAX, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX, RESPONSE_BIT, TIER_NAMES, VERSIONS, VERSION_TAGS,
+    decode_items, decode_items_v, decode_keys, decode_op_items, encode_arena, encode_deleted, encode_items, encode_items_v, encode_keys,
+    encode_leases, encode_lookup, encode_map_arena, encode_prefetched, encode_register, encode_registered, encode_release, encode_released,
+    encode_results, encode_tagged_items, encode_tagged_items_v, encode_tiers, encode_unregister, failure, frame, next_frame, response,
+    ArenaAnswer, Code, Cursor, Header, Item, ItemV, LeaseItem, Next, Op, Span, TaggedItem, TaggedItemV, HEADER_BYTES, ITEMS_MAX,
+    LEASE_ITEM_BYTES, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX, RESPONSE_BIT, TIER_NAMES, VERSIONS, VERSION_LEASES,
+    VERSION_TAGS,
 };
 
 /// A block tag in the engine's binary form (docs/FORMAT.md, "Block tags"):
@@ -372,10 +374,30 @@ fn requests() -> Vec<J> {
         request("DELETE", Op::Delete as u8, 9, &encode_keys(&["k1"]), vec![("keys", keys_json(&["k1"]))]),
         request("PREFETCH", Op::Prefetch as u8, 10, &encode_keys(&prefetch), vec![("keys", keys_json(&prefetch))]),
         request("an op the server does not know (42), empty", 42, 13, &[], vec![]),
+        request("MAP_ARENA of arena 1 (version 3)", Op::MapArena as u8, 16, &encode_map_arena(1), vec![("arena", J::n(1u32))]),
+        request(
+            "LEASE of two keys (version 3)",
+            Op::Lease as u8,
+            17,
+            &encode_keys(&["k1", "k2"]),
+            vec![("keys", keys_json(&["k1", "k2"]))],
+        ),
+        request(
+            "RELEASE of two leases (version 3)",
+            Op::Release as u8,
+            18,
+            &encode_release(&[5, 6]),
+            vec![("leases", J::Arr(vec![J::n(5u64), J::n(6u64)]))],
+        ),
     ]
 }
 
 fn replies() -> Vec<J> {
+    let arena = ArenaAnswer { file_bytes: 6 << 20, slot_bytes: 65_536, slots: 64, generations_offset: 4 << 20 };
+    let leases = [
+        LeaseItem { result: 65_536, tier: 2, arena: 1, offset: 131_072, generation: 3, lease: 5 },
+        LeaseItem { result: Code::NotFound as i64, tier: 0, arena: 0, offset: 0, generation: 0, lease: 0 },
+    ];
     let ops = Op::ALL.iter().map(|o| format!("\"{}\"", o.name())).collect::<Vec<_>>().join(",");
     let hello = format!(
         concat!(
@@ -505,7 +527,53 @@ fn replies() -> Vec<J> {
             0,
             vec![("requested", J::n(3u32)), ("found", J::n(2u32))],
         ),
-        failed("an unknown op (42)", 42, 13, Code::UnknownOp, "unknown op 42; this server speaks ops 1-11 (docs/LOCAL.md)"),
+        failed("an unknown op (42)", 42, 13, Code::UnknownOp, "unknown op 42; this server speaks ops 1-14 (docs/LOCAL.md)"),
+        reply(
+            "MAP_ARENA answered (the descriptor comes in SCM_RIGHTS with the first byte)",
+            ok(Op::MapArena, 16, 0, &encode_arena(&arena)),
+            16,
+            0,
+            0,
+            vec![
+                ("file_bytes", J::n(arena.file_bytes)),
+                ("slot_bytes", J::n(arena.slot_bytes)),
+                ("slots", J::n(arena.slots)),
+                ("generations_offset", J::n(arena.generations_offset)),
+            ],
+        ),
+        reply(
+            "LEASE answered: one leased from RAM, one miss",
+            ok(Op::Lease, 17, 0, &encode_leases(&leases)),
+            17,
+            0,
+            0,
+            vec![(
+                "items",
+                J::Arr(
+                    leases
+                        .iter()
+                        .map(|l| {
+                            J::Obj(vec![
+                                ("result", J::n(l.result)),
+                                ("tier", J::n(l.tier)),
+                                ("arena", J::n(l.arena)),
+                                ("offset", J::n(l.offset)),
+                                ("generation", J::n(l.generation)),
+                                ("lease", J::n(l.lease)),
+                            ])
+                        })
+                        .collect(),
+                ),
+            )],
+        ),
+        reply("RELEASE answered: 2 released", ok(Op::Release, 18, 0, &encode_released(2)), 18, 0, 0, vec![("released", J::n(2u32))]),
+        failed(
+            "LEASE where the server offers none",
+            Op::Lease as u8,
+            19,
+            Code::LeasesOff,
+            "no leases: the RAM tier is not shared with clients (--ram-shared off)",
+        ),
         failed("GET_INTO whose payload does not parse", Op::GetInto as u8, 14, Code::BadRequest, &bad_items.1),
         reply(
             "connection error: a bad frame (the server closes)",
@@ -554,6 +622,8 @@ fn vectors() -> String {
                 ("parts_max", J::n(PARTS_MAX as u32)),
                 ("versions", J::Arr(VERSIONS.iter().map(|&v| J::n(v)).collect())),
                 ("version_tags", J::n(VERSION_TAGS)),
+                ("version_leases", J::n(VERSION_LEASES)),
+                ("lease_item_bytes", J::n(LEASE_ITEM_BYTES as u32)),
                 ("response_bit", J::n(RESPONSE_BIT)),
                 ("op_connection_error", J::n(OP_CONNECTION_ERROR)),
             ]),

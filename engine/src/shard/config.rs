@@ -33,6 +33,8 @@ pub struct ShardConfig {
     pub snapshot_secs: u64,
     /// Slots of the RAM tier (0: no RAM tier).
     pub ram_blocks: u32,
+    /// Whether the RAM tier's memory is shared with clients (leases).
+    pub ram_shared: crate::ram::RamShared,
     /// When PUTs are acknowledged.
     pub write_policy: WritePolicy,
     /// Whether a read from NVMe promotes the block into RAM.

@@ -35,6 +35,7 @@ fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
         pin_cpus: false,
         snapshot_secs: 0,
         ram_bytes: ram_blocks * BLOCK_BYTES,
+        ram_shared: Default::default(),
         write_policy: crate::WritePolicy::Through,
         promote: false,
         gpu: Default::default(),

@@ -95,6 +95,9 @@ pub struct StoreConfig {
     /// RAM tier across all shards, in bytes (0: none); each shard gets
     /// `ram_bytes / shards / block_bytes` slots.
     pub ram_bytes: u64,
+    /// Whether the RAM tier's memory is a file same-host clients can map
+    /// for leases (`--ram-shared`; [`crate::ram::RamShared`]).
+    pub ram_shared: crate::ram::RamShared,
     /// When PUTs are acknowledged.
     pub write_policy: WritePolicy,
     /// Whether NVMe reads promote blocks into RAM.
@@ -161,6 +164,7 @@ impl StoreConfig {
             io_queue_max: self.io_queue_max,
             snapshot_secs: self.snapshot_secs,
             ram_blocks: self.ram_blocks_per_shard(),
+            ram_shared: self.ram_shared,
             write_policy: self.write_policy,
             promote: self.promote,
             gpu: self.gpu.clone(),

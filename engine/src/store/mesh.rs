@@ -15,7 +15,7 @@ use super::PrefetchReport;
 use crate::error::Result;
 use crate::health::TierHealth;
 use crate::key::{BlockHash, StoredKey};
-use crate::shard::{PutReport, Shard, ShardStats};
+use crate::shard::{LeaseOutcome, PutReport, Shard, ShardStats};
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
 use crate::tier::Tier;
@@ -34,6 +34,7 @@ pub(super) enum Request {
     Get { key: StoredKey, hash: BlockHash, reply: Reply<Result<(BlockBody, Tier)>> },
     GetInto { key: StoredKey, hash: BlockHash, sink: Arc<dyn BlockSink>, reply: Reply<Result<(u64, Tier)>> },
     Delete { key: StoredKey, hash: BlockHash, reply: Reply<Result<()>> },
+    Lease { key: StoredKey, hash: BlockHash, reply: Reply<Result<LeaseOutcome>> },
     Contains { hashes: Vec<BlockHash>, reply: Reply<Vec<Option<Tier>>> },
     RemoteExists { keys: Vec<StoredKey>, reply: Reply<Vec<Option<bool>>> },
     Prefetch { keys: Vec<(StoredKey, BlockHash)>, reply: Reply<PrefetchReport> },
@@ -81,6 +82,9 @@ pub(super) async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, reque
         }
         Request::Delete { key, hash, reply } => {
             let _ = reply.send(shard.delete_block(&key, hash).await);
+        }
+        Request::Lease { key, hash, reply } => {
+            let _ = reply.send(shard.lease(&key, hash).await);
         }
         Request::Contains { hashes, reply } => {
             let _ = reply.send(hashes.iter().map(|h| shard.contains(h)).collect());

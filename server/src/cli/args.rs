@@ -175,6 +175,15 @@ pub(crate) struct StoreArgs {
     /// thread once the shards serve; 0 turns it off. Each shard gets ram / shards / block_bytes slots.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) ram_gb: f64,
+    /// Whether the RAM tier's memory is a sealed memory file that clients on
+    /// the local socket map read-only, to read leased blocks in place
+    /// (docs/LOCAL.md, "Leases"). auto: when that keeps the huge pages the
+    /// tier would have unshared (reserved huge pages, or shared memory with
+    /// transparent huge pages: /sys/kernel/mm/transparent_hugepage/
+    /// shmem_enabled not never); on: always (4 KiB pages where shared
+    /// memory gets no huge pages); off: never (no leases).
+    #[arg(long, value_enum, default_value_t = RamSharedArg::Auto)]
+    pub(crate) ram_shared: RamSharedArg,
     /// through: a PUT is acknowledged after its NVMe write (a crash loses
     /// nothing acknowledged). back: acknowledged from RAM; the block reaches
     /// NVMe when RAM demotes it or at a clean stop, and a crash loses blocks
@@ -203,6 +212,27 @@ pub(crate) enum WritePolicyArg {
     Through,
     /// Acknowledge from RAM.
     Back,
+}
+
+/// `--ram-shared` values (see the flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum RamSharedArg {
+    /// Shared when that keeps the tier's huge pages.
+    Auto,
+    /// Always shared.
+    On,
+    /// Never shared.
+    Off,
+}
+
+impl From<RamSharedArg> for kvtier_engine::ram::RamShared {
+    fn from(a: RamSharedArg) -> Self {
+        match a {
+            RamSharedArg::Auto => kvtier_engine::ram::RamShared::Auto,
+            RamSharedArg::On => kvtier_engine::ram::RamShared::On,
+            RamSharedArg::Off => kvtier_engine::ram::RamShared::Off,
+        }
+    }
 }
 
 /// `--promote` values.
@@ -276,6 +306,7 @@ impl StoreArgs {
             snapshot_secs: self.snapshot_secs,
             io_memory_bytes,
             ram_bytes: (self.ram_gb * (1u64 << 30) as f64) as u64,
+            ram_shared: self.ram_shared.into(),
             write_policy: match self.write_policy {
                 WritePolicyArg::Through => kvtier_engine::WritePolicy::Through,
                 WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,

@@ -51,6 +51,7 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
         caller: RefCell::new(None),
         regions: RefCell::default(),
         next_handle: Cell::new(1),
+        leases: RefCell::default(),
     });
     let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
     let ended = futures_lite::future::or(read_loop(&stream, &conn, &in_flight), async {
@@ -76,6 +77,7 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
         Err(why) => tracing::debug!("local connection closed: {why}"),
     }
     conn.drop_regions();
+    super::lease::drop_all(&conn);
     let _ = conn.out.unbounded_send(None);
     writer.await;
     // SAFETY: shutdown on the socket this task owns; in-flight tasks only
@@ -87,17 +89,33 @@ async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outg
     let fd = stream.as_raw_fd();
     let mut batch = Vec::new();
     let mut permits = Vec::new();
-    while let Some(Some((frame, permit))) = rx.next().await {
+    let mut next = rx.next().await.flatten();
+    while let Some((frame, permit, passed)) = next.take() {
+        permits.extend(permit);
+        if let Some(passed) = passed {
+            // A frame with a descriptor goes alone: the descriptor travels
+            // with its first byte.
+            if send_with_fd(fd, &frame, &passed).await.is_err() {
+                return;
+            }
+            permits.clear();
+            next = rx.next().await.flatten();
+            continue;
+        }
         batch.clear();
         batch.extend_from_slice(&frame);
-        permits.extend(permit);
-        // Coalesce what is already queued into one send.
+        // Coalesce what is already queued into one send, up to a frame
+        // with a descriptor.
         let mut stop = false;
         while batch.len() < (1 << 20) {
             match rx.try_recv() {
-                Ok(Some((f, p))) => {
+                Ok(Some((f, p, None))) => {
                     batch.extend_from_slice(&f);
                     permits.extend(p);
+                }
+                Ok(Some(with_fd)) => {
+                    next = Some(with_fd);
+                    break;
                 }
                 Ok(None) | Err(mpsc::TryRecvError::Closed) => {
                     stop = true;
@@ -110,6 +128,45 @@ async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outg
             return;
         }
         permits.clear();
+        if next.is_none() {
+            next = rx.next().await.flatten();
+        }
+    }
+}
+
+/// Sends `frame` with `passed` in `SCM_RIGHTS` on its first byte, then the
+/// rest as [`send_all`] does.
+async fn send_with_fd(fd: RawFd, frame: &[u8], passed: &OwnedFd) -> std::io::Result<()> {
+    loop {
+        let mut iov = libc::iovec { iov_base: frame.as_ptr() as *mut libc::c_void, iov_len: 1 };
+        // SAFETY: CMSG_SPACE of one descriptor's size is a constant.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        let mut control = vec![0u8; space];
+        // SAFETY: a zeroed msghdr pointing at the iovec and control buffer
+        // above, both alive for the call; the control message is laid out
+        // with the CMSG_* macros inside its buffer.
+        let sent = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), passed.as_raw_fd());
+            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        if sent == 1 {
+            return send_all(fd, &frame[1..]).await;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock => glommio::executor().wait_writable(fd).await?,
+            std::io::ErrorKind::Interrupted => {}
+            _ => return Err(e),
+        }
     }
 }
 
@@ -186,8 +243,21 @@ fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result
         None => Err((Code::UnknownOp, format!("unknown op {}; this server speaks ops 1-{} (docs/LOCAL.md)", header.op, Op::ALL.len()))),
         Some(Op::Hello) => hello(conn, &payload),
         Some(_) if !conn.said_hello.get() => Err((Code::Unauthorized, "the first request on a connection must be HELLO".into())),
+        Some(op) if op.since_version() > conn.version.get() => Err((
+            Code::UnsupportedVersion,
+            format!(
+                "{} is an op of version {}; this connection speaks version {} (HELLO)",
+                op.name(),
+                op.since_version(),
+                conn.version.get()
+            ),
+        )),
         Some(Op::Register) => register(conn, &payload, fd.expect("claimed for REGISTER")),
         Some(Op::Unregister) => unregister(conn, &payload),
+        Some(Op::MapArena) => match super::lease::map_arena(conn, &payload) {
+            Ok((body, passed)) => return conn.answer_with_fd(header, body, passed, started, permit),
+            Err(e) => Err(e),
+        },
         Some(op) => {
             let conn = conn.clone();
             glommio::spawn_local(async move {

@@ -16,11 +16,14 @@
 pub(crate) mod conn;
 pub(crate) mod guard;
 mod inbox;
+mod lease;
+mod lease_table;
 mod ops;
 pub(crate) mod proto;
 pub mod region;
 mod session;
 
+pub use lease::{LeaseCounters, LEASES_PER_CONNECTION_MAX, LEASE_MS_DEFAULT};
 pub use ops::{parse_hello, Hello};
 
 use std::io::{Read, Write};
@@ -63,6 +66,13 @@ pub struct LocalArgs {
     /// Also accept local peers whose primary gid is this (repeatable).
     #[arg(long, value_name = "GID")]
     pub local_allow_gid: Vec<u32>,
+    /// How long a lease lasts unless its client releases it first, in ms
+    /// (docs/LOCAL.md, "Leases"): past it the server may reuse the leased
+    /// RAM slot, and a client that checks the slot's generation after
+    /// reading sees that it changed. Keeps a stuck client from pinning the
+    /// RAM tier.
+    #[arg(long, default_value_t = LEASE_MS_DEFAULT, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_ms: u64,
 }
 
 /// The local socket and what every shard's accept loop shares.
@@ -90,6 +100,10 @@ pub struct LocalShared {
     pub peers_refused: AtomicU64,
     /// The HTTP address, once bound, for the HELLO (where `/v1/stats` is).
     pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
+    /// How long a lease lasts (`--lease-ms`).
+    pub lease_ms: u64,
+    /// Leases over all connections.
+    pub leases: LeaseCounters,
 }
 
 impl LocalArgs {
@@ -133,6 +147,8 @@ impl LocalArgs {
             frame_errors: AtomicU64::new(0),
             peers_refused: AtomicU64::new(0),
             http_addr: std::sync::OnceLock::new(),
+            lease_ms: self.lease_ms,
+            leases: LeaseCounters::default(),
         })))
     }
 }
@@ -223,6 +239,20 @@ impl crate::metrics::Door for LocalShared {
             "Local peers refused by the SO_PEERCRED uid/gid check",
             ConstCounter::new(load(&self.peers_refused)),
         );
+        let leases = &self.leases;
+        registry.register(
+            "local_leases_open",
+            "Leases held on the local socket now (RAM slots pinned for clients)",
+            gauge(load(&leases.open)),
+        );
+        registry.register("local_leases_granted", "Leases granted since start", ConstCounter::new(load(&leases.granted)));
+        registry.register("local_leases_released", "Leases ended by RELEASE", ConstCounter::new(load(&leases.released)));
+        registry.register("local_leases_expired", "Leases ended by --lease-ms", ConstCounter::new(load(&leases.expired)));
+        registry.register(
+            "local_leases_dropped_at_close",
+            "Leases ended by their connection closing",
+            ConstCounter::new(load(&leases.dropped_at_close)),
+        );
         registry.register(
             "local_sigbus_caught",
             "Copies that met a client's buffer file shrunk under the server's mapping (SIGBUS caught; that registration is lost)",
@@ -240,6 +270,7 @@ impl crate::metrics::Door for LocalShared {
             "frame_errors": self.frame_errors.load(Ordering::Relaxed),
             "peers_refused": self.peers_refused.load(Ordering::Relaxed),
             "sigbus_caught": guard::faults_caught(),
+            "leases": self.leases.json(self.lease_ms),
             "routes": self.stats.routes_json(),
             "per_shard": self.stats.shards_json(),
         })

@@ -119,6 +119,7 @@ pub(super) fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, Strin
         "max_registrations": REGISTRATIONS_MAX,
         "ops": Op::ALL.map(Op::name),
         "tenant": conn.caller.borrow().as_ref().map(|t| t.name.clone()),
+        "leases": (version >= proto::VERSION_LEASES).then(|| super::lease::hello_json(conn)),
         "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
         "http": conn.shared.http_addr.get().map(|a| {
             // A wildcard listener is reached on loopback from this host.
@@ -155,7 +156,7 @@ pub(super) fn register(conn: &Conn, payload: &[u8], fd: Result<OwnedFd, String>)
 
 pub(super) type DataResult = (Result<(Vec<u8>, u32), (Code, String)>, u64, u64);
 
-pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
+pub(super) async fn data_op(conn: &std::rc::Rc<Conn>, op: Op, payload: &[u8]) -> DataResult {
     let (service, store) = (&conn.service, &conn.service.store);
     let fail = |e: (Code, String)| (Err(e), 0, 0);
     let engine = |e: kvtier_engine::Error| (code_of(&e), e.to_string());
@@ -220,7 +221,9 @@ pub(super) async fn data_op(conn: &Conn, op: Op, payload: &[u8]) -> DataResult {
             };
             (body.map(|b| (b, 0)).map_err(engine), 0, 0)
         }
-        Op::Hello | Op::Register | Op::Unregister => unreachable!("answered by the reader"),
+        Op::Lease => (super::lease::lease(conn, payload).await.map(|b| (b, 0)), 0, 0),
+        Op::Release => (super::lease::release(conn, payload).map(|b| (b, 0)), 0, 0),
+        Op::Hello | Op::Register | Op::Unregister | Op::MapArena => unreachable!("answered by the reader"),
     }
 }
 

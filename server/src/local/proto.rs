@@ -16,6 +16,7 @@ pub fn code_of(e: &Error) -> Code {
         Error::DiskFull(_) => Code::DiskFull,
         Error::Overloaded(_) => Code::Overloaded,
         Error::ShuttingDown => Code::ShuttingDown,
+        Error::LeasesOff(_) => Code::LeasesOff,
         _ => Code::IoError,
     }
 }

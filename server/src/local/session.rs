@@ -20,7 +20,7 @@ use crate::service::{Caller, Service};
 /// A frame to send and, for a data request, its in-flight permit (given
 /// back once the response is on the socket, so a client that stops reading
 /// responses stops the server reading its requests).
-pub(super) type Outgoing = Option<(Vec<u8>, Option<StaticPermit>)>;
+pub(super) type Outgoing = Option<(Vec<u8>, Option<StaticPermit>, Option<std::os::fd::OwnedFd>)>;
 
 pub(super) struct Conn {
     pub(super) service: Rc<Service>,
@@ -37,11 +37,21 @@ pub(super) struct Conn {
     pub(super) caller: RefCell<Caller>,
     pub(super) regions: RefCell<HashMap<u64, Arc<Region>>>,
     pub(super) next_handle: Cell<u64>,
+    /// The leases this connection holds (docs/LOCAL.md, "Leases").
+    pub(super) leases: RefCell<super::lease_table::Leases>,
 }
 
 impl Conn {
     pub(super) fn send(&self, frame: Vec<u8>, permit: Option<StaticPermit>) {
-        let _ = self.out.unbounded_send(Some((frame, permit)));
+        let _ = self.out.unbounded_send(Some((frame, permit, None)));
+    }
+
+    /// Sends a response frame with `fd` in `SCM_RIGHTS` beside its first
+    /// byte (`MAP_ARENA`), and counts it.
+    pub(super) fn answer_with_fd(&self, header: Header, body: Vec<u8>, fd: std::os::fd::OwnedFd, started: Instant, permit: StaticPermit) {
+        self.record(Op::from_u8(header.op), None, started, 0, 0);
+        let frame = proto::response(header.op | RESPONSE_BIT, header.request_id, 0, 0, &body);
+        let _ = self.out.unbounded_send(Some((frame, Some(permit), Some(fd))));
     }
 
     pub(super) fn record(&self, op: Option<Op>, code: Option<Code>, started: Instant, bytes_in: u64, bytes_out: u64) {

@@ -117,6 +117,14 @@ impl Service {
         self.store.contains(key.stored()).await
     }
 
+    /// Leases a block to a same-host client ([`Store::lease`]).
+    ///
+    /// # Errors
+    /// As [`Store::lease`].
+    pub async fn lease(&self, key: &ScopedKey) -> Result<kvtier_engine::LeaseOutcome> {
+        self.store.lease(key.stored()).await
+    }
+
     /// Deletes a block ([`Store::delete`]).
     ///
     /// # Errors
