@@ -201,6 +201,17 @@ impl Shard {
             0 => None,
             n => {
                 let mut ram = RamTier::new(n, cfg.geometry.block_bytes, cfg.ram_shared)?;
+                if cfg.shard_id == 0 {
+                    let (shared, pages) = (ram.arena().is_shared(), ram.huge_pages());
+                    tracing::info!(
+                        shared,
+                        huge_pages = ?pages,
+                        "RAM tier {} to clients (--ram-shared {:?}: leases {})",
+                        if shared { "shared" } else { "not shared" },
+                        cfg.ram_shared,
+                        if shared { "offered" } else { "off" }
+                    );
+                }
                 ram.set_journal(residency.journal(Medium::Ram));
                 Some(RefCell::new(ram))
             }

@@ -136,6 +136,11 @@ pub struct TierStats {
     pub write_latency: LatencyBuckets,
     /// RAM: how the arena is backed; `None` for other tiers.
     pub huge_pages: Option<HugePages>,
+    /// RAM: whether the arena is a memory file clients map to read leased
+    /// blocks (`--ram-shared`, docs/LOCAL.md "Leases"); `None` for other
+    /// tiers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared: Option<bool>,
     /// GPU: the device, its memory and faults, or why the tier is absent;
     /// `None` for other tiers.
     pub gpu: Option<crate::gpu::GpuInfo>,
@@ -175,6 +180,7 @@ impl TierStats {
             read_latency: c.read_us.borrow().buckets.clone(),
             write_latency: c.write_us.borrow().buckets.clone(),
             huge_pages,
+            shared: None,
             gpu: None,
         }
     }

@@ -35,6 +35,12 @@ process (fio reports its own).
    (how much is the server's), and HTTP ``lookup`` of the same keys.
 5. ``kvtier-loadgen replay`` over HTTP, then over the socket (a fresh server
    each, same settings): tokens/s and p50/p99 of lookup, GET and PUT.
+6. Leases (``--ram-shared on``): LEASE + views in place against GET_INTO a
+   registered buffer, and a copy from the lease into the consumer's own
+   anonymous buffer against today's staged GET_INTO into it, with numpy
+   copyto beside; 16 MiB and 1.2 MB, 1 and 8 processes. Goals: lease+view
+   ≥ 10× GET_INTO, copy from lease ≥ 1.5× staged, server CPU per GB
+   leased ≤ 0.01 s.
 
 Writes summary.json and summary.md (the tables) to --out and prints the
 goals with pass/fail. Figures and the command are quoted in
@@ -97,6 +103,12 @@ def _prepare(cmd: dict[str, Any], state: dict[str, Any]) -> tuple[Any, int]:
             buf.numpy()[:] = 1
             assert client.register_buffer(buf.ptr, buf.nbytes) == 0, "register_buffer failed"
             state[cache_key] = (client, buf)
+        elif case in ("lease_view", "lease_copy", "staged_get"):
+            import numpy as np
+
+            client = kvtier.Client(cmd["url"])
+            # The consumer's own memory: anonymous, not registrable.
+            state[cache_key] = (client, [np.empty(bs, dtype=np.uint8) for _ in range(batch)])
         elif case in ("http_get", "http_put"):
             state[cache_key] = (kvtier.Client(cmd["url"], connections=batch), [bytearray(bs) for _ in range(batch)])
         elif case == "files":
@@ -132,6 +144,36 @@ def _prepare(cmd: dict[str, Any], state: dict[str, Any]) -> tuple[Any, int]:
             got = client.batch_put_from(bp._window(keys, i, batch), ptrs, sizes)
             if any(r != 0 for r in got):
                 raise RuntimeError(f"batch_put_from answered {got}")
+            return step_bytes
+    elif case == "lease_view":
+        client, _ = held
+
+        def step(i: int) -> int:
+            # Until the consumer holds every block as an array it can read.
+            with client.lease(bp._window(keys, i + 5 * w, batch)) as leases:
+                arrays = [leases.numpy(j) for j in range(batch)]
+                if any(a is None or a.nbytes != bs for a in arrays):
+                    raise RuntimeError(f"a stored block was not leased: {leases.results}")
+            return step_bytes
+    elif case == "lease_copy":
+        client, dsts = held
+
+        def step(i: int) -> int:
+            # Into the consumer's own (unregistrable) buffers, one copy each,
+            # checked against the generation afterwards.
+            with client.lease(bp._window(keys, i + 5 * w, batch)) as leases:
+                if not all(leases.copy_into(j, dsts[j]) for j in range(batch)):
+                    raise RuntimeError(f"a lease ended before its copy: {leases.results}")
+            return step_bytes
+    elif case == "staged_get":
+        client, dsts = held
+
+        def step(i: int) -> int:
+            # Today's path for a buffer the server cannot be handed: the
+            # client's staging buffer, then a copy into the consumer's.
+            found = client.get_many_into(bp._window(keys, i + 5 * w, batch), dsts)
+            if not all(found):
+                raise RuntimeError("a stored block missed over the socket")
             return step_bytes
     elif case == "http_get":
         client, bufs = held
@@ -371,6 +413,84 @@ class RawSocket:
                 raise ConnectionError("the server closed the socket")
             out += chunk
         return bytes(out)
+
+
+def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], list[dict]]:
+    """Part 6: leases (docs/LOCAL.md, "Leases"), RAM tier, ``--ram-shared
+    on``: the time until a consumer holds a batch of blocks it can read.
+
+    lease_view  LEASE + a read-only numpy view of each block (in place)
+    unix        GET_INTO a registered SharedBuffer (one copy, on the server)
+    lease_copy  LEASE + ``copy_into`` the consumer's own anonymous buffer,
+                then the generation check (one copy, in the client)
+    staged      ``get_many_into`` the same anonymous buffers: GET_INTO the
+                client's staging buffer, then a copy (today's path for a
+                buffer that cannot be registered)
+    copyto      numpy copyto between two arrays, the memory's reference
+    """
+    rows, goals = [], []
+    for bs in args.sizes:
+        blocks = max(4 * args.batch, args.ram_working_set_mib * MIB // bs)
+        keys = [f"lease-{bs}-{i}" for i in range(blocks)]
+        ws_gb = blocks * bs / (1 << 30)
+        with ServerProcess(
+            block_bytes=bs,
+            ram_gb=ws_gb * 1.25 + 0.25,
+            disk_gb=ws_gb * 2 + 1,
+            data_dir=None,
+            args=("--ram-shared", "on"),
+        ) as server:
+            bp.store_blocks(server, keys, bs)
+            base = {"block_bytes": bs, "batch": args.batch, "keys": keys, "url": server.unix_url}
+            cases = {
+                "lease_view": {**base, "case": "lease_view"},
+                "unix": {**base, "case": "unix_get"},
+                "lease_copy": {**base, "case": "lease_copy"},
+                "staged": {**base, "case": "staged_get"},
+                "copyto": {**base, "case": "copyto"},
+            }
+            for procs in args.procs:
+                runs: dict[str, list] = {name: [] for name in cases}
+                for _ in range(args.pairs):
+                    for name, cmd in cases.items():
+                        runs[name].append(workers.run(procs, cmd, args.seconds, server.pid))
+                row: dict[str, Any] = {
+                    "block_bytes": bs,
+                    "processes": procs,
+                    "batch": args.batch,
+                    "working_set_blocks": blocks,
+                }
+                for name, rs in runs.items():
+                    row[name] = _median(rs)
+                rate = {n: row[n]["bytes_per_s"] for n in cases}
+                row["lease_over_unix"] = rate["lease_view"] / rate["unix"]
+                row["lease_copy_over_staged"] = rate["lease_copy"] / rate["staged"]
+                row["lease_copy_over_copyto"] = rate["lease_copy"] / rate["copyto"]
+                label = f"lease {_size(bs)} ×{procs} proc"
+                goals += [
+                    _goal(f"{label}: lease+view / GET_INTO", row["lease_over_unix"], ">=", 10.0),
+                    _goal(f"{label}: copy from lease / staged GET_INTO", row["lease_copy_over_staged"], ">=", 1.5),
+                    _goal(
+                        f"{label}: server CPU s per GB leased",
+                        row["lease_view"]["server_cpu_s_per_gb"],
+                        "<=",
+                        0.01,
+                        unit=" s/GB",
+                    ),
+                ]
+                rows.append(row)
+                rates = "  ".join(f"{n} {_gbps(rate[n])}" for n in cases)
+                cpu = " ".join(
+                    f"{n} {row[n]['client_cpu_s_per_gb']:.3f}·{row[n]['server_cpu_s_per_gb']:.4f}" for n in cases
+                )
+                print(
+                    f"{label}: {rates} GB/s; lease/unix {row['lease_over_unix']:.1f}, "
+                    f"lease_copy/staged {row['lease_copy_over_staged']:.2f}, "
+                    f"lease_copy/copyto {row['lease_copy_over_copyto']:.2f}; "
+                    f"cpu s/GB client·server {cpu}",
+                    flush=True,
+                )
+    return rows, goals
 
 
 def part_exists(server: ServerProcess, keys: list[str]) -> dict[str, Any]:
@@ -718,13 +838,31 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{r['server_cpu_s']:.1f}",
             )
         )
+    out += [
+        "",
+        "Leases (`--ram-shared on`), RAM tier, batches of 16: until the consumer holds every block readable",
+        "(lease_view: LEASE + numpy views in place; unix: GET_INTO a registered buffer; lease_copy: LEASE +",
+        "copy into the consumer's anonymous buffer + generation check; staged: get_many_into those buffers",
+        "through the client's staging):",
+        "",
+        _row(
+            "block", "procs", "lease_view", "unix", "lease_copy", "staged", "copyto",
+            "lease_view/unix", "lease_copy/staged", "lease_copy/copyto", "server CPU/GB lease_view · unix",
+        ),
+        _row("---", *["---:"] * 10),
+    ]  # fmt: skip
+    for r in summary["lease"]:
+        rates = [_gbps(r[n]["bytes_per_s"]) for n in ("lease_view", "unix", "lease_copy", "staged", "copyto")]
+        ratios = [f"{r[k]:.2f}" for k in ("lease_over_unix", "lease_copy_over_staged", "lease_copy_over_copyto")]
+        cpu = f"{r['lease_view']['server_cpu_s_per_gb']:.4f} · {r['unix']['server_cpu_s_per_gb']:.4f}"
+        out.append(_row(_size(r["block_bytes"]), r["processes"], *rates, *ratios, cpu))
     out += ["", "Goals:", "", _row("goal", "measured", "target", ""), _row("---", "---:", "---:", "---")]
     for g in summary["goals"]:
         op = g["op"].replace(">=", "≥").replace("<=", "≤")
         if g["unit"] == "×":
             value, target = f"{g['value']:.2f}×", f"{op} {g['target']:.2f}×"
         else:
-            value, target = f"{g['value']:.0f} {g['unit']}", f"{op} {g['target']:.0f} {g['unit']}"
+            value, target = f"{g['value']:.3g} {g['unit'].strip()}", f"{op} {g['target']:.3g} {g['unit'].strip()}"
         out.append(_row(g["goal"], value, target, "pass" if g["pass"] else "**FAIL**"))
     return "\n".join(out) + "\n"
 
@@ -752,7 +890,7 @@ def main() -> int:
         default="",
         help="more kvtier-loadgen replay flags, e.g. '--dataset-path tests/data/sharegpt_sample.json'",
     )
-    ap.add_argument("--skip", default="", help="parts to skip, comma-separated: ram,nvme,put,replay")
+    ap.add_argument("--skip", default="", help="parts to skip, comma-separated: ram,nvme,put,lease,replay")
     args = ap.parse_args()
     if args.pairs < 1 or args.seconds <= 0 or args.batch < 1:
         ap.error("--pairs and --batch must be at least 1 and --seconds positive")
@@ -776,6 +914,7 @@ def main() -> int:
         "put": None,
         "exists": None,
         "replay": [],
+        "lease": [],
     }
     workers = Workers(max(args.procs))
     try:
@@ -790,6 +929,9 @@ def main() -> int:
             summary["goals"] += goals
         if "put" not in skip:
             summary["put"], goals = part_put(args, workers, scratch)
+            summary["goals"] += goals
+        if "lease" not in skip:
+            summary["lease"], goals = part_lease(args, workers)
             summary["goals"] += goals
         if "replay" not in skip:
             summary["replay"] = part_replay(args, scratch)

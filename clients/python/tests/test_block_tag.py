@@ -192,9 +192,9 @@ def test_a_bad_tag_fails_only_its_item_in_the_batch_calls(either):
         assert c.unregister_buffer(buf) == 0
 
 
-def test_the_socket_speaks_version_2_and_a_raw_connection_sends_tags(server):
+def test_the_socket_speaks_the_newest_version_and_a_raw_connection_sends_tags(server):
     with LocalConnection(server.socket_path, timeout_s=10) as conn, kvtier.SharedBuffer(BLOCK_BYTES) as buf:
-        assert conn.hello(block_bytes=BLOCK_BYTES)["version"] == 2 == conn.version
+        assert conn.hello(block_bytes=BLOCK_BYTES)["version"] == 3 == conn.version
         fd_handle, _ = conn.register(buf.fd, 0, BLOCK_BYTES)
         memoryview(buf)[:] = block(6)
         items = [(fd_handle, 0, BLOCK_BYTES, "raw-tagged"), (fd_handle, 0, BLOCK_BYTES, "raw-bad")]

@@ -94,7 +94,7 @@ def test_transport_choice_and_hello(server):
         assert c.transport == "unix"
         assert c.block_bytes == BB
         info = c.server_info
-        assert info["version"] == 2 and info["block_bytes"] == BB and info["max_items"] == 4096
+        assert info["version"] == 3 and info["block_bytes"] == BB and info["max_items"] == 4096
         assert isinstance(info["epoch"], int)
         assert c.ping()
         # The hello gives the HTTP address, so stats work from a bare socket url.

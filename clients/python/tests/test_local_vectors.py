@@ -45,6 +45,7 @@ def client_payload(vector: dict[str, Any]) -> bytes:
             block_bytes=hello.get("block_bytes"),
             model=hello.get("model"),
             client=hello["client"],
+            versions=hello["versions"],
         )
     if op == local.OP_REGISTER:
         return local.encode_register(fields["offset"], fields["length"])
@@ -60,8 +61,12 @@ def client_payload(vector: dict[str, Any]) -> bytes:
         return local.encode_items([tuple(item) for item in fields["items"]])
     if op in (local.OP_GET_INTO_V, local.OP_PUT_FROM_V):
         return local.encode_items_v([([tuple(p) for p in it["parts"]], it["key"]) for it in fields["items"]])
-    if op in (local.OP_EXISTS, local.OP_LOOKUP, local.OP_DELETE, local.OP_PREFETCH):
+    if op in (local.OP_EXISTS, local.OP_LOOKUP, local.OP_DELETE, local.OP_PREFETCH, local.OP_LEASE):
         return local.encode_keys(fields["keys"])
+    if op == local.OP_MAP_ARENA:
+        return local.encode_map_arena(fields["arena"])
+    if op == local.OP_RELEASE:
+        return local.encode_release(fields["leases"])
     assert op not in local.OP_NAMES, f"no encoder here for {local.OP_NAMES[op]}"
     assert fields == {}
     return b""
@@ -90,6 +95,13 @@ def client_body(op: int, body: memoryview, fields: dict[str, Any]) -> dict[str, 
     if op == local.OP_PREFETCH:
         requested, found = local.decode_prefetched(body)
         return {"requested": requested, "found": found}
+    if op == local.OP_MAP_ARENA:
+        return dict(zip(("file_bytes", "slot_bytes", "slots", "generations_offset"), local.decode_arena(body)))
+    if op == local.OP_LEASE:
+        names = ("result", "tier", "arena", "offset", "generation", "lease")
+        return {"items": [dict(zip(names, item)) for item in local.decode_leases(body, len(fields["items"]))]}
+    if op == local.OP_RELEASE:
+        return {"released": local.decode_released(body)}
     raise AssertionError(f"no decoder here for op {op}")
 
 
@@ -106,7 +118,10 @@ def test_constants_ops_and_tiers_are_the_rust_crates():
         c["parts_max"],
     )
     assert list(local.VERSIONS) == c["versions"]
+    assert json.loads(local.encode_hello())["versions"] == c["versions"]
     assert local.VERSION_TAGS == c["version_tags"]
+    assert local.VERSION_LEASES == c["version_leases"]
+    assert local.LEASE_ITEM.size == c["lease_item_bytes"]
     assert (local.RESPONSE, local.OP_ERROR) == (c["response_bit"], c["op_connection_error"])
     assert local.OP_NAMES == {o["op"]: o["name"] for o in VECTORS["ops"]}
     for o in VECTORS["ops"]:
@@ -117,7 +132,7 @@ def test_constants_ops_and_tiers_are_the_rust_crates():
 
 def test_every_code_is_known_to_the_client_by_the_same_number_and_name():
     wire = {c["code"]: c["name"] for c in VECTORS["codes"]}
-    assert wire[0] == "OK" and len(wire) == len(VECTORS["codes"]) == 21
+    assert wire[0] == "OK" and len(wire) == len(VECTORS["codes"]) == 23
     for code, name in wire.items():
         assert codes.name_of(code) == name and getattr(codes, name) == code, (code, name)
     # The client knows no server code the crate does not, and its own two

@@ -224,7 +224,9 @@ impl Shard {
         let mut tiers: Vec<TierStats> = self.gpu_tier_stats().into_iter().collect();
         if let Some(ram) = &self.ram {
             let r = ram.borrow();
-            tiers.push(TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages())));
+            let mut ram = TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages()));
+            ram.shared = Some(r.arena().is_shared());
+            tiers.push(ram);
         }
         let c = &self.counters;
         let capacity = self.cfg.segments_max as u64 * self.slots_per_segment as u64;

@@ -9,7 +9,9 @@ speak the block API of docs/API.md over a pool of HTTP/1.1 connections, or
 over the same-host socket of docs/LOCAL.md (``unix://`` urls, ``local="auto"``),
 where Mooncake Store's buffer calls (``register_buffer``, ``batch_get_into``,
 ``batch_put_from``, ``batch_is_exist``) move blocks in and out of a
-:class:`SharedBuffer` without copies (:mod:`kvtier.mooncake`, :mod:`kvtier.codes`);
+:class:`SharedBuffer` without copies (:mod:`kvtier.mooncake`, :mod:`kvtier.codes`)
+and ``Client.lease`` reads blocks in place in the server's RAM tier
+(:mod:`kvtier.leases`);
 :mod:`kvtier.keys` builds keys as docs/KEYS.md specifies; a
 :class:`BlockTag` (``put(key, data, tag=...)``) names a block in the
 inference engine's hash space for kvtier's KV events; the engine
@@ -34,12 +36,16 @@ from .errors import (
     InvalidTagError,
     KvtierConnectionError,
     KvtierError,
+    LeasesOffError,
+    NotInRamError,
     OverloadedError,
     ProtocolError,
     ServerError,
     UnauthorizedError,
+    UnsupportedVersionError,
 )
 from .keys import Namespace, block_key, chain_keys, check_key
+from .leases import Leases
 from .shm import SharedBuffer
 from .tag import BlockTag
 
@@ -56,12 +62,16 @@ __all__ = [
     "InvalidTagError",
     "KvtierConnectionError",
     "KvtierError",
+    "Leases",
+    "LeasesOffError",
     "Namespace",
+    "NotInRamError",
     "OverloadedError",
     "ProtocolError",
     "ServerError",
     "SharedBuffer",
     "UnauthorizedError",
+    "UnsupportedVersionError",
     "block_key",
     "byte_view",
     "chain_keys",

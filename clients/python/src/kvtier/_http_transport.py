@@ -11,7 +11,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, wait
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import codes
 from ._http import _Answer, _Connection, _Pool
@@ -26,6 +26,7 @@ from .errors import (
     InvalidTagError,
     KvtierConnectionError,
     KvtierError,
+    LeasesOffError,
     OverloadedError,
     ServerError,
     UnauthorizedError,
@@ -34,6 +35,9 @@ from .keys import check_key
 from .local import OP_GET_INTO, OP_GET_INTO_V
 from .shm import byte_view
 from .tag import BlockTag, tags_for
+
+if TYPE_CHECKING:
+    from .leases import Leases
 
 #: The server's lookup limits (docs/API.md, "Limits"): longer chains are sent
 #: in pieces, each under both.
@@ -382,6 +386,19 @@ class HttpTransport(Transport):
         except KvtierConnectionError:
             return False
 
+    def lease(self, keys: Sequence[str]) -> Leases:
+        """Refused: a lease maps the server's memory, which only a process on
+        its host reaches, through the same-host socket.
+
+        Raises:
+            LeasesOffError: always (``code`` ``"leases_need_socket"``).
+        """
+        raise LeasesOffError(
+            f"leases exist only on kvtier's same-host socket (docs/LOCAL.md, Leases); this client talks HTTP "
+            f"to {self.url}: use Client('unix:///…/kvtier.sock') or Client(url, local='on'), or read with get_into",
+            code="leases_need_socket",
+        )
+
     # ------------------------------------------------------------- batches
 
     def put_many(self, items: Iterable[tuple[str, Any]], tags: Sequence[BlockTag | None] | None = None) -> list[bool]:
@@ -515,7 +532,7 @@ class HttpTransport(Transport):
 
     def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
         """No socket, no epoch, nothing bounced."""
-        return None, None, {"bounce_copies": 0, "bounce_bytes": 0, "reconnects": 0}
+        return None, None, {"bounce_copies": 0, "bounce_bytes": 0, "reconnects": 0, "arenas_mapped": 0}
 
 
 __all__ = [

@@ -15,11 +15,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._session import Region
 from .errors import GeometryMismatchError
 from .tag import BlockTag
+
+if TYPE_CHECKING:
+    from .leases import Leases
 
 #: A target or source of one item of a buffer call: ``(address, nbytes, is a
 #: buffer object)``, or the code it already failed with.
@@ -127,6 +130,10 @@ class Transport(ABC):
     @abstractmethod
     def ping(self) -> bool:
         """Whether the server answers on this transport (never raises for that)."""
+
+    @abstractmethod
+    def lease(self, keys: Sequence[str]) -> Leases:
+        """:meth:`kvtier.Client.lease` (only the same-host socket has leases)."""
 
     @abstractmethod
     def close(self) -> None:

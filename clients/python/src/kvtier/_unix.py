@@ -31,6 +31,7 @@ from .errors import (
     error_from_code,
 )
 from .keys import check_key
+from .leases import ArenaMaps, Leases, lease_keys
 from .local import OP_GET_INTO, OP_PUT_FROM, VERSION_TAGS
 from .shm import UnshareableMemoryError, backing_fd, buffer_address
 from .tag import BlockTag, tags_for
@@ -132,6 +133,8 @@ class UnixTransport(Transport):
     def __init__(self, session: LocalSession, regions: Regions) -> None:
         self.session = session
         self.regions = regions
+        self.arenas = ArenaMaps()
+        """The server's RAM-tier arenas this client mapped for leases."""
 
     def info(self) -> dict[str, Any]:
         """The server's hello answer (connects if needed)."""
@@ -139,8 +142,10 @@ class UnixTransport(Transport):
         return dict(self.session.info)
 
     def close(self) -> None:
-        """Closes the session: its connection and descriptors."""
+        """Closes the session (its connection and descriptors) and unmaps the
+        arenas no lease view holds."""
         self.session.close()
+        self.arenas.close()
 
     @property
     def block_bytes(self) -> int:
@@ -398,6 +403,11 @@ class UnixTransport(Transport):
             total += self.session.keys_call(lambda c, names=names: c.prefetch(names))[1]
         return total
 
+    def lease(self, keys: Sequence[str]) -> Leases:
+        """``LEASE`` of ``keys``, with their arenas mapped
+        (:func:`kvtier.leases.lease_keys`)."""
+        return lease_keys(self.session, self.arenas, keys)
+
     def ping(self) -> bool:
         """Whether the server answers on the socket (an ``EXISTS`` of no keys)."""
         try:
@@ -448,5 +458,6 @@ class UnixTransport(Transport):
         return out
 
     def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
-        """The socket, the server's epoch and the session's counters."""
-        return self.session.path, self.session.epoch, self.session.counters
+        """The socket, the server's epoch and the session's counters (and
+        ``arenas_mapped``: ``MAP_ARENA`` calls made for leases)."""
+        return self.session.path, self.session.epoch, {**self.session.counters, "arenas_mapped": self.arenas.maps_made}

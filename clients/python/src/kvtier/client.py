@@ -25,7 +25,8 @@ from typing import Any
 from ._http import _Answer
 from ._http_transport import LOOKUP_BODY_BYTES_MAX, LOOKUP_KEYS_MAX
 from ._link import Link
-from .mooncake import MooncakeStore
+from .leases import Leases
+from .mooncake import BufferHandle, MooncakeStore
 from .shm import byte_view
 from .tag import BlockTag
 
@@ -246,6 +247,41 @@ class Client:
         ``"nvme"``, …), or ``None`` on a miss. For tests and diagnostics."""
         return self._link.current().tier_of(key)
 
+    def lease(self, keys: Sequence[str]) -> Leases:
+        """Leases the blocks of ``keys`` where they lie in the server's RAM
+        tier, for reading in place with no copy (docs/LOCAL.md, "Leases";
+        same-host socket, protocol version 3). A block found on NVMe is read
+        into RAM first and leased there. Release the leases when done: use
+        the result as a context manager (or call its ``release()``)::
+
+            with client.lease(keys) as leases:
+                for i, view in enumerate(leases.views):   # None: not leased
+                    if view is not None:
+                        dest[i].copy_(leases.torch(i))
+                        ok = leases.valid(i)               # else the lease had ended
+
+        Keys not leased are told per key in ``results``: -2 a miss, -23
+        ``NOT_IN_RAM`` (a GPU-tier or S3 hit, listed in ``not_in_ram``: read
+        those with :meth:`get_into`), -16 ``LIMIT`` (the connection holds the
+        server's ``leases_max``). More than 4,096 keys go in several requests.
+
+        Returns:
+            A :class:`kvtier.leases.Leases`: per key a read-only ``memoryview``
+            of the block (``views``), its tier, ``numpy(i)``, ``torch(i)``,
+            ``valid(i)``, ``copy_into(i, dest)``.
+
+        Raises:
+            LeasesOffError: the server offers no leases, with its reason (no
+                RAM tier, ``--ram-shared off``, ``--tenants``); or this client
+                talks HTTP (``code`` ``"leases_need_socket"``): leases exist
+                only on the same-host socket.
+            UnsupportedVersionError: the server's socket does not speak
+                protocol version 3 (an older kvtier).
+            InvalidKeyError: a bad key (checked before sending).
+            KvtierConnectionError: no server within ``timeout_s``.
+        """
+        return self._link.current().lease(keys)
+
     # ------------------------------------------------------ lookup, prefetch
 
     def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
@@ -364,6 +400,17 @@ class Client:
         """:meth:`MooncakeStore.batch_is_exist <kvtier.mooncake.MooncakeStore.batch_is_exist>`:
         per key 1, 0 or -1."""
         return self.mooncake.batch_is_exist(keys)
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """:meth:`MooncakeStore.get_buffer <kvtier.mooncake.MooncakeStore.get_buffer>`:
+        the block in a handle (``ptr()``, ``size()``), leased where the server
+        offers leases; ``None`` on a miss."""
+        return self.mooncake.get_buffer(key)
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """:meth:`MooncakeStore.batch_get_buffer <kvtier.mooncake.MooncakeStore.batch_get_buffer>`:
+        :meth:`get_buffer` of each key, leased in one batch."""
+        return self.mooncake.batch_get_buffer(keys)
 
     def local_stats(self) -> dict[str, Any]:
         """:meth:`MooncakeStore.local_stats <kvtier.mooncake.MooncakeStore.local_stats>`:

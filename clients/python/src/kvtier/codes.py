@@ -1,6 +1,6 @@
 """Result codes of the same-host data plane (docs/LOCAL.md, "Codes").
 
-Every code is a negative ``int``. The server answers -1 … -19 and -22, either
+Every code is a negative ``int``. The server answers -1 … -19 and -22 … -24, either
 for a whole request (the response's ``status``) or for one item of a batch
 (its ``result``); the Python client adds -20 and -21. The Mooncake-style calls of
 :class:`kvtier.Client` (``batch_get_into``, ``batch_put_from``, …) return these
@@ -97,6 +97,16 @@ INVALID_TAG = -22
 docs/API.md "Block tags") or is longer than the store's slot header holds;
 nothing was stored. The client checks tags before sending; its batch calls
 answer this code for a tag that fails the check."""
+
+NOT_IN_RAM = -23
+"""``LEASE``, per key: the block is stored but was served from a tier it does
+not land in the RAM tier from (a GPU-tier or S3 hit), so there is no slot to
+lease; read it with ``get_into`` (:attr:`kvtier.leases.Leases.not_in_ram`)."""
+
+LEASES_OFF = -24
+"""``LEASE``, ``MAP_ARENA``, for the whole request: this server offers no
+leases (no RAM tier, a RAM tier that is not shared memory: ``--ram-shared``,
+or ``--tenants``); the message says which."""
 
 #: ``code → name`` for every code above.
 NAMES: dict[int, str] = {

@@ -105,6 +105,31 @@ class ProtocolError(KvtierError):
     lower case (``"bad_frame"``) and ``local_code`` its number."""
 
 
+class UnsupportedVersionError(ProtocolError):
+    """``UNSUPPORTED_VERSION``: the client and the server's socket speak no
+    protocol version in common, or the version they chose lacks what a call
+    needs (block tags need version 2, :meth:`kvtier.Client.lease` version 3).
+    The message names both sides' versions; upgrade kvtier (or the client).
+    A :class:`ProtocolError`, as it was before it had a class of its own."""
+
+
+class LeasesOffError(KvtierError):
+    """``LEASES_OFF``: the server offers no leases (docs/LOCAL.md, "Leases"),
+    and the message says why in the server's words: no RAM tier, a RAM tier
+    that is not shared (``--ram-shared off``, or ``auto`` without huge pages),
+    or ``--tenants``. Raised too (``code`` ``"leases_need_socket"``, no
+    ``local_code``) by :meth:`kvtier.Client.lease` on a client that talks
+    HTTP: leases exist only on the same-host socket. Read the blocks with
+    ``get_into`` instead."""
+
+
+class NotInRamError(KvtierError):
+    """``NOT_IN_RAM``: a leased key's block is stored, but in a tier it is
+    served from without landing in the RAM tier (a GPU-tier or S3 hit), so it
+    has no slot to lease; read it with ``get_into``. A per-key result of
+    ``LEASE``; raised only where one key's failure is an exception."""
+
+
 class GeometryMismatchError(KvtierError, ValueError):
     """The server's geometry is not the one the client expects: the hello's
     ``block_bytes`` or ``model`` (``Client(expect_block_bytes=..., expect_model=...)``)
@@ -158,6 +183,9 @@ _BY_LOCAL_CODE: dict[int, type[KvtierError]] = {
     codes.CONNECTION_LOST: KvtierConnectionError,
     codes.IO_ERROR: ServerError,
     codes.LIMIT: BadRequestError,
+    codes.UNSUPPORTED_VERSION: UnsupportedVersionError,
+    codes.NOT_IN_RAM: NotInRamError,
+    codes.LEASES_OFF: LeasesOffError,
 }
 
 

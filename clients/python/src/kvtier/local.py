@@ -17,8 +17,17 @@ Every op raises the :mod:`kvtier.errors` class of a request-wide failure (its
 ``local_code`` is the negative code) and :class:`~kvtier.KvtierConnectionError`
 (``local_code`` -21) when the connection is gone; per-item results are codes.
 
-The bytes themselves are made and read by the module's pure functions
-(:func:`encode_frame`, :func:`decode_header`, :func:`decode_response`, and an
+Descriptors come both ways. A ``REGISTER`` request carries one in
+``SCM_RIGHTS``; a ``MAP_ARENA`` answer (version 3, docs/LOCAL.md "Leases")
+brings one, sent with the answer's first byte. The reader thread reads with
+``recvmsg_into`` and room for one descriptor, and since it never reads past
+the end of the frame it is reading, a descriptor it receives belongs to that
+frame: it goes with a ``MAP_ARENA`` answer to its caller
+(:meth:`LocalConnection.map_arena`) and is closed with any other frame.
+
+The bytes themselves are made and read by the pure functions of
+:mod:`kvtier._frames`, re-exported here (:func:`encode_frame`,
+:func:`decode_header`, :func:`decode_response`, and an
 ``encode_*``/``decode_*`` pair per payload), which the connection uses and
 ``tests/test_local_vectors.py`` checks against the frames the Rust crate
 ``kvtier-local-proto`` (the server's) encodes: ``tests/data/local_frame_vectors.json``.
@@ -26,10 +35,11 @@ The bytes themselves are made and read by the module's pure functions
 
 from __future__ import annotations
 
+import array
 import itertools
-import json
+import logging
+import queue
 import socket
-import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -37,6 +47,57 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from . import codes
+from ._frames import _FD_ROOM, _bad_answer, _close_fds
+from ._frames import ARENA as ARENA
+from ._frames import CLIENT_NAME as CLIENT_NAME
+from ._frames import HEADER as HEADER
+from ._frames import LEASE_ITEM as LEASE_ITEM
+from ._frames import MAGIC as MAGIC
+from ._frames import MAX_IN_FLIGHT as MAX_IN_FLIGHT
+from ._frames import MAX_ITEMS as MAX_ITEMS
+from ._frames import MAX_PARTS as MAX_PARTS
+from ._frames import MAX_PAYLOAD_BYTES as MAX_PAYLOAD_BYTES
+from ._frames import OP_DELETE as OP_DELETE
+from ._frames import OP_ERROR as OP_ERROR
+from ._frames import OP_EXISTS as OP_EXISTS
+from ._frames import OP_GET_INTO as OP_GET_INTO
+from ._frames import OP_GET_INTO_V as OP_GET_INTO_V
+from ._frames import OP_HELLO as OP_HELLO
+from ._frames import OP_LEASE as OP_LEASE
+from ._frames import OP_LOOKUP as OP_LOOKUP
+from ._frames import OP_MAP_ARENA as OP_MAP_ARENA
+from ._frames import OP_NAMES as OP_NAMES
+from ._frames import OP_PREFETCH as OP_PREFETCH
+from ._frames import OP_PUT_FROM as OP_PUT_FROM
+from ._frames import OP_PUT_FROM_V as OP_PUT_FROM_V
+from ._frames import OP_REGISTER as OP_REGISTER
+from ._frames import OP_RELEASE as OP_RELEASE
+from ._frames import OP_UNREGISTER as OP_UNREGISTER
+from ._frames import RESPONSE as RESPONSE
+from ._frames import VERSION_LEASES as VERSION_LEASES
+from ._frames import VERSION_TAGS as VERSION_TAGS
+from ._frames import VERSIONS as VERSIONS
+from ._frames import Bytes as Bytes
+from ._frames import decode_arena as decode_arena
+from ._frames import decode_connection_error as decode_connection_error
+from ._frames import decode_deleted as decode_deleted
+from ._frames import decode_header as decode_header
+from ._frames import decode_hello as decode_hello
+from ._frames import decode_leases as decode_leases
+from ._frames import decode_lookup as decode_lookup
+from ._frames import decode_prefetched as decode_prefetched
+from ._frames import decode_registered as decode_registered
+from ._frames import decode_released as decode_released
+from ._frames import decode_response as decode_response
+from ._frames import decode_results as decode_results
+from ._frames import decode_tiers as decode_tiers
+from ._frames import encode_frame as encode_frame
+from ._frames import encode_hello as encode_hello
+from ._frames import encode_keys as encode_keys
+from ._frames import encode_map_arena as encode_map_arena
+from ._frames import encode_register as encode_register
+from ._frames import encode_release as encode_release
+from ._frames import encode_unregister as encode_unregister
 from ._items import ITEM_BYTES as ITEM_BYTES
 from ._items import PART_BYTES as PART_BYTES
 from ._items import Item as Item
@@ -49,256 +110,14 @@ from ._items import encode_tagged_items as encode_tagged_items
 from ._items import encode_tagged_items_v as encode_tagged_items_v
 from .errors import ProtocolError, error_from_code
 
-MAGIC = 0x4B54
-"""``b"TK"`` on the wire (little-endian u16)."""
-HEADER = struct.Struct("<HBBIQ")
-"""magic u16, op u8, flags u8, payload_bytes u32, request_id u64: 16 bytes."""
-_STATUS = struct.Struct("<iI")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_TWO_U32 = struct.Struct("<II")
-_REGISTERED = struct.Struct("<QB")
-
-OP_HELLO, OP_REGISTER, OP_UNREGISTER, OP_GET_INTO, OP_PUT_FROM = 1, 2, 3, 4, 5
-OP_EXISTS, OP_LOOKUP, OP_DELETE, OP_PREFETCH = 6, 7, 8, 9
-OP_GET_INTO_V, OP_PUT_FROM_V = 10, 11
-OP_ERROR = 0xFF
-"""A connection error frame (request id 0): the server closes after it."""
-RESPONSE = 0x80
-"""A response's op is the request's ``op | 0x80``."""
-OP_NAMES = {1: "HELLO", 2: "REGISTER", 3: "UNREGISTER", 4: "GET_INTO", 5: "PUT_FROM"}
-OP_NAMES.update({6: "EXISTS", 7: "LOOKUP", 8: "DELETE", 9: "PREFETCH", 10: "GET_INTO_V", 11: "PUT_FROM_V"})
-
-MAX_ITEMS = 4096
-"""Items in one batch request, at most."""
-MAX_PARTS = 256
-"""Parts of one ``GET_INTO_V``/``PUT_FROM_V`` item, at most."""
-MAX_PAYLOAD_BYTES = 1 << 20
-"""A frame's payload, at most (both ways)."""
-MAX_IN_FLIGHT = 256
-"""Requests in flight on one connection, at most (the server stops reading beyond)."""
-CLIENT_NAME = "kvtier-python 0.1.0"
-"""What the hello's ``client`` field says."""
-VERSIONS = (1, 2)
-"""Protocol versions this client speaks (the server picks the highest both speak)."""
-VERSION_TAGS = 2
-"""The first version whose ``PUT_FROM``/``PUT_FROM_V`` items end with a block
-tag (u16 ``tag_bytes``, then :meth:`kvtier.BlockTag.encode`'s bytes; 0: untagged)."""
-
-
-def _str(key: str) -> bytes:
-    raw = key.encode()
-    return _U16.pack(len(raw)) + raw
-
-
-def encode_keys(keys: Sequence[str]) -> bytes:
-    """``EXISTS``/``LOOKUP``/``DELETE``/``PREFETCH`` payload: u32 n, n × str."""
-    return _U32.pack(len(keys)) + b"".join(_str(k) for k in keys)
-
-
-#: Bytes a decoder reads: a response's body, a frame's payload or header.
-Bytes = bytes | bytearray | memoryview
-
-
-def _bad_answer(message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_answer")
-
-
-def decode_results(body: Bytes, n: int) -> list[tuple[int, int]]:
-    """``GET_INTO``/``PUT_FROM`` (and ``_V``) body: u32 n, n × (i64 result,
-    u8 tier or created), for a request of ``n`` items.
-
-    Raises:
-        ProtocolError: another count, or a body too short for it.
-    """
-    count = _check_count(body, n, 9)
-    return [(r, f) for r, f in struct.iter_unpack("<qB", body[4 : 4 + 9 * count])]
-
-
-def _check_count(body: Bytes, n: int, each: int) -> int:
-    if len(body) < _U32.size:
-        raise _bad_answer(f"answer of {len(body)} bytes has no item count (a request of {n})")
-    (count,) = _U32.unpack_from(body)
-    if count != n or len(body) < 4 + each * count:
-        raise _bad_answer(f"answer holds {count} items in {len(body)} bytes for a request of {n}")
-    return int(count)
-
-
-def encode_frame(op: int, request_id: int, payload: bytes) -> bytes:
-    """A whole frame (docs/LOCAL.md, "Framing"): the 16-byte header (u16 magic
-    ``b"TK"``, u8 ``op``, u8 flags 0, u32 ``payload_bytes``, u64
-    ``request_id``; little-endian) and ``payload``.
-
-    Raises:
-        struct.error: ``op`` is not 0–255 or ``request_id`` not a u64.
-    """
-    return HEADER.pack(MAGIC, op, 0, len(payload), request_id) + payload
-
-
-def decode_header(head: Bytes) -> tuple[int, int, int]:
-    """``(op, payload_bytes, request_id)`` of a 16-byte frame header.
-
-    Raises:
-        ProtocolError: (``local_code`` ``BAD_FRAME``) not 16 bytes, a wrong
-            magic, nonzero flags, or a payload over :data:`MAX_PAYLOAD_BYTES`:
-            the stream cannot be framed.
-    """
-    if len(head) != HEADER.size:
-        raise error_from_code(codes.BAD_FRAME, f"a frame header of {len(head)} bytes (a header is {HEADER.size})")
-    magic, op, flags, nbytes, rid = HEADER.unpack(head)
-    if magic != MAGIC or flags != 0 or nbytes > MAX_PAYLOAD_BYTES:
-        raise error_from_code(
-            codes.BAD_FRAME, f"a bad frame header (magic {magic:#06x}, flags {flags}, {nbytes} bytes)"
-        )
-    return int(op), int(nbytes), int(rid)
-
-
-def decode_connection_error(payload: Bytes) -> tuple[int, str]:
-    """``(code, message)`` of a connection-error frame (op ``0xFF``, sent
-    before the server closes): its status (``BAD_FRAME`` when absent or 0)
-    and the server's message."""
-    status = _STATUS.unpack_from(payload)[0] if len(payload) >= _STATUS.size else 0
-    return int(status) or codes.BAD_FRAME, bytes(payload[_STATUS.size :]).decode("utf-8", "replace")
-
-
-def decode_response(op: int, frame_op: int, payload: Bytes) -> tuple[memoryview, int]:
-    """``(body, retry_after_ms)`` of the response frame (op ``frame_op``,
-    ``payload``) to a request of ``op``: i32 ``status``, u32
-    ``retry_after_ms``, then the body. Status 0 may carry a hint too (items
-    refused ``OVERLOADED``).
-
-    Raises:
-        ProtocolError: ``frame_op`` is not ``op | 0x80``, or the payload is
-            shorter than its status and hint.
-        KvtierError: a nonzero status, as its class (:func:`kvtier.errors.error_from_code`;
-            ``local_code`` the status, the message the server's text; an
-            :class:`~kvtier.OverloadedError`'s ``retry_after_s`` the hint).
-    """
-    name = OP_NAMES.get(op, op)
-    if frame_op != op | RESPONSE or len(payload) < _STATUS.size:
-        raise _bad_answer(f"answer to {name} has op {frame_op:#x} and {len(payload)} bytes")
-    status, retry_after_ms = _STATUS.unpack_from(payload)
-    view = memoryview(payload)
-    if status != 0:
-        text = bytes(view[_STATUS.size :]).decode("utf-8", "replace")
-        raise error_from_code(status, f"{name}: {text}", retry_after_ms / 1000.0)
-    return view[_STATUS.size :], int(retry_after_ms)
-
-
-def encode_hello(
-    *, token: str | None = None, block_bytes: int | None = None, model: str | None = None, client: str = CLIENT_NAME
-) -> bytes:
-    """``HELLO`` payload: a JSON object of the :data:`VERSIONS` this client
-    speaks, ``client``, and ``token``, ``block_bytes``, ``model`` when given."""
-    req: dict[str, Any] = {"versions": list(VERSIONS), "client": client}
-    if token is not None:
-        req["token"] = token
-    if block_bytes is not None:
-        req["block_bytes"] = block_bytes
-    if model is not None:
-        req["model"] = model
-    return json.dumps(req, separators=(",", ":")).encode()
-
-
-def decode_hello(body: Bytes, *, block_bytes: int | None = None) -> dict[str, Any]:
-    """The server's ``HELLO`` answer (JSON: ``version``, ``epoch``,
-    ``block_bytes``, ``model``, ``max_items``, …), ``epoch`` an ``int``.
-
-    Raises:
-        ProtocolError: not JSON, a field missing or not a number, or a
-            version this client does not speak.
-        GeometryMismatchError: ``block_bytes`` is given and the server's differs.
-    """
-    try:
-        info = json.loads(bytes(body))
-        version, epoch, bb = int(info["version"]), int(info["epoch"]), int(info["block_bytes"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise _bad_answer(f"unreadable HELLO answer {bytes(body[:200])!r}: {e!r}") from e
-    if version not in VERSIONS:
-        raise ProtocolError(f"the server chose version {version}; this client speaks {list(VERSIONS)}")
-    if block_bytes is not None and bb != block_bytes:
-        raise error_from_code(
-            codes.GEOMETRY_MISMATCH, f"the server's block_bytes is {bb}; the client expects {block_bytes}"
-        )
-    info["epoch"] = epoch
-    return dict(info)
-
-
-def encode_register(offset: int, length: int) -> bytes:
-    """``REGISTER`` payload: u64 ``offset``, u64 ``length`` (bytes of the
-    file whose descriptor travels with the frame)."""
-    return _U64.pack(offset) + _U64.pack(length)
-
-
-def decode_registered(body: Bytes) -> tuple[int, int]:
-    """``REGISTER`` body: ``(handle, access)`` (u64, u8: 1 mapped, 2 file I/O, 3 guarded).
-
-    Raises:
-        ProtocolError: a body shorter than 9 bytes.
-    """
-    if len(body) < _REGISTERED.size:
-        raise _bad_answer(f"REGISTER answered {len(body)} bytes; a handle and access are {_REGISTERED.size}")
-    handle, access = _REGISTERED.unpack_from(body)
-    return int(handle), int(access)
-
-
-def encode_unregister(handle: int) -> bytes:
-    """``UNREGISTER`` payload: u64 ``handle`` (the answer's body is empty)."""
-    return _U64.pack(handle)
-
-
-def decode_tiers(body: Bytes, n: int) -> list[int]:
-    """``EXISTS`` body for ``n`` keys: u32 n, n × u8 tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3).
-
-    Raises:
-        ProtocolError: another count, or a body too short for it.
-    """
-    count = _check_count(body, n, 1)
-    return list(bytes(body[4 : 4 + count]))
-
-
-def decode_lookup(body: Bytes) -> tuple[int, list[int]]:
-    """``LOOKUP`` body: ``(prefix_hits, the hits' tiers)`` (u32 prefix_hits, u32 n, n × u8).
-
-    Raises:
-        ProtocolError: ``n`` is not ``prefix_hits``, or the body is too short.
-    """
-    if len(body) < _TWO_U32.size:
-        raise _bad_answer(f"LOOKUP answered {len(body)} bytes, too few for its two counts")
-    hits, n = _TWO_U32.unpack_from(body)
-    if n != hits or len(body) < 8 + n:
-        raise _bad_answer(f"LOOKUP answered {hits} hits with {n} tiers in {len(body)} bytes")
-    return int(hits), list(bytes(body[8 : 8 + n]))
-
-
-def decode_deleted(body: Bytes, n: int) -> list[int]:
-    """``DELETE`` body for ``n`` keys: per key 0 (deleted) or a negative code (-2: none stored).
-
-    Raises:
-        ProtocolError: another count, or a body too short for it.
-    """
-    count = _check_count(body, n, 8)
-    return [r for (r,) in struct.iter_unpack("<q", body[4 : 4 + 8 * count])]
-
-
-def decode_prefetched(body: Bytes) -> tuple[int, int]:
-    """``PREFETCH`` body: ``(requested, found locally)`` (u32, u32).
-
-    Raises:
-        ProtocolError: a body shorter than 8 bytes.
-    """
-    if len(body) < _TWO_U32.size:
-        raise _bad_answer(f"PREFETCH answered {len(body)} bytes; requested and found are {_TWO_U32.size}")
-    requested, found = _TWO_U32.unpack_from(body)
-    return int(requested), int(found)
+log = logging.getLogger("kvtier.local")
 
 
 class _Response:
-    __slots__ = ("op", "payload")
+    __slots__ = ("fds", "op", "payload")
 
-    def __init__(self, op: int, payload: bytearray) -> None:
-        self.op, self.payload = op, payload
+    def __init__(self, op: int, payload: bytearray, fds: list[int]) -> None:
+        self.op, self.payload, self.fds = op, payload, fds
 
 
 class LocalConnection:
@@ -335,6 +154,12 @@ class LocalConnection:
         self._dead: tuple[int, str] | None = None
         self.info: dict[str, Any] = {}
         """The server's hello answer (after :meth:`hello`): ``epoch``, ``block_bytes``, …"""
+        # Lease ids to release, queued by finalizers (SimpleQueue.put is
+        # reentrant) and sent by a thread of their own, started with the
+        # first lease: a finalizer may run on any thread, the reader's or one
+        # holding this connection's locks, so it must neither send nor wait.
+        self._releases: queue.SimpleQueue[list[int] | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
         self._reader = threading.Thread(target=self._read_loop, name="kvtier-local-reader", daemon=True)
         self._reader.start()
 
@@ -357,6 +182,7 @@ class LocalConnection:
         for fut in pending.values():
             self._slots.release()
             fut.set_exception(error_from_code(*self._dead))
+        self._releases.put(None)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -364,12 +190,19 @@ class LocalConnection:
         if threading.current_thread() is self._reader:
             self._sock.close()
 
-    def _recv_exact(self, n: int) -> bytearray | None:
+    def _recv_exact(self, n: int, fds: list[int]) -> bytearray | None:
+        """``n`` bytes, or ``None`` at the end of the stream; descriptors that
+        come with them (``SCM_RIGHTS``, close-on-exec) are added to ``fds``."""
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
-            k = self._sock.recv_into(view[got:])
+            k, ancillary, flags, _ = self._sock.recvmsg_into([view[got:]], _FD_ROOM, socket.MSG_CMSG_CLOEXEC)
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            if flags & socket.MSG_CTRUNC:  # the kernel closed what did not fit
+                log.warning("kvtier: %s sent more than one descriptor with a frame; the others were closed", self.path)
             if k == 0:
                 if got:
                     raise ConnectionError(f"the connection ended {got} bytes into a {n}-byte read")
@@ -379,9 +212,12 @@ class LocalConnection:
 
     def _read_loop(self) -> None:
         code, message = codes.CONNECTION_LOST, "the server closed the connection"
+        # Every read stops at the end of the frame it reads, so descriptors
+        # received while reading a frame came with that frame.
+        fds: list[int] = []
         try:
             while True:
-                head = self._recv_exact(HEADER.size)
+                head = self._recv_exact(HEADER.size, fds)
                 if head is None:
                     break
                 try:
@@ -389,7 +225,7 @@ class LocalConnection:
                 except ProtocolError as e:
                     code, message = codes.BAD_FRAME, f"the server sent {e.message}"
                     break
-                payload = self._recv_exact(nbytes) if nbytes else bytearray()
+                payload = self._recv_exact(nbytes, fds) if nbytes else bytearray()
                 if payload is None:
                     message = "the server closed the connection inside a frame"
                     break
@@ -399,12 +235,19 @@ class LocalConnection:
                     break
                 with self._lock:
                     fut = self._pending.pop(rid, None)
-                if fut is not None:  # None: a request that timed out
+                mine, fds = fds, []
+                if mine and (fut is None or op != OP_MAP_ARENA | RESPONSE):
+                    if fut is not None:
+                        log.warning("kvtier: %s sent a descriptor with a %#x frame; closed", self.path, op)
+                    _close_fds(mine)  # None: an answer nobody waits for (timed out, or posted)
+                    mine = []
+                if fut is not None:
                     self._slots.release()
-                    fut.set_result(_Response(op, payload))
+                    fut.set_result(_Response(op, payload, mine))
         except OSError as e:
             message = f"the connection to {self.path} broke: {e}"
         finally:
+            _close_fds(fds)
             self._die(code, message)
 
     def request(self, op: int, payload: bytes, *, fd: int | None = None) -> Future[_Response]:
@@ -442,6 +285,7 @@ class LocalConnection:
     def wait_hinted(self, fut: Future[_Response], op: int, timeout_s: float | None = None) -> tuple[memoryview, int]:
         """``(body, retry_after_ms)`` of a response to ``op``: a response whose
         items were refused ``OVERLOADED`` has status 0 and the server's hint.
+        A descriptor that came with it is closed (:meth:`wait_fds` keeps it).
 
         Raises:
             KvtierError: the status's class (``local_code`` set); for
@@ -450,13 +294,79 @@ class LocalConnection:
             KvtierConnectionError: the connection broke, or no answer came
                 within ``timeout_s`` (the connection is then closed).
         """
+        resp = self._result(fut, op, timeout_s)
+        _close_fds(resp.fds)
+        return decode_response(op, resp.op, resp.payload)
+
+    def wait_fds(self, fut: Future[_Response], op: int, timeout_s: float | None = None) -> tuple[memoryview, list[int]]:
+        """``(body, descriptors)`` of a response to ``op``: the descriptors
+        (``SCM_RIGHTS``, close-on-exec) that came with it are the caller's to
+        close. Raises as :meth:`wait_hinted` (having closed them)."""
+        resp = self._result(fut, op, timeout_s)
+        try:
+            return decode_response(op, resp.op, resp.payload)[0], resp.fds
+        except BaseException:
+            _close_fds(resp.fds)
+            raise
+
+    def _result(self, fut: Future[_Response], op: int, timeout_s: float | None) -> _Response:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            resp = fut.result(limit)
+            return fut.result(limit)
         except FutureTimeout:
             self.close(f"no answer to {OP_NAMES.get(op, op)} from {self.path} within {limit:.1f} s")
-            resp = fut.result(5.0)  # failed by the close, or answered just before it
-        return decode_response(op, resp.op, resp.payload)
+            return fut.result(5.0)  # failed by the close, or answered just before it
+
+    def post(self, op: int, payload: bytes) -> bool:
+        """Sends one request frame whose answer nobody waits for (the reader
+        drops it, and closes any descriptor that comes with it). Takes no
+        in-flight slot. ``False`` when the connection is gone or the send
+        failed; never raises for that."""
+        with self._lock:
+            if self._dead is not None:
+                return False
+            rid = next(self._ids)
+        try:
+            with self._send_lock:
+                self._sock.sendall(encode_frame(op, rid, payload))
+        except OSError:
+            return False
+        return True
+
+    def start_releaser(self) -> None:
+        """Starts the thread that sends what :meth:`release_later` queues
+        (once; :class:`kvtier.leases.Leases` starts it with the first lease)."""
+        with self._lock:
+            if self._releaser is None and self._dead is None:
+                self._releaser = threading.Thread(target=self._release_loop, name="kvtier-releaser", daemon=True)
+                self._releaser.start()
+
+    def release_later(self, ids: Sequence[int]) -> None:
+        """Queues a ``RELEASE`` of ``ids`` for the releaser thread, without
+        waiting for anything: safe from a finalizer (``__del__``) on any
+        thread. Nothing is sent once the connection is gone (its leases
+        ended with it)."""
+        if ids and self._dead is None:
+            self._releases.put(list(ids))
+
+    def _release_loop(self) -> None:
+        while True:
+            ids = self._releases.get()
+            if ids is None:  # the connection is gone
+                return
+            stop = False
+            while not stop:  # what else is queued goes in the same frames
+                try:
+                    more = self._releases.get_nowait()
+                except queue.Empty:
+                    break
+                stop = more is None
+                ids += more or []
+            for start in range(0, len(ids), MAX_ITEMS):
+                if not self.post(OP_RELEASE, encode_release(ids[start : start + MAX_ITEMS])):
+                    return
+            if stop:
+                return
 
     def call(self, op: int, payload: bytes, *, fd: int | None = None, timeout_s: float | None = None) -> memoryview:
         """:meth:`request` and :meth:`wait`: the response body."""
@@ -546,6 +456,45 @@ class LocalConnection:
     def prefetch(self, keys: Sequence[str]) -> tuple[int, int]:
         """``PREFETCH``: ``(requested, found locally)``."""
         return decode_prefetched(self.call(OP_PREFETCH, encode_keys(keys)))
+
+    def map_arena(self, arena: int) -> tuple[int, tuple[int, int, int, int]]:
+        """``MAP_ARENA`` (version 3): ``(fd, (file_bytes, slot_bytes, slots,
+        generations_offset))``. ``fd`` is a read-only descriptor of arena
+        ``arena``'s sealed memfd, now the caller's to map
+        (``mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)``) and
+        close. :class:`kvtier.leases.ArenaMaps` does both.
+
+        Raises:
+            LeasesOffError: the server offers no leases (its reason).
+            ProtocolError: ``NOT_FOUND`` for an unknown arena, an answer
+                without exactly one descriptor, or a short body.
+            UnsupportedVersionError: the connection did not choose version 3.
+        """
+        body, fds = self.wait_fds(self.request(OP_MAP_ARENA, encode_map_arena(arena)), OP_MAP_ARENA)
+        try:
+            if len(fds) != 1:
+                raise _bad_answer(f"MAP_ARENA {arena} came with {len(fds)} descriptors; it brings one")
+            return fds[0], decode_arena(body)
+        except BaseException:
+            _close_fds(fds)
+            raise
+
+    def lease(self, keys: Sequence[str]) -> list[tuple[int, int, int, int, int, int]]:
+        """``LEASE`` (version 3) of up to 4,096 keys: per key ``(result, tier,
+        arena, offset, generation, lease)`` (:func:`decode_leases`).
+        :meth:`kvtier.Client.lease` is the form that maps and releases.
+
+        Raises:
+            LeasesOffError: the server offers no leases (its reason).
+            UnsupportedVersionError: the connection did not choose version 3.
+        """
+        self.start_releaser()
+        return decode_leases(self.call(OP_LEASE, encode_keys(keys)), len(keys))
+
+    def release(self, ids: Sequence[int]) -> int:
+        """``RELEASE`` of up to 4,096 lease ids: how many the connection still
+        held (the others had ended, or were never its)."""
+        return decode_released(self.call(OP_RELEASE, encode_release(ids)))
 
     def __enter__(self) -> LocalConnection:
         return self

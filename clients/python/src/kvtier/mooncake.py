@@ -21,6 +21,12 @@ registered memory, which must be backed by a shared file (see
 :mod:`kvtier.shm`). Over HTTP the same calls work by copying through the
 HTTP client (``register_buffer`` only records the region), so connector code
 does not depend on the transport.
+
+Mooncake's ``get_buffer``/``batch_get_buffer`` answer a :class:`BufferHandle`
+(``ptr()``, ``size()``): here a lease of the block where it lies in the
+server's RAM tier (docs/LOCAL.md, "Leases"; no copy, read-only), and a copy
+where there is no lease to be had (HTTP, a server without leases, a block
+served from the GPU tier or S3).
 """
 
 from __future__ import annotations
@@ -32,10 +38,19 @@ from typing import Any
 from . import codes
 from ._link import Link
 from ._transport import Parts, Span
-from .errors import InvalidKeyError, InvalidTagError
+from .errors import (
+    GeometryMismatchError,
+    InvalidKeyError,
+    InvalidTagError,
+    KvtierError,
+    LeasesOffError,
+    UnauthorizedError,
+    UnsupportedVersionError,
+)
 from .keys import check_key
+from .leases import Leases
 from .local import MAX_PARTS, OP_GET_INTO, OP_GET_INTO_V, OP_PUT_FROM, OP_PUT_FROM_V
-from .shm import buffer_address
+from .shm import _view_address, buffer_address
 from .tag import BlockTag, tags_for
 
 log = logging.getLogger("kvtier.local")
@@ -232,13 +247,73 @@ class MooncakeStore:
         (a bad key, or the request failed)."""
         return self._link.current().exist_codes(keys)
 
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The block under ``key`` in a :class:`BufferHandle`, as Mooncake's
+        ``get_buffer``: leased in the server's RAM tier (no copy; the handle
+        holds the lease until :meth:`BufferHandle.release` or its
+        collection), else copied. ``None`` on a miss, a bad key, or a
+        failed request (logged), as Mooncake answers.
+
+        Raises:
+            GeometryMismatchError, UnauthorizedError: the server refused the
+                client (configuration, not this key's fate).
+        """
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """:meth:`get_buffer` of each key, the leases in one batch (one
+        ``LEASE`` per 4,096 keys); each handle holds its own lease.
+
+        Raises:
+            GeometryMismatchError, UnauthorizedError: as :meth:`get_buffer`.
+        """
+        out: list[BufferHandle | None] = [None] * len(keys)
+        good = []
+        for i, key in enumerate(keys):
+            try:
+                check_key(key)
+                good.append(i)
+            except (InvalidKeyError, TypeError):
+                log.warning("kvtier: get_buffer of a bad key %r", key)
+        transport = self._link.current()
+        copied: list[int] = []
+        try:
+            leases = transport.lease([keys[i] for i in good])
+        except (LeasesOffError, UnsupportedVersionError) as e:
+            log.debug("kvtier: get_buffer copies (no leases: %s)", e)
+            copied = good
+        except (GeometryMismatchError, UnauthorizedError):
+            raise
+        except KvtierError as e:
+            log.warning("kvtier: get_buffer of %d keys failed: %s", len(good), e)
+            return out
+        else:
+            for j, i in enumerate(good):
+                view = leases.views[j]
+                if view is not None:
+                    out[i] = BufferHandle(view, leases, j)
+                elif leases.results[j] == codes.NOT_IN_RAM:
+                    copied.append(i)
+        if copied:
+            try:
+                blocks = transport.get_many([keys[i] for i in copied])
+            except (GeometryMismatchError, UnauthorizedError):
+                raise
+            except KvtierError as e:
+                log.warning("kvtier: get_buffer of %d keys failed: %s", len(copied), e)
+                return out
+            for i, data in zip(copied, blocks, strict=True):
+                out[i] = None if data is None else BufferHandle(memoryview(data))
+        return out
+
     def local_stats(self) -> dict[str, Any]:
         """The client's view of the same-host plane: ``transport``, ``socket``,
         the server's ``epoch``, ``registrations`` (count) and ``buffers``
         (``ptr``, ``size``, ``access``: 1 mapped, 2 file I/O, 3 guarded, 0 over HTTP),
         ``bounce_copies`` and ``bounce_bytes`` (items copied through the
         staging area, and their bytes), ``reconnects``,
-        ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``."""
+        ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``,
+        ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases)."""
         transport = self._link.current()
         socket, epoch, counters = transport.plane()
         regions = self._regions.all()
@@ -367,6 +442,85 @@ class MooncakeStore:
                 return codes.OUT_OF_BOUNDS
         total = sum(sizes)
         return codes.OK if (total >= bb if get else total == bb) else codes.WRONG_SIZE
+
+
+class BufferHandle:
+    """One block from :meth:`MooncakeStore.get_buffer`, as Mooncake's
+    ``BufferHandle``: :meth:`ptr` (its address), :meth:`size` and ``len()``,
+    and its bytes as :attr:`memoryview` (also the buffer protocol, on Python
+    3.12 and later: ``memoryview(handle)``, ``numpy.frombuffer(handle)``).
+
+    A leased handle (:attr:`leased`) is the block in the server's RAM tier,
+    mapped read-only: never write through :meth:`ptr` (the pages are
+    ``PROT_READ``; a write kills the process), and check :meth:`valid` after
+    reading, as a lease ends ``lease_ms`` after it was granted. It holds its
+    lease until :meth:`release` or until it is collected. Any other handle
+    holds a copy, always valid.
+    """
+
+    def __init__(self, view: memoryview, leases: Leases | None = None, index: int = 0) -> None:
+        self._view: memoryview | None = view
+        self._leases = leases
+        self._index = index
+        self._size = view.nbytes
+
+    @property
+    def leased(self) -> bool:
+        """Whether the handle is a lease (else a copy)."""
+        return self._leases is not None
+
+    @property
+    def memoryview(self) -> memoryview:
+        """The block's bytes, read-only.
+
+        Raises:
+            ValueError: the handle was released.
+        """
+        if self._view is None:
+            raise ValueError("the BufferHandle was released")
+        return self._view
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return self.memoryview
+
+    def ptr(self) -> int:
+        """The address of the block's first byte in this process (read-only memory).
+
+        Raises:
+            ValueError: the handle was released.
+        """
+        return _view_address(self.memoryview)
+
+    def size(self) -> int:
+        """The block's bytes (``block_bytes``)."""
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def valid(self) -> bool:
+        """Whether the bytes are still the block's: a copy always is; a lease
+        while its slot's generation is the lease's (check after reading)."""
+        if self._view is None:
+            return False
+        return self._leases is None or self._leases.valid(self._index)
+
+    def release(self, *, wait: bool = True) -> None:
+        """Ends the handle's lease (a copy is dropped). Idempotent."""
+        self._view = None
+        leases, self._leases = self._leases, None
+        if leases is not None:
+            leases._release([self._index], wait=wait)
+
+    def __del__(self) -> None:
+        try:
+            self.release(wait=False)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._view is None else ("leased" if self._leases is not None else "copied")
+        return f"BufferHandle({self._size} bytes, {state})"
 
 
 #: A tag :meth:`MooncakeStore._tags` found broken (its item fails alone).
