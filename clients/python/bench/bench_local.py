@@ -106,7 +106,9 @@ def _prepare(cmd: dict[str, Any], state: dict[str, Any]) -> tuple[Any, int]:
         elif case in ("lease_view", "lease_copy", "staged_get"):
             import numpy as np
 
-            client = kvtier.Client(cmd["url"])
+            # staged: the client's staging area, as before leases (its
+            # default reads such buffers from a lease, as lease_copy does).
+            client = kvtier.Client(cmd["url"], lease_reads=case != "staged_get")
             # The consumer's own memory: anonymous, not registrable.
             state[cache_key] = (client, [np.empty(bs, dtype=np.uint8) for _ in range(batch)])
         elif case in ("http_get", "http_put"):
@@ -421,6 +423,9 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
 
     lease_view  LEASE + a read-only numpy view of each block (in place)
     unix        GET_INTO a registered SharedBuffer (one copy, on the server)
+    unix_private  the same from a server with ``--ram-shared off`` (the
+                hidden cost of a shared arena: 4 KiB pages where shared memory
+                gets no transparent huge pages)
     lease_copy  LEASE + ``copy_into`` the consumer's own anonymous buffer,
                 then the generation check (one copy, in the client)
     staged      ``get_many_into`` the same anonymous buffers: GET_INTO the
@@ -433,18 +438,21 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
         blocks = max(4 * args.batch, args.ram_working_set_mib * MIB // bs)
         keys = [f"lease-{bs}-{i}" for i in range(blocks)]
         ws_gb = blocks * bs / (1 << 30)
-        with ServerProcess(
-            block_bytes=bs,
-            ram_gb=ws_gb * 1.25 + 0.25,
-            disk_gb=ws_gb * 2 + 1,
-            data_dir=None,
-            args=("--ram-shared", "on"),
-        ) as server:
+        sized = {"block_bytes": bs, "ram_gb": ws_gb * 1.25 + 0.25, "disk_gb": ws_gb * 2 + 1}
+        with (
+            ServerProcess(**sized, args=("--ram-shared", "on")) as server,
+            ServerProcess(**sized, args=("--ram-shared", "off")) as private,
+        ):
             bp.store_blocks(server, keys, bs)
+            bp.store_blocks(private, keys, bs)
             base = {"block_bytes": bs, "batch": args.batch, "keys": keys, "url": server.unix_url}
             cases = {
                 "lease_view": {**base, "case": "lease_view"},
                 "unix": {**base, "case": "unix_get"},
+                # The hidden cost: GET_INTO from a RAM tier that is not a
+                # shared file (anonymous memory, as --ram-shared auto makes
+                # it where shared memory gets no huge pages).
+                "unix_private": {**base, "case": "unix_get", "url": private.unix_url, "server": "private"},
                 "lease_copy": {**base, "case": "lease_copy"},
                 "staged": {**base, "case": "staged_get"},
                 "copyto": {**base, "case": "copyto"},
@@ -453,7 +461,8 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
                 runs: dict[str, list] = {name: [] for name in cases}
                 for _ in range(args.pairs):
                     for name, cmd in cases.items():
-                        runs[name].append(workers.run(procs, cmd, args.seconds, server.pid))
+                        pid = private.pid if cmd.get("server") == "private" else server.pid
+                        runs[name].append(workers.run(procs, cmd, args.seconds, pid))
                 row: dict[str, Any] = {
                     "block_bytes": bs,
                     "processes": procs,
@@ -463,6 +472,7 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
                 for name, rs in runs.items():
                     row[name] = _median(rs)
                 rate = {n: row[n]["bytes_per_s"] for n in cases}
+                row["shared_over_private"] = rate["unix"] / rate["unix_private"]
                 row["lease_over_unix"] = rate["lease_view"] / rate["unix"]
                 row["lease_copy_over_staged"] = rate["lease_copy"] / rate["staged"]
                 row["lease_copy_over_copyto"] = rate["lease_copy"] / rate["copyto"]
@@ -486,7 +496,8 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
                 print(
                     f"{label}: {rates} GB/s; lease/unix {row['lease_over_unix']:.1f}, "
                     f"lease_copy/staged {row['lease_copy_over_staged']:.2f}, "
-                    f"lease_copy/copyto {row['lease_copy_over_copyto']:.2f}; "
+                    f"lease_copy/copyto {row['lease_copy_over_copyto']:.2f}, "
+                    f"GET_INTO shared/private arena {row['shared_over_private']:.2f}; "
                     f"cpu s/GB client·server {cpu}",
                     flush=True,
                 )
@@ -846,14 +857,19 @@ def markdown(summary: dict[str, Any]) -> str:
         "through the client's staging):",
         "",
         _row(
-            "block", "procs", "lease_view", "unix", "lease_copy", "staged", "copyto",
-            "lease_view/unix", "lease_copy/staged", "lease_copy/copyto", "server CPU/GB lease_view · unix",
+            "block", "procs", "lease_view", "unix", "unix (private arena)", "lease_copy", "staged", "copyto",
+            "lease_view/unix", "lease_copy/staged", "lease_copy/copyto", "unix shared/private",
+            "server CPU/GB lease_view · unix",
         ),
-        _row("---", *["---:"] * 10),
+        _row("---", *["---:"] * 12),
     ]  # fmt: skip
     for r in summary["lease"]:
-        rates = [_gbps(r[n]["bytes_per_s"]) for n in ("lease_view", "unix", "lease_copy", "staged", "copyto")]
-        ratios = [f"{r[k]:.2f}" for k in ("lease_over_unix", "lease_copy_over_staged", "lease_copy_over_copyto")]
+        names = ("lease_view", "unix", "unix_private", "lease_copy", "staged", "copyto")
+        rates = [_gbps(r[n]["bytes_per_s"]) for n in names]
+        ratios = [
+            f"{r[k]:.2f}"
+            for k in ("lease_over_unix", "lease_copy_over_staged", "lease_copy_over_copyto", "shared_over_private")
+        ]
         cpu = f"{r['lease_view']['server_cpu_s_per_gb']:.4f} · {r['unix']['server_cpu_s_per_gb']:.4f}"
         out.append(_row(_size(r["block_bytes"]), r["processes"], *rates, *ratios, cpu))
     out += ["", "Goals:", "", _row("goal", "measured", "target", ""), _row("---", "---:", "---:", "---")]

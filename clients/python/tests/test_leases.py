@@ -618,3 +618,35 @@ def test_a_block_that_cannot_land_in_a_pinned_full_ram_tier_is_not_in_ram():
                 handle = c.get_buffer(keys[0])
                 assert handle is not None and not handle.leased and bytes(handle.memoryview) == block(300)
                 assert all(pinned.valid(i) for i in range(cap))
+
+
+def test_reads_into_unregistered_memory_copy_from_a_lease_or_through_staging(lserver: ServerProcess):
+    """``get_many_into`` of buffers no registration holds: by default one
+    copy from a lease (``lease_copies``), byte-exact; a key that is only on
+    NVMe is read into RAM and leased too; ``lease_reads=False`` takes the
+    staging area (``bounce_copies``); a miss stays a miss either way."""
+    keys = [f"lr-{i}" for i in range(6)]
+    with kvtier.Client(lserver.unix_url, timeout_s=30) as c:
+        c.put_many([(k, block(7000 + i)) for i, k in enumerate(keys)])
+        # Push the first keys out of RAM: NVMe only.
+        churn(c, "lr-churn", ram_capacity(c) + 16, seed=7100)
+        assert tiers(lserver.socket_path, keys[:1]) == [3], "the first key is on NVMe only"
+        bufs = [np.zeros(BB, dtype=np.uint8) for _ in range(len(keys) + 1)]
+        before = c.local_stats()
+        found = c.get_many_into([*keys, "lr-missing"], bufs)
+        after = c.local_stats()
+        assert found == [True] * len(keys) + [False]
+        for i, k in enumerate(keys):
+            assert bufs[i].tobytes() == block(7000 + i), k
+        assert after["lease_copies"] - before.get("lease_copies", 0) == len(keys)
+        assert after.get("bounce_copies", 0) == before.get("bounce_copies", 0), "no staging copy"
+        assert wait_for(lambda: stats_leases(c)["open"] == 0), "every lease released"
+    with kvtier.Client(lserver.unix_url, timeout_s=30, lease_reads=False) as c:
+        bufs = [np.zeros(BB, dtype=np.uint8) for _ in keys]
+        before = c.local_stats()
+        assert c.get_many_into(keys, bufs) == [True] * len(keys)
+        after = c.local_stats()
+        assert after["bounce_copies"] - before.get("bounce_copies", 0) == len(keys)
+        assert after.get("lease_copies", 0) == before.get("lease_copies", 0)
+        for i, k in enumerate(keys):
+            assert bufs[i].tobytes() == block(7000 + i), k

@@ -532,7 +532,18 @@ class HttpTransport(Transport):
 
     def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
         """No socket, no epoch, nothing bounced."""
-        return None, None, {"bounce_copies": 0, "bounce_bytes": 0, "reconnects": 0, "arenas_mapped": 0}
+        return (
+            None,
+            None,
+            {
+                "bounce_copies": 0,
+                "bounce_bytes": 0,
+                "lease_copies": 0,
+                "lease_bytes": 0,
+                "reconnects": 0,
+                "arenas_mapped": 0,
+            },
+        )
 
 
 __all__ = [

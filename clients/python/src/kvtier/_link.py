@@ -27,7 +27,7 @@ class Link:
         http_host: ``(host, port)`` of the HTTP API, if known.
         mode: ``"off"``, ``"auto"`` or ``"on"`` (``"on"`` for a ``unix://`` url).
         token, connections, timeout_s, retries: as :class:`kvtier.Client` takes them.
-        expect: ``(expect_block_bytes, expect_model, staging_blocks)``.
+        expect: ``(expect_block_bytes, expect_model, staging_blocks, lease_reads)``.
     """
 
     def __init__(
@@ -41,7 +41,7 @@ class Link:
         connections: int,
         timeout_s: float,
         retries: int,
-        expect: tuple[int | None, str | None, int],
+        expect: tuple[int | None, str | None, int, bool],
     ) -> None:
         self.url, self.socket_path, self.mode = url, socket_path, mode
         self.token, self.timeout_s, self.expect = token, timeout_s, expect

@@ -202,7 +202,7 @@ class LocalSession:
         self.counters = dict.fromkeys(
             ("reconnects", "registrations_renewed", "retries_after_loss", "retries_overloaded"), 0
         )
-        self.counters.update(bounce_copies=0, bounce_bytes=0)
+        self.counters.update(bounce_copies=0, bounce_bytes=0, lease_copies=0, lease_bytes=0)
         self._count_lock = threading.Lock()
 
     def count(self, name: str, n: int = 1) -> None:

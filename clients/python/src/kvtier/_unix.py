@@ -27,7 +27,9 @@ from .errors import (
     InvalidKeyError,
     InvalidTagError,
     KvtierError,
+    LeasesOffError,
     UnauthorizedError,
+    UnsupportedVersionError,
     error_from_code,
 )
 from .keys import check_key
@@ -49,7 +51,7 @@ def open_local(
     stats: Callable[[], dict[str, Any]],
     token: str | None,
     timeout_s: float,
-    expect: tuple[int | None, str | None, int],
+    expect: tuple[int | None, str | None, int, bool],
     regions: Regions,
 ) -> tuple[UnixTransport | None, str | None]:
     """Chooses a client's transport: ``(transport, "unix")`` or ``(None, "http")``;
@@ -61,7 +63,7 @@ def open_local(
     ``local.socket`` of ``stats()`` is tried once now; ``"auto"`` stays on HTTP
     when there is none or its connect or hello fails, ``"on"`` raises.
     ``token``, ``timeout_s`` and ``expect`` (block bytes, model, staging
-    blocks) are the client's; ``regions`` its table of registered buffers.
+    blocks, lease reads) are the client's; ``regions`` its table of registered buffers.
 
     Raises:
         GeometryMismatchError: the hello found another geometry (both modes).
@@ -103,7 +105,7 @@ def open_local(
                 raise
             log.warning("kvtier: the local socket %s is not usable (%s); blocks go over HTTP", path, e)
             return None, "http"
-    return UnixTransport(session, regions), "unix"
+    return UnixTransport(session, regions, lease_reads=expect[3]), "unix"
 
 
 def _encoded(tags: Sequence[BlockTag | None] | None, n: int) -> list[bytes | int]:
@@ -130,11 +132,15 @@ class UnixTransport(Transport):
 
     name = "unix"
 
-    def __init__(self, session: LocalSession, regions: Regions) -> None:
+    def __init__(self, session: LocalSession, regions: Regions, *, lease_reads: bool = True) -> None:
         self.session = session
         self.regions = regions
         self.arenas = ArenaMaps()
         """The server's RAM-tier arenas this client mapped for leases."""
+        self.lease_reads = lease_reads
+        """Read blocks bound for unregistered memory from a lease (one copy)
+        where the server offers leases; turned off for good once it says it
+        offers none."""
 
     def info(self) -> dict[str, Any]:
         """The server's hello answer (connects if needed)."""
@@ -213,6 +219,8 @@ class UnixTransport(Transport):
             results = self.session.transfer(op, [keys[i] for i in direct], placed, tags_of(direct))
             for i, result in zip(direct, results, strict=True):
                 out[i] = result
+        if bounced and op == OP_GET_INTO and self.lease_reads:
+            bounced = self._get_by_lease(keys, spans, bounced, out, bb)
         if bounced:
             counters = self.session
             if op == OP_GET_INTO:
@@ -238,6 +246,42 @@ class UnixTransport(Transport):
             for i, result in zip(bounced, results, strict=True):
                 out[i] = result
         return out
+
+    def _get_by_lease(
+        self, keys: Sequence[str], spans: Sequence[Span], idx: list[int], out: list[tuple[int, int]], bb: int
+    ) -> list[int]:
+        """Reads ``keys[i]`` for each ``i`` of ``idx`` into its unregistered
+        span by leasing the block and copying it from kvtier's RAM tier (one
+        copy, here; docs/LOCAL.md "Leases"), checking the lease's generation
+        after the copy. Sets ``out[i]`` for the keys it settled (read, or a
+        miss) and returns the others, for the staging path: keys not in RAM
+        (``NOT_IN_RAM``), over the lease limit, or whose lease ended before
+        the copy was checked."""
+        try:
+            leases = self.lease([keys[i] for i in idx])
+        except (LeasesOffError, UnsupportedVersionError) as e:
+            log.info("kvtier: reads into unregistered memory go through the staging buffer: %s", e)
+            self.lease_reads = False
+            return idx
+        except KvtierError:
+            return idx
+        rest: list[int] = []
+        with leases:
+            for j, i in enumerate(idx):
+                result = leases.results[j]
+                if result in (codes.NOT_FOUND, codes.CORRUPT):
+                    out[i] = (result, 0)
+                    continue
+                span = spans[i]
+                assert not isinstance(span, int)
+                dest = memoryview((ctypes.c_char * bb).from_address(span[0])).cast("B")
+                if result < 0 or not leases.copy_into(j, dest):
+                    rest.append(i)
+                    continue
+                out[i] = (bb, leases.tier_codes[j])
+                self.session.count("lease_copies")
+                self.session.count("lease_bytes", bb)
+        return rest
 
     def exist_codes(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier), 0 (not), -1 (a bad key, or the

@@ -58,6 +58,12 @@ class Client:
             for; a server with another raises :class:`~kvtier.GeometryMismatchError`.
         staging_blocks: block-sized slots of the socket's staging area, for
             buffers outside every registered one (created on first use).
+        lease_reads: over the socket, read a block bound for a buffer outside
+            every registered one by leasing it and copying it from kvtier's
+            RAM tier (one copy, checked against the lease's generation;
+            docs/LOCAL.md "Leases") where the server offers leases, instead
+            of through the staging area (two copies). Blocks not in RAM, and
+            servers without leases, take the staging area.
 
     Over the socket every method works as over HTTP; :meth:`stats` goes to
     the HTTP address of ``?http=`` or of the server's hello, and
@@ -84,6 +90,7 @@ class Client:
         expect_block_bytes: int | None = None,
         expect_model: str | None = None,
         staging_blocks: int = 8,
+        lease_reads: bool = True,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         socket_path, http_host = None, None
@@ -119,7 +126,7 @@ class Client:
             connections=connections,
             timeout_s=timeout_s,
             retries=retries,
-            expect=(expect_block_bytes, expect_model, staging_blocks),
+            expect=(expect_block_bytes, expect_model, staging_blocks, lease_reads),
         )
         self.mooncake = MooncakeStore(self._link)
         """Mooncake Store's buffer calls on this client's transports."""

@@ -247,6 +247,9 @@ class Leases:
         self.block_bytes = block_bytes
         self.results = [r for r, *_ in items]
         self.tiers: list[str | None] = [codes.TIER_NAMES.get(t, str(t)) if t else None for _, t, *_ in items]
+        self.tier_codes = [t for _, t, *_ in items]
+        """Per key the tier's wire number (docs/LOCAL.md: 0 none, 1 gpu, 2 ram,
+        3 nvme, 4 s3)."""
         self.ids = [lease if r >= 0 else 0 for r, _, _, _, _, lease in items]
         self.generations = [g if r >= 0 else 0 for r, _, _, _, g, _ in items]
         self._offsets = [o for _, _, _, o, _, _ in items]
@@ -360,9 +363,10 @@ class Leases:
         """
         return self._release(range(len(self.keys)), wait=True)
 
-    def _release(self, indices: Sequence[int] | range, *, wait: bool) -> int:
+    def _release(self, indices: Sequence[int] | range, *, wait: bool | str) -> int:
         """Ends the leases of ``indices`` still held; ``wait=False`` queues
-        the ``RELEASE`` for the connection's releaser thread (a finalizer's way)."""
+        the ``RELEASE`` for the connection's releaser thread (a finalizer's
+        way), ``wait="post"`` sends it without waiting for its answer."""
         with self._lock:
             ids = [self.ids[i] for i in indices if self.ids[i] and self.views[i] is not None]
             for i in indices:
@@ -380,7 +384,11 @@ class Leases:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        # Sent, not waited for: the answer only counts, and the leases end
+        # on the server whether or not this thread waits (one round trip
+        # less per batch; a refused RELEASE is logged by nobody but harms
+        # nothing: the leases then end at --lease-ms or with the connection).
+        self._release(range(len(self.keys)), wait="post")
 
     def __del__(self) -> None:
         try:
@@ -394,11 +402,13 @@ class Leases:
         return f"Leases({len(self.keys)} keys, {held} held)"
 
 
-def release_ids(conn: LocalConnection, ids: Sequence[int], *, wait: bool = True) -> int:
+def release_ids(conn: LocalConnection, ids: Sequence[int], *, wait: bool | str = True) -> int:
     """``RELEASE`` of lease ids on ``conn``, 4,096 per request: how many the
     server still held. ``wait=False`` queues them for the connection's
     releaser thread and answers 0 at once (a finalizer's way: it neither
-    sends nor waits). Nothing is sent on a closed connection (its leases ended).
+    sends nor waits); ``wait="post"`` sends them and answers 0 without
+    waiting for the answers. Nothing is sent on a closed connection (its
+    leases ended).
 
     Raises:
         KvtierError: the server refused a ``RELEASE`` (not a lost connection).
@@ -409,6 +419,10 @@ def release_ids(conn: LocalConnection, ids: Sequence[int], *, wait: bool = True)
         conn.release_later(ids)
         return 0
     chunks = [ids[k : k + MAX_ITEMS] for k in range(0, len(ids), MAX_ITEMS)]
+    if wait == "post":
+        for chunk in chunks:
+            conn.post(OP_RELEASE, encode_release(chunk))
+        return 0
     released = 0
     try:
         futures = [conn.request(OP_RELEASE, encode_release(chunk)) for chunk in chunks]

@@ -311,7 +311,9 @@ class MooncakeStore:
         the server's ``epoch``, ``registrations`` (count) and ``buffers``
         (``ptr``, ``size``, ``access``: 1 mapped, 2 file I/O, 3 guarded, 0 over HTTP),
         ``bounce_copies`` and ``bounce_bytes`` (items copied through the
-        staging area, and their bytes), ``reconnects``,
+        staging area, and their bytes), ``lease_copies`` and ``lease_bytes``
+        (items read into unregistered memory by a copy from a lease, and
+        their bytes), ``reconnects``,
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``,
         ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases)."""
         transport = self._link.current()
