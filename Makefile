@@ -15,7 +15,7 @@
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
 #   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
-#   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; replay over both (target/bench/local/)
+#   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; leases; replay over both (target/bench/local/)
 #   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
