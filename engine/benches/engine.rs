@@ -233,6 +233,7 @@ fn main() {
             snapshot_secs: 0,
             ram_bytes: 0,
             ram_shared: Default::default(),
+            shared_index: false,
             write_policy: kvtier_engine::WritePolicy::Through,
             promote: false,
             gpu: Default::default(),

@@ -53,6 +53,7 @@ pub mod latency;
 pub mod lru;
 pub mod pool;
 pub mod populate;
+pub mod presence;
 pub mod ram;
 pub mod recover;
 pub mod remote;

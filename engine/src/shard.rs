@@ -220,6 +220,10 @@ impl Shard {
         if let Some(gpu) = &gpu {
             gpu.set_journal(residency.journal(Medium::Gpu));
         }
+        if cfg.shared_index {
+            let listed = capacity_blocks as u64 + u64::from(cfg.ram_blocks) + gpu.as_ref().map_or(0, |g| g.capacity_blocks());
+            residency.set_presence(crate::presence::PresenceTable::new(listed, cfg.shard_id, cfg.shards, &cfg.dir)?);
+        }
         let mut index = Index::new(capacity_blocks.min(1 << 20), slots_per_segment);
         index.set_journal(residency.journal(Medium::Nvme));
         let remote = cfg.remote.as_ref().map(|r| r.for_shard(cfg.shard_id as usize));

@@ -278,6 +278,13 @@ impl Store {
         leased
     }
 
+    /// The presence table of shard `shard` ([`crate::presence`]), when the
+    /// store keeps them (`shared_index`) and that shard is open.
+    pub fn presence_table(&self, shard: usize) -> Option<Arc<crate::presence::PresenceTable>> {
+        let dir = self.shard.cfg.dir.with_file_name(format!("shard-{shard:03}"));
+        crate::presence::presence_table(&dir)
+    }
+
     /// Whether this store can lease blocks: `Err` says why not (no RAM
     /// tier, or one clients cannot map). Every shard's RAM tier is made
     /// alike, so this shard answers for all.

@@ -34,6 +34,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         snapshot_secs: 0,
         ram_bytes: 0,
         ram_shared: Default::default(),
+        shared_index: false,
         write_policy: kvtier_engine::WritePolicy::Through,
         promote: false,
         gpu: Default::default(),

@@ -282,9 +282,9 @@ pub fn local_frames(data: &[u8]) {
                     check_spans(&items, &regions);
                 }
             }
-            Op::MapArena => {
+            Op::MapArena | Op::MapIndex => {
                 if let Ok(arena) = proto::decode_map_arena(payload) {
-                    assert_eq!(proto::encode_map_arena(arena), payload, "a MAP_ARENA request does not round-trip");
+                    assert_eq!(proto::encode_map_arena(arena), payload, "a MAP_ARENA or MAP_INDEX request does not round-trip");
                 }
             }
             Op::Release => {

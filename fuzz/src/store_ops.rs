@@ -217,6 +217,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         snapshot_secs: 0,
         ram_bytes: shards as u64 * (setup.ram_blocks % 4) as u64 * block_bytes,
         ram_shared: Default::default(),
+        shared_index: false,
         write_policy: kvtier_engine::WritePolicy::Through,
         promote: setup.promote,
         gpu: Default::default(),

@@ -1,6 +1,7 @@
 //! The payloads of the lease ops (docs/LOCAL.md, "Leases"): `MAP_ARENA`,
 //! `LEASE` (its request is a key list, [`crate::decode_keys`]) and
-//! `RELEASE`.
+//! `RELEASE`; and `MAP_INDEX` ("The shared index"), whose request is a
+//! u32 shard as `MAP_ARENA`'s is a u32 arena.
 
 use crate::{Code, Cursor, LEASE_ITEM_BYTES};
 
@@ -16,6 +17,38 @@ pub struct ArenaAnswer {
     pub slots: u32,
     /// Offset of slot 0's u64 generation.
     pub generations_offset: u64,
+}
+
+/// A shard's presence table (`MAP_INDEX`'s answer; the layout is the
+/// engine's `presence` module and docs/LOCAL.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexAnswer {
+    /// Bytes to map from offset 0.
+    pub file_bytes: u64,
+    /// Buckets in the table (a power of two).
+    pub buckets: u32,
+    /// The store's shard count (a key's shard: its block hash mod this).
+    pub shards: u32,
+}
+
+/// `MAP_INDEX` answer body (the descriptor travels beside it).
+pub fn encode_index(a: &IndexAnswer) -> Vec<u8> {
+    let mut b = Vec::with_capacity(16);
+    b.extend_from_slice(&a.file_bytes.to_le_bytes());
+    b.extend_from_slice(&a.buckets.to_le_bytes());
+    b.extend_from_slice(&a.shards.to_le_bytes());
+    b
+}
+
+/// Decodes a `MAP_INDEX` answer body.
+///
+/// # Errors
+/// Names the field the body ends in, or the bytes left over.
+pub fn decode_index(body: &[u8]) -> Result<IndexAnswer, String> {
+    let mut c = Cursor::new(body);
+    let a = IndexAnswer { file_bytes: c.u64("file_bytes")?, buckets: c.u32("buckets")?, shards: c.u32("shards")? };
+    c.end()?;
+    Ok(a)
 }
 
 /// One key's `LEASE` answer.
@@ -154,6 +187,8 @@ mod tests {
         let a = ArenaAnswer { file_bytes: 6 << 20, slot_bytes: 65_536, slots: 64, generations_offset: 4 << 20 };
         assert_eq!(decode_arena(&encode_arena(&a)), Ok(a));
         assert_eq!(decode_map_arena(&encode_map_arena(7)), Ok(7));
+        let i = IndexAnswer { file_bytes: 4096 + 64 * 32, buckets: 64, shards: 2 };
+        assert_eq!(decode_index(&encode_index(&i)), Ok(i));
         assert_eq!(decode_map_arena(&[1, 2, 3]).unwrap_err().0, Code::BadRequest);
         let items = [
             LeaseItem { result: 65_536, tier: 2, arena: 1, offset: 131_072, generation: 3, lease: 9 },

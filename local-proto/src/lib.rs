@@ -67,11 +67,14 @@ pub enum Op {
     Lease = 13,
     /// 14: end leases.
     Release = 14,
+    /// 15: a shard's presence table's descriptor (`SCM_RIGHTS` in the
+    /// answer).
+    MapIndex = 15,
 }
 
 impl Op {
     /// Every operation, in `op` order (metrics label order).
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::Hello,
         Op::Register,
         Op::Unregister,
@@ -86,6 +89,7 @@ impl Op {
         Op::MapArena,
         Op::Lease,
         Op::Release,
+        Op::MapIndex,
     ];
 
     /// The operation numbered `op`, if known.
@@ -110,6 +114,7 @@ impl Op {
             "MAP_ARENA",
             "LEASE",
             "RELEASE",
+            "MAP_INDEX",
         ][self as usize - 1]
     }
 
@@ -134,7 +139,7 @@ impl Op {
     /// The first protocol version that has the op.
     pub fn since_version(self) -> u32 {
         match self {
-            Op::MapArena | Op::Lease | Op::Release => VERSION_LEASES,
+            Op::MapArena | Op::Lease | Op::Release | Op::MapIndex => VERSION_LEASES,
             _ => 1,
         }
     }
@@ -142,7 +147,7 @@ impl Op {
 
 /// Metrics labels (`/v1/stats` `local.routes`, `kvtier_local_requests`):
 /// op `n` is `ROUTE_NAMES[n - 1]`, then `other` (unknown ops).
-pub const ROUTE_NAMES: [&str; 15] = [
+pub const ROUTE_NAMES: [&str; 16] = [
     "hello",
     "register",
     "unregister",
@@ -157,6 +162,7 @@ pub const ROUTE_NAMES: [&str; 15] = [
     "map_arena",
     "lease",
     "release",
+    "map_index",
     "other",
 ];
 
@@ -442,7 +448,7 @@ mod tests {
             assert_eq!(Op::from_u8(op as u8), Some(op));
         }
         assert_eq!(Op::from_u8(0), None);
-        assert_eq!(Op::from_u8(15), None);
+        assert_eq!(Op::from_u8(16), None);
         assert_eq!((Op::from_u8(12), Op::from_u8(14)), (Some(Op::MapArena), Some(Op::Release)));
         assert_eq!((Op::Lease.since_version(), Op::GetInto.since_version()), (VERSION_LEASES, 1));
         assert_eq!(Op::from_u8(10), Some(Op::GetIntoV));

@@ -16,12 +16,12 @@
 use std::fmt::Write as _;
 
 use kvtier_local_proto::{
-    decode_items, decode_items_v, decode_keys, decode_op_items, encode_arena, encode_deleted, encode_items, encode_items_v, encode_keys,
-    encode_leases, encode_lookup, encode_map_arena, encode_prefetched, encode_register, encode_registered, encode_release, encode_released,
-    encode_results, encode_tagged_items, encode_tagged_items_v, encode_tiers, encode_unregister, failure, frame, next_frame, response,
-    ArenaAnswer, Code, Cursor, Header, Item, ItemV, LeaseItem, Next, Op, Span, TaggedItem, TaggedItemV, HEADER_BYTES, ITEMS_MAX,
-    LEASE_ITEM_BYTES, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX, RESPONSE_BIT, TIER_NAMES, VERSIONS, VERSION_LEASES,
-    VERSION_TAGS,
+    decode_items, decode_items_v, decode_keys, decode_op_items, encode_arena, encode_deleted, encode_index, encode_items, encode_items_v,
+    encode_keys, encode_leases, encode_lookup, encode_map_arena, encode_prefetched, encode_register, encode_registered, encode_release,
+    encode_released, encode_results, encode_tagged_items, encode_tagged_items_v, encode_tiers, encode_unregister, failure, frame,
+    next_frame, response, ArenaAnswer, Code, Cursor, Header, IndexAnswer, Item, ItemV, LeaseItem, Next, Op, Span, TaggedItem, TaggedItemV,
+    HEADER_BYTES, ITEMS_MAX, LEASE_ITEM_BYTES, MAGIC, OP_CONNECTION_ERROR, PARTS_MAX, PAYLOAD_BYTES_MAX, RESPONSE_BIT, TIER_NAMES,
+    VERSIONS, VERSION_LEASES, VERSION_TAGS,
 };
 
 /// A block tag in the engine's binary form (docs/FORMAT.md, "Block tags"):
@@ -375,6 +375,7 @@ fn requests() -> Vec<J> {
         request("PREFETCH", Op::Prefetch as u8, 10, &encode_keys(&prefetch), vec![("keys", keys_json(&prefetch))]),
         request("an op the server does not know (42), empty", 42, 13, &[], vec![]),
         request("MAP_ARENA of arena 1 (version 3)", Op::MapArena as u8, 16, &encode_map_arena(1), vec![("arena", J::n(1u32))]),
+        request("MAP_INDEX of shard 1 (version 3)", Op::MapIndex as u8, 20, &encode_map_arena(1), vec![("shard", J::n(1u32))]),
         request(
             "LEASE of two keys (version 3)",
             Op::Lease as u8,
@@ -393,6 +394,7 @@ fn requests() -> Vec<J> {
 }
 
 fn replies() -> Vec<J> {
+    let index = IndexAnswer { file_bytes: 4096 + 1024 * 32, buckets: 1024, shards: 2 };
     let arena = ArenaAnswer { file_bytes: 6 << 20, slot_bytes: 65_536, slots: 64, generations_offset: 4 << 20 };
     let leases = [
         LeaseItem { result: 65_536, tier: 2, arena: 1, offset: 131_072, generation: 3, lease: 5 },
@@ -527,7 +529,7 @@ fn replies() -> Vec<J> {
             0,
             vec![("requested", J::n(3u32)), ("found", J::n(2u32))],
         ),
-        failed("an unknown op (42)", 42, 13, Code::UnknownOp, "unknown op 42; this server speaks ops 1-14 (docs/LOCAL.md)"),
+        failed("an unknown op (42)", 42, 13, Code::UnknownOp, "unknown op 42; this server speaks ops 1-15 (docs/LOCAL.md)"),
         reply(
             "MAP_ARENA answered (the descriptor comes in SCM_RIGHTS with the first byte)",
             ok(Op::MapArena, 16, 0, &encode_arena(&arena)),
@@ -567,6 +569,14 @@ fn replies() -> Vec<J> {
             )],
         ),
         reply("RELEASE answered: 2 released", ok(Op::Release, 18, 0, &encode_released(2)), 18, 0, 0, vec![("released", J::n(2u32))]),
+        reply(
+            "MAP_INDEX answered (the descriptor comes in SCM_RIGHTS with the first byte)",
+            ok(Op::MapIndex, 20, 0, &encode_index(&index)),
+            20,
+            0,
+            0,
+            vec![("file_bytes", J::n(index.file_bytes)), ("buckets", J::n(index.buckets)), ("shards", J::n(index.shards))],
+        ),
         failed(
             "LEASE where the server offers none",
             Op::Lease as u8,

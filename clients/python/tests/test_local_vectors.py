@@ -65,6 +65,8 @@ def client_payload(vector: dict[str, Any]) -> bytes:
         return local.encode_keys(fields["keys"])
     if op == local.OP_MAP_ARENA:
         return local.encode_map_arena(fields["arena"])
+    if op == local.OP_MAP_INDEX:
+        return local.encode_map_arena(fields["shard"])
     if op == local.OP_RELEASE:
         return local.encode_release(fields["leases"])
     assert op not in local.OP_NAMES, f"no encoder here for {local.OP_NAMES[op]}"
@@ -102,6 +104,8 @@ def client_body(op: int, body: memoryview, fields: dict[str, Any]) -> dict[str, 
         return {"items": [dict(zip(names, item)) for item in local.decode_leases(body, len(fields["items"]))]}
     if op == local.OP_RELEASE:
         return {"released": local.decode_released(body)}
+    if op == local.OP_MAP_INDEX:
+        return dict(zip(("file_bytes", "buckets", "shards"), local.decode_index(body)))
     raise AssertionError(f"no decoder here for op {op}")
 
 

@@ -62,6 +62,10 @@ pub struct Residency {
     /// loop's wake-up).
     pending: crate::signal::Signal,
     has_pending: Cell<bool>,
+    /// The shard's presence table, when clients read it
+    /// ([`crate::presence`]): every arrival and departure in the GPU, RAM
+    /// and NVMe tiers is written there too, tagged block or not.
+    presence: RefCell<Option<Arc<crate::presence::PresenceTable>>>,
 }
 
 impl std::fmt::Debug for Residency {
@@ -80,7 +84,14 @@ impl Residency {
             inner: RefCell::default(),
             pending: crate::signal::Signal::new("a tagged block changed tiers"),
             has_pending: Cell::new(false),
+            presence: RefCell::new(None),
         })
+    }
+
+    /// Writes every later arrival and departure of the local tiers into
+    /// `table` as well.
+    pub fn set_presence(&self, table: Arc<crate::presence::PresenceTable>) {
+        *self.presence.borrow_mut() = Some(table);
     }
 
     /// A journal for the tier `medium` to report its arrivals and
@@ -154,6 +165,18 @@ impl Residency {
     }
 
     fn changed(&self, hash: BlockHash, medium: Medium, held: bool) {
+        if let Some(table) = &*self.presence.borrow() {
+            use crate::presence::PresenceTier;
+            let tier = match medium {
+                Medium::Gpu => Some(PresenceTier::Gpu),
+                Medium::Ram => Some(PresenceTier::Ram),
+                Medium::Nvme => Some(PresenceTier::Nvme),
+                Medium::S3 => None,
+            };
+            if let Some(tier) = tier {
+                table.set(&hash, tier, held);
+            }
+        }
         let mut inner = self.inner.borrow_mut();
         let Some(t) = inner.blocks.get_mut(&hash) else { return };
         if held {

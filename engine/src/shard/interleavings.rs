@@ -36,6 +36,7 @@ fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
         snapshot_secs: 0,
         ram_bytes: ram_blocks * BLOCK_BYTES,
         ram_shared: Default::default(),
+        shared_index: false,
         write_policy: crate::WritePolicy::Through,
         promote: false,
         gpu: Default::default(),

@@ -224,7 +224,8 @@ impl Shard {
         let mut tiers: Vec<TierStats> = self.gpu_tier_stats().into_iter().collect();
         if let Some(ram) = &self.ram {
             let r = ram.borrow();
-            let mut ram = TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages()));
+            let mut ram =
+                TierStats::from_counters(Tier::Ram, &self.ram_counters, r.capacity_blocks(), r.used_blocks(), Some(r.huge_pages()));
             ram.shared = Some(r.arena().is_shared());
             tiers.push(ram);
         }

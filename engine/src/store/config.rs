@@ -98,6 +98,10 @@ pub struct StoreConfig {
     /// Whether the RAM tier's memory is a file same-host clients can map
     /// for leases (`--ram-shared`; [`crate::ram::RamShared`]).
     pub ram_shared: crate::ram::RamShared,
+    /// Whether each shard keeps a presence table clients map to answer
+    /// existence and prefix lookups without a round trip
+    /// (`--shared-index`; [`crate::presence`]).
+    pub shared_index: bool,
     /// When PUTs are acknowledged.
     pub write_policy: WritePolicy,
     /// Whether NVMe reads promote blocks into RAM.
@@ -165,6 +169,7 @@ impl StoreConfig {
             snapshot_secs: self.snapshot_secs,
             ram_blocks: self.ram_blocks_per_shard(),
             ram_shared: self.ram_shared,
+            shared_index: self.shared_index,
             write_policy: self.write_policy,
             promote: self.promote,
             gpu: self.gpu.clone(),

@@ -184,6 +184,15 @@ pub(crate) struct StoreArgs {
     /// memory gets no huge pages); off: never (no leases).
     #[arg(long, value_enum, default_value_t = RamSharedArg::Auto)]
     pub(crate) ram_shared: RamSharedArg,
+    /// on: each shard keeps a table of the blocks its GPU, RAM and NVMe tiers
+    /// hold, in shared memory that clients on the local socket map
+    /// read-only, so existence and prefix lookups are answered in the
+    /// client without a round trip (docs/LOCAL.md, "The shared index";
+    /// advisory: a read checks again). Costs 64 to 128 bytes per block the
+    /// shard can hold (32-byte buckets, twice as many as blocks rounded up
+    /// to a power of two), allocated at start.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub(crate) shared_index: OnOff,
     /// through: a PUT is acknowledged after its NVMe write (a crash loses
     /// nothing acknowledged). back: acknowledged from RAM; the block reaches
     /// NVMe when RAM demotes it or at a clean stop, and a crash loses blocks
@@ -307,6 +316,7 @@ impl StoreArgs {
             io_memory_bytes,
             ram_bytes: (self.ram_gb * (1u64 << 30) as f64) as u64,
             ram_shared: self.ram_shared.into(),
+            shared_index: self.shared_index == OnOff::On,
             write_policy: match self.write_policy {
                 WritePolicyArg::Through => kvtier_engine::WritePolicy::Through,
                 WritePolicyArg::Back => kvtier_engine::WritePolicy::Back,

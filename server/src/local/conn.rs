@@ -258,6 +258,10 @@ fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result
             Ok((body, passed)) => return conn.answer_with_fd(header, body, passed, started, permit),
             Err(e) => Err(e),
         },
+        Some(Op::MapIndex) => match super::lease::map_index(conn, &payload) {
+            Ok((body, passed)) => return conn.answer_with_fd(header, body, passed, started, permit),
+            Err(e) => Err(e),
+        },
         Some(op) => {
             let conn = conn.clone();
             glommio::spawn_local(async move {

@@ -102,6 +102,40 @@ pub(super) fn map_arena(conn: &Conn, payload: &[u8]) -> Result<(Vec<u8>, OwnedFd
     Ok((body, fd))
 }
 
+/// Why this connection cannot map the shared index, if it cannot:
+/// `--shared-index off`, or tenants (a table lists every tenant's blocks by
+/// hash, so a tenant could probe another's keys).
+pub(super) fn why_no_index(conn: &Conn) -> Option<String> {
+    if conn.service.access.tenancy().is_some() {
+        return Some("the server runs with --tenants: the shared index lists every tenant's blocks, so no tenant may map it".into());
+    }
+    conn.service.store.presence_table(0).is_none().then(|| "the server runs with --shared-index off".into())
+}
+
+/// HELLO's `shared_index` object (version 3).
+pub(super) fn hello_index_json(conn: &Conn) -> Value {
+    let why = why_no_index(conn);
+    let remote_tier = conn.service.store.remote().is_some();
+    json!({ "offered": why.is_none(), "why_not": why, "remote_tier": remote_tier })
+}
+
+/// `MAP_INDEX`: shard `shard`'s presence table and a read-only descriptor
+/// of its file.
+pub(super) fn map_index(conn: &Conn, payload: &[u8]) -> Result<(Vec<u8>, OwnedFd), (Code, String)> {
+    if let Some(why) = why_no_index(conn) {
+        return Err((Code::LeasesOff, format!("no shared index: {why}")));
+    }
+    let shard = proto::decode_map_arena(payload)?;
+    let shards = conn.service.store.shards();
+    let table = (shard < shards as u32)
+        .then(|| conn.service.store.presence_table(shard as usize))
+        .flatten()
+        .ok_or_else(|| (Code::NotFound, format!("no shard {shard}: this store has {shards}")))?;
+    let fd = table.read_only_fd().map_err(|e| (Code::IoError, format!("reopening shard {shard}'s index read-only: {e}")))?;
+    let body = proto::encode_index(&proto::IndexAnswer { file_bytes: table.file_bytes(), buckets: table.buckets(), shards: shards as u32 });
+    Ok((body, fd))
+}
+
 /// `LEASE`: each key's block pinned in its shard's RAM tier, or why not.
 pub(super) async fn lease(conn: &Rc<Conn>, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
     check_offered(conn)?;

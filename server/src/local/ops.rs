@@ -120,6 +120,7 @@ pub(super) fn hello(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, Strin
         "ops": Op::ALL.map(Op::name),
         "tenant": conn.caller.borrow().as_ref().map(|t| t.name.clone()),
         "leases": (version >= proto::VERSION_LEASES).then(|| super::lease::hello_json(conn)),
+        "shared_index": (version >= proto::VERSION_LEASES).then(|| super::lease::hello_index_json(conn)),
         "server": concat!("kvtier ", env!("CARGO_PKG_VERSION")),
         "http": conn.shared.http_addr.get().map(|a| {
             // A wildcard listener is reached on loopback from this host.
@@ -223,7 +224,7 @@ pub(super) async fn data_op(conn: &std::rc::Rc<Conn>, op: Op, payload: &[u8]) ->
         }
         Op::Lease => (super::lease::lease(conn, payload).await.map(|b| (b, 0)), 0, 0),
         Op::Release => (super::lease::release(conn, payload).map(|b| (b, 0)), 0, 0),
-        Op::Hello | Op::Register | Op::Unregister | Op::MapArena => unreachable!("answered by the reader"),
+        Op::Hello | Op::Register | Op::Unregister | Op::MapArena | Op::MapIndex => unreachable!("answered by the reader"),
     }
 }
 

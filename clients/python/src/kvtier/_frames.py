@@ -40,14 +40,14 @@ _FD_ROOM = socket.CMSG_SPACE(array.array("i").itemsize)
 OP_HELLO, OP_REGISTER, OP_UNREGISTER, OP_GET_INTO, OP_PUT_FROM = 1, 2, 3, 4, 5
 OP_EXISTS, OP_LOOKUP, OP_DELETE, OP_PREFETCH = 6, 7, 8, 9
 OP_GET_INTO_V, OP_PUT_FROM_V = 10, 11
-OP_MAP_ARENA, OP_LEASE, OP_RELEASE = 12, 13, 14
+OP_MAP_ARENA, OP_LEASE, OP_RELEASE, OP_MAP_INDEX = 12, 13, 14, 15
 OP_ERROR = 0xFF
 """A connection error frame (request id 0): the server closes after it."""
 RESPONSE = 0x80
 """A response's op is the request's ``op | 0x80``."""
 OP_NAMES = {1: "HELLO", 2: "REGISTER", 3: "UNREGISTER", 4: "GET_INTO", 5: "PUT_FROM"}
 OP_NAMES.update({6: "EXISTS", 7: "LOOKUP", 8: "DELETE", 9: "PREFETCH", 10: "GET_INTO_V", 11: "PUT_FROM_V"})
-OP_NAMES.update({12: "MAP_ARENA", 13: "LEASE", 14: "RELEASE"})
+OP_NAMES.update({12: "MAP_ARENA", 13: "LEASE", 14: "RELEASE", 15: "MAP_INDEX"})
 
 MAX_ITEMS = 4096
 """Items in one batch request, at most."""
@@ -370,3 +370,19 @@ def _close_fds(fds: Sequence[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+INDEX = struct.Struct("<QII")
+"""``MAP_INDEX``'s answer: u64 ``file_bytes``, u32 ``buckets``, u32 ``shards``."""
+
+
+def decode_index(body: Bytes) -> tuple[int, int, int]:
+    """``MAP_INDEX`` answer body: ``(file_bytes, buckets, shards)``.
+
+    Raises:
+        ProtocolError: a body of another size.
+    """
+    if len(body) != INDEX.size:
+        raise _bad_answer(f"a MAP_INDEX answer is {INDEX.size} bytes, got {len(body)}")
+    file_bytes, buckets, shards = INDEX.unpack(body)
+    return int(file_bytes), int(buckets), int(shards)

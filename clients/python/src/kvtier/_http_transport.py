@@ -542,6 +542,7 @@ class HttpTransport(Transport):
                 "lease_bytes": 0,
                 "reconnects": 0,
                 "arenas_mapped": 0,
+                "index_probes": 0,
             },
         )
 

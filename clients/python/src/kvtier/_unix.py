@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from . import codes
+from ._index import SharedIndex
 from ._session import LocalSession, Region, Regions, copy_bytes, key_chunks
 from ._transport import Parts, Span, Transport
 from .errors import (
@@ -137,6 +138,9 @@ class UnixTransport(Transport):
         self.regions = regions
         self.arenas = ArenaMaps()
         """The server's RAM-tier arenas this client mapped for leases."""
+        self.index = SharedIndex()
+        """The server's shared index (its shards' presence tables), mapped on
+        first use: existence and prefix lookups probe it instead of asking."""
         self.lease_reads = lease_reads
         """Read blocks bound for unregistered memory from a lease (one copy)
         where the server offers leases; turned off for good once it says it
@@ -152,6 +156,7 @@ class UnixTransport(Transport):
         arenas no lease view holds."""
         self.session.close()
         self.arenas.close()
+        self.index.close()
 
     @property
     def block_bytes(self) -> int:
@@ -283,9 +288,24 @@ class UnixTransport(Transport):
                 self.session.count("lease_bytes", bb)
         return rest
 
+    def _indexed(self, keys: Sequence[str]) -> tuple[list[int], bool] | None:
+        """Per key the fastest local tier the shared index lists (0: none),
+        and whether the server has a remote tier (whose blocks the index
+        does not list); ``None`` when the index cannot answer."""
+        try:
+            conn, _ = self.session.connection()
+        except KvtierError:
+            return None
+        tiers = self.index.tiers(conn, keys)
+        if tiers is None:
+            return None
+        return tiers, bool((conn.info.get("shared_index") or {}).get("remote_tier"))
+
     def exist_codes(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier), 0 (not), -1 (a bad key, or the
-        request failed)."""
+        request failed). Answered from the shared index where the server
+        offers one; keys it does not list are asked of the server when the
+        server has a remote tier."""
         out = [-1] * len(keys)
         good = []
         for i, key in enumerate(keys):
@@ -294,6 +314,16 @@ class UnixTransport(Transport):
                 good.append(i)
             except (InvalidKeyError, TypeError):
                 pass
+        indexed = self._indexed([keys[i] for i in good]) if good else None
+        if indexed is not None:
+            tiers, remote = indexed
+            ask = []
+            for i, tier in zip(good, tiers, strict=True):
+                if tier or not remote:
+                    out[i] = 1 if tier else 0
+                else:
+                    ask.append(i)
+            good = ask
         for chunk in key_chunks(keys, good, 2):
             names = [keys[i] for i in chunk]
             try:
@@ -412,9 +442,13 @@ class UnixTransport(Transport):
         return codes.TIER_NAMES.get(tier, str(tier)) if tier else None
 
     def exists(self, key: str) -> bool:
-        """``EXISTS`` of one key."""
+        """Whether ``key`` is stored in some tier (the shared index, else
+        ``EXISTS``)."""
         check_key(key)
-        return self.session.keys_call(lambda c: c.exists([key]))[0] != 0
+        code = self.exist_codes([key])[0]
+        if code < 0:
+            return self.session.keys_call(lambda c: c.exists([key]))[0] != 0
+        return code == 1
 
     def delete(self, key: str) -> bool:
         """``DELETE`` of one key: ``True`` if there was a block."""
@@ -425,9 +459,18 @@ class UnixTransport(Transport):
         return result >= 0
 
     def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
-        """``LOOKUP`` of the chain, 4,096 keys (and under 1 MiB) per request."""
+        """The chain's prefix hits and their tiers: from the shared index
+        where the server offers one (unless the chain goes on past the
+        local tiers and the server has a remote tier), else ``LOOKUP``,
+        4,096 keys (and under 1 MiB) per request."""
         for key in keys:
             check_key(key)
+        indexed = self._indexed(keys) if keys else None
+        if indexed is not None:
+            found, remote = indexed
+            hits = next((i for i, t in enumerate(found) if not t), len(found))
+            if hits == len(found) or not remote:
+                return [codes.TIER_NAMES.get(t, str(t)) for t in found[:hits]]
         tiers: list[str] = []
         for chunk in key_chunks(keys, range(len(keys)), 2):
             names = [keys[i] for i in chunk]
@@ -504,4 +547,12 @@ class UnixTransport(Transport):
     def plane(self) -> tuple[str | None, int | None, dict[str, int]]:
         """The socket, the server's epoch and the session's counters (and
         ``arenas_mapped``: ``MAP_ARENA`` calls made for leases)."""
-        return self.session.path, self.session.epoch, {**self.session.counters, "arenas_mapped": self.arenas.maps_made}
+        return (
+            self.session.path,
+            self.session.epoch,
+            {
+                **self.session.counters,
+                "arenas_mapped": self.arenas.maps_made,
+                "index_probes": self.index.probes,
+            },
+        )

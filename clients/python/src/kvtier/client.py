@@ -293,12 +293,15 @@ class Client:
 
     def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
         """The tier of each leading stored key of the chain ``keys`` (one
-        ``POST /v1/lookup`` per 4,096 keys): ``len()`` is the prefix hits."""
+        ``POST /v1/lookup`` per 4,096 keys; over the socket, the shared index
+        where the server offers one, else ``LOOKUP``): ``len()`` is the
+        prefix hits."""
         return self._link.current().lookup_tiers(keys)
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Prefix hits: how many leading keys of the chain ``keys`` are stored.
-        One round trip for chains of up to 4,096 keys; nothing moves."""
+        One round trip for chains of up to 4,096 keys (none over the socket
+        where the server offers its shared index); nothing moves."""
         return len(self.lookup_tiers(keys))
 
     def prefetch(self, keys: Sequence[str]) -> int:

@@ -66,6 +66,7 @@ from ._frames import OP_HELLO as OP_HELLO
 from ._frames import OP_LEASE as OP_LEASE
 from ._frames import OP_LOOKUP as OP_LOOKUP
 from ._frames import OP_MAP_ARENA as OP_MAP_ARENA
+from ._frames import OP_MAP_INDEX as OP_MAP_INDEX
 from ._frames import OP_NAMES as OP_NAMES
 from ._frames import OP_PREFETCH as OP_PREFETCH
 from ._frames import OP_PUT_FROM as OP_PUT_FROM
@@ -83,6 +84,7 @@ from ._frames import decode_connection_error as decode_connection_error
 from ._frames import decode_deleted as decode_deleted
 from ._frames import decode_header as decode_header
 from ._frames import decode_hello as decode_hello
+from ._frames import decode_index as decode_index
 from ._frames import decode_leases as decode_leases
 from ._frames import decode_lookup as decode_lookup
 from ._frames import decode_prefetched as decode_prefetched
@@ -236,7 +238,7 @@ class LocalConnection:
                 with self._lock:
                     fut = self._pending.pop(rid, None)
                 mine, fds = fds, []
-                if mine and (fut is None or op != OP_MAP_ARENA | RESPONSE):
+                if mine and (fut is None or op not in (OP_MAP_ARENA | RESPONSE, OP_MAP_INDEX | RESPONSE)):
                     if fut is not None:
                         log.warning("kvtier: %s sent a descriptor with a %#x frame; closed", self.path, op)
                     _close_fds(mine)  # None: an answer nobody waits for (timed out, or posted)
@@ -475,6 +477,25 @@ class LocalConnection:
             if len(fds) != 1:
                 raise _bad_answer(f"MAP_ARENA {arena} came with {len(fds)} descriptors; it brings one")
             return fds[0], decode_arena(body)
+        except BaseException:
+            _close_fds(fds)
+            raise
+
+    def map_index(self, shard: int) -> tuple[int, tuple[int, int, int]]:
+        """``MAP_INDEX`` (version 3): ``(fd, (file_bytes, buckets, shards))``
+        of shard ``shard``'s presence table (docs/LOCAL.md, "The shared
+        index"); ``fd`` is read-only and the caller's to map and close.
+
+        Raises:
+            LeasesOffError: the server offers no shared index (its reason).
+            ProtocolError: ``NOT_FOUND`` for an unknown shard, an answer
+                without exactly one descriptor, or a short body.
+        """
+        body, fds = self.wait_fds(self.request(OP_MAP_INDEX, encode_map_arena(shard)), OP_MAP_INDEX)
+        try:
+            if len(fds) != 1:
+                raise _bad_answer(f"MAP_INDEX {shard} came with {len(fds)} descriptors; it brings one")
+            return fds[0], decode_index(body)
         except BaseException:
             _close_fds(fds)
             raise

@@ -315,7 +315,8 @@ class MooncakeStore:
         (items read into unregistered memory by a copy from a lease, and
         their bytes), ``reconnects``,
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``,
-        ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases)."""
+        ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases),
+        ``index_probes`` (keys answered from the shared index, no round trip)."""
         transport = self._link.current()
         socket, epoch, counters = transport.plane()
         regions = self._regions.all()
