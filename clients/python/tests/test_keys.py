@@ -97,3 +97,12 @@ def test_good_keys_pass():
         assert check_key(key) == key
     with pytest.raises(TypeError):
         check_key(b"bytes")  # type: ignore[arg-type]
+
+
+def test_a_batch_is_valid_only_when_every_key_is():
+    from kvtier.keys import all_keys_valid
+
+    assert all_keys_valid(["a", "b-1", "k" * 256])
+    for bad in (["a", "b/c"], ["a/b"], ["a", ""], ["a", "."], [".."], ["a", "k" * 257], ["a", "é"], []):
+        assert not all_keys_valid(bad), bad
+    assert not all_keys_valid(["a", 3])  # type: ignore[list-item]

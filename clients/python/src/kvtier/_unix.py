@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedVersionError,
     error_from_code,
 )
-from .keys import check_key
+from .keys import all_keys_valid, check_key
 from .leases import ArenaMaps, Leases, lease_keys
 from .local import OP_GET_INTO, OP_PUT_FROM, VERSION_TAGS
 from .shm import UnshareableMemoryError, backing_fd, buffer_address
@@ -308,13 +308,15 @@ class UnixTransport(Transport):
         server has a remote tier."""
         out = [-1] * len(keys)
         good = []
-        for i, key in enumerate(keys):
+        if all_keys_valid(keys):
+            good = list(range(len(keys)))
+        for i, key in enumerate(keys if not good else ()):
             try:
                 check_key(key)
                 good.append(i)
             except (InvalidKeyError, TypeError):
                 pass
-        indexed = self._indexed([keys[i] for i in good]) if good else None
+        indexed = self._indexed(keys if len(good) == len(keys) else [keys[i] for i in good]) if good else None
         if indexed is not None:
             tiers, remote = indexed
             ask = []
