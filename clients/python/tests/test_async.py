@@ -106,3 +106,26 @@ def test_a_server_killed_mid_batch():
             await c.close()
 
         run(go())
+
+
+def test_leases_as_coroutines(tmp_path):
+    """``await client.lease(keys)`` and ``async with``: the views read the
+    blocks in place, and leaving the block releases them."""
+    from kvtier.testing import ServerProcess
+
+    with ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.01, args=("--ram-shared", "on")) as s:
+
+        async def go() -> None:
+            async with kvtier.AsyncClient(s.unix_url) as c:
+                await c.put_many([("al-0", block(1)), ("al-1", block(2))])
+                async with await c.lease(["al-0", "al-1", "al-none"]) as leases:
+                    assert bytes(leases.views[0]) == block(1) and bytes(leases.views[1]) == block(2)
+                    assert leases.views[2] is None and leases.valid(0)
+                stats = await c.stats()
+                deadline = asyncio.get_running_loop().time() + 10
+                while stats["local"]["leases"]["open"] and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                    stats = await c.stats()
+                assert stats["local"]["leases"]["open"] == 0, stats["local"]["leases"]
+
+        run(go())

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .client import Client
+from .leases import Leases
 from .tag import BlockTag, tags_for
 
 T = TypeVar("T")
@@ -108,6 +109,13 @@ class AsyncClient:
     async def prefetch(self, keys: Sequence[str]) -> int:
         """:meth:`kvtier.Client.prefetch`: how many of ``keys`` are stored."""
         return await self._run(self.sync.prefetch, list(keys))
+
+    async def lease(self, keys: Sequence[str]) -> Leases:
+        """:meth:`kvtier.Client.lease`: leases the blocks of ``keys`` in the
+        server's RAM tier (same-host socket). Use the result with ``with`` or
+        ``async with``: leaving it sends the ``RELEASE`` without waiting for
+        its answer, so it does not block the loop."""
+        return await self._run(self.sync.lease, keys)
 
     async def stats(self) -> dict[str, Any]:
         """:meth:`kvtier.Client.stats`."""

@@ -383,6 +383,12 @@ class Leases:
     def __enter__(self) -> Leases:
         return self
 
+    async def __aenter__(self) -> Leases:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
     def __exit__(self, *exc: object) -> None:
         # Sent, not waited for: the answer only counts, and the leases end
         # on the server whether or not this thread waits (one round trip
