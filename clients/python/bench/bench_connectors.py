@@ -261,10 +261,14 @@ def settle(server: ServerProcess, timeout_s: float = 30.0) -> None:
         last = now
 
 
+#: More ``kvtier serve`` flags for every server (``--server-args``).
+SERVER_ARGS: tuple[str, ...] = ()
+
+
 @contextlib.contextmanager
 def serving(block_bytes: int = CHUNK_BYTES, **kw: Any) -> Iterator[ServerProcess]:
-    """A release ``kvtier serve`` (``ServerProcess`` flags), started and settled."""
-    server = ServerProcess(block_bytes=block_bytes, **kw).start()
+    """A release ``kvtier serve`` (``ServerProcess`` flags and ``--server-args``), started and settled."""
+    server = ServerProcess(block_bytes=block_bytes, args=SERVER_ARGS, **kw).start()
     try:
         settle(server)
         yield server
@@ -799,8 +803,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="16 chunks, batches of 8, 1 pair, 0.2 s warm runs")
     ap.add_argument("--only", default="vllm,lmcache,sglang", help="sections to run, comma-separated")
     ap.add_argument("--keep-page-cache", action="store_true", help="do not drop the page cache (not root)")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more kvtier serve flags for every server, e.g. '--ram-shared on' (leases: the connectors' "
+        "reads into memory they cannot register copy once from a lease)",
+    )
     ap.add_argument("--sglang-python", default=str(REPO / "target" / "py-sglang" / "bin" / "python"))
     args = ap.parse_args()
+    global SERVER_ARGS
+    SERVER_ARGS = tuple(args.server_args.split())
     if args.quick:
         args.chunks, args.batch, args.pairs, args.seconds = 16, 8, 1, 0.2
     if args.pairs < 1 or args.batch < 1 or args.chunks < args.batch or args.seconds < 0:
