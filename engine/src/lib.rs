@@ -57,6 +57,7 @@ pub mod presence;
 pub mod ram;
 pub mod recover;
 pub mod remote;
+mod sealed;
 pub mod segment;
 pub mod shard;
 mod signal;

@@ -34,7 +34,7 @@
 //! a reader racing a delete can miss an entry that is present (a false
 //! "absent"); a "present" it believes was true when it read it.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -95,32 +95,9 @@ impl PresenceTable {
     pub fn new(capacity_blocks: u64, shard: u32, shards: u32, dir: &std::path::Path) -> Result<Arc<PresenceTable>> {
         let buckets = (capacity_blocks.max(1) * 2).next_power_of_two().min(1 << 31) as u32;
         let bytes = HEADER_BYTES + buckets as usize * BUCKET_BYTES;
-        let fail = |what: &str| Error::Config(format!("presence table of {bytes} bytes: {what}: {}", std::io::Error::last_os_error()));
-        // SAFETY: creates a memory file; the result is checked and owned.
-        let fd = unsafe { libc::memfd_create(c"kvtier-presence".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-        if fd < 0 {
-            return Err(fail("memfd_create"));
-        }
-        // SAFETY: a descriptor just created, owned by no one else.
-        let file = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: sizes the file just made.
-        if unsafe { libc::ftruncate(file.as_raw_fd(), bytes as libc::off_t) } != 0 {
-            return Err(fail("ftruncate"));
-        }
-        // SAFETY: maps the file just sized; the result is checked.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(fail("mmap"));
-        }
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
-        // SAFETY: seals the file this function owns.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            let e = fail("sealing");
-            // SAFETY: unmaps the mapping just made.
-            unsafe { libc::munmap(ptr, bytes) };
-            return Err(e);
-        }
+        let config = |e: std::io::Error| Error::Config(format!("presence table of {bytes} bytes: {e}"));
+        let (file, ptr) = crate::sealed::create(c"kvtier-presence", bytes, false).map_err(config)?;
+        crate::sealed::seal(&file, ptr, bytes).map_err(config)?;
         let table = Arc::new(PresenceTable {
             base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
             bytes,
@@ -283,14 +260,7 @@ impl PresenceTable {
     /// # Errors
     /// The reopen failed.
     pub fn read_only_fd(&self) -> std::io::Result<OwnedFd> {
-        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", self.file.as_raw_fd())).expect("no NUL in a path of digits");
-        // SAFETY: opens a path; the result is checked and owned.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a descriptor just opened, owned by no one else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        crate::sealed::reopen_read_only(&self.file)
     }
 }
 

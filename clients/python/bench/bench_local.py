@@ -168,23 +168,16 @@ def _prepare(cmd: dict[str, Any], state: dict[str, Any]) -> tuple[Any, int]:
                 if not all(leases.copy_into(j, dsts[j]) for j in range(batch)):
                     raise RuntimeError(f"a lease ended before its copy: {leases.results}")
             return step_bytes
-    elif case == "staged_get":
-        client, dsts = held
-
-        def step(i: int) -> int:
-            # Today's path for a buffer the server cannot be handed: the
-            # client's staging buffer, then a copy into the consumer's.
-            found = client.get_many_into(bp._window(keys, i + 5 * w, batch), dsts)
-            if not all(found):
-                raise RuntimeError("a stored block missed over the socket")
-            return step_bytes
-    elif case == "http_get":
+    elif case in ("staged_get", "http_get"):
+        # staged_get: today's path for a buffer the server cannot be handed
+        # (the client's staging buffer, then a copy into the consumer's).
         client, bufs = held
+        over = "the socket" if case == "staged_get" else "HTTP"
 
         def step(i: int) -> int:
             found = client.get_many_into(bp._window(keys, i + 5 * w, batch), bufs)
             if not all(found):
-                raise RuntimeError("a stored block missed over HTTP")
+                raise RuntimeError(f"a stored block missed over {over}")
             return step_bytes
     elif case == "http_put":
         client, bufs = held

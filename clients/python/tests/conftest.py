@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -79,3 +79,27 @@ def said_over_http(caplog, logger: str = "kvtier") -> list[str]:
     said = [r.getMessage() for r in caplog.records if r.name.startswith(logger) and "HTTP" in r.getMessage()]
     assert sum("blocks move over HTTP" in m for m in said) == 1, said
     return said
+
+
+def server_fds(pid: int) -> int:
+    """The server's descriptors of sockets and client memory (its log's
+    segment files come and go with the data, not with clients)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(("socket:", "/memfd:", "/dev/shm/"))
+    return n
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    """Polls ``cond`` every 50 ms until it holds or ``timeout_s`` passes (a
+    server's counters settle after the answers a client saw); its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()

@@ -22,12 +22,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import BLOCK_BYTES, block, start_on_same_port
+from conftest import BLOCK_BYTES, block, server_fds, start_on_same_port, wait_for
 
 import kvtier
 from kvtier import codes, local
@@ -56,28 +55,6 @@ def tiers(path: str, keys: list[str]) -> list[int]:
     with LocalConnection(path, timeout_s=30) as conn:
         conn.hello(block_bytes=BB)
         return conn.exists(keys)
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
-def server_fds(pid: int) -> int:
-    """The server's descriptors of sockets and memory files (its log's segment
-    files come and go with the data, not with clients)."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        n += target.startswith(("socket:", "/memfd:", "/dev/shm/"))
-    return n
 
 
 def churn(c: kvtier.Client, prefix: str, n: int, seed: int = 5000) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import BLOCK_BYTES, block, start_on_same_port
+from conftest import BLOCK_BYTES, block, server_fds, start_on_same_port, wait_for
 
 import kvtier
 from kvtier import codes
@@ -55,31 +55,9 @@ def shm_file() -> Iterator[tuple[str, mmap.mmap, int]]:
     os.unlink(path)
 
 
-def fds(pid: int) -> int:
-    """The server's descriptors of sockets and client memory (its log's
-    segment files come and go with the data, not with clients)."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        n += target.startswith(("socket:", "/memfd:", "/dev/shm/"))
-    return n
-
-
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-def wait_for(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def fill(view: np.ndarray, seed: int) -> None:
@@ -486,9 +464,9 @@ def test_client_killed_mid_batch_leaves_whole_blocks_and_no_fds(server):
         c.ping()
     run_and_kill(server)  # warm-up: the server's allocators and copy buffers
     assert wait_for(lambda: registrations_open(server) == 0)
-    baseline, rss0 = fds(server.pid), settled_rss_kib(server)
+    baseline, rss0 = server_fds(server.pid), settled_rss_kib(server)
     run_and_kill(server)
-    assert wait_for(lambda: fds(server.pid) <= baseline), sorted(
+    assert wait_for(lambda: server_fds(server.pid) <= baseline), sorted(
         os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")
     )
     assert wait_for(lambda: rss_kib(server.pid) - rss0 < 8192), (rss0, rss_kib(server.pid))  # KiB
@@ -570,11 +548,11 @@ def test_register_unregister_cycles_leak_nothing(server, sb):
     with kvtier.Client(server.unix_url) as c:
         for _ in range(300):  # warm-up: allocators, tables
             assert c.register_buffer(sb) == 0 and c.unregister_buffer(sb) == 0
-        fd0, rss0 = fds(server.pid), settled_rss_kib(server)
+        fd0, rss0 = server_fds(server.pid), settled_rss_kib(server)
         for _ in range(10_000):
             assert c.register_buffer(sb) == 0
             assert c.unregister_buffer(sb) == 0
-        fd1, rss1 = fds(server.pid), rss_kib(server.pid)
+        fd1, rss1 = server_fds(server.pid), rss_kib(server.pid)
     assert fd1 == fd0
     assert rss1 - rss0 < 4096, (rss0, rss1)  # KiB
 

@@ -112,6 +112,11 @@ def test_after_a_restart_the_index_lists_the_recovered_blocks(tmp_path):
             assert c.delete(keys[3])
             epoch = c.server_info["epoch"]
             s.kill()  # kill -9: the restart rebuilds the index from the log
+            # The dead server's tables are still mapped here, frozen: they
+            # must not answer (its socket may still accept for a second).
+            probes = c.local_stats()["index_probes"]
+            assert c.batch_is_exist(keys[:4]) == [-1] * 4
+            assert c.local_stats()["index_probes"] == probes
             start_on_same_port(s)
             got = c.batch_is_exist(keys)
             assert c.server_info["epoch"] != epoch, "a new server, its tables mapped again"

@@ -12,7 +12,7 @@
 //! it leased: the seqlock rule, with the pin protocol of the module above
 //! keeping a leased slot from being written at all while its lease lasts.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -171,15 +171,10 @@ impl Arena {
     /// # Errors
     /// The arena is not shared, or the reopen failed.
     pub fn read_only_fd(&self) -> std::io::Result<OwnedFd> {
-        let Some(file) = &self.file else { return Err(std::io::Error::other("the RAM tier is not shared (--ram-shared)")) };
-        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).expect("no NUL in a path of digits");
-        // SAFETY: opens a path; the result is checked and owned.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
+        match &self.file {
+            Some(file) => crate::sealed::reopen_read_only(file),
+            None => Err(std::io::Error::other("the RAM tier is not shared (--ram-shared)")),
         }
-        // SAFETY: a descriptor just opened, owned by no one else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     fn generation(&self, slot: u32) -> &AtomicU64 {
@@ -361,27 +356,7 @@ fn map_anonymous(bytes: usize) -> std::io::Result<Mapped> {
 /// `F_SEAL_SEAL`) go on after this mapping is made, so it stays writable
 /// while no later mapping can be.
 fn map_file(bytes: usize, hugetlb: bool) -> std::io::Result<Mapped> {
-    let name = c"kvtier-ram";
-    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | if hugetlb { libc::MFD_HUGETLB } else { 0 };
-    // SAFETY: creates a memory file; the result is checked and owned.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a descriptor just created, owned by no one else.
-    let file = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sizes the file just made.
-    if unsafe { libc::ftruncate(file.as_raw_fd(), bytes as libc::off_t) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let populate = if hugetlb { libc::MAP_POPULATE } else { 0 };
-    // SAFETY: maps the file just sized; the result is checked.
-    let ptr = unsafe {
-        libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | populate, file.as_raw_fd(), 0)
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
+    let (file, ptr) = crate::sealed::create(c"kvtier-ram", bytes, hugetlb)?;
     let huge = if hugetlb {
         HugePages::Reserved
     } else if shmem_gets_huge_pages() && unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) } == 0 {
@@ -390,13 +365,6 @@ fn map_file(bytes: usize, hugetlb: bool) -> std::io::Result<Mapped> {
     } else {
         HugePages::None
     };
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
-    // SAFETY: seals the file this function owns.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        let e = std::io::Error::last_os_error();
-        // SAFETY: unmaps the mapping just made.
-        unsafe { libc::munmap(ptr, bytes) };
-        return Err(e);
-    }
+    crate::sealed::seal(&file, ptr, bytes)?;
     Ok((ptr, huge, Some(file)))
 }

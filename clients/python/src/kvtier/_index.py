@@ -11,6 +11,14 @@ even number before and after its fields. Answers are advisory: a block
 listed may be gone by the time it is read (the read checks again), and a
 probe racing a delete can miss a block (it reads as absent).
 
+A table stays mapped after its server dies, frozen as it was; the client
+then must not believe it. Beside the connection's own state, the server's
+process is watched through a pidfd (its pid from ``SO_PEERCRED``), which
+becomes readable the moment the process exits, before its socket is torn
+down (``kill -9`` leaves a listening io_uring socket up for about a
+second). A server in a pid namespace the client cannot see has no pid
+there; then only the connection says whether it lives.
+
 Reading ``seq`` after the fields without a load fence is exact on x86-64,
 whose loads are not reordered with other loads; on arm64 pure Python has
 no fence to put there (as for leases, :mod:`kvtier.leases`).
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import struct
 import threading
 from collections.abc import Sequence
@@ -97,6 +106,8 @@ class SharedIndex:
         self._epoch: int | None = None
         self._tables: list[_Table] = []
         self._shards = 0
+        self._pidfd: int | None = None
+        self._exit_poll: select.poll | None = None
         self.off: str | None = None
         """Why this server's index is not used (set once it said so)."""
         self.probes = 0
@@ -109,6 +120,14 @@ class SharedIndex:
         self._drop()
         self._epoch, self.off = epoch, None
         offer = conn.info.get("shared_index") or {}
+        pid = conn.peer_pid()
+        if pid > 0 and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(pid)
+                self._exit_poll = select.poll()
+                self._exit_poll.register(self._pidfd, select.POLLIN)
+            except OSError:
+                self._pidfd, self._exit_poll = None, None
         if not offer.get("offered"):
             self.off = str(offer.get("why_not") or f"the server speaks socket protocol version {conn.version}")
             return False
@@ -126,6 +145,11 @@ class SharedIndex:
             self._drop()
             self.off = str(e)
             return False
+        except BaseException:
+            # Mapped in part (the connection broke, say): map again next time.
+            self._drop()
+            self._epoch = None
+            raise
         self._shards = shards
         return True
 
@@ -133,7 +157,7 @@ class SharedIndex:
         """Per key the wire number of the fastest local tier listed (0: none),
         or ``None`` when the index cannot answer for all of them."""
         with self._lock:
-            if not self._ensure(conn):
+            if not conn.alive or not self._ensure(conn) or self._server_exited():
                 return None
             tables, shards = self._tables, self._shards
             if any(t.overflowed() for t in tables):
@@ -166,10 +190,18 @@ class SharedIndex:
             self.probes += len(keys)
             return out
 
+    def _server_exited(self) -> bool:
+        """Whether the server process this index was mapped from has exited
+        (its pidfd is readable); ``False`` when it cannot be watched."""
+        return self._exit_poll is not None and bool(self._exit_poll.poll(0))
+
     def _drop(self) -> None:
         for t in self._tables:
             t.close()
         self._tables = []
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._pidfd, self._exit_poll = None, None
 
     def close(self) -> None:
         """Unmaps every table."""

@@ -296,7 +296,10 @@ class UnixTransport(Transport):
             conn, _ = self.session.connection()
         except KvtierError:
             return None
-        tiers = self.index.tiers(conn, keys)
+        try:
+            tiers = self.index.tiers(conn, keys)
+        except KvtierError:
+            return None  # the request path says what is wrong
         if tiers is None:
             return None
         return tiers, bool((conn.info.get("shared_index") or {}).get("remote_tier"))

@@ -40,6 +40,7 @@ import itertools
 import logging
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -171,6 +172,12 @@ class LocalConnection:
     def alive(self) -> bool:
         """``False`` once the connection broke or was closed."""
         return self._dead is None
+
+    def peer_pid(self) -> int:
+        """The server's pid as this process sees it (``SO_PEERCRED``); 0 when
+        the server runs in a pid namespace this process cannot see into."""
+        pid, _uid, _gid = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return int(pid)
 
     def close(self, reason: str = "the client closed the connection") -> None:
         """Closes the socket; requests in flight fail with ``CONNECTION_LOST``."""
