@@ -42,10 +42,10 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, TypeVar
 
 from . import codes
 from ._frames import _FD_ROOM, _bad_answer, _close_fds
@@ -114,6 +114,8 @@ from ._items import encode_tagged_items_v as encode_tagged_items_v
 from .errors import ProtocolError, error_from_code
 
 log = logging.getLogger("kvtier.local")
+
+T = TypeVar("T")
 
 
 class _Response:
@@ -479,14 +481,7 @@ class LocalConnection:
                 without exactly one descriptor, or a short body.
             UnsupportedVersionError: the connection did not choose version 3.
         """
-        body, fds = self.wait_fds(self.request(OP_MAP_ARENA, encode_map_arena(arena)), OP_MAP_ARENA)
-        try:
-            if len(fds) != 1:
-                raise _bad_answer(f"MAP_ARENA {arena} came with {len(fds)} descriptors; it brings one")
-            return fds[0], decode_arena(body)
-        except BaseException:
-            _close_fds(fds)
-            raise
+        return self._map(OP_MAP_ARENA, arena, decode_arena)
 
     def map_index(self, shard: int) -> tuple[int, tuple[int, int, int]]:
         """``MAP_INDEX`` (version 3): ``(fd, (file_bytes, buckets, shards))``
@@ -498,11 +493,17 @@ class LocalConnection:
             ProtocolError: ``NOT_FOUND`` for an unknown shard, an answer
                 without exactly one descriptor, or a short body.
         """
-        body, fds = self.wait_fds(self.request(OP_MAP_INDEX, encode_map_arena(shard)), OP_MAP_INDEX)
+        return self._map(OP_MAP_INDEX, shard, decode_index)
+
+    def _map(self, op: int, number: int, decode: Callable[[memoryview], T]) -> tuple[int, T]:
+        """``MAP_ARENA``/``MAP_INDEX`` of ``number`` (both send a u32): the one
+        descriptor of the answer and its body decoded; any descriptor is
+        closed when the answer is not exactly that."""
+        body, fds = self.wait_fds(self.request(op, encode_map_arena(number)), op)
         try:
             if len(fds) != 1:
-                raise _bad_answer(f"MAP_INDEX {shard} came with {len(fds)} descriptors; it brings one")
-            return fds[0], decode_index(body)
+                raise _bad_answer(f"{OP_NAMES[op]} {number} came with {len(fds)} descriptors; it brings one")
+            return fds[0], decode(body)
         except BaseException:
             _close_fds(fds)
             raise
