@@ -627,3 +627,27 @@ def test_reads_into_unregistered_memory_copy_from_a_lease_or_through_staging(lse
         assert after.get("lease_copies", 0) == before.get("lease_copies", 0)
         for i, k in enumerate(keys):
             assert bufs[i].tobytes() == block(7000 + i), k
+
+
+def test_with_promotion_off_a_block_below_ram_is_not_in_ram_and_read_only_once():
+    """``--promote off``: a read would not land an NVMe block in RAM, so the
+    lease answers NOT_IN_RAM without reading it, and ``get_many_into`` of an
+    unregistered buffer reads it once, through the staging area."""
+    with ServerProcess(block_bytes=BB, ram_gb=RAM_GB, disk_gb=0.5, args=(*SHARED, "--promote", "off")) as s:
+        with kvtier.Client(s.unix_url, timeout_s=30) as c:
+            c.put("po-0", block(4242))
+            churn(c, "po-churn", ram_capacity(c) + 16, seed=4300)
+            assert tiers(s.socket_path or "", ["po-0"]) == [3], "on NVMe only"
+
+            def nvme_hits() -> int:
+                return next(t["hits"] for t in c.stats()["tiers"] if t["tier"] == "nvme")
+
+            before = nvme_hits()
+            with c.lease(["po-0"]) as leases:
+                assert leases.results == [codes.NOT_IN_RAM] and leases.tiers == ["nvme"]
+                assert leases.not_in_ram == [0]
+            assert nvme_hits() == before, "the lease read nothing"
+            buf = np.zeros(BB, dtype=np.uint8)
+            assert c.get_many_into(["po-0"], [buf]) == [True]
+            assert buf.tobytes() == block(4242)
+            assert nvme_hits() == before + 1, "one read of the log"

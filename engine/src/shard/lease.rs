@@ -40,7 +40,9 @@ impl Shard {
     }
 
     /// Leases `key`'s block in the RAM tier, reading it there first when it
-    /// is only in a lower tier (the reads and checks of a promoting GET).
+    /// is only in a lower tier (the reads and checks of a promoting GET) and
+    /// that read would land it in RAM; a block that a read would not (promotion
+    /// off, or a GPU tier above RAM) is answered `NotInRam` unread.
     ///
     /// # Errors
     /// As [`Shard::get`]: [`Error::NotFound`], [`Error::Corrupt`] (a miss),
@@ -59,6 +61,14 @@ impl Shard {
             bump(&self.ram_counters.hits, 1);
             self.count_owner(self.owner_of(key), |c| c.hits += 1);
             return Ok(LeaseOutcome::Leased(slot, Tier::Ram));
+        }
+        // A read lands a block in RAM only when it promotes, and into RAM
+        // only without a GPU tier above it. Otherwise say where the block is
+        // instead of reading it: the client's GET_INTO would read it again.
+        if !self.cfg.promote || self.gpu.is_some() {
+            if let Some(tier) = self.contains(&hash) {
+                return Ok(LeaseOutcome::NotInRam(tier));
+            }
         }
         let (body, tier) = self.get(key, hash, true).await?;
         // The promotion installs the block once its last chunk has passed.
