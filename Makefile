@@ -22,6 +22,7 @@
 #   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket and HTTP (target/bench/engine/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
+#   make gpu-pack   the same executables, prebuilt into target/gpu-pack/, for a GPU machine with no Rust toolchain (loadgen/scripts/gpu_check.sh runs them)
 #   make fuzz     every fuzz target under libFuzzer for FUZZ_S seconds each (default 300); execs/s, edges, crashes (docs/TESTING.md)
 #   make fuzz-seeds  rewrite the fuzz seed corpora from a real kvtier run (fuzz/corpus/)
 #
@@ -44,7 +45,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -324,13 +325,38 @@ fake-cuda:
 # need the fake's switches say so and pass), then the tier's H2D/D2H copy
 # path against a plain pinned memcpy on the same GPU (target/bench/gpu.json),
 # then GET from the GPU tier against GET from the RAM tier over h2c
-# (target/bench/gpu-get/). GPU_CHECK_DEVICE picks the device.
+# (target/bench/gpu-get/), then loads into GPU memory from leases in
+# kvtier's page-locked arenas against staging (target/bench/gpu-lease/;
+# GPU_PYTHON must have torch with CUDA, numpy and xxhash). GPU_CHECK_DEVICE
+# picks the device.
 GPU_CHECK_DEVICE ?= 0
+GPU_PYTHON ?= python3
 gpu-check: build
 	@nvidia-smi -L || { echo "gpu-check needs an NVIDIA GPU and driver (nvidia-smi found none)"; exit 1; }
 	KVTIER_GPU_TEST_DRIVER=real $(CARGO) test -p kvtier-server --test gpu -- --nocapture --test-threads 1
 	$(CARGO) bench -p kvtier-engine --bench gpu -- --device $(GPU_CHECK_DEVICE)
 	loadgen/scripts/bench_gpu_get.sh
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier PYTHONPATH=$(CURDIR)/clients/python/src $(GPU_PYTHON) \
+	  clients/python/bench/bench_gpu_lease.py --device $(GPU_CHECK_DEVICE) --out target/bench/gpu-lease
+
+# The same from prebuilt executables, for a GPU machine with no Rust
+# toolchain: `make gpu-pack` builds them into target/gpu-pack/ (stripped);
+# copy that folder to the GPU machine's checkout of the same commit and run
+# loadgen/scripts/gpu_check.sh there.
+GPU_PACK := target/gpu-pack
+gpu-pack:
+	@rm -rf $(GPU_PACK) && mkdir -p $(GPU_PACK)
+	KVTIER_GPU_TEST_DRIVER=real $(CARGO) build --release -p kvtier-server -p kvtier-loadgen
+	KVTIER_GPU_TEST_DRIVER=real $(CARGO) test --release -p kvtier-server --test gpu --no-run --message-format=json \
+	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"]' \
+	  | xargs -I{} cp {} $(GPU_PACK)/gpu-tests
+	KVTIER_GPU_TEST_DRIVER=real $(CARGO) bench -p kvtier-engine --bench gpu --no-run --message-format=json \
+	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"]' \
+	  | xargs -I{} cp {} $(GPU_PACK)/gpu-bench
+	cp target/release/kvtier target/release/kvtier-loadgen $(GPU_PACK)/
+	strip $(GPU_PACK)/kvtier $(GPU_PACK)/kvtier-loadgen $(GPU_PACK)/gpu-tests $(GPU_PACK)/gpu-bench
+	pwd >$(GPU_PACK)/root
+	@du -sh $(GPU_PACK)
 
 # Crash harness (a 4-round version runs in `make test`): 20 rounds of
 # 8 clients PUTting 1 MiB blocks, kill -9 at 0.2–1.5 s, restart, read back
