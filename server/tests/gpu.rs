@@ -177,6 +177,10 @@ async fn three_tier_placement_demotion_and_promotion() {
             calls.lines().filter(|l| l.starts_with("cuMemHostAlloc")).all(|l| l.ends_with("flags=1")),
             "staging is PORTABLE pinned memory:\n{calls}"
         );
+        assert!(
+            calls.lines().filter(|l| l.starts_with("cuMemcpy")).all(|l| l.contains(" host=pinned")),
+            "every copy DMAs from or into page-locked staging:\n{calls}"
+        );
         assert!(calls.contains("cuMemFree_v2") && calls.contains("cuDevicePrimaryCtxRelease_v2"), "a clean stop frees the device memory");
     }
 }

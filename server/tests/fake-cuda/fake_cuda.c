@@ -42,7 +42,17 @@
  *                                waiting reads stale bytes
  *   FAKE_CUDA_TRACE=path         appends one line per call (name and key
  *                                arguments), for tests to check what was
- *                                called
+ *                                called; a copy's line says whether its host
+ *                                side was page-locked (`host=pinned`: from
+ *                                cuMemHostAlloc or cuMemHostRegister_v2) or
+ *                                not (`host=pageable`)
+ *
+ * cuMemHostRegister_v2 checks what the real driver checks of a range: a
+ * current context, known flags, every page mapped (/proc/self/maps), no
+ * overlap with a registered range (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+ * and, for memory mapped without write permission, the flag
+ * CU_MEMHOSTREGISTER_READ_ONLY (else CUDA_ERROR_INVALID_VALUE: the real
+ * driver pins pages for writing unless told).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -69,7 +79,17 @@ enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_UNKNOWN = 999,
+};
+
+/* cuMemHostRegister flags (cuda.h). */
+enum {
+    CU_MEMHOSTREGISTER_PORTABLE = 0x01,
+    CU_MEMHOSTREGISTER_DEVICEMAP = 0x02,
+    CU_MEMHOSTREGISTER_IOMEMORY = 0x04,
+    CU_MEMHOSTREGISTER_READ_ONLY = 0x08,
 };
 
 struct fake_ctx {
@@ -105,6 +125,14 @@ struct alloc {
     struct alloc *next;
 };
 
+/* Page-locked host memory: cuMemHostAlloc'd (registered 0) or registered. */
+struct pinned {
+    uintptr_t ptr;
+    size_t bytes;
+    int registered;
+    struct pinned *next;
+};
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int cfg_devices = 1;
@@ -124,6 +152,7 @@ static int initialized;
 static struct fake_ctx contexts[16];
 static __thread CUcontext current;
 static struct alloc *allocs;
+static struct pinned *pins;
 static size_t used_bytes;
 static long copies_counted;
 static struct fake_stream null_stream;
@@ -190,6 +219,60 @@ static struct alloc *find_alloc(CUdeviceptr p, size_t bytes) {
 
 static struct fake_stream *stream_of(CUstream s) { return s ? s : &null_stream; }
 
+/* The page-locked range holding [p, p + bytes), if one does. */
+static struct pinned *find_pinned(const void *p, size_t bytes) {
+    uintptr_t a = (uintptr_t)p;
+    for (struct pinned *x = pins; x; x = x->next)
+        if (a >= x->ptr && a + bytes <= x->ptr + x->bytes) return x;
+    return NULL;
+}
+
+static int add_pinned(const void *p, size_t bytes, int registered) {
+    struct pinned *x = malloc(sizeof *x);
+    if (!x) return 0;
+    x->ptr = (uintptr_t)p;
+    x->bytes = bytes;
+    x->registered = registered;
+    x->next = pins;
+    pins = x;
+    return 1;
+}
+
+/* Removes the range starting at p (registered or not, as asked): 1 if found. */
+static int drop_pinned(const void *p, int registered) {
+    for (struct pinned **at = &pins; *at; at = &(*at)->next) {
+        if ((*at)->ptr == (uintptr_t)p && (*at)->registered == registered) {
+            struct pinned *x = *at;
+            *at = x->next;
+            free(x);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Whether [p, p + bytes) is wholly mapped (1) and, if so, whether some of it
+ * is mapped without write permission (*read_only), from /proc/self/maps. */
+static int mapped(uintptr_t p, size_t bytes, int *read_only) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return 0;
+    uintptr_t at = p, end = p + bytes;
+    *read_only = 0;
+    char line[512];
+    /* The lines are sorted by address: walk them, advancing `at`. */
+    while (at < end && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        char perms[8];
+        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
+        if (hi <= at) continue;
+        if (lo > at) break; /* a hole */
+        if (perms[1] != 'w') *read_only = 1;
+        at = hi;
+    }
+    fclose(f);
+    return at >= end;
+}
+
 /* Performs the queued copies of `s` that precede `seq`. */
 static void drain(struct fake_stream *s, uint64_t seq) {
     size_t kept = 0;
@@ -215,7 +298,9 @@ static CUresult copy(int kind, void *dst, const void *src, size_t bytes, CUstrea
         return CUDA_ERROR_UNKNOWN;
     }
     int corrupt = counted && cfg_corrupt_copy && n == cfg_corrupt_copy;
-    say("%s bytes=%zu%s", kind == 1 ? "cuMemcpyHtoDAsync_v2" : "cuMemcpyDtoHAsync_v2", bytes, corrupt ? " CORRUPTED" : "");
+    const void *host = kind == 1 ? src : dst;
+    say("%s bytes=%zu host=%s%s", kind == 1 ? "cuMemcpyHtoDAsync_v2" : "cuMemcpyDtoHAsync_v2", bytes,
+        find_pinned(host, bytes) ? "pinned" : "pageable", corrupt ? " CORRUPTED" : "");
     struct op o = {dst, src, bytes, corrupt, s->next_seq++};
     if (!cfg_deferred) {
         memcpy(dst, src, bytes);
@@ -247,6 +332,8 @@ CUresult cuGetErrorString(CUresult error, const char **p) {
     case CUDA_ERROR_INVALID_CONTEXT: *p = "invalid device context"; break;
     case CUDA_ERROR_INVALID_HANDLE: *p = "invalid resource handle"; break;
     case CUDA_ERROR_NOT_READY: *p = "device not ready"; break;
+    case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *p = "part or all of the requested memory range is already mapped"; break;
+    case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *p = "pointer does not correspond to a registered memory region"; break;
     case 35: *p = "CUDA driver version is insufficient for CUDA runtime version"; break;
     default: *p = "unknown error"; break;
     }
@@ -259,6 +346,10 @@ CUresult cuGetErrorName(CUresult error, const char **p) {
     case CUDA_ERROR_OUT_OF_MEMORY: *p = "CUDA_ERROR_OUT_OF_MEMORY"; break;
     case CUDA_ERROR_NO_DEVICE: *p = "CUDA_ERROR_NO_DEVICE"; break;
     case CUDA_ERROR_NOT_READY: *p = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_INVALID_VALUE: *p = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *p = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *p = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; break;
+    case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *p = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
     default: *p = "CUDA_ERROR_UNKNOWN"; break;
     }
     return CUDA_SUCCESS;
@@ -441,13 +532,58 @@ CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned flags) {
     CUresult r = ready();
     if (r) return leave(r);
     *p = malloc(bytes ? bytes : 1);
+    if (*p && !add_pinned(*p, bytes ? bytes : 1, 0)) {
+        free(*p);
+        *p = NULL;
+    }
     return leave(*p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY);
 }
 
 CUresult cuMemFreeHost(void *p) {
     enter();
     say("cuMemFreeHost");
+    drop_pinned(p, 0);
     free(p);
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned flags) {
+    enter();
+    CUresult r = ready();
+    if (r) return leave(r);
+    if (!current) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    unsigned known = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+                     CU_MEMHOSTREGISTER_READ_ONLY;
+    int read_only = 0;
+    if (!p || bytes == 0 || (flags & ~known) || !mapped((uintptr_t)p, bytes, &read_only)) {
+        say("cuMemHostRegister_v2 bytes=%zu flags=%u INVALID_VALUE", bytes, flags);
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    }
+    if (read_only && !(flags & CU_MEMHOSTREGISTER_READ_ONLY)) {
+        say("cuMemHostRegister_v2 bytes=%zu flags=%u INVALID_VALUE (read-only memory without READ_ONLY)", bytes, flags);
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    }
+    uintptr_t a = (uintptr_t)p;
+    for (struct pinned *x = pins; x; x = x->next) {
+        if (a < x->ptr + x->bytes && x->ptr < a + bytes) {
+            say("cuMemHostRegister_v2 bytes=%zu flags=%u ALREADY_REGISTERED", bytes, flags);
+            return leave(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+        }
+    }
+    if (!add_pinned(p, bytes, 1)) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    say("cuMemHostRegister_v2 bytes=%zu flags=%u", bytes, flags);
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    enter();
+    CUresult r = ready();
+    if (r) return leave(r);
+    if (!drop_pinned(p, 1)) {
+        say("cuMemHostUnregister NOT_REGISTERED");
+        return leave(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+    }
+    say("cuMemHostUnregister");
     return leave(CUDA_SUCCESS);
 }
 
