@@ -32,7 +32,7 @@ use crate::lru::SlotLru;
 use crate::tenant::OwnerId;
 
 pub use crate::lru::Victim;
-pub use arena::{shared_arena, Arena, ArenaLayout, HugePages, RamShared, HUGE_PAGE_BYTES};
+pub use arena::{shared_arena, shared_arena_ids, Arena, ArenaLayout, HugePages, RamShared, HUGE_PAGE_BYTES};
 
 /// A block of the RAM tier pinned for a client's lease: its bytes (the
 /// pin: the slot is not written while this lives) and where a client that

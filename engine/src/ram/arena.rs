@@ -319,6 +319,16 @@ pub fn shared_arena(id: u32) -> Option<Arc<Arena>> {
     SHARED_ARENAS.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).find(|a| a.id == id)
 }
 
+/// The numbers of the shared arenas alive in this process, ascending: a
+/// server's RAM tiers, one per shard (HELLO's `leases.arenas`, so that a
+/// client can map and page-lock them all before its first lease).
+pub fn shared_arena_ids() -> Vec<u32> {
+    let mut ids: Vec<u32> =
+        SHARED_ARENAS.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).map(|a| a.id).collect();
+    ids.sort_unstable();
+    ids
+}
+
 /// Whether shared memory (shmem, memfds) gets transparent huge pages:
 /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` is not `[never]`
 /// (or `[deny]`).

@@ -70,9 +70,11 @@ pub(super) fn why_not(conn: &Conn) -> Option<String> {
 /// HELLO's `leases` object (version 3).
 pub(super) fn hello_json(conn: &Conn) -> Value {
     let why = why_not(conn);
+    let arenas = if why.is_none() { kvtier_engine::ram::shared_arena_ids() } else { Vec::new() };
     json!({
         "offered": why.is_none(),
         "why_not": why,
+        "arenas": arenas,
         "lease_ms": conn.shared.lease_ms,
         "leases_max": LEASES_PER_CONNECTION_MAX,
     })

@@ -30,6 +30,7 @@ from .client import Client, byte_view
 from .errors import (
     BadRequestError,
     BlockSizeError,
+    CudaError,
     DiskFullError,
     GeometryMismatchError,
     InvalidKeyError,
@@ -55,6 +56,7 @@ __all__ = [
     "BlockSizeError",
     "BlockTag",
     "Client",
+    "CudaError",
     "DiskFullError",
     "GeometryError",
     "GeometryMismatchError",

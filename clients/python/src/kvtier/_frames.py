@@ -217,7 +217,8 @@ def decode_hello(body: Bytes, *, block_bytes: int | None = None) -> dict[str, An
 
 def _check_leases_offer(offer: Any) -> None:
     """The hello answer's ``leases`` object (version 3): ``{"offered": bool,
-    "why_not": str or null, "lease_ms": int, "leases_max": int}``.
+    "why_not": str or null, "lease_ms": int, "leases_max": int}`` and, from
+    servers that name them, ``"arenas"``: the arena numbers (ints).
 
     Raises:
         ProtocolError: it is missing, or a field is missing or of another type.
@@ -227,6 +228,8 @@ def _check_leases_offer(offer: Any) -> None:
         and isinstance(offer.get("offered"), bool)
         and (offer.get("why_not") is None or isinstance(offer.get("why_not"), str))
         and all(type(offer.get(k)) is int for k in ("lease_ms", "leases_max"))
+        and isinstance(offer.get("arenas", []), list)
+        and all(type(n) is int for n in offer.get("arenas", []))
     )
     if not ok:
         raise _bad_answer(

@@ -393,7 +393,19 @@ class HttpTransport(Transport):
         Raises:
             LeasesOffError: always (``code`` ``"leases_need_socket"``).
         """
-        raise LeasesOffError(
+        raise self._no_leases()
+
+    def pin_arenas(self, device: int) -> int:
+        """Refused, as :meth:`lease` is: the arenas are mapped through the
+        same-host socket.
+
+        Raises:
+            LeasesOffError: always (``code`` ``"leases_need_socket"``).
+        """
+        raise self._no_leases()
+
+    def _no_leases(self) -> LeasesOffError:
+        return LeasesOffError(
             f"leases exist only on kvtier's same-host socket (docs/LOCAL.md, Leases); this client talks HTTP "
             f"to {self.url}: use Client('unix:///…/kvtier.sock') or Client(url, local='on'), or read with get_into",
             code="leases_need_socket",

@@ -136,6 +136,10 @@ class Transport(ABC):
         """:meth:`kvtier.Client.lease` (only the same-host socket has leases)."""
 
     @abstractmethod
+    def pin_arenas(self, device: int) -> int:
+        """:meth:`kvtier.Client.pin_arenas` (only the same-host socket has arenas)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Closes the transport's connections; calls after it raise."""
 

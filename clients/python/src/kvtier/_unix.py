@@ -500,6 +500,12 @@ class UnixTransport(Transport):
         (:func:`kvtier.leases.lease_keys`)."""
         return lease_keys(self.session, self.arenas, keys)
 
+    def pin_arenas(self, device: int) -> int:
+        """Maps every arena and page-locks it for CUDA device ``device``
+        (:meth:`kvtier.leases.ArenaMaps.pin`): the bytes page-locked."""
+        arenas = self.session.keys_call(lambda conn: self.arenas.pin(conn, device))
+        return sum(a.file_bytes for a in arenas)
+
     def ping(self) -> bool:
         """Whether the server answers on the socket (an ``EXISTS`` of no keys)."""
         try:
@@ -558,6 +564,7 @@ class UnixTransport(Transport):
             {
                 **self.session.counters,
                 "arenas_mapped": self.arenas.maps_made,
+                "arenas_pinned": self.arenas.pinned(),
                 "index_probes": self.index.probes,
             },
         )

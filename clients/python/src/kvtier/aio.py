@@ -117,6 +117,11 @@ class AsyncClient:
         its answer, so it does not block the loop."""
         return await self._run(self.sync.lease, keys)
 
+    async def pin_arenas(self, device: int = 0) -> int:
+        """:meth:`kvtier.Client.pin_arenas`: page-locks the server's arenas
+        for CUDA device ``device``; the bytes page-locked."""
+        return await self._run(self.sync.pin_arenas, device)
+
     async def stats(self) -> dict[str, Any]:
         """:meth:`kvtier.Client.stats`."""
         return await self._run(self.sync.stats)

@@ -289,6 +289,34 @@ class Client:
         """
         return self._link.current().lease(keys)
 
+    def pin_arenas(self, device: int = 0) -> int:
+        """Page-locks the server's RAM-tier arenas, mapped read-only in this
+        process for leases, for CUDA device ``device``
+        (``cuMemHostRegister`` with ``READ_ONLY|PORTABLE``, through the
+        driver library, ``libcuda.so.1``). A host-to-device copy from a lease
+        (``gpu_tensor.copy_(leases.torch(i), non_blocking=True)``) then is
+        one DMA from kvtier's pages: no host copy, and no bounce through the
+        driver's pageable path. Arenas of a server that restarts are pinned
+        as the next lease maps them. Call it once, before the first lease;
+        the pin ends when the client closes.
+
+        The whole of every arena is page-locked (``--ram-gb`` of the
+        server's memory, resident while pinned: the RAM tier is resident
+        anyway). On the thread that calls it, a context is made current if
+        none is (the device's primary context, torch's).
+
+        Returns:
+            The bytes page-locked.
+
+        Raises:
+            LeasesOffError: the server offers no leases (its reason), or this
+                client talks HTTP.
+            CudaError: no CUDA driver (``code`` ``"no_cuda_driver"``), no
+                such device, or the driver refused the range (a driver
+                without read-only registration).
+        """
+        return self._link.current().pin_arenas(device)
+
     # ------------------------------------------------------ lookup, prefetch
 
     def lookup_tiers(self, keys: Sequence[str]) -> list[str]:

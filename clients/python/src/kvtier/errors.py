@@ -130,6 +130,15 @@ class NotInRamError(KvtierError):
     ``LEASE``; raised only where one key's failure is an exception."""
 
 
+class CudaError(KvtierError):
+    """A CUDA driver call failed while page-locking kvtier's memory for the
+    GPU (:meth:`kvtier.Client.pin_arenas`): no driver (``code``
+    ``"no_cuda_driver"``), no device, or the driver refused the range (``code``
+    the driver's error name, e.g. ``"CUDA_ERROR_INVALID_VALUE"``, which a
+    driver without read-only registration answers). Nothing is pinned then;
+    copies from leases still work, through the driver's pageable path."""
+
+
 class GeometryMismatchError(KvtierError, ValueError):
     """The server's geometry is not the one the client expects: the hello's
     ``block_bytes`` or ``model`` (``Client(expect_block_bytes=..., expect_model=...)``)

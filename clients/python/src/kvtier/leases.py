@@ -47,9 +47,9 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import codes
+from . import _cuda, codes
 from ._session import key_chunks
-from .errors import BlockSizeError, KvtierError, ProtocolError, error_from_code
+from .errors import BlockSizeError, CudaError, KvtierError, ProtocolError, error_from_code
 from .keys import check_key
 from .local import (
     MAX_ITEMS,
@@ -62,7 +62,7 @@ from .local import (
     encode_keys,
     encode_release,
 )
-from .shm import byte_view
+from .shm import _view_address, byte_view
 
 if TYPE_CHECKING:
     from ._session import LocalSession
@@ -106,6 +106,35 @@ class Arena:
         self.map = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         self.view = memoryview(self.map)
         """A read-only view of the whole file (every block view is a slice of it)."""
+        self.address = _view_address(self.view)
+        """The mapping's first byte."""
+        self.pinned_device: int | None = None
+        """The CUDA device for which the mapping is page-locked
+        (:meth:`ArenaMaps.pin`), or ``None``."""
+
+    def pin(self, device: int) -> None:
+        """Page-locks the whole mapping for the GPU (read-only registration).
+
+        Raises:
+            CudaError: no driver, or it refused the range.
+        """
+        if self.pinned_device is None:
+            cuda = _cuda.driver()
+            cuda.use_device(device)
+            cuda.register(self.address, self.file_bytes, read_only=True)
+            self.pinned_device = device
+
+    def unpin(self) -> None:
+        """Ends the page lock, if any (a refusal is logged: the mapping is
+        going anyway)."""
+        if self.pinned_device is not None:
+            device, self.pinned_device = self.pinned_device, None
+            try:
+                cuda = _cuda.driver()
+                cuda.use_device(device)
+                cuda.unregister(self.address)
+            except CudaError as e:
+                log.warning("kvtier: unpinning arena %d: %s", self.arena, e)
 
     def slot_of(self, offset: int) -> int:
         """The slot holding byte ``offset``."""
@@ -133,6 +162,7 @@ class Arena:
         """Unmaps the file now if nothing made from it is left (no lease
         view, numpy array or tensor: each holds a buffer of the mapping),
         else when the last of them goes: nothing can read unmapped memory."""
+        self.unpin()
         self.view.release()
         try:
             self.map.close()
@@ -156,6 +186,9 @@ class ArenaMaps:
         self._arenas: dict[int, Arena] = {}
         self.maps_made = 0
         """``MAP_ARENA`` calls made (for tests and ``local_stats``)."""
+        self.pin_device: int | None = None
+        """The CUDA device every arena is page-locked for once mapped
+        (:meth:`pin`), or ``None``."""
 
     def get(self, conn: LocalConnection, arena: int) -> Arena:
         """Arena ``arena`` of the server ``conn`` talks to, mapped on first use.
@@ -177,7 +210,34 @@ class ArenaMaps:
                     os.close(fd)
                 self._arenas[arena] = mapped
                 self.maps_made += 1
+                if self.pin_device is not None:  # a new server's arenas, after pin()
+                    try:
+                        mapped.pin(self.pin_device)
+                    except CudaError as e:
+                        log.warning("kvtier: arena %d stays pageable: %s", arena, e)
             return mapped
+
+    def pin(self, conn: LocalConnection, device: int) -> list[Arena]:
+        """Maps every arena of the server ``conn`` talks to (one per shard)
+        and page-locks each for CUDA device ``device``; arenas of a
+        restarted server are page-locked as they are mapped.
+
+        Raises:
+            LeasesOffError, ProtocolError: as :meth:`get`.
+            CudaError: no driver, or it refused an arena (those pinned
+                before stay pinned).
+        """
+        offer = conn.info.get("leases") or {}
+        if not offer.get("offered", False):
+            raise error_from_code(codes.LEASES_OFF, f"no leases: {offer.get('why_not') or 'not offered'}")
+        # HELLO names the arenas (a server before that names none: then each
+        # is pinned as a lease maps it).
+        arenas = [self.get(conn, int(n)) for n in offer.get("arenas", [])]
+        with self._lock:
+            for arena in arenas:
+                arena.pin(device)
+            self.pin_device = device
+        return arenas
 
     def _drop(self) -> None:
         for arena in self._arenas.values():
@@ -186,6 +246,11 @@ class ArenaMaps:
 
     def __len__(self) -> int:
         return len(self._arenas)
+
+    def pinned(self) -> int:
+        """How many mapped arenas are page-locked now."""
+        with self._lock:
+            return sum(1 for a in self._arenas.values() if a.pinned_device is not None)
 
     def close(self) -> None:
         """Unmaps every arena no lease view still holds."""
