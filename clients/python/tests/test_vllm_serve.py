@@ -129,7 +129,11 @@ def fleet() -> Iterator[Fleet]:
     # read back from its replay socket, say what the connector attached.
     pub, replay = free_port(), free_port()
     events = ("--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}")
-    store = ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.25, disk_gb=1, shards=2, args=events)
+    # Its RAM tier is shared (--ram-shared on), so `second`, whose KV cache is
+    # not in shared memory, loads from leases (one copy) instead of staging.
+    store = ServerProcess(
+        block_bytes=BLOCK_BYTES, ram_gb=0.25, disk_gb=1, shards=2, args=(*events, "--ram-shared", "on")
+    )
     wrong = ServerProcess(block_bytes=BLOCK_BYTES // 2, ram_gb=0.0625, disk_gb=0.25)
     servers = [store, wrong, strict]
     engines: list[VllmServer] = []
@@ -140,7 +144,7 @@ def fleet() -> Iterator[Fleet]:
             store=store,
             plain=vllm(),
             engine=vllm(kv_transfer_config=connector(store.url)),
-            second=vllm(kv_transfer_config=connector(store.url)),
+            second=vllm(kv_transfer_config=connector(store.url, kv_cache_shared=False)),
             wrong=wrong,
             strict=strict,
             # These two never serve: eager mode skips the compilation before they fail.
@@ -311,9 +315,19 @@ def test_a_second_vllm_reuses_the_prefix_the_first_one_stored(fleet, engine):
     prompt = " ".join(Path(__file__).read_text().split()[:500])
     first = engine.complete(prompt, MAX_TOKENS)
     second = fleet.second.wait_ready()
+    leases_before = leases_granted(fleet.store)
     assert second.complete(prompt, MAX_TOKENS) == first
     assert external_hit_tokens(second) >= BLOCK_TOKENS
+    # `second`'s cache is not in shared memory: its loads came from leases
+    # (kvtier's RAM tier read in place, one copy into vLLM's pages).
+    assert leases_granted(fleet.store) - leases_before >= external_hit_tokens(second) // BLOCK_TOKENS
     second.stop()
+
+
+def leases_granted(server: ServerProcess) -> int:
+    with kvtier.Client(server.url) as c:
+        granted: int = c.stats()["local"]["leases"]["granted_total"]
+        return granted
 
 
 def test_bad_configuration_is_one_clear_error_at_start(fleet):

@@ -12,7 +12,16 @@ order. Three paths, chosen once when kvtier first answers (:meth:`PagedBlocks.re
   with the client: one torch copy per layer page in this process, then
   kvtier copies into or out of the staging buffer (over HTTP the client
   receives into it); on a GPU the staging buffer is page-locked so the
-  host-device copies are DMA.
+  host-device copies are DMA;
+- where the staging buffer would be used, over the same-host socket, and
+  kvtier offers leases (``--ram-shared``), loads go straight from kvtier's
+  RAM tier: the blocks are leased and each layer's page is copied from
+  kvtier's pages into vLLM's, one copy instead of two. On a GPU the client
+  first page-locks kvtier's arenas (:meth:`kvtier.Client.pin_arenas`), so
+  that copy is the GPU's DMA reading kvtier's memory, with no host copy at
+  all. The generation check after the copies catches a lease that ended;
+  such blocks, and those not in RAM, are read through the staging buffer.
+  Stores still go through staging.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import codes
 from ._connector import ConnectorCore
-from .errors import InvalidTagError, error_from_code
+from .errors import CudaError, InvalidTagError, KvtierError, LeasesOffError, error_from_code
 from .shm import SharedBuffer
 from .tag import TAG_TOKENS_MAX, BlockTag
 
@@ -124,6 +133,9 @@ class PagedBlocks:
         layer_bytes: bytes of one layer's page of one block.
         block_bytes: ``layer_bytes`` x layers: one kvtier block.
         zero_copy: whether blocks move through the registered cache.
+        leased_loads: whether loads copy from leases in kvtier's arenas
+            (same-host socket, leases offered, not ``zero_copy``; on a GPU,
+            the arenas page-locked).
     """
 
     def __init__(
@@ -150,6 +162,7 @@ class PagedBlocks:
         self.on_gpu = layers[0].device.type == "cuda"
         self.kv_base = 0
         self.zero_copy = False
+        self.leased_loads = False
         self.staging: SharedBuffer | None = None
         self._lock = threading.Lock()
 
@@ -186,6 +199,8 @@ class PagedBlocks:
                 # Page-locked, so the host-device copies are DMA from and to it.
                 torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, 0)
             self.staging = staging
+            if self.core.transport == "unix":
+                self._use_leases()
             if self.on_gpu:
                 why = "vLLM's KV cache is in GPU memory (the staging buffer is pinned)"
             elif self.core.transport != "unix":
@@ -194,6 +209,40 @@ class PagedBlocks:
                 why = "vLLM's KV cache is not in shared memory (kv_cache_shared is off or its allocation was not seen)"
             self.logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
             return True
+
+    def _use_leases(self) -> None:
+        """Turns leased loads on where kvtier offers leases (on a GPU, once
+        its arenas are page-locked); logs which, or why not (loads are then
+        staged)."""
+        offer = self.core.client.server_info.get("leases") or {}
+        if not offer.get("offered"):
+            why = offer.get("why_not") or "the server's socket predates leases"
+            self.logger.info("kvtier connector: loads are staged, not leased: %s", why)
+            return
+        if not self.on_gpu:
+            self.leased_loads = True
+            self.logger.info(
+                "kvtier connector: loads copy from kvtier's RAM tier into vLLM's pages (leases: one copy, not "
+                "two); stores are staged"
+            )
+            return
+        device = self.layers[0].device.index or 0
+        try:
+            pinned = self.core.client.pin_arenas(device)
+        except (LeasesOffError, CudaError) as e:
+            self.logger.info("kvtier connector: loads are staged, not leased: %s", e)
+            return
+        except KvtierError as e:
+            self.core.failed("register", e)
+            return
+        self.leased_loads = pinned > 0
+        if self.leased_loads:
+            self.logger.info(
+                "kvtier connector: loads copy from kvtier's RAM tier straight to GPU %d (leases; %d bytes of "
+                "kvtier's memory page-locked, so each copy is a DMA from it); stores are staged",
+                device,
+                pinned,
+            )
 
     def spans(self, block_id: int) -> tuple[list[int], list[int]]:
         """The layer pages of one block in the registered cache, adjacent ones merged."""
@@ -227,6 +276,8 @@ class PagedBlocks:
                 else:
                     out = client.batch_put_from_multi_buffers(keys, ptrs, sizes, tags)
                 self.core.count(zero_copy_blocks=sum(1 for r in out if r >= 0))
+            elif load and self.leased_loads:
+                out = self._leased(keys, block_ids)
             else:
                 for start in range(0, len(keys), STAGING_BLOCKS):
                     end = start + STAGING_BLOCKS
@@ -244,6 +295,45 @@ class PagedBlocks:
         for key, result in zip(keys, out, strict=True):
             if result < 0 and not (load and result == codes.NOT_FOUND):
                 self.core.failed(kind, error_from_code(result, f"{kind} {key}: {codes.name_of(result)}"))
+        return out
+
+    def _leased(self, keys: list[str], block_ids: list[int]) -> list[int]:
+        """Loads from leases: one copy per layer page from kvtier's arena into
+        vLLM's (on a GPU a DMA from the page-locked arena, then a wait for
+        the stream), then the generation check.
+        Blocks not leased for want of room or RAM (``NOT_IN_RAM``, ``LIMIT``)
+        and those whose lease had ended are read through staging."""
+        client = self.core.client
+        out = [codes.NOT_FOUND] * len(keys)
+        again: list[int] = []
+        leased = 0
+        with client.lease(keys) as leases:
+            copied = []
+            for i, block_id in enumerate(block_ids):
+                if leases.views[i] is None:
+                    if leases.results[i] in (codes.NOT_IN_RAM, codes.LIMIT):
+                        again.append(i)
+                    else:
+                        out[i] = leases.results[i]
+                    continue
+                rows = leases.torch(i).view(len(self.layers), self.layer_bytes)
+                for layer, layer_pages in enumerate(self.layers):
+                    layer_pages[block_id].view(-1).copy_(rows[layer], non_blocking=True)
+                copied.append(i)
+            if copied and self.on_gpu:
+                torch.cuda.current_stream(self.layers[0].device).synchronize()
+            for i in copied:
+                if leases.valid(i):
+                    out[i] = self.block_bytes
+                    leased += 1
+                else:
+                    again.append(i)
+        self.core.count(leased_blocks=leased)
+        for start in range(0, len(again), STAGING_BLOCKS):
+            chunk = again[start : start + STAGING_BLOCKS]
+            results = self._staged([keys[i] for i in chunk], [block_ids[i] for i in chunk], load=True)
+            for i, result in zip(chunk, results, strict=True):
+                out[i] = result
         return out
 
     def _staged(

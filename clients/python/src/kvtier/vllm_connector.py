@@ -64,7 +64,12 @@ that fails is a later miss.
 **GPUs.** vLLM's CUDA build keeps the cache in GPU memory: each block is
 copied between the layers' pages and a staging buffer that is shared with
 kvtier and page-locked (``cudaHostRegister``), so the host-device copies are
-DMA and kvtier copies into and out of the staging buffer itself.
+DMA and kvtier copies into and out of the staging buffer itself. Over the
+same-host socket, where kvtier offers leases (``--ram-shared``), loads skip
+the staging buffer: the connector page-locks kvtier's RAM-tier arenas
+(:meth:`kvtier.Client.pin_arenas`) and copies each leased block's layer
+pages from kvtier's memory to the GPU, one DMA each, with no host copy
+(``leased_blocks``).
 
 **Hybrid models.** Not supported: a model whose KV cache has more than one
 group (sliding-window, Mamba or other layers apart from full attention) is
@@ -144,6 +149,7 @@ STATS = (
     "store_failed_blocks",
     "zero_copy_blocks",
     "staged_blocks",
+    "leased_blocks",
 )
 
 
