@@ -1,19 +1,24 @@
 """KvtierConnector's parts that need no running engine: the interface vLLM
 loads, the shared allocation of the KV cache, the start-up refusals, the
-block tags of the store plan. The
+block tags of the store plan, the block mover's leased and staged loads
+against a real kvtier. The
 connector under a real ``vllm serve`` is tests/test_vllm_serve.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import block, start_on_same_port
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation, block_tags
+from kvtier._connector import ConnectorCore
+from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
 from kvtier.shm import backing_fd
+from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import (
     ConfigurationError,
     KvtierConnector,
@@ -104,3 +109,40 @@ def test_the_store_plan_hands_the_worker_each_blocks_tag():
     assert store.block_ids == [8, 9] and store.keys == [connector.key_of(h) for h in hashes[1:]]
     assert store.tags == block_tags(hashes, list(range(12)), 4, 1, 3)
     assert store.tags[0].parent_hash == hashes[0] and store.tags[1].token_ids == [8, 9, 10, 11]
+
+
+def test_loads_come_from_leases_then_from_staging_once_a_restarted_server_offers_none():
+    """The block mover on a CPU cache that is not in shared memory: loads are
+    leased (one copy into the layers' pages) while kvtier offers leases; a
+    kvtier restarted with ``--ram-shared off`` turns them back into staged
+    loads, with every byte still right."""
+    bb, n, layers = 65536, 8, 4
+    keys = [f"lease-load-{i}" for i in range(n)]
+    with ServerProcess(block_bytes=bb, ram_gb=0.05, disk_gb=0.5, args=("--ram-shared", "on")) as s:
+        core = ConnectorCore(
+            {"url": s.url, "timeout_s": 30}, logger=logging.getLogger("t"), stats=("leased_blocks", "staged_blocks")
+        )
+        core.start(bb)
+        core.client.put_many([(k, block(i, bb)) for i, k in enumerate(keys)])
+        caches = {f"layer.{j}": torch.zeros((n, bb // layers), dtype=torch.uint8) for j in range(layers)}
+        mover = PagedBlocks(core, caches, [], logging.getLogger("t"))
+
+        def loaded() -> bool:
+            got = torch.cat([caches[f"layer.{j}"] for j in range(layers)], dim=1)
+            ok = all(bytes(got[i].numpy()) == block(i, bb) for i in range(n))
+            for t in caches.values():
+                t.zero_()
+            return ok
+
+        assert mover.ready() and mover.leased_loads and not mover.zero_copy
+        assert mover.move(keys, list(range(n)), load=True) == [bb] * n and loaded()
+        assert core.stats["leased_blocks"] == n and core.stats["staged_blocks"] == 0
+
+        s.kill()
+        s.argv[s.argv.index("--ram-shared") + 1] = "off"
+        start_on_same_port(s)
+        assert mover.move(keys, list(range(n)), load=True) == [bb] * n and loaded()
+        assert not mover.leased_loads
+        assert core.stats["leased_blocks"] == n and core.stats["staged_blocks"] == n
+        mover.close()
+        core.client.close()

@@ -300,34 +300,41 @@ class PagedBlocks:
     def _leased(self, keys: list[str], block_ids: list[int]) -> list[int]:
         """Loads from leases: one copy per layer page from kvtier's arena into
         vLLM's (on a GPU a DMA from the page-locked arena, then a wait for
-        the stream), then the generation check.
-        Blocks not leased for want of room or RAM (``NOT_IN_RAM``, ``LIMIT``)
-        and those whose lease had ended are read through staging."""
-        client = self.core.client
+        the stream), then the generation check. Blocks not leased for want of
+        room or RAM (``NOT_IN_RAM``, ``LIMIT``) and those whose lease had
+        ended are read through staging, as is everything once the server
+        says it offers no leases (restarted with ``--ram-shared off``)."""
         out = [codes.NOT_FOUND] * len(keys)
         again: list[int] = []
         leased = 0
-        with client.lease(keys) as leases:
-            copied = []
-            for i, block_id in enumerate(block_ids):
-                if leases.views[i] is None:
-                    if leases.results[i] in (codes.NOT_IN_RAM, codes.LIMIT):
-                        again.append(i)
+        try:
+            leases = self.core.client.lease(keys)
+        except LeasesOffError as e:
+            self.leased_loads = False
+            self.logger.info("kvtier connector: loads are staged from now on: %s", e)
+            leases, again = None, list(range(len(keys)))
+        if leases is not None:
+            with leases:
+                copied = []
+                for i, block_id in enumerate(block_ids):
+                    if leases.views[i] is None:
+                        if leases.results[i] in (codes.NOT_IN_RAM, codes.LIMIT):
+                            again.append(i)
+                        else:
+                            out[i] = leases.results[i]
+                        continue
+                    rows = leases.torch(i).view(len(self.layers), self.layer_bytes)
+                    for layer, layer_pages in enumerate(self.layers):
+                        layer_pages[block_id].view(-1).copy_(rows[layer], non_blocking=True)
+                    copied.append(i)
+                if copied and self.on_gpu:
+                    torch.cuda.current_stream(self.layers[0].device).synchronize()
+                for i in copied:
+                    if leases.valid(i):
+                        out[i] = self.block_bytes
+                        leased += 1
                     else:
-                        out[i] = leases.results[i]
-                    continue
-                rows = leases.torch(i).view(len(self.layers), self.layer_bytes)
-                for layer, layer_pages in enumerate(self.layers):
-                    layer_pages[block_id].view(-1).copy_(rows[layer], non_blocking=True)
-                copied.append(i)
-            if copied and self.on_gpu:
-                torch.cuda.current_stream(self.layers[0].device).synchronize()
-            for i in copied:
-                if leases.valid(i):
-                    out[i] = self.block_bytes
-                    leased += 1
-                else:
-                    again.append(i)
+                        again.append(i)
         self.core.count(leased_blocks=leased)
         for start in range(0, len(again), STAGING_BLOCKS):
             chunk = again[start : start + STAGING_BLOCKS]
