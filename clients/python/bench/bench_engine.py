@@ -10,6 +10,9 @@ OpenAI API, once per contender, in one invocation:
 - ``kvtier-staged``: ``KvtierConnector`` over the socket with
   ``kv_cache_shared: false`` (the KV cache in vLLM's own memory: every block
   through a staging buffer, one more copy per layer page);
+- ``kvtier-leased``: as ``kvtier-staged``, with kvtier's RAM tier shared
+  (``--ram-shared on``): loads copy each layer page from a lease on
+  kvtier's memory (one copy, not two; stores still staged);
 - ``kvtier-http``: ``KvtierConnector`` over HTTP (``local: off``).
 
 Two phases per contender, on one vLLM start:
@@ -163,7 +166,7 @@ def run_contender(
             disk_gb=8,
             shards=1,
             data_dir=str(work / f"{name}-data"),
-            args=("--pin-cpus", "false"),
+            args=("--pin-cpus", "false", "--ram-shared", "on" if name == "kvtier-leased" else "off"),
         )
         shutil.rmtree(server.data_dir, ignore_errors=True)
         server.start()
@@ -174,7 +177,7 @@ def run_contender(
             "kv_connector_extra_config": {
                 "url": server.url,
                 "local": "off" if name == "kvtier-http" else "auto",
-                "kv_cache_shared": name != "kvtier-staged",
+                "kv_cache_shared": name not in ("kvtier-staged", "kvtier-leased"),
             },
         }
     engine = VllmServer(
@@ -233,8 +236,11 @@ def run_contender(
             result["summary"]["load_s_repeat_prefix"] = load_s
             result["summary"]["prefill_to_load_ratio"] = result["summary"]["repeat_first_ttft_s_p50"] / load_s
             with urllib.request.urlopen(f"{server.url}/v1/stats", timeout=10) as response:
-                totals = json.loads(response.read())["totals"]
+                stats = json.loads(response.read())
+            totals = stats["totals"]
             result["kvtier"] = {k: totals[k] for k in ("puts", "gets", "hits", "misses", "corrupt_blocks", "blocks")}
+            leases = (stats.get("local") or {}).get("leases") or {}
+            result["kvtier"]["leases_granted"] = leases.get("granted_total", 0)
         return result
     finally:
         engine.stop()
@@ -275,7 +281,7 @@ def main() -> None:
     ap.add_argument("--sharegpt", type=Path, required=True, help="ShareGPT V3 JSON")
     ap.add_argument("--out", type=Path, default=Path("target/bench/engine"))
     ap.add_argument("--loadgen", default=os.environ.get("LOADGEN_BIN", "target/release/kvtier-loadgen"))
-    ap.add_argument("--contenders", default="none,example,kvtier-socket,kvtier-staged,kvtier-http")
+    ap.add_argument("--contenders", default="none,example,kvtier-socket,kvtier-staged,kvtier-leased,kvtier-http")
     ap.add_argument("--conversations", type=int, default=16, help="conversations replayed (interleaved)")
     ap.add_argument("--turns", type=int, default=3, help="turns of each conversation")
     ap.add_argument("--repeat-prompts", type=int, default=4, help="prompts of the repeated-prefix phase")
