@@ -19,7 +19,7 @@
 #   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
-#   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket and HTTP (target/bench/engine/)
+#   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket (registered, staged, leased) and HTTP (target/bench/engine/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #   make gpu-pack   the same executables, prebuilt into target/gpu-pack/, for a GPU machine with no Rust toolchain (loadgen/scripts/gpu_check.sh runs them)
