@@ -3,7 +3,7 @@ of :class:`kvtier.vllm_connector.KvtierConnector` (its module docstring says
 what is copied where).
 
 A kvtier block is one vLLM block of every layer, each layer's page in model
-order. Three paths, chosen once when kvtier first answers (:meth:`PagedBlocks.ready`):
+order. The paths, chosen once when kvtier first answers (:meth:`PagedBlocks.ready`):
 
 - the KV cache in a memfd (:class:`SharedAllocation`) registered over the
   same-host socket: kvtier copies each block straight into and out of the
@@ -207,7 +207,8 @@ class PagedBlocks:
                 why = "the transport is HTTP"
             else:
                 why = "vLLM's KV cache is not in shared memory (kv_cache_shared is off or its allocation was not seen)"
-            self.logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
+            if not self.leased_loads:  # else _use_leases said which path loads take
+                self.logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
             return True
 
     def _use_leases(self) -> None:
