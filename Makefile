@@ -344,14 +344,16 @@ gpu-check: build
 # copy that folder to the GPU machine's checkout of the same commit and run
 # loadgen/scripts/gpu_check.sh there.
 GPU_PACK := target/gpu-pack
+# The path of the `gpu` target's executable in cargo's --message-format=json.
+GPU_EXECUTABLE := python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"]'
 gpu-pack:
 	@rm -rf $(GPU_PACK) && mkdir -p $(GPU_PACK)
 	KVTIER_GPU_TEST_DRIVER=real $(CARGO) build --release -p kvtier-server -p kvtier-loadgen
 	KVTIER_GPU_TEST_DRIVER=real $(CARGO) test --release -p kvtier-server --test gpu --no-run --message-format=json \
-	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"]' \
+	  | $(GPU_EXECUTABLE) \
 	  | xargs -I{} cp {} $(GPU_PACK)/gpu-tests
 	KVTIER_GPU_TEST_DRIVER=real $(CARGO) bench -p kvtier-engine --bench gpu --no-run --message-format=json \
-	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"]' \
+	  | $(GPU_EXECUTABLE) \
 	  | xargs -I{} cp {} $(GPU_PACK)/gpu-bench
 	cp target/release/kvtier target/release/kvtier-loadgen $(GPU_PACK)/
 	strip $(GPU_PACK)/kvtier $(GPU_PACK)/kvtier-loadgen $(GPU_PACK)/gpu-tests $(GPU_PACK)/gpu-bench

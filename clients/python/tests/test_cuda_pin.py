@@ -12,6 +12,7 @@ gpu-check``'s lease step runs the same calls against the real driver
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -105,7 +106,7 @@ def test_pinned_arenas_are_registered_read_only_and_copies_dma_from_them(fake_cu
     keys = [f"pin-{i}" for i in range(6)]
     with kvtier.Client(pserver.unix_url, timeout_s=30) as c:
         c.put_many([(k, block(i)) for i, k in enumerate(keys)])
-    want = [__import__("hashlib").sha256(block(i)).hexdigest() for i in range(len(keys))]
+    want = [hashlib.sha256(block(i)).hexdigest() for i in range(len(keys))]
     trace = tmp_path / "fake-cuda.trace"
     env = {**os.environ, "LD_LIBRARY_PATH": str(fake_cuda), "FAKE_CUDA_TRACE": str(trace)}
     child = subprocess.Popen(
