@@ -14,7 +14,7 @@ use crate::{
         read_result::ReadResult,
         ScheduledSource,
     },
-    sys::{self, sysfs, DirectIo, DmaBuffer, DmaSource, PollableStatus},
+    sys::{self, sysfs, DirectIo, DmaBuffer, DmaSource, ForeignBuffer, PollableStatus},
 };
 use futures_lite::{Stream, StreamExt};
 use nix::sys::statfs::*;
@@ -366,6 +366,22 @@ impl DmaFile {
         let source = self.file.reactor.upgrade().unwrap().write_dma(
             self.as_raw_fd(),
             DmaSource::Shared(buf),
+            pos,
+            self.pollable,
+        );
+        enhanced_try!(source.collect_rw().await, "Writing", self.file).map_err(Into::into)
+    }
+
+    /// kvtier patch: [`DmaFile::write_at`] from memory glommio did not
+    /// allocate: `buf`'s bytes, which must not change until the write
+    /// completes (the owner is held until then, even when this future is
+    /// dropped). Their address, their length and `pos` must meet the file's
+    /// Direct I/O alignment, or the kernel fails the write (`EINVAL`). The
+    /// write is a plain `WRITE`, never `WRITE_FIXED`.
+    pub async fn write_foreign_at<B: AsRef<[u8]> + 'static>(&self, buf: B, pos: u64) -> Result<usize> {
+        let source = self.file.reactor.upgrade().unwrap().write_dma(
+            self.as_raw_fd(),
+            DmaSource::Foreign(ForeignBuffer(Box::new(buf))),
             pos,
             self.pollable,
         );

@@ -366,6 +366,19 @@ impl Drop for SleepNotifier {
 pub(crate) enum DmaSource {
     Owned(DmaBuffer),
     Shared(Rc<DmaBuffer>),
+    // kvtier patch: memory glommio did not allocate (DmaFile::write_foreign_at).
+    Foreign(ForeignBuffer),
+}
+
+/// kvtier patch: immutable memory owned outside glommio that a DMA write
+/// reads; the owner is held until the write completes.
+pub(crate) struct ForeignBuffer(pub(crate) Box<dyn AsRef<[u8]>>);
+
+impl std::fmt::Debug for ForeignBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bytes = (*self.0).as_ref();
+        f.debug_struct("ForeignBuffer").field("ptr", &bytes.as_ptr()).field("len", &bytes.len()).finish()
+    }
 }
 
 impl DmaSource {
@@ -373,6 +386,7 @@ impl DmaSource {
         match self {
             DmaSource::Owned(buffer) => buffer.uring_buffer_id(),
             DmaSource::Shared(buffer) => buffer.uring_buffer_id(),
+            DmaSource::Foreign(_) => None,
         }
     }
 }
@@ -384,6 +398,7 @@ impl Deref for DmaSource {
         match &self {
             Self::Owned(buffer) => buffer.as_bytes(),
             Self::Shared(buffer) => buffer.as_bytes(),
+            Self::Foreign(buffer) => (*buffer.0).as_ref(),
         }
     }
 }
