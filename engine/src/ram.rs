@@ -250,6 +250,21 @@ impl RamTier {
     /// held (a newer one may have been stored while the chunks were read).
     pub fn install_filled(&mut self, slot: u32, key: &StoredKey, hash: BlockHash, owner: OwnerId) {
         debug_assert!(!self.lru.contains(&hash));
+        self.commit_filled(slot, key, hash, owner);
+    }
+
+    /// Copies `bytes` to `offset` in `slot` (from [`RamTier::take_free`],
+    /// not yet installed), handing each 256 KiB step to `inspect` as the
+    /// slot holds it once copied (the CRC of a block written to the log
+    /// straight from its slot: `shard/append.rs`).
+    pub fn fill_checked(&mut self, slot: u32, offset: usize, bytes: &[u8], inspect: impl FnMut(&[u8])) {
+        self.arena.fill_range_checked(slot, offset, bytes, inspect);
+    }
+
+    /// Makes `slot`, filled with [`RamTier::fill_checked`] and now in the
+    /// log, the most recently used (clean) block of `hash`, replacing an
+    /// older copy if one is held.
+    pub fn commit_filled(&mut self, slot: u32, key: &StoredKey, hash: BlockHash, owner: OwnerId) {
         let arena = &self.arena;
         self.lru.install(slot, key, hash, owner, false, |s| arena.pinned(s));
     }

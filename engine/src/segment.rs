@@ -266,6 +266,39 @@ impl Segment {
         Ok(())
     }
 
+    /// Writes a slot from two places at once: the header page from `header`
+    /// (exactly [`PAGE_BYTES`]) and the payload from `payload`, memory
+    /// outside glommio's (a RAM-tier slot) that does not change until the
+    /// write completes, each with its own aligned DMA write. `payload`'s
+    /// address and length must be multiples of [`PAGE_BYTES`] and the two
+    /// together at most `slot_bytes`. Like one write of the whole slot, a
+    /// crash in the middle may leave either part: the header's CRCs tell.
+    ///
+    /// # Errors
+    /// As [`Segment::write_slot`].
+    pub async fn write_slot_split(&self, header: Rc<glommio::io::DmaBuffer>, payload: bytes::Bytes, slot: u32) -> Result<()> {
+        let len = payload.len() as u64;
+        assert_eq!(header.len() as u64, PAGE_BYTES, "a header page");
+        assert!(
+            len.is_multiple_of(PAGE_BYTES) && (payload.as_ptr() as u64).is_multiple_of(PAGE_BYTES) && PAGE_BYTES + len <= self.slot_bytes,
+            "payload write of {len} bytes at {:p}",
+            payload.as_ptr()
+        );
+        let at = self.slot_offset(slot);
+        let what = || format!("writing slot {slot} of segment {}", self.id);
+        let (head, body) = futures::join!(self.file.write_rc_at(header, at), self.file.write_foreign_at(payload, at + PAGE_BYTES));
+        for (written, want) in [(head, PAGE_BYTES), (body, len)] {
+            let written = written.map_err(|e| Error::glommio(what(), e))?;
+            if written as u64 != want {
+                return Err(Error::io(
+                    what(),
+                    std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {written} of {want} bytes")),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Reads `len` bytes (a multiple of [`PAGE_BYTES`]) from the start of
     /// slot `slot`.
     ///

@@ -23,7 +23,7 @@ use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{BlockHash, StoredKey};
 use crate::remote::Remote;
-use crate::shard::{Hold, LeaseOutcome, PutOutcome, PutReport, Shard, ShardStats};
+use crate::shard::{Hold, LeaseOutcome, PutOutcome, PutReport, PutSource, Shard, ShardStats};
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
@@ -137,6 +137,26 @@ impl Store {
     /// or is longer than this store's slot header holds
     /// ([`crate::slot::tag_room`]). The remote tier never fails a PUT.
     pub async fn put_reporting(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
+        self.put_sourced(key, chunks, tag, PutSource::Owned).await
+    }
+
+    /// [`Store::put_reporting`] of a block written in place: `chunks` are
+    /// views of a same-host client's registered memory, which it may write
+    /// again at any time. The owning shard reads them exactly once, into a
+    /// RAM-tier slot that the log is then written from (write-through, with
+    /// a RAM tier), else into a copy of its own, before anything is stored:
+    /// whatever the memory holds after that changes nothing stored
+    /// ([`PutSource::ClientMemory`]; docs/LOCAL.md "Writes in place").
+    ///
+    /// The views must stay valid (mapped, not shrunk) while they live.
+    ///
+    /// # Errors
+    /// As [`Store::put_reporting`].
+    pub async fn put_in_place(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
+        self.put_sourced(key, chunks, tag, PutSource::ClientMemory).await
+    }
+
+    async fn put_sourced(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>, source: PutSource) -> Result<PutReport> {
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != self.geometry().block_bytes {
             return Err(Error::WrongSize { expected: self.geometry().block_bytes, got });
@@ -155,9 +175,9 @@ impl Store {
         let hash = key.hash();
         let owner = hash.shard(self.shards);
         let put = if owner == self.shard_id() {
-            self.shard.put_block(key, hash, &chunks, tag).await
+            self.shard.put_block(key, hash, &chunks, tag, source).await
         } else {
-            self.forward(owner, |reply| Request::Put { key: key.clone(), hash, chunks, tag, reply }).await?
+            self.forward(owner, |reply| Request::Put { key: key.clone(), hash, chunks, tag, source, reply }).await?
         };
         if put.is_ok() {
             self.trace(TraceOp::Put, [(hash, TraceTier::None)]);

@@ -113,6 +113,10 @@ async fn write_back_loses_only_memory_blocks_on_a_crash_and_write_through_none()
         for k in &keys[12..] {
             assert_eq!(read_tier(&c, k).await, "ram");
         }
+        // Every log write came straight from a RAM slot: write-through's
+        // 20 PUTs, write-back's 12 demotions (shard/append.rs).
+        let from_ram = if policy == "through" { 20 } else { 12 };
+        assert_eq!(c.stats().await.unwrap()["totals"]["writes_from_ram"], from_ram, "{policy}");
         server.crash();
         let server = start(&args);
         let c = client(&server, true);

@@ -592,6 +592,51 @@ def test_server_restart_under_a_connected_client():
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+def test_a_block_written_in_place_is_stored_as_acknowledged_whatever_the_memory_holds_later():
+    """Writes in place (docs/LOCAL.md): the client writes blocks into its
+    registered memory and commits them with PUT_FROM; kvtier copies each once,
+    into a RAM-tier slot, computes its CRCs from that copy, and writes the log
+    straight from the slot. Overwriting the client's memory after the
+    acknowledgment changes nothing stored: neither the RAM copies nor the log
+    (read back after kill -9 and a restart)."""
+    data_dir = tempfile.mkdtemp(prefix="kvtier-inplace-")
+    # Room for 16 blocks in RAM: the 24 PUTs also evict (clean) blocks.
+    s = ServerProcess(block_bytes=BB, data_dir=data_dir, ram_gb=16 * BB / (1 << 30), args=("--write-policy", "through"))
+    keys = [f"in-place-{i}" for i in range(24)]
+    try:
+        s.start()
+        with kvtier.Client(s.unix_url, timeout_s=15) as c, kvtier.SharedBuffer(len(keys) * BB) as buf:
+            assert c.register_buffer(buf) == 0
+            for i in range(len(keys)):
+                fill(buf.numpy()[i * BB : (i + 1) * BB], 300 + i)
+            # Batches of 4: a shard's 8 slots are never all taken by writes
+            # in flight (a PUT that finds no slot is copied, not in place).
+            for at in range(0, len(keys), 4):
+                ptrs = [buf.ptr + i * BB for i in range(at, at + 4)]
+                assert c.batch_put_from(keys[at : at + 4], ptrs, [BB] * 4) == [0] * 4
+            buf.numpy()[:] = 0xEE  # the client reuses its memory once acknowledged
+            with kvtier.Client(s.url) as http:
+                totals = http.stats()["totals"]
+                assert totals["writes_from_ram"] == len(keys), totals
+                assert http.batch_is_exist(keys) == [1] * len(keys)
+                ram = next(t for t in http.stats()["tiers"] if t["tier"] == "ram")
+                assert ram["used_blocks"] == 16 and ram["hits"] == 0, ram
+                # Newest first: the 16 in RAM are read from RAM, then the
+                # 8 evicted ones from the log.
+                for i in reversed(range(len(keys))):
+                    assert http.get(keys[i]) == block(300 + i), keys[i]
+                ram = next(t for t in http.stats()["tiers"] if t["tier"] == "ram")
+                assert ram["hits"] == 16, ram
+        s.kill()
+        start_on_same_port(s)
+        with kvtier.Client(s.url) as http:
+            for i, k in enumerate(keys):
+                assert http.get(k) == block(300 + i), f"{k} after kill -9"
+    finally:
+        s.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 def test_a_restarted_server_with_another_geometry_raises():
     root = tempfile.mkdtemp(prefix="kvtier-geo-")
     sock = os.path.join(root, "kv.sock")

@@ -266,6 +266,28 @@ impl Arena {
         }
     }
 
+    /// [`Arena::fill_range`] that hands each 256 KiB step to `inspect`
+    /// just after it is copied, as the slot now holds it: a CRC computed
+    /// this way covers the slot's bytes even when the source is memory
+    /// another process may change meanwhile (a client's registered region).
+    pub(crate) fn fill_range_checked(&self, slot: u32, offset: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
+        const STEP_BYTES: usize = 256 << 10;
+        assert!(offset + bytes.len() <= self.slot_bytes, "block larger than a RAM slot");
+        let mut at = offset;
+        for step in bytes.chunks(STEP_BYTES) {
+            // SAFETY: in bounds (checked above); no reader holds this range
+            // and only this thread writes it (the caller's protocol, above),
+            // so the slice read back is the bytes just copied.
+            let copied = unsafe {
+                let to = self.slot_ptr(slot).add(at);
+                std::ptr::copy_nonoverlapping(step.as_ptr(), to, step.len());
+                std::slice::from_raw_parts(to, step.len())
+            };
+            inspect(copied);
+            at += step.len();
+        }
+    }
+
     /// Copies `parts` (together `slot_bytes`) into an unpinned slot that no
     /// reader can reach.
     pub(crate) fn fill(&self, slot: u32, parts: &[&[u8]]) {

@@ -3,6 +3,14 @@
 //! only after the write completes, so a reader sees the old block or the new
 //! one, never a slot in flight. The slot and its sequence number come from
 //! `slots.rs`.
+//!
+//! **From the RAM tier.** A block that is in a RAM-tier slot (a write-through
+//! PUT copies it there first, with its CRCs; a demotion or flush finds it
+//! there) is written straight from that slot: the header page from a small
+//! DMA buffer and the payload from the slot, two `O_DIRECT` writes, no copy
+//! ([`RecordBody::FromRam`]). The slot is pinned, so not written, until both
+//! complete. Other blocks are copied into a slot-sized DMA buffer
+//! ([`RecordBody::Whole`]).
 
 use std::rc::Rc;
 use std::time::Instant;
@@ -22,9 +30,8 @@ use crate::tenant::OwnerId;
 
 impl Shard {
     /// Writes a block to the log only. `chunks` together are exactly
-    /// `block_bytes` long ([`Shard::put`] checked; demotions pass a whole
-    /// RAM slot); they are copied once, into the aligned buffer that is
-    /// written.
+    /// `block_bytes` long ([`Shard::put`] checked); they are copied once,
+    /// into the aligned buffer that is written.
     ///
     /// # Errors
     /// [`Error::DiskFull`], [`Error::Io`].
@@ -37,17 +44,68 @@ impl Shard {
         let mut crcs = ChunkHasher::new(self.chunk_bytes);
         let mut at = PAGE_BYTES as usize;
         for chunk in chunks {
-            bytes[at..at + chunk.len()].copy_from_slice(chunk);
-            crcs.update(chunk);
+            // The CRC reads the copy, not the source: it covers the bytes
+            // written even if the source changes meanwhile.
+            let to = &mut bytes[at..at + chunk.len()];
+            to.copy_from_slice(chunk);
+            crcs.update(to);
             at += chunk.len();
         }
         bytes[at..].fill(0);
+        let header = self.block_header(key, hash, crcs);
+        self.append_block(key, hash, RecordBody::Whole(buf), header).await
+    }
+
+    /// Whether blocks can be written to the log straight from RAM-tier
+    /// slots: the block is a whole number of pages, so a slot's address
+    /// and length meet `O_DIRECT`'s alignment.
+    pub(super) fn writes_from_ram(&self) -> bool {
+        self.ram.is_some() && self.cfg.geometry.block_bytes.is_multiple_of(PAGE_BYTES)
+    }
+
+    /// Writes a block held in a RAM-tier slot to the log straight from the
+    /// slot. `payload` is the whole slot ([`crate::ram::RamTier::filled`] or
+    /// [`crate::ram::RamTier::begin_demotion`]), pinned (unwritten) while it
+    /// lives; `crcs` hashed exactly those bytes, or `None` to hash them
+    /// here (a demotion: one read, no copy). Needs
+    /// [`Shard::writes_from_ram`].
+    ///
+    /// # Errors
+    /// As [`Shard::put_nvme`].
+    pub(super) async fn put_nvme_from_ram(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        payload: Bytes,
+        crcs: Option<ChunkHasher>,
+        refusable: bool,
+    ) -> Result<PutOutcome> {
+        debug_assert!(self.writes_from_ram());
+        debug_assert_eq!(payload.len() as u64, self.cfg.geometry.block_bytes);
+        let crcs = crcs.unwrap_or_else(|| {
+            let mut c = ChunkHasher::new(self.chunk_bytes);
+            c.update(&payload);
+            c
+        });
+        let _permit = self.io_permit(refusable).await?;
+        let header = self.block_header(key, hash, crcs);
+        let page = glommio::allocate_dma_buffer(PAGE_BYTES as usize);
+        let put = self.append_block(key, hash, RecordBody::FromRam { header: page, payload }, header).await;
+        if put.is_ok() {
+            bump(&self.counters.writes_from_ram, 1);
+        }
+        put
+    }
+
+    /// A block record's header (its sequence number is stamped at the
+    /// write).
+    fn block_header(&self, key: &StoredKey, hash: BlockHash, crcs: ChunkHasher) -> SlotHeader {
         let (payload_crc, chunk_crcs) = crcs.finish();
-        let header = SlotHeader {
+        SlotHeader {
             kind: RecordKind::Block,
             seq: 0,
             hash,
-            payload_len: block_bytes,
+            payload_len: self.cfg.geometry.block_bytes,
             payload_crc,
             write_time_us: slot::now_us(),
             key: key.as_str().as_bytes().to_vec(),
@@ -55,8 +113,12 @@ impl Shard {
             chunk_bytes: self.chunk_bytes,
             chunk_crcs,
             tag: self.residency.tag_of(&hash).map(|t| t.to_vec()).unwrap_or_default(),
-        };
-        let (entry, replaced) = self.append(buf, header, self.owner_of(key)).await?;
+        }
+    }
+
+    /// Appends a block record and counts the PUT.
+    async fn append_block(&self, key: &StoredKey, hash: BlockHash, body: RecordBody, header: SlotHeader) -> Result<PutOutcome> {
+        let (entry, replaced) = self.append(body, header, self.owner_of(key)).await?;
         bump(&self.counters.puts, 1);
         debug_assert_eq!(self.index.borrow().get(&hash).map(|e| e.seq >= entry.seq), Some(true));
         Ok(if replaced { PutOutcome::Replaced } else { PutOutcome::Created })
@@ -66,14 +128,14 @@ impl Shard {
     /// slot and applies the record to the index. Returns the new entry and
     /// whether the key was stored before. `owner` is the owner of the
     /// header's key ([`Shard::owner_of`]).
-    pub(super) async fn append(&self, buf: DmaBuffer, header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
-        let written = self.write_record(buf, header, owner).await;
+    pub(super) async fn append(&self, body: RecordBody, header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
+        let written = self.write_record(body, header, owner).await;
         self.note_log_write(&written);
         written
     }
 
     /// [`Shard::append`] without the health bookkeeping.
-    async fn write_record(&self, mut buf: DmaBuffer, mut header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
+    async fn write_record(&self, body: RecordBody, mut header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
         let started = Instant::now();
         let (segment, slot, seq) = self.allocate_slot().await?;
         // `allocate_slot` counted us as a writer of the segment and recorded
@@ -84,12 +146,20 @@ impl Shard {
         // has not been read yet: wait until the copy is past it.
         segment.survivors_moved.until(|| segment.copy_next_old_slot.get() > slot).await;
         header.seq = seq;
+        let (buf, payload) = match body {
+            RecordBody::Whole(buf) => (buf, None),
+            RecordBody::FromRam { header, payload } => (header, Some(payload)),
+        };
+        let mut buf = buf;
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
-        let len = buf.len() as u64;
+        let len = buf.len() as u64 + payload.as_ref().map_or(0, |p| p.len() as u64);
         bump(&self.counters.io_in_flight, 1);
         let buf = Rc::new(buf);
         let result = async {
-            segment.write_slot(buf.clone(), slot).await?;
+            match payload {
+                None => segment.write_slot(buf.clone(), slot).await?,
+                Some(payload) => segment.write_slot_split(buf.clone(), payload, slot).await?,
+            }
             if self.cfg.sync {
                 segment.file.fdatasync().await.map_err(|e| Error::glommio(format!("fdatasync of segment {}", segment.id), e))?;
             }
@@ -122,7 +192,8 @@ impl Shard {
         self.buffers.borrow_mut().pop().unwrap_or_else(|| glommio::allocate_dma_buffer(self.slot_bytes as usize))
     }
 
-    /// Returns a slot-sized write buffer to the pool once its write is done.
+    /// Returns a slot-sized write buffer to the pool once its write is done
+    /// (a header page of [`RecordBody::FromRam`] is not pooled).
     pub(super) fn recycle(&self, buf: Rc<DmaBuffer>) {
         if let Ok(buf) = Rc::try_unwrap(buf) {
             let mut pool = self.buffers.borrow_mut();
@@ -131,4 +202,18 @@ impl Shard {
             }
         }
     }
+}
+
+/// What a log record's write is made of.
+pub(super) enum RecordBody {
+    /// A slot-sized DMA buffer: the header page, then the payload.
+    Whole(DmaBuffer),
+    /// A header page, and the payload written straight from a RAM-tier slot
+    /// that stays pinned until the write completes.
+    FromRam {
+        /// [`PAGE_BYTES`] of DMA memory for the header.
+        header: DmaBuffer,
+        /// The whole RAM slot: `block_bytes`, page-aligned.
+        payload: Bytes,
+    },
 }

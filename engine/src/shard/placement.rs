@@ -9,11 +9,12 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::transit::Placed;
-use super::Shard;
+use super::{PutOutcome, Shard};
 use crate::counter::{bump, record_us};
 use crate::error::Result;
 use crate::index::Entry;
 use crate::key::{BlockHash, StoredKey};
+use crate::slot::ChunkHasher;
 use crate::stream::{BlockBody, ChunkStream};
 use crate::tenant::{OwnerId, QuotaTier};
 use crate::tier::Tier;
@@ -67,12 +68,66 @@ impl Shard {
             // Write-back: the victim is only in RAM; write it to the log
             // first. It stays readable from RAM meanwhile.
             let bytes = ram.borrow_mut().begin_demotion(victim.slot);
-            let written = self.put_nvme(&victim.key, victim.hash, &[bytes], false).await;
+            let written = self.demote_to_log(&victim.key, victim.hash, bytes).await;
             ram.borrow_mut().end_demotion(victim.slot, written.is_ok());
             written?;
             bump(&self.ram_counters.demotions, 1);
             self.count_eviction(QuotaTier::Ram, victim.owner, owner);
             bump(&self.nvme_counters.promotions, 1);
+        }
+    }
+
+    /// A write-through PUT through a RAM slot: the block is copied once,
+    /// into a RAM slot taken for it, with its CRCs computed from the slot as
+    /// it is filled; the log record is written straight from that slot
+    /// (`append.rs`); once the write completes the slot becomes the block's
+    /// RAM copy, replacing an older one. Until then GETs see the older
+    /// block. The client's buffer is read once: whatever it holds later
+    /// changes nothing stored. `None` when no slot can be taken without a
+    /// log write (every candidate pinned or dirty): the caller takes the
+    /// copying path.
+    pub(super) async fn put_through_ram(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes]) -> Option<Result<PutOutcome>> {
+        let ram = self.ram.as_ref()?;
+        let owner = self.owner_of(key);
+        // As `cache`: the key's older copy gives its slot when no reader
+        // holds it (GETs meanwhile read the older record from the log).
+        ram.borrow_mut().release_if_idle(&hash);
+        let slot = self.take_ram_slot(owner)?;
+        let started = Instant::now();
+        let mut crcs = ChunkHasher::new(self.chunk_bytes);
+        let payload = {
+            let mut r = ram.borrow_mut();
+            let mut at = 0;
+            for chunk in chunks {
+                r.fill_checked(slot, at, chunk, |copied| crcs.update(copied));
+                at += chunk.len();
+            }
+            r.filled(slot, at)
+        };
+        let block_bytes = self.cfg.geometry.block_bytes;
+        bump(&self.ram_counters.bytes_in, block_bytes);
+        record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
+        let written = self.put_nvme_from_ram(key, hash, payload.clone(), Some(crcs), true).await;
+        if written.is_err() {
+            drop(payload);
+            ram.borrow_mut().abandon(slot);
+            return Some(written);
+        }
+        // As the copying path: a transit begun once the log has the block
+        // supersedes older PUTs of the key still on their way into RAM.
+        let _ticket = self.transits.begin(key, hash, vec![payload]);
+        ram.borrow_mut().commit_filled(slot, key, hash, owner);
+        Some(written)
+    }
+
+    /// Writes a block being demoted from RAM (`bytes`, its whole slot) to
+    /// the log: straight from the slot where the geometry allows
+    /// ([`Shard::writes_from_ram`]), else through a DMA buffer.
+    async fn demote_to_log(&self, key: &StoredKey, hash: BlockHash, bytes: Bytes) -> Result<PutOutcome> {
+        if self.writes_from_ram() {
+            self.put_nvme_from_ram(key, hash, bytes, None, false).await
+        } else {
+            self.put_nvme(key, hash, &[bytes], false).await
         }
     }
 
@@ -88,7 +143,7 @@ impl Shard {
         let dirty = ram.borrow().dirty_blocks();
         for v in dirty {
             let bytes = ram.borrow_mut().begin_demotion(v.slot);
-            let r = self.put_nvme(&v.key, v.hash, &[bytes], false).await;
+            let r = self.demote_to_log(&v.key, v.hash, bytes).await;
             ram.borrow_mut().end_flush(v.slot, r.is_ok());
             r?;
             written += 1;

@@ -24,7 +24,7 @@ use std::rc::Rc;
 use bytes::Bytes;
 use futures::future::{FutureExt, LocalBoxFuture, Shared};
 
-use super::{PutOutcome, Shard};
+use super::{PutOutcome, PutSource, Shard};
 use crate::error::{Error, Result};
 use crate::events::Medium;
 use crate::key::{BlockHash, StoredKey};
@@ -74,16 +74,32 @@ pub struct PutReport {
 impl Shard {
     /// Stores a block in the local tiers ([`Shard::put`]) and then uploads it
     /// to the remote tier as its write policy says. A remote read of the key
-    /// in flight will not install its (older) bytes.
+    /// in flight will not install its (older) bytes. Chunks in a client's
+    /// memory ([`PutSource::ClientMemory`]) are copied first when a remote
+    /// tier will read them again after the local write.
     ///
     /// # Errors
     /// As [`Shard::put`]; the remote tier never fails a PUT.
-    pub async fn put_block(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], tag: Option<Bytes>) -> Result<PutReport> {
+    pub async fn put_block(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        chunks: &[Bytes],
+        tag: Option<Bytes>,
+        source: PutSource,
+    ) -> Result<PutReport> {
+        let copy;
+        let (chunks, source) = if source == PutSource::ClientMemory && self.remote.is_some() {
+            copy = super::owned_copy(chunks);
+            (&copy[..], PutSource::Owned)
+        } else {
+            (chunks, source)
+        };
         self.supersede_remote_read(&hash).await;
         // Tracked from here, so the log writes the tag into the slot header
         // and the tiers' arrivals are published under it.
         let _putting = self.residency.begin_put(hash, tag.clone());
-        let outcome = self.put(key, hash, chunks).await?;
+        let outcome = self.put_from(key, hash, chunks, source).await?;
         let upload = match &self.remote {
             Some(remote) => remote.upload(key, chunks.to_vec(), tag).await,
             None => None,

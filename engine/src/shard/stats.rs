@@ -23,6 +23,7 @@ pub(super) struct Counters {
     pub evicted_blocks: Cell<u64>,
     pub second_chance_blocks: Cell<u64>,
     pub bytes_written: Cell<u64>,
+    pub writes_from_ram: Cell<u64>,
     pub bytes_read: Cell<u64>,
     pub io_in_flight: Cell<u64>,
     pub io_queued: Cell<u64>,
@@ -106,6 +107,10 @@ pub struct ShardStats {
     pub second_chance_blocks: u64,
     /// Bytes written to segments (slot headers and payloads).
     pub bytes_written: u64,
+    /// Block records written to the log straight from their RAM-tier slot
+    /// (write-through PUTs, demotions and flushes; `shard/append.rs`), with
+    /// no copy into a DMA buffer.
+    pub writes_from_ram: u64,
     /// Bytes read from segments.
     pub bytes_read: u64,
     /// Block reads and writes in flight now.
@@ -195,6 +200,7 @@ impl Shard {
             evicted_blocks: c.evicted_blocks.get(),
             second_chance_blocks: c.second_chance_blocks.get(),
             bytes_written: c.bytes_written.get(),
+            writes_from_ram: c.writes_from_ram.get(),
             bytes_read: c.bytes_read.get(),
             io_in_flight: c.io_in_flight.get(),
             io_queued: c.io_queued.get(),

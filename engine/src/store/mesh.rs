@@ -15,7 +15,7 @@ use super::PrefetchReport;
 use crate::error::Result;
 use crate::health::TierHealth;
 use crate::key::{BlockHash, StoredKey};
-use crate::shard::{LeaseOutcome, PutReport, Shard, ShardStats};
+use crate::shard::{LeaseOutcome, PutReport, PutSource, Shard, ShardStats};
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
 use crate::tier::Tier;
@@ -30,7 +30,7 @@ pub(super) type Reply<T> = oneshot::Sender<T>;
 
 /// An operation sent to the owning shard, with the channel of its answer.
 pub(super) enum Request {
-    Put { key: StoredKey, hash: BlockHash, chunks: Vec<Bytes>, tag: Option<Bytes>, reply: Reply<Result<PutReport>> },
+    Put { key: StoredKey, hash: BlockHash, chunks: Vec<Bytes>, tag: Option<Bytes>, source: PutSource, reply: Reply<Result<PutReport>> },
     Get { key: StoredKey, hash: BlockHash, reply: Reply<Result<(BlockBody, Tier)>> },
     GetInto { key: StoredKey, hash: BlockHash, sink: Arc<dyn BlockSink>, reply: Reply<Result<(u64, Tier)>> },
     Delete { key: StoredKey, hash: BlockHash, reply: Reply<Result<()>> },
@@ -70,8 +70,8 @@ pub(super) async fn copy_block(shard: &Rc<Shard>, key: &StoredKey, hash: BlockHa
 /// back. An asker that has gone away (its future dropped) is not an error.
 pub(super) async fn execute(shard: &Rc<Shard>, trace: Option<&ShardTrace>, request: Request, parallelism: usize) {
     match request {
-        Request::Put { key, hash, chunks, tag, reply } => {
-            let _ = reply.send(shard.put_block(&key, hash, &chunks, tag).await);
+        Request::Put { key, hash, chunks, tag, source, reply } => {
+            let _ = reply.send(shard.put_block(&key, hash, &chunks, tag, source).await);
         }
         // Whole: one message back across threads, not one per chunk.
         Request::Get { key, hash, reply } => {

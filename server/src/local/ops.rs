@@ -12,7 +12,7 @@ use kvtier_engine::PutOutcome;
 use serde_json::json;
 
 use super::proto::{self, code_of, Code, Item, Op};
-use super::region::{gather, ItemSink, Part, Region};
+use super::region::{gather, views, ItemSink, Part, Region};
 use super::session::Conn;
 use crate::limits;
 use crate::service::{PutRefused, ScopedKey};
@@ -305,14 +305,22 @@ async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<By
         }
     };
     // All-or-nothing: the whole block is copied out of the client's memory
-    // (gathered from its parts into one buffer) before the store sees any
-    // of it.
-    let bytes = match gather(&parts) {
-        Ok(b) => b,
-        Err((code, _)) => return (code as i64, 0),
+    // before anything is stored. From a sealed memfd the owning shard makes
+    // that copy itself, straight into its RAM tier (writes in place,
+    // docs/LOCAL.md); from other memory it is gathered here into buffers
+    // of the server's own first.
+    let put = match views(&parts) {
+        Some(views) => conn.service.put_in_place(key, views, tag).await,
+        None => {
+            let bytes = match gather(&parts) {
+                Ok(b) => b,
+                Err((code, _)) => return (code as i64, 0),
+            };
+            drop(parts);
+            conn.service.put(key, bytes, tag).await
+        }
     };
-    drop(parts);
-    match conn.service.put(key, bytes, tag).await {
+    match put {
         Ok(report) => (0, (report.outcome == PutOutcome::Created) as u8),
         Err(e) => {
             if code_of(&e).is_server_side() {

@@ -300,6 +300,46 @@ pub struct Part {
     pub len: u64,
 }
 
+/// The parts as views of the client's memory, with no copy, when every
+/// part lies in a sealed memfd mapping ([`Access::Mapped`]: it cannot
+/// shrink, so reading it from any thread cannot fault); `None` otherwise
+/// (then [`gather`] copies). A view keeps its region (mapping and
+/// descriptor) alive. The client may write the memory at any time: such
+/// views go to [`kvtier_engine::Store::put_in_place`], which reads them once.
+pub fn views(parts: &[Part]) -> Option<Vec<Bytes>> {
+    if !parts.iter().all(|p| p.region.access() == Access::Mapped) {
+        return None;
+    }
+    Some(
+        parts
+            .iter()
+            .map(|p| {
+                debug_assert!(p.at + p.len <= p.region.len);
+                Bytes::from_owner(RegionView { region: p.region.clone(), at: p.at as usize, len: p.len as usize })
+            })
+            .collect(),
+    )
+}
+
+/// Owner of a [`views`] `Bytes`: a span of a mapped region.
+struct RegionView {
+    region: Arc<Region>,
+    at: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for RegionView {
+    fn as_ref(&self) -> &[u8] {
+        let m = self.region.map.as_ref().expect("a view is made of a mapped region only");
+        // SAFETY: in bounds of the live mapping (the part was checked
+        // against its region; `views` checked the region is mapped), which
+        // `self.region` keeps mapped. A sealed memfd cannot shrink, so the
+        // pages never fault. The client may change the bytes at any time;
+        // the reader copies them once (`Store::put_in_place`).
+        unsafe { std::slice::from_raw_parts(m.base.add(m.region_at + self.at), self.len) }
+    }
+}
+
 /// Copies the parts' bytes, in order, out of their regions into buffers of
 /// [`GATHER_PIECE_BYTES`], the block's chunks for the store (`PUT_FROM`: one
 /// part; `PUT_FROM_V`: several).

@@ -235,6 +235,13 @@ pub(super) fn write_metrics(registry: &mut Scrape<'_>, parts: &Parts, snapshot: 
     shard_counter(registry, "shard_reclaimed_segments", "Segments reclaimed", engine, |s| s.reclaimed_segments);
     shard_counter(registry, "shard_bytes_read", "Bytes read from segments", engine, |s| s.bytes_read);
     shard_counter(registry, "shard_bytes_written", "Bytes written to segments", engine, |s| s.bytes_written);
+    shard_counter(
+        registry,
+        "shard_writes_from_ram",
+        "Block records written to the log straight from their RAM-tier slot, with no copy",
+        engine,
+        |s| s.writes_from_ram,
+    );
     shard_counter(registry, "shard_forwarded_requests", "Operations sent to the shard owning the key", engine, |s| s.forwarded_requests);
     shard_counter(registry, "shard_transit_hits", "GETs served from a block on its way into a memory tier", engine, |s| s.transit_hits);
     registry.register(

@@ -40,6 +40,7 @@ impl Metrics {
                 "invalid_snapshots_at_start": sum(|s| s.recovery.snapshot_invalid as u64),
                 "evicted_blocks": sum(|s| s.evicted_blocks),
                 "bytes_written": sum(|s| s.bytes_written),
+                "writes_from_ram": sum(|s| s.writes_from_ram),
                 "bytes_read": sum(|s| s.bytes_read),
             },
             "write_policy": shards.first().map(|s| s.write_policy),

@@ -93,6 +93,16 @@ impl Service {
         self.store.put_reporting(key.stored(), chunks, tag).await
     }
 
+    /// Stores a block written in place: `chunks` are views of a same-host
+    /// client's registered memory, read once by the owning shard
+    /// ([`Store::put_in_place`]).
+    ///
+    /// # Errors
+    /// As [`Store::put_in_place`].
+    pub async fn put_in_place(&self, key: &ScopedKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<kvtier_engine::PutReport> {
+        self.store.put_in_place(key.stored(), chunks, tag).await
+    }
+
     /// A block, whole or streamed ([`Store::get_stream`]).
     ///
     /// # Errors
