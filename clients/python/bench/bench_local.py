@@ -50,6 +50,7 @@ docs/BENCHMARKS.md ("Same-host data plane").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -240,18 +241,33 @@ def _worker(conn: Any, index: int) -> None:
             while time.monotonic() < start_at:
                 time.sleep(0.0005)
             cpu0, t0, moved, i = bp.proc_cpu_s(os.getpid()), time.monotonic(), 0, 1
+            steps_s: list[float] = []
+
+            def timed(i: int, step: Any = step, steps_s: list[float] = steps_s) -> int:
+                s0 = time.monotonic()
+                got = step(i)
+                steps_s.append(time.monotonic() - s0)
+                return got
+
             if seconds is None:
                 n = len(cmd["keys"])
                 for i in range(0, n, cmd["batch"]):
-                    moved += step(i // cmd["batch"])
+                    moved += timed(i // cmd["batch"])
             else:
                 while time.monotonic() - t0 < seconds:
-                    moved += step(i)
+                    moved += timed(i)
                     i += 1
+            steps_s.sort()
             conn.send(
                 (
                     "done",
-                    {"bytes": moved, "elapsed_s": time.monotonic() - t0, "cpu_s": bp.proc_cpu_s(os.getpid()) - cpu0},
+                    {
+                        "bytes": moved,
+                        "elapsed_s": time.monotonic() - t0,
+                        "cpu_s": bp.proc_cpu_s(os.getpid()) - cpu0,
+                        "step_p50_ms": steps_s[len(steps_s) // 2] * 1e3,
+                        "step_p99_ms": steps_s[min(len(steps_s) - 1, int(len(steps_s) * 0.99))] * 1e3,
+                    },
                 )
             )
         except BaseException:
@@ -289,6 +305,9 @@ class Workers:
         elapsed = max(r["elapsed_s"] for r in results)
         out = bp.result(moved, elapsed, sum(r["cpu_s"] for r in results), server_cpu_s)
         out["bytes"] = moved
+        # One step is one batch call (or one file, one copy): its latency.
+        out["step_p50_ms"] = statistics.median(r["step_p50_ms"] for r in results)
+        out["step_p99_ms"] = max(r["step_p99_ms"] for r in results)
         return out
 
     def close(self) -> None:
@@ -688,29 +707,49 @@ def part_nvme_get(args: argparse.Namespace, workers: Workers, scratch: Path) -> 
 
 
 def part_put(args: argparse.Namespace, workers: Workers, scratch: Path) -> tuple[dict, list[dict]]:
+    """Part 3: 16 MiB PUTs written in place (``batch_put_from`` out of
+    registered memory, write-through), beside fio O_DIRECT sequential writes
+    at the same depth and HTTP PUTs, and an older kvtier (``--before``) on the
+    same socket path, alternating in every pair."""
     bs = 16 * MIB
     keys = [f"put-{i}" for i in range(args.put_keys)]
     ws = len(keys) * bs
     fio_file = scratch / "fio-put"
-    with ServerProcess(
-        block_bytes=bs,
-        ram_gb=0.5,
-        disk_gb=ws * 3 / (1 << 30) + 2,
-        data_dir=str(scratch / "kv-put"),
-        args=("--write-policy", "through"),
-    ) as server:
+
+    def server(name: str, binary: str | None) -> ServerProcess:
+        s = ServerProcess(
+            block_bytes=bs,
+            ram_gb=0.5,
+            disk_gb=ws * 3 / (1 << 30) + 2,
+            data_dir=str(scratch / f"kv-put-{name}"),
+            args=("--write-policy", "through"),
+        )
+        if binary:
+            s.argv[0] = binary
+        return s
+
+    with contextlib.ExitStack() as stack:
+        now = stack.enter_context(server("now", None))
+        before = stack.enter_context(server("before", args.before)) if args.before else None
         base = {"block_bytes": bs, "batch": args.batch, "keys": keys}
         runs: dict[str, list] = {"unix": [], "fio": [], "http": []}
+        if before:
+            runs["before"] = []
         for _ in range(args.pairs):
             runs["unix"].append(
-                workers.run(1, {**base, "case": "unix_put", "url": server.unix_url}, args.seconds, server.pid)
+                workers.run(1, {**base, "case": "unix_put", "url": now.unix_url}, args.seconds, now.pid)
             )
+            if before:
+                runs["before"].append(
+                    workers.run(1, {**base, "case": "unix_put", "url": before.unix_url}, args.seconds, before.pid)
+                )
             runs["fio"].append(fio(fio_file, bs, ws, "write", args.batch, args.seconds))
-            runs["http"].append(
-                workers.run(1, {**base, "case": "http_put", "url": server.url}, args.seconds, server.pid)
-            )
+            runs["http"].append(workers.run(1, {**base, "case": "http_put", "url": now.url}, args.seconds, now.pid))
+        with kvtier.Client(now.url) as c:
+            from_ram = c.stats()["totals"].get("writes_from_ram", 0)
     fio_file.unlink(missing_ok=True)
     row: dict[str, Any] = {"block_bytes": bs, "depth": args.batch, "write_policy": "through"}
+    row["writes_from_ram"] = from_ram
     for name, rs in runs.items():
         row[name] = _median(rs)
     row["unix_over_fio"] = row["unix"]["bytes_per_s"] / row["fio"]["bytes_per_s"]
@@ -718,11 +757,26 @@ def part_put(args: argparse.Namespace, workers: Workers, scratch: Path) -> tuple
     row["client_cpu_unix_over_http"] = row["unix"]["client_cpu_s_per_gb"] / row["http"]["client_cpu_s_per_gb"]
     goals = [
         _goal("PUT 16 MiB: client CPU per GB, unix / http", row["client_cpu_unix_over_http"], "<=", 1 / 3),
+        _goal("PUT 16 MiB in place: unix / fio write", row["unix_over_fio"], ">=", 0.9),
+        _goal("PUT 16 MiB in place: unix / http", row["unix_over_http"], ">=", 1.0),
     ]
+    if before:
+        row["unix_over_before"] = row["unix"]["bytes_per_s"] / row["before"]["bytes_per_s"]
+        row["server_cpu_unix_over_before"] = row["unix"]["server_cpu_s_per_gb"] / row["before"]["server_cpu_s_per_gb"]
+        goals += [
+            _goal("PUT 16 MiB in place: unix / the older build", row["unix_over_before"], ">=", 1.5),
+            _goal("PUT 16 MiB: server CPU per GB / the older build", row["server_cpu_unix_over_before"], "<=", 0.5),
+        ]
     rates = "  ".join(f"{n} {_gbps(row[n]['bytes_per_s'])}" for n in runs)
     cpu = " ".join(f"{n} {row[n]['client_cpu_s_per_gb']:.3f}" for n in ("unix", "http"))
+    server_cpu = " ".join(f"{n} {row[n]['server_cpu_s_per_gb']:.3f}" for n in runs if n != "fio")
+    p99 = " ".join(f"{n} {row[n]['step_p99_ms']:.1f}" for n in runs if n != "fio")
     ratio = row["client_cpu_unix_over_http"]
-    print(f"PUT 16 MiB depth {args.batch}: {rates} GB/s; client cpu s/GB {cpu} (ratio {ratio:.2f})", flush=True)
+    print(
+        f"PUT 16 MiB depth {args.batch}: {rates} GB/s; client cpu s/GB {cpu} (ratio {ratio:.2f}); "
+        f"server cpu s/GB {server_cpu}; batch p99 ms {p99}; {from_ram} log writes from RAM",
+        flush=True,
+    )
     return row, goals
 
 
@@ -841,46 +895,50 @@ def markdown(summary: dict[str, Any]) -> str:
             )
         )
     p = summary["put"]
-    out += [
-        "",
-        "PUT 16 MiB, write-through, depth 16:",
-        "",
-        _row("", "unix", "fio write", "http", "unix/fio", "unix/http"),
-        _row("---", *["---:"] * 5),
-        _row(
-            "GB/s",
-            *[_gbps(p[n]["bytes_per_s"]) for n in ("unix", "fio", "http")],
-            f"{p['unix_over_fio']:.2f}",
-            f"{p['unix_over_http']:.2f}",
-        ),
-        _row(
-            "client CPU s/GB",
-            *[f"{p[n]['client_cpu_s_per_gb']:.3f}" for n in ("unix", "fio", "http")],
+    if p:
+        names = [n for n in ("unix", "before", "fio", "http") if n in p]
+        heads = {"unix": "unix", "before": "unix, older build", "fio": "fio write", "http": "http"}
+        ratios = [("unix_over_fio", "unix/fio"), ("unix_over_http", "unix/http"), ("unix_over_before", "unix/older")]
+        ratios = [(k, h) for k, h in ratios if k in p]
+        out += [
             "",
-            f"{p['client_cpu_unix_over_http']:.2f}",
-        ),
-        _row(
-            "server CPU s/GB",
-            f"{p['unix']['server_cpu_s_per_gb']:.3f}",
+            f"PUT 16 MiB written in place, write-through, depth {p['depth']}"
+            f" ({p.get('writes_from_ram', 0)} log writes straight from RAM slots):",
             "",
-            f"{p['http']['server_cpu_s_per_gb']:.3f}",
-            "",
-            "",
-        ),
-    ]
-    e = summary["exists"]
+            _row("", *[heads[n] for n in names], *[h for _, h in ratios]),
+            _row("---", *["---:"] * (len(names) + len(ratios))),
+            _row("GB/s", *[_gbps(p[n]["bytes_per_s"]) for n in names], *[f"{p[k]:.2f}" for k, _ in ratios]),
+            _row("client CPU s/GB", *[f"{p[n]['client_cpu_s_per_gb']:.3f}" for n in names], *[""] * len(ratios)),
+            _row(
+                "server CPU s/GB",
+                *["" if n == "fio" else f"{p[n]['server_cpu_s_per_gb']:.3f}" for n in names],
+                *[""] * len(ratios),
+            ),
+            _row(
+                "batch p50 / p99 ms",
+                *["" if n == "fio" else f"{p[n]['step_p50_ms']:.1f} / {p[n]['step_p99_ms']:.1f}" for n in names],
+                *[""] * len(ratios),
+            ),
+        ]
+    e = summary["exists"] or {}
     how = "shared index" if e.get("answered_from_index") else "round trips"
     out += [
         "",
-        f"batch_is_exist of {e['keys']} stored keys (single calls, {how}): p50 {e['unix_p50_us']:.0f} µs,"
-        f" p99 {e['unix_p99_us']:.0f} µs; lookup p50"
-        f" {e.get('unix_lookup_p50_us', math.nan):.0f} µs; with a concurrent writer: batch_is_exist p50/p99"
-        f" {e.get('busy_exist_p50_us', math.nan):.0f}/{e.get('busy_exist_p99_us', math.nan):.0f} µs, lookup"
-        f" {e.get('busy_lookup_p50_us', math.nan):.0f}/{e.get('busy_lookup_p99_us', math.nan):.0f} µs;"
-        f" EXISTS as a round trip from Python p50 {e.get('python_exists_p50_us', math.nan):.0f} µs;"
-        f" the same EXISTS from a minimal raw-frame client (the server's share)"
-        f" p50 {e.get('raw_exists_p50_us', math.nan):.0f} µs, p99 {e.get('raw_exists_p99_us', math.nan):.0f} µs;"
-        f" HTTP `lookup` of the same keys p50 {e['http_lookup_p50_us']:.0f} µs, p99 {e['http_lookup_p99_us']:.0f} µs.",
+    ]
+    if e:
+        out.append(
+            f"batch_is_exist of {e['keys']} stored keys (single calls, {how}): p50 {e['unix_p50_us']:.0f} µs,"
+            f" p99 {e['unix_p99_us']:.0f} µs; lookup p50"
+            f" {e.get('unix_lookup_p50_us', math.nan):.0f} µs; with a concurrent writer: batch_is_exist p50/p99"
+            f" {e.get('busy_exist_p50_us', math.nan):.0f}/{e.get('busy_exist_p99_us', math.nan):.0f} µs, lookup"
+            f" {e.get('busy_lookup_p50_us', math.nan):.0f}/{e.get('busy_lookup_p99_us', math.nan):.0f} µs;"
+            f" EXISTS as a round trip from Python p50 {e.get('python_exists_p50_us', math.nan):.0f} µs;"
+            f" the same EXISTS from a minimal raw-frame client (the server's share)"
+            f" p50 {e.get('raw_exists_p50_us', math.nan):.0f} µs, p99 {e.get('raw_exists_p99_us', math.nan):.0f} µs;"
+            f" HTTP `lookup` of the same keys p50 {e['http_lookup_p50_us']:.0f} µs,"
+            f" p99 {e['http_lookup_p99_us']:.0f} µs."
+        )
+    out += [
         "",
         "Replay (`kvtier-loadgen replay`, a fresh server each, one after the other):",
         "",
@@ -962,6 +1020,9 @@ def main() -> int:
         help="more kvtier-loadgen replay flags, e.g. '--dataset-path tests/data/sharegpt_sample.json'",
     )
     ap.add_argument("--skip", default="", help="parts to skip, comma-separated: ram,nvme,put,lease,replay")
+    ap.add_argument(
+        "--before", default=None, help="an older kvtier binary whose socket PUTs run beside this one's (the PUT part)"
+    )
     args = ap.parse_args()
     if args.pairs < 1 or args.seconds <= 0 or args.batch < 1:
         ap.error("--pairs and --batch must be at least 1 and --seconds positive")
