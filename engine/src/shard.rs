@@ -681,3 +681,22 @@ pub(crate) fn owned_copy(chunks: &[Bytes]) -> Vec<Bytes> {
     }
     pieces
 }
+
+#[cfg(test)]
+mod owned_copy_tests {
+    use super::*;
+
+    #[test]
+    fn an_owned_copy_is_the_same_bytes_in_pieces_of_at_most_4_mib() {
+        let bytes: Vec<u8> = (0..(9 << 20) + 12_345).map(|i: u32| (i % 251) as u8).collect();
+        // Chunks that cross the pieces' boundaries, and one empty chunk.
+        let cuts = [0, 1, 3 << 20, (3 << 20) + 7, 3 << 20 << 1, bytes.len()];
+        let mut chunks: Vec<Bytes> = cuts.windows(2).map(|w| Bytes::copy_from_slice(&bytes[w[0]..w[1]])).collect();
+        chunks.insert(2, Bytes::new());
+        let copy = owned_copy(&chunks);
+        assert_eq!(copy.iter().map(Bytes::len).collect::<Vec<_>>(), [4 << 20, 4 << 20, (1 << 20) + 12_345]);
+        assert_eq!(copy.concat(), bytes);
+        assert!(copy.iter().all(|p| chunks.iter().all(|c| c.is_empty() || p.as_ptr() != c.as_ptr())), "copied, not shared");
+        assert!(owned_copy(&[]).is_empty());
+    }
+}

@@ -93,6 +93,9 @@ impl Shard {
         // holds it (GETs meanwhile read the older record from the log).
         ram.borrow_mut().release_if_idle(&hash);
         let slot = self.take_ram_slot(owner)?;
+        // Given back on every exit but the install below, a cancelled PUT's
+        // included (an HTTP client gone mid-write drops its future).
+        let taken = TakenSlot { shard: self, slot: Some(slot) };
         let started = Instant::now();
         let mut crcs = ChunkHasher::new(self.chunk_bytes);
         let payload = {
@@ -110,13 +113,12 @@ impl Shard {
         let written = self.put_nvme_from_ram(key, hash, payload.clone(), Some(crcs), true).await;
         if written.is_err() {
             drop(payload);
-            ram.borrow_mut().abandon(slot);
             return Some(written);
         }
         // As the copying path: a transit begun once the log has the block
         // supersedes older PUTs of the key still on their way into RAM.
         let _ticket = self.transits.begin(key, hash, vec![payload]);
-        ram.borrow_mut().commit_filled(slot, key, hash, owner);
+        ram.borrow_mut().commit_filled(taken.into_slot(), key, hash, owner);
         Some(written)
     }
 
@@ -243,5 +245,26 @@ impl Shard {
         if let (Some(s), Some(ram)) = (slot, &self.ram) {
             ram.borrow_mut().abandon(s);
         }
+    }
+}
+
+/// A RAM slot taken for a block that is not installed yet: abandoned
+/// ([`crate::ram::RamTier::abandon`]) when dropped before
+/// [`TakenSlot::into_slot`].
+struct TakenSlot<'a> {
+    shard: &'a Shard,
+    slot: Option<u32>,
+}
+
+impl TakenSlot<'_> {
+    /// The slot, to install: no longer given back on drop.
+    fn into_slot(mut self) -> u32 {
+        self.slot.take().expect("taken once")
+    }
+}
+
+impl Drop for TakenSlot<'_> {
+    fn drop(&mut self) {
+        self.shard.abandon_ram_slot(self.slot.take());
     }
 }

@@ -12,7 +12,7 @@ use kvtier_engine::PutOutcome;
 use serde_json::json;
 
 use super::proto::{self, code_of, Code, Item, Op};
-use super::region::{gather, views, ItemSink, Part, Region};
+use super::region::{gather, views, views_intact, ItemSink, Part, Region};
 use super::session::Conn;
 use crate::limits;
 use crate::service::{PutRefused, ScopedKey};
@@ -305,12 +305,25 @@ async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<By
         }
     };
     // All-or-nothing: the whole block is copied out of the client's memory
-    // before anything is stored. From a sealed memfd the owning shard makes
+    // before anything is stored. From a mapped region the owning shard makes
     // that copy itself, straight into its RAM tier (writes in place,
     // docs/LOCAL.md); from other memory it is gathered here into buffers
     // of the server's own first.
     let put = match views(&parts) {
-        Some(views) => conn.service.put_in_place(key, views, tag).await,
+        Some(views) => {
+            let put = conn.service.put_in_place(key, views, tag).await;
+            if let Err((code, message)) = views_intact(&parts) {
+                // The client's file shrank under the copy: the block may hold
+                // zero pages where its bytes were. Not acknowledged; taken
+                // back if stored, as a gathered item would have stored nothing.
+                if put.is_ok() {
+                    let _ = conn.service.delete(key).await;
+                }
+                tracing::debug!(key = key.as_str(), "local PUT_FROM: {message}");
+                return (code as i64, 0);
+            }
+            put
+        }
         None => {
             let bytes = match gather(&parts) {
                 Ok(b) => b,

@@ -301,13 +301,17 @@ pub struct Part {
 }
 
 /// The parts as views of the client's memory, with no copy, when every
-/// part lies in a sealed memfd mapping ([`Access::Mapped`]: it cannot
-/// shrink, so reading it from any thread cannot fault); `None` otherwise
-/// (then [`gather`] copies). A view keeps its region (mapping and
-/// descriptor) alive. The client may write the memory at any time: such
-/// views go to [`kvtier_engine::Store::put_in_place`], which reads them once.
+/// part lies in a mapping: a sealed memfd ([`Access::Mapped`]: it cannot
+/// shrink) or a tmpfs file under the `SIGBUS` guard ([`Access::Guarded`],
+/// not faulted yet: the guard is process-wide, so a shrink under a read on
+/// any thread turns the range into zero pages instead of killing the
+/// server; [`views_intact`] tells afterwards). `None` otherwise (then
+/// [`gather`] copies). A view keeps its region (mapping and descriptor)
+/// alive. The client may write the memory at any time: such views go to
+/// [`kvtier_engine::Store::put_in_place`], which reads them once.
 pub fn views(parts: &[Part]) -> Option<Vec<Bytes>> {
-    if !parts.iter().all(|p| p.region.access() == Access::Mapped) {
+    let mapped = |p: &Part| p.region.map.as_ref().is_some_and(|m| m.intact().is_ok());
+    if !parts.iter().all(mapped) {
         return None;
     }
     Some(
@@ -319,6 +323,21 @@ pub fn views(parts: &[Part]) -> Option<Vec<Bytes>> {
             })
             .collect(),
     )
+}
+
+/// After a store read [`views`] of `parts`: `BUFFER_SHRUNK` when a guarded
+/// file shrank under the read (the block may hold zero pages where the
+/// client's bytes were).
+///
+/// # Errors
+/// `BUFFER_SHRUNK`, with the guard's message.
+pub fn views_intact(parts: &[Part]) -> Result<(), (Code, String)> {
+    for p in parts {
+        if let Some(m) = &p.region.map {
+            m.intact().map_err(|e| (Code::BufferShrunk, e.to_string()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Owner of a [`views`] `Bytes`: a span of a mapped region.
@@ -333,9 +352,10 @@ impl AsRef<[u8]> for RegionView {
         let m = self.region.map.as_ref().expect("a view is made of a mapped region only");
         // SAFETY: in bounds of the live mapping (the part was checked
         // against its region; `views` checked the region is mapped), which
-        // `self.region` keeps mapped. A sealed memfd cannot shrink, so the
-        // pages never fault. The client may change the bytes at any time;
-        // the reader copies them once (`Store::put_in_place`).
+        // `self.region` keeps mapped. A sealed memfd cannot shrink, so its
+        // pages never fault; a guarded file's fault is caught (zero pages,
+        // seen by `views_intact`). The client may change the bytes at any
+        // time; the reader copies them once (`Store::put_in_place`).
         unsafe { std::slice::from_raw_parts(m.base.add(m.region_at + self.at), self.len) }
     }
 }
