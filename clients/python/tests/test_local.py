@@ -637,6 +637,28 @@ def test_a_block_written_in_place_is_stored_as_acknowledged_whatever_the_memory_
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+def test_a_dev_shm_file_is_written_in_place_too(server, uclient, shm_file):
+    """A /dev/shm file (what the engines register: mapped under the SIGBUS
+    guard) is read once by the owning shard as a sealed memfd is; the bytes
+    stored are those of the PUT, whatever the file holds afterwards."""
+    _, mm, ptr = shm_file
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    for i in range(4):
+        fill(arr[i * BB : (i + 1) * BB], 400 + i)
+    assert uclient.register_buffer(ptr, 8 * BB) == 0
+    assert uclient.local_stats()["buffers"][0]["access"] == 3  # guarded
+    with kvtier.Client(server.url) as http:
+        before = http.stats()["totals"]["writes_from_ram"]
+        keys = [f"shm-in-place-{i}" for i in range(4)]
+        assert uclient.batch_put_from(keys, [ptr + i * BB for i in range(4)], [BB] * 4) == [0] * 4
+        assert http.stats()["totals"]["writes_from_ram"] == before + 4
+        arr[: 4 * BB] = 0x5A
+        for i, k in enumerate(keys):
+            assert http.get(k) == block(400 + i), k
+    del arr
+    assert uclient.unregister_buffer(ptr) == 0
+
+
 def test_a_restarted_server_with_another_geometry_raises():
     root = tempfile.mkdtemp(prefix="kvtier-geo-")
     sock = os.path.join(root, "kv.sock")
