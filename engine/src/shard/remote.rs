@@ -90,7 +90,7 @@ impl Shard {
     ) -> Result<PutReport> {
         let copy;
         let (chunks, source) = if source == PutSource::ClientMemory && self.remote.is_some() {
-            copy = super::owned_copy(chunks);
+            copy = super::put::owned_copy(chunks);
             (&copy[..], PutSource::Owned)
         } else {
             (chunks, source)
