@@ -107,8 +107,6 @@ impl Shard {
             }
             r.filled(slot, at)
         };
-        let block_bytes = self.cfg.geometry.block_bytes;
-        bump(&self.ram_counters.bytes_in, block_bytes);
         record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
         let written = self.put_nvme_from_ram(key, hash, payload.clone(), Some(crcs), true).await;
         if written.is_err() {
@@ -119,6 +117,7 @@ impl Shard {
         // supersedes older PUTs of the key still on their way into RAM.
         let _ticket = self.transits.begin(key, hash, vec![payload]);
         ram.borrow_mut().commit_filled(taken.into_slot(), key, hash, owner);
+        bump(&self.ram_counters.bytes_in, self.cfg.geometry.block_bytes);
         Some(written)
     }
 
