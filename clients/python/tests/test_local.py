@@ -659,6 +659,27 @@ def test_a_dev_shm_file_is_written_in_place_too(server, uclient, shm_file):
     assert uclient.unregister_buffer(ptr) == 0
 
 
+def test_blocks_of_partial_pages_are_copied_then_stored_in_ram_and_the_log():
+    """A block that is not a whole number of 4 KiB pages cannot be written
+    to the log from a RAM slot (O_DIRECT): the shard copies the client's
+    memory into its own first, and the block still lands in RAM."""
+    bb = 65536 + 100
+    with ServerProcess(block_bytes=bb, args=("--write-policy", "through")) as s:
+        with kvtier.Client(s.unix_url, timeout_s=15) as c, kvtier.SharedBuffer(4 * bb) as buf:
+            assert c.register_buffer(buf) == 0
+            data = [os.urandom(bb) for _ in range(4)]
+            for i, d in enumerate(data):
+                buf.numpy()[i * bb : (i + 1) * bb] = np.frombuffer(d, dtype=np.uint8)
+            keys = [f"odd-{i}" for i in range(4)]
+            assert c.batch_put_from(keys, [buf.ptr + i * bb for i in range(4)], [bb] * 4) == [0] * 4
+            buf.numpy()[:] = 0xEE
+            with kvtier.Client(s.url) as http:
+                stats = http.stats()
+                ram = next(t for t in stats["tiers"] if t["tier"] == "ram")
+                assert ram["used_blocks"] == 4 and stats["totals"]["writes_from_ram"] == 0, stats
+                assert [http.get(k) for k in keys] == data
+
+
 def test_a_restarted_server_with_another_geometry_raises():
     root = tempfile.mkdtemp(prefix="kvtier-geo-")
     sock = os.path.join(root, "kv.sock")

@@ -51,6 +51,11 @@ impl Shard {
         self.cfg.write_policy == WritePolicy::Through && self.gpu.is_none() && self.writes_from_ram()
     }
 
+    /// Write-through with no memory tier: a PUT is a log write only.
+    fn log_only_through(&self) -> bool {
+        self.cfg.write_policy == WritePolicy::Through && self.gpu.is_none() && self.ram.is_none()
+    }
+
     /// [`Shard::put`] of chunks in `source`'s memory: a client's memory is
     /// read once, into a RAM slot where [`Shard::put_through_ram`] takes
     /// the block, else into a copy that the rest of the write reads.
@@ -71,10 +76,11 @@ impl Shard {
         let copy;
         let chunks = match source {
             PutSource::Owned => chunks,
-            // No RAM slot to give (all pinned or taken by writes in flight):
-            // the log's DMA buffer is the one copy; RAM is left without the
-            // block rather than copy the client's memory a second time.
-            PutSource::ClientMemory if self.cfg.write_policy == WritePolicy::Through && self.gpu.is_none() => {
+            // No RAM slot to give (all pinned or taken by writes in flight),
+            // or no memory tier at all: the log's DMA buffer is the one
+            // copy; RAM is left without the block rather than copy the
+            // client's memory a second time.
+            PutSource::ClientMemory if self.puts_through_ram() || self.log_only_through() => {
                 let outcome = self.put_nvme(key, hash, chunks, true).await?;
                 // As the copying path's `NoRoom`: an older copy in memory must
                 // not outlive the new block, nor an older PUT still on its way
