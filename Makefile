@@ -195,7 +195,8 @@ bench-python: build target/py-vllm/.client
 # The same-host data plane (docs/LOCAL.md) beside its references, in one
 # run (about 6 minutes here): RAM-tier GETs over the socket against numpy
 # copyto, warm files and HTTP (1 and 8 client processes); cold NVMe-tier
-# GETs against fio and cold files; 16 MiB PUTs against fio and HTTP;
+# GETs against fio and cold files; 16 MiB PUTs (written in place) against
+# fio, HTTP and, with "--before path/to/older/kvtier", an older build;
 # batch_is_exist latency; the ShareGPT replay over HTTP, then the socket.
 # Settings in clients/python/bench/bench_local.py; BENCH_LOCAL_ARGS e.g.
 # "--pairs 5 --seconds 3". Cold files drop the page cache (root).
