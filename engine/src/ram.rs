@@ -233,7 +233,8 @@ impl RamTier {
     /// `slot` (from [`RamTier::take_free`], not yet installed) at `offset`,
     /// and returns it as a `Bytes` over the slot: the response sends the
     /// RAM copy, so promotion costs no second copy. `inspect` sees each
-    /// 256 KiB step just before it is copied.
+    /// 256 KiB step as the slot holds it, just after it is copied (the
+    /// chunk's CRC then checks the bytes served).
     pub fn fill_chunk(&mut self, slot: u32, offset: usize, bytes: &[u8], inspect: impl FnMut(&[u8])) -> Bytes {
         self.arena.fill_range(slot, offset, bytes, inspect);
         self.arena.pin_range(slot, offset, bytes.len())
@@ -258,7 +259,7 @@ impl RamTier {
     /// slot holds it once copied (the CRC of a block written to the log
     /// straight from its slot: `shard/append.rs`).
     pub fn fill_checked(&mut self, slot: u32, offset: usize, bytes: &[u8], inspect: impl FnMut(&[u8])) {
-        self.arena.fill_range_checked(slot, offset, bytes, inspect);
+        self.arena.fill_range(slot, offset, bytes, inspect);
     }
 
     /// Makes `slot`, filled with [`RamTier::fill_checked`] and now in the

@@ -252,15 +252,22 @@ impl Segment {
     pub async fn write_slot(&self, buf: Rc<glommio::io::DmaBuffer>, slot: u32) -> Result<()> {
         let len = buf.len();
         assert!((len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes, "slot write of {len} bytes");
-        let written = self
-            .file
-            .write_rc_at(buf, self.slot_offset(slot))
-            .await
-            .map_err(|e| Error::glommio(format!("writing slot {slot} of segment {}", self.id), e))?;
-        if written != len {
+        let written = self.file.write_rc_at(buf, self.slot_offset(slot)).await;
+        self.check_written(slot, written, len as u64)
+    }
+
+    /// A slot write's result: the bytes written must be `want`.
+    ///
+    /// # Errors
+    /// [`Error::DiskFull`] on `ENOSPC`, [`Error::Io`] on any other failure or
+    /// a short write.
+    fn check_written(&self, slot: u32, written: glommio::Result<usize, ()>, want: u64) -> Result<()> {
+        let what = || format!("writing slot {slot} of segment {}", self.id);
+        let written = written.map_err(|e| Error::glommio(what(), e))?;
+        if written as u64 != want {
             return Err(Error::io(
-                format!("writing slot {slot} of segment {}", self.id),
-                std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {written} of {len} bytes")),
+                what(),
+                std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {written} of {want} bytes")),
             ));
         }
         Ok(())
@@ -285,18 +292,9 @@ impl Segment {
             payload.as_ptr()
         );
         let at = self.slot_offset(slot);
-        let what = || format!("writing slot {slot} of segment {}", self.id);
         let (head, body) = futures::join!(self.file.write_rc_at(header, at), self.file.write_foreign_at(payload, at + PAGE_BYTES));
-        for (written, want) in [(head, PAGE_BYTES), (body, len)] {
-            let written = written.map_err(|e| Error::glommio(what(), e))?;
-            if written as u64 != want {
-                return Err(Error::io(
-                    what(),
-                    std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {written} of {want} bytes")),
-                ));
-            }
-        }
-        Ok(())
+        self.check_written(slot, head, PAGE_BYTES)?;
+        self.check_written(slot, body, len)
     }
 
     /// Reads `len` bytes (a multiple of [`PAGE_BYTES`]) from the start of

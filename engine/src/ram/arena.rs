@@ -250,27 +250,13 @@ impl Arena {
     }
 
     /// Copies `bytes` to `offset` in `slot`, handing each 256 KiB step to
-    /// `inspect` just before it is copied (a CRC reads it while hot). The
-    /// range must not have been handed out ([`Arena::pin_range`]) and the
-    /// slot must be unreachable by lookups (reserved, not mapped).
+    /// `inspect` just after it is copied, as the slot now holds it (a CRC
+    /// reads it while hot, and covers the slot's bytes even when the source
+    /// is memory another process may change meanwhile: a client's
+    /// registered region). The range must not have been handed out
+    /// ([`Arena::pin_range`]) and the slot must be unreachable by lookups
+    /// (reserved, not mapped).
     pub(crate) fn fill_range(&self, slot: u32, offset: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
-        const STEP_BYTES: usize = 256 << 10;
-        assert!(offset + bytes.len() <= self.slot_bytes, "block larger than a RAM slot");
-        let mut at = offset;
-        for step in bytes.chunks(STEP_BYTES) {
-            inspect(step);
-            // SAFETY: in bounds (checked above); no reader holds this range
-            // (the caller's protocol, above).
-            unsafe { std::ptr::copy_nonoverlapping(step.as_ptr(), self.slot_ptr(slot).add(at), step.len()) };
-            at += step.len();
-        }
-    }
-
-    /// [`Arena::fill_range`] that hands each 256 KiB step to `inspect`
-    /// just after it is copied, as the slot now holds it: a CRC computed
-    /// this way covers the slot's bytes even when the source is memory
-    /// another process may change meanwhile (a client's registered region).
-    pub(crate) fn fill_range_checked(&self, slot: u32, offset: usize, bytes: &[u8], mut inspect: impl FnMut(&[u8])) {
         const STEP_BYTES: usize = 256 << 10;
         assert!(offset + bytes.len() <= self.slot_bytes, "block larger than a RAM slot");
         let mut at = offset;

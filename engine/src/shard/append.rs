@@ -146,11 +146,10 @@ impl Shard {
         // has not been read yet: wait until the copy is past it.
         segment.survivors_moved.until(|| segment.copy_next_old_slot.get() > slot).await;
         header.seq = seq;
-        let (buf, payload) = match body {
+        let (mut buf, payload) = match body {
             RecordBody::Whole(buf) => (buf, None),
             RecordBody::FromRam { header, payload } => (header, Some(payload)),
         };
-        let mut buf = buf;
         header.encode(&mut buf.as_bytes_mut()[..PAGE_BYTES as usize]);
         let len = buf.len() as u64 + payload.as_ref().map_or(0, |p| p.len() as u64);
         bump(&self.counters.io_in_flight, 1);

@@ -110,8 +110,7 @@ impl Shard {
         record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
         let written = self.put_nvme_from_ram(key, hash, payload.clone(), Some(crcs), true).await;
         if written.is_err() {
-            drop(payload);
-            return Some(written);
+            return Some(written); // `taken` gives the slot back
         }
         // As the copying path: a transit begun once the log has the block
         // supersedes older PUTs of the key still on their way into RAM.
