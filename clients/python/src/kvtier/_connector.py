@@ -26,6 +26,12 @@ the engine misses, never an exception or a stalled scheduler*:
   per kind per ``WARN_INTERVAL_S``, with how many were held back — and, after
   a connection failure, ``down_s`` seconds in which calls answer at once
   without trying (:class:`Failures`);
+- off the engine's path (``background_probe``, the vLLM connector): whether
+  kvtier answers is known, never asked on the calling thread: after a
+  failure, and before the first answer, :meth:`~ConnectorCore.ready` answers
+  ``False`` at once while one probe thread asks the server (waiting out the
+  down window first), so a kvtier that is down, or stopped and accepting
+  connections it never answers, costs the engine misses, never a wait;
 - the engine's host buffer: :class:`SharedHost` registers it over the
   socket, so kvtier copies chunks straight into and out of it; when it
   cannot be registered, chunks are staged (one more copy, logged once);
@@ -43,7 +49,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -131,11 +137,16 @@ class Failures:
         """Whether a connection failure happened less than ``down_s`` ago."""
         return time.monotonic() < self._down_until
 
+    def open_window(self) -> None:
+        """Opens the down window now (``down_s`` seconds of untried misses):
+        a connection failure, or kvtier too slow to answer within a deadline."""
+        self._down_until = time.monotonic() + self.down_s
+
     def record(self, kind: str, message: str, error: BaseException) -> None:
         """Warns (rate-limited); a connection failure (other than the
         connector's own "marked down" refusal) opens the down window."""
         if isinstance(error, KvtierConnectionError) and error.code != "server_down":
-            self._down_until = time.monotonic() + self.down_s
+            self.open_window()
         self.warn(kind, message)
 
     def warn(self, kind: str, message: str, level: int = logging.WARNING) -> None:
@@ -164,6 +175,10 @@ class ConnectorCore:
             is always added.
         outcome: what a failure costs the engine, ending each warning
             (``"answered as a miss"``).
+        background_probe: whether :meth:`ready` never waits on the server:
+            it answers from what is known and leaves asking to one probe
+            thread (module docstring). Off: :meth:`ready` asks the server
+            itself when it must (at most one request, ``timeout_s``).
 
     Raises:
         OSError, ValueError: as :func:`client_options` and
@@ -188,6 +203,7 @@ class ConnectorCore:
         logger: logging.Logger,
         stats: Iterable[str],
         outcome: str = "answered as a miss",
+        background_probe: bool = False,
     ) -> None:
         options = client_options(settings)
         self.down_s = float(settings.get("down_s", 1.0))
@@ -204,6 +220,10 @@ class ConnectorCore:
         self._matched = False
         self._mismatch: GeometryError | None = None
         self._lock = threading.Lock()
+        self._background = background_probe
+        self._up = False  # background mode: the last probe or call reached kvtier
+        self._probing: Future[bool] | None = None
+        self._probe_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------ readiness, geometry
 
@@ -234,7 +254,7 @@ class ConnectorCore:
             self.client.close()
             raise
         if matched:
-            self._check_transport()
+            self._up = self._check_transport() and self.chunk_bytes is not None
 
     def _check_geometry(self, at_start: bool = False) -> bool:
         """Whether the geometry is known to match (``True`` when there is
@@ -276,8 +296,59 @@ class ConnectorCore:
     def ready(self) -> bool:
         """Whether to try kvtier now: not in a down window, and the geometry
         matches (checked with one ``GET /v1/stats`` the first time the server
-        answers). Never raises; blocks at most one request (``timeout_s``)."""
-        return not self.failures.down() and self._check_geometry() and self._check_transport()
+        answers). Never raises; blocks at most one request (``timeout_s``),
+        and with ``background_probe`` never blocks: it answers what is known
+        and, while kvtier is not known to answer, starts one probe."""
+        if not self._background:
+            return not self.failures.down() and self._check_geometry() and self._check_transport()
+        if self.failures.down():
+            return False
+        if self._up and self._mismatch is None:
+            return True
+        self._probe()
+        return False
+
+    def mark_down(self, kind: str, message: str) -> None:
+        """kvtier did not answer in time (a deadline of the engine's, not a
+        connection failure): counted as a failure, the down window opens
+        and, with ``background_probe``, only a probe asks it again."""
+        self._up = False
+        self.count(errors=1)
+        self.failures.open_window()
+        self.failures.warn(kind, f"{self.url}: {message}; {self._outcome}")
+
+    def _probe(self) -> None:
+        """Starts the probe (background mode) unless one is running: the
+        blocking readiness check, plus a round trip when the geometry is
+        already known, on a thread of its own."""
+        with self._lock:
+            if self._probing is not None and not self._probing.done():
+                return
+            if self._probe_pool is None:
+                self._probe_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-probe")
+            try:
+                self._probing = self._probe_pool.submit(self._probe_once)
+            except RuntimeError:  # closed
+                self._probing = None
+
+    def _probe_once(self) -> bool:
+        """One probe: kvtier is up when the geometry and transport checks pass
+        and it answers a ping. Never raises (a failure is recorded)."""
+        try:
+            up = self._check_geometry() and self._check_transport() and self.client.ping()
+        except KvtierError as e:
+            self.failed("probe", e)
+            up = False
+        except Exception as e:  # never into the engine
+            self.count(errors=1)
+            self.logger.warning("kvtier %s: probe failed: %r", self.url, e)
+            up = False
+        if not up and not self.failures.down():
+            self.failures.open_window()  # not asked again before down_s
+        self._up = up
+        if up:
+            self.logger.info("kvtier %s answers; blocks move again", self.url)
+        return up
 
     def _check_transport(self) -> bool:
         """Learns the client's transport (the choice ``local`` asks for is
@@ -337,6 +408,8 @@ class ConnectorCore:
         ``kind``; a connection failure also opens the down window. A
         :class:`GeometryError` is only counted (it has its own error log)."""
         self.count(errors=1)
+        if isinstance(error, KvtierConnectionError) and error.code != "server_down":
+            self._up = False
         if not isinstance(error, GeometryError):
             self.failures.record(kind, f"{self.url}: {error}; {self._outcome}", error)
 
@@ -438,6 +511,8 @@ class ConnectorCore:
 
     def close(self) -> None:
         """Closes the client's connections and threads (calls after it fail)."""
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=False)
         self.client.close()
 
 
