@@ -17,13 +17,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
+from kvtier._vllm_plan import RequestState
 from kvtier.shm import backing_fd
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import (
     ConfigurationError,
     KvtierConnector,
     KvtierConnectorMetadata,
-    _Request,
     check_hash_algo,
     namespace_of,
 )
@@ -102,11 +102,11 @@ def test_the_store_plan_hands_the_worker_each_blocks_tag():
     connector.block_size, connector._fingerprint = 4, "ns"
     hashes = [bytes([i]) * 32 for i in range(1, 4)]
     request = SimpleNamespace(request_id="r", block_hashes=hashes, all_token_ids=list(range(12)), num_prompt_tokens=12)
-    state = _Request(request, block_ids=[7, 8, 9], hit_blocks=1)
+    state = RequestState(request, block_ids=[7, 8, 9], hit_blocks=1)
     meta = KvtierConnectorMetadata()
     connector._plan(meta, state, 12)
     (store,) = meta.stores
-    assert store.block_ids == [8, 9] and store.keys == [connector.key_of(h) for h in hashes[1:]]
+    assert store.block_ids == [8, 9] and store.hashes == hashes[1:] and store.first == 1
     assert store.tags == block_tags(hashes, list(range(12)), 4, 1, 3)
     assert store.tags[0].parent_hash == hashes[0] and store.tags[1].token_ids == [8, 9, 10, 11]
 

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import codes
 from ._connector import ConnectorCore
+from ._vllm_plan import ConfigurationError
 from .errors import CudaError, InvalidTagError, KvtierError, LeasesOffError, error_from_code
 from .shm import SharedBuffer
 from .tag import TAG_TOKENS_MAX, BlockTag
@@ -78,12 +79,6 @@ def block_tags(
             tag = None
         tags.append(tag)
     return tags
-
-
-class ConfigurationError(ValueError):
-    """vLLM was started with settings this connector cannot serve: the
-    message names the values and the flag that fixes it. Raised at start, so
-    ``vllm serve`` exits with it."""
 
 
 class SharedAllocation(TorchDispatchMode):
@@ -257,6 +252,19 @@ class PagedBlocks:
                 ptrs.append(ptr)
                 sizes.append(self.layer_bytes)
         return ptrs, sizes
+
+    def pages(self, block_id: int) -> list[Any]:
+        """The layer pages of one block, in model order, as host buffers
+        (what a kvtier block holds end to end): views of the cache on the
+        CPU; on a GPU, copies to the host (one device-to-host copy per page:
+        a digest there would rather be a reduction on the device)."""
+        out = []
+        for layer in self.layers:
+            page = layer[block_id]
+            if page.device.type != "cpu":
+                page = page.cpu()
+            out.append(page.contiguous().view(-1).numpy())
+        return out
 
     def move(
         self, keys: list[str], block_ids: list[int], *, load: bool, tags: list[BlockTag | None] | None = None

@@ -58,8 +58,10 @@ block's as its parent (none for a request's first block), vLLM's
 (docs/INTEGRATIONS.md). The scheduler side builds them with the store plan.
 
 **Failures.** A kvtier that is down or slow costs misses (vLLM recomputes),
-never an exception or a stalled scheduler (``kvtier._connector``). A store
-that fails is a later miss.
+never an exception or a stalled scheduler (``kvtier._connector``): a socket
+that is gone or a port that refuses fails at once, and is asked again by the
+probe thread only. A store that fails is a later miss. docs/INTEGRATIONS.md,
+"What can go wrong, and what the connector does", lists each case.
 
 **GPUs.** vLLM's CUDA build keeps the cache in GPU memory: each block is
 copied between the layers' pages and a staging buffer that is shared with
@@ -91,6 +93,13 @@ key                   default                   meaning
 ``retries``           1                         new-connection retries after a reset
 ``down_s``            1                         after a connection failure, answer misses
                                                 for this long untried
+``lookup_timeout_ms`` 10                        the scheduler's wait for a lookup; then a
+                                                miss (and kvtier is down for ``down_s``)
+``digest``            ``false``                 check each loaded block's xxh3-64 against
+                                                the one recorded when this worker stored it
+                                                (:mod:`kvtier._vllm_verify`)
+``oracle_dir``        none                      tests: log each stored and loaded block's
+                                                digest there (:mod:`kvtier._vllm_verify`)
 ``kv_cache_shared``   ``true``                  allocate vLLM's KV cache in a memfd so
                                                 kvtier copies straight into it
 ``model``             vLLM's ``--model``        the model name in the namespace (set it
@@ -104,8 +113,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,13 +127,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from . import codes
 from ._connector import ConnectorCore
-from ._vllm_blocks import ConfigurationError, PagedBlocks, SharedAllocation, block_tags
+from ._vllm_blocks import PagedBlocks, SharedAllocation, block_tags
+from ._vllm_plan import (
+    STATS,
+    ConfigurationError,
+    KvtierConnectorMetadata,
+    KvtierConnectorStats,
+    RequestState,
+    Transfer,
+    check_hash_algo,
+    flag,
+    namespace_of,
+    rank_namespaces,
+)
+from ._vllm_verify import Digests, Oracle, digest_of
 from .errors import KvtierConnectionError, KvtierError
-from .keys import Namespace, block_id_hex
+from .keys import block_id_hex
 from .shm import SharedBuffer
-from .tag import BlockTag
 
-__all__ = ["ConfigurationError", "KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats"]
+__all__ = [
+    "ConfigurationError",
+    "KvtierConnector",
+    "KvtierConnectorMetadata",
+    "KvtierConnectorStats",
+    "check_hash_algo",
+    "namespace_of",
+]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,153 +167,8 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so that its messages reach vLLM's log (vLLM configures "vllm").
 logger = logging.getLogger("vllm.kvtier")
 
-#: The counters of :attr:`KvtierConnector.stats` (worker and scheduler).
-STATS = (
-    "lookups",
-    "lookup_hit_blocks",
-    "loaded_blocks",
-    "load_failed_blocks",
-    "stored_blocks",
-    "store_failed_blocks",
-    "zero_copy_blocks",
-    "staged_blocks",
-    "leased_blocks",
-)
-
-
-def _flag(value: Any) -> bool:
-    """A boolean setting given as a JSON boolean or a string."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
-
-
-def namespace_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None) -> Namespace:
-    """The namespace of one vLLM engine's blocks (docs/KEYS.md): model, KV
-    dtype, TP and PP rank, tokens per block, and in ``extra`` the layer
-    geometry (layers, KV heads, head size, page bytes), the KV layout and the
-    hash algorithm, everything else that changes a block's bytes or key.
-
-    Raises:
-        ConfigurationError: the model's KV cache has more than one group
-            (a hybrid model), or its only group is not full attention.
-    """
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)}" for g in groups)
-    if len(groups) != 1:
-        raise ConfigurationError(
-            f"kvtier's vLLM connector supports models whose KV cache is one group of full-attention layers; "
-            f"this model has {len(groups)} KV cache groups ({kinds}): a hybrid model (sliding-window or Mamba "
-            f"layers) needs vLLM's SupportsHMA, which KvtierConnector does not implement. Serve it without "
-            f"--kv-transfer-config, or with kvtier.vllm (OffloadingConnector) on a GPU"
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
-        raise ConfigurationError(
-            f"kvtier's vLLM connector supports full-attention KV caches; this model's is {kinds}: serve it "
-            f"without --kv-transfer-config"
-        )
-    parallel = vllm_config.parallel_config
-    tp_rank = pp_rank = 0
-    if model_parallel_is_initialized():
-        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    cache = vllm_config.cache_config
-    layout = cache.get_resolved_kv_cache_layout()
-    extra = (
-        f"vllm-connector:layers={len(groups[0].layer_names)};kv_heads={spec.num_kv_heads};"
-        f"head_size={spec.head_size};page_bytes={spec.page_size_bytes};"
-        f"layout={getattr(layout, 'name', layout)};hash={cache.prefix_caching_hash_algo}"
-    )
-    return Namespace(
-        model=model or str(vllm_config.model_config.model),
-        dtype=str(spec.dtype).removeprefix("torch."),
-        tp_rank=tp_rank,
-        tp_size=parallel.tensor_parallel_size,
-        pp_rank=pp_rank,
-        pp_size=parallel.pipeline_parallel_size,
-        block_tokens=cache.block_size,
-        extra=extra,
-    )
-
-
-def check_hash_algo(vllm_config: VllmConfig) -> None:
-    """Refuses a block hash that differs between processes.
-
-    Raises:
-        ConfigurationError: ``--prefix-caching-hash-algo`` is ``xxhash`` or
-            ``xxhash_cbor`` and ``PYTHONHASHSEED`` is not set (vLLM then seeds
-            the hash per process, so no other engine, nor this one after a
-            restart, could find a block).
-    """
-    algo = vllm_config.cache_config.prefix_caching_hash_algo
-    if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
-        raise ConfigurationError(
-            f"--prefix-caching-hash-algo {algo} without PYTHONHASHSEED seeds vLLM's block hashes per process, so "
-            f"blocks in kvtier would never be found again: use --prefix-caching-hash-algo sha256 (the default) or "
-            f"set PYTHONHASHSEED to one value for every engine"
-        )
-
-
-@dataclass
-class Transfer:
-    """Blocks of one request to move in one step: ``keys[i]`` is the kvtier
-    key of vLLM block ``block_ids[i]``; a store's ``tags[i]`` names it in
-    vLLM's hash space for kvtier's KV events (:func:`block_tags`)."""
-
-    req_id: str
-    keys: list[str]
-    block_ids: list[int]
-    tags: list[BlockTag | None] | None = None
-
-
-@dataclass
-class KvtierConnectorMetadata(KVConnectorMetadata):
-    """What the worker does in one step: loads before the forward, stores
-    after it."""
-
-    loads: list[Transfer] = field(default_factory=list)
-    stores: list[Transfer] = field(default_factory=list)
-
-
-@dataclass
-class KvtierConnectorStats(KVConnectorStats):
-    """The connector's counters since the last interval, summed over workers
-    and printed by vLLM's stats logger (``data``: :data:`STATS` names to
-    counts)."""
-
-    def reset(self) -> None:
-        """Zeroes every counter."""
-        self.data = dict.fromkeys(STATS, 0)
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        """Adds ``other``'s counters to these."""
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """The counters, as vLLM's logger prints them."""
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        """Whether every counter is zero."""
-        return not any(self.data.values())
-
-
-@dataclass
-class _Request:
-    """What the scheduler side keeps of one request."""
-
-    request: Request
-    block_ids: list[int] = field(default_factory=list)
-    lookup: Future[int] | None = None
-    hit_blocks: int | None = None
-    local_tokens: int = 0
-    stored_blocks: int = 0
-    load: Transfer | None = None
+#: The scheduler's default wait for a lookup, milliseconds (``lookup_timeout_ms``).
+LOOKUP_TIMEOUT_MS = 10.0
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -299,81 +182,127 @@ class KvtierConnector(KVConnectorBase_V1):
         kvtier.GeometryError: at start (worker), when kvtier answers and its
             ``block_bytes`` is not this engine's block (both named, with the
             ``--block-bytes`` to start kvtier with).
-        OSError, ValueError: a bad setting (``token_file``, ``local``, a number).
+        OSError, ValueError: a bad setting (``token_file``, ``local``, a
+            number, ``lookup_timeout_ms`` not positive).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         check_hash_algo(vllm_config)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # kvtier is a cache: a block it cannot serve is a miss, never a
-            # failed request. The scheduler reads this after building us.
-            logger.info("kvtier connector: kv_load_failure_policy set to recompute (a failed load is a miss)")
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self.block_size = vllm_config.cache_config.block_size
-        self.namespace = namespace_of(vllm_config, kv_cache_config, settings.get("model"))
+        model = settings.get("model")
+        self.namespace = namespace_of(vllm_config, kv_cache_config, model)
         self._fingerprint = self.namespace.fingerprint
-        self._core = ConnectorCore(settings, logger=logger, stats=STATS, outcome="a miss (vLLM recomputes)")
+        self.lookup_timeout_s = float(settings.get("lookup_timeout_ms", LOOKUP_TIMEOUT_MS)) / 1000.0
+        if not self.lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_ms must be positive, got {settings.get('lookup_timeout_ms')!r}")
+        self._core = ConnectorCore(
+            settings, logger=logger, stats=STATS, outcome="a miss (vLLM recomputes)", background_probe=True
+        )
         self.stats = self._core.stats
-        self._share_cache = _flag(settings.get("kv_cache_shared", True))
+        self._share_cache = flag(settings.get("kv_cache_shared", True))
         self._local = str(settings.get("local") or "auto")
         self._reported: dict[str, int] = dict.fromkeys(STATS, 0)
         # Scheduler side.
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._lookup_fingerprints: list[str] = []
         # Worker side.
         self._shared: list[SharedBuffer] = []
         self._blocks: PagedBlocks | None = None
         self._load_errors: set[int] = set()
+        self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
+        self._digests = Digests() if flag(settings.get("digest", False)) else None
+        rank = (self.namespace.tp_rank, self.namespace.pp_rank)
+        oracle_dir = settings.get("oracle_dir")
+        self._oracle = Oracle(str(oracle_dir), rank) if oracle_dir and role == KVConnectorRole.WORKER else None
         self._lock = threading.Lock()
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookup_fingerprints = [ns.fingerprint for ns in rank_namespaces(vllm_config, kv_cache_config, model)]
+            if policy != "recompute":
+                logger.warning(
+                    "kvtier connector: kv_load_failure_policy is %r, so a block kvtier cannot serve after a hit "
+                    "(evicted meanwhile, damaged, kvtier gone) fails the request; set "
+                    '"kv_load_failure_policy":"recompute" in --kv-transfer-config to recompute such blocks',
+                    policy,
+                )
+            self._core.ready()  # the probe learns whether kvtier answers before the first request
         logger.info(
-            "kvtier connector (%s) at %s: blocks of %d tokens, namespace %s (%s)",
+            "kvtier connector (%s) at %s: blocks of %d tokens, namespace %s (%s), lookup deadline %.0f ms, "
+            "digest %s, load failures: %s",
             role.name.lower(),
             self._core.url,
             self.block_size,
             self._fingerprint,
             self.namespace.extra,
+            self.lookup_timeout_s * 1000,
+            "on" if self._digests is not None else "off",
+            policy,
         )
 
     # ============================================================ keys
 
-    def key_of(self, block_hash: bytes) -> str:
-        """The kvtier key of one vLLM block hash."""
-        return f"{self._fingerprint}-{block_id_hex(bytes(block_hash))}"
-
-    def _keys(self, request: Request, first: int, last: int) -> list[str]:
-        return [self.key_of(h) for h in request.block_hashes[first:last]]
+    def key_of(self, block_hash: bytes, fingerprint: str | None = None) -> str:
+        """The kvtier key of one vLLM block hash in ``fingerprint``'s
+        namespace (default this process's rank's)."""
+        return f"{fingerprint or self._fingerprint}-{block_id_hex(bytes(block_hash))}"
 
     # ================================================== scheduler side
 
     def on_new_request(self, request: Request) -> None:
         """Starts tracking ``request`` (its block hashes and blocks)."""
-        self._requests.setdefault(request.request_id, _Request(request))
+        self._requests.setdefault(request.request_id, RequestState(request))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens beyond ``num_computed_tokens`` whose blocks kvtier
-        holds: ``(None, False)`` while kvtier's answer is not in (vLLM asks
-        again next step), then ``(tokens, False)`` (loaded before the forward
-        that needs them). Whole blocks only, and never the prompt's last token."""
-        state = self._requests.setdefault(request.request_id, _Request(request))
+        """Prompt tokens beyond ``num_computed_tokens`` whose blocks every
+        rank holds in kvtier, ``(tokens, False)`` (loaded before the forward
+        that needs them). Waits for kvtier's answer at most
+        ``lookup_timeout_ms``, once per request; no answer by then, or kvtier
+        not known to answer, is no hit. Whole blocks only, and never the
+        prompt's last token."""
+        state = self._requests.setdefault(request.request_id, RequestState(request))
         limit_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
         state.local_tokens = num_computed_tokens
         if state.hit_blocks is None:
             if limit_blocks * self.block_size <= num_computed_tokens:
                 return 0, False  # vLLM holds every block kvtier could
-            if state.lookup is None:
-                keys = self._keys(request, 0, limit_blocks)
-                state.lookup = self._core.client.executor().submit(self._lookup, keys)
-                return None, False
-            if not state.lookup.done():
-                return None, False
-            state.hit_blocks = state.lookup.result()
+            state.hit_blocks = self._ask(state, request.block_hashes[:limit_blocks])
         hit_tokens = min(state.hit_blocks, limit_blocks) * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
 
-    def _lookup(self, keys: list[str]) -> int:
-        """Leading blocks of ``keys`` kvtier holds; 0 when it cannot say."""
-        hits = self._core.call("lookup", self._core.client.lookup, keys, failed=0)
+    def _ask(self, state: RequestState, hashes: list[bytes]) -> int:
+        """The leading blocks of ``hashes`` every rank holds: the lookup on
+        the client's pool, waited for at most the deadline."""
+        if not self._core.ready():
+            return 0
+        ranks = self._lookup_fingerprints or [self._fingerprint]
+        keys = [self.key_of(h, fp) for h in hashes for fp in ranks]
+        state.asked_s = time.monotonic()
+        try:
+            state.lookup = self._core.client.executor().submit(self._lookup, keys, len(ranks))
+        except RuntimeError:  # the client is closed
+            return 0
+        try:
+            return int(state.lookup.result(timeout=self.lookup_timeout_s))
+        except FutureTimeout:
+            self._core.count(lookup_timeouts=1)
+            self._core.mark_down("lookup", f"no lookup answer within lookup_timeout_ms {self.lookup_timeout_s * 1e3:g}")
+            return 0
+
+    def _lookup(self, keys: list[str], ranks: int) -> int:
+        """Leading blocks kvtier holds of ``keys`` (each block's ``ranks``
+        keys in a row); 0 when it cannot say. Over the socket a hit is
+        confirmed by a round trip: the shared index answers from memory
+        even while its server is stopped, and a hit kvtier cannot serve
+        would cost a load's timeout instead of the lookup's deadline."""
+        hits = self._core.call("lookup", self._core.client.lookup, keys, failed=0) // ranks
+        if (
+            hits
+            and self._core.transport == "unix"
+            and not self._core.call("lookup", self._core.client.ping, failed=False)
+        ):
+            hits = 0
         self._core.count(lookups=1, lookup_hit_blocks=hits)
         return hits
 
@@ -382,17 +311,18 @@ class KvtierConnector(KVConnectorBase_V1):
         blocks vLLM allocated for them."""
         if num_external_tokens == 0:
             return
-        state = self._requests.setdefault(request.request_id, _Request(request))
+        state = self._requests.setdefault(request.request_id, RequestState(request))
         block_ids = blocks.get_block_ids()[0]
         first = state.local_tokens // self.block_size
         last = (state.local_tokens + num_external_tokens) // self.block_size
-        state.load = Transfer(request.request_id, self._keys(request, first, last), list(block_ids[first:last]))
+        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        state.load = Transfer(request.request_id, first, hashes, list(block_ids[first:last]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's loads (planned by :meth:`update_state_after_alloc`) and
         stores (every full block the step computes that kvtier does not hold
-        yet, once)."""
-        meta = KvtierConnectorMetadata()
+        yet, once), and whether to make the stores (kvtier not known down)."""
+        meta = KvtierConnectorMetadata(store=self._core.ready())
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -413,7 +343,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._plan(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
-    def _plan(self, meta: KvtierConnectorMetadata, state: _Request, tokens_after_step: int) -> None:
+    def _plan(self, meta: KvtierConnectorMetadata, state: RequestState, tokens_after_step: int) -> None:
         if state.load is not None:
             meta.loads.append(state.load)
             state.load = None
@@ -424,15 +354,16 @@ class KvtierConnector(KVConnectorBase_V1):
         full = min(tokens_after_step // self.block_size, len(state.request.block_hashes), len(state.block_ids))
         if full > start:
             request = state.request
-            keys = self._keys(request, start, full)
+            hashes = [bytes(h) for h in request.block_hashes[start:full]]
             tags = block_tags(request.block_hashes, request.all_token_ids, self.block_size, start, full)
-            meta.stores.append(Transfer(request.request_id, keys, state.block_ids[start:full], tags))
+            meta.stores.append(Transfer(request.request_id, start, hashes, state.block_ids[start:full], tags))
             state.stored_blocks = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Blocks whose load failed (a miss, a CRC failure) are recomputed by
-        vLLM: from the first of them on, a request's blocks count as not in
-        kvtier, so the steps that recompute them store them again."""
+        """Blocks whose load failed (a miss, a CRC or digest failure) are
+        recomputed by vLLM: from the first of them on, a request's blocks
+        count as not in kvtier, so the steps that recompute them store them
+        (the worker stored none of them in the failed step)."""
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -510,23 +441,74 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"user, or give a tenant's token as token_file), or set local to auto to move blocks over HTTP"
             ) from e
 
+    def _verify(self, blocks: PagedBlocks, transfer: Transfer, keys: list[str], loaded: int) -> int:
+        """The leading blocks of ``loaded`` whose pages hold what this worker
+        stored under their keys (with ``digest`` on; all of them when off, or
+        when no digest is known), each told to the oracle."""
+        if self._digests is None and self._oracle is None:
+            return loaded
+        for i in range(loaded):
+            digest = digest_of(blocks.pages(transfer.block_ids[i]))
+            verdict = None if self._digests is None else self._digests.check(keys[i], digest)
+            self._tell("loaded" if verdict is not False else "digest_refused", transfer, i, keys[i], digest)
+            if self._digests is None:
+                continue
+            if verdict is None:
+                self._core.count(digest_unknown_blocks=1)
+            elif verdict:
+                self._core.count(digest_checked_blocks=1)
+            else:
+                self._core.count(digest_mismatch_blocks=1)
+                self._core.failures.warn(
+                    "digest",
+                    f"block {keys[i]} loaded with a digest that is not the one this worker stored; a failed load "
+                    f"(vLLM recomputes)",
+                    logging.ERROR,
+                )
+                return i
+        return loaded
+
+    def _tell(self, kind: str, transfer: Transfer, i: int, key: str, digest: int | None) -> None:
+        """One oracle event of block ``i`` of ``transfer`` (with ``oracle_dir``)."""
+        if self._oracle is not None:
+            tag = transfer.tags[i] if transfer.tags is not None else None
+            self._oracle.event(
+                kind,
+                req_id=transfer.req_id,
+                index=transfer.first + i,
+                block_hash=transfer.hashes[i],
+                key=key,
+                digest=digest,
+                tokens=tag.token_ids if tag is not None else None,
+                parent=tag.parent_hash if tag is not None else None,
+            )
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Loads the step's planned blocks into the paged cache before the
-        forward; a block that misses or fails (and every later block of its
-        request) is reported by :meth:`get_block_ids_with_load_errors`."""
+        forward; a block that misses or fails (its CRC in kvtier, or its
+        digest here), and every later block of its request, is reported by
+        :meth:`get_block_ids_with_load_errors`, and the request's stores of
+        this step from that block on are not made (:meth:`wait_for_save`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         blocks = self._blocks
         assert blocks is not None, "register_kv_caches comes first"
+        self._failed_from = {}
+        if self._oracle is not None:
+            self._oracle.step += 1
         for transfer in meta.loads:
+            keys = [self.key_of(h) for h in transfer.hashes]
             ready = blocks.ready()
-            lost = [codes.CONNECTION_LOST] * len(transfer.keys)
-            results = blocks.move(transfer.keys, transfer.block_ids, load=True) if ready else lost
-            failed_from = next((i for i, r in enumerate(results) if r < 0), len(results))
-            if failed_from < len(results):
-                self._load_errors.update(transfer.block_ids[failed_from:])
-                self._core.count(load_failed_blocks=len(results) - failed_from)
-            self._core.count(loaded_blocks=failed_from)
+            lost = [codes.CONNECTION_LOST] * len(keys)
+            results = blocks.move(keys, transfer.block_ids, load=True) if ready else lost
+            loaded = next((i for i, r in enumerate(results) if r < 0), len(results))
+            loaded = self._verify(blocks, transfer, keys, loaded)
+            if loaded < len(results):
+                self._load_errors.update(transfer.block_ids[loaded:])
+                self._failed_from[transfer.req_id] = transfer.first + loaded
+                self._core.count(load_failed_blocks=len(results) - loaded)
+                self._tell("load_failed", transfer, loaded, keys[loaded], None)
+            self._core.count(loaded_blocks=loaded)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: :meth:`start_load_kv` loads before the forward."""
@@ -538,16 +520,42 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Stores the step's newly computed full blocks (after the forward
-        wrote them); a failed store is counted and is a later miss."""
+        wrote them), but none of a request from a block whose load failed in
+        this step on (``stores_skipped_after_failed_load``); while kvtier is
+        not known to answer, the step's stores are dropped
+        (``store_dropped_blocks``). A failed store is counted and is a later
+        miss."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         blocks = self._blocks
         assert blocks is not None, "register_kv_caches comes first"
         for transfer in meta.stores:
-            if not blocks.ready():
-                self._core.count(store_failed_blocks=len(transfer.keys))
+            n = len(transfer.hashes)
+            keys = [self.key_of(h) for h in transfer.hashes]
+            failed_at = self._failed_from.get(transfer.req_id)
+            keep = n if failed_at is None else max(0, min(n, failed_at - transfer.first))
+            if keep < n:
+                self._core.count(stores_skipped_after_failed_load=n - keep)
+                for i in range(keep, n):
+                    self._tell("store_skipped", transfer, i, keys[i], None)
+            if keep == 0:
                 continue
-            results = blocks.move(transfer.keys, transfer.block_ids, load=False, tags=transfer.tags)
+            if not meta.store or not blocks.ready():
+                self._core.count(store_dropped_blocks=keep)
+                continue
+            tags = transfer.tags[:keep] if transfer.tags is not None else None
+            check = self._digests is not None or self._oracle is not None
+            digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
+            results = blocks.move(keys[:keep], transfer.block_ids[:keep], load=False, tags=tags)
+            for i, result in enumerate(results):
+                if not digests:
+                    break
+                if result >= 0:
+                    if self._digests is not None:
+                        self._digests.record(keys[i], digests[i])
+                    self._tell("stored", transfer, i, keys[i], digests[i])
+                elif self._digests is not None:
+                    self._digests.forget(keys[i])  # what kvtier holds under it is not known
             failed = sum(1 for r in results if r < 0)
             self._core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
 

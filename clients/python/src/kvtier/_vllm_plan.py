@@ -1,0 +1,226 @@
+"""What the vLLM connector's scheduler side hands its workers, and the
+namespaces their keys live in (:class:`kvtier.vllm_connector.KvtierConnector`).
+
+**Keys per rank.** A block's key is vLLM's block hash under the namespace of
+the worker that holds it (docs/KEYS.md): the namespace covers the TP and PP
+rank and the KV heads each rank holds, because under tensor parallelism
+every rank holds its own slice of the heads of one block. The scheduler
+therefore sends block *hashes*, never keys; each worker keys them in its own
+namespace (:func:`namespace_of` with the rank vLLM gave that worker). The
+scheduler's lookup asks for every TP rank's keys (:func:`rank_namespaces`),
+interleaved, so a block counts as held only when every rank's slice is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .keys import Namespace
+from .tag import BlockTag
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class ConfigurationError(ValueError):
+    """vLLM was started with settings this connector cannot serve: the
+    message names the values and the flag that fixes it. Raised at start, so
+    ``vllm serve`` exits with it."""
+
+
+#: The counters of :attr:`KvtierConnector.stats` (worker and scheduler).
+STATS = (
+    "lookups",
+    "lookup_hit_blocks",
+    "lookup_timeouts",
+    "loaded_blocks",
+    "load_failed_blocks",
+    "stored_blocks",
+    "store_failed_blocks",
+    "store_dropped_blocks",
+    "stores_skipped_after_failed_load",
+    "zero_copy_blocks",
+    "staged_blocks",
+    "leased_blocks",
+    "digest_checked_blocks",
+    "digest_mismatch_blocks",
+    "digest_unknown_blocks",
+)
+
+
+def flag(value: Any) -> bool:
+    """A boolean setting given as a JSON boolean or a string."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
+
+
+def _parallel_rank() -> tuple[int, int]:
+    """This process's (TP rank, PP rank): vLLM's once its model-parallel
+    groups exist (the workers), else (0, 0) (the scheduler)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    return 0, 0
+
+
+def namespace_of(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    model: str | None,
+    rank: tuple[int, int] | None = None,
+) -> Namespace:
+    """The namespace of one vLLM rank's blocks (docs/KEYS.md): model, KV
+    dtype, TP and PP rank, tokens per block, and in ``extra`` the layer
+    geometry (layers, the KV heads this rank holds, head size, page bytes),
+    the KV layout and the hash algorithm, everything else that changes a
+    block's bytes or key.
+
+    Args:
+        rank: ``(tp_rank, pp_rank)``; default this process's (a worker's own
+            rank, or 0 in the scheduler, where no model-parallel group exists).
+
+    Raises:
+        ConfigurationError: the model's KV cache has more than one group
+            (a hybrid model), or its only group is not full attention.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)}" for g in groups)
+    if len(groups) != 1:
+        raise ConfigurationError(
+            f"kvtier's vLLM connector supports models whose KV cache is one group of full-attention layers; "
+            f"this model has {len(groups)} KV cache groups ({kinds}): a hybrid model (sliding-window or Mamba "
+            f"layers) needs vLLM's SupportsHMA, which KvtierConnector does not implement. Serve it without "
+            f"--kv-transfer-config, or with kvtier.vllm (OffloadingConnector) on a GPU"
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
+        raise ConfigurationError(
+            f"kvtier's vLLM connector supports full-attention KV caches; this model's is {kinds}: serve it "
+            f"without --kv-transfer-config"
+        )
+    parallel = vllm_config.parallel_config
+    tp_rank, pp_rank = rank if rank is not None else _parallel_rank()
+    cache = vllm_config.cache_config
+    layout = cache.get_resolved_kv_cache_layout()
+    extra = (
+        f"vllm-connector:layers={len(groups[0].layer_names)};kv_heads={spec.num_kv_heads};"
+        f"head_size={spec.head_size};page_bytes={spec.page_size_bytes};"
+        f"layout={getattr(layout, 'name', layout)};hash={cache.prefix_caching_hash_algo}"
+    )
+    return Namespace(
+        model=model or str(vllm_config.model_config.model),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+        pp_rank=pp_rank,
+        pp_size=parallel.pipeline_parallel_size,
+        block_tokens=cache.block_size,
+        extra=extra,
+    )
+
+
+def rank_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None) -> list[Namespace]:
+    """The namespaces the scheduler's lookup asks for: every TP rank's, of
+    PP stage 0. Under tensor parallelism a block is usable only when every
+    rank's slice of its heads is held; the stages of pipeline parallelism
+    hold other layers under another page count, which the scheduler cannot
+    see (a stage that misses reports a failed load and vLLM recomputes)."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0)) for tp in range(size)]
+
+
+def check_hash_algo(vllm_config: VllmConfig) -> None:
+    """Refuses a block hash that differs between processes.
+
+    Raises:
+        ConfigurationError: ``--prefix-caching-hash-algo`` is ``xxhash`` or
+            ``xxhash_cbor`` and ``PYTHONHASHSEED`` is not set (vLLM then seeds
+            the hash per process, so no other engine, nor this one after a
+            restart, could find a block).
+    """
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
+        raise ConfigurationError(
+            f"--prefix-caching-hash-algo {algo} without PYTHONHASHSEED seeds vLLM's block hashes per process, so "
+            f"blocks in kvtier would never be found again: use --prefix-caching-hash-algo sha256 (the default) or "
+            f"set PYTHONHASHSEED to one value for every engine"
+        )
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to move in one step: ``hashes[i]`` is vLLM's
+    hash of block ``first + i`` of the request (each worker keys it in its
+    own namespace), held in vLLM block ``block_ids[i]``; a store's
+    ``tags[i]`` names it in vLLM's hash space for kvtier's KV events."""
+
+    req_id: str
+    first: int
+    hashes: list[bytes]
+    block_ids: list[int]
+    tags: list[BlockTag | None] | None = None
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """What the worker does in one step: loads before the forward, stores
+    after it. ``store`` is ``False`` while the scheduler finds kvtier down
+    or too slow for its lookup deadline: the step's stores are then
+    dropped (counted), never waited on."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+    store: bool = True
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """The connector's counters since the last interval, summed over workers
+    and printed by vLLM's stats logger (``data``: :data:`STATS` names to
+    counts)."""
+
+    def reset(self) -> None:
+        """Zeroes every counter."""
+        self.data = dict.fromkeys(STATS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Adds ``other``'s counters to these."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The counters, as vLLM's logger prints them."""
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        """Whether every counter is zero."""
+        return not any(self.data.values())
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side keeps of one request: its blocks, its
+    lookup (a future and when it was asked, on the monotonic clock), the
+    leading blocks kvtier holds, the blocks stored so far and the load
+    planned for the next step."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    lookup: Any = None
+    asked_s: float = 0.0
+    hit_blocks: int | None = None
+    local_tokens: int = 0
+    stored_blocks: int = 0
+    load: Transfer | None = None

@@ -1,0 +1,187 @@
+"""KvtierConnector's answers to the faults of issue 53, against a real
+``kvtier serve`` and the connector's own scheduler and worker code, no
+engine: keys per TP rank, no store over a failed load, the digest that
+refuses another block's bytes, and a kvtier that is stopped or gone costing
+the lookup deadline, never the client's timeout. The same under a real
+``vllm serve``: tests/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import block, start_on_same_port
+
+from kvtier import codes
+from kvtier._connector import ConnectorCore
+from kvtier._vllm_blocks import PagedBlocks
+from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
+from kvtier._vllm_verify import Digests, digest_of
+from kvtier.keys import Namespace
+from kvtier.testing import ServerProcess
+from kvtier.vllm_connector import KvtierConnector
+
+pytestmark = pytest.mark.vllm
+
+BB, LAYERS, SLOTS = 65536, 4, 16
+log = logging.getLogger("t")
+
+
+def bare(url: str, *, digest: bool = False, ranks: int = 1, **settings: object) -> KvtierConnector:
+    """A KvtierConnector with its scheduler and worker state but no engine:
+    a CPU paged cache of :data:`SLOTS` blocks of :data:`LAYERS` layer pages."""
+    c = object.__new__(KvtierConnector)
+    fingerprints = [Namespace(model="m", dtype="bfloat16", tp_rank=r, tp_size=ranks).fingerprint for r in range(ranks)]
+    core = ConnectorCore(
+        {"url": url, "timeout_s": 5, "down_s": 0.3, **settings},
+        logger=log,
+        stats=STATS,
+        background_probe=True,
+    )
+    c.block_size, c._fingerprint, c._lookup_fingerprints = 4, fingerprints[0], fingerprints
+    c.lookup_timeout_s, c._core, c.stats = 0.05, core, core.stats
+    c._requests, c._load_errors, c._failed_from, c._reported = {}, set(), {}, dict.fromkeys(STATS, 0)
+    c._digests, c._oracle, c._lock = (Digests() if digest else None), None, threading.Lock()
+    caches = {f"layer.{j}": torch.zeros((SLOTS, BB // LAYERS), dtype=torch.uint8) for j in range(LAYERS)}
+    core.start(BB)
+    c._blocks = PagedBlocks(core, caches, [], log)
+    c.caches = caches  # type: ignore[attr-defined]
+    return c
+
+
+def fill(c: KvtierConnector, block_id: int, seed: int) -> bytes:
+    """Writes block ``seed``'s bytes into vLLM block ``block_id``'s pages."""
+    data = block(seed, BB)
+    for j in range(LAYERS):
+        part = data[j * BB // LAYERS : (j + 1) * BB // LAYERS]
+        c.caches[f"layer.{j}"][block_id].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))  # type: ignore[attr-defined]
+    return data
+
+
+def step(c: KvtierConnector, loads: list[Transfer], stores: list[Transfer], store: bool = True) -> None:
+    """One worker step: the loads, then the stores, as vLLM runs them."""
+    c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads, stores=stores, store=store))
+    c.start_load_kv(None)  # type: ignore[arg-type]
+    c.wait_for_save()
+    c.clear_connector_metadata()
+
+
+def hashes(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 16 for i in range(n)]
+
+
+def test_each_rank_keys_its_own_slice_and_a_lookup_counts_blocks_every_rank_holds():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, ranks=2)
+        hs = hashes(4)
+        r0, r1 = c._lookup_fingerprints
+        assert r0 != r1 and c.key_of(hs[0], r0) != c.key_of(hs[0], r1)
+        c._core.client.put_many([(c.key_of(h, r0), block(i, BB)) for i, h in enumerate(hs)])
+        c._core.client.put_many([(c.key_of(h, r1), block(i, BB)) for i, h in enumerate(hs[:2])])
+        assert c._ask(RequestState(SimpleNamespace()), hs) == 2  # rank 1 holds two
+        c._core.close()
+
+
+def test_no_block_computed_over_a_failed_load_is_stored_in_that_step():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url)
+        hs = hashes(6)
+        keys = [c.key_of(h) for h in hs]
+        c._core.client.put_many([(k, block(i, BB)) for i, k in enumerate(keys[:4]) if i != 2])  # block 2 missing
+        for b in (4, 5):
+            fill(c, b, 40 + b)
+        load = Transfer("r", 0, hs[:4], [0, 1, 2, 3])
+        store = Transfer("r", 4, hs[4:], [4, 5])
+        other = Transfer("q", 0, hashes(1, salt=9), [5])  # another request's store goes ahead
+        step(c, [load], [store, other])
+        assert c.get_block_ids_with_load_errors() == {2, 3}
+        assert c._core.client.batch_is_exist(keys[4:]) == [0, 0]
+        assert c._core.client.batch_is_exist([c.key_of(hashes(1, salt=9)[0])]) == [1]
+        assert c.stats["stores_skipped_after_failed_load"] == 2 and c.stats["loaded_blocks"] == 2
+        # The next step (vLLM recomputed the blocks) stores them.
+        step(c, [], [Transfer("r", 2, hs[2:], [2, 3, 4, 5])])
+        assert c._core.client.batch_is_exist(keys[2:]) == [1, 1, 1, 1]
+        # Deliberate fault: without the cut, the failed step's stores are made.
+        c._failed_from = {}
+        c._core.client.delete(keys[4])
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores=[store]))
+        c.wait_for_save()
+        assert c._core.client.batch_is_exist(keys[4:5]) == [1]
+        c._core.close()
+
+
+def test_the_digest_refuses_another_blocks_bytes_under_a_real_key():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, digest=True)
+        hs = hashes(3)
+        keys = [c.key_of(h) for h in hs]
+        for b in range(3):
+            fill(c, b, b)
+        step(c, [], [Transfer("r", 0, hs, [0, 1, 2])])
+        assert c.stats["stored_blocks"] == 3
+        c._core.client.put(keys[1], block(7, BB))  # a valid CRC, the wrong bytes
+        for t in c.caches.values():  # type: ignore[attr-defined]
+            t.zero_()
+        step(c, [Transfer("r", 0, hs, [0, 1, 2])], [])
+        assert c.get_block_ids_with_load_errors() == {1, 2}
+        assert c.stats["digest_mismatch_blocks"] == 1 and c.stats["digest_checked_blocks"] == 1
+        pages = c._blocks.pages(0)  # type: ignore[union-attr]
+        assert digest_of(pages) == digest_of([block(0, BB)])  # a block is its pages end to end
+        c._core.close()
+
+
+def test_a_stopped_kvtier_costs_the_lookup_deadline_then_nothing_until_it_answers():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, local="on")
+        hs = hashes(2)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
+        assert c._ask(RequestState(SimpleNamespace()), hs) == 2
+        os.kill(s.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert c._ask(RequestState(SimpleNamespace()), hs) == 0
+            assert time.monotonic() - started < c.lookup_timeout_s + 0.5
+            assert c.stats["lookup_timeouts"] == 1
+            for _ in range(3):  # down: answered at once, nothing asked
+                started = time.monotonic()
+                assert c._ask(RequestState(SimpleNamespace()), hs) == 0
+                assert time.monotonic() - started < 0.01
+            step(c, [], [Transfer("r", 0, hs, [0, 1])], store=False)
+            assert c.stats["store_dropped_blocks"] == 2
+        finally:
+            os.kill(s.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while c._ask(RequestState(SimpleNamespace()), hs) != 2:  # the probe finds it again
+            assert time.monotonic() < deadline, "kvtier not found again within 15 s of SIGCONT"
+            time.sleep(0.1)
+        c._core.close()
+
+
+def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url)
+        hs = hashes(2)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
+        s.kill()
+        waits = []
+        for _ in range(5):
+            started = time.monotonic()
+            c._ask(RequestState(SimpleNamespace()), hs)
+            step(c, [Transfer("r", 0, hs, [0, 1])], [])
+            waits.append(time.monotonic() - started)
+            time.sleep(0.1)
+        assert max(waits) < 1.0, waits  # never the client's 5 s timeout
+        assert c.get_block_ids_with_load_errors() == {0, 1}
+        start_on_same_port(s)
+        deadline = time.monotonic() + 15
+        while c._ask(RequestState(SimpleNamespace()), hs) != 2:
+            assert time.monotonic() < deadline, "kvtier not found again within 15 s of its restart"
+            time.sleep(0.1)
+        assert codes.OK == 0
+        c._core.close()
