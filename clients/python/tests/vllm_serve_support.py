@@ -1,0 +1,216 @@
+"""What tests/test_vllm_serve.py starts and reads: the fleet, the connector's
+settings, prompts drawn from ShareGPT, kvtier's published events, a block
+damaged in kvtier's log by key, and the byte oracle's comparison."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvtier
+from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
+
+#: vLLM's CPU backend: 128-token blocks; the model's KV is 16 KiB a token
+#: (8 layers x K,V x 8 heads x 64 x bf16), so a block is 2 MiB.
+BLOCK_TOKENS = 128
+BLOCK_BYTES = 2 * 1024 * 1024
+#: A prompt's length in characters: about 4-6 blocks of the test model's
+#: tokenizer (trained on ShareGPT).
+PROMPT_CHARS = (2000, 3000)
+
+
+def _model() -> str:
+    model = os.environ.get("KVTIER_VLLM_MODEL")
+    if not model or not (Path(model) / "model.safetensors").exists():
+        pytest.fail(
+            "KVTIER_VLLM_MODEL does not name a model made by tools/make_model.py: run `make test-vllm-serve` "
+            "(it makes target/models/kvtier-llama)"
+        )
+    return model
+
+
+def sharegpt_prompts(count: int, seed: int) -> list[str]:
+    """``count`` prompts drawn by ``seed`` from ShareGPT V3 (the file
+    ``$KVTIER_SHAREGPT`` names; ``make test-vllm-serve`` sets it): each a
+    conversation's turns joined, cut at a word between
+    :data:`PROMPT_CHARS` characters. Drawn, not chosen to agree."""
+    path = os.environ.get("KVTIER_SHAREGPT")
+    if not path or not Path(path).exists():
+        pytest.fail("KVTIER_SHAREGPT does not name ShareGPT V3's JSON: run `make test-vllm-serve` (it sets it)")
+    texts = []
+    for conversation in sharegpt_conversations(Path(path), 8_000_000):
+        text = "\n".join(turn.get("value", "") for turn in conversation)
+        if len(text) >= PROMPT_CHARS[1]:
+            texts.append(text)
+    rng = random.Random(seed)
+    prompts = []
+    for text in rng.sample(texts, count):
+        cut = rng.randrange(*PROMPT_CHARS)
+        prompts.append(text[: text.rfind(" ", 0, cut)])
+    return prompts
+
+
+def connector(url: str, **settings: object) -> dict[str, object]:
+    """The ``--kv-transfer-config`` of KvtierConnector in these tests:
+    failed loads recomputed, a short down window, and a lookup deadline of
+    a second and a call timeout of 20 s (three vLLMs share this machine's
+    two cores, so a call can wait for a core; the default deadline's effect
+    on TTFT is measured by ``clients/python/bench/bench_down.py``, not here)."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "url": url,
+            "down_s": 0.5,
+            "timeout_s": 20,
+            "lookup_timeout_ms": 1000,
+            **settings,
+        },
+    }
+
+
+def vllm(**kwargs: Any) -> VllmServer:
+    """A vLLM of the tests: OpenMP threads left to the kernel unless the
+    caller binds them (several engines start at once on a small machine;
+    vLLM would pin each to core 0)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **kwargs.pop("env", {})}
+    return VllmServer(_model(), python=sys.executable, env=env, **kwargs)
+
+
+@dataclass
+class Fleet:
+    """Everything the tests run, launched at once (a vLLM start is about a
+    minute of CPU here; they overlap their waits): kvtier (``store``), two
+    connected vLLMs (``engine``, ``second``), one with two tensor-parallel
+    workers (``tp2``, on ``half``: a rank's block is half the heads), and the
+    two misconfigured ones with their kvtiers (``mismatched`` on ``half``,
+    ``refused`` on ``strict``); the byte
+    oracle's directory of each connected engine (engine, second, tp2)."""
+
+    store: ServerProcess
+    engine: VllmServer
+    second: VllmServer
+    tp2: VllmServer
+    half: ServerProcess
+    strict: ServerProcess
+    mismatched: VllmServer
+    refused: VllmServer
+    strict_dir: str
+    events_replay: int
+    oracles: list[str]
+    prompts: list[str]
+
+
+def external_hit_tokens(engine: VllmServer) -> float:
+    """vLLM's own count of prompt tokens loaded through the connector."""
+    return engine.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def server_totals(server: ServerProcess) -> dict[str, int]:
+    """kvtier's ``/v1/stats`` totals."""
+    with kvtier.Client(server.url) as c:
+        totals: dict[str, int] = c.stats()["totals"]
+        return totals
+
+
+def stored_events(replay_port: int) -> list[object]:
+    """Every ``BlockStored`` kvtier published so far, replayed from its
+    ROUTER socket from sequence 0 and decoded by vLLM's own classes."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        events: list[object] = []
+        while True:
+            assert dealer.poll(10_000), "no end of the replay within 10 s"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return [e for e in events if isinstance(e, BlockStored)]
+            events.extend(decoder.decode(payload).events)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def damage_key(data_dir: str, key: str, block_bytes: int) -> int:
+    """Flips one payload byte in the middle of every slot of kvtier's log
+    that holds ``key`` (docs/FORMAT.md: a 4096-byte superblock, then slots of
+    a 4096-byte header, whose key starts at byte 64, and the block rounded up
+    to 4096). Returns the slots damaged."""
+    slot_bytes = 4096 + (block_bytes + 4095) // 4096 * 4096
+    name = key.encode() + b"\0"
+    damaged = 0
+    for segment in Path(data_dir).glob("shard-*/seg-*.kvt"):
+        with open(segment, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            for slot in range(4096, size - slot_bytes + 1, slot_bytes):
+                f.seek(slot + 64)
+                if f.read(len(name)) != name:
+                    continue
+                f.seek(slot + 4096 + block_bytes // 2 + 123)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x5A]))
+                damaged += 1
+    return damaged
+
+
+def oracle_mismatches(
+    events: list[dict[str, Any]], since: float = 0.0, stored: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The ``loaded`` events (at or after wall-clock time ``since``) whose
+    digest is not that of the block last stored under their key before
+    them: pages vLLM was handed that are not the pages computed for that
+    key. ``stored`` seeds the record (another engine's stores); a block with
+    no record is not judged. Each rank keys its own blocks, so one file's
+    order is enough."""
+    record = dict(stored or {})
+    bad = []
+    for e in events:
+        if e["event"] == "stored":
+            record[e["key"]] = e["digest"]
+        elif e["event"] == "loaded" and e["t"] >= since and record.get(e["key"], e["digest"]) != e["digest"]:
+            bad.append(e)
+    return bad
+
+
+def prompt_blocks(events: list[dict[str, Any]], engine: VllmServer, prompt: str, rank: int = 0) -> dict[int, str]:
+    """Block index → key of each of ``prompt``'s full blocks that one rank
+    stored (a prompt's last token is never in one), found by walking its
+    chain in the oracle: block ``k``'s stored event holds the prompt's
+    ``k``-th block of token ids and names block ``k - 1``'s hash as its
+    parent (whichever request stored it: prompts can share a prefix)."""
+    tokens = engine.tokenize(prompt)
+    out: dict[int, str] = {}
+    parent = None
+    for k in range((len(tokens) - 1) // BLOCK_TOKENS):
+        want = tokens[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS]
+        hit = next(
+            (
+                e
+                for e in events
+                if e["event"] == "stored"
+                and e["rank"][0] == rank
+                and e["index"] == k
+                and e["tokens"] == want
+                and e["parent"] == parent
+            ),
+            None,
+        )
+        if hit is None:
+            break
+        out[k], parent = hit["key"], hit["hash"]
+    return out
