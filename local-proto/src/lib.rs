@@ -194,11 +194,12 @@ pub enum Code {
     InvalidTag = -22,
     NotInRam = -23,
     LeasesOff = -24,
+    Cancelled = -25,
 }
 
 impl Code {
     /// Every code, from -1 down.
-    pub const ALL: [Code; 22] = [
+    pub const ALL: [Code; 23] = [
         Code::IoError,
         Code::NotFound,
         Code::InvalidKey,
@@ -221,12 +222,13 @@ impl Code {
         Code::InvalidTag,
         Code::NotInRam,
         Code::LeasesOff,
+        Code::Cancelled,
     ];
 
     /// The name docs/LOCAL.md gives a status or item code (`NOT_FOUND` for
     /// -2, `OK` for 0); `UNKNOWN_CODE` for one the table does not have.
     pub fn name_of(code: i64) -> &'static str {
-        const NAMES: [&str; 24] = [
+        const NAMES: [&str; 25] = [
             "IO_ERROR",
             "NOT_FOUND",
             "INVALID_KEY",
@@ -251,10 +253,11 @@ impl Code {
             "INVALID_TAG",
             "NOT_IN_RAM",
             "LEASES_OFF",
+            "CANCELLED",
         ];
         match code {
             0 => "OK",
-            -24..=-1 => NAMES[(-code - 1) as usize],
+            -25..=-1 => NAMES[(-code - 1) as usize],
             _ => "UNKNOWN_CODE",
         }
     }
@@ -475,7 +478,8 @@ mod tests {
         assert_eq!(Code::name_of(-21), "UNKNOWN_CODE");
         assert_eq!(Code::name_of(Code::InvalidTag as i64), "INVALID_TAG");
         assert_eq!((Code::name_of(-23), Code::name_of(-24)), ("NOT_IN_RAM", "LEASES_OFF"));
-        assert_eq!(Code::name_of(-25), "UNKNOWN_CODE");
+        assert_eq!(Code::name_of(-25), "CANCELLED");
+        assert_eq!(Code::name_of(-26), "UNKNOWN_CODE");
         assert_eq!(tier_name(3), "nvme");
         assert_eq!(tier_name(9), "unknown");
     }

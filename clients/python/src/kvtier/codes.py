@@ -1,6 +1,6 @@
 """Result codes of the same-host data plane (docs/LOCAL.md, "Codes").
 
-Every code is a negative ``int``. The server answers -1 … -19 and -22 … -24, either
+Every code is a negative ``int``. The server answers -1 … -19 and -22 … -25, either
 for a whole request (the response's ``status``) or for one item of a batch
 (its ``result``); the Python client adds -20 and -21. The Mooncake-style calls of
 :class:`kvtier.Client` (``batch_get_into``, ``batch_put_from``, …) return these
@@ -107,6 +107,14 @@ LEASES_OFF = -24
 """``LEASE``, ``MAP_ARENA``, for the whole request: this server offers no
 leases (no RAM tier, a RAM tier that is not shared memory: ``--ram-shared``,
 or ``--tenants``); the message says which."""
+
+CANCELLED = -25
+"""A ``GET_INTO``/``PUT_FROM`` item (or a vectored one) that the server
+dropped because its client had given up on the connection (closed it, or
+shut down its writing side) or unregistered the memory before the copy:
+nothing was copied into the client's memory, and nothing was stored
+(docs/LOCAL.md, "When a client gives up"). A client that gave up does not
+read the answer; one that only half-closed its socket sees this code."""
 
 #: ``code → name`` for every code above.
 NAMES: dict[int, str] = {
