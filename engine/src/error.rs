@@ -73,6 +73,12 @@ pub enum Error {
     /// restarted process.
     #[error("store is shutting down")]
     ShuttingDown,
+    /// A PUT of a same-host client's memory whose client gave up on it
+    /// (closed its connection or unregistered the memory) before the block
+    /// was stored ([`crate::PutSource::ClientMemory`]): nothing was stored,
+    /// and a block already under the key stays.
+    #[error("cancelled: the client gave up on the memory the block was read from; nothing was stored")]
+    Cancelled,
     /// An operating-system I/O error, with what was being done and where.
     #[error("I/O error while {context}: {source}")]
     Io {

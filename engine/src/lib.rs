@@ -71,7 +71,7 @@ pub mod trace;
 
 pub use error::{Error, Result};
 pub use geometry::{Geometry, StoreManifest};
-pub use shard::{LeaseOutcome, PutOutcome, PutReport, PutSource, ShardStats};
+pub use shard::{LeaseOutcome, PutOutcome, PutReport, PutSource, ShardStats, StillWanted};
 pub use store::{run, Block, PrefetchReport, Store, StoreConfig};
 pub use stream::{BlockBody, BlockSink, ChunkStream};
 pub use tier::{Tier, TierStats, WritePolicy};

@@ -71,7 +71,7 @@ use stats::Counters;
 pub use stats::{tier_totals, RecoveryReport, ShardStats};
 pub(crate) use tasks::Hold;
 
-pub use put::PutSource;
+pub use put::{PutSource, StillWanted};
 use transit::Transits;
 
 /// Outcome of a successful PUT.

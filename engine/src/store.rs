@@ -23,7 +23,7 @@ use crate::geometry::{Geometry, StoreManifest};
 use crate::health::{merge_by_tier, TierHealth};
 use crate::key::{BlockHash, StoredKey};
 use crate::remote::Remote;
-use crate::shard::{Hold, LeaseOutcome, PutOutcome, PutReport, PutSource, Shard, ShardStats};
+use crate::shard::{Hold, LeaseOutcome, PutOutcome, PutReport, PutSource, Shard, ShardStats, StillWanted};
 pub use crate::startup::START_WARN_AFTER;
 use crate::stream::{BlockBody, BlockSink};
 use crate::tenant::Owners;
@@ -149,11 +149,14 @@ impl Store {
     /// ([`PutSource::ClientMemory`]; docs/LOCAL.md "Writes in place").
     ///
     /// The views must stay valid (mapped, not shrunk) while they live.
+    /// `wanted` is asked once the block has been read out of them, before
+    /// anything is stored: `false` (the client gave up on its memory
+    /// meanwhile) fails the PUT with [`Error::Cancelled`], nothing stored.
     ///
     /// # Errors
-    /// As [`Store::put_reporting`].
-    pub async fn put_in_place(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<PutReport> {
-        self.put_sourced(key, chunks, tag, PutSource::ClientMemory).await
+    /// As [`Store::put_reporting`]; [`Error::Cancelled`].
+    pub async fn put_in_place(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>, wanted: StillWanted) -> Result<PutReport> {
+        self.put_sourced(key, chunks, tag, PutSource::ClientMemory(wanted)).await
     }
 
     async fn put_sourced(&self, key: &StoredKey, chunks: Vec<Bytes>, tag: Option<Bytes>, source: PutSource) -> Result<PutReport> {

@@ -320,6 +320,13 @@ fn puts_over_the_shards_put_budget_are_refused_with_a_retry_hint_and_the_rest_st
     assert_eq!(series("kvtier_http_put_bytes_refusals_total{"), 0, "{metrics}");
 }
 
+/// `CANCELLED` (docs/LOCAL.md, "Codes").
+const CANCELLED: i64 = -25;
+
+/// A client that stops sending has given up (docs/LOCAL.md, "When a client
+/// gives up"): it still gets its answers, but a copy out of its memory not
+/// made before the server saw the end of its stream is not made
+/// (`CANCELLED`, nothing stored); the close that follows confirms it.
 #[test]
 fn a_client_that_stops_sending_still_gets_its_answers() {
     let dir = tempfile::tempdir().unwrap();
@@ -332,9 +339,15 @@ fn a_client_that_stops_sending_still_gets_its_answers() {
     r.s.shutdown(std::net::Shutdown::Write).unwrap();
     let mut answers: Vec<_> = (0..2).map(|_| r.read().expect("an answer after the half-close")).collect();
     answers.sort_by_key(|a| a.id);
-    assert_eq!((answers[0].id, answers[0].items()), (put, vec![(0, 1)]));
+    assert_eq!(answers[0].id, put);
+    let stored = answers[0].items()[0];
+    assert!(stored == (0, 1) || stored == (CANCELLED, 0), "stored before the half-close was seen, or cancelled: {stored:?}");
     assert_eq!(answers[1].id, exists);
+    let tiers = &answers[1].body[4..];
+    assert_eq!((tiers[0] != 0, tiers[1]), (stored.0 == 0, 0), "stored exactly when answered so");
     assert!(r.closed(), "then the server closes");
+    let cancelled = stats_of(&server)["local"]["items_cancelled_total"].as_u64().unwrap();
+    assert_eq!(cancelled, u64::from(stored.0 == CANCELLED), "counted");
 }
 
 #[test]

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use glommio::io::DmaBuffer;
 
 use super::slots::InFlightSeq;
-use super::{PutOutcome, Shard};
+use super::{PutOutcome, PutSource, Shard};
 use crate::counter::{bump, record_us};
 use crate::error::{Error, Result};
 use crate::index::Entry;
@@ -36,6 +36,24 @@ impl Shard {
     /// # Errors
     /// [`Error::DiskFull`], [`Error::Io`].
     pub(super) async fn put_nvme(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], refusable: bool) -> Result<PutOutcome> {
+        self.put_nvme_from(key, hash, chunks, refusable, &PutSource::Owned).await
+    }
+
+    /// [`Shard::put_nvme`] of chunks in `source`'s memory: a client's memory
+    /// is read once, into the aligned buffer, and the block is written only
+    /// if the client still wants it once that copy is made.
+    ///
+    /// # Errors
+    /// As [`Shard::put_nvme`]; [`Error::Cancelled`] when the client gave up
+    /// on its memory (nothing written).
+    pub(super) async fn put_nvme_from(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        chunks: &[Bytes],
+        refusable: bool,
+        source: &PutSource,
+    ) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         debug_assert_eq!(chunks.iter().map(|c| c.len() as u64).sum::<u64>(), block_bytes);
         let _permit = self.io_permit(refusable).await?;
@@ -52,6 +70,7 @@ impl Shard {
             at += chunk.len();
         }
         bytes[at..].fill(0);
+        source.check_wanted()?;
         let header = self.block_header(key, hash, crcs);
         self.append_block(key, hash, RecordBody::Whole(buf), header).await
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::transit::Placed;
-use super::{PutOutcome, Shard};
+use super::{PutOutcome, PutSource, Shard};
 use crate::counter::{bump, record_us};
 use crate::error::Result;
 use crate::index::Entry;
@@ -85,8 +85,16 @@ impl Shard {
     /// block. The client's buffer is read once: whatever it holds later
     /// changes nothing stored. `None` when no slot can be taken without a
     /// log write (every candidate pinned or dirty): the caller takes the
-    /// copying path.
-    pub(super) async fn put_through_ram(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes]) -> Option<Result<PutOutcome>> {
+    /// copying path. From a client's memory (`source`), the block is stored
+    /// only if the client still wants it once the slot is filled (else
+    /// [`crate::Error::Cancelled`]).
+    pub(super) async fn put_through_ram(
+        &self,
+        key: &StoredKey,
+        hash: BlockHash,
+        chunks: &[Bytes],
+        source: &PutSource,
+    ) -> Option<Result<PutOutcome>> {
         let ram = self.ram.as_ref()?;
         let owner = self.owner_of(key);
         // As `cache`: the key's older copy gives its slot when no reader
@@ -108,6 +116,11 @@ impl Shard {
             r.filled(slot, at)
         };
         record_us(&self.ram_counters.write_us, started.elapsed().as_micros());
+        // A client's memory, read: the block is stored only if the client
+        // still wants it now (`taken` gives the slot back otherwise).
+        if let Err(e) = source.check_wanted() {
+            return Some(Err(e));
+        }
         let written = self.put_nvme_from_ram(key, hash, payload.clone(), Some(crcs), true).await;
         if written.is_err() {
             return Some(written); // `taken` gives the slot back

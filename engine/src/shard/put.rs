@@ -4,6 +4,8 @@
 //! (docs/LOCAL.md, "Writes in place"). The log write is `append.rs`; RAM
 //! placement `placement.rs`.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use super::transit::Placed;
@@ -13,9 +15,17 @@ use crate::error::{Error, Result};
 use crate::key::{BlockHash, StoredKey};
 use crate::tier::WritePolicy;
 
+/// Asked by a PUT of a same-host client's memory once the owning shard
+/// has read the block out of it, into memory of its own, and before
+/// anything is stored: `false` when the client gave up on that memory
+/// meanwhile (it closed its connection, or unregistered the buffer:
+/// docs/LOCAL.md, "When a client gives up"). The PUT then fails with
+/// [`Error::Cancelled`] and stores nothing.
+pub type StillWanted = Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// Whose memory a PUT's chunks are, which decides how often they may be
 /// read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum PutSource {
     /// The server's own memory (an HTTP body, a copy): read as often as the
     /// write needs (the log, the RAM tier, the remote tier).
@@ -24,8 +34,31 @@ pub enum PutSource {
     /// again at any time (`PUT_FROM`, docs/LOCAL.md "Writes in place"):
     /// read exactly once, into memory the server owns (a RAM-tier slot, else
     /// a copy), before anything is stored, so what the client writes there
-    /// later changes nothing stored.
-    ClientMemory,
+    /// later changes nothing stored; and stored only if the client still
+    /// wants it ([`StillWanted`]) once that copy is made.
+    ClientMemory(StillWanted),
+}
+
+impl PutSource {
+    /// Whether the chunks are a client's memory.
+    pub fn is_client_memory(&self) -> bool {
+        matches!(self, PutSource::ClientMemory(_))
+    }
+
+    /// After the one read of a client's memory: [`Error::Cancelled`] when
+    /// the client gave up on it; always `Ok` for the server's own memory.
+    pub(crate) fn check_wanted(&self) -> Result<()> {
+        match self {
+            PutSource::ClientMemory(wanted) if !wanted() => Err(Error::Cancelled),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for PutSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_client_memory() { "ClientMemory" } else { "Owned" })
+    }
 }
 
 impl Shard {
@@ -42,7 +75,7 @@ impl Shard {
     /// [`Error::WrongSize`], [`Error::DiskFull`], [`Error::Io`] (write-back:
     /// also from writing a demoted block to the log to make room).
     pub async fn put(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes]) -> Result<PutOutcome> {
-        self.put_from(key, hash, chunks, PutSource::Owned).await
+        self.put_from(key, hash, chunks, &PutSource::Owned).await
     }
 
     /// Whether a PUT copies its block once, into a RAM slot, and writes the
@@ -59,17 +92,20 @@ impl Shard {
     /// [`Shard::put`] of chunks in `source`'s memory: a client's memory is
     /// read once, into a RAM slot where [`Shard::put_through_ram`] takes
     /// the block, else into a copy that the rest of the write reads.
+    /// A client's memory is stored only if the client still wants it once
+    /// it was read ([`PutSource::ClientMemory`]).
     ///
     /// # Errors
-    /// As [`Shard::put`].
-    pub(crate) async fn put_from(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], source: PutSource) -> Result<PutOutcome> {
+    /// As [`Shard::put`]; [`Error::Cancelled`] when the client gave up on
+    /// its memory before the block was stored (nothing stored).
+    pub(crate) async fn put_from(&self, key: &StoredKey, hash: BlockHash, chunks: &[Bytes], source: &PutSource) -> Result<PutOutcome> {
         let block_bytes = self.cfg.geometry.block_bytes;
         let got: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         if got != block_bytes {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
         if self.puts_through_ram() {
-            if let Some(put) = self.put_through_ram(key, hash, chunks).await {
+            if let Some(put) = self.put_through_ram(key, hash, chunks, source).await {
                 return put;
             }
         }
@@ -80,8 +116,8 @@ impl Shard {
             // or no memory tier at all: the log's DMA buffer is the one
             // copy; RAM is left without the block rather than copy the
             // client's memory a second time.
-            PutSource::ClientMemory if self.puts_through_ram() || self.log_only_through() => {
-                let outcome = self.put_nvme(key, hash, chunks, true).await?;
+            PutSource::ClientMemory(_) if self.puts_through_ram() || self.log_only_through() => {
+                let outcome = self.put_nvme_from(key, hash, chunks, true, source).await?;
                 // As the copying path's `NoRoom`: an older copy in memory must
                 // not outlive the new block, nor an older PUT still on its way
                 // there (beginning a transit supersedes it; nothing awaits
@@ -90,8 +126,9 @@ impl Shard {
                 self.drop_from_memory(&hash);
                 return Ok(outcome);
             }
-            PutSource::ClientMemory => {
+            PutSource::ClientMemory(_) => {
                 copy = owned_copy(chunks);
+                source.check_wanted()?;
                 &copy[..]
             }
         };

@@ -79,7 +79,8 @@ impl Shard {
     /// tier will read them again after the local write.
     ///
     /// # Errors
-    /// As [`Shard::put`]; the remote tier never fails a PUT.
+    /// As [`Shard::put`] ([`Error::Cancelled`] too, for a client's memory);
+    /// the remote tier never fails a PUT.
     pub async fn put_block(
         &self,
         key: &StoredKey,
@@ -89,8 +90,9 @@ impl Shard {
         source: PutSource,
     ) -> Result<PutReport> {
         let copy;
-        let (chunks, source) = if source == PutSource::ClientMemory && self.remote.is_some() {
+        let (chunks, source) = if source.is_client_memory() && self.remote.is_some() {
             copy = super::put::owned_copy(chunks);
+            source.check_wanted()?;
             (&copy[..], PutSource::Owned)
         } else {
             (chunks, source)
@@ -99,7 +101,7 @@ impl Shard {
         // Tracked from here, so the log writes the tag into the slot header
         // and the tiers' arrivals are published under it.
         let _putting = self.residency.begin_put(hash, tag.clone());
-        let outcome = self.put_from(key, hash, chunks, source).await?;
+        let outcome = self.put_from(key, hash, chunks, &source).await?;
         let upload = match &self.remote {
             Some(remote) => remote.upload(key, chunks.to_vec(), tag).await,
             None => None,

@@ -19,6 +19,7 @@ use glommio::sync::{Semaphore, StaticPermit};
 use super::inbox::Inbox;
 use super::ops::{data_op, hello, register, unregister};
 use super::proto::{self, Code, Header, Op, HEADER_BYTES, OP_CONNECTION_ERROR};
+use super::revoke::Peer;
 use super::session::{Conn, Outgoing};
 use super::LocalShared;
 use crate::limits;
@@ -30,14 +31,23 @@ pub const IN_FLIGHT_MAX: u64 = 256;
 /// it the connection is closed (a client flooding descriptors).
 const PENDING_FDS_MAX: usize = 64;
 /// After the client stops sending, its requests in flight get this long to
-/// finish and be answered before the connection closes.
+/// finish and be answered before the connection closes. They copy nothing
+/// into or out of its memory meanwhile (it gave up: `revoke.rs`), so most
+/// end at once.
 const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves one accepted, peer-checked connection until it closes, or the
 /// server shuts down: then it reads no more requests, answers those in
 /// flight (for up to [`limits::SHUTDOWN_GRACE`]) and closes, so the shard's
 /// store handle is let go and the shard can stop.
+///
+/// When the client's stream ends (EOF, a reset, a framing error) the client
+/// has given up: before anything else, every copy into or out of its memory
+/// is revoked ([`Conn::give_up`]); the requests in flight are answered
+/// without them, and the close that follows tells the client that no copy
+/// runs any more.
 pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shared: Arc<LocalShared>) {
+    let peer = Arc::new(Peer::new(&stream));
     let stream = Rc::new(stream);
     let (out, rx) = mpsc::unbounded();
     let writer = glommio::spawn_local(write_loop(stream.clone(), rx));
@@ -50,20 +60,28 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
         peer_uid,
         caller: RefCell::new(None),
         regions: RefCell::default(),
+        peer,
         next_handle: Cell::new(1),
         leases: RefCell::default(),
     });
     let in_flight = Rc::new(Semaphore::new(IN_FLIGHT_MAX));
-    let ended = futures_lite::future::or(read_loop(&stream, &conn, &in_flight), async {
+    // `Ok(true)`: the server is stopping; `Ok(false)`: the client's stream
+    // ended; `Err`: it broke.
+    let ended = futures_lite::future::or(async { read_loop(&stream, &conn, &in_flight).await.map(|()| false) }, async {
         conn.service.shutdown.requested().await;
-        Ok(())
+        Ok(true)
     })
     .await;
+    if ended != Ok(true) {
+        // The client gave up: nothing of its memory is touched from now on,
+        // by the requests in flight either.
+        conn.give_up();
+    }
     match ended {
         // The client stopped sending (a half-close, or gone), or the server
         // is stopping: let the requests already read finish and their
         // responses go out first.
-        Ok(()) => {
+        Ok(_) => {
             let limit = if conn.service.shutdown.is_requested() { limits::SHUTDOWN_GRACE } else { DRAIN_MAX };
             let drained = futures_lite::future::or(async { in_flight.acquire(IN_FLIGHT_MAX).await.is_ok() }, async {
                 glommio::timer::sleep(limit).await;
@@ -76,6 +94,10 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
         }
         Err(why) => tracing::debug!("local connection closed: {why}"),
     }
+    // Requests still in flight past the drain (or the stop's grace) copy
+    // nothing after the close either: the close is the client's word that
+    // its memory is its own again.
+    conn.give_up();
     conn.drop_regions();
     super::lease::drop_all(&conn);
     let _ = conn.out.unbounded_send(None);

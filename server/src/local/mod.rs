@@ -5,6 +5,7 @@
 //! - `proto`: frames, operations, codes (pure decoding and encoding);
 //! - `region`: a registered buffer, mapped or reached with `pread`/`pwrite`;
 //! - `conn`: one connection (reader, per-request tasks, writer);
+//! - `revoke`: when a client gives up, no copy into or out of its memory;
 //! - here: the socket's set-up (path checks, a stale socket replaced, mode
 //!   0660), the peer check (`SO_PEERCRED`) and each shard's accept loop.
 //!
@@ -21,6 +22,7 @@ mod lease_table;
 mod ops;
 pub(crate) mod proto;
 pub mod region;
+mod revoke;
 mod session;
 
 pub use lease::{LeaseCounters, LEASES_PER_CONNECTION_MAX, LEASE_MS_DEFAULT};
@@ -98,6 +100,10 @@ pub struct LocalShared {
     pub frame_errors: AtomicU64,
     /// Peers refused by the uid/gid check.
     pub peers_refused: AtomicU64,
+    /// `GET_INTO`/`PUT_FROM` items (vectored ones too) dropped `CANCELLED`
+    /// because their client had given up on the memory (docs/LOCAL.md, "When
+    /// a client gives up").
+    pub items_cancelled: AtomicU64,
     /// The HTTP address, once bound, for the HELLO (where `/v1/stats` is).
     pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
     /// How long a lease lasts (`--lease-ms`).
@@ -146,6 +152,7 @@ impl LocalArgs {
             registered_bytes: AtomicU64::new(0),
             frame_errors: AtomicU64::new(0),
             peers_refused: AtomicU64::new(0),
+            items_cancelled: AtomicU64::new(0),
             http_addr: std::sync::OnceLock::new(),
             lease_ms: self.lease_ms,
             leases: LeaseCounters::default(),
@@ -235,6 +242,11 @@ impl crate::metrics::Door for LocalShared {
             ConstCounter::new(load(&self.frame_errors)),
         );
         registry.register(
+            "local_items_cancelled",
+            "GET_INTO/PUT_FROM items that copied nothing (and stored nothing) because their client had given up on its memory",
+            ConstCounter::new(load(&self.items_cancelled)),
+        );
+        registry.register(
             "local_peers_refused",
             "Local peers refused by the SO_PEERCRED uid/gid check",
             ConstCounter::new(load(&self.peers_refused)),
@@ -269,6 +281,7 @@ impl crate::metrics::Door for LocalShared {
             "registered_bytes": self.registered_bytes.load(Ordering::Relaxed),
             "frame_errors": self.frame_errors.load(Ordering::Relaxed),
             "peers_refused": self.peers_refused.load(Ordering::Relaxed),
+            "items_cancelled_total": self.items_cancelled.load(Ordering::Relaxed),
             "sigbus_caught": guard::faults_caught(),
             "leases": self.leases.json(self.lease_ms),
             "routes": self.stats.routes_json(),

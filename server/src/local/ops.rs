@@ -12,7 +12,7 @@ use kvtier_engine::PutOutcome;
 use serde_json::json;
 
 use super::proto::{self, code_of, Code, Item, Op};
-use super::region::{gather, views, views_intact, ItemSink, Part, Region};
+use super::region::{gather, still_wanted, views, views_intact, wanted, ItemSink, Part, Region};
 use super::session::Conn;
 use crate::limits;
 use crate::service::{PutRefused, ScopedKey};
@@ -27,6 +27,10 @@ pub(super) fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, 
     c.end().map_err(|e| (Code::BadRequest, e))?;
     let region = conn.regions.borrow_mut().remove(&handle);
     let region = region.ok_or_else(|| (Code::UnknownHandle, format!("handle {handle} is not registered on this connection")))?;
+    // The client frees the memory once this is answered: items in flight on
+    // it copy nothing more (they fail CANCELLED), and a copy running on
+    // another shard ends before the answer goes.
+    region.revoke();
     conn.shared.registrations_open.fetch_sub(1, Ordering::Relaxed);
     conn.shared.registered_bytes.fetch_sub(region.len(), Ordering::Relaxed);
     Ok(Vec::new())
@@ -144,7 +148,7 @@ pub(super) fn register(conn: &Conn, payload: &[u8], fd: Result<OwnedFd, String>)
     if conn.regions.borrow().len() >= REGISTRATIONS_MAX {
         return Err((Code::Limit, format!("this connection holds {REGISTRATIONS_MAX} registrations, the limit; unregister some")));
     }
-    let region = Region::new(fd, offset, length).map_err(|e| (Code::BadBuffer, e))?;
+    let region = Region::registered(fd, offset, length, conn.peer.clone()).map_err(|e| (Code::BadBuffer, e))?;
     let handle = conn.next_handle.get();
     conn.next_handle.set(handle + 1);
     let body = proto::encode_registered(handle, region.access() as u8);
@@ -180,6 +184,10 @@ pub(super) async fn data_op(conn: &std::rc::Rc<Conn>, op: Op, payload: &[u8]) ->
                 }
             });
             let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
+            let cancelled = results.iter().filter(|(r, _)| *r == Code::Cancelled as i64).count() as u64;
+            if cancelled > 0 {
+                conn.shared.items_cancelled.fetch_add(cancelled, Ordering::Relaxed);
+            }
             let moved: u64 = results.iter().filter(|(r, _)| *r >= 0).count() as u64 * block_bytes;
             let overloaded = results.iter().any(|(r, _)| *r == Code::Overloaded as i64);
             let retry = if overloaded { (limits::RETRY_AFTER_S * 1000) as u32 } else { 0 };
@@ -278,11 +286,18 @@ fn item_tag(tag: &[u8], block_bytes: u64) -> Result<Option<Bytes>, Code> {
     Ok(Some(Bytes::copy_from_slice(tag)))
 }
 
+/// Copies the block under `key` into the parts, unless the client gives up
+/// on their memory first (`CANCELLED`: asked before the read, and by every
+/// piece of the copy, `region.rs`).
 async fn get_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>) -> (i64, u8) {
+    if !wanted(&parts) {
+        return (Code::Cancelled as i64, 0);
+    }
     let sink = Arc::new(ItemSink::new(parts));
     match conn.service.get_into(key, sink.clone()).await {
         Ok((n, tier)) => (n as i64, proto::tier_code(Some(tier))),
         Err(_) if sink.shrunk.load(Ordering::Relaxed) => (Code::BufferShrunk as i64, 0),
+        Err(_) if sink.cancelled.load(Ordering::Relaxed) => (Code::Cancelled as i64, 0),
         Err(e) => {
             if code_of(&e).is_server_side() {
                 tracing::warn!(key = key.as_str(), "local GET_INTO failed: {e}");
@@ -293,8 +308,13 @@ async fn get_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>) -> (i64, u8) {
 }
 
 /// Stores the block the parts hold (`block_bytes` together, checked) with
-/// its block tag, if any (checked).
+/// its block tag, if any (checked), unless the client gives up on their
+/// memory before the block is copied out of it and stored (`CANCELLED`:
+/// nothing stored).
 async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<Bytes>, block_bytes: u64) -> (i64, u8) {
+    if !wanted(&parts) {
+        return (Code::Cancelled as i64, 0);
+    }
     // The shard's budget, shared with HTTP; refusals in the socket's own
     // series (kvtier_local_put_bytes_refusals_total).
     let _admitted = match conn.service.put_budget.admit(block_bytes) {
@@ -308,10 +328,11 @@ async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<By
     // before anything is stored. From a mapped region the owning shard makes
     // that copy itself, straight into its RAM tier (writes in place,
     // docs/LOCAL.md); from other memory it is gathered here into buffers
-    // of the server's own first.
+    // of the server's own first. Either way the copy is stored only if the
+    // client still wants it once it is made.
     let put = match views(&parts) {
         Some(views) => {
-            let put = conn.service.put_in_place(key, views, tag).await;
+            let put = conn.service.put_in_place(key, views, tag, still_wanted(&parts)).await;
             if let Err((code, message)) = views_intact(&parts) {
                 // The client's file shrank under the copy: the block may hold
                 // zero pages where its bytes were. Not acknowledged; taken
@@ -329,6 +350,9 @@ async fn put_item(conn: &Conn, key: &ScopedKey, parts: Vec<Part>, tag: Option<By
                 Ok(b) => b,
                 Err((code, _)) => return (code as i64, 0),
             };
+            if !wanted(&parts) {
+                return (Code::Cancelled as i64, 0);
+            }
             drop(parts);
             conn.service.put(key, bytes, tag).await
         }

@@ -17,6 +17,7 @@ pub fn code_of(e: &Error) -> Code {
         Error::Overloaded(_) => Code::Overloaded,
         Error::ShuttingDown => Code::ShuttingDown,
         Error::LeasesOff(_) => Code::LeasesOff,
+        Error::Cancelled => Code::Cancelled,
         _ => Code::IoError,
     }
 }

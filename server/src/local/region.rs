@@ -19,7 +19,9 @@
 //! A `Region` is shared (`Arc`) by the connection's table and every item in
 //! flight on it, so a client that unregisters or disconnects mid-copy only
 //! drops the table's reference: the mapping and descriptor go when the last
-//! item finishes.
+//! item finishes. Those items copy nothing more, though: every copy asks its
+//! region's [`Claim`] first, piece by piece, and a client that unregistered
+//! the buffer or gave up on the connection has revoked it (`revoke.rs`).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +32,7 @@ use kvtier_engine::BlockSink;
 
 use super::guard::Guard;
 use super::proto::Code;
+use super::revoke::{cancelled, is_cancelled, Claim, Peer, COPY_PIECE_BYTES};
 
 const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
 /// tmpfs and shmem (memfds, `/dev/shm`).
@@ -56,6 +59,8 @@ pub struct Region {
     /// With [`Access::Mapped`] or [`Access::Guarded`]: the mapping
     /// (page-aligned) and where the region starts in it.
     map: Option<Mapping>,
+    /// Whether the client still wants copies into and out of the region.
+    claim: Claim,
 }
 
 struct Mapping {
@@ -107,6 +112,15 @@ impl Region {
     /// hugetlbfs, an unsealed hugetlbfs file, or a mapping the kernel
     /// refused.
     pub fn new(fd: OwnedFd, offset: u64, len: u64) -> Result<Region, String> {
+        Region::registered(fd, offset, len, Arc::new(Peer::detached()))
+    }
+
+    /// [`Region::new`], registered on the connection of `peer`: copies stop
+    /// when that client gives up.
+    ///
+    /// # Errors
+    /// As [`Region::new`].
+    pub(super) fn registered(fd: OwnedFd, offset: u64, len: u64, peer: Arc<Peer>) -> Result<Region, String> {
         let raw = fd.as_raw_fd();
         // SAFETY: fstat/fcntl/fstatfs on a descriptor we own, into zeroed structs.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -156,7 +170,13 @@ impl Region {
                 Some(m)
             })
         };
-        Ok(Region { fd, file_offset: offset, len, map })
+        Ok(Region { fd, file_offset: offset, len, map, claim: Claim::new(peer) })
+    }
+
+    /// Revokes the region (`UNREGISTER`, or its connection closing): once
+    /// this returns no copy into or out of it runs, and none starts.
+    pub fn revoke(&self) {
+        self.claim.revoke();
     }
 
     /// How the server reaches this region.
@@ -219,9 +239,19 @@ impl Region {
         Ok(())
     }
 
-    /// Copies `src` to `at` in the region (bounds checked by the caller).
+    /// Copies `src` to `at` in the region (bounds checked by the caller),
+    /// [`COPY_PIECE_BYTES`] at a time, each piece only while the region is
+    /// wanted ([`Claim::enter`]; else a [`cancelled`] error).
     pub fn write(&self, at: u64, src: &[u8]) -> std::io::Result<()> {
         debug_assert!(at + src.len() as u64 <= self.len);
+        for (i, piece) in src.chunks(COPY_PIECE_BYTES).enumerate() {
+            let _copying = self.claim.enter().ok_or_else(cancelled)?;
+            self.write_piece(at + (i * COPY_PIECE_BYTES) as u64, piece)?;
+        }
+        Ok(())
+    }
+
+    fn write_piece(&self, at: u64, src: &[u8]) -> std::io::Result<()> {
         if let Some(m) = &self.map {
             m.intact()?;
             // SAFETY: in bounds of a live mapping (checked above); sealed, the
@@ -251,11 +281,21 @@ impl Region {
     }
 
     /// Copies `out.len()` bytes at `at` out of the region into `out`
-    /// (bounds checked by the caller).
+    /// (bounds checked by the caller), a piece at a time while wanted, as
+    /// [`Region::write`].
     ///
     /// # Errors
-    /// `BUFFER_SHRUNK` when the file ends early; `IO_ERROR` otherwise.
+    /// `BUFFER_SHRUNK` when the file ends early; `CANCELLED` when no longer
+    /// wanted; `IO_ERROR` otherwise.
     fn read_into(&self, at: u64, out: &mut [u8]) -> Result<(), (Code, String)> {
+        for (i, piece) in out.chunks_mut(COPY_PIECE_BYTES).enumerate() {
+            let _copying = self.claim.enter().ok_or_else(|| (Code::Cancelled, cancelled().to_string()))?;
+            self.read_piece(at + (i * COPY_PIECE_BYTES) as u64, piece)?;
+        }
+        Ok(())
+    }
+
+    fn read_piece(&self, at: u64, out: &mut [u8]) -> Result<(), (Code, String)> {
         let n = out.len();
         debug_assert!(at + n as u64 <= self.len);
         if let Some(m) = &self.map {
@@ -300,6 +340,21 @@ pub struct Part {
     pub len: u64,
 }
 
+/// Whether the client still wants the parts' memory touched: none of their
+/// regions revoked, and their connection's client still there (one `poll`:
+/// every part of an item is on the connection that sent it).
+pub fn wanted(parts: &[Part]) -> bool {
+    parts.first().is_none_or(|p| p.region.claim.peer().wants()) && parts.iter().all(|p| p.region.claim.wanted_here())
+}
+
+/// [`wanted`] of `parts`, for the owning shard to ask once it has read a
+/// block out of their [`views`] and before it stores it
+/// ([`kvtier_engine::StillWanted`]).
+pub fn still_wanted(parts: &[Part]) -> kvtier_engine::StillWanted {
+    let parts = parts.to_vec();
+    Arc::new(move || wanted(&parts))
+}
+
 /// The parts as views of the client's memory, with no copy, when every
 /// part lies in a mapping: a sealed memfd ([`Access::Mapped`]: it cannot
 /// shrink) or a tmpfs file under the `SIGBUS` guard ([`Access::Guarded`],
@@ -308,7 +363,8 @@ pub struct Part {
 /// server; [`views_intact`] tells afterwards). `None` otherwise (then
 /// [`gather`] copies). A view keeps its region (mapping and descriptor)
 /// alive. The client may write the memory at any time: such views go to
-/// [`kvtier_engine::Store::put_in_place`], which reads them once.
+/// [`kvtier_engine::Store::put_in_place`], which reads them once and stores
+/// the block only if [`still_wanted`] says so afterwards.
 pub fn views(parts: &[Part]) -> Option<Vec<Bytes>> {
     let mapped = |p: &Part| p.region.map.as_ref().is_some_and(|m| m.intact().is_ok());
     if !parts.iter().all(mapped) {
@@ -362,11 +418,16 @@ impl AsRef<[u8]> for RegionView {
 
 /// Copies the parts' bytes, in order, out of their regions into buffers of
 /// [`GATHER_PIECE_BYTES`], the block's chunks for the store (`PUT_FROM`: one
-/// part; `PUT_FROM_V`: several).
+/// part; `PUT_FROM_V`: several), while the client wants it: the caller asks
+/// [`wanted`] again once the copy is made, before storing it.
 ///
 /// # Errors
-/// `BUFFER_SHRUNK` when a file ends early; `IO_ERROR` otherwise.
+/// `BUFFER_SHRUNK` when a file ends early; `CANCELLED` when the client gave
+/// up on the memory; `IO_ERROR` otherwise.
 pub fn gather(parts: &[Part]) -> Result<Vec<Bytes>, (Code, String)> {
+    if !wanted(parts) {
+        return Err((Code::Cancelled, cancelled().to_string()));
+    }
     let total: usize = parts.iter().map(|p| p.len as usize).sum();
     let mut pieces = Vec::with_capacity(total.div_ceil(GATHER_PIECE_BYTES));
     let (mut part, mut at) = (0usize, 0u64);
@@ -443,12 +504,14 @@ pub struct ItemSink {
     pub parts: Vec<Part>,
     /// Set when a client's file was shorter than its region.
     pub shrunk: AtomicBool,
+    /// Set when the client gave up on the memory before the block was in.
+    pub cancelled: AtomicBool,
 }
 
 impl ItemSink {
     /// A sink over `parts`.
     pub fn new(parts: Vec<Part>) -> ItemSink {
-        ItemSink { parts, shrunk: AtomicBool::new(false) }
+        ItemSink { parts, shrunk: AtomicBool::new(false), cancelled: AtomicBool::new(false) }
     }
 
     /// Writes `chunk`, block offset `offset`, into the parts it falls in.
@@ -473,10 +536,14 @@ impl ItemSink {
 
 impl BlockSink for ItemSink {
     fn write_at(&self, offset: u64, chunk: &[u8]) -> std::io::Result<()> {
-        let r = self.scatter(offset, chunk);
+        // The socket is asked once per chunk; each piece's copy checks the
+        // flags it leaves (`Region::write`).
+        let r = if wanted(&self.parts) { self.scatter(offset, chunk) } else { Err(cancelled()) };
         if let Err(e) = &r {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.shrunk.store(true, Ordering::Relaxed);
+            } else if is_cancelled(e) {
+                self.cancelled.store(true, Ordering::Relaxed);
             }
         }
         r

@@ -14,6 +14,7 @@ use glommio::sync::StaticPermit;
 
 use super::proto::{self, Code, Header, Op, RESPONSE_BIT};
 use super::region::Region;
+use super::revoke::Peer;
 use super::LocalShared;
 use crate::service::{Caller, Service};
 
@@ -36,6 +37,9 @@ pub(super) struct Conn {
     /// without `--tenants`.
     pub(super) caller: RefCell<Caller>,
     pub(super) regions: RefCell<HashMap<u64, Arc<Region>>>,
+    /// The client, as copies into and out of its regions see it
+    /// (`revoke.rs`).
+    pub(super) peer: Arc<Peer>,
     pub(super) next_handle: Cell<u64>,
     /// The leases this connection holds (docs/LOCAL.md, "Leases").
     pub(super) leases: RefCell<super::lease_table::Leases>,
@@ -63,6 +67,17 @@ impl Conn {
         let route = op.map_or(proto::ROUTE_NAMES.len() - 1, |o| o as usize - 1);
         let us = started.elapsed().as_micros() as u64;
         self.shared.stats.record(self.service.store.shard_id(), route, status, us, bytes_in, bytes_out);
+    }
+
+    /// The client gave up on the connection (its stream ended), or the
+    /// server is closing it: no copy into or out of its memory runs once
+    /// this returns, and none starts (docs/LOCAL.md, "When a client gives
+    /// up"). Its regions stay in the table until [`Conn::drop_regions`].
+    pub(super) fn give_up(&self) {
+        self.peer.give_up();
+        for region in self.regions.borrow().values() {
+            region.revoke();
+        }
     }
 
     pub(super) fn drop_regions(&self) {

@@ -95,12 +95,19 @@ impl Service {
 
     /// Stores a block written in place: `chunks` are views of a same-host
     /// client's registered memory, read once by the owning shard
-    /// ([`Store::put_in_place`]).
+    /// ([`Store::put_in_place`]) and stored only if `wanted` says the client
+    /// still wants it once read.
     ///
     /// # Errors
     /// As [`Store::put_in_place`].
-    pub async fn put_in_place(&self, key: &ScopedKey, chunks: Vec<Bytes>, tag: Option<Bytes>) -> Result<kvtier_engine::PutReport> {
-        self.store.put_in_place(key.stored(), chunks, tag).await
+    pub async fn put_in_place(
+        &self,
+        key: &ScopedKey,
+        chunks: Vec<Bytes>,
+        tag: Option<Bytes>,
+        wanted: kvtier_engine::StillWanted,
+    ) -> Result<kvtier_engine::PutReport> {
+        self.store.put_in_place(key.stored(), chunks, tag, wanted).await
     }
 
     /// A block, whole or streamed ([`Store::get_stream`]).
