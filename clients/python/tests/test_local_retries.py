@@ -61,7 +61,9 @@ class FakeServer:
     ``plan[op]`` is a list of what to do with each request of ``op`` in turn:
     ``"ok"``, ``("status", code, retry_after_ms)`` for a whole-request
     failure, ``("items", code[, retry_after_ms])`` for every item, ``"drop"`` (close the
-    connection unanswered) or ``"hang"`` (never answer); once it is empty, ``"ok"``."""
+    connection unanswered) or ``"hang"`` (never answer); once it is empty, ``"ok"``.
+    At the end of a client's stream it closes the connection, as the server
+    does, after ``hold_s`` (a server too slow to confirm in time)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -70,6 +72,7 @@ class FakeServer:
         self.registered = 0
         self.seen: list[int] = []
         self.bad_frames = 0
+        self.hold_s = 0.0
         self._sock = socket.socket(socket.AF_UNIX)
         self._sock.bind(path)
         self._sock.listen()
@@ -121,7 +124,9 @@ class FakeServer:
                     if action == "hang":
                         continue
                     conn.sendall(self._answer(op, rid, payload, action))
-            except (EOFError, OSError):
+            except EOFError:
+                time.sleep(self.hold_s)
+            except OSError:
                 return
 
     def _answer(self, op: int, rid: int, payload: bytes, action: object) -> bytes:
@@ -228,14 +233,42 @@ def test_a_keys_request_cut_off_is_sent_again(fake):
         assert fake.accepted == 2
 
 
-def test_an_unanswered_batch_times_out_and_is_sent_again(fake):
+def test_an_unanswered_batch_times_out_and_is_not_sent_again(fake):
+    """No answer within the timeout: the client gives up on the connection
+    (the server copies nothing more into the memory named) and does not send
+    the batch again, which could race the first in the same memory; the next
+    call goes on a new connection."""
     fake.plan[4] = ["hang"]
     with kvtier.Client(f"unix://{fake.path}", timeout_s=1) as c, kvtier.SharedBuffer(BB) as buf:
         assert c.register_buffer(buf) == 0
         t0 = time.monotonic()
+        assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [codes.CONNECTION_LOST]
+        assert 1.0 <= time.monotonic() - t0 < 2.0
+        assert c.local_stats()["retries_after_loss"] == 0 and fake.accepted == 1 and fake.seen.count(4) == 1
         assert c.batch_get_into(["a"], [buf.ptr], [BB]) == [BB]
-        assert 1.0 <= time.monotonic() - t0 < 3.0
-        assert c.local_stats()["retries_after_loss"] == 1 and fake.accepted == 2
+        assert fake.accepted == 2
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 1.0], ids=["confirmed", "unconfirmed"])
+def test_a_staging_area_is_retired_unless_the_close_was_confirmed(fake, hold_s):
+    """Memory in no registered buffer goes through the staging area. After a
+    timeout, the server's close (within ``CLOSE_CONFIRM_S``) confirms that
+    no copy into the area runs any more, and it is kept; without it the area
+    is left to the server and the next call registers a new one."""
+    fake.plan[4] = ["ok", "hang"]
+    fake.hold_s = hold_s
+    with kvtier.Client(f"unix://{fake.path}", timeout_s=1) as c:
+        out = bytearray(BB)
+        assert c.batch_get_into(["a"], [out]) == [BB]
+        session = c._link.unix.session
+        old = session._staging
+        assert c.batch_get_into(["a"], [out]) == [codes.CONNECTION_LOST]
+        retired = hold_s > 0
+        assert c.local_stats()["staging_retired"] == int(retired) and fake.registered == 1
+        assert (session._staging is None) == retired
+        assert c.batch_get_into(["a"], [out]) == [BB]
+        assert fake.registered == 2, "registered again on the new connection (the old area, or its successor)"
+        assert (session._staging is not old) == retired
 
 
 def test_tags_for_a_version_1_server_fail_clearly_and_untagged_puts_still_go(fake):

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import codes
 from ._http import _Answer, _Connection, _Pool
+from ._regions import Region, Regions
 from ._retry import HTTP_BACKOFF, retrying
-from ._session import Region, Regions
 from ._transport import Parts, Span, Threads, Transport, check_block_bytes
 from .errors import (
     BadRequestError,

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from ._http_transport import HttpTransport
-from ._session import Regions
+from ._regions import Regions
 from ._transport import Threads, Transport, check_block_bytes
 from ._unix import UnixTransport, open_local
 

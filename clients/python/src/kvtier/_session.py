@@ -6,23 +6,25 @@ Registrations live on a connection (docs/LOCAL.md: the server drops them when
 it closes), so every new connection re-registers every buffer, from the
 descriptor the client keeps of each, before any batch runs on it; the handle
 of a buffer is per connection and never leaves this module (the user's name
-for a buffer is its address). A batch whose connection broke is sent once
-more on a new one; ``OVERLOADED`` is retried after the server's hint.
+for a buffer is its address). A batch whose connection the server closed
+is sent once more on a new one; ``OVERLOADED`` is retried after the server's
+hint. A batch that timed out is not sent again: the client gives up on its
+connection (the server then copies nothing more into or out of the memory
+it named, docs/LOCAL.md "When a client gives up"), and retires the staging
+area that batch used unless the server's close confirmed it in time.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
-import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from . import codes
+from ._regions import Region, Staging
 from ._retry import CONNECT_BACKOFF, OVERLOAD_BACKOFF, OVERLOAD_RETRIES, retrying
 from .errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
 from .local import (
@@ -40,84 +42,12 @@ from .local import (
     decode_results,
     encode_batch,
 )
-from .shm import SharedBuffer
 
 log = logging.getLogger("kvtier.local")
 T = TypeVar("T")
 
 #: A batch's answer may take this long per GiB moved, on top of ``timeout_s``.
 SECONDS_PER_GIB = 10.0
-
-
-class Region:
-    """One registered buffer: ``size`` bytes at address ``ptr``; on the Unix
-    transport also ``fd`` (the client's own descriptor, kept for
-    re-registration), the region's offset in that file, and the server's
-    ``access`` (1 mapped, 2 file I/O, 3 guarded). ``obj`` keeps a buffer object alive."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, ptr: int, size: int, *, obj: Any = None, fd: int = -1, file_offset: int = 0) -> None:
-        self.id = next(Region._ids)
-        self.ptr, self.size, self.end = ptr, size, ptr + size
-        self.obj, self.fd, self.file_offset = obj, fd, file_offset
-        self.access = 0
-
-    def close(self) -> None:
-        """Closes the client's descriptor of the region's file."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class Regions:
-    """The registered buffers by address (non-overlapping). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._by_start: dict[int, Region] = {}
-        self._lock = threading.Lock()
-
-    def add(self, region: Region) -> Region | None:
-        """Adds ``region``; returns an existing one it overlaps instead (and adds nothing)."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, region.ptr)
-            for j in (i - 1, i):
-                if 0 <= j < len(self._starts):
-                    other = self._by_start[self._starts[j]]
-                    if other.ptr < region.end and region.ptr < other.end:
-                        return other
-            self._starts.insert(i, region.ptr)
-            self._by_start[region.ptr] = region
-            return None
-
-    def remove(self, ptr: int) -> Region | None:
-        """Removes and returns the region registered at exactly ``ptr``."""
-        with self._lock:
-            region = self._by_start.pop(ptr, None)
-            if region is not None:
-                self._starts.remove(ptr)
-            return region
-
-    def find(self, ptr: int) -> Region | None:
-        """The region holding address ``ptr``, if any."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, ptr) - 1
-            if i < 0:
-                return None
-            region = self._by_start[self._starts[i]]
-            return region if ptr < region.end else None
-
-    def all(self) -> list[Region]:
-        with self._lock:
-            return list(self._by_start.values())
-
-    def clear(self) -> list[Region]:
-        with self._lock:
-            regions = list(self._by_start.values())
-            self._starts.clear()
-            self._by_start.clear()
-            return regions
 
 
 def key_chunks(keys: Sequence[str], idx: Sequence[int], each: int | Callable[[int], int]) -> Iterator[list[int]]:
@@ -135,31 +65,6 @@ def key_chunks(keys: Sequence[str], idx: Sequence[int], each: int | Callable[[in
         nbytes += cost
     if chunk:
         yield chunk
-
-
-class _Staging:
-    """A registered :class:`SharedBuffer` of ``slots`` block-sized slots for
-    memory that is not registered (one bounce copy per item)."""
-
-    def __init__(self, slots: int, slot_bytes: int) -> None:
-        self.buf = SharedBuffer(slots * slot_bytes, name="kvtier-staging")
-        self.slot_bytes = slot_bytes
-        self.region = Region(self.buf.ptr, self.buf.nbytes, fd=os.dup(self.buf.fd))
-        self._free = list(range(slots))
-        self._cond = threading.Condition()
-
-    def acquire(self, want: int) -> list[int]:
-        """Up to ``want`` free slots (waits for at least one; never holds some while waiting)."""
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            take, self._free = self._free[:want], self._free[want:]
-            return take
-
-    def release(self, slots: list[int]) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
 
 
 class LocalSession:
@@ -197,12 +102,12 @@ class LocalSession:
         self._conn: LocalConnection | None = None
         self._handles: dict[int, int] = {}  # Region.id → handle on self._conn
         self._regions: dict[int, Region] = {}  # every region to register on a connection
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._closed = False
         self.counters = dict.fromkeys(
             ("reconnects", "registrations_renewed", "retries_after_loss", "retries_overloaded"), 0
         )
-        self.counters.update(bounce_copies=0, bounce_bytes=0, lease_copies=0, lease_bytes=0)
+        self.counters.update(bounce_copies=0, bounce_bytes=0, lease_copies=0, lease_bytes=0, staging_retired=0)
         self._count_lock = threading.Lock()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -375,20 +280,40 @@ class LocalSession:
                     log.debug("kvtier: UNREGISTER %d: %s", handle, e)
             region.close()
 
-    def staging(self) -> _Staging:
-        """The staging area, registered on first use."""
-        if self._staging is None:
+    def staging(self) -> Staging:
+        """The staging area, registered on first use (and again after one
+        was retired)."""
+        staging = self._staging
+        if staging is None:
             with self._lock:
-                if self._staging is None:
+                staging = self._staging
+                if staging is None:
                     self.connection()
                     assert self.block_bytes is not None
-                    staging = _Staging(self.staging_blocks, self.block_bytes)
+                    staging = Staging(self.staging_blocks, self.block_bytes)
                     code = self.register(staging.region)
                     if code != codes.OK:
                         staging.buf.close()
                         raise error_from_code(code, "the client's staging area could not be registered")
                     self._staging = staging
-        return self._staging
+        return staging
+
+    def _retire_staging(self, used: set[int]) -> None:
+        """After giving up on a connection whose close the server did not
+        confirm: when ``used`` (the ids of the regions its requests named)
+        holds the staging area, a copy into it may still be running in the
+        server, so later calls get a new one. This one is registered no
+        more, and its memory is freed once no call holds it."""
+        with self._lock:
+            staging = self._staging
+            if staging is None or staging.region.id not in used:
+                return
+            self._staging = None
+            self._regions.pop(staging.region.id, None)
+            self._handles.pop(staging.region.id, None)
+            staging.region.close()
+        self.count("staging_retired")
+        log.info("kvtier: %s did not confirm the close of a connection given up on; a new staging area", self.path)
 
     # -------------------------------------------------------------- batches
 
@@ -405,8 +330,12 @@ class LocalSession:
         (``b""``: none) on a connection of version 2 or later; on an older
         server a tagged item fails with ``UNSUPPORTED_VERSION`` (untagged
         ones are stored). Per item ``(result, tier or created)``; never
-        raises for an item. A chunk whose connection broke is sent once
-        more; ``OVERLOADED`` items are retried.
+        raises for an item. A chunk whose connection the server closed is
+        sent once more; ``OVERLOADED`` items are retried. A chunk with no
+        answer within the timeout fails ``CONNECTION_LOST`` and is not sent
+        again: the client gives up on the connection, and from then on the
+        server copies nothing into or out of the spans its requests named
+        (docs/LOCAL.md, "When a client gives up").
 
         Raises:
             GeometryMismatchError, UnauthorizedError, ProtocolError: a
@@ -496,6 +425,13 @@ class LocalSession:
             # Rounds that store none (others hold the budget) wait the hint,
             # back off and count against OVERLOAD_RETRIES.
             sent, todo, pause = len(todo), [], 0.0
+            if conn.gave_up:
+                # Given up on (a timeout, here or on another thread): its
+                # requests may be under way in the server until it sees the
+                # end of the stream, so none goes again into the same memory.
+                if not conn.close_confirmed:
+                    self._retire_staging({region.id for i in sendable for region, _, _ in parts_of[i]})
+                lost = []
             if lost and lost_left:
                 lost_left -= 1
                 self.count("retries_after_loss")
@@ -567,11 +503,11 @@ class LocalSession:
     ) -> list[tuple[int, int]]:
         """``op`` over ``keys`` in rounds of as many staging slots as are
         free: ``fill`` each slot before the call, ``sink`` each hit after."""
-        staging = self.staging()
-        bb = staging.slot_bytes
         out: list[tuple[int, int]] = []
         start = 0
         while start < len(keys):
+            staging = self.staging()  # a new one after a round retired it
+            bb = staging.slot_bytes
             slots = staging.acquire(len(keys) - start)
             try:
                 addresses = [staging.buf.ptr + s * bb for s in slots]

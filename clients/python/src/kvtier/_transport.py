@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._session import Region
+from ._regions import Region
 from .errors import GeometryMismatchError
 from .tag import BlockTag
 
@@ -147,7 +147,7 @@ class Transport(ABC):
 
     @abstractmethod
     def share(self, ptr: int, nbytes: int, obj: Any) -> Region | int:
-        """The :class:`~kvtier._session.Region` to register for ``nbytes`` at
+        """The :class:`~kvtier._regions.Region` to register for ``nbytes`` at
         ``ptr`` (``obj`` the buffer object, if any, kept alive by it), or
         the code why this transport cannot use that memory."""
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from . import codes
 from ._index import SharedIndex
-from ._session import LocalSession, Region, Regions, copy_bytes, key_chunks
+from ._regions import Region, Regions
+from ._session import LocalSession, copy_bytes, key_chunks
 from ._transport import Parts, Span, Transport
 from .errors import (
     BlockSizeError,

@@ -232,7 +232,11 @@ class Client:
         Returns:
             ``True`` when the block was read into ``buf[:block_bytes]``,
             ``False`` on a miss. After ``False`` or an exception the buffer's
-            contents are unspecified (a cut-off read may have filled part).
+            contents are unspecified (a cut-off read may have filled part),
+            and nothing is written into it for this call once it has
+            returned, after a timeout too (:class:`~kvtier.KvtierConnectionError`;
+            over the socket the server stops its copies when the client gives
+            up on the connection: docs/LOCAL.md, "When a client gives up").
 
         Raises:
             BlockSizeError: ``buf`` is smaller than the block.

@@ -117,6 +117,12 @@ log = logging.getLogger("kvtier.local")
 
 T = TypeVar("T")
 
+#: After giving up on a connection (a request timed out), how long the
+#: client waits for the server's close, which confirms that no copy into or
+#: out of the client's memory runs any more (docs/LOCAL.md, "When a client
+#: gives up").
+CLOSE_CONFIRM_S = 0.25
+
 
 class _Response:
     __slots__ = ("fds", "op", "payload")
@@ -131,8 +137,9 @@ class LocalConnection:
     Args:
         path: the socket's path (``local.socket`` of ``/v1/stats``).
         timeout_s: limit for connecting and, unless a call names another,
-            for each response. A request that times out closes the
-            connection (its registrations go with it).
+            for each response. A request that times out gives up on the
+            connection (:meth:`abandon`: its registrations go with it, and
+            the server copies nothing more into or out of their memory).
 
     Raises:
         OSError: the socket cannot be connected (``FileNotFoundError``,
@@ -157,6 +164,14 @@ class LocalConnection:
         self._ids = itertools.count(1)
         self._slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
         self._dead: tuple[int, str] | None = None
+        self._eof = False
+        self.gave_up = False
+        """``True`` once the client gave up on this connection (a request
+        timed out): what it sent may still have been under way in the server."""
+        self.close_confirmed = False
+        """After :meth:`abandon`: whether the server's close came (within
+        ``CLOSE_CONFIRM_S``): no copy into or out of this client's memory runs
+        in the server any more, nor will, for anything sent here."""
         self.info: dict[str, Any] = {}
         """The server's hello answer (after :meth:`hello`): ``epoch``, ``block_bytes``, …"""
         # Lease ids to release, queued by finalizers (SimpleQueue.put is
@@ -185,7 +200,26 @@ class LocalConnection:
         """Closes the socket; requests in flight fail with ``CONNECTION_LOST``."""
         self._die(codes.CONNECTION_LOST, reason)
 
-    def _die(self, code: int, message: str) -> None:
+    def abandon(self, reason: str) -> None:
+        """Gives up on the connection (a request timed out): the requests in
+        flight fail with ``CONNECTION_LOST``, and the writing side is shut
+        down at once, which the server takes as the client giving up: from
+        then on it copies nothing into or out of this client's memory for
+        them (docs/LOCAL.md, "When a client gives up"), ends them, and
+        closes. Waits up to ``CLOSE_CONFIRM_S`` for that close;
+        :attr:`close_confirmed` says whether it came. Never raises."""
+        self.gave_up = True
+        self._fail_pending(codes.CONNECTION_LOST, reason)
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(CLOSE_CONFIRM_S)
+        self.close_confirmed = self._eof
+        self._die(codes.CONNECTION_LOST, reason)
+
+    def _fail_pending(self, code: int, message: str) -> None:
         with self._lock:
             if self._dead is None:
                 self._dead = (code, message)
@@ -193,6 +227,9 @@ class LocalConnection:
         for fut in pending.values():
             self._slots.release()
             fut.set_exception(error_from_code(*self._dead))
+
+    def _die(self, code: int, message: str) -> None:
+        self._fail_pending(code, message)
         self._releases.put(None)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -230,6 +267,7 @@ class LocalConnection:
             while True:
                 head = self._recv_exact(HEADER.size, fds)
                 if head is None:
+                    self._eof = True  # the server closed, at a frame's end
                     break
                 try:
                     op, nbytes, rid = decode_header(head)
@@ -325,8 +363,8 @@ class LocalConnection:
         try:
             return fut.result(limit)
         except FutureTimeout:
-            self.close(f"no answer to {OP_NAMES.get(op, op)} from {self.path} within {limit:.1f} s")
-            return fut.result(5.0)  # failed by the close, or answered just before it
+            self.abandon(f"no answer to {OP_NAMES.get(op, op)} from {self.path} within {limit:.1f} s")
+            return fut.result(5.0)  # failed by abandon, or answered just before it
 
     def post(self, op: int, payload: bytes) -> bool:
         """Sends one request frame whose answer nobody waits for (the reader

@@ -129,8 +129,10 @@ class MooncakeStore:
 
     def unregister_buffer(self, buffer_ptr: int | Any) -> int:
         """Forgets the buffer registered at ``buffer_ptr`` (the address given
-        to :meth:`register_buffer`, or the same object). Items in flight on it
-        finish; later ones naming it by pointer get -20.
+        to :meth:`register_buffer`, or the same object). Once it returns the
+        server copies nothing into or out of the buffer (items in flight on
+        it that had not copied yet fail -25 ``CANCELLED``), so the memory may
+        be freed; later items naming it by pointer get -20.
 
         Returns:
             0, or -20 ``NOT_REGISTERED`` when nothing is registered there.
@@ -160,6 +162,14 @@ class MooncakeStore:
             with no usable buffer, -20 a pointer in no registered buffer,
             -21 no server within ``timeout_s``; any other code of docs/LOCAL.md.
 
+        After -21 ``CONNECTION_LOST`` the item's memory is the caller's
+        again: its bytes are unspecified (a copy cut off may have filled
+        part), and the server will not write to it or read from it for this
+        call afterwards. A timed-out request is not sent again: the client
+        gives up on its connection, which ends the server's copies for it
+        (docs/LOCAL.md, "When a client gives up"). Over HTTP each item's
+        read ends before the call returns.
+
         Raises:
             ValueError: ``keys``, ``buffer_ptrs`` and ``sizes`` differ in length.
             TypeError: no size for an ``int`` pointer.
@@ -186,6 +196,12 @@ class MooncakeStore:
             client's retries), -10 disk full, -22 a tag that breaks the rules
             (nothing stored; a warning says why), -14 a tag for a server
             whose socket takes none, and as :meth:`batch_get_into`.
+
+        After -21 ``CONNECTION_LOST`` the caller may write the item's memory
+        again at once: the server will not read from it for this call
+        afterwards, and stores under ``keys[i]`` either nothing or the bytes
+        it read before the client gave up, never what was written there
+        since (the block stays all-or-nothing).
 
         Raises:
             ValueError: ``tags`` is given with another length than ``keys``.
@@ -215,7 +231,8 @@ class MooncakeStore:
             -6 a span past the end of its registered buffer, -20 a pointer in
             no registered buffer, -16 more than 256 spans, and as
             :meth:`batch_get_into`. Spans, or their tails, past the block's
-            end are left untouched.
+            end are left untouched. After -21 ``CONNECTION_LOST`` the spans
+            are the caller's again, as :meth:`batch_get_into` says.
 
         Raises:
             ValueError: ``keys``, ``all_buffer_ptrs`` and ``all_sizes`` (or
@@ -238,7 +255,8 @@ class MooncakeStore:
         Returns:
             Per item 0, or a negative code: -4 the sizes do not add up to
             ``block_bytes`` (nothing stored), and as
-            :meth:`batch_get_into_multi_buffers` and :meth:`batch_put_from`.
+            :meth:`batch_get_into_multi_buffers` and :meth:`batch_put_from`
+            (after -21 ``CONNECTION_LOST`` too).
         """
         return [min(r, 0) for r in self._multi(OP_PUT_FROM_V, keys, all_buffer_ptrs, all_sizes, tags)]
 
@@ -315,6 +333,8 @@ class MooncakeStore:
         (items read into unregistered memory by a copy from a lease, and
         their bytes), ``reconnects``,
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``,
+        ``staging_retired`` (staging areas replaced after a timeout the server
+        did not confirm in time: it might still have copied into them),
         ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases),
         ``index_probes`` (keys answered from the shared index, no round trip)."""
         transport = self._link.current()
