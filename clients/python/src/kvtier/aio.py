@@ -8,6 +8,12 @@ a protocol every received chunk as a new ``bytes`` object, a copy per chunk
 that ``get_into`` exists to avoid, while a blocking ``recv_into`` in a worker
 thread reads straight into the caller's buffer and releases the GIL while it
 waits. ``make bench-python`` measures both clients side by side.
+
+A worker thread cannot be stopped, so a call cancelled while its thread runs
+(``asyncio.wait_for`` timing out, a task cancelled, a failed item of
+``get_many_into``) ends once that thread has (within the client's
+``timeout_s``): nothing is written into a caller's buffer after its
+coroutine has ended. A call cancelled before its thread started never runs.
 """
 
 from __future__ import annotations
@@ -55,8 +61,16 @@ class AsyncClient:
         return self
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.sync.executor(), functools.partial(fn, *args))
+        call = self.sync.executor().submit(functools.partial(fn, *args))
+        done = asyncio.wrap_future(call)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # A call running in its thread may be reading into the caller's
+            # buffer: the cancellation takes effect once it has ended.
+            if not call.cancel():
+                await _finished([done])
+            raise
 
     async def __aenter__(self) -> AsyncClient:
         await self.get_block_bytes()
@@ -154,14 +168,38 @@ class AsyncClient:
         return await _gather([self.get_into(key, buf) for key, buf in zip(keys, bufs, strict=True)])
 
 
+async def _finished(futs: Sequence[asyncio.Future[Any]]) -> None:
+    """Waits until every one of ``futs`` is done, through further
+    cancellations (a cancelled call's thread still runs); their outcomes are
+    dropped."""
+    while not all(f.done() for f in futs):
+        try:
+            await asyncio.wait([f for f in futs if not f.done()])
+        except asyncio.CancelledError:
+            continue
+    for f in futs:
+        if not f.cancelled():
+            f.exception()  # retrieved: not logged as never retrieved
+
+
 async def _gather(coros: list[Any]) -> list[Any]:
     """Every result in order. On the first failure the calls not yet started
     are cancelled and the failure is raised once the running ones finish (as
-    the blocking batched forms do)."""
+    the blocking batched forms do: a cancelled call's coroutine ends when its
+    thread has, :meth:`AsyncClient._run`). Cancelled, it cancels every call
+    and ends once they have."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        # Cancelled itself (``asyncio.wait_for``): so are its calls, and it
+        # ends once they have.
+        for task in tasks:
+            task.cancel()
+        await _finished(tasks)
+        raise
     if pending:
         for task in pending:
             task.cancel()
