@@ -286,3 +286,19 @@ def test_tags_for_a_version_1_server_fail_clearly_and_untagged_puts_still_go(fak
         got = c.batch_put_from(["tagged", "plain"], [buf.ptr, buf.ptr + BB], [BB, BB], [tag, None])
         assert got == [codes.UNSUPPORTED_VERSION, 0]
         assert c.put("plain-2", bytes(BB)) is True
+
+
+def test_a_socket_that_is_gone_fails_at_once_with_connect_timeout_0():
+    """``connect_timeout_s=0`` (the engine connectors): a socket file that is
+    not there fails the call at once; by default the call keeps trying to
+    connect for ``timeout_s``."""
+    path = os.path.join(tempfile.mkdtemp(prefix="kvtier-gone-"), "kvtier.sock")
+    for connect_timeout_s, at_least_s, at_most_s in ((0.0, 0.0, 0.5), (None, 1.0, 5.0)):
+        client = kvtier.Client(f"unix://{path}", timeout_s=1.0, connect_timeout_s=connect_timeout_s)
+        started = time.monotonic()
+        with pytest.raises(kvtier.KvtierConnectionError):
+            client.exists("k")
+        assert at_least_s <= time.monotonic() - started < at_most_s
+        client.close()
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        kvtier.Client(f"unix://{path}", connect_timeout_s=-1)

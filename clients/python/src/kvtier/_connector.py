@@ -208,7 +208,9 @@ class ConnectorCore:
         options = client_options(settings)
         self.down_s = float(settings.get("down_s", 1.0))
         self.url: str = options["url"]
-        self.client = Client(**options)
+        # In background mode a call connects once: a socket that is gone
+        # fails the call at once and the probe thread asks again.
+        self.client = Client(**options, connect_timeout_s=0.0 if background_probe else None)
         self.logger = logger
         self.failures = Failures(logger, self.down_s)
         self.stats: dict[str, int] = dict.fromkeys((*stats, "errors"), 0)

@@ -26,7 +26,8 @@ class Link:
         socket_path: the socket of a ``unix://`` url, else ``None``.
         http_host: ``(host, port)`` of the HTTP API, if known.
         mode: ``"off"``, ``"auto"`` or ``"on"`` (``"on"`` for a ``unix://`` url).
-        token, connections, timeout_s, retries: as :class:`kvtier.Client` takes them.
+        token, connections, timeout_s, connect_timeout_s, retries: as
+            :class:`kvtier.Client` takes them.
         expect: ``(expect_block_bytes, expect_model, staging_blocks, lease_reads)``.
     """
 
@@ -40,11 +41,13 @@ class Link:
         token: str | None,
         connections: int,
         timeout_s: float,
+        connect_timeout_s: float,
         retries: int,
         expect: tuple[int | None, str | None, int, bool],
     ) -> None:
         self.url, self.socket_path, self.mode = url, socket_path, mode
         self.token, self.timeout_s, self.expect = token, timeout_s, expect
+        self.connect_timeout_s = connect_timeout_s
         self.regions = Regions()
         """The registered buffers, by address."""
         self.threads = Threads(connections)
@@ -83,6 +86,7 @@ class Link:
                         stats=self.http.stats,
                         token=self.token,
                         timeout_s=self.timeout_s,
+                        connect_timeout_s=self.connect_timeout_s,
                         expect=self.expect,
                         regions=self.regions,
                     )

@@ -77,6 +77,8 @@ class LocalSession:
         timeout_s: how long to keep trying to connect (and say hello, and
             re-register) before items fail with ``CONNECTION_LOST``; also the
             limit for an answer (plus ``SECONDS_PER_GIB`` per GiB moved).
+        connect_timeout_s: how long a call keeps trying to connect
+            (default ``timeout_s``); 0: one try.
         expect_block_bytes, expect_model: checked by the server's hello.
         staging_blocks: slots of the staging area (created on first bounce).
     """
@@ -87,12 +89,14 @@ class LocalSession:
         *,
         token: str | None,
         timeout_s: float,
+        connect_timeout_s: float | None = None,
         expect_block_bytes: int | None = None,
         expect_model: str | None = None,
         staging_blocks: int = 8,
         client_name: str = CLIENT_NAME,
     ) -> None:
         self.path, self.token, self.timeout_s = path, token, timeout_s
+        self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.expect_block_bytes, self.expect_model = expect_block_bytes, expect_model
         self.staging_blocks, self.client_name = max(1, staging_blocks), client_name
         self.info: dict[str, Any] = {}
@@ -133,7 +137,7 @@ class LocalSession:
                 return conn, self._handles
             if self._closed:
                 raise KvtierError("the client is closed", code="client_closed")
-            return self._connect(self.timeout_s)
+            return self._connect(self.connect_timeout_s)
 
     def probe(self) -> None:
         """Connects and says hello once, without waiting for a server to come up.
@@ -181,7 +185,7 @@ class LocalSession:
             if last is None:
                 raise
             raise error_from_code(
-                codes.CONNECTION_LOST, f"cannot reach {self.path} within {self.timeout_s} s; last: {last}"
+                codes.CONNECTION_LOST, f"cannot reach {self.path} within {patience_s:g} s; last: {last}"
             ) from None
         if self._conn is not None:
             self.count("reconnects")

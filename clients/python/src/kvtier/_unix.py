@@ -55,6 +55,7 @@ def open_local(
     timeout_s: float,
     expect: tuple[int | None, str | None, int, bool],
     regions: Regions,
+    connect_timeout_s: float | None = None,
 ) -> tuple[UnixTransport | None, str | None]:
     """Chooses a client's transport: ``(transport, "unix")`` or ``(None, "http")``;
     ``(None, None)`` leaves it open (``/v1/stats`` did not answer: asked again
@@ -64,8 +65,9 @@ def open_local(
     From an HTTP ``url`` (``mode`` ``"auto"``/``"on"``) the socket named by
     ``local.socket`` of ``stats()`` is tried once now; ``"auto"`` stays on HTTP
     when there is none or its connect or hello fails, ``"on"`` raises.
-    ``token``, ``timeout_s`` and ``expect`` (block bytes, model, staging
-    blocks, lease reads) are the client's; ``regions`` its table of registered buffers.
+    ``token``, ``timeout_s``, ``connect_timeout_s`` and ``expect`` (block
+    bytes, model, staging blocks, lease reads) are the client's; ``regions``
+    its table of registered buffers.
 
     Raises:
         GeometryMismatchError: the hello found another geometry (both modes).
@@ -91,6 +93,7 @@ def open_local(
         str(path),
         token=token,
         timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
         expect_block_bytes=expect[0],
         expect_model=expect[1],
         staging_blocks=expect[2],

@@ -48,6 +48,10 @@ class Client:
         timeout_s: limit for connecting and for each socket read or write;
             on the socket, also how long a call keeps reconnecting to a
             restarted server before its items fail with ``CONNECTION_LOST``.
+        connect_timeout_s: on the socket, how long a call keeps trying to
+            reconnect (default ``timeout_s``); ``0``: one try, so a socket
+            that is gone or refuses fails the call at once (the engine
+            connectors, which must never wait on kvtier, ask again later).
         retries: further tries, each on a new connection, after a refused,
             reset or cut-off connection (not after a timeout).
         local: with an HTTP ``url``: ``"off"`` (HTTP only), ``"auto"`` (on
@@ -85,6 +89,7 @@ class Client:
         token: str | None = None,
         connections: int = 8,
         timeout_s: float = 30.0,
+        connect_timeout_s: float | None = None,
         retries: int = 2,
         local: str = "off",
         expect_block_bytes: int | None = None,
@@ -111,6 +116,8 @@ class Client:
             raise ValueError(f"connections must be at least 1, got {connections}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if connect_timeout_s is not None and connect_timeout_s < 0:
+            raise ValueError(f"connect_timeout_s must be 0 or more, got {connect_timeout_s}")
         if retries < 0:
             raise ValueError(f"retries must be 0 or more, got {retries}")
         self.url = url if socket_path is not None else f"http://{parts.netloc}"
@@ -125,6 +132,7 @@ class Client:
             token=token,
             connections=connections,
             timeout_s=timeout_s,
+            connect_timeout_s=timeout_s if connect_timeout_s is None else connect_timeout_s,
             retries=retries,
             expect=(expect_block_bytes, expect_model, staging_blocks, lease_reads),
         )
