@@ -20,6 +20,7 @@
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
 #   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket (registered, staged, leased) and HTTP (target/bench/engine/)
+#   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
 #   make gpu-pack   the same executables, prebuilt into target/gpu-pack/, for a GPU machine with no Rust toolchain (loadgen/scripts/gpu_check.sh runs them)
@@ -45,12 +46,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,25p' Makefile
+	@sed -n '2,30p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -246,6 +247,20 @@ bench-engine: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	  target/py-vllm/bin/python clients/python/bench/bench_engine.py --model $(CURDIR)/$(VLLM_MODEL) --out target/bench/engine \
 	  --sharegpt "$(SHAREGPT_JSON)" \
 	  $(BENCH_ENGINE_ARGS)
+
+# What a kvtier that is down costs a real `vllm serve` with KvtierConnector's
+# defaults: TTFT and output tokens/s with kvtier up, killed and stopped
+# (SIGSTOP), alternated over rounds (clients/python/bench/bench_down.py;
+# about 5 minutes here); and what the connector's digest costs beside a load
+# (bench_digest.py). Results in target/bench/down/.
+bench-down: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
+	cd clients/python/bench && KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  $(CURDIR)/target/py-vllm/bin/python bench_down.py --model $(CURDIR)/$(VLLM_MODEL) \
+	  --sharegpt "$(SHAREGPT_JSON)" --out $(CURDIR)/target/bench/down
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier target/py-vllm/bin/python clients/python/bench/bench_digest.py \
+	  --out target/bench/down
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier target/py-vllm/bin/python clients/python/bench/bench_digest.py \
+	  --from-log --out target/bench/down/log
 
 # Needs a running sidecar (`make run` in another terminal).
 replay: build data
