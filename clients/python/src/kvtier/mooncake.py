@@ -165,7 +165,9 @@ class MooncakeStore:
         After -21 ``CONNECTION_LOST`` the item's memory is the caller's
         again: its bytes are unspecified (a copy cut off may have filled
         part), and the server will not write to it or read from it for this
-        call afterwards. A timed-out request is not sent again: the client
+        call afterwards (but a piece of at most 256 KiB it was copying at
+        that moment, which a server stopped mid-copy finishes when it runs
+        again). A timed-out request is not sent again: the client
         gives up on its connection, which ends the server's copies for it
         (docs/LOCAL.md, "When a client gives up"). Over HTTP each item's
         read ends before the call returns.
