@@ -82,8 +82,9 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import codes
-from ._connector import CALL_ERRORS, ConnectorCore, GeometryError, SharedHost
+from ._connector import CALL_ERRORS, ConnectorCore, GeometryError
 from ._http_transport import get_code, put_code
+from ._shared_host import SharedHost
 from .aio import AsyncClient
 from .errors import KvtierError, error_from_code
 from .keys import Namespace

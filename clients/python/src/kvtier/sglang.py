@@ -94,7 +94,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from . import codes
-from ._connector import ConnectorCore, SharedHost
+from ._connector import ConnectorCore
+from ._shared_host import SharedHost
 from .errors import InvalidTagError, error_from_code
 from .keys import Namespace
 from .tag import TAG_HASH_BYTES_MAX, BlockTag

@@ -98,7 +98,8 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from . import codes
-from ._connector import ConnectorCore, GeometryError, SharedHost
+from ._connector import ConnectorCore, GeometryError
+from ._shared_host import SharedHost
 from .errors import error_from_code
 from .keys import Namespace, block_id_hex
 
