@@ -20,9 +20,9 @@ from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
 #: (8 layers x K,V x 8 heads x 64 x bf16), so a block is 2 MiB.
 BLOCK_TOKENS = 128
 BLOCK_BYTES = 2 * 1024 * 1024
-#: A prompt's length in characters: about 4-6 blocks of the test model's
+#: A prompt's length in characters: about 3-4 blocks of the test model's
 #: tokenizer (trained on ShareGPT).
-PROMPT_CHARS = (2000, 3000)
+PROMPT_CHARS = (1500, 2100)
 
 
 def _model() -> str:
