@@ -6,6 +6,7 @@ cache staged through registered, page-locked shared memory)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvtierConnector",
       "kv_connector_module_path":"kvtier.vllm_connector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
       "kv_connector_extra_config":{"url":"http://127.0.0.1:8085"}}'
 
 Unlike :mod:`kvtier.vllm` (a secondary tier below vLLM's own CPU offloading,
