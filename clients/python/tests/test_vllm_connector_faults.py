@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from conftest import block, start_on_same_port
 from kvtier import codes
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import PagedBlocks
-from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
+from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, Transfer
 from kvtier._vllm_verify import Digests, digest_of
 from kvtier.keys import Namespace
 from kvtier.testing import ServerProcess
@@ -72,6 +71,19 @@ def step(c: KvtierConnector, loads: list[Transfer], stores: list[Transfer], stor
     c.clear_connector_metadata()
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP, and waits until every thread of ``pid`` is stopped (a thread
+    running on another core finishes what it is doing first)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while any(
+        open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] != "T"
+        for t in os.listdir(f"/proc/{pid}/task")
+    ):
+        assert time.monotonic() < deadline, f"{pid} did not stop within 5 s"
+        time.sleep(0.01)
+
+
 def hashes(n: int, salt: int = 0) -> list[bytes]:
     return [bytes([salt, i]) * 16 for i in range(n)]
 
@@ -84,7 +96,7 @@ def test_each_rank_keys_its_own_slice_and_a_lookup_counts_blocks_every_rank_hold
         assert r0 != r1 and c.key_of(hs[0], r0) != c.key_of(hs[0], r1)
         c._core.client.put_many([(c.key_of(h, r0), block(i, BB)) for i, h in enumerate(hs)])
         c._core.client.put_many([(c.key_of(h, r1), block(i, BB)) for i, h in enumerate(hs[:2])])
-        assert c._ask(RequestState(SimpleNamespace()), hs) == 2  # rank 1 holds two
+        assert c._ask(hs) == 2  # rank 1 holds two
         c._core.close()
 
 
@@ -141,23 +153,23 @@ def test_a_stopped_kvtier_costs_the_lookup_deadline_then_nothing_until_it_answer
         c = bare(s.url, local="on")
         hs = hashes(2)
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
-        assert c._ask(RequestState(SimpleNamespace()), hs) == 2
-        os.kill(s.pid, signal.SIGSTOP)
+        assert c._ask(hs) == 2
+        stop(s.pid)
         try:
             started = time.monotonic()
-            assert c._ask(RequestState(SimpleNamespace()), hs) == 0
+            assert c._ask(hs) == 0
             assert time.monotonic() - started < c.lookup_timeout_s + 0.5
             assert c.stats["lookup_timeouts"] == 1
             for _ in range(3):  # down: answered at once, nothing asked
                 started = time.monotonic()
-                assert c._ask(RequestState(SimpleNamespace()), hs) == 0
+                assert c._ask(hs) == 0
                 assert time.monotonic() - started < 0.01
             step(c, [], [Transfer("r", 0, hs, [0, 1])], store=False)
             assert c.stats["store_dropped_blocks"] == 2
         finally:
             os.kill(s.pid, signal.SIGCONT)
         deadline = time.monotonic() + 15
-        while c._ask(RequestState(SimpleNamespace()), hs) != 2:  # the probe finds it again
+        while c._ask(hs) != 2:  # the probe finds it again
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of SIGCONT"
             time.sleep(0.1)
         c._core.close()
@@ -172,7 +184,7 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
         waits = []
         for _ in range(5):
             started = time.monotonic()
-            c._ask(RequestState(SimpleNamespace()), hs)
+            c._ask(hs)
             step(c, [Transfer("r", 0, hs, [0, 1])], [])
             waits.append(time.monotonic() - started)
             time.sleep(0.1)
@@ -180,7 +192,7 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
         assert c.get_block_ids_with_load_errors() == {0, 1}
         start_on_same_port(s)
         deadline = time.monotonic() + 15
-        while c._ask(RequestState(SimpleNamespace()), hs) != 2:
+        while c._ask(hs) != 2:
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of its restart"
             time.sleep(0.1)
         assert codes.OK == 0

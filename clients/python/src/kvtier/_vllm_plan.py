@@ -211,15 +211,12 @@ class KvtierConnectorStats(KVConnectorStats):
 
 @dataclass
 class RequestState:
-    """What the scheduler side keeps of one request: its blocks, its
-    lookup (a future and when it was asked, on the monotonic clock), the
-    leading blocks kvtier holds, the blocks stored so far and the load
-    planned for the next step."""
+    """What the scheduler side keeps of one request: its blocks, the
+    leading blocks kvtier holds (once asked), the blocks stored so far and
+    the load planned for the next step."""
 
     request: Request
     block_ids: list[int] = field(default_factory=list)
-    lookup: Any = None
-    asked_s: float = 0.0
     hit_blocks: int | None = None
     local_tokens: int = 0
     stored_blocks: int = 0

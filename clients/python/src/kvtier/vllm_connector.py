@@ -114,7 +114,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
@@ -268,24 +267,23 @@ class KvtierConnector(KVConnectorBase_V1):
         if state.hit_blocks is None:
             if limit_blocks * self.block_size <= num_computed_tokens:
                 return 0, False  # vLLM holds every block kvtier could
-            state.hit_blocks = self._ask(state, request.block_hashes[:limit_blocks])
+            state.hit_blocks = self._ask(request.block_hashes[:limit_blocks])
         hit_tokens = min(state.hit_blocks, limit_blocks) * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
 
-    def _ask(self, state: RequestState, hashes: list[bytes]) -> int:
+    def _ask(self, hashes: list[bytes]) -> int:
         """The leading blocks of ``hashes`` every rank holds: the lookup on
         the client's pool, waited for at most the deadline."""
         if not self._core.ready():
             return 0
         ranks = self._lookup_fingerprints or [self._fingerprint]
         keys = [self.key_of(h, fp) for h in hashes for fp in ranks]
-        state.asked_s = time.monotonic()
         try:
-            state.lookup = self._core.client.executor().submit(self._lookup, keys, len(ranks))
+            lookup = self._core.client.executor().submit(self._lookup, keys, len(ranks))
         except RuntimeError:  # the client is closed
             return 0
         try:
-            return int(state.lookup.result(timeout=self.lookup_timeout_s))
+            return int(lookup.result(timeout=self.lookup_timeout_s))
         except FutureTimeout:
             self._core.count(lookup_timeouts=1)
             self._core.mark_down("lookup", f"no lookup answer within lookup_timeout_ms {self.lookup_timeout_s * 1e3:g}")
