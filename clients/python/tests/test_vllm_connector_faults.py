@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import block, start_on_same_port
 
-from kvtier import codes
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import PagedBlocks
 from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, Transfer
@@ -195,5 +194,4 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
         while c._ask(hs) != 2:
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of its restart"
             time.sleep(0.1)
-        assert codes.OK == 0
         c._core.close()

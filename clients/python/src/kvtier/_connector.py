@@ -255,7 +255,7 @@ class ConnectorCore:
             self.client.close()
             raise
         if matched:
-            self._up = self._check_transport() and self.chunk_bytes is not None
+            self._up = self._check_transport()
 
     def _check_geometry(self, at_start: bool = False) -> bool:
         """Whether the geometry is known to match (``True`` when there is
