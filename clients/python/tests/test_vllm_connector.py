@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import block, start_on_same_port
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
+from kvtier._vllm_groups import Group, best_hit, groups_of, load_transfers, store_transfers
 from kvtier._vllm_plan import RequestState
 from kvtier.shm import backing_fd
 from kvtier.testing import ServerProcess
@@ -25,15 +26,15 @@ from kvtier.vllm_connector import (
     KvtierConnector,
     KvtierConnectorMetadata,
     check_hash_algo,
-    namespace_of,
 )
 
 pytestmark = pytest.mark.vllm
 
 
-def test_it_is_a_complete_vllm_kv_connector():
+def test_it_is_a_complete_vllm_kv_connector_that_serves_hybrid_models():
     assert issubclass(KvtierConnector, KVConnectorBase_V1)
     assert not KvtierConnector.__abstractmethods__
+    assert supports_hma(KvtierConnector)  # else vLLM turns its hybrid KV cache manager off
 
 
 def test_the_kv_cache_allocation_lands_in_shared_memory_and_small_ones_do_not():
@@ -65,19 +66,60 @@ def test_a_block_hash_seeded_per_process_is_refused_naming_the_flag(monkeypatch)
     check_hash_algo(config("xxhash"))  # type: ignore[arg-type]
 
 
-def test_a_hybrid_model_is_refused_at_start_saying_why():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+def spec_groups(*specs: tuple[object, int]) -> SimpleNamespace:
+    """A KVCacheConfig of groups ``(spec, layers)``."""
+    groups, layer = [], 0
+    for spec, layers in specs:
+        names = [f"model.layers.{layer + i}.self_attn.attn" for i in range(layers)]
+        groups.append(SimpleNamespace(kv_cache_spec=spec, layer_names=names))
+        layer += layers
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_kv_cache_groups_are_read_and_those_it_cannot_move_are_refused_saying_why():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
     window = SlidingWindowSpec(block_size=128, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, sliding_window=1024)
-    groups = [
-        SimpleNamespace(kv_cache_spec=full, layer_names=["model.layers.0.self_attn.attn"]),
-        SimpleNamespace(kv_cache_spec=window, layer_names=["model.layers.1.self_attn.attn"]),
-    ]
-    with pytest.raises(ConfigurationError, match=r"2 KV cache groups .*SupportsHMA"):
-        namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups), None)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="full-attention KV caches"):
-        namespace_of(SimpleNamespace(), SimpleNamespace(kv_cache_groups=groups[1:]), None)  # type: ignore[arg-type]
+    sliding, whole = groups_of(spec_groups((window, 2), (full, 2)), 128)  # type: ignore[arg-type]
+    assert (sliding.window_blocks, sliding.kind, whole.window_blocks, whole.kind) == (8, "sliding1024", None, "full")
+    mamba = MambaSpec(block_size=128, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigurationError, match=r"full-attention and sliding-window .*MambaSpec x2"):
+        groups_of(spec_groups((full, 2), (mamba, 2)), 128)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="one block per KV cache group, all of one size"):
+        groups_of(spec_groups((full, 1), (window, 2)), 128)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="needs a full-attention layer"):
+        groups_of(spec_groups((window, 2)), 128)  # type: ignore[arg-type]
+
+
+def test_a_hybrid_hit_is_the_largest_boundary_every_group_can_serve():
+    groups = [Group(0, ("a",), 2, 256), Group(1, ("b",))]  # sliding (2 blocks before a boundary), full
+
+    def hit(sliding: set[int], full: int, positions: int = 6, ranks: int = 1) -> int:
+        held = [
+            int(p in sliding if g == 0 else p < full) for p in range(positions) for g in (0, 1) for _ in range(ranks)
+        ]
+        return best_hit(held, groups, ranks, positions)
+
+    assert hit({4, 5}, 6) == 6
+    assert hit({3, 4}, 6) == 5  # the sliding group cannot serve a boundary at 6
+    assert hit({3, 4}, 4) == 0  # nor at 4 or below
+    assert hit(set(), 6) == 0 and hit({0, 1, 2, 3, 4, 5}, 0) == 0
+    assert hit({0}, 1) == 1  # a boundary at 1 needs block 0 only
+    assert hit({4, 5}, 6, ranks=2) == 6
+
+
+def test_each_group_loads_its_non_null_blocks_and_a_sliding_group_stores_only_its_window():
+    groups = [Group(0, ("a",), 2, 256), Group(1, ("b",))]
+    hashes = [bytes([i]) * 32 for i in range(1, 7)]
+    ids = [[0, 0, 0, 31, 32, 33], [11, 12, 13, 14, 15, 16]]
+    sliding, full = load_transfers("r", hashes, ids, 1, 5, background=True)
+    assert (sliding.group, sliding.first, sliding.block_ids, sliding.hashes) == (0, 3, [31, 32], hashes[3:5])
+    assert (full.group, full.first, full.block_ids, full.background) == (1, 1, [12, 13, 14, 15], True)
+    sliding, full = store_transfers("r", hashes, list(range(24)), ids, groups, 4, 1, 6)
+    assert (sliding.first, sliding.block_ids, sliding.inline, sliding.tags) == (4, [32, 33], True, None)
+    assert (full.first, full.block_ids, full.inline) == (1, [12, 13, 14, 15, 16], False)
+    assert full.tags == block_tags(hashes, list(range(24)), 4, 1, 6)
 
 
 def test_each_stored_block_carries_vllms_hash_its_parent_and_its_tokens():
@@ -99,10 +141,10 @@ def test_each_stored_block_carries_vllms_hash_its_parent_and_its_tokens():
 
 def test_the_store_plan_hands_the_worker_each_blocks_tag():
     connector = object.__new__(KvtierConnector)
-    connector.block_size, connector._fingerprint = 4, "ns"
+    connector.block_size, connector._fingerprint, connector.groups = 4, "ns", [Group(0, ("a",))]
     hashes = [bytes([i]) * 32 for i in range(1, 4)]
     request = SimpleNamespace(request_id="r", block_hashes=hashes, all_token_ids=list(range(12)), num_prompt_tokens=12)
-    state = RequestState(request, block_ids=[7, 8, 9], hit_blocks=1)
+    state = RequestState(request, block_ids=[[7, 8, 9]], hit_blocks=1)
     meta = KvtierConnectorMetadata()
     connector._plan(meta, state, 12)
     (store,) = meta.stores

@@ -19,6 +19,8 @@ from conftest import block, start_on_same_port
 
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import PagedBlocks
+from kvtier._vllm_groups import Group
+from kvtier._vllm_mover import BlockMover
 from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, Transfer
 from kvtier._vllm_verify import Digests, digest_of
 from kvtier.keys import Namespace
@@ -42,13 +44,25 @@ def bare(url: str, *, digest: bool = False, ranks: int = 1, **settings: object) 
         stats=STATS,
         background_probe=True,
     )
-    c.block_size, c._fingerprint, c._lookup_fingerprints = 4, fingerprints[0], fingerprints
+    c.block_size, c._fingerprint, c._lookup_fingerprints = 4, fingerprints[0], [fingerprints]
+    c._group_fingerprints, c.hybrid = [fingerprints[0]], False
     c.lookup_timeout_s, c._core, c.stats = 0.05, core, core.stats
-    c._requests, c._load_errors, c._failed_from, c._reported = {}, set(), {}, dict.fromkeys(STATS, 0)
-    c._digests, c._oracle, c._lock = (Digests() if digest else None), None, threading.Lock()
+    c._requests, c._loads, c._reported, c._lock = {}, [], dict.fromkeys(STATS, 0), threading.Lock()
+    c.loads, c.stores = str(settings.get("loads", "sync")), str(settings.get("stores", "async"))
+    c._mover = BlockMover(
+        core,
+        lambda h, group: c.key_of(h),
+        loads=c.loads,
+        stores=c.stores,
+        digests=Digests() if digest else None,
+        oracle=None,
+        logger=log,
+    )
     caches = {f"layer.{j}": torch.zeros((SLOTS, BB // LAYERS), dtype=torch.uint8) for j in range(LAYERS)}
+    c.groups = [Group(0, tuple(caches))]
     core.start(BB)
     c._blocks = PagedBlocks(core, caches, [], log)
+    c._mover.register([c._blocks], list(caches))
     c.caches = caches  # type: ignore[attr-defined]
     return c
 
@@ -63,11 +77,13 @@ def fill(c: KvtierConnector, block_id: int, seed: int) -> bytes:
 
 
 def step(c: KvtierConnector, loads: list[Transfer], stores: list[Transfer], store: bool = True) -> None:
-    """One worker step: the loads, then the stores, as vLLM runs them."""
+    """One worker step: the loads, then the stores, as vLLM runs them; then
+    waits for the copies it started (as vLLM's later steps would)."""
     c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads, stores=stores, store=store))
     c.start_load_kv(None)  # type: ignore[arg-type]
     c.wait_for_save()
     c.clear_connector_metadata()
+    c._mover.drain()  # type: ignore[union-attr]
 
 
 def stop(pid: int) -> None:
@@ -91,7 +107,10 @@ def test_each_rank_keys_its_own_slice_and_a_lookup_counts_blocks_every_rank_hold
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
         c = bare(s.url, ranks=2)
         hs = hashes(4)
-        r0, r1 = c._lookup_fingerprints
+        (
+            r0,
+            r1,
+        ) = c._lookup_fingerprints[0]
         assert r0 != r1 and c.key_of(hs[0], r0) != c.key_of(hs[0], r1)
         c._core.client.put_many([(c.key_of(h, r0), block(i, BB)) for i, h in enumerate(hs)])
         c._core.client.put_many([(c.key_of(h, r1), block(i, BB)) for i, h in enumerate(hs[:2])])
@@ -119,10 +138,11 @@ def test_no_block_computed_over_a_failed_load_is_stored_in_that_step():
         step(c, [], [Transfer("r", 2, hs[2:], [2, 3, 4, 5])])
         assert c._core.client.batch_is_exist(keys[2:]) == [1, 1, 1, 1]
         # Deliberate fault: without the cut, the failed step's stores are made.
-        c._failed_from = {}
+        c._mover._failed_from = {}  # type: ignore[union-attr]
         c._core.client.delete(keys[4])
         c.bind_connector_metadata(KvtierConnectorMetadata(stores=[store]))
         c.wait_for_save()
+        c._mover.drain()  # type: ignore[union-attr]
         assert c._core.client.batch_is_exist(keys[4:5]) == [1]
         c._core.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,22 @@ from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
 #: (8 layers x K,V x 8 heads x 64 x bf16), so a block is 2 MiB.
 BLOCK_TOKENS = 128
 BLOCK_BYTES = 2 * 1024 * 1024
+#: The sliding-window model's (tools/make_model.py gemma3-sw) block of one KV
+#: cache group: 2 layers x 128 tokens x K,V x 2 heads x 128 x bf16.
+GROUP_BLOCK_BYTES = 256 * 1024
+#: Its layers: 10 sliding-window layers (window 256) in 5 groups, 2 global.
+SW_LAYERS, SW_GROUPS, SW_WINDOW_BLOCKS = 12, 6, 2
 #: A prompt's length in characters: about 3-4 blocks of the test model's
 #: tokenizer (trained on ShareGPT).
 PROMPT_CHARS = (1500, 2100)
 
 
-def _model() -> str:
-    model = os.environ.get("KVTIER_VLLM_MODEL")
+def _model(variable: str = "KVTIER_VLLM_MODEL") -> str:
+    model = os.environ.get(variable)
     if not model or not (Path(model) / "model.safetensors").exists():
         pytest.fail(
-            "KVTIER_VLLM_MODEL does not name a model made by tools/make_model.py: run `make test-vllm-serve` "
-            "(it makes target/models/kvtier-llama)"
+            f"{variable} does not name a model made by tools/make_model.py: run `make test-vllm-serve` "
+            "(it makes target/models/kvtier-llama and target/models/kvtier-gemma3-sw)"
         )
     return model
 
@@ -77,12 +83,13 @@ def connector(url: str, **settings: object) -> dict[str, object]:
     }
 
 
-def vllm(**kwargs: Any) -> VllmServer:
-    """A vLLM of the tests: OpenMP threads left to the kernel unless the
-    caller binds them (several engines start at once on a small machine;
-    vLLM would pin each to core 0)."""
+def vllm(model: str = "KVTIER_VLLM_MODEL", **kwargs: Any) -> VllmServer:
+    """A vLLM of the tests serving the model the environment variable
+    ``model`` names: OpenMP threads left to the kernel unless the caller
+    binds them (several engines start at once on a small machine; vLLM would
+    pin each to core 0)."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **kwargs.pop("env", {})}
-    return VllmServer(_model(), python=sys.executable, env=env, **kwargs)
+    return VllmServer(_model(model), python=sys.executable, env=env, **kwargs)
 
 
 @dataclass
@@ -92,8 +99,9 @@ class Fleet:
     connected vLLMs (``engine``, ``second``), one with two tensor-parallel
     workers (``tp2``, on ``half``: a rank's block is half the heads), and the
     two misconfigured ones with their kvtiers (``mismatched`` on ``half``,
-    ``refused`` on ``strict``); the byte
-    oracle's directory of each connected engine (engine, second, tp2)."""
+    ``refused`` on ``strict``), a sliding-window model (``sliding``, on
+    ``windowed``: a block is one KV cache group's); the byte oracle's
+    directory of each connected engine (engine, second, tp2, sliding)."""
 
     store: ServerProcess
     engine: VllmServer
@@ -103,6 +111,8 @@ class Fleet:
     strict: ServerProcess
     mismatched: VllmServer
     refused: VllmServer
+    sliding: VllmServer
+    windowed: ServerProcess
     strict_dir: str
     events_replay: int
     oracles: list[str]
@@ -119,6 +129,20 @@ def server_totals(server: ServerProcess) -> dict[str, int]:
     with kvtier.Client(server.url) as c:
         totals: dict[str, int] = c.stats()["totals"]
         return totals
+
+
+def settled_puts(server: ServerProcess, quiet_s: float = 1.0, timeout_s: float = 30.0) -> int:
+    """kvtier's puts once they stop growing for ``quiet_s``: the connector
+    stores in the background, after vLLM has answered the request."""
+    deadline = time.monotonic() + timeout_s
+    last = server_totals(server)["puts"]
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = server_totals(server)["puts"]
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def stored_events(replay_port: int) -> list[object]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +118,9 @@ class PagedBlocks:
         shared: the memfds :class:`SharedAllocation` put vLLM's cache in
             (empty when it did not).
         logger: where the chosen path is logged, once.
+        owner: the pages of every layer, when these are one KV cache group's
+            (a hybrid model): the owner registers the cache or the staging
+            buffer, once, and these use it.
 
     Raises:
         ConfigurationError: a layer's cache is neither in host nor in CUDA memory.
@@ -139,6 +142,7 @@ class PagedBlocks:
         kv_caches: dict[str, torch.Tensor],
         shared: list[SharedBuffer],
         logger: logging.Logger,
+        owner: PagedBlocks | None = None,
     ) -> None:
         layers = []
         for name, cache in kv_caches.items():
@@ -159,6 +163,7 @@ class PagedBlocks:
         self.zero_copy = False
         self.leased_loads = False
         self.staging: SharedBuffer | None = None
+        self.owner = owner
         self._lock = threading.Lock()
 
     def ready(self) -> bool:
@@ -166,6 +171,13 @@ class PagedBlocks:
         client the first time kvtier answers; ``False`` while it does not."""
         if self.kv_base or self.staging is not None:
             return True
+        if self.owner is not None:
+            ready = self.owner.ready()
+            if ready:
+                owner = self.owner
+                self.kv_base, self.zero_copy, self.leased_loads = owner.kv_base, owner.zero_copy, owner.leased_loads
+                self.staging = owner.staging
+            return ready
         if not self.core.ready():
             return False
         with self._lock:
@@ -267,12 +279,20 @@ class PagedBlocks:
         return out
 
     def move(
-        self, keys: list[str], block_ids: list[int], *, load: bool, tags: list[BlockTag | None] | None = None
+        self,
+        keys: list[str],
+        block_ids: list[int],
+        *,
+        load: bool,
+        tags: list[BlockTag | None] | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> list[int]:
         """Blocks ``block_ids`` of the paged cache to or from kvtier keys
         ``keys`` (a store's block ``i`` with the block tag ``tags[i]``, if
         given); per block the call's result (``>= 0`` done, else a
-        docs/LOCAL.md code). Never raises: a failure is a result."""
+        docs/LOCAL.md code). Never raises: a failure is a result. A staged
+        load calls ``layer_done(layer)`` as each layer's pages of every block
+        are in (the other paths write all layers of a block at once)."""
         client = self.core.client
         kind = "load" if load else "store"
         out: list[int] = []
@@ -296,6 +316,7 @@ class PagedBlocks:
                             block_ids[start:end],
                             load=load,
                             tags=None if tags is None else tags[start:end],
+                            layer_done=layer_done if end >= len(keys) else None,
                         )
                     )
         except Exception as e:  # a kvtier failure is a miss, never an exception in vLLM
@@ -353,10 +374,17 @@ class PagedBlocks:
         return out
 
     def _staged(
-        self, keys: list[str], block_ids: list[int], *, load: bool, tags: list[BlockTag | None] | None = None
+        self,
+        keys: list[str],
+        block_ids: list[int],
+        *,
+        load: bool,
+        tags: list[BlockTag | None] | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> list[int]:
         """Up to :data:`STAGING_BLOCKS` blocks through the staging buffer,
-        one torch copy per layer page (a store with its blocks' tags)."""
+        one torch copy per layer page (a store with its blocks' tags); a
+        load copies layer by layer, calling ``layer_done`` after each."""
         assert self.staging is not None
         block_bytes = self.layer_bytes * len(self.layers)
         rows = self.staging.torch().view(STAGING_BLOCKS, len(self.layers), self.layer_bytes)
@@ -364,10 +392,12 @@ class PagedBlocks:
         client = self.core.client
         if load:
             results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
-            for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
-                if result >= 0:
-                    for layer, layer_pages in enumerate(self.layers):
+            for layer, layer_pages in enumerate(self.layers):
+                for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
+                    if result >= 0:
                         layer_pages[block_id].view(-1).copy_(rows[i, layer])
+                if layer_done is not None:
+                    layer_done(layer)
         else:
             for i, block_id in enumerate(block_ids):
                 for layer, layer_pages in enumerate(self.layers):
@@ -377,8 +407,9 @@ class PagedBlocks:
         return list(results)
 
     def close(self) -> None:
-        """Releases the staging buffer (its page lock on a GPU)."""
-        if self.staging is not None:
+        """Releases the staging buffer (its page lock on a GPU); a group's
+        pages leave that to their owner."""
+        if self.staging is not None and self.owner is None:
             if self.on_gpu:
                 torch.cuda.cudart().cudaHostUnregister(self.staging.ptr)
             self.staging.close()

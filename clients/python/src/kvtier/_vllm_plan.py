@@ -13,9 +13,12 @@ interleaved, so a block counts as held only when every rank's slice is.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -27,6 +30,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ConfigurationError(ValueError):
@@ -52,7 +58,37 @@ STATS = (
     "digest_checked_blocks",
     "digest_mismatch_blocks",
     "digest_unknown_blocks",
+    "background_loads",
+    "preemption_waits",
+    "scheduler_steps",
+    "scheduler_us",
+    "worker_steps",
+    "worker_us",
+    "layer_wait_us",
 )
+#: Of :data:`STATS`, the connector's own time: microseconds spent in its
+#: scheduler-side calls (lookups waited for included) and in its worker-side
+#: calls on the forward's thread (``layer_wait_us``: in ``wait_for_layer_load``),
+#: and the steps they ran in (``make bench-engine`` divides one by the other).
+TIMERS = ("scheduler_us", "worker_us", "layer_wait_us")
+
+
+def timed(counter: str) -> Callable[[F], F]:
+    """Adds the decorated method's wall time, in microseconds, to the
+    counter ``counter`` of ``self._core`` (a :class:`ConnectorCore`)."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._core.count(**{counter: (time.perf_counter_ns() - started) // 1000})
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
 
 
 def flag(value: Any) -> bool:
@@ -77,44 +113,35 @@ def namespace_of(
     kv_cache_config: KVCacheConfig,
     model: str | None,
     rank: tuple[int, int] | None = None,
+    group: int = 0,
 ) -> Namespace:
-    """The namespace of one vLLM rank's blocks (docs/KEYS.md): model, KV
-    dtype, TP and PP rank, tokens per block, and in ``extra`` the layer
-    geometry (layers, the KV heads this rank holds, head size, page bytes),
-    the KV layout and the hash algorithm, everything else that changes a
-    block's bytes or key.
+    """The namespace of one vLLM rank's blocks of KV cache group ``group``
+    (docs/KEYS.md): model, KV dtype, TP and PP rank, tokens per block, and in
+    ``extra`` the layer geometry (layers, the KV heads this rank holds, head
+    size, page bytes), the KV layout and the hash algorithm, everything else
+    that changes a block's bytes or key. A hybrid model's groups each have
+    their own (``extra`` names the group, its kind and the group count); a
+    model of one group keeps the namespace it had before groups were known.
 
     Args:
         rank: ``(tp_rank, pp_rank)``; default this process's (a worker's own
             rank, or 0 in the scheduler, where no model-parallel group exists).
 
     Raises:
-        ConfigurationError: the model's KV cache has more than one group
-            (a hybrid model), or its only group is not full attention.
+        ConfigurationError: a KV cache group the connector cannot move
+            (:func:`kvtier._vllm_groups.groups_of`).
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from ._vllm_groups import groups_of
 
-    groups = kv_cache_config.kv_cache_groups
-    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)}" for g in groups)
-    if len(groups) != 1:
-        raise ConfigurationError(
-            f"kvtier's vLLM connector supports models whose KV cache is one group of full-attention layers; "
-            f"this model has {len(groups)} KV cache groups ({kinds}): a hybrid model (sliding-window or Mamba "
-            f"layers) needs vLLM's SupportsHMA, which KvtierConnector does not implement. Serve it without "
-            f"--kv-transfer-config, or with kvtier.vllm (OffloadingConnector) on a GPU"
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
-        raise ConfigurationError(
-            f"kvtier's vLLM connector supports full-attention KV caches; this model's is {kinds}: serve it "
-            f"without --kv-transfer-config"
-        )
+    cache = vllm_config.cache_config
+    groups = groups_of(kv_cache_config, cache.block_size)
+    spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
     parallel = vllm_config.parallel_config
     tp_rank, pp_rank = rank if rank is not None else _parallel_rank()
-    cache = vllm_config.cache_config
     layout = cache.get_resolved_kv_cache_layout()
+    which = f"group={group}/{len(groups)};kind={groups[group].kind};" if len(groups) > 1 else ""
     extra = (
-        f"vllm-connector:layers={len(groups[0].layer_names)};kv_heads={spec.num_kv_heads};"
+        f"vllm-connector:{which}layers={len(groups[group].layer_names)};kv_heads={spec.num_kv_heads};"
         f"head_size={spec.head_size};page_bytes={spec.page_size_bytes};"
         f"layout={getattr(layout, 'name', layout)};hash={cache.prefix_caching_hash_algo}"
     )
@@ -130,14 +157,16 @@ def namespace_of(
     )
 
 
-def rank_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None) -> list[Namespace]:
-    """The namespaces the scheduler's lookup asks for: every TP rank's, of
-    PP stage 0. Under tensor parallelism a block is usable only when every
+def rank_namespaces(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None, group: int = 0
+) -> list[Namespace]:
+    """The namespaces the scheduler's lookup asks for in KV cache group
+    ``group``: every TP rank's, of PP stage 0. Under tensor parallelism a block is usable only when every
     rank's slice of its heads is held; the stages of pipeline parallelism
     hold other layers under another page count, which the scheduler cannot
     see (a stage that misses reports a failed load and vLLM recomputes)."""
     size = vllm_config.parallel_config.tensor_parallel_size
-    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0)) for tp in range(size)]
+    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0), group=group) for tp in range(size)]
 
 
 def check_hash_algo(vllm_config: VllmConfig) -> None:
@@ -163,25 +192,36 @@ class Transfer:
     """Blocks of one request to move in one step: ``hashes[i]`` is vLLM's
     hash of block ``first + i`` of the request (each worker keys it in its
     own namespace), held in vLLM block ``block_ids[i]``; a store's
-    ``tags[i]`` names it in vLLM's hash space for kvtier's KV events."""
+    ``tags[i]`` names it in vLLM's hash space for kvtier's KV events. A
+    ``background`` load runs off the forward path (vLLM parks the request
+    until the worker reports it loaded). ``group``: the KV cache group the
+    blocks belong to (:mod:`kvtier._vllm_groups`); an ``inline`` store ends
+    inside its step even with asynchronous stores (a sliding-window group's
+    blocks may be reused by the next step)."""
 
     req_id: str
     first: int
     hashes: list[bytes]
     block_ids: list[int]
     tags: list[BlockTag | None] | None = None
+    background: bool = False
+    group: int = 0
+    inline: bool = False
 
 
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):
-    """What the worker does in one step: loads before the forward, stores
-    after it. ``store`` is ``False`` while the scheduler finds kvtier down
-    or too slow for its lookup deadline: the step's stores are then
-    dropped (counted), never waited on."""
+    """What the worker does in one step: loads (before the forward, or in
+    the background), stores after it. ``store`` is ``False`` while the
+    scheduler finds kvtier down or too slow for its lookup deadline: the
+    step's stores are then dropped (counted), never waited on.
+    ``preempted``: the requests vLLM preempted in this step (their stores
+    in flight end before their blocks are reused)."""
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     store: bool = True
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -212,12 +252,13 @@ class KvtierConnectorStats(KVConnectorStats):
 @dataclass
 class RequestState:
     """What the scheduler side keeps of one request: its blocks, the
-    leading blocks kvtier holds (once asked), the blocks stored so far and
-    the load planned for the next step."""
+    leading blocks kvtier holds (once asked), the blocks stored so far;
+    ``has_stores`` once a store was planned (with asynchronous stores vLLM
+    then keeps its blocks until the workers report its stores done)."""
 
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     hit_blocks: int | None = None
     local_tokens: int = 0
     stored_blocks: int = 0
-    load: Transfer | None = None
+    has_stores: bool = False

@@ -113,14 +113,16 @@ class Oracle:
         digest: int | None,
         tokens: list[int] | None = None,
         parent: bytes | None = None,
+        step: int | None = None,
     ) -> None:
         """Appends one event (``tokens``, ``parent``: the block's token ids
-        and its parent's hash, where known: a store's)."""
+        and its parent's hash, where known: a store's; ``step``: the step
+        that asked for the copy, default the current one)."""
         line = json.dumps(
             {
                 "event": kind,
                 "t": time.time(),
-                "step": self.step,
+                "step": self.step if step is None else step,
                 "rank": list(self.rank),
                 "req": req_id,
                 "index": index,

@@ -30,16 +30,22 @@ start (the message names the flag).
 request how many leading blocks of the prompt it holds (``lookup`` of the
 whole chain) on the client's pool and answers ``None`` ("ask again") until
 the answer is in: the scheduler never waits on kvtier. The prompt's last
-token is always computed (vLLM needs its logits). Blocks vLLM allocates for
-a hit are loaded before the step's forward; every full block the step
-computes that kvtier does not hold is stored after the forward.
+token is always computed (vLLM needs its logits). A hit is loaded into the
+blocks vLLM allocates for it; every full block a step computes that kvtier
+does not hold is stored after that step's forward.
 
-**Worker side.** Loads run in ``start_load_kv`` and stores in
-``wait_for_save``, each one batch call for the step, synchronously (a block
-of a 1,000-token prompt loads in milliseconds where its prefill takes a
-second; docs/BENCHMARKS.md, "Under a real vLLM"). A block that misses or fails
-to load is reported by ``get_block_ids_with_load_errors``, and vLLM
-recomputes from it: a damaged block in kvtier (CRC) is a miss, never bytes.
+**Worker side** (:mod:`kvtier._vllm_mover`). Every copy runs on one mover
+thread per worker. By default a hit loads in the background while vLLM runs
+the other requests (vLLM's asynchronous loads: the request waits in
+``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it), and a step's
+stores run while the next step computes (``request_finished`` keeps a
+finished request's blocks until its stores are done; a preempted request's
+stores end before vLLM reuses its blocks). ``loads: layer`` keeps loads on
+the forward path but lets each attention layer wait for its own pages only;
+``loads: sync`` and ``stores: sync`` finish each step's copies inside it. A
+block that misses or fails to load is reported by
+``get_block_ids_with_load_errors``, and vLLM recomputes from it: a damaged
+block in kvtier (CRC) is a miss, never bytes.
 
 **What is copied where.** With ``kv_cache_shared`` (default on) the
 connector's ``get_mem_pool_context`` places vLLM's KV cache allocation in a
@@ -74,10 +80,9 @@ the staging buffer: the connector page-locks kvtier's RAM-tier arenas
 pages from kvtier's memory to the GPU, one DMA each, with no host copy
 (``leased_blocks``).
 
-**Hybrid models.** Not supported: a model whose KV cache has more than one
-group (sliding-window, Mamba or other layers apart from full attention) is
-refused at start with a message that says so (the connector does not
-implement vLLM's ``SupportsHMA``).
+**Hybrid models** (``SupportsHMA``; :mod:`kvtier._vllm_groups`): one
+kvtier block per vLLM block of each KV cache group; full-attention groups
+store every block, sliding-window groups only those a later hit needs.
 
 Settings (``kv_connector_extra_config``):
 
@@ -96,6 +101,12 @@ key                   default                   meaning
                                                 for this long untried
 ``lookup_timeout_ms`` 10                        the scheduler's wait for a lookup; then a
                                                 miss (and kvtier is down for ``down_s``)
+``loads``             ``async``                 ``async``: off the forward path; ``layer``:
+                                                on it, waited for per layer; ``sync``:
+                                                before the forward; ``off``: never (the
+                                                stores are still made)
+``stores``            ``async``                 ``async``: overlapping the next step;
+                                                ``sync``: before the step ends
 ``digest``            ``false``                 check each loaded block's xxh3-64 against
                                                 the one recorded when this worker stored it
                                                 (:mod:`kvtier._vllm_verify`)
@@ -122,12 +133,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from . import codes
 from ._connector import ConnectorCore
-from ._vllm_blocks import PagedBlocks, SharedAllocation, block_tags
+from ._vllm_blocks import PagedBlocks, SharedAllocation
+from ._vllm_groups import groups_of, load_transfers, lookup_hits, store_transfers
+from ._vllm_mover import LOAD_MODES, STORE_MODES, BlockMover, mode_of
 from ._vllm_plan import (
     STATS,
     ConfigurationError,
@@ -139,8 +153,9 @@ from ._vllm_plan import (
     flag,
     namespace_of,
     rank_namespaces,
+    timed,
 )
-from ._vllm_verify import Digests, Oracle, digest_of
+from ._vllm_verify import Digests, Oracle
 from .errors import KvtierConnectionError, KvtierError
 from .keys import block_id_hex
 from .shm import SharedBuffer
@@ -171,14 +186,16 @@ logger = logging.getLogger("vllm.kvtier")
 LOOKUP_TIMEOUT_MS = 10.0
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for kvtier (module docstring): scheduler side
     (lookups, load and store plans) in the engine core, worker side (the
     copies) in each worker.
 
     Raises:
-        ConfigurationError: at start, for a hybrid model or a per-process
-            block hash.
+        ConfigurationError: at start, for KV cache groups the connector
+            cannot move (:func:`kvtier._vllm_groups.groups_of`), a hybrid
+            model with loads that are not ``async``, or a per-process block
+            hash.
         kvtier.GeometryError: at start (worker), when kvtier answers and its
             ``block_bytes`` is not this engine's block (both named, with the
             ``--block-bytes`` to start kvtier with).
@@ -192,11 +209,25 @@ class KvtierConnector(KVConnectorBase_V1):
         check_hash_algo(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         model = settings.get("model")
+        self.groups = groups_of(kv_cache_config, self.block_size)
+        self.hybrid = len(self.groups) > 1
         self.namespace = namespace_of(vllm_config, kv_cache_config, model)
         self._fingerprint = self.namespace.fingerprint
+        rank = (self.namespace.tp_rank, self.namespace.pp_rank)
+        self._group_fingerprints = [
+            namespace_of(vllm_config, kv_cache_config, model, rank=rank, group=g.index).fingerprint for g in self.groups
+        ]
         self.lookup_timeout_s = float(settings.get("lookup_timeout_ms", LOOKUP_TIMEOUT_MS)) / 1000.0
         if not self.lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_ms must be positive, got {settings.get('lookup_timeout_ms')!r}")
+        self.loads = mode_of(settings, "loads", LOAD_MODES)
+        self.stores = mode_of(settings, "stores", STORE_MODES)
+        if self.hybrid and self.loads not in ("async", "off"):
+            raise ConfigurationError(
+                f"kvtier connector: this model's KV cache has {len(self.groups)} groups (a hybrid model), and vLLM "
+                f"takes a hybrid model's failed loads per request only from asynchronous loads: set loads to async "
+                f"(it is {self.loads})"
+            )
         self._core = ConnectorCore(
             settings, logger=logger, stats=STATS, outcome="a miss (vLLM recomputes)", background_probe=True
         )
@@ -206,20 +237,31 @@ class KvtierConnector(KVConnectorBase_V1):
         self._reported: dict[str, int] = dict.fromkeys(STATS, 0)
         # Scheduler side.
         self._requests: dict[str, RequestState] = {}
-        self._lookup_fingerprints: list[str] = []
+        self._loads: list[Transfer] = []  # planned by update_state_after_alloc, sent with the next step
+        self._lookup_fingerprints: list[list[str]] = []  # per group, every TP rank's
         # Worker side.
         self._shared: list[SharedBuffer] = []
         self._blocks: PagedBlocks | None = None
-        self._load_errors: set[int] = set()
-        self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
-        self._digests = Digests() if flag(settings.get("digest", False)) else None
-        rank = (self.namespace.tp_rank, self.namespace.pp_rank)
-        oracle_dir = settings.get("oracle_dir")
-        self._oracle = Oracle(str(oracle_dir), rank) if oracle_dir and role == KVConnectorRole.WORKER else None
+        self._mover: BlockMover | None = None
+        digests = Digests() if flag(settings.get("digest", False)) else None
+        if role == KVConnectorRole.WORKER:
+            oracle_dir = settings.get("oracle_dir")
+            self._mover = BlockMover(
+                self._core,
+                lambda block_hash, group: self.key_of(block_hash, self._group_fingerprints[group]),
+                loads=self.loads,
+                stores=self.stores,
+                digests=digests,
+                oracle=Oracle(str(oracle_dir), rank) if oracle_dir else None,
+                logger=logger,
+            )
         self._lock = threading.Lock()
         policy = self._kv_transfer_config.kv_load_failure_policy
         if role == KVConnectorRole.SCHEDULER:
-            self._lookup_fingerprints = [ns.fingerprint for ns in rank_namespaces(vllm_config, kv_cache_config, model)]
+            self._lookup_fingerprints = [
+                [ns.fingerprint for ns in rank_namespaces(vllm_config, kv_cache_config, model, g.index)]
+                for g in self.groups
+            ]
             if policy != "recompute":
                 logger.warning(
                     "kvtier connector: kv_load_failure_policy is %r, so a block kvtier cannot serve after a hit "
@@ -229,19 +271,20 @@ class KvtierConnector(KVConnectorBase_V1):
                 )
             self._core.ready()  # the probe learns whether kvtier answers before the first request
         logger.info(
-            "kvtier connector (%s) at %s: blocks of %d tokens, namespace %s (%s), lookup deadline %.0f ms, "
-            "digest %s, load failures: %s",
+            "kvtier connector (%s) at %s: blocks of %d tokens, KV cache groups %s, namespace %s (%s), lookup "
+            "deadline %.0f ms, loads %s, stores %s, digest %s, load failures: %s",
             role.name.lower(),
             self._core.url,
             self.block_size,
+            ", ".join(f"{g.kind} x{len(g.layer_names)}" for g in self.groups),
             self._fingerprint,
             self.namespace.extra,
             self.lookup_timeout_s * 1000,
-            "on" if self._digests is not None else "off",
+            self.loads,
+            self.stores,
+            "on" if digests is not None else "off",
             policy,
         )
-
-    # ============================================================ keys
 
     def key_of(self, block_hash: bytes, fingerprint: str | None = None) -> str:
         """The kvtier key of one vLLM block hash in ``fingerprint``'s
@@ -254,6 +297,7 @@ class KvtierConnector(KVConnectorBase_V1):
         """Starts tracking ``request`` (its block hashes and blocks)."""
         self._requests.setdefault(request.request_id, RequestState(request))
 
+    @timed("scheduler_us")
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens beyond ``num_computed_tokens`` whose blocks every
         rank holds in kvtier, ``(tokens, False)`` (loaded before the forward
@@ -262,6 +306,9 @@ class KvtierConnector(KVConnectorBase_V1):
         not known to answer, is no hit. Whole blocks only, and never the
         prompt's last token."""
         state = self._requests.setdefault(request.request_id, RequestState(request))
+        if self.loads == "off":
+            state.local_tokens = num_computed_tokens
+            return 0, False
         limit_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
         state.local_tokens = num_computed_tokens
         if state.hit_blocks is None:
@@ -269,17 +316,20 @@ class KvtierConnector(KVConnectorBase_V1):
                 return 0, False  # vLLM holds every block kvtier could
             state.hit_blocks = self._ask(request.block_hashes[:limit_blocks])
         hit_tokens = min(state.hit_blocks, limit_blocks) * self.block_size
-        return max(0, hit_tokens - num_computed_tokens), False
+        tokens = max(0, hit_tokens - num_computed_tokens)
+        return tokens, tokens > 0 and self.loads == "async"
 
     def _ask(self, hashes: list[bytes]) -> int:
         """The leading blocks of ``hashes`` every rank holds: the lookup on
         the client's pool, waited for at most the deadline."""
         if not self._core.ready():
             return 0
-        ranks = self._lookup_fingerprints or [self._fingerprint]
-        keys = [self.key_of(h, fp) for h in hashes for fp in ranks]
+        groups = self._lookup_fingerprints or [[self._fingerprint]]
+        keys = [self.key_of(h, fp) for h in hashes for ranks in groups for fp in ranks]
         try:
-            lookup = self._core.client.executor().submit(self._lookup, keys, len(ranks))
+            lookup = self._core.client.executor().submit(
+                lookup_hits, self._core, keys, self.groups, len(groups[0]), len(hashes)
+            )
         except RuntimeError:  # the client is closed
             return 0
         try:
@@ -289,45 +339,36 @@ class KvtierConnector(KVConnectorBase_V1):
             self._core.mark_down("lookup", f"no lookup answer within lookup_timeout_ms {self.lookup_timeout_s * 1e3:g}")
             return 0
 
-    def _lookup(self, keys: list[str], ranks: int) -> int:
-        """Leading blocks kvtier holds of ``keys`` (each block's ``ranks``
-        keys in a row); 0 when it cannot say. Over the socket a hit is
-        confirmed by a round trip: the shared index answers from memory
-        even while its server is stopped, and a hit kvtier cannot serve
-        would cost a load's timeout instead of the lookup's deadline."""
-        hits = self._core.call("lookup", self._core.client.lookup, keys, failed=0) // ranks
-        if (
-            hits
-            and self._core.transport == "unix"
-            and not self._core.call("lookup", self._core.client.ping, failed=False)
-        ):
-            hits = 0
-        self._core.count(lookups=1, lookup_hit_blocks=hits)
-        return hits
-
+    @timed("scheduler_us")
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plans the load of the ``num_external_tokens`` kvtier holds into the
         blocks vLLM allocated for them."""
         if num_external_tokens == 0:
             return
         state = self._requests.setdefault(request.request_id, RequestState(request))
-        block_ids = blocks.get_block_ids()[0]
+        # A background load's failures are found in them before it is scheduled.
+        state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         first = state.local_tokens // self.block_size
         last = (state.local_tokens + num_external_tokens) // self.block_size
-        hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        state.load = Transfer(request.request_id, first, hashes, list(block_ids[first:last]))
+        hashes = [bytes(h) for h in request.block_hashes[:last]]
+        background = self.loads == "async"
+        self._loads += load_transfers(request.request_id, hashes, state.block_ids, first, last, background=background)
 
+    @timed("scheduler_us")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's loads (planned by :meth:`update_state_after_alloc`) and
         stores (every full block the step computes that kvtier does not hold
         yet, once), and whether to make the stores (kvtier not known down)."""
+        self._core.count(scheduler_steps=1)
         meta = KvtierConnectorMetadata(store=self._core.ready())
+        meta.loads, self._loads = self._loads, []
+        meta.preempted = list(scheduler_output.preempted_req_ids or ())
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -336,47 +377,68 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else state.block_ids
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else state.block_ids
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             self._plan(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
     def _plan(self, meta: KvtierConnectorMetadata, state: RequestState, tokens_after_step: int) -> None:
-        if state.load is not None:
-            meta.loads.append(state.load)
-            state.load = None
         if state.hit_blocks is not None:
             start = max(state.stored_blocks, state.hit_blocks)
         else:  # no lookup: vLLM's own cache held the whole prompt, stored when computed
             start = max(state.stored_blocks, state.local_tokens // self.block_size)
-        full = min(tokens_after_step // self.block_size, len(state.request.block_hashes), len(state.block_ids))
+        request = state.request
+        full = min(tokens_after_step // self.block_size, len(request.block_hashes), *map(len, state.block_ids))
         if full > start:
-            request = state.request
-            hashes = [bytes(h) for h in request.block_hashes[start:full]]
-            tags = block_tags(request.block_hashes, request.all_token_ids, self.block_size, start, full)
-            meta.stores.append(Transfer(request.request_id, start, hashes, state.block_ids[start:full], tags))
+            meta.stores += store_transfers(
+                request.request_id,
+                request.block_hashes,
+                request.all_token_ids,
+                state.block_ids,
+                self.groups,
+                self.block_size,
+                start,
+                full,
+            )
             state.stored_blocks = full
+            state.has_stores = True
 
+    @timed("scheduler_us")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks whose load failed (a miss, a CRC or digest failure) are
         recomputed by vLLM: from the first of them on, a request's blocks
         count as not in kvtier, so the steps that recompute them store them
         (the worker stored none of them in the failed step)."""
+        for req_id in connector_output.failed_recving or ():  # a hybrid model's: the request recomputes
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.hit_blocks, state.stored_blocks = 0, 0
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
         for state in self._requests.values():
-            first = next((i for i, b in enumerate(state.block_ids) if b in invalid), None)
+            first = next((i for i, b in enumerate(state.block_ids[0] if state.block_ids else []) if b in invalid), None)
             if first is not None:
                 state.hit_blocks = min(state.hit_blocks or 0, first)
                 state.stored_blocks = min(state.stored_blocks, first)
 
+    @timed("scheduler_us")
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forgets ``request``; its stores ran in the steps that computed its
-        blocks, so vLLM may free them now."""
-        self._requests.pop(request.request_id, None)
-        return False, None
+        """Forgets ``request``. With ``stores: async`` and a store planned for
+        it, ``True``: vLLM keeps its blocks until every worker reports its
+        stores done (:meth:`get_finished`); otherwise vLLM may free them now."""
+        state = self._requests.pop(request.request_id, None)
+        return self.stores == "async" and state is not None and state.has_stores, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` for vLLM's hybrid KV cache manager
+        (``SupportsHMA``; vLLM calls this one whenever the connector declares
+        it, hybrid model or not)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ===================================================== worker side
 
@@ -400,21 +462,31 @@ class KvtierConnector(KVConnectorBase_V1):
             kvtier.GeometryError: kvtier answers with another ``block_bytes``.
         """
         blocks = PagedBlocks(self._core, kv_caches, self._shared, logger)
-        block_bytes = blocks.block_bytes
+        groups = [blocks]
+        if self.hybrid:  # one set of pages per group, registered once (their layers share one allocation)
+            groups = [
+                PagedBlocks(self._core, {n: kv_caches[n] for n in g.layer_names}, self._shared, logger, owner=blocks)
+                for g in self.groups
+            ]
+        block_bytes = groups[0].block_bytes
         self._core.start(
             block_bytes,
             chunk=(
-                f"a vLLM block here ({self.block_size} tokens x {len(blocks.layers)} layers x "
-                f"{blocks.layer_bytes} bytes)"
+                f"a vLLM block here ({self.block_size} tokens x {len(groups[0].layers)} layers x "
+                f"{groups[0].layer_bytes} bytes{' of one KV cache group' if self.hybrid else ''})"
             ),
             remedy="serve vLLM with a --block-size that makes its blocks this size",
         )
         if self._local == "on":
             self._require_socket()
         self._blocks = blocks
+        assert self._mover is not None
+        self._mover.register(groups, list(kv_caches))
         logger.info(
-            "kvtier connector: %d layers, %d bytes per layer page, blocks of %d bytes; KV cache in shared memory: %s",
+            "kvtier connector: %d layers in %d KV cache group(s), %d bytes per layer page, blocks of %d bytes; KV "
+            "cache in shared memory: %s",
             len(blocks.layers),
+            len(groups),
             blocks.layer_bytes,
             block_bytes,
             bool(self._shared),
@@ -440,128 +512,70 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"user, or give a tenant's token as token_file), or set local to auto to move blocks over HTTP"
             ) from e
 
-    def _verify(self, blocks: PagedBlocks, transfer: Transfer, keys: list[str], loaded: int) -> int:
-        """The leading blocks of ``loaded`` whose pages hold what this worker
-        stored under their keys (with ``digest`` on; all of them when off, or
-        when no digest is known), each told to the oracle."""
-        if self._digests is None and self._oracle is None:
-            return loaded
-        for i in range(loaded):
-            digest = digest_of(blocks.pages(transfer.block_ids[i]))
-            verdict = None if self._digests is None else self._digests.check(keys[i], digest)
-            self._tell("loaded" if verdict is not False else "digest_refused", transfer, i, keys[i], digest)
-            if self._digests is None:
-                continue
-            if verdict is None:
-                self._core.count(digest_unknown_blocks=1)
-            elif verdict:
-                self._core.count(digest_checked_blocks=1)
-            else:
-                self._core.count(digest_mismatch_blocks=1)
-                self._core.failures.warn(
-                    "digest",
-                    f"block {keys[i]} loaded with a digest that is not the one this worker stored; a failed load "
-                    f"(vLLM recomputes)",
-                    logging.ERROR,
-                )
-                return i
-        return loaded
+    @timed("worker_us")
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Waits for the stores in flight of the requests vLLM preempted in
+        this step, before vLLM hands their blocks to others."""
+        assert isinstance(kv_connector_metadata, KvtierConnectorMetadata)
+        if self._mover is not None and kv_connector_metadata.preempted:
+            self._mover.preempt(kv_connector_metadata.preempted)
 
-    def _tell(self, kind: str, transfer: Transfer, i: int, key: str, digest: int | None) -> None:
-        """One oracle event of block ``i`` of ``transfer`` (with ``oracle_dir``)."""
-        if self._oracle is not None:
-            tag = transfer.tags[i] if transfer.tags is not None else None
-            self._oracle.event(
-                kind,
-                req_id=transfer.req_id,
-                index=transfer.first + i,
-                block_hash=transfer.hashes[i],
-                key=key,
-                digest=digest,
-                tokens=tag.token_ids if tag is not None else None,
-                parent=tag.parent_hash if tag is not None else None,
-            )
-
+    @timed("worker_us")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Loads the step's planned blocks into the paged cache before the
-        forward; a block that misses or fails (its CRC in kvtier, or its
-        digest here), and every later block of its request, is reported by
-        :meth:`get_block_ids_with_load_errors`, and the request's stores of
-        this step from that block on are not made (:meth:`wait_for_save`)."""
+        """Starts the step's loads (``loads``: in the background, per layer,
+        or before the forward; :mod:`kvtier._vllm_mover`). A block that
+        misses or fails (its CRC in kvtier, or its digest here), and every
+        later block of its request, is reported by
+        :meth:`get_block_ids_with_load_errors`; in a step that loads on the
+        forward path, the request's stores from that block on are not made."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
-        blocks = self._blocks
-        assert blocks is not None, "register_kv_caches comes first"
-        self._failed_from = {}
-        if self._oracle is not None:
-            self._oracle.step += 1
-        for transfer in meta.loads:
-            keys = [self.key_of(h) for h in transfer.hashes]
-            ready = blocks.ready()
-            lost = [codes.CONNECTION_LOST] * len(keys)
-            results = blocks.move(keys, transfer.block_ids, load=True) if ready else lost
-            loaded = next((i for i, r in enumerate(results) if r < 0), len(results))
-            loaded = self._verify(blocks, transfer, keys, loaded)
-            if loaded < len(results):
-                self._load_errors.update(transfer.block_ids[loaded:])
-                self._failed_from[transfer.req_id] = transfer.first + loaded
-                self._core.count(load_failed_blocks=len(results) - loaded)
-                self._tell("load_failed", transfer, loaded, keys[loaded], None)
-            self._core.count(loaded_blocks=loaded)
+        assert self._mover is not None
+        self._mover.start_loads(meta)
 
+    @timed("layer_wait_us")
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: :meth:`start_load_kv` loads before the forward."""
+        """With ``loads: layer``, waits until this layer's pages of the
+        step's loads are in; otherwise returns at once."""
+        if self._mover is not None:
+            self._mover.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Nothing per layer: :meth:`wait_for_save` stores whole blocks after the forward."""
+        """Nothing per layer: a kvtier block is every layer of a vLLM block,
+        stored whole after the forward (:mod:`kvtier._vllm_mover`)."""
 
+    @timed("worker_us")
     def wait_for_save(self) -> None:
-        """Stores the step's newly computed full blocks (after the forward
-        wrote them), but none of a request from a block whose load failed in
-        this step on (``stores_skipped_after_failed_load``); while kvtier is
-        not known to answer, the step's stores are dropped
-        (``store_dropped_blocks``). A failed store is counted and is a later
-        miss."""
+        """Starts (``stores: async``) or makes the step's stores of newly
+        computed full blocks (:meth:`kvtier._vllm_mover.BlockMover.start_stores`).
+        A failed store is counted and is a later miss."""
+        self._core.count(worker_steps=1)
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
-        blocks = self._blocks
-        assert blocks is not None, "register_kv_caches comes first"
-        for transfer in meta.stores:
-            n = len(transfer.hashes)
-            keys = [self.key_of(h) for h in transfer.hashes]
-            failed_at = self._failed_from.get(transfer.req_id)
-            keep = n if failed_at is None else max(0, min(n, failed_at - transfer.first))
-            if keep < n:
-                self._core.count(stores_skipped_after_failed_load=n - keep)
-                for i in range(keep, n):
-                    self._tell("store_skipped", transfer, i, keys[i], None)
-            if keep == 0:
-                continue
-            if not meta.store or not blocks.ready():
-                self._core.count(store_dropped_blocks=keep)
-                continue
-            tags = transfer.tags[:keep] if transfer.tags is not None else None
-            check = self._digests is not None or self._oracle is not None
-            digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
-            results = blocks.move(keys[:keep], transfer.block_ids[:keep], load=False, tags=tags)
-            for i, result in enumerate(results):
-                if not digests:
-                    break
-                if result >= 0:
-                    if self._digests is not None:
-                        self._digests.record(keys[i], digests[i])
-                    self._tell("stored", transfer, i, keys[i], digests[i])
-                elif self._digests is not None:
-                    self._digests.forget(keys[i])  # what kvtier holds under it is not known
-            failed = sum(1 for r in results if r < 0)
-            self._core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
+        assert self._mover is not None
+        self._mover.start_stores(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose stores have ended (vLLM frees their
+        blocks now) and requests whose background load ended."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    @timed("worker_us")
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and for a hybrid model the requests whose
+        load failed (``failed_recving``: vLLM recomputes them whole; it takes
+        no block failures with more than one KV cache group)."""
+        if self._mover is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._mover.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._mover.load_errors() if self._mover is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The counters' growth since the last call (``None`` when none grew)."""
@@ -577,7 +591,9 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierConnectorStats(data=dict(data or dict.fromkeys(STATS, 0)))
 
     def shutdown(self) -> None:
-        """Unregisters the buffers and closes the client."""
+        """Waits for the copies in flight, unregisters the buffers and closes the client."""
+        if self._mover is not None:
+            self._mover.close()
         self._core.close()
         if self._blocks is not None:
             self._blocks.close()

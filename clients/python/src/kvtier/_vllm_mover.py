@@ -1,0 +1,387 @@
+"""The worker side of the vLLM connector: when and on which thread blocks
+move (:class:`kvtier.vllm_connector.KvtierConnector`; how they are copied is
+:class:`kvtier._vllm_blocks.PagedBlocks`).
+
+Every copy runs on one thread per worker, the *mover* (``kvtier-mover``), in
+the order it was asked for, so the paths that share one staging buffer never
+overlap. When the forward waits for it depends on the settings:
+
+``loads``
+    ``async`` (default): a hit is loaded off the forward path. The scheduler
+    answers ``(tokens, True)``; vLLM parks the request
+    (``WAITING_FOR_REMOTE_KVS``) and runs the others; the worker starts the
+    request's load after the step's forward; :meth:`BlockMover.finished`
+    reports it when its blocks are in, with any block that failed. One
+    request's long prefix then costs the running requests nothing but the
+    mover's CPU, and costs the loading request one scheduler step more than a
+    synchronous load (it is scheduled in the step after its load ends).
+
+    ``layer``: loads stay on the forward path (vLLM schedules the request in
+    the step that loads it), but the forward waits per layer: the step's
+    loads start before the forward, and :meth:`BlockMover.wait_layer` waits
+    for one layer's pages only. A layer is ready when kvtier's copies and the
+    connector's have reached it: with the staging buffer that is per layer
+    (the connector copies layer-major); with the registered cache (kvtier
+    copies each block's layers in one span list) or leases, every layer is
+    ready when the step's last block is.
+
+    ``sync``: the step's loads finish before the forward starts.
+
+    ``off``: nothing is loaded (no lookup is made; blocks are still
+    stored): the reference of ``make bench-engine``, the same compiled graph
+    and the same stores as a connector that loads.
+
+``stores``
+    ``async`` (default): :meth:`BlockMover.start_stores` hands the step's
+    stores to the mover and returns, so they overlap the next forward. A
+    block's pages are never read after vLLM may reuse them: a finished
+    request with stores planned is kept by vLLM (``request_finished``
+    answers ``True``) until :meth:`BlockMover.finished` reports its stores
+    done, and a preempted request's stores are waited for in
+    :meth:`BlockMover.preempt`, before vLLM hands its blocks to another.
+
+    ``sync``: the step's stores finish before ``wait_for_save`` returns.
+
+Per-layer stores (``save_kv_layer``) are not made: a kvtier block is every
+layer of a vLLM block, stored in one call, and an asynchronous store already
+takes the whole store off the forward path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import codes
+from ._connector import ConnectorCore
+from ._vllm_blocks import PagedBlocks
+from ._vllm_plan import KvtierConnectorMetadata, Transfer
+from ._vllm_verify import Digests, Oracle, digest_of
+
+#: The values of the ``loads`` setting (module docstring).
+LOAD_MODES = ("async", "layer", "sync", "off")
+#: The values of the ``stores`` setting (module docstring).
+STORE_MODES = ("async", "sync")
+
+
+def mode_of(settings: dict[str, object], name: str, allowed: tuple[str, ...]) -> str:
+    """The setting ``name`` (default ``allowed[0]``).
+
+    Raises:
+        ValueError: a value not in ``allowed`` (the message names them).
+    """
+    value = str(settings.get(name) or allowed[0]).lower()
+    if value not in allowed:
+        raise ValueError(f"kvtier connector: {name} is {settings.get(name)!r}; it is one of {', '.join(allowed)}")
+    return value
+
+
+@dataclass
+class _Layers:
+    """The per-layer readiness of one step's synchronous loads."""
+
+    events: list[threading.Event]
+    future: Future[None] | None = None
+
+    def done(self, layer: int | None = None) -> None:
+        """Marks ``layer`` (every layer when ``None``) ready."""
+        for event in self.events if layer is None else self.events[layer : layer + 1]:
+            event.set()
+
+
+@dataclass
+class _Pending:
+    """What the mover owes vLLM: per request, stores not finished yet;
+    requests whose background load ended, with the blocks that failed."""
+
+    stores: dict[str, int] = field(default_factory=dict)
+    loaded: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+class BlockMover:
+    """One worker's loads and stores (module docstring).
+
+    Args:
+        core: the connector's core (client, failures, counters).
+        key_of: the kvtier key of a vLLM block hash of a KV cache group in
+            this rank's namespace (``key_of(block_hash, group)``).
+        loads, stores: the modes (:data:`LOAD_MODES`, :data:`STORE_MODES`).
+        digests: the digests this worker stored (``digest`` on), else ``None``.
+        oracle: the byte oracle (tests), else ``None``.
+        logger: vLLM's logger.
+    """
+
+    def __init__(
+        self,
+        core: ConnectorCore,
+        key_of: Callable[[bytes, int], str],
+        *,
+        loads: str,
+        stores: str,
+        digests: Digests | None,
+        oracle: Oracle | None,
+        logger: logging.Logger,
+    ) -> None:
+        self.core = core
+        self.key_of = key_of
+        self.loads = loads
+        self.stores = stores
+        self.digests = digests
+        self.oracle = oracle
+        self.logger = logger
+        self.groups: list[PagedBlocks] = []
+        self.layer_index: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-mover")
+        self._lock = threading.Lock()
+        self._pending = _Pending()
+        self._load_errors: set[int] = set()
+        self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
+        self._layers: _Layers | None = None
+        self._store_requests: set[str] = set()  # requests a store was planned for (vLLM keeps their blocks)
+        self._awaiting: set[str] = set()  # finished requests whose stores vLLM waits for
+
+    def register(self, groups: list[PagedBlocks], layer_names: list[str]) -> None:
+        """The paged cache of each KV cache group, and the layers' names in
+        model order (one group: every layer)."""
+        self.groups = groups
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+
+    # ------------------------------------------------------------ loads
+
+    def start_loads(self, meta: KvtierConnectorMetadata) -> None:
+        """Starts (``async``, ``layer``) or makes (``sync``) the step's loads."""
+        if self.oracle is not None:
+            self.oracle.step += 1
+        self._failed_from = {}
+        self._layers = None
+        background: dict[str, list[Transfer]] = {}
+        for t in meta.loads:
+            if t.background:
+                background.setdefault(t.req_id, []).append(t)
+        on_path = [t for t in meta.loads if not t.background]
+        for transfers in background.values():  # one job per request: its groups' loads, reported together
+            self._pool.submit(self._background_load, transfers, self._step())
+        if not on_path:
+            return
+        if self.loads == "layer" and len(self.groups) == 1:
+            layers = _Layers([threading.Event() for _ in self.groups[0].layers])
+            layers.future = self._pool.submit(self._loads_on_path, on_path, self._step(), layers)
+            self._layers = layers
+        else:
+            self._pool.submit(self._loads_on_path, on_path, self._step(), None).result()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Waits until ``layer_name``'s pages of the step's loads are in (``layer`` mode)."""
+        layers = self._layers
+        index = self.layer_index.get(layer_name)
+        if layers is None or index is None:
+            return
+        layers.events[index].wait()  # set by the mover at the latest when its job ends (each call has a timeout)
+
+    def end_loads_on_path(self) -> None:
+        """Waits for the step's ``layer`` loads to end (before its stores are planned from what failed)."""
+        layers, self._layers = self._layers, None
+        if layers is not None and layers.future is not None:
+            layers.future.result()
+
+    def _step(self) -> int:
+        return self.oracle.step if self.oracle is not None else 0
+
+    def _background_load(self, transfers: list[Transfer], step: int) -> None:
+        self.core.count(background_loads=1)
+        failed_blocks: list[int] = []
+        for transfer in transfers:
+            failed = self._load(transfer, step, None)
+            if failed is not None:
+                failed_blocks += transfer.block_ids[failed:]
+        with self._lock:
+            self._pending.loaded.append((transfers[0].req_id, failed_blocks))
+
+    def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None) -> None:
+        try:
+            for transfer in transfers:
+                failed = self._load(transfer, step, layers if transfer is transfers[-1] else None)
+                if failed is not None:
+                    with self._lock:
+                        self._load_errors.update(transfer.block_ids[failed:])
+                    self._failed_from[transfer.req_id] = transfer.first + failed
+        finally:
+            if layers is not None:
+                layers.done()
+
+    def _load(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
+        """Loads one request's blocks; the index of its first block that
+        failed (a miss, CRC or digest), ``None`` when all loaded."""
+        blocks = self.groups[transfer.group]
+        keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
+        on_layer = layers.done if layers is not None else None
+        if blocks.ready():
+            results = blocks.move(keys, transfer.block_ids, load=True, layer_done=on_layer)
+        else:
+            results = [codes.CONNECTION_LOST] * len(keys)
+        loaded = next((i for i, r in enumerate(results) if r < 0), len(results))
+        loaded = self._verify(transfer, keys, loaded, step)
+        self.core.count(loaded_blocks=loaded)
+        if loaded == len(results):
+            return None
+        self.core.count(load_failed_blocks=len(results) - loaded)
+        self._tell("load_failed", transfer, loaded, keys[loaded], None, step)
+        return loaded
+
+    def _verify(self, transfer: Transfer, keys: list[str], loaded: int, step: int) -> int:
+        """The leading blocks of ``loaded`` whose pages hold what this worker
+        stored under their keys (with ``digest`` on; all of them when off, or
+        when no digest is known), each told to the oracle."""
+        if self.digests is None and self.oracle is None:
+            return loaded
+        for i in range(loaded):
+            digest = digest_of(self.groups[transfer.group].pages(transfer.block_ids[i]))
+            verdict = None if self.digests is None else self.digests.check(keys[i], digest)
+            self._tell("loaded" if verdict is not False else "digest_refused", transfer, i, keys[i], digest, step)
+            if self.digests is None:
+                continue
+            if verdict is None:
+                self.core.count(digest_unknown_blocks=1)
+            elif verdict:
+                self.core.count(digest_checked_blocks=1)
+            else:
+                self.core.count(digest_mismatch_blocks=1)
+                self.core.failures.warn(
+                    "digest",
+                    f"block {keys[i]} loaded with a digest that is not the one this worker stored; a failed load "
+                    f"(vLLM recomputes)",
+                    logging.ERROR,
+                )
+                return i
+        return loaded
+
+    def _tell(self, kind: str, transfer: Transfer, i: int, key: str, digest: int | None, step: int) -> None:
+        """One oracle event of block ``i`` of ``transfer`` (with ``oracle_dir``)."""
+        if self.oracle is not None:
+            tag = transfer.tags[i] if transfer.tags is not None else None
+            self.oracle.event(
+                kind,
+                step=step,
+                req_id=transfer.req_id,
+                index=transfer.first + i,
+                block_hash=transfer.hashes[i],
+                key=key,
+                digest=digest,
+                tokens=tag.token_ids if tag is not None else None,
+                parent=tag.parent_hash if tag is not None else None,
+            )
+
+    # ----------------------------------------------------------- stores
+
+    def start_stores(self, meta: KvtierConnectorMetadata) -> None:
+        """Starts (``async``) or makes (``sync``) the step's stores: none of
+        a request from a block whose load failed in this step on
+        (``stores_skipped_after_failed_load``), none while kvtier is not known
+        to answer (``store_dropped_blocks``)."""
+        self.end_loads_on_path()
+        step = self._step()
+        jobs: list[Future[None]] = []
+        for transfer in meta.stores:
+            if self.stores == "async":  # the scheduler kept this request's blocks for its stores
+                self._store_requests.add(transfer.req_id)
+            n = len(transfer.hashes)
+            keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
+            failed_at = self._failed_from.get(transfer.req_id)
+            keep = n if failed_at is None else max(0, min(n, failed_at - transfer.first))
+            if keep < n:
+                self.core.count(stores_skipped_after_failed_load=n - keep)
+                for i in range(keep, n):
+                    self._tell("store_skipped", transfer, i, keys[i], None, step)
+            if keep == 0:
+                continue
+            if not meta.store:
+                self.core.count(store_dropped_blocks=keep)
+                continue
+            with self._lock:
+                self._pending.stores[transfer.req_id] = self._pending.stores.get(transfer.req_id, 0) + 1
+            job = self._pool.submit(self._store, transfer, keys[:keep], step)
+            if self.stores == "sync" or transfer.inline:
+                jobs.append(job)
+        for job in jobs:
+            job.result()
+
+    def _store(self, transfer: Transfer, keys: list[str], step: int) -> None:
+        try:
+            blocks = self.groups[transfer.group]
+            keep = len(keys)
+            if not blocks.ready():
+                self.core.count(store_dropped_blocks=keep)
+                return
+            tags = transfer.tags[:keep] if transfer.tags is not None else None
+            check = self.digests is not None or self.oracle is not None
+            digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
+            results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags)
+            for i, result in enumerate(results):
+                if not digests:
+                    break
+                if result >= 0:
+                    if self.digests is not None:
+                        self.digests.record(keys[i], digests[i])
+                    self._tell("stored", transfer, i, keys[i], digests[i], step)
+                elif self.digests is not None:
+                    self.digests.forget(keys[i])  # what kvtier holds under it is not known
+            failed = sum(1 for r in results if r < 0)
+            self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
+        finally:
+            with self._lock:
+                left = self._pending.stores[transfer.req_id] - 1
+                if left:
+                    self._pending.stores[transfer.req_id] = left
+                else:
+                    del self._pending.stores[transfer.req_id]
+
+    def preempt(self, preempted: list[str]) -> None:
+        """Waits for the stores of ``preempted`` requests still in flight:
+        vLLM hands their blocks to others once this returns."""
+        with self._lock:
+            busy = any(req_id in self._pending.stores for req_id in preempted)
+        if busy:
+            self.core.count(preemption_waits=1)
+            self.drain()
+
+    def drain(self) -> None:
+        """Waits until every copy asked for so far has ended (the mover runs them in order)."""
+        self._pool.submit(lambda: None).result()
+
+    # ------------------------------------------------------ completions
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """``(sending, recving, failed)`` for vLLM's ``get_transfer_results``:
+        finished requests whose stores have all ended (those a store was
+        planned for: the scheduler kept their blocks); requests whose
+        background load ended, its failed blocks then in :meth:`load_errors`;
+        with more than one KV cache group, which vLLM takes no block failures
+        for, the requests among them whose load failed instead."""
+        with self._lock:
+            self._awaiting |= finished_req_ids & self._store_requests
+            sending = {r for r in self._awaiting if r not in self._pending.stores}
+            loaded, self._pending.loaded = self._pending.loaded, []
+        self._awaiting -= sending
+        self._store_requests -= sending
+        recving, failed = set(), set()
+        for req_id, failed_blocks in loaded:
+            recving.add(req_id)
+            if failed_blocks and len(self.groups) > 1:
+                failed.add(req_id)
+            else:
+                with self._lock:
+                    self._load_errors.update(failed_blocks)
+        return sending, recving, failed
+
+    def load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        """Waits for the copies in flight, then ends the mover."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,174 @@
+"""KvtierConnector's copies off the forward path (kvtier._vllm_mover), against
+a real ``kvtier serve`` and the connector's own worker code, no engine: a
+background load reported finished with its failed blocks in the same pass, a
+store that never reads a block after vLLM may reuse it (finished and
+preempted requests), and loads waited for per layer. The same under a real
+``vllm serve``: tests/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import block
+from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
+
+from kvtier._vllm_blocks import PagedBlocks
+from kvtier._vllm_plan import KvtierConnectorMetadata, Transfer
+from kvtier.testing import ServerProcess
+from kvtier.vllm_connector import KvtierConnector
+
+pytestmark = pytest.mark.vllm
+
+
+def pages_of(c: KvtierConnector, block_id: int) -> bytes:
+    """vLLM block ``block_id``'s layer pages end to end (a kvtier block)."""
+    return b"".join(bytes(c.caches[f"layer.{j}"][block_id].numpy()) for j in range(LAYERS))  # type: ignore[attr-defined]
+
+
+def cont_after(pid: int, seconds: float) -> threading.Timer:
+    """SIGCONT ``pid`` in ``seconds``."""
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
+def test_a_background_load_ends_off_the_forward_path_and_reports_its_failed_blocks_with_it():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, loads="async")
+        hr, hq = hashes(4), hashes(2, salt=1)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hr) if i != 2])  # 2 missing
+        c._core.client.put_many([(c.key_of(h), block(10 + i, BB)) for i, h in enumerate(hq)])
+        loads = [Transfer("r", 0, hr, [0, 1, 2, 3], background=True), Transfer("q", 0, hq, [4, 5], background=True)]
+        stop(s.pid)
+        began = time.monotonic()
+        c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        assert time.monotonic() - began < 1.0, "the step waited for a background load"
+        assert c.get_finished(set()) == (None, None) and c.get_block_ids_with_load_errors() == set()
+        os.kill(s.pid, signal.SIGCONT)
+        finished: dict[str, set[int]] = {}
+        deadline = time.monotonic() + 10
+        while len(finished) < 2:
+            assert time.monotonic() < deadline, f"loads not reported: {finished}"
+            _, recving = c.get_finished(set())
+            errors = c.get_block_ids_with_load_errors()  # vLLM asks right after, in the same pass
+            for req_id in recving or ():
+                finished[req_id] = {b for b in errors if b in loads[0 if req_id == "r" else 1].block_ids}
+            time.sleep(0.01)
+        assert finished == {"r": {2, 3}, "q": set()}
+        assert [pages_of(c, b) for b in (0, 1, 4, 5)] == [block(0, BB), block(1, BB), block(10, BB), block(11, BB)]
+        assert c.stats["background_loads"] == 2 and c.stats["loaded_blocks"] == 4
+        assert c.stats["load_failed_blocks"] == 2
+        c.shutdown()
+
+
+def test_a_finished_requests_blocks_are_kept_until_its_stores_end():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url)
+        hs = hashes(2)
+        data = [fill(c, b, 20 + b) for b in (0, 1)]
+        stop(s.pid)
+        began = time.monotonic()
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("r", 0, hs, [0, 1])]))
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        assert time.monotonic() - began < 1.0, "the step waited for its stores"
+        assert c.get_finished({"r", "other"}) == (None, None)  # "other" had no store: not vLLM's to wait for
+        os.kill(s.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while (sending := c.get_finished(set())[0]) is None:
+            assert time.monotonic() < deadline, "the finished request's stores were not reported"
+            time.sleep(0.01)
+        assert sending == {"r"} and c.get_finished(set()) == (None, None)
+        assert c._core.client.get_many([c.key_of(h) for h in hs]) == data
+        c.shutdown()
+        # With stores: sync, vLLM freed the blocks at once: naming the request
+        # again would be an error in vLLM's scheduler (an unknown request).
+        c = bare(s.url, stores="sync")
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("r", 0, hashes(1, salt=2), [0])]))
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        assert c.stats["stored_blocks"] == 1 and c.get_finished({"r"}) == (None, None)
+        c.shutdown()
+
+
+def preempted_store(url: str, pid: int, *, wait: bool) -> bytes | None:
+    """Request ``r``'s block (vLLM block 4) is stored behind another
+    request's store that waits on a stopped kvtier; ``r`` is preempted and
+    vLLM writes another block's bytes into block 4 once
+    ``handle_preemptions`` returns. What kvtier then holds under r's key."""
+    c = bare(url)
+    if not wait:
+        c._mover.preempt = lambda preempted: None  # type: ignore[method-assign,union-attr]
+    hr, hq = hashes(1), hashes(1, salt=1)
+    fill(c, 4, 1)
+    fill(c, 6, 2)
+    stop(pid)
+    c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("q", 0, hq, [6]), Transfer("r", 0, hr, [4])]))
+    c.wait_for_save()
+    c.clear_connector_metadata()
+    timer = cont_after(pid, 0.5)
+    c.handle_preemptions(KvtierConnectorMetadata(preempted=["r"]))
+    fill(c, 4, 3)  # vLLM reuses the preempted request's block
+    timer.join()
+    c._mover.drain()  # type: ignore[union-attr]
+    got = c._core.client.get(c.key_of(hr[0]))
+    c.shutdown()
+    return got
+
+
+def test_a_preempted_requests_stores_end_before_its_blocks_are_reused():
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        assert preempted_store(s.url, s.pid, wait=True) == block(1, BB)
+        # Deliberate fault: handle_preemptions that does not wait stores the reused block's bytes.
+        assert preempted_store(s.url, s.pid, wait=False) == block(3, BB)
+
+
+def test_layer_loads_let_each_layer_go_as_its_pages_arrive(monkeypatch):
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, loads="layer")
+        hs = hashes(3)
+        c._core.client.put_many([(c.key_of(h), block(30 + i, BB)) for i, h in enumerate(hs)])
+        release = threading.Event()
+        staged = PagedBlocks._staged
+
+        def held_before_the_last_layer(self, keys, block_ids, *, load, tags=None, layer_done=None):  # type: ignore[no-untyped-def]
+            def done(layer: int) -> None:
+                if layer == LAYERS - 1:
+                    assert release.wait(10)
+                layer_done(layer)  # type: ignore[misc]
+
+            return staged(self, keys, block_ids, load=load, tags=tags, layer_done=done if layer_done else None)
+
+        monkeypatch.setattr(PagedBlocks, "_staged", held_before_the_last_layer)
+        c.bind_connector_metadata(KvtierConnectorMetadata(loads=[Transfer("r", 0, hs, [0, 1, 2])]))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        waits = {j: threading.Thread(target=c.wait_for_layer_load, args=(f"layer.{j}",)) for j in range(LAYERS)}
+        for t in waits.values():
+            t.start()
+        waits[0].join(5)
+        assert not waits[0].is_alive(), "layer 0 waited for the whole load"
+        time.sleep(0.2)
+        assert waits[LAYERS - 1].is_alive(), "the last layer went before its pages were in"
+        release.set()
+        for t in waits.values():
+            t.join(5)
+            assert not t.is_alive()
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        assert [pages_of(c, b) for b in range(3)] == [block(30 + i, BB) for i in range(3)]
+        c.shutdown()
+
+
+def test_a_bad_mode_is_refused_naming_the_values():
+    from kvtier._vllm_mover import LOAD_MODES, mode_of
+
+    with pytest.raises(ValueError, match="loads is 'fast'; it is one of async, layer, sync"):
+        mode_of({"loads": "fast"}, "loads", LOAD_MODES)
+    assert mode_of({}, "loads", LOAD_MODES) == "async"
