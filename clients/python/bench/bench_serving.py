@@ -50,43 +50,16 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench_engine import conversations, pct, stream  # the same requests as the replay (bench/ is on sys.path)
 
 from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
 
 BLOCK_TOKENS = 128
 #: The figures a phase reports per contender, each a list over rounds.
 Figures = dict[str, dict[str, list[float]]]
-
-
-def stream(url: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy completion: TTFT and the inter-token gaps, seconds."""
-    body = {
-        "model": "kvtier-llama",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    started = time.perf_counter()
-    times: list[float] = []
-    with urllib.request.urlopen(request, timeout=900) as response:
-        for line in response:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter() - started)
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    return {"ttft_s": times[0] if times else float("nan"), "itl_s": gaps, "at": started}
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def drop_caches() -> None:
@@ -108,26 +81,6 @@ def texts(path: Path, tokenizer: Any, tokens: int, count: int, skip: int = 0) ->
             if len(out) == count:
                 return out
     raise SystemExit(f"bench-engine: ShareGPT ran out before {count} prompts of {tokens} tokens")
-
-
-def conversations(path: Path, count: int, turns: int, tokenizer: Any, max_tokens: int) -> list[list[str]]:
-    """``count`` conversations with ``turns`` human turns whose last prompt
-    fits ``max_tokens`` tokens; each as its turns' prompts (the conversation so far)."""
-    out: list[list[str]] = []
-    for conversation in sharegpt_conversations(path, 80_000_000):
-        messages = [m for m in conversation if m.get("from") in ("human", "gpt") and m.get("value")]
-        prompts, history = [], ""
-        for m in messages:
-            history += ("User: " if m["from"] == "human" else "Assistant: ") + m["value"].strip() + "\n"
-            if m["from"] == "human":
-                prompts.append(history + "Assistant:")
-            if len(prompts) == turns:
-                break
-        if len(prompts) == turns and len(tokenizer(prompts[-1])["input_ids"]) <= max_tokens:
-            out.append(prompts)
-        if len(out) == count:
-            return out
-    raise SystemExit("bench-engine: not enough ShareGPT conversations")
 
 
 def connector_counters(log: Path, since: int) -> dict[str, int]:
