@@ -4,8 +4,8 @@
 contenders alternated over ``--rounds`` rounds, each figure the median of the
 rounds with its range [min, max].
 
-Every contender is a vLLM started once, with the same compiled graph (no
-``--enforce-eager``), idle while another is measured:
+Every contender is a vLLM started once, with the same graph (compiled, or
+with ``--eager`` none), idle while another is measured:
 
 - ``reference``: KvtierConnector with ``loads: off``: the same graph, the
   same stores, nothing ever loaded: what recompute costs;
@@ -109,7 +109,15 @@ class Fleet:
                 kv_transfer_config=self.config(name),
                 single_process=False,
                 kv_cache_gib=args.vllm_cache_gib,
-                args=("--max-model-len", str(args.max_model_len)),
+                args=(
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    # One prefill chunk per prompt: ExampleConnector saves a chunked
+                    # prefill's first chunk only and fails the engine loading it back.
+                    "--max-num-batched-tokens",
+                    str(args.max_model_len),
+                    *(("--enforce-eager",) if args.eager else ()),
+                ),
                 log=args.out / f"{name}-vllm.log",
             )
 
@@ -345,7 +353,12 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=3.0, help="decoding time before the loaders arrive")
     ap.add_argument("--running", type=int, default=64, help="requests at once in the overhead phase")
     ap.add_argument("--block-bytes", type=int, default=16 * 1024 * 1024, help="the model's block (16 MiB)")
-    ap.add_argument("--max-model-len", type=int, default=9216)
+    ap.add_argument("--max-model-len", type=int, default=9216, help="also the batch's token budget")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="every contender without torch.compile (still one graph for all; a start takes ~2 min, not ~11)",
+    )
     ap.add_argument("--vllm-cache-gib", type=int, default=3)
     ap.add_argument("--kvtier-ram-gb", type=float, default=0.0625)
     ap.add_argument("--kvtier-disk-gb", type=float, default=12)
@@ -364,16 +377,26 @@ def main() -> None:
         with Fleet(args, ["reference", "example", "kvtier"]) as fleet:
             if "prefix" in phases:
                 figures["prefix"] = prefix_phase(args, fleet, prefixes)
+                report(args, figures)
             if "multiturn" in phases:
                 convs = conversations(args.sharegpt, args.conversations, args.turns, tokenizer, 3000)
                 figures["multiturn"] = multiturn_phase(args, fleet, convs)
+                report(args, figures)
     if "interference" in phases or "overhead" in phases:
         with Fleet(args, ["kvtier", "kvtier-layer", "kvtier-sync"]) as fleet:
             if "interference" in phases:
                 loaders = texts(args.sharegpt, tokenizer, max(args.prefix_tokens), args.loaders, skip=2000)
                 figures["interference"] = interference_phase(args, fleet, loaders)
+                report(args, figures)
             if "overhead" in phases:
                 figures["overhead"] = overhead_phase(args, fleet)
+    print(report(args, figures))
+
+
+def report(args: argparse.Namespace, figures: dict[str, Figures]) -> str:
+    """Writes OUT/results.json and OUT/table.md from the phases run so far
+    (after each phase: a contender that fails later loses nothing measured);
+    the table and the goals' verdicts."""
     summary = {phase: summarize(f) for phase, f in figures.items()}
     verdicts = goals(summary, args)
     document = {"args": {k: str(v) for k, v in vars(args).items()}, "figures": figures, "summary": summary}
@@ -381,7 +404,7 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(document, indent=1))
     text = table(summary) + "\n\n" + "\n".join(f"- {g}: {v:.3g} ({'met' if m else 'NOT met'})" for g, v, m in verdicts)
     (args.out / "table.md").write_text(text + "\n")
-    print(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ from typing import TYPE_CHECKING
 from ._connector import ConnectorCore
 from ._vllm_blocks import block_tags
 from ._vllm_plan import ConfigurationError, Transfer
+from .keys import Namespace
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: vLLM's null block (a sliding group's blocks outside its window).
@@ -113,6 +115,75 @@ def groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> list[Group]:
             f"are {kinds}: serve it without --kv-transfer-config"
         )
     return groups
+
+
+def _parallel_rank() -> tuple[int, int]:
+    """This process's (TP rank, PP rank): vLLM's once its model-parallel
+    groups exist (the workers), else (0, 0) (the scheduler)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    return 0, 0
+
+
+def namespace_of(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    model: str | None,
+    rank: tuple[int, int] | None = None,
+    group: int = 0,
+) -> Namespace:
+    """The namespace of one vLLM rank's blocks of KV cache group ``group``
+    (docs/KEYS.md): model, KV dtype, TP and PP rank, tokens per block, and in
+    ``extra`` the layer geometry (layers, the KV heads this rank holds, head
+    size, page bytes), the KV layout and the hash algorithm, everything else
+    that changes a block's bytes or key. A hybrid model's groups each have
+    their own (``extra`` names the group, its kind and the group count); a
+    model of one group keeps the namespace it had before groups were known.
+
+    Args:
+        rank: ``(tp_rank, pp_rank)``; default this process's (a worker's own
+            rank, or 0 in the scheduler, where no model-parallel group exists).
+
+    Raises:
+        ConfigurationError: a KV cache group the connector cannot move
+            (:func:`kvtier._vllm_groups.groups_of`).
+    """
+    cache = vllm_config.cache_config
+    groups = groups_of(kv_cache_config, cache.block_size)
+    spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    parallel = vllm_config.parallel_config
+    tp_rank, pp_rank = rank if rank is not None else _parallel_rank()
+    layout = cache.get_resolved_kv_cache_layout()
+    which = f"group={group}/{len(groups)};kind={groups[group].kind};" if len(groups) > 1 else ""
+    extra = (
+        f"vllm-connector:{which}layers={len(groups[group].layer_names)};kv_heads={spec.num_kv_heads};"
+        f"head_size={spec.head_size};page_bytes={spec.page_size_bytes};"
+        f"layout={getattr(layout, 'name', layout)};hash={cache.prefix_caching_hash_algo}"
+    )
+    return Namespace(
+        model=model or str(vllm_config.model_config.model),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+        pp_rank=pp_rank,
+        pp_size=parallel.pipeline_parallel_size,
+        block_tokens=cache.block_size,
+        extra=extra,
+    )
+
+
+def rank_namespaces(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None, group: int = 0
+) -> list[Namespace]:
+    """The namespaces the scheduler's lookup asks for in KV cache group
+    ``group``: every TP rank's, of PP stage 0. Under tensor parallelism a block is usable only when every
+    rank's slice of its heads is held; the stages of pipeline parallelism
+    hold other layers under another page count, which the scheduler cannot
+    see (a stage that misses reports a failed load and vLLM recomputes)."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0), group=group) for tp in range(size)]
 
 
 def best_hit(held: Sequence[int], groups: Sequence[Group], ranks: int, positions: int) -> int:

@@ -140,7 +140,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ._connector import ConnectorCore
 from ._vllm_blocks import PagedBlocks, SharedAllocation
-from ._vllm_groups import groups_of, load_transfers, lookup_hits, store_transfers
+from ._vllm_groups import groups_of, load_transfers, lookup_hits, namespace_of, rank_namespaces, store_transfers
 from ._vllm_mover import LOAD_MODES, STORE_MODES, BlockMover, mode_of
 from ._vllm_plan import (
     STATS,
@@ -151,8 +151,6 @@ from ._vllm_plan import (
     Transfer,
     check_hash_algo,
     flag,
-    namespace_of,
-    rank_namespaces,
     timed,
 )
 from ._vllm_verify import Digests, Oracle
