@@ -172,3 +172,22 @@ def test_a_bad_mode_is_refused_naming_the_values():
     with pytest.raises(ValueError, match="loads is 'fast'; it is one of async, layer, sync"):
         mode_of({"loads": "fast"}, "loads", LOAD_MODES)
     assert mode_of({}, "loads", LOAD_MODES) == "async"
+
+
+def test_a_hybrid_models_failed_load_fails_the_request_not_blocks():
+    """With more than one KV cache group vLLM takes no block failures: the
+    request's load is reported failed as a whole (``failed_recving``)."""
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, loads="async")
+        c._mover.register([c._blocks, c._blocks], list(c.caches))  # type: ignore[union-attr,attr-defined]
+        hs = hashes(2)
+        c._core.client.put(c.key_of(hs[0]), block(0, BB))  # block 1 missing
+        loads = [Transfer("r", 0, hs, [0, 1], background=True, group=g) for g in (0, 1)]
+        c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        c.clear_connector_metadata()
+        c._mover.drain()  # type: ignore[union-attr]
+        results = c.get_transfer_results(set())
+        assert results.finished_recving == {"r"} and results.failed_recving == {"r"}
+        assert c.get_block_ids_with_load_errors() == set()
+        c.shutdown()
