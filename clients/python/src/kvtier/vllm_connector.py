@@ -28,8 +28,10 @@ start (the message names the flag).
 
 **Scheduler side.** ``get_num_new_matched_tokens`` asks kvtier once per
 request how many leading blocks of the prompt it holds (``lookup`` of the
-whole chain) on the client's pool and answers ``None`` ("ask again") until
-the answer is in: the scheduler never waits on kvtier. The prompt's last
+whole chain) on the client's pool and waits for the answer at most
+``lookup_timeout_ms``: later, the request is a miss (and kvtier counts as
+down for ``down_s``; docs/BENCHMARKS.md, issue 54, has a cold kvtier
+overrunning the default). The prompt's last
 token is always computed (vLLM needs its logits). A hit is loaded into the
 blocks vLLM allocates for it; every full block a step computes that kvtier
 does not hold is stored after that step's forward.
