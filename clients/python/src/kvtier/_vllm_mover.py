@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -178,8 +179,10 @@ class BlockMover:
         layers = self._layers
         index = self.layer_index.get(layer_name)
         if layers is None or index is None:
-            return
+            return  # every layer, every step, with loads off the forward path: nothing to count
+        started = time.perf_counter_ns()
         layers.events[index].wait()  # set by the mover at the latest when its job ends (each call has a timeout)
+        self.core.count(layer_wait_us=(time.perf_counter_ns() - started) // 1000)
 
     def end_loads_on_path(self) -> None:
         """Waits for the step's ``layer`` loads to end (before its stores are planned from what failed)."""
@@ -366,15 +369,13 @@ class BlockMover:
             loaded, self._pending.loaded = self._pending.loaded, []
         self._awaiting -= sending
         self._store_requests -= sending
-        recving, failed = set(), set()
-        for req_id, failed_blocks in loaded:
-            recving.add(req_id)
-            if failed_blocks and len(self.groups) > 1:
-                failed.add(req_id)
-            else:
-                with self._lock:
-                    self._load_errors.update(failed_blocks)
-        return sending, recving, failed
+        recving = {req_id for req_id, _ in loaded}
+        if len(self.groups) > 1:
+            return sending, recving, {req_id for req_id, blocks in loaded if blocks}
+        with self._lock:
+            for _, failed_blocks in loaded:
+                self._load_errors.update(failed_blocks)
+        return sending, recving, set()
 
     def load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""

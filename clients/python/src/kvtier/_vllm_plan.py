@@ -61,15 +61,14 @@ STATS = (
     "preemption_waits",
     "scheduler_steps",
     "scheduler_us",
+    # The connector's own time: microseconds in its scheduler-side calls
+    # (lookups waited for included) and its worker-side calls on the
+    # forward's thread, the steps they ran in (make bench-engine divides one
+    # by the other), and the wait in wait_for_layer_load with loads: layer.
     "worker_steps",
     "worker_us",
     "layer_wait_us",
 )
-#: Of :data:`STATS`, the connector's own time: microseconds spent in its
-#: scheduler-side calls (lookups waited for included) and in its worker-side
-#: calls on the forward's thread (``layer_wait_us``: in ``wait_for_layer_load``),
-#: and the steps they ran in (``make bench-engine`` divides one by the other).
-TIMERS = ("scheduler_us", "worker_us", "layer_wait_us")
 
 
 def timed(counter: str) -> Callable[[F], F]:

@@ -533,7 +533,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._mover is not None
         self._mover.start_loads(meta)
 
-    @timed("layer_wait_us")
     def wait_for_layer_load(self, layer_name: str) -> None:
         """With ``loads: layer``, waits until this layer's pages of the
         step's loads are in; otherwise returns at once."""
