@@ -21,6 +21,15 @@ use crate::tenants::ScopeError;
 /// Registrations one connection may hold.
 pub const REGISTRATIONS_MAX: usize = 4096;
 
+/// Bytes of one batch's blocks in flight at once (GET_INTO, PUT_FROM and
+/// their span forms): 128 MiB, eight 16 MiB blocks, the rest started as
+/// those end, in order. Every block of a 63-block batch at once wanted
+/// 1 GiB of DMA buffers, past the shards' `--io-memory-mib` (512 MiB), and
+/// the reads past it landed in fresh heap pages the kernel zeroed: the
+/// server spent 0.8–1.3 CPU-seconds per GiB loaded, 0.4 with room
+/// (docs/BENCHMARKS.md, issue 54).
+pub const BATCH_BYTES_IN_FLIGHT: u64 = 128 << 20;
+
 pub(super) fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, String)> {
     let mut c = proto::Cursor::new(payload);
     let handle = c.u64("a handle").map_err(|e| (Code::BadRequest, e))?;
@@ -183,7 +192,8 @@ pub(super) async fn data_op(conn: &std::rc::Rc<Conn>, op: Op, payload: &[u8]) ->
                     put_item(conn, &key, parts, tag, block_bytes).await
                 }
             });
-            let results: Vec<(i64, u8)> = futures::future::join_all(futures).await;
+            let in_flight = (BATCH_BYTES_IN_FLIGHT / block_bytes.max(1)).max(1) as usize;
+            let results: Vec<(i64, u8)> = futures::StreamExt::collect(futures::StreamExt::buffered(futures::stream::iter(futures), in_flight)).await;
             let cancelled = results.iter().filter(|(r, _)| *r == Code::Cancelled as i64).count() as u64;
             if cancelled > 0 {
                 conn.shared.items_cancelled.fetch_add(cancelled, Ordering::Relaxed);
