@@ -16,6 +16,7 @@ import pytest
 from conftest import block
 from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
 
+from kvtier import vllm_connector
 from kvtier._vllm_blocks import PagedBlocks
 from kvtier._vllm_plan import KvtierConnectorMetadata, Transfer
 from kvtier.testing import ServerProcess
@@ -65,6 +66,38 @@ def test_a_background_load_ends_off_the_forward_path_and_reports_its_failed_bloc
         assert [pages_of(c, b) for b in (0, 1, 4, 5)] == [block(0, BB), block(1, BB), block(10, BB), block(11, BB)]
         assert c.stats["background_loads"] == 2 and c.stats["loaded_blocks"] == 4
         assert c.stats["load_failed_blocks"] == 2
+        c.shutdown()
+
+
+def test_an_idle_step_waits_for_a_background_load_woken_when_it_ends(monkeypatch):
+    """A step that computes nothing waits for a background load in flight,
+    woken as it ends (else vLLM runs empty steps back to back, taking the
+    CPU the copy needs), at most ``IDLE_STEP_WAIT_S``; a step with work, or
+    an idle one with nothing in flight, does not wait."""
+    monkeypatch.setattr(vllm_connector, "IDLE_STEP_WAIT_S", 4.0)  # long enough to tell a wake-up from a timeout
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, loads="async")
+        hs = hashes(2)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
+        stop(s.pid)
+        c.bind_connector_metadata(KvtierConnectorMetadata(loads=[Transfer("r", 0, hs, [0, 1], background=True)]))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        began = time.monotonic()
+        assert c.get_finished(set()) == (None, None)  # a step with work
+        assert time.monotonic() - began < 0.5
+        c.clear_connector_metadata()
+        cont_after(s.pid, 0.3)
+        c.bind_connector_metadata(KvtierConnectorMetadata(idle=True))
+        began = time.monotonic()
+        assert c.get_finished(set()) == (None, {"r"})
+        assert 0.2 <= time.monotonic() - began < 3.0  # woken by the load's end, not the timeout
+        c.clear_connector_metadata()
+        assert [pages_of(c, b) for b in (0, 1)] == [block(0, BB), block(1, BB)]
+        c.bind_connector_metadata(KvtierConnectorMetadata(idle=True))
+        began = time.monotonic()
+        assert c.get_finished(set()) == (None, None)  # nothing in flight
+        assert time.monotonic() - began < 0.5
+        c.clear_connector_metadata()
         c.shutdown()
 
 

@@ -20,8 +20,9 @@ from conftest import block, start_on_same_port
 from kvtier._connector import ConnectorCore
 from kvtier._vllm_blocks import PagedBlocks
 from kvtier._vllm_groups import Group
+from kvtier._vllm_lookup import Lookups
 from kvtier._vllm_mover import BlockMover
-from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, Transfer
+from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
 from kvtier._vllm_verify import Digests, digest_of
 from kvtier.keys import Namespace
 from kvtier.testing import ServerProcess
@@ -46,7 +47,8 @@ def bare(url: str, *, digest: bool = False, ranks: int = 1, **settings: object) 
     )
     c.block_size, c._fingerprint, c._lookup_fingerprints = 4, fingerprints[0], [fingerprints]
     c._group_fingerprints, c.hybrid = [fingerprints[0]], False
-    c.lookup_timeout_s, c._core, c.stats = 0.05, core, core.stats
+    c._core, c.stats = core, core.stats
+    c._lookups = Lookups(core, settings.get("lookup_timeout_ms", 50), settings.get("lookup_give_up_ms", 300))
     c._requests, c._loads, c._reported, c._lock = {}, [], dict.fromkeys(STATS, 0), threading.Lock()
     c.loads, c.stores = str(settings.get("loads", "sync")), str(settings.get("stores", "async"))
     c._mover = BlockMover(
@@ -86,6 +88,15 @@ def step(c: KvtierConnector, loads: list[Transfer], stores: list[Transfer], stor
     c._mover.drain()  # type: ignore[union-attr]
 
 
+def ask(c: KvtierConnector, hs: list[bytes]) -> int:
+    """A new request's lookup answered as vLLM asks for it: again, each
+    step, while the connector answers ``None``."""
+    state = RequestState(None)  # type: ignore[arg-type]
+    while (hit := c._ask(hs, state)) is None:
+        pass
+    return hit
+
+
 def stop(pid: int) -> None:
     """SIGSTOP, and waits until every thread of ``pid`` is stopped (a thread
     running on another core finishes what it is doing first)."""
@@ -114,7 +125,7 @@ def test_each_rank_keys_its_own_slice_and_a_lookup_counts_blocks_every_rank_hold
         assert r0 != r1 and c.key_of(hs[0], r0) != c.key_of(hs[0], r1)
         c._core.client.put_many([(c.key_of(h, r0), block(i, BB)) for i, h in enumerate(hs)])
         c._core.client.put_many([(c.key_of(h, r1), block(i, BB)) for i, h in enumerate(hs[:2])])
-        assert c._ask(hs) == 2  # rank 1 holds two
+        assert ask(c, hs) == 2  # rank 1 holds two
         c._core.close()
 
 
@@ -167,31 +178,67 @@ def test_the_digest_refuses_another_blocks_bytes_under_a_real_key():
         c._core.close()
 
 
-def test_a_stopped_kvtier_costs_the_lookup_deadline_then_nothing_until_it_answers():
+def test_a_stopped_kvtier_costs_the_lookup_give_up_then_nothing_until_it_answers():
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
         c = bare(s.url, local="on")
         hs = hashes(2)
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
-        assert c._ask(hs) == 2
+        assert ask(c, hs) == 2
         stop(s.pid)
         try:
             started = time.monotonic()
-            assert c._ask(hs) == 0
-            assert time.monotonic() - started < c.lookup_timeout_s + 0.5
-            assert c.stats["lookup_timeouts"] == 1
+            assert ask(c, hs) == 0
+            assert c._lookups.give_up_s <= time.monotonic() - started < c._lookups.give_up_s + 0.5
+            assert c.stats["lookup_timeouts"] == 1 and c.stats["lookup_retries"] >= 1
             for _ in range(3):  # down: answered at once, nothing asked
                 started = time.monotonic()
-                assert c._ask(hs) == 0
+                assert ask(c, hs) == 0
                 assert time.monotonic() - started < 0.01
             step(c, [], [Transfer("r", 0, hs, [0, 1])], store=False)
             assert c.stats["store_dropped_blocks"] == 2
         finally:
             os.kill(s.pid, signal.SIGCONT)
         deadline = time.monotonic() + 15
-        while c._ask(hs) != 2:  # the probe finds it again
+        while ask(c, hs) != 2:  # the probe finds it again
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of SIGCONT"
             time.sleep(0.1)
         c._core.close()
+
+
+def test_a_lookup_slower_than_its_deadline_is_asked_again_and_keeps_its_hit():
+    """kvtier held still past ``lookup_timeout_ms`` but inside
+    ``lookup_give_up_ms`` (a cold or busy kvtier): vLLM is told to ask
+    again, the request keeps its hit, and kvtier is not taken for down (the
+    step's stores are made)."""
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, local="on", lookup_give_up_ms=5000)
+        hs = hashes(2)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
+        assert ask(c, hs) == 2
+        state = RequestState(None)  # type: ignore[arg-type]
+        stop(s.pid)
+        try:
+            assert c._ask(hs, state) is None  # past lookup_timeout_ms: ask again
+            assert c._ask(hs, state) is None
+        finally:
+            os.kill(s.pid, signal.SIGCONT)
+        while (hit := c._ask(hs, state)) is None:
+            pass
+        assert hit == 2
+        assert c.stats["lookup_timeouts"] == 0 and c.stats["lookup_retries"] >= 2
+        assert c._core.ready()  # the scheduler plans the step's stores
+        more = hashes(2, salt=1)
+        step(c, [], [Transfer("r", 0, more, [2, 3])], store=c._core.ready())
+        assert c.stats["store_dropped_blocks"] == 0 and ask(c, more) == 2
+        c._core.close()
+
+
+def test_lookup_deadlines_must_be_positive_numbers():
+    with pytest.raises(ValueError, match="lookup_timeout_ms must be positive"):
+        Lookups(None, 0, 500)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lookup_give_up_ms must be a number of milliseconds, got 'soon'"):
+        Lookups(None, 10, "soon")  # type: ignore[arg-type]
+    assert Lookups(None, 50, 10).give_up_s == 0.05  # type: ignore[arg-type]  # never below the per-ask wait
 
 
 def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
@@ -203,7 +250,7 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
         waits = []
         for _ in range(5):
             started = time.monotonic()
-            c._ask(hs)
+            ask(c, hs)
             step(c, [Transfer("r", 0, hs, [0, 1])], [])
             waits.append(time.monotonic() - started)
             time.sleep(0.1)
@@ -211,7 +258,7 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
         assert c.get_block_ids_with_load_errors() == {0, 1}
         start_on_same_port(s)
         deadline = time.monotonic() + 15
-        while c._ask(hs) != 2:
+        while ask(c, hs) != 2:
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of its restart"
             time.sleep(0.1)
         c._core.close()

@@ -29,6 +29,8 @@ SW_LAYERS, SW_GROUPS, SW_WINDOW_BLOCKS = 12, 6, 2
 #: A prompt's length in characters: about 3-4 blocks of the test model's
 #: tokenizer (trained on ShareGPT).
 PROMPT_CHARS = (1500, 2100)
+#: The tests' ``lookup_give_up_ms``: a request's wait for its lookup in all.
+LOOKUP_GIVE_UP_MS = 2000
 
 
 def _model(variable: str = "KVTIER_VLLM_MODEL") -> str:
@@ -64,10 +66,11 @@ def sharegpt_prompts(count: int, seed: int) -> list[str]:
 
 def connector(url: str, **settings: object) -> dict[str, object]:
     """The ``--kv-transfer-config`` of KvtierConnector in these tests:
-    failed loads recomputed, a short down window, and a lookup deadline of
-    a second and a call timeout of 20 s (three vLLMs share this machine's
-    two cores, so a call can wait for a core; the default deadline's effect
-    on TTFT is measured by ``clients/python/bench/bench_down.py``, not here)."""
+    failed loads recomputed, a short down window, the default lookup
+    deadline per ask (10 ms: three vLLMs share this machine's two cores, so
+    a lookup often outlasts it and vLLM asks again) given up after 2 s, and a
+    call timeout of 20 s (a call can wait for a core; the default deadline's
+    effect on TTFT is measured by ``clients/python/bench/bench_down.py``)."""
     return {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm_connector",
@@ -77,7 +80,7 @@ def connector(url: str, **settings: object) -> dict[str, object]:
             "url": url,
             "down_s": 0.5,
             "timeout_s": 20,
-            "lookup_timeout_ms": 1000,
+            "lookup_give_up_ms": LOOKUP_GIVE_UP_MS,
             **settings,
         },
     }

@@ -27,6 +27,7 @@ order. The paths, chosen once when kvtier first answers (:meth:`PagedBlocks.read
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import codes
 from ._connector import ConnectorCore
 from ._vllm_plan import ConfigurationError
-from .errors import CudaError, InvalidTagError, KvtierError, LeasesOffError, error_from_code
+from .errors import CudaError, InvalidTagError, KvtierConnectionError, KvtierError, LeasesOffError, error_from_code
 from .shm import SharedBuffer
 from .tag import TAG_TOKENS_MAX, BlockTag
 
@@ -102,8 +103,20 @@ class SharedAllocation(TorchDispatchMode):
             nbytes = count * torch.empty((), dtype=dtype).element_size()
             if (device is None or torch.device(device).type == "cpu") and nbytes >= SHARED_ALLOCATION_BYTES_MIN:
                 buffer = SharedBuffer(nbytes, name="kvtier-vllm-kv-cache")
+                tensor = buffer.torch().view(dtype).view(shape)  # a fresh memfd reads as zeros
+                # torch.zeros writes every page now. A memfd's pages would come on
+                # first touch instead: the kernel zeroing each inside a load, on
+                # kvtier's CPU (0.5 CPU-seconds a GiB here, docs/BENCHMARKS.md,
+                # issue 54). Reserve them (a clean error, not a SIGBUS, when memory
+                # is short), then write them as torch.zeros would.
+                try:
+                    os.posix_fallocate(buffer.fd, 0, nbytes)
+                except OSError:
+                    pass  # no room reserved: pages come on first touch, as before
+                else:
+                    tensor.zero_()
                 self.buffers.append(buffer)
-                return buffer.torch().view(dtype).view(shape)  # a fresh memfd reads as zeros
+                return tensor
         return func(*args, **kwargs)
 
 
@@ -414,3 +427,24 @@ class PagedBlocks:
                 torch.cuda.cudart().cudaHostUnregister(self.staging.ptr)
             self.staging.close()
             self.staging = None
+
+
+def require_socket(core: ConnectorCore) -> None:
+    """With ``local: on``, refuses to start when kvtier's same-host socket
+    refuses this process (a server that is down is asked again later).
+
+    Raises:
+        ConfigurationError: the socket refused the hello (the peer's uid, or
+            the token); the message names the uid and the flags.
+    """
+    try:
+        core.client.transport  # noqa: B018 - the hello happens here
+    except KvtierConnectionError:
+        return
+    except KvtierError as e:
+        core.close()
+        raise ConfigurationError(
+            f"kvtier at {core.url} refused this engine on its same-host socket ({e}); this vLLM runs as "
+            f"uid {os.getuid()}: start kvtier with --local-allow-uid {os.getuid()} (or run vLLM as kvtier's "
+            f"user, or give a tenant's token as token_file), or set local to auto to move blocks over HTTP"
+        ) from e

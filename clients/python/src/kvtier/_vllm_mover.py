@@ -100,6 +100,7 @@ class _Pending:
 
     stores: dict[str, int] = field(default_factory=dict)
     loaded: list[tuple[str, list[int]]] = field(default_factory=list)
+    loading: int = 0  # background loads started, not ended
 
 
 class BlockMover:
@@ -137,6 +138,7 @@ class BlockMover:
         self.layer_index: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-mover")
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a background load, or a request's last store, ended
         self._pending = _Pending()
         self._load_errors: set[int] = set()
         self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
@@ -164,6 +166,8 @@ class BlockMover:
                 background.setdefault(t.req_id, []).append(t)
         on_path = [t for t in meta.loads if not t.background]
         for transfers in background.values():  # one job per request: its groups' loads, reported together
+            with self._lock:
+                self._pending.loading += 1
             self._pool.submit(self._background_load, transfers, self._step())
         if not on_path:
             return
@@ -202,6 +206,8 @@ class BlockMover:
                 failed_blocks += transfer.block_ids[failed:]
         with self._lock:
             self._pending.loaded.append((transfers[0].req_id, failed_blocks))
+            self._pending.loading -= 1
+            self._ended.notify_all()
 
     def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None) -> None:
         try:
@@ -221,13 +227,14 @@ class BlockMover:
         blocks = self.groups[transfer.group]
         keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
         on_layer = layers.done if layers is not None else None
+        started = time.perf_counter_ns()
         if blocks.ready():
             results = blocks.move(keys, transfer.block_ids, load=True, layer_done=on_layer)
         else:
             results = [codes.CONNECTION_LOST] * len(keys)
         loaded = next((i for i, r in enumerate(results) if r < 0), len(results))
         loaded = self._verify(transfer, keys, loaded, step)
-        self.core.count(loaded_blocks=loaded)
+        self.core.count(loaded_blocks=loaded, load_us=(time.perf_counter_ns() - started) // 1000)
         if loaded == len(results):
             return None
         self.core.count(load_failed_blocks=len(results) - loaded)
@@ -340,6 +347,7 @@ class BlockMover:
                     self._pending.stores[transfer.req_id] = left
                 else:
                     del self._pending.stores[transfer.req_id]
+                    self._ended.notify_all()
 
     def preempt(self, preempted: list[str]) -> None:
         """Waits for the stores of ``preempted`` requests still in flight:
@@ -355,6 +363,18 @@ class BlockMover:
         self._pool.submit(lambda: None).result()
 
     # ------------------------------------------------------ completions
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """In a step with nothing to compute: waits at most ``timeout_s`` for
+        a background load or a finished request's stores to end, when one is
+        in flight and nothing is ready to report. Without it vLLM runs empty
+        steps back to back while a request waits for its load (about 600 a
+        second here), and those take the CPU the copy needs (docs/BENCHMARKS.md,
+        issue 54)."""
+        with self._lock:
+            waiting = self._pending.loading > 0 or any(r in self._pending.stores for r in self._awaiting)
+            if waiting and not self._pending.loaded:
+                self._ended.wait(timeout_s)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(sending, recving, failed)`` for vLLM's ``get_transfer_results``:

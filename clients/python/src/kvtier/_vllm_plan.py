@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
+    from ._vllm_lookup import PendingLookup
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,11 +42,17 @@ class ConfigurationError(ValueError):
     ``vllm serve`` exits with it."""
 
 
+#: A worker's longest wait for a background copy in a step with nothing to
+#: compute, seconds: the most it delays a request that arrives meanwhile.
+IDLE_STEP_WAIT_S = 0.005
+
 #: The counters of :attr:`KvtierConnector.stats` (worker and scheduler).
 STATS = (
     "lookups",
     "lookup_hit_blocks",
     "lookup_timeouts",
+    # Asks answered "ask again" while a lookup was in flight (_vllm_lookup).
+    "lookup_retries",
     "loaded_blocks",
     "load_failed_blocks",
     "stored_blocks",
@@ -68,6 +76,9 @@ STATS = (
     "worker_steps",
     "worker_us",
     "layer_wait_us",
+    # Wall time of the mover's loads, microseconds (the load's share of a
+    # hit's TTFT in make bench-engine).
+    "load_us",
 )
 
 
@@ -143,12 +154,15 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     scheduler finds kvtier down or too slow for its lookup deadline: the
     step's stores are then dropped (counted), never waited on.
     ``preempted``: the requests vLLM preempted in this step (their stores
-    in flight end before their blocks are reused)."""
+    in flight end before their blocks are reused). ``idle``: the step
+    computes nothing (the workers may wait a little for a copy to end:
+    :meth:`kvtier._vllm_mover.BlockMover.wait_idle`)."""
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     store: bool = True
     preempted: list[str] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass
@@ -186,6 +200,7 @@ class RequestState:
     request: Request
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     hit_blocks: int | None = None
+    lookup: PendingLookup | None = None  # in flight until hit_blocks is known
     local_tokens: int = 0
     stored_blocks: int = 0
     has_stores: bool = False

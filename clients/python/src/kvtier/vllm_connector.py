@@ -28,10 +28,11 @@ start (the message names the flag).
 
 **Scheduler side.** ``get_num_new_matched_tokens`` asks kvtier once per
 request how many leading blocks of the prompt it holds (``lookup`` of the
-whole chain) on the client's pool and waits for the answer at most
-``lookup_timeout_ms``: later, the request is a miss (and kvtier counts as
-down for ``down_s``; docs/BENCHMARKS.md, issue 54, has a cold kvtier
-overrunning the default). The prompt's last
+whole chain) on the client's pool, and waits for the answer at most
+``lookup_timeout_ms`` per ask: while it is in flight vLLM is told to ask
+again (it schedules the other requests meanwhile); past
+``lookup_give_up_ms`` in all the request is a miss and kvtier counts as down
+for ``down_s`` (:mod:`kvtier._vllm_lookup`). The prompt's last
 token is always computed (vLLM needs its logits). A hit is loaded into the
 blocks vLLM allocates for it; every full block a step computes that kvtier
 does not hold is stored after that step's forward.
@@ -101,8 +102,10 @@ key                   default                   meaning
 ``retries``           1                         new-connection retries after a reset
 ``down_s``            1                         after a connection failure, answer misses
                                                 for this long untried
-``lookup_timeout_ms`` 10                        the scheduler's wait for a lookup; then a
-                                                miss (and kvtier is down for ``down_s``)
+``lookup_timeout_ms`` 10                        the scheduler's wait for a lookup per ask;
+                                                then vLLM asks again next step
+``lookup_give_up_ms`` 100                       a request's wait for its lookup in all;
+                                                then a miss (kvtier down for ``down_s``)
 ``loads``             ``async``                 ``async``: off the forward path; ``layer``:
                                                 on it, waited for per layer; ``sync``:
                                                 before the forward; ``off``: never (the
@@ -125,9 +128,7 @@ key                   default                   meaning
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -141,10 +142,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ._connector import ConnectorCore
-from ._vllm_blocks import PagedBlocks, SharedAllocation
+from ._vllm_blocks import PagedBlocks, SharedAllocation, require_socket
 from ._vllm_groups import groups_of, load_transfers, lookup_hits, namespace_of, rank_namespaces, store_transfers
+from ._vllm_lookup import LOOKUP_GIVE_UP_MS, LOOKUP_TIMEOUT_MS, Lookups
 from ._vllm_mover import LOAD_MODES, STORE_MODES, BlockMover, mode_of
 from ._vllm_plan import (
+    IDLE_STEP_WAIT_S,
     STATS,
     ConfigurationError,
     KvtierConnectorMetadata,
@@ -156,7 +159,6 @@ from ._vllm_plan import (
     timed,
 )
 from ._vllm_verify import Digests, Oracle
-from .errors import KvtierConnectionError, KvtierError
 from .keys import block_id_hex
 from .shm import SharedBuffer
 
@@ -182,9 +184,6 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so that its messages reach vLLM's log (vLLM configures "vllm").
 logger = logging.getLogger("vllm.kvtier")
 
-#: The scheduler's default wait for a lookup, milliseconds (``lookup_timeout_ms``).
-LOOKUP_TIMEOUT_MS = 10.0
-
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for kvtier (module docstring): scheduler side
@@ -200,7 +199,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             ``block_bytes`` is not this engine's block (both named, with the
             ``--block-bytes`` to start kvtier with).
         OSError, ValueError: a bad setting (``token_file``, ``local``, a
-            number, ``lookup_timeout_ms`` not positive).
+            number, ``lookup_timeout_ms`` or ``lookup_give_up_ms`` not positive).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -217,9 +216,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._group_fingerprints = [
             namespace_of(vllm_config, kv_cache_config, model, rank=rank, group=g.index).fingerprint for g in self.groups
         ]
-        self.lookup_timeout_s = float(settings.get("lookup_timeout_ms", LOOKUP_TIMEOUT_MS)) / 1000.0
-        if not self.lookup_timeout_s > 0:
-            raise ValueError(f"lookup_timeout_ms must be positive, got {settings.get('lookup_timeout_ms')!r}")
         self.loads = mode_of(settings, "loads", LOAD_MODES)
         self.stores = mode_of(settings, "stores", STORE_MODES)
         if self.hybrid and self.loads not in ("async", "off"):
@@ -232,6 +228,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             settings, logger=logger, stats=STATS, outcome="a miss (vLLM recomputes)", background_probe=True
         )
         self.stats = self._core.stats
+        self._lookups = Lookups(
+            self._core,
+            settings.get("lookup_timeout_ms", LOOKUP_TIMEOUT_MS),
+            settings.get("lookup_give_up_ms", LOOKUP_GIVE_UP_MS),
+        )
         self._share_cache = flag(settings.get("kv_cache_shared", True))
         self._local = str(settings.get("local") or "auto")
         self._reported: dict[str, int] = dict.fromkeys(STATS, 0)
@@ -272,14 +273,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._core.ready()  # the probe learns whether kvtier answers before the first request
         logger.info(
             "kvtier connector (%s) at %s: blocks of %d tokens, KV cache groups %s, namespace %s (%s), lookup "
-            "deadline %.0f ms, loads %s, stores %s, digest %s, load failures: %s",
+            "deadline %g ms per ask, %g ms in all, loads %s, stores %s, digest %s, load failures: %s",
             role.name.lower(),
             self._core.url,
             self.block_size,
             ", ".join(f"{g.kind} x{len(g.layer_names)}" for g in self.groups),
             self._fingerprint,
             self.namespace.extra,
-            self.lookup_timeout_s * 1000,
+            self._lookups.timeout_s * 1000,
+            self._lookups.give_up_s * 1000,
             self.loads,
             self.stores,
             "on" if digests is not None else "off",
@@ -300,11 +302,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     @timed("scheduler_us")
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens beyond ``num_computed_tokens`` whose blocks every
-        rank holds in kvtier, ``(tokens, False)`` (loaded before the forward
-        that needs them). Waits for kvtier's answer at most
-        ``lookup_timeout_ms``, once per request; no answer by then, or kvtier
-        not known to answer, is no hit. Whole blocks only, and never the
-        prompt's last token."""
+        rank holds in kvtier, and whether they load in the background
+        (``loads: async``; else before the forward that needs them).
+        ``(None, False)`` while the request's lookup is in flight (vLLM asks
+        again next step; :mod:`kvtier._vllm_lookup`); no answer within
+        ``lookup_give_up_ms``, or kvtier not known to answer, is no hit.
+        Whole blocks only, and never the prompt's last token."""
         state = self._requests.setdefault(request.request_id, RequestState(request))
         if self.loads == "off":
             state.local_tokens = num_computed_tokens
@@ -314,30 +317,26 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if state.hit_blocks is None:
             if limit_blocks * self.block_size <= num_computed_tokens:
                 return 0, False  # vLLM holds every block kvtier could
-            state.hit_blocks = self._ask(request.block_hashes[:limit_blocks])
+            state.hit_blocks = self._ask(request.block_hashes[:limit_blocks], state)
+            if state.hit_blocks is None:
+                return None, False  # the lookup is in flight: vLLM asks again next step
         hit_tokens = min(state.hit_blocks, limit_blocks) * self.block_size
         tokens = max(0, hit_tokens - num_computed_tokens)
         return tokens, tokens > 0 and self.loads == "async"
 
-    def _ask(self, hashes: list[bytes]) -> int:
-        """The leading blocks of ``hashes`` every rank holds: the lookup on
-        the client's pool, waited for at most the deadline."""
-        if not self._core.ready():
-            return 0
-        groups = self._lookup_fingerprints or [[self._fingerprint]]
-        keys = [self.key_of(h, fp) for h in hashes for ranks in groups for fp in ranks]
-        try:
-            lookup = self._core.client.executor().submit(
-                lookup_hits, self._core, keys, self.groups, len(groups[0]), len(hashes)
+    def _ask(self, hashes: list[bytes], state: RequestState) -> int | None:
+        """The leading blocks of ``hashes`` every rank holds: the request's
+        lookup (started on the first ask), or ``None``: ask again
+        (:mod:`kvtier._vllm_lookup`)."""
+        if state.lookup is None:
+            groups = self._lookup_fingerprints or [[self._fingerprint]]
+            keys = [self.key_of(h, fp) for h in hashes for ranks in groups for fp in ranks]
+            state.lookup = self._lookups.start(
+                lambda: lookup_hits(self._core, keys, self.groups, len(groups[0]), len(hashes))
             )
-        except RuntimeError:  # the client is closed
-            return 0
-        try:
-            return int(lookup.result(timeout=self.lookup_timeout_s))
-        except FutureTimeout:
-            self._core.count(lookup_timeouts=1)
-            self._core.mark_down("lookup", f"no lookup answer within lookup_timeout_ms {self.lookup_timeout_s * 1e3:g}")
-            return 0
+            if state.lookup is None:
+                return 0
+        return self._lookups.answer(state.lookup)
 
     @timed("scheduler_us")
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -360,7 +359,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         stores (every full block the step computes that kvtier does not hold
         yet, once), and whether to make the stores (kvtier not known down)."""
         self._core.count(scheduler_steps=1)
-        meta = KvtierConnectorMetadata(store=self._core.ready())
+        meta = KvtierConnectorMetadata(store=self._core.ready(), idle=scheduler_output.total_num_scheduled_tokens == 0)
         meta.loads, self._loads = self._loads, []
         meta.preempted = list(scheduler_output.preempted_req_ids or ())
         scheduled = scheduler_output.num_scheduled_tokens
@@ -478,7 +477,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             remedy="serve vLLM with a --block-size that makes its blocks this size",
         )
         if self._local == "on":
-            self._require_socket()
+            require_socket(self._core)
         self._blocks = blocks
         assert self._mover is not None
         self._mover.register(groups, list(kv_caches))
@@ -491,26 +490,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             block_bytes,
             bool(self._shared),
         )
-
-    def _require_socket(self) -> None:
-        """With ``local: on``, refuses to start when kvtier's same-host socket
-        refuses this process (a server that is down is asked again later).
-
-        Raises:
-            ConfigurationError: the socket refused the hello (the peer's uid,
-                or the token); the message names the uid and the flags.
-        """
-        try:
-            self._core.client.transport  # noqa: B018 - the hello happens here
-        except KvtierConnectionError:
-            return
-        except KvtierError as e:
-            self._core.close()
-            raise ConfigurationError(
-                f"kvtier at {self._core.url} refused this engine on its same-host socket ({e}); this vLLM runs as "
-                f"uid {os.getuid()}: start kvtier with --local-allow-uid {os.getuid()} (or run vLLM as kvtier's "
-                f"user, or give a tenant's token as token_file), or set local to auto to move blocks over HTTP"
-            ) from e
 
     @timed("worker_us")
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -562,13 +541,22 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
-    @timed("worker_us")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished`, and for a hybrid model the requests whose
         load failed (``failed_recving``: vLLM recomputes them whole; it takes
-        no block failures with more than one KV cache group)."""
+        no block failures with more than one KV cache group). In a step that
+        computes nothing, first waits up to ``IDLE_STEP_WAIT_S`` for a
+        background copy to end (not counted in ``worker_us``)."""
         if self._mover is None:
             return KVConnectorTransferResults()
+        meta = getattr(self, "_connector_metadata", None)
+        if isinstance(meta, KvtierConnectorMetadata) and meta.idle:
+            self._mover.wait_idle(IDLE_STEP_WAIT_S)
+        return self._transfer_results(finished_req_ids)
+
+    @timed("worker_us")
+    def _transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._mover is not None
         sending, recving, failed = self._mover.finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
