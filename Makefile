@@ -146,7 +146,7 @@ python-env: target/py-vllm/.client target/py-sglang/.client target/py-s3/.instal
 # Every Python test runs against the debug kvtier that cargo test built.
 PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen \
   KVTIER_ROUTER_PYTHON=$(CURDIR)/target/py-router/bin/python
-PYTEST = -m pytest -p no:cacheprovider -q
+PYTEST = -m pytest -p no:cacheprovider -q --durations=8
 
 # Lint, then the client and the LMCache plugin (in vLLM's virtualenv, which
 # also has ruff); then each engine's connector.

@@ -28,7 +28,9 @@ Phases:
 3. ``interference``: ``--streams`` requests decoding while ``--loaders``
    requests with a ``--prefix-tokens`` prefix held in kvtier arrive; the
    decoding streams' inter-token latency p50/p99, for ``kvtier-sync``,
-   ``kvtier-layer`` and ``kvtier`` (asynchronous), and with no loaders.
+   ``kvtier-layer`` and ``kvtier`` (asynchronous), with no loaders, and with
+   the loaders' prefixes in vLLM's own cache (``own``: their last block
+   computed, nothing loaded).
 4. ``overhead``: ``--running`` requests at once on ``kvtier``; the
    connector's own time per scheduler and per worker step (its counters
    ``scheduler_us``, ``worker_us``, ``*_steps`` from vLLM's log) against the
@@ -81,6 +83,10 @@ def texts(path: Path, tokenizer: Any, tokens: int, count: int, skip: int = 0) ->
             if len(out) == count:
                 return out
     raise SystemExit(f"bench-engine: ShareGPT ran out before {count} prompts of {tokens} tokens")
+
+
+#: Every contender (module docstring).
+CONTENDERS = ("reference", "example", "kvtier", "kvtier-layer", "kvtier-sync")
 
 
 def connector_counters(log: Path, since: int) -> dict[str, int]:
@@ -183,8 +189,25 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
                 engine.reset_prefix_cache()
                 drop_caches()
                 got = stream(engine.url, prompt, 1)
-                figures.setdefault(name, {}).setdefault(f"ttft_s_{len(prompt)}", []).append(got["ttft_s"])
-                print(f"bench-engine: prefix round {rnd} {name} {len(prompt)}: {got['ttft_s']:.2f} s", file=sys.stderr)
+                # The same prompt again, from vLLM's own prefix cache: the last
+                # block's prefill alone, the floor under every contender's TTFT.
+                own = stream(engine.url, prompt, 1)
+                figs = figures.setdefault(name, {})
+                figs.setdefault(f"ttft_s_{len(prompt)}", []).append(got["ttft_s"])
+                figs.setdefault(f"own_hit_ttft_s_{len(prompt)}", []).append(own["ttft_s"])
+                print(
+                    f"bench-engine: {time.strftime('%H:%M:%S')} prefix round {rnd} {name} {len(prompt)}: "
+                    f"{got['ttft_s']:.2f} s "
+                    f"(vLLM's own hit {own['ttft_s']:.2f} s)",
+                    file=sys.stderr,
+                )
+    for name, engine in fleet.engines.items():  # kvtier's loads: wall time in its mover (counter load_us)
+        if name == "kvtier":
+            time.sleep(11)  # vLLM logs its counters every 10 s
+            c = connector_counters(engine.log, 0)
+            gib = c.get("loaded_blocks", 0) * args.block_bytes / 2**30
+            figures[name]["mover_load_s_per_gib"] = [c.get("load_us", 0) / 1e6 / max(gib, 1e-9)]
+            print(f"bench-engine: prefix kvtier counters {c}", file=sys.stderr)
     return figures
 
 
@@ -241,12 +264,16 @@ def interference_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[lis
     figures: Figures = {}
     loaders = prompts[: args.loaders]
     for prompt in loaders:  # in kvtier (the three contenders share it)
-        stream(fleet.engines["kvtier"].url, prompt, 1)
+        stream(next(iter(fleet.engines.values())).url, prompt, 1)
     for rnd in range(args.rounds):
         for name, engine in fleet.engines.items():
-            for label, load in (("none", []), ("loads", loaders)):
-                engine.reset_prefix_cache()
-                drop_caches()
+            # "own": the same loaders again, their prefixes now in vLLM's own
+            # cache: only their last block computed, nothing loaded, the
+            # floor under what any load can give the streams.
+            for label, load in (("none", []), ("loads", loaders), ("own", loaders)):
+                if label != "own":
+                    engine.reset_prefix_cache()
+                    drop_caches()
                 gaps = decoding_under_loads(args, engine.url, load)
                 key = f"{name}/{label}"
                 figures.setdefault(key, {}).setdefault("itl_s_p50", []).append(pct(gaps, 0.5))
@@ -308,6 +335,12 @@ def goals(s: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, float,
     if "kvtier" in prefix and "example" in prefix:
         ratio = prefix["example"][big]["median"] / prefix["kvtier"][big]["median"]
         out.append((f"{big}: ExampleConnector / kvtier >= 2", ratio, ratio >= 2))
+        own = f"own_hit_{big}"
+        if own in prefix["kvtier"] and own in prefix["example"]:  # where the time goes: the load alone
+            ratio = (prefix["example"][big]["median"] - prefix["example"][own]["median"]) / max(
+                1e-9, prefix["kvtier"][big]["median"] - prefix["kvtier"][own]["median"]
+            )
+            out.append((f"{big} beyond vLLM's own hit (the load): ExampleConnector / kvtier >= 2", ratio, ratio >= 2))
     inter = s.get("interference", {})
     if "kvtier/loads" in inter:
         p99 = inter["kvtier/loads"]["itl_s_p99"]["median"]
@@ -316,6 +349,9 @@ def goals(s: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, float,
         if "kvtier-sync/loads" in inter:
             ratio = p99 / inter["kvtier-sync/loads"]["itl_s_p99"]["median"]
             out.append(("ITL p99 under loads, async / sync <= 0.5", ratio, ratio <= 0.5))
+        if "kvtier/own" in inter:  # where the time goes: the loaders' own last block, nothing loaded
+            ratio = p99 / inter["kvtier/own"]["itl_s_p99"]["median"]
+            out.append(("ITL p99 under loads / under vLLM's own hits (async; breakdown) <= 1.5", ratio, ratio <= 1.5))
     over = s.get("overhead", {}).get("kvtier")
     if over:
         share = over["connector_share"]["median"]
@@ -343,6 +379,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("target/bench/engine"))
     ap.add_argument("--phases", default="prefix,multiturn,interference,overhead")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, contenders alternated in each")
+    ap.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="the contenders to start (the phases skip the others): " + ", ".join(CONTENDERS),
+    )
     ap.add_argument("--prefix-tokens", default="4096,8192", help="lengths of the repeated prefixes")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
@@ -374,7 +415,7 @@ def main() -> None:
     prefixes = [texts(args.sharegpt, tokenizer, n, 1, skip=i * 500)[0] for i, n in enumerate(args.prefix_tokens)]
     figures: dict[str, Figures] = {}
     if "prefix" in phases or "multiturn" in phases:
-        with Fleet(args, ["reference", "example", "kvtier"]) as fleet:
+        with Fleet(args, chosen(args, ["reference", "example", "kvtier"])) as fleet:
             if "prefix" in phases:
                 figures["prefix"] = prefix_phase(args, fleet, prefixes)
                 report(args, figures)
@@ -383,14 +424,26 @@ def main() -> None:
                 figures["multiturn"] = multiturn_phase(args, fleet, convs)
                 report(args, figures)
     if "interference" in phases or "overhead" in phases:
-        with Fleet(args, ["kvtier", "kvtier-layer", "kvtier-sync"]) as fleet:
+        with Fleet(args, chosen(args, ["kvtier", "kvtier-layer", "kvtier-sync"])) as fleet:
             if "interference" in phases:
                 loaders = texts(args.sharegpt, tokenizer, max(args.prefix_tokens), args.loaders, skip=2000)
                 figures["interference"] = interference_phase(args, fleet, loaders)
                 report(args, figures)
-            if "overhead" in phases:
+            if "overhead" in phases and "kvtier" in fleet.engines:
                 figures["overhead"] = overhead_phase(args, fleet)
     print(report(args, figures))
+
+
+def chosen(args: argparse.Namespace, names: list[str]) -> list[str]:
+    """``names`` that ``--contenders`` keeps.
+
+    Raises:
+        SystemExit: ``--contenders`` names one that does not exist."""
+    wanted = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(wanted) - set(CONTENDERS))
+    if unknown:
+        raise SystemExit(f"--contenders: no contender {', '.join(unknown)}; they are {', '.join(CONTENDERS)}")
+    return [n for n in names if n in wanted]
 
 
 def report(args: argparse.Namespace, figures: dict[str, Figures]) -> str:
