@@ -21,6 +21,7 @@
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
 #   make bench-engine  KvtierConnector under a real `vllm serve` at Llama-3-8B's KV geometry: TTFT from the log vs recompute and ExampleConnector, ITL under loads, connector time per step (target/bench/engine/)
 #   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
+#   make bench-load-path      a prefix load on kvtier's side: 63 x 16 MiB from the log, GB/s and server CPU-s/GiB beside dd (root)
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
@@ -47,7 +48,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -290,6 +291,15 @@ bench-engine: build target/py-vllm/.client $(VLLM_MODEL_8B)/kvtier-model.json | 
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_serving.py --model $(CURDIR)/$(VLLM_MODEL_8B) \
 	  --out target/bench/engine --sharegpt "$(SHAREGPT_JSON)" $(BENCH_ENGINE_ARGS)
+
+# A prefix load on kvtier's side: 63 x 16 MiB blocks from the log into
+# registered memory over the socket, page cache dropped, beside dd O_DIRECT of
+# the same bytes; GB/s and the server's CPU-s per GiB (root). BENCH_LOAD_ARGS
+# e.g. "--fresh" (pages never touched before).
+BENCH_LOAD_ARGS ?=
+bench-load-path: build target/py-vllm/.client
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  target/py-vllm/bin/python clients/python/bench/bench_load_path.py $(BENCH_LOAD_ARGS)
 
 # The replay of issue 45's bench-engine, at the test model's 2 MiB blocks:
 # ShareGPT turns once per contender (no connector, ExampleConnector, kvtier
