@@ -711,3 +711,30 @@ def test_async_client_over_the_socket(server):
             assert await c.get_many(["async-1", "async-none"]) == [block(110), None]
 
     asyncio.run(main())
+
+
+def test_a_batch_past_its_in_flight_bound_answers_every_item_in_order():
+    """A batch keeps at most 128 MiB of blocks in flight (docs/LOCAL.md): 10
+    blocks of 32 MiB run four at a time, and each item's answer and bytes
+    are still its own, a missing key (answered first) included."""
+    bb = 32 << 20
+    n = 10
+    missing = 1  # its answer comes before its neighbours'
+    with ServerProcess(block_bytes=bb, ram_gb=0.0625, disk_gb=1) as s, kvtier.Client(s.unix_url) as c:
+        sb = kvtier.SharedBuffer(2 * n * bb)
+        arr = sb.numpy()
+        for i in range(n):
+            arr[i * bb : (i + 1) * bb] = np.frombuffer(block(40 + i, bb), dtype=np.uint8)
+        assert c.register_buffer(sb.ptr, sb.nbytes) == 0
+        keys = [f"fl-{i}" for i in range(n)]
+        stored = [k for i, k in enumerate(keys) if i != missing]
+        sources = [sb.ptr + i * bb for i in range(n) if i != missing]
+        assert c.batch_put_from(stored, sources, [bb] * (n - 1)) == [0] * (n - 1)
+        targets = [sb.ptr + (n + i) * bb for i in range(n)]
+        got = c.batch_get_into(keys, targets, [bb] * n)
+        assert got == [codes.NOT_FOUND if i == missing else bb for i in range(n)]
+        for i in range(n):
+            if i != missing:
+                assert arr[(n + i) * bb : (n + i + 1) * bb].tobytes() == block(40 + i, bb), f"block {i}"
+        assert c.unregister_buffer(sb.ptr) == 0
+        sb.close()
