@@ -193,7 +193,8 @@ pub(super) async fn data_op(conn: &std::rc::Rc<Conn>, op: Op, payload: &[u8]) ->
                 }
             });
             let in_flight = (BATCH_BYTES_IN_FLIGHT / block_bytes.max(1)).max(1) as usize;
-            let results: Vec<(i64, u8)> = futures::StreamExt::collect(futures::StreamExt::buffered(futures::stream::iter(futures), in_flight)).await;
+            let results: Vec<(i64, u8)> =
+                futures::StreamExt::collect(futures::StreamExt::buffered(futures::stream::iter(futures), in_flight)).await;
             let cancelled = results.iter().filter(|(r, _)| *r == Code::Cancelled as i64).count() as u64;
             if cancelled > 0 {
                 conn.shared.items_cancelled.fetch_add(cancelled, Ordering::Relaxed);
