@@ -21,17 +21,13 @@ import statistics
 import subprocess
 import time
 
+from bench_serving import drop_caches  # bench/ is on sys.path
+
 from kvtier import Client
 from kvtier.shm import SharedBuffer
 from kvtier.testing import ServerProcess
 
 SPANS = 32  # one page per layer, as vLLM's layer-major cache at Llama-3-8B's geometry
-
-
-def drop_caches() -> None:
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def cpu_s(pid: int) -> float:
