@@ -452,6 +452,22 @@ def test_a_tenant_s_connection_cannot_lease(tmp_path):
             assert c.get("f-0") == block(70)
 
 
+def test_a_default_server_offers_leases_out_of_the_box():
+    """No ``--ram-shared``: the RAM tier is shared memory even where shared
+    memory gets no huge pages (``shmem_enabled`` ``never``, the kernel's
+    default and this machine's), so Mooncake's ``get_buffer`` is a lease."""
+    with ServerProcess(block_bytes=BB, ram_gb=RAM_GB) as s:
+        assert "--ram-shared" not in s.argv
+        with kvtier.Client(s.unix_url, timeout_s=30) as c:
+            c.put("d-0", block(81))
+            assert c.server_info["leases"]["offered"] is True, c.server_info["leases"]
+            handle = c.get_buffer("d-0")
+            assert handle is not None and handle.leased
+            assert bytes(handle.memoryview) == block(81) and handle.valid()
+            handle.release()
+            assert next(t["shared"] for t in c.stats()["tiers"] if t["tier"] == "ram") is True
+
+
 def test_ram_shared_off_offers_no_leases():
     with ServerProcess(block_bytes=BB, ram_gb=RAM_GB, args=("--ram-shared", "off")) as s:
         with kvtier.Client(s.unix_url, timeout_s=30) as c:

@@ -45,9 +45,11 @@ pub enum RamShared {
     /// Shared when that keeps the pages the tier has unshared: reserved
     /// huge pages, or transparent huge pages where shared memory gets them
     /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled` not `never`).
-    #[default]
     Auto,
-    /// Always shared (4 KiB pages where shared memory gets no huge pages).
+    /// Always shared (4 KiB pages where shared memory gets no huge pages):
+    /// the default, as GET_INTO from a 4 KiB-page arena measured 0.98-0.99x
+    /// the huge-page one, within noise (docs/BENCHMARKS.md, "Leases").
+    #[default]
     On,
     /// Never shared: anonymous memory, no leases.
     Off,

@@ -32,7 +32,7 @@ impl Shard {
         match &self.ram {
             None => Err("there is no RAM tier (--ram-gb 0)".into()),
             Some(ram) if !ram.borrow().arena().is_shared() => Err(
-                "the RAM tier is not shared with clients (--ram-shared off, or auto where shared memory gets no huge pages: /sys/kernel/mm/transparent_hugepage/shmem_enabled is never)"
+                "the RAM tier is not shared with clients (--ram-shared off, or auto where shared memory gets no huge pages: /sys/kernel/mm/transparent_hugepage/shmem_enabled is never; --ram-shared on shares it)"
                     .into(),
             ),
             Some(_) => Ok(()),

@@ -177,12 +177,14 @@ pub(crate) struct StoreArgs {
     pub(crate) ram_gb: f64,
     /// Whether the RAM tier's memory is a sealed memory file that clients on
     /// the local socket map read-only, to read leased blocks in place
-    /// (docs/LOCAL.md, "Leases"). auto: when that keeps the huge pages the
-    /// tier would have unshared (reserved huge pages, or shared memory with
-    /// transparent huge pages: /sys/kernel/mm/transparent_hugepage/
-    /// shmem_enabled not never); on: always (4 KiB pages where shared
-    /// memory gets no huge pages); off: never (no leases).
-    #[arg(long, value_enum, default_value_t = RamSharedArg::Auto)]
+    /// (docs/LOCAL.md, "Leases"). on (the default): always, with 4 KiB pages
+    /// where shared memory gets no huge pages (/sys/kernel/mm/
+    /// transparent_hugepage/shmem_enabled never, the kernel's default),
+    /// measured to cost GET_INTO no more than noise (docs/BENCHMARKS.md);
+    /// auto: only when that keeps the huge pages the tier would have
+    /// unshared (reserved huge pages, or shmem_enabled not never); off: never
+    /// (no leases; anonymous memory).
+    #[arg(long, value_enum, default_value_t = RamSharedArg::On)]
     pub(crate) ram_shared: RamSharedArg,
     /// on: each shard keeps a table of the blocks its GPU, RAM and NVMe tiers
     /// hold, in shared memory that clients on the local socket map

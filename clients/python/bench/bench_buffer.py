@@ -1,0 +1,111 @@
+"""Mooncake's ``batch_get_buffer`` against ``batch_get_into`` on a default
+``kvtier serve``, beside the same server with the previous default
+(``--ram-shared auto``, which shares the RAM tier only where shared memory
+gets huge pages) and with ``--ram-shared off``, in one run.
+
+Each server holds ``--blocks`` blocks of ``--block-bytes`` (default 32 of
+16 MiB, in a 1 GiB RAM tier: every read is a RAM hit) and is read over the
+same-host socket in batches of ``--batch`` keys, the two calls alternated for
+``--rounds`` rounds of ``--seconds`` each:
+
+- ``batch_get_buffer``: the handles, then each released (a lease, or a copy
+  where the server offers none); GB/s is block bytes made readable per second;
+- ``batch_get_into``: the blocks copied by the server into one registered
+  ``SharedBuffer`` (the one-copy path).
+
+Prints per server the medians, their ratio, and whether the handles were
+leases: ``make bench-buffer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kvtier import Client
+from kvtier.shm import SharedBuffer
+from kvtier.testing import ServerProcess
+
+SERVERS = {
+    "default": (),
+    "auto (previous default)": ("--ram-shared", "auto"),
+    "off": ("--ram-shared", "off"),
+}
+
+
+def rate(call: object, nbytes: int, seconds: float) -> float:
+    """GB/s of ``call()`` run back to back for ``seconds``, each moving ``nbytes``."""
+    done, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds or done == 0:
+        call()  # type: ignore[operator]
+        done += 1
+    return done * nbytes / elapsed / 1e9
+
+
+def measure(args: argparse.Namespace, name: str, extra: tuple[str, ...]) -> dict[str, object]:
+    bb, n = args.block_bytes, args.blocks
+    with ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * n * bb / 2**30 + 1, args=extra) as srv:
+        with Client(srv.unix_url, timeout_s=60) as client:
+            keys = [f"buffer-{i}" for i in range(n)]
+            for i, key in enumerate(keys):
+                client.put(key, bytes([i % 251]) * bb)
+            room = SharedBuffer(args.batch * bb)
+            if client.register_buffer(room) != 0:
+                raise SystemExit("registering the buffer failed")
+            batches = [keys[i : i + args.batch] for i in range(0, n - args.batch + 1, args.batch)]
+            ptrs = [room.ptr + j * bb for j in range(args.batch)]
+            turn = [0]
+
+            def batch() -> list[str]:
+                turn[0] += 1
+                return batches[turn[0] % len(batches)]
+
+            def get_buffer() -> None:
+                handles = client.batch_get_buffer(batch())
+                if any(h is None for h in handles):
+                    raise SystemExit(f"{name}: batch_get_buffer missed a block")
+                for h in handles:
+                    h.release()  # type: ignore[union-attr]
+
+            def get_into() -> None:
+                got = client.batch_get_into(batch(), ptrs, [bb] * args.batch)
+                if any(r != bb for r in got):
+                    raise SystemExit(f"{name}: batch_get_into failed: {sorted(set(got))}")
+
+            leased = all(h is not None and h.leased for h in client.batch_get_buffer(batches[0]))
+            nbytes = args.batch * bb
+            buffer_gbps, into_gbps = [], []
+            for _ in range(args.rounds):
+                buffer_gbps.append(rate(get_buffer, nbytes, args.seconds))
+                into_gbps.append(rate(get_into, nbytes, args.seconds))
+            client.unregister_buffer(room)
+    b, i = statistics.median(buffer_gbps), statistics.median(into_gbps)
+    row = {"server": name, "leased": leased, "buffer": b, "into": i, "ratio": b / i}
+    row["ratios"] = [x / y for x, y in zip(buffer_gbps, into_gbps, strict=True)]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--block-bytes", type=int, default=16 << 20)
+    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ram-gb", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=1.0)
+    args = ap.parse_args()
+    rows = [measure(args, name, extra) for name, extra in SERVERS.items()]
+    print(f"\n{args.batch} x {args.block_bytes} B per batch, same-host socket, RAM tier hits, medians of {args.rounds}")
+    print("| server | handles | batch_get_buffer GB/s | batch_get_into GB/s | buffer/into (range) |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        lo, hi = min(r["ratios"]), max(r["ratios"])  # type: ignore[type-var, arg-type]
+        print(
+            f"| {r['server']} | {'leases' if r['leased'] else 'copies'} | {r['buffer']:.2f} | {r['into']:.2f} "
+            f"| **{r['ratio']:.2f}x** ({lo:.2f}-{hi:.2f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()
