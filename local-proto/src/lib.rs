@@ -272,6 +272,9 @@ impl Code {
 mod frame;
 mod lease;
 mod payload;
+/// The shared index's table layout and its reader (a module of its own:
+/// its `HEADER_BYTES` is the table's, not a frame's).
+pub mod presence;
 
 pub use frame::*;
 pub use lease::*;

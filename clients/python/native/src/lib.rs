@@ -1,0 +1,92 @@
+//! `kvtier._native`: the Python package's binding of `kvtier-client`
+//! (PyO3; built by maturin from `clients/python/pyproject.toml`). Python
+//! keeps the connection and its state; the hot loops run here, with the GIL
+//! released while they run.
+
+use std::os::fd::BorrowedFd;
+
+use kvtier_client::{SharedIndex, Table};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+/// The presence tables of one server process's shards, mapped read-only
+/// (docs/LOCAL.md, "The shared index").
+///
+/// ``IndexTables(tables)``: ``tables`` is, per shard in order, ``(fd,
+/// file_bytes, buckets)`` as ``MAP_INDEX`` answered; each is mapped (the
+/// descriptors may be closed afterwards) and its header checked.
+///
+/// Raises:
+///     ValueError: a table is not a version-1 presence table of ``buckets``
+///         buckets, is shorter than ``file_bytes``, or is not the shard of
+///         its place.
+///     OSError: ``mmap`` failed.
+#[pyclass(module = "kvtier._native", frozen)]
+struct IndexTables {
+    index: SharedIndex,
+}
+
+#[pymethods]
+impl IndexTables {
+    #[new]
+    fn new(tables: Vec<(i32, u64, u32)>) -> PyResult<IndexTables> {
+        let mut mapped = Vec::with_capacity(tables.len());
+        for (fd, file_bytes, buckets) in tables {
+            if fd < 0 {
+                return Err(PyValueError::new_err(format!("bad descriptor {fd}")));
+            }
+            // SAFETY: the caller's open descriptor, only borrowed for the map.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let table = Table::map(fd, file_bytes).map_err(index_error)?;
+            if table.reader().buckets() != buckets {
+                let mapped_buckets = table.reader().buckets();
+                return Err(PyValueError::new_err(format!("presence table of {mapped_buckets} buckets, MAP_INDEX said {buckets}")));
+            }
+            mapped.push(table);
+        }
+        let index = SharedIndex::new(mapped).map_err(index_error)?;
+        Ok(IndexTables { index })
+    }
+
+    /// Shards (tables).
+    #[getter]
+    fn shards(&self) -> usize {
+        self.index.shards()
+    }
+
+    /// Whether a table overflowed (it no longer lists every block).
+    fn overflowed(&self) -> bool {
+        self.index.overflowed()
+    }
+
+    /// Per key (``str``) the wire number of the fastest local tier listed
+    /// for it (1 gpu, 2 ram, 3 nvme; 0 none), or ``None`` when the index
+    /// cannot answer for all of them (a table overflowed, a bucket stayed
+    /// busy): then ask the server.
+    ///
+    /// Raises:
+    ///     TypeError: a key is not a ``str``.
+    fn tiers(&self, py: Python<'_>, keys: Vec<Bound<'_, PyString>>) -> PyResult<Option<Vec<u8>>> {
+        let mut bytes: Vec<&[u8]> = Vec::with_capacity(keys.len());
+        let texts: Vec<_> = keys.iter().map(|k| k.to_str()).collect::<PyResult<_>>()?;
+        bytes.extend(texts.iter().map(|t| t.as_bytes()));
+        let mut out = Vec::with_capacity(bytes.len());
+        let answered = py.detach(|| self.index.tiers(bytes.iter().copied(), &mut out));
+        Ok(answered.then_some(out))
+    }
+}
+
+fn index_error(e: kvtier_client::IndexError) -> PyErr {
+    match e {
+        kvtier_client::IndexError::Map(io) => PyOSError::new_err(format!("mapping a presence table: {io}")),
+        other => PyValueError::new_err(other.to_string()),
+    }
+}
+
+/// kvtier's native core (module docs).
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<IndexTables>()?;
+    Ok(())
+}
