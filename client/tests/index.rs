@@ -87,7 +87,7 @@ fn a_probe_racing_the_writer_never_sees_another_key_s_tiers() {
                 for n in 1..6 {
                     table.set(&h(n), PresenceTier::Gpu, true);
                 }
-                table.set(&watched, PresenceTier::Nvme, round % 2 == 0);
+                table.set(&watched, PresenceTier::Nvme, round.is_multiple_of(2));
                 for n in 1..6 {
                     table.set(&h(n), PresenceTier::Gpu, false);
                 }
