@@ -1,14 +1,14 @@
 //! The shared index read in the client (docs/LOCAL.md, "The shared
-//! index"): each shard's presence table, mapped read-only from the
+//! index"): each shard's index table, mapped read-only from the
 //! descriptor `MAP_INDEX` hands over, probed with the reader of
-//! `kvtier_local_proto::presence` (acquire loads under each bucket's
+//! `kvtier_local_proto::shared_index` (acquire loads under each bucket's
 //! seqlock, so the answers hold on arm64 as on x86-64). A key's block hash
 //! is xxh3-128 of its bytes, its shard the hash mod the shard count, as the
 //! server's (`engine/src/key.rs`).
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use kvtier_local_proto::presence::{fastest_tier, LayoutError, Probe, Reader};
+use kvtier_local_proto::shared_index::{fastest_tier, LayoutError, Probe, Reader};
 
 /// Why a table cannot be mapped or a set of tables used.
 #[derive(Debug)]
@@ -22,7 +22,7 @@ pub enum IndexError {
         /// Bytes `MAP_INDEX` said.
         told_bytes: u64,
     },
-    /// The mapping is not a presence table.
+    /// The mapping is not an index table.
     Layout(LayoutError),
     /// Table `at` says it is shard `shard` of `shards`, not shard `at` of
     /// the tables given.
@@ -41,9 +41,9 @@ pub enum IndexError {
 impl std::fmt::Display for IndexError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            IndexError::Map(e) => write!(f, "mapping a presence table: {e}"),
+            IndexError::Map(e) => write!(f, "mapping an index table: {e}"),
             IndexError::Short { file_bytes, told_bytes } => {
-                write!(f, "presence table file of {file_bytes} bytes, MAP_INDEX said {told_bytes}")
+                write!(f, "index table file of {file_bytes} bytes, MAP_INDEX said {told_bytes}")
             }
             IndexError::Layout(e) => e.fmt(f),
             IndexError::Shard { at, shard, shards, tables } => {

@@ -2,7 +2,7 @@
 //! package's native module (`clients/python/native`, `kvtier._native`).
 //!
 //! So far it holds the shared index read in the client ([`index`]): the
-//! table layout and its reader are `kvtier_local_proto::presence`, the same
+//! table layout and its reader are `kvtier_local_proto::shared_index`, the same
 //! code the server's shards write with, so the layout is written once.
 
 pub mod index;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use kvtier_client::{IndexError, SharedIndex, Table};
 use kvtier_engine::key::BlockHash;
-use kvtier_engine::presence::{PresenceTable, PresenceTier};
+use kvtier_engine::shared_index::{IndexTable, IndexTier};
 
-fn mapped(t: &PresenceTable) -> Table {
+fn mapped(t: &IndexTable) -> Table {
     let fd = t.read_only_fd().unwrap();
     Table::map(fd.as_fd(), t.file_bytes()).unwrap()
 }
@@ -18,18 +18,18 @@ fn mapped(t: &PresenceTable) -> Table {
 #[test]
 fn keys_are_found_on_their_shard_with_their_fastest_tier() {
     let dir = tempfile::tempdir().unwrap();
-    let shards: Vec<_> = (0..3).map(|s| PresenceTable::new(64, s, 3, dir.path()).unwrap()).collect();
+    let shards: Vec<_> = (0..3).map(|s| IndexTable::new(64, s, 3, dir.path()).unwrap()).collect();
     let keys: Vec<String> = (0..40).map(|i| format!("tenant/model/block-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
         let h = BlockHash::of(k.as_bytes());
         let t = &shards[h.shard(3)];
         match i % 4 {
-            0 => t.set(&h, PresenceTier::Nvme, true),
+            0 => t.set(&h, IndexTier::Nvme, true),
             1 => {
-                t.set(&h, PresenceTier::Nvme, true);
-                t.set(&h, PresenceTier::Ram, true);
+                t.set(&h, IndexTier::Nvme, true);
+                t.set(&h, IndexTier::Ram, true);
             }
-            2 => t.set(&h, PresenceTier::Gpu, true),
+            2 => t.set(&h, IndexTier::Gpu, true),
             _ => {}
         }
     }
@@ -40,7 +40,7 @@ fn keys_are_found_on_their_shard_with_their_fastest_tier() {
     assert_eq!(out, want);
     // An overflowed table answers nothing: the caller asks the server.
     for i in 0..200u64 {
-        shards[0].set(&BlockHash((i as u128) << 64 | 7), PresenceTier::Ram, true);
+        shards[0].set(&BlockHash((i as u128) << 64 | 7), IndexTier::Ram, true);
     }
     assert!(index.overflowed());
     assert!(!index.tiers([b"k".as_slice()], &mut out));
@@ -50,7 +50,7 @@ fn keys_are_found_on_their_shard_with_their_fastest_tier() {
 #[test]
 fn tables_out_of_place_or_short_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let a = PresenceTable::new(8, 1, 2, dir.path()).unwrap();
+    let a = IndexTable::new(8, 1, 2, dir.path()).unwrap();
     let err = SharedIndex::new(vec![mapped(&a)]).err().unwrap();
     assert!(matches!(err, IndexError::Shard { at: 0, shard: 1, shards: 2, tables: 1 }), "{err}");
     let fd = a.read_only_fd().unwrap();
@@ -59,7 +59,7 @@ fn tables_out_of_place_or_short_are_refused() {
     let file = tempfile::tempfile().unwrap();
     file.set_len(8192).unwrap();
     let err = Table::map(file.as_fd(), 8192).err().unwrap();
-    assert!(err.to_string().contains("not a version-1 presence table"), "{err}");
+    assert!(err.to_string().contains("not a version-1 index table"), "{err}");
 }
 
 /// A reader probing while the shard inserts, deletes and shifts colliding
@@ -69,12 +69,12 @@ fn tables_out_of_place_or_short_are_refused() {
 #[test]
 fn a_probe_racing_the_writer_never_sees_another_key_s_tiers() {
     let dir = tempfile::tempdir().unwrap();
-    let t = PresenceTable::new(8, 0, 1, dir.path()).unwrap();
+    let t = IndexTable::new(8, 0, 1, dir.path()).unwrap();
     // Every hash shares home bucket 5 of 16: long runs, shifts on delete.
     let h = |n: u64| BlockHash(((n as u128) << 64) | (16 * n + 5) as u128);
     let watched = h(0);
-    t.set(&watched, PresenceTier::Ram, true);
-    t.set(&watched, PresenceTier::Nvme, true);
+    t.set(&watched, IndexTier::Ram, true);
+    t.set(&watched, IndexTier::Nvme, true);
     let index = SharedIndex::new(vec![mapped(&t)]).unwrap();
     let table = Arc::clone(&t);
     let stop = Arc::new(AtomicBool::new(false));
@@ -85,11 +85,11 @@ fn a_probe_racing_the_writer_never_sees_another_key_s_tiers() {
             while !stop.load(Ordering::Relaxed) {
                 // Others come before and after the watched key in its run.
                 for n in 1..6 {
-                    table.set(&h(n), PresenceTier::Gpu, true);
+                    table.set(&h(n), IndexTier::Gpu, true);
                 }
-                table.set(&watched, PresenceTier::Nvme, round.is_multiple_of(2));
+                table.set(&watched, IndexTier::Nvme, round.is_multiple_of(2));
                 for n in 1..6 {
-                    table.set(&h(n), PresenceTier::Gpu, false);
+                    table.set(&h(n), IndexTier::Gpu, false);
                 }
                 round += 1;
             }
@@ -101,11 +101,11 @@ fn a_probe_racing_the_writer_never_sees_another_key_s_tiers() {
     let started = std::time::Instant::now();
     while started.elapsed() < std::time::Duration::from_millis(500) {
         match reader.probe(lo, hi) {
-            kvtier_local_proto::presence::Probe::Tiers(bits) => {
+            kvtier_local_proto::shared_index::Probe::Tiers(bits) => {
                 assert!(matches!(bits, 0 | 2 | 6), "the watched key read with tiers {bits:#b}");
                 seen[bits as usize] += 1;
             }
-            kvtier_local_proto::presence::Probe::Busy => {}
+            kvtier_local_proto::shared_index::Probe::Busy => {}
         }
     }
     stop.store(true, Ordering::Relaxed);
@@ -113,6 +113,6 @@ fn a_probe_racing_the_writer_never_sees_another_key_s_tiers() {
     assert!(seen[2] + seen[6] > 0, "the watched key was never found: {seen:?}");
 }
 
-fn index_reader(index: &SharedIndex) -> kvtier_local_proto::presence::Reader {
+fn index_reader(index: &SharedIndex) -> kvtier_local_proto::shared_index::Reader {
     *index.table(0).reader()
 }

@@ -1,5 +1,5 @@
 //! Memory files the engine shares read-only with same-host clients (the
-//! RAM tier's arena, `ram/arena.rs`; the presence tables, `presence.rs`):
+//! RAM tier's arena, `ram/arena.rs`; the index tables, `shared_index.rs`):
 //! a memfd mapped shared and writable here, then sealed so no later mapping
 //! can write it, nor its size change, nor its seals; clients get a
 //! descriptor reopened read-only.

@@ -223,7 +223,7 @@ impl Shard {
         }
         if cfg.shared_index {
             let listed = capacity_blocks as u64 + u64::from(cfg.ram_blocks) + gpu.as_ref().map_or(0, |g| g.capacity_blocks());
-            residency.set_presence(crate::presence::PresenceTable::new(listed, cfg.shard_id, cfg.shards, &cfg.dir)?);
+            residency.set_shared_index(crate::shared_index::IndexTable::new(listed, cfg.shard_id, cfg.shards, &cfg.dir)?);
         }
         let mut index = Index::new(capacity_blocks.min(1 << 20), slots_per_segment);
         index.set_journal(residency.journal(Medium::Nvme));

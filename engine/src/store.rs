@@ -301,11 +301,11 @@ impl Store {
         leased
     }
 
-    /// The presence table of shard `shard` ([`crate::presence`]), when the
+    /// The index table of shard `shard` ([`crate::shared_index`]), when the
     /// store keeps them (`shared_index`) and that shard is open.
-    pub fn presence_table(&self, shard: usize) -> Option<Arc<crate::presence::PresenceTable>> {
+    pub fn index_table(&self, shard: usize) -> Option<Arc<crate::shared_index::IndexTable>> {
         let dir = self.shard.cfg.dir.with_file_name(format!("shard-{shard:03}"));
-        crate::presence::presence_table(&dir)
+        crate::shared_index::index_table(&dir)
     }
 
     /// Whether this store can lease blocks: `Err` says why not (no RAM

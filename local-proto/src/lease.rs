@@ -19,8 +19,8 @@ pub struct ArenaAnswer {
     pub generations_offset: u64,
 }
 
-/// A shard's presence table (`MAP_INDEX`'s answer; the layout is the
-/// engine's `presence` module and docs/LOCAL.md).
+/// A shard's index table (`MAP_INDEX`'s answer; the layout is the
+/// engine's `shared_index` module and docs/LOCAL.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexAnswer {
     /// Bytes to map from offset 0.

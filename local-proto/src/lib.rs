@@ -67,7 +67,7 @@ pub enum Op {
     Lease = 13,
     /// 14: end leases.
     Release = 14,
-    /// 15: a shard's presence table's descriptor (`SCM_RIGHTS` in the
+    /// 15: a shard's index table's descriptor (`SCM_RIGHTS` in the
     /// answer).
     MapIndex = 15,
 }
@@ -274,7 +274,7 @@ mod lease;
 mod payload;
 /// The shared index's table layout and its reader (a module of its own:
 /// its `HEADER_BYTES` is the table's, not a frame's).
-pub mod presence;
+pub mod shared_index;
 
 pub use frame::*;
 pub use lease::*;

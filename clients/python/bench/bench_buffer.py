@@ -14,13 +14,18 @@ same-host socket in batches of ``--batch`` keys, the two calls alternated for
   ``SharedBuffer`` (the one-copy path).
 
 Prints per server the medians, their ratio, and whether the handles were
-leases: ``make bench-buffer``.
+leases. Then, on the default server, whether a call holds the GIL while it
+waits: a second Python thread counts in a pure-Python loop for
+``--seconds``, alone and while the first thread runs ``batch_get_into``
+(16 blocks) or ``batch_is_exist`` (64 keys, the shared index) back to back;
+its count against its count alone, median of ``--rounds``: ``make bench-buffer``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 from kvtier import Client
@@ -41,6 +46,64 @@ def rate(call: object, nbytes: int, seconds: float) -> float:
         call()  # type: ignore[operator]
         done += 1
     return done * nbytes / elapsed / 1e9
+
+
+def counted(seconds: float) -> int:
+    """Iterations of a pure-Python loop in ``seconds`` (holds the GIL whenever it runs)."""
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def beside(call: object, seconds: float) -> int:
+    """:func:`counted` on this thread while another runs ``call()`` back to back."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            call()  # type: ignore[operator]
+
+    t = threading.Thread(target=loop)
+    t.start()
+    time.sleep(0.05)
+    try:
+        return counted(seconds)
+    finally:
+        stop.set()
+        t.join()
+
+
+def gil(args: argparse.Namespace) -> None:
+    """The second thread's speed beside the first's calls (module docs)."""
+    bb = args.block_bytes
+    with ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * args.blocks * bb / 2**30 + 1) as srv:
+        with Client(srv.unix_url, timeout_s=60) as client:
+            keys = [f"gil-{i}" for i in range(args.blocks)]
+            for i, key in enumerate(keys):
+                client.put(key, bytes([i % 251]) * bb)
+            room = SharedBuffer(args.batch * bb)
+            if client.register_buffer(room) != 0:
+                raise SystemExit("registering the buffer failed")
+            batch = keys[: args.batch]
+            ptrs = [room.ptr + j * bb for j in range(args.batch)]
+            names = [f"gil-{i % args.blocks}" for i in range(64)]
+            calls = {
+                f"batch_get_into {args.batch} x {bb} B": lambda: client.batch_get_into(batch, ptrs, [bb] * len(batch)),
+                "batch_is_exist 64 keys": lambda: client.batch_is_exist(names),
+            }
+            probes = client.local_stats()["index_probes"]
+            ratios: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, call in calls.items():
+                    alone = counted(args.seconds)
+                    ratios[name].append(beside(call, args.seconds) / alone)
+            from_index = client.local_stats()["index_probes"] > probes
+            client.unregister_buffer(room)
+    print(f"\nthe GIL: a second thread's pure-Python loop beside the call, against alone (medians of {args.rounds})")
+    for name, r in ratios.items():
+        shown = f"{name} (shared index)" if name.startswith("batch_is_exist") and from_index else name
+        print(f"- {shown}: **{statistics.median(r):.2f}x** ({min(r):.2f}-{max(r):.2f})")
 
 
 def measure(args: argparse.Namespace, name: str, extra: tuple[str, ...]) -> dict[str, object]:
@@ -105,6 +168,7 @@ def main() -> None:
             f"| {r['server']} | {'leases' if r['leased'] else 'copies'} | {r['buffer']:.2f} | {r['into']:.2f} "
             f"| **{r['ratio']:.2f}x** ({lo:.2f}-{hi:.2f}) |"
         )
+    gil(args)
 
 
 if __name__ == "__main__":

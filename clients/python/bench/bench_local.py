@@ -519,7 +519,7 @@ def part_lease(args: argparse.Namespace, workers: Workers) -> tuple[list[dict], 
 
 def _writer(url: str, block_bytes: int, stop: Any) -> None:
     """A concurrent writer for part 4: PUTs and DELETEs keys of its own over
-    the socket until ``stop`` is set (the shards write the presence tables
+    the socket until ``stop`` is set (the shards write the index tables
     the probes read)."""
     c = kvtier.Client(url)
     data = bytes(block_bytes)

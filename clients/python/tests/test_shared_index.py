@@ -1,6 +1,6 @@
 """The shared index (docs/LOCAL.md, "The shared index") against a real
 ``kvtier serve``: existence and prefix lookups answered in the client from
-the shards' presence tables, right after writes, deletes and RAM churn,
+the shards' index tables, right after writes, deletes and RAM churn,
 under a concurrent writer, across a restart; off with tenants and with
 ``--shared-index off``; the tables mapped read-only."""
 

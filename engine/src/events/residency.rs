@@ -62,10 +62,10 @@ pub struct Residency {
     /// loop's wake-up).
     pending: crate::signal::Signal,
     has_pending: Cell<bool>,
-    /// The shard's presence table, when clients read it
-    /// ([`crate::presence`]): every arrival and departure in the GPU, RAM
+    /// The shard's index table, when clients read it
+    /// ([`crate::shared_index`]): every arrival and departure in the GPU, RAM
     /// and NVMe tiers is written there too, tagged block or not.
-    presence: RefCell<Option<Arc<crate::presence::PresenceTable>>>,
+    shared_index: RefCell<Option<Arc<crate::shared_index::IndexTable>>>,
 }
 
 impl std::fmt::Debug for Residency {
@@ -84,14 +84,14 @@ impl Residency {
             inner: RefCell::default(),
             pending: crate::signal::Signal::new("a tagged block changed tiers"),
             has_pending: Cell::new(false),
-            presence: RefCell::new(None),
+            shared_index: RefCell::new(None),
         })
     }
 
     /// Writes every later arrival and departure of the local tiers into
     /// `table` as well.
-    pub fn set_presence(&self, table: Arc<crate::presence::PresenceTable>) {
-        *self.presence.borrow_mut() = Some(table);
+    pub fn set_shared_index(&self, table: Arc<crate::shared_index::IndexTable>) {
+        *self.shared_index.borrow_mut() = Some(table);
     }
 
     /// A journal for the tier `medium` to report its arrivals and
@@ -165,12 +165,12 @@ impl Residency {
     }
 
     fn changed(&self, hash: BlockHash, medium: Medium, held: bool) {
-        if let Some(table) = &*self.presence.borrow() {
-            use crate::presence::PresenceTier;
+        if let Some(table) = &*self.shared_index.borrow() {
+            use crate::shared_index::IndexTier;
             let tier = match medium {
-                Medium::Gpu => Some(PresenceTier::Gpu),
-                Medium::Ram => Some(PresenceTier::Ram),
-                Medium::Nvme => Some(PresenceTier::Nvme),
+                Medium::Gpu => Some(IndexTier::Gpu),
+                Medium::Ram => Some(IndexTier::Ram),
+                Medium::Nvme => Some(IndexTier::Nvme),
                 Medium::S3 => None,
             };
             if let Some(tier) = tier {

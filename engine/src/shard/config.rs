@@ -35,7 +35,7 @@ pub struct ShardConfig {
     pub ram_blocks: u32,
     /// Whether the RAM tier's memory is shared with clients (leases).
     pub ram_shared: crate::ram::RamShared,
-    /// Whether the shard keeps a presence table ([`crate::presence`]).
+    /// Whether the shard keeps an index table ([`crate::shared_index`]).
     pub shared_index: bool,
     /// When PUTs are acknowledged.
     pub write_policy: WritePolicy,

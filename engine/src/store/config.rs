@@ -98,9 +98,9 @@ pub struct StoreConfig {
     /// Whether the RAM tier's memory is a file same-host clients can map
     /// for leases (`--ram-shared`; [`crate::ram::RamShared`]).
     pub ram_shared: crate::ram::RamShared,
-    /// Whether each shard keeps a presence table clients map to answer
+    /// Whether each shard keeps an index table clients map to answer
     /// existence and prefix lookups without a round trip
-    /// (`--shared-index`; [`crate::presence`]).
+    /// (`--shared-index`; [`crate::shared_index`]).
     pub shared_index: bool,
     /// When PUTs are acknowledged.
     pub write_policy: WritePolicy,

@@ -111,7 +111,7 @@ pub(super) fn why_no_index(conn: &Conn) -> Option<String> {
     if conn.service.access.tenancy().is_some() {
         return Some("the server runs with --tenants: the shared index lists every tenant's blocks, so no tenant may map it".into());
     }
-    conn.service.store.presence_table(0).is_none().then(|| "the server runs with --shared-index off".into())
+    conn.service.store.index_table(0).is_none().then(|| "the server runs with --shared-index off".into())
 }
 
 /// HELLO's `shared_index` object (version 3).
@@ -121,7 +121,7 @@ pub(super) fn hello_index_json(conn: &Conn) -> Value {
     json!({ "offered": why.is_none(), "why_not": why, "remote_tier": remote_tier })
 }
 
-/// `MAP_INDEX`: shard `shard`'s presence table and a read-only descriptor
+/// `MAP_INDEX`: shard `shard`'s index table and a read-only descriptor
 /// of its file.
 pub(super) fn map_index(conn: &Conn, payload: &[u8]) -> Result<(Vec<u8>, OwnedFd), (Code, String)> {
     if let Some(why) = why_no_index(conn) {
@@ -130,7 +130,7 @@ pub(super) fn map_index(conn: &Conn, payload: &[u8]) -> Result<(Vec<u8>, OwnedFd
     let shard = proto::decode_map_arena(payload)?;
     let shards = conn.service.store.shards();
     let table = (shard < shards as u32)
-        .then(|| conn.service.store.presence_table(shard as usize))
+        .then(|| conn.service.store.index_table(shard as usize))
         .flatten()
         .ok_or_else(|| (Code::NotFound, format!("no shard {shard}: this store has {shards}")))?;
     let fd = table.read_only_fd().map_err(|e| (Code::IoError, format!("reopening shard {shard}'s index read-only: {e}")))?;

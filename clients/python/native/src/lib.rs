@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-/// The presence tables of one server process's shards, mapped read-only
+/// The index tables of one server process's shards, mapped read-only
 /// (docs/LOCAL.md, "The shared index").
 ///
 /// ``IndexTables(tables)``: ``tables`` is, per shard in order, ``(fd,
@@ -18,7 +18,7 @@ use pyo3::types::PyString;
 /// descriptors may be closed afterwards) and its header checked.
 ///
 /// Raises:
-///     ValueError: a table is not a version-1 presence table of ``buckets``
+///     ValueError: a table is not a version-1 index table of ``buckets``
 ///         buckets, is shorter than ``file_bytes``, or is not the shard of
 ///         its place.
 ///     OSError: ``mmap`` failed.
@@ -41,7 +41,7 @@ impl IndexTables {
             let table = Table::map(fd, file_bytes).map_err(index_error)?;
             if table.reader().buckets() != buckets {
                 let mapped_buckets = table.reader().buckets();
-                return Err(PyValueError::new_err(format!("presence table of {mapped_buckets} buckets, MAP_INDEX said {buckets}")));
+                return Err(PyValueError::new_err(format!("index table of {mapped_buckets} buckets, MAP_INDEX said {buckets}")));
             }
             mapped.push(table);
         }
@@ -79,7 +79,7 @@ impl IndexTables {
 
 fn index_error(e: kvtier_client::IndexError) -> PyErr {
     match e {
-        kvtier_client::IndexError::Map(io) => PyOSError::new_err(format!("mapping a presence table: {io}")),
+        kvtier_client::IndexError::Map(io) => PyOSError::new_err(format!("mapping an index table: {io}")),
         other => PyValueError::new_err(other.to_string()),
     }
 }

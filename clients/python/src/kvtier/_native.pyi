@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 class IndexTables:
-    """The presence tables of one server process's shards, mapped read-only."""
+    """The index tables of one server process's shards, mapped read-only."""
 
     def __init__(self, tables: Sequence[tuple[int, int, int]]) -> None: ...
     @property

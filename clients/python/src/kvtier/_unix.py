@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from . import codes
-from ._index import SharedIndex
 from ._regions import Region, Regions
 from ._session import LocalSession, copy_bytes, key_chunks
+from ._shared_index import SharedIndex
 from ._transport import Parts, Span, Transport
 from .errors import (
     BlockSizeError,
@@ -143,7 +143,7 @@ class UnixTransport(Transport):
         self.arenas = ArenaMaps()
         """The server's RAM-tier arenas this client mapped for leases."""
         self.index = SharedIndex()
-        """The server's shared index (its shards' presence tables), mapped on
+        """The server's shared index (its shards' index tables), mapped on
         first use: existence and prefix lookups probe it instead of asking."""
         self.lease_reads = lease_reads
         """Read blocks bound for unregistered memory from a lease (one copy)

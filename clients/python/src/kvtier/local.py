@@ -523,7 +523,7 @@ class LocalConnection:
 
     def map_index(self, shard: int) -> tuple[int, tuple[int, int, int]]:
         """``MAP_INDEX`` (version 3): ``(fd, (file_bytes, buckets, shards))``
-        of shard ``shard``'s presence table (docs/LOCAL.md, "The shared
+        of shard ``shard``'s index table (docs/LOCAL.md, "The shared
         index"); ``fd`` is read-only and the caller's to map and close.
 
         Raises:

@@ -1,10 +1,10 @@
-//! A shard's presence table: which of its blocks each local tier holds,
+//! A shard's index table: which of its blocks each local tier holds,
 //! in a sealed memory file that same-host clients map read-only, so
 //! `batch_is_exist` and `lookup` are answered in the client without a round
 //! trip (docs/LOCAL.md, "The shared index"). Advisory: the GET or lease
 //! that follows checks again.
 //!
-//! **Layout**: `kvtier_local_proto::presence` (header, 32-byte buckets,
+//! **Layout**: `kvtier_local_proto::shared_index` (header, 32-byte buckets,
 //! open addressing with linear probing), written once for this writer and
 //! the clients' reader.
 //!
@@ -26,13 +26,13 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::error::{Error, Result};
 use crate::key::BlockHash;
 
-use kvtier_local_proto::presence::{
+use kvtier_local_proto::shared_index::{
     BUCKET_BYTES, FLAGS_OFFSET, FLAG_OVERFLOWED, HEADER_BYTES, MAGIC, TIER_GPU, TIER_NVME, TIER_RAM, VERSION,
 };
 
 /// A tier's bit in a bucket's `tiers`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PresenceTier {
+pub enum IndexTier {
     /// The GPU tier.
     Gpu = TIER_GPU as isize,
     /// The RAM tier.
@@ -41,9 +41,9 @@ pub enum PresenceTier {
     Nvme = TIER_NVME as isize,
 }
 
-/// One shard's presence table (module docs). Written by its shard's thread
+/// One shard's index table (module docs). Written by its shard's thread
 /// only.
-pub struct PresenceTable {
+pub struct IndexTable {
     base: NonNull<u8>,
     bytes: usize,
     buckets: u32,
@@ -56,25 +56,25 @@ pub struct PresenceTable {
 // SAFETY: the memory is a shared mapping written only by the owning
 // shard's thread (the `Cell` and the writes below are used from it alone);
 // other threads only reopen the file (`read_only_fd`) or read the layout.
-unsafe impl Send for PresenceTable {}
+unsafe impl Send for IndexTable {}
 // SAFETY: as above.
-unsafe impl Sync for PresenceTable {}
+unsafe impl Sync for IndexTable {}
 
-impl PresenceTable {
+impl IndexTable {
     /// A table of at least `2 × capacity_blocks` buckets (a power of two)
     /// for shard `shard` of `shards`, in a new sealed memory file,
-    /// registered for [`presence_table`] under `dir` (the shard's
+    /// registered for [`index_table`] under `dir` (the shard's
     /// directory).
     ///
     /// # Errors
     /// [`Error::Config`] when the memory file cannot be made or mapped.
-    pub fn new(capacity_blocks: u64, shard: u32, shards: u32, dir: &std::path::Path) -> Result<Arc<PresenceTable>> {
+    pub fn new(capacity_blocks: u64, shard: u32, shards: u32, dir: &std::path::Path) -> Result<Arc<IndexTable>> {
         let buckets = (capacity_blocks.max(1) * 2).next_power_of_two().min(1 << 31) as u32;
-        let bytes = kvtier_local_proto::presence::table_bytes(buckets);
-        let config = |e: std::io::Error| Error::Config(format!("presence table of {bytes} bytes: {e}"));
-        let (file, ptr) = crate::sealed::create(c"kvtier-presence", bytes, false).map_err(config)?;
+        let bytes = kvtier_local_proto::shared_index::table_bytes(buckets);
+        let config = |e: std::io::Error| Error::Config(format!("index table of {bytes} bytes: {e}"));
+        let (file, ptr) = crate::sealed::create(c"kvtier-shared-index", bytes, false).map_err(config)?;
         crate::sealed::seal(&file, ptr, bytes).map_err(config)?;
-        let table = Arc::new(PresenceTable {
+        let table = Arc::new(IndexTable {
             base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
             bytes,
             buckets,
@@ -155,7 +155,7 @@ impl PresenceTable {
 
     /// Records that `tier` now holds (`held`) or no longer holds `hash`'s
     /// block. Called from the tiers' journals on the shard's thread.
-    pub fn set(&self, hash: &BlockHash, tier: PresenceTier, held: bool) {
+    pub fn set(&self, hash: &BlockHash, tier: IndexTier, held: bool) {
         let (lo, hi) = Self::split(hash);
         match self.find(lo, hi) {
             Some(Ok(i)) => {
@@ -175,7 +175,7 @@ impl PresenceTable {
             None if held => {
                 let flags = self.header(FLAGS_OFFSET);
                 if flags.load(Ordering::Relaxed) & FLAG_OVERFLOWED == 0 {
-                    tracing::warn!(shard = self.shard, buckets = self.buckets, "presence table full; clients ask the server from now on");
+                    tracing::warn!(shard = self.shard, buckets = self.buckets, "index table full; clients ask the server from now on");
                 }
                 flags.fetch_or(FLAG_OVERFLOWED, Ordering::Release);
             }
@@ -207,7 +207,7 @@ impl PresenceTable {
         self.entries.set(self.entries.get() - 1);
     }
 
-    /// The tiers listed for `hash` (a bit per [`PresenceTier`]; 0: none).
+    /// The tiers listed for `hash` (a bit per [`IndexTier`]; 0: none).
     pub fn tiers_of(&self, hash: &BlockHash) -> u8 {
         let (lo, hi) = Self::split(hash);
         match self.find(lo, hi) {
@@ -240,7 +240,7 @@ impl PresenceTable {
     }
 }
 
-impl Drop for PresenceTable {
+impl Drop for IndexTable {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.bytes) };
@@ -248,18 +248,18 @@ impl Drop for PresenceTable {
 }
 
 /// The tables alive in this process, by their shard's directory.
-static TABLES: Mutex<Vec<(std::path::PathBuf, Weak<PresenceTable>)>> = Mutex::new(Vec::new());
+static TABLES: Mutex<Vec<(std::path::PathBuf, Weak<IndexTable>)>> = Mutex::new(Vec::new());
 
-/// The presence table of the shard whose directory is `dir`, if it is
+/// The index table of the shard whose directory is `dir`, if it is
 /// open (`MAP_INDEX`).
-pub fn presence_table(dir: &std::path::Path) -> Option<Arc<PresenceTable>> {
+pub fn index_table(dir: &std::path::Path) -> Option<Arc<IndexTable>> {
     TABLES.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(d, _)| d == dir).and_then(|(_, t)| t.upgrade())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvtier_local_proto::presence::{Probe, Reader};
+    use kvtier_local_proto::shared_index::{Probe, Reader};
 
     fn h(lo: u64, hi: u64) -> BlockHash {
         BlockHash(((hi as u128) << 64) | lo as u128)
@@ -268,39 +268,39 @@ mod tests {
     #[test]
     fn tiers_come_and_go_and_deletes_leave_no_holes() {
         let dir = tempfile::tempdir().unwrap();
-        let t = PresenceTable::new(4, 0, 1, dir.path()).unwrap();
+        let t = IndexTable::new(4, 0, 1, dir.path()).unwrap();
         assert_eq!(t.buckets(), 8);
         // Three hashes with the same home bucket (lo & 7 == 3), one after.
         let (a, b, c, d) = (h(3, 1), h(11, 2), h(19, 3), h(4, 4));
         for x in [&a, &b, &c, &d] {
-            t.set(x, PresenceTier::Nvme, true);
+            t.set(x, IndexTier::Nvme, true);
         }
-        t.set(&b, PresenceTier::Ram, true);
+        t.set(&b, IndexTier::Ram, true);
         assert_eq!((t.tiers_of(&a), t.tiers_of(&b), t.tiers_of(&c), t.tiers_of(&d)), (4, 6, 4, 4));
         assert_eq!(t.entries(), 4);
         // Deleting the run's first entry shifts the others back: all found.
-        t.set(&a, PresenceTier::Nvme, false);
+        t.set(&a, IndexTier::Nvme, false);
         assert_eq!((t.tiers_of(&a), t.tiers_of(&b), t.tiers_of(&c), t.tiers_of(&d)), (0, 6, 4, 4));
-        t.set(&b, PresenceTier::Nvme, false);
+        t.set(&b, IndexTier::Nvme, false);
         assert_eq!(t.tiers_of(&b), 2, "still in RAM");
-        t.set(&b, PresenceTier::Ram, false);
+        t.set(&b, IndexTier::Ram, false);
         assert_eq!((t.tiers_of(&b), t.tiers_of(&c), t.tiers_of(&d)), (0, 4, 4));
         assert_eq!(t.entries(), 2);
         // A full table says so.
         for i in 0..20u64 {
-            t.set(&h(100 + i, 9), PresenceTier::Ram, true);
+            t.set(&h(100 + i, 9), IndexTier::Ram, true);
         }
         assert_eq!(t.header(FLAGS_OFFSET).load(Ordering::Relaxed) & FLAG_OVERFLOWED, FLAG_OVERFLOWED);
-        assert!(presence_table(dir.path()).is_some_and(|p| Arc::ptr_eq(&p, &t)));
+        assert!(index_table(dir.path()).is_some_and(|p| Arc::ptr_eq(&p, &t)));
     }
 
     proptest::proptest! {
         #[test]
         fn the_table_agrees_with_a_map_after_any_sequence(ops in proptest::collection::vec((0u64..24, 0u8..3, proptest::bool::ANY), 1..300)) {
             let dir = tempfile::tempdir().unwrap();
-            let t = PresenceTable::new(16, 0, 1, dir.path()).unwrap();
+            let t = IndexTable::new(16, 0, 1, dir.path()).unwrap();
             let mut model = std::collections::HashMap::<u64, u8>::new();
-            let tiers = [PresenceTier::Gpu, PresenceTier::Ram, PresenceTier::Nvme];
+            let tiers = [IndexTier::Gpu, IndexTier::Ram, IndexTier::Nvme];
             for (k, tier, held) in ops {
                 // Few distinct homes, so runs are long and shifts frequent.
                 let hash = h(k % 5 + 8 * k, k);

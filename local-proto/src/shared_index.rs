@@ -1,5 +1,5 @@
 //! The shared index's table layout (docs/LOCAL.md, "The shared index"),
-//! written once: the engine's shards write it (`engine/src/presence.rs`)
+//! written once: the engine's shards write it (`engine/src/shared_index.rs`)
 //! and same-host clients read it (`client/src/index.rs`) with the reader
 //! here.
 //!
@@ -98,11 +98,11 @@ pub enum LayoutError {
 impl std::fmt::Display for LayoutError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            LayoutError::Short { bytes, needed } => write!(f, "presence table of {bytes} bytes, its header needs {needed}"),
+            LayoutError::Short { bytes, needed } => write!(f, "index table of {bytes} bytes, its header needs {needed}"),
             LayoutError::NotATable { magic, version } => {
-                write!(f, "not a version-{VERSION} presence table (magic {magic:#010x}, version {version})")
+                write!(f, "not a version-{VERSION} index table (magic {magic:#010x}, version {version})")
             }
-            LayoutError::Buckets(b) => write!(f, "presence table of {b} buckets (a power of two is needed)"),
+            LayoutError::Buckets(b) => write!(f, "index table of {b} buckets (a power of two is needed)"),
         }
     }
 }

@@ -1,5 +1,5 @@
 """The shared index (docs/LOCAL.md, "The shared index"): each shard's
-presence table mapped read-only, probed in the client so that
+index table mapped read-only, probed in the client so that
 ``batch_is_exist`` and ``lookup`` need no round trip.
 
 The tables are mapped and probed by the native core
@@ -33,7 +33,7 @@ from .local import LocalConnection
 
 
 class SharedIndex:
-    """The presence tables of one server process, mapped on first use and
+    """The index tables of one server process, mapped on first use and
     dropped when a reconnect finds another ``epoch``. Thread-safe.
 
     :meth:`tiers` answers ``None`` when the index cannot answer (the server
