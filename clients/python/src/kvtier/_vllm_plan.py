@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from .errors import ConfigurationError as ConfigurationError  # where the connector's modules import it from
 from .tag import BlockTag
 
 if TYPE_CHECKING:
@@ -34,12 +35,6 @@ if TYPE_CHECKING:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class ConfigurationError(ValueError):
-    """vLLM was started with settings this connector cannot serve: the
-    message names the values and the flag that fixes it. Raised at start, so
-    ``vllm serve`` exits with it."""
 
 
 #: A worker's longest wait for a background copy in a step with nothing to

@@ -212,3 +212,11 @@ def error_from_code(code: int, message: str, retry_after_s: float | None = None)
         err = cls(message, code=name)
     err.local_code = code
     return err
+
+
+class ConfigurationError(ValueError):
+    """An engine was started with settings a connector cannot serve (vLLM's
+    KV connector: a hash algorithm, a KV cache group, a cache in memory it
+    cannot reach, a socket that refuses it): the message names the values
+    and the flag that fixes it. Raised at start, so the engine exits with it
+    (``vllm serve`` does)."""
