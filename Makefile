@@ -267,21 +267,25 @@ wheel: target/py-build/.installed
 	cd clients/python && $(CURDIR)/target/py-build/bin/maturin build --quiet --release --out $(CURDIR)/target/wheels
 	@ls target/wheels/*.whl
 
-# The wheel installed in a fresh virtualenv with no Rust toolchain on the
-# path (PATH=/usr/bin:/bin: no cargo, no rustc), and the client's tests that
-# need no engine run against it, from a copy of tests/ outside the source
-# tree (so `import kvtier` can only find the wheel's).
-WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py test_local_protocol.py test_async.py
-test-wheel: wheel
-	rm -rf target/py-wheel target/wheel-tests
+# The wheel installed in a virtualenv with no Rust toolchain on the path
+# (PATH=/usr/bin:/bin: no cargo, no rustc; the virtualenv, with the tests'
+# pins only, made once), and the client's engine-free tests of the native
+# module run against it from a copy of tests/ outside the source tree (so
+# `import kvtier` can only find the wheel's).
+WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py
+target/py-wheel/.installed: clients/python/requirements-wheel-test.txt
+	rm -rf target/py-wheel
 	$(PYTHON) -m venv target/py-wheel
 	target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir \
 	  -r clients/python/requirements-wheel-test.txt
+	touch $@
+
+test-wheel: wheel target/py-wheel/.installed
 	PATH=/usr/bin:/bin target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-index \
-	  --no-deps target/wheels/*.whl
-	mkdir -p target/wheel-tests && cp -r clients/python/tests target/wheel-tests/
+	  --no-deps --force-reinstall target/wheels/*.whl
+	rm -rf target/wheel-tests && mkdir -p target/wheel-tests && cp -r clients/python/tests target/wheel-tests/
 	cd target/wheel-tests && PATH=/usr/bin:/bin $(PYTEST_ENV) $(CURDIR)/target/py-wheel/bin/python $(PYTEST) \
-	  -p no:cacheprovider -o timeout=300 $(addprefix tests/,$(WHEEL_TESTS))
+	  $(addprefix tests/,$(WHEEL_TESTS))
 	target/py-wheel/bin/python -c 'import kvtier, kvtier._native as n; assert "site-packages" in kvtier.__file__ and "site-packages" in n.__file__, (kvtier.__file__, n.__file__); print("test-wheel: kvtier from", kvtier.__file__)'
 
 # Python client GET/PUT at 16 MiB and 1.2 MB, concurrency 1 and 8, beside a
