@@ -210,8 +210,12 @@ mod tests {
                 let copying = claim.enter().expect("wanted");
                 started_tx.send(()).unwrap();
                 std::thread::sleep(Duration::from_millis(200));
+                // The copy's end is taken before the guard goes: once it
+                // goes, `revoke` may return and be timed before this thread
+                // runs again (it failed that way in a cold CI run).
+                let ended = Instant::now();
                 drop(copying);
-                Instant::now()
+                ended
             })
         };
         started_rx.recv().unwrap();
