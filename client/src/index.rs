@@ -8,7 +8,12 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use kvtier_local_proto::key_is_valid;
 use kvtier_local_proto::shared_index::{fastest_tier, LayoutError, Probe, Reader};
+
+/// [`SharedIndex::tiers`]'s answer for a key the server would refuse
+/// (`kvtier_local_proto::key_is_valid`): it is not probed.
+pub const BAD_KEY: u8 = u8::MAX;
 
 /// Why a table cannot be mapped or a set of tables used.
 #[derive(Debug)]
@@ -157,9 +162,10 @@ impl SharedIndex {
     }
 
     /// Appends to `out`, per key, the wire number of the fastest local tier
-    /// listed for it (1 gpu, 2 ram, 3 nvme; 0 none). `false` (and `out`
-    /// cut back to its length before) when the index cannot answer for all
-    /// of them: a table overflowed or a bucket stayed busy.
+    /// listed for it (1 gpu, 2 ram, 3 nvme; 0 none), or [`BAD_KEY`] for a
+    /// key the server would refuse. `false` (and `out` cut back to its
+    /// length before) when the index cannot answer for all of them: a table
+    /// overflowed or a bucket stayed busy.
     pub fn tiers<'k>(&self, keys: impl IntoIterator<Item = &'k [u8]>, out: &mut Vec<u8>) -> bool {
         let before = out.len();
         if self.tables.is_empty() || self.overflowed() {
@@ -167,6 +173,10 @@ impl SharedIndex {
         }
         let shards = self.tables.len() as u128;
         for key in keys {
+            if !key_is_valid(key) {
+                out.push(BAD_KEY);
+                continue;
+            }
             let hash = xxhash_rust::xxh3::xxh3_128(key);
             let table = &self.tables[(hash % shards) as usize];
             match table.reader.probe(hash as u64, (hash >> 64) as u64) {

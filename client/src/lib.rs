@@ -7,4 +7,4 @@
 
 pub mod index;
 
-pub use index::{IndexError, SharedIndex, Table};
+pub use index::{IndexError, SharedIndex, Table, BAD_KEY};

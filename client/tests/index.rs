@@ -6,7 +6,7 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvtier_client::{IndexError, SharedIndex, Table};
+use kvtier_client::{IndexError, SharedIndex, Table, BAD_KEY};
 use kvtier_engine::key::BlockHash;
 use kvtier_engine::shared_index::{IndexTable, IndexTier};
 
@@ -19,7 +19,7 @@ fn mapped(t: &IndexTable) -> Table {
 fn keys_are_found_on_their_shard_with_their_fastest_tier() {
     let dir = tempfile::tempdir().unwrap();
     let shards: Vec<_> = (0..3).map(|s| IndexTable::new(64, s, 3, dir.path()).unwrap()).collect();
-    let keys: Vec<String> = (0..40).map(|i| format!("tenant/model/block-{i}")).collect();
+    let keys: Vec<String> = (0..40).map(|i| format!("tenant.model.block-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
         let h = BlockHash::of(k.as_bytes());
         let t = &shards[h.shard(3)];
@@ -38,13 +38,17 @@ fn keys_are_found_on_their_shard_with_their_fastest_tier() {
     assert!(index.tiers(keys.iter().map(|k| k.as_bytes()), &mut out));
     let want: Vec<u8> = (0..40).map(|i| [3, 2, 1, 0][i % 4]).collect();
     assert_eq!(out, want);
+    // A key the server would refuse is not probed: BAD_KEY in its place.
+    out.clear();
+    assert!(index.tiers([keys[1].as_bytes(), b"a/b", b"..", keys[2].as_bytes()], &mut out));
+    assert_eq!(out, [2, BAD_KEY, BAD_KEY, 1]);
     // An overflowed table answers nothing: the caller asks the server.
     for i in 0..200u64 {
         shards[0].set(&BlockHash((i as u128) << 64 | 7), IndexTier::Ram, true);
     }
     assert!(index.overflowed());
     assert!(!index.tiers([b"k".as_slice()], &mut out));
-    assert_eq!(out.len(), 40, "cut back to its length before");
+    assert_eq!(out.len(), 4, "cut back to its length before");
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::hash::Hasher;
 
 use crate::error::{Error, Result};
 
-/// Longest key accepted, in bytes. Fits in the slot header with room to spare.
-pub const KEY_BYTES_MAX: usize = 256;
+pub use kvtier_local_proto::KEY_BYTES_MAX;
+use kvtier_local_proto::is_key_byte;
 
 /// 128-bit hash of a key: xxh3-128 of its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -176,10 +176,6 @@ impl std::fmt::Display for StoredKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.text)
     }
-}
-
-fn is_key_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'~' | b'-')
 }
 
 #[cfg(test)]

@@ -270,6 +270,7 @@ impl Code {
 }
 
 mod frame;
+mod key;
 mod lease;
 mod payload;
 /// The shared index's table layout and its reader (a module of its own:
@@ -277,6 +278,7 @@ mod payload;
 pub mod shared_index;
 
 pub use frame::*;
+pub use key::*;
 pub use lease::*;
 pub use payload::*;
 

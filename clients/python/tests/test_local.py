@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -219,8 +220,17 @@ def test_every_operation_through_a_dev_shm_file(uclient, shm_file):
     assert uclient.local_stats()["registrations"] == 0
 
 
-def test_buffer_objects_inside_and_outside_registrations(uclient, sb):
+def test_buffer_objects_inside_and_outside_registrations(server, sb):
+    """Buffer objects in a registration are copied into by the server; ones
+    outside every registration through the staging area (one bounce copy,
+    counted): ``lease_reads=False``, as the server's default RAM tier is
+    shared and reads would otherwise take a lease copy (test_leases.py)."""
     torch = pytest.importorskip("torch")
+    with kvtier.Client(server.unix_url, timeout_s=10, lease_reads=False) as uclient:
+        _buffer_objects(uclient, sb, torch)
+
+
+def _buffer_objects(uclient: kvtier.Client, sb: kvtier.SharedBuffer, torch: Any) -> None:
     assert uclient.register_buffer(sb) == 0
     view = sb.memoryview
     inside = [view[0:BB], sb.numpy()[BB : 2 * BB], sb.torch()[2 * BB : 3 * BB]]

@@ -5,10 +5,10 @@
 
 use std::os::fd::BorrowedFd;
 
-use kvtier_client::{SharedIndex, Table};
+use kvtier_client::{SharedIndex, Table, BAD_KEY};
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyBytes, PyString};
 
 /// The index tables of one server process's shards, mapped read-only
 /// (docs/LOCAL.md, "The shared index").
@@ -60,20 +60,35 @@ impl IndexTables {
         self.index.overflowed()
     }
 
-    /// Per key (``str``) the wire number of the fastest local tier listed
-    /// for it (1 gpu, 2 ram, 3 nvme; 0 none), or ``None`` when the index
+    /// Per key the wire number of the fastest local tier listed for it (1
+    /// gpu, 2 ram, 3 nvme; 0 none; 255 for a key the server would refuse,
+    /// or not a ``str``: not probed), as ``bytes``; ``None`` when the index
     /// cannot answer for all of them (a table overflowed, a bucket stayed
     /// busy): then ask the server.
-    ///
-    /// Raises:
-    ///     TypeError: a key is not a ``str``.
-    fn tiers(&self, py: Python<'_>, keys: Vec<Bound<'_, PyString>>) -> PyResult<Option<Vec<u8>>> {
-        let mut bytes: Vec<&[u8]> = Vec::with_capacity(keys.len());
-        let texts: Vec<_> = keys.iter().map(|k| k.to_str()).collect::<PyResult<_>>()?;
-        bytes.extend(texts.iter().map(|t| t.as_bytes()));
-        let mut out = Vec::with_capacity(bytes.len());
-        let answered = py.detach(|| self.index.tiers(bytes.iter().copied(), &mut out));
-        Ok(answered.then_some(out))
+    fn tiers<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> Option<Bound<'py, PyBytes>> {
+        self.probe(py, &keys).map(|out| PyBytes::new(py, &out))
+    }
+
+    /// ``batch_is_exist``'s answer from the index: per key 1 (a local tier
+    /// lists it), 0 (none does), -1 (a key the server would refuse, or not
+    /// a ``str``); ``None`` as for :meth:`tiers`.
+    fn exist(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> Option<Vec<i8>> {
+        let out = self.probe(py, &keys)?;
+        Some(out.into_iter().map(|t| if t == BAD_KEY { -1 } else { (t != 0) as i8 }).collect())
+    }
+}
+
+impl IndexTables {
+    /// [`SharedIndex::tiers`] of `keys` with the GIL released; a key that
+    /// is not a `str` answers [`BAD_KEY`].
+    fn probe(&self, py: Python<'_>, keys: &[Bound<'_, PyAny>]) -> Option<Vec<u8>> {
+        let texts: Vec<Option<&str>> =
+            keys.iter().map(|k| k.cast::<PyString>().ok().and_then(|s| s.to_str().ok())).collect();
+        let mut out = Vec::with_capacity(texts.len());
+        // A non-str key is probed as the empty key, which the rule refuses.
+        let bytes = texts.iter().map(|t| t.map_or(&b""[..], str::as_bytes));
+        let bytes: Vec<&[u8]> = bytes.collect();
+        py.detach(|| self.index.tiers(bytes.iter().copied(), &mut out)).then_some(out)
     }
 }
 

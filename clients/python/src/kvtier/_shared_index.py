@@ -98,17 +98,27 @@ class SharedIndex:
         return True
 
     def tiers(self, conn: LocalConnection, keys: Sequence[str]) -> list[int] | None:
-        """Per key the wire number of the fastest local tier listed (0: none),
-        or ``None`` when the index cannot answer for all of them."""
+        """Per key the wire number of the fastest local tier listed (0: none;
+        255: a key the server would refuse, not probed), or ``None`` when the
+        index cannot answer for all of them."""
+        out = self._probe(conn, keys, exist=False)
+        return None if out is None else list(out)
+
+    def exist(self, conn: LocalConnection, keys: Sequence[str]) -> list[int] | None:
+        """Per key 1 (a local tier lists it), 0 (none does), -1 (a key the
+        server would refuse), or ``None`` as for :meth:`tiers`."""
+        return self._probe(conn, keys, exist=True)  # type: ignore[return-value]
+
+    def _probe(self, conn: LocalConnection, keys: Sequence[str], *, exist: bool) -> bytes | list[int] | None:
         with self._lock:
             if not conn.alive or not self._ensure(conn) or self._server_exited():
                 return None
             assert self._tables is not None
-            out = self._tables.tiers(list(keys))
-            if out is None:
-                return None
-            self.probes += len(keys)
-            return list(out)
+            keys = keys if isinstance(keys, list) else list(keys)
+            out = self._tables.exist(keys) if exist else self._tables.tiers(keys)
+            if out is not None:
+                self.probes += len(keys)
+            return out
 
     def _server_exited(self) -> bool:
         """Whether the server process this index was mapped from has exited

@@ -308,11 +308,31 @@ class UnixTransport(Transport):
             return None
         return tiers, bool((conn.info.get("shared_index") or {}).get("remote_tier"))
 
+    def _index_exist(self, keys: Sequence[str]) -> list[int] | None:
+        """:meth:`exist_codes` from the shared index alone (the key rule
+        checked there too), when it can answer for every key: the server
+        has no remote tier (whose blocks the index does not list)."""
+        if not keys:
+            return None
+        try:
+            conn, _ = self.session.connection()
+        except KvtierError:
+            return None
+        if (conn.info.get("shared_index") or {}).get("remote_tier"):
+            return None
+        try:
+            return self.index.exist(conn, keys)
+        except KvtierError:
+            return None  # the request path says what is wrong
+
     def exist_codes(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier), 0 (not), -1 (a bad key, or the
         request failed). Answered from the shared index where the server
         offers one; keys it does not list are asked of the server when the
         server has a remote tier."""
+        exist = self._index_exist(keys)
+        if exist is not None:
+            return exist
         out = [-1] * len(keys)
         good = []
         if all_keys_valid(keys):
