@@ -179,10 +179,12 @@ def test_a_put_given_up_on_stores_nothing_written_afterwards(server, vectored):
 
 def test_a_staging_area_the_server_may_still_copy_into_is_retired(server):
     """Memory outside every registered buffer goes through the client's
-    staging area: after a timeout the server did not confirm (frozen), the
-    client leaves that area to the server and takes a new one."""
+    staging area (``lease_reads=False``: the server's RAM tier is shared by
+    default, and reads would take a lease copy): after a timeout the server
+    did not confirm (frozen), the client leaves that area to the server and
+    takes a new one."""
     keys = [f"cancel-staged-{i}" for i in range(N)]
-    with kvtier.Client(server.unix_url, timeout_s=TIMEOUT_S, staging_blocks=N) as c:
+    with kvtier.Client(server.unix_url, timeout_s=TIMEOUT_S, staging_blocks=N, lease_reads=False) as c:
         blocks = store(c, keys, 200)
         outs = [bytearray(BB) for _ in range(N)]
         assert c.batch_get_into(keys, outs) == [BB] * N  # through the staging area

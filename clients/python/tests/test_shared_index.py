@@ -66,6 +66,10 @@ def test_existence_and_prefix_lookups_come_from_the_index_and_match_the_server(i
         assert chain == [kvtier.codes.TIER_NAMES[t] for t in truth[:5]]
         assert "nvme" in chain or "ram" in chain
         assert c.exists(keys[0]) and not c.exists(keys[5])
+        # Keys the server would refuse answer -1 from the index, with no round trip.
+        exists_before = route_requests(c, "exists")
+        assert c.batch_is_exist([keys[10], "a/b", "..", "x" * 257, "si-never"]) == [1, -1, -1, -1, 0]
+        assert route_requests(c, "exists") == exists_before
 
 
 def test_the_index_never_lists_a_block_that_a_read_then_misses_or_serves_wrong(iserver: ServerProcess):

@@ -164,7 +164,9 @@ def test_a_preempted_requests_stores_end_before_its_blocks_are_reused():
 
 
 def test_layer_loads_let_each_layer_go_as_its_pages_arrive(monkeypatch):
-    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+    # The staged path, held before its last layer (leases, the default
+    # server's, copy from kvtier's memory instead: tests/test_vllm_serve.py).
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25, args=("--ram-shared", "off")) as s:
         c = bare(s.url, loads="layer")
         hs = hashes(3)
         c._core.client.put_many([(c.key_of(h), block(30 + i, BB)) for i, h in enumerate(hs)])
