@@ -14,16 +14,18 @@ same-host socket in batches of ``--batch`` keys, the two calls alternated for
   ``SharedBuffer`` (the one-copy path).
 
 Prints per server the medians, their ratio, and whether the handles were
-leases. Then, on the default server, whether a call holds the GIL while it
-waits: a second Python thread counts in a pure-Python loop for
-``--seconds``, alone and while the first thread runs ``batch_get_into``
-(16 blocks) or ``batch_is_exist`` (64 keys, the shared index) back to back;
-its count against its count alone, median of ``--rounds``: ``make bench-buffer``.
+leases. Then, on a default server of one shard pinned to CPU 0 and this
+process held to the last CPU (so the server's copies take no CPU from it),
+whether a call holds the GIL while it waits: a second Python thread counts
+in a pure-Python loop for ``--seconds``, alone and while the first thread
+runs ``batch_get_into`` of 16 blocks back to back; its count against its
+count alone, median of ``--rounds``: ``make bench-buffer``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -77,8 +79,12 @@ def beside(call: object, seconds: float) -> int:
 def gil(args: argparse.Namespace) -> None:
     """The second thread's speed beside the first's calls (module docs)."""
     bb = args.block_bytes
-    with ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * args.blocks * bb / 2**30 + 1) as srv:
-        with Client(srv.unix_url, timeout_s=60) as client:
+    cpus = os.sched_getaffinity(0)
+    srv = ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * args.blocks * bb / 2**30 + 1, shards=1)
+    with srv:
+        os.sched_setaffinity(0, {max(cpus)})  # this thread, and the threads it starts (the client's)
+        try:
+            client = Client(srv.unix_url, timeout_s=60)
             keys = [f"gil-{i}" for i in range(args.blocks)]
             for i, key in enumerate(keys):
                 client.put(key, bytes([i % 251]) * bb)
@@ -87,23 +93,19 @@ def gil(args: argparse.Namespace) -> None:
                 raise SystemExit("registering the buffer failed")
             batch = keys[: args.batch]
             ptrs = [room.ptr + j * bb for j in range(args.batch)]
-            names = [f"gil-{i % args.blocks}" for i in range(64)]
-            calls = {
-                f"batch_get_into {args.batch} x {bb} B": lambda: client.batch_get_into(batch, ptrs, [bb] * len(batch)),
-                "batch_is_exist 64 keys": lambda: client.batch_is_exist(names),
-            }
-            probes = client.local_stats()["index_probes"]
-            ratios: dict[str, list[float]] = {name: [] for name in calls}
+            name = f"batch_get_into {args.batch} x {bb} B"
+            ratios = []
             for _ in range(args.rounds):
-                for name, call in calls.items():
-                    alone = counted(args.seconds)
-                    ratios[name].append(beside(call, args.seconds) / alone)
-            from_index = client.local_stats()["index_probes"] > probes
+                alone = counted(args.seconds)
+                ratios.append(
+                    beside(lambda: client.batch_get_into(batch, ptrs, [bb] * len(batch)), args.seconds) / alone
+                )
             client.unregister_buffer(room)
+            client.close()
+        finally:
+            os.sched_setaffinity(0, cpus)
     print(f"\nthe GIL: a second thread's pure-Python loop beside the call, against alone (medians of {args.rounds})")
-    for name, r in ratios.items():
-        shown = f"{name} (shared index)" if name.startswith("batch_is_exist") and from_index else name
-        print(f"- {shown}: **{statistics.median(r):.2f}x** ({min(r):.2f}-{max(r):.2f})")
+    print(f"- {name}: **{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def measure(args: argparse.Namespace, name: str, extra: tuple[str, ...]) -> dict[str, object]:
