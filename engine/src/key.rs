@@ -11,8 +11,8 @@ use std::hash::Hasher;
 
 use crate::error::{Error, Result};
 
-pub use kvtier_local_proto::KEY_BYTES_MAX;
 use kvtier_local_proto::is_key_byte;
+pub use kvtier_local_proto::KEY_BYTES_MAX;
 
 /// 128-bit hash of a key: xxh3-128 of its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -8,7 +8,7 @@ use std::os::fd::BorrowedFd;
 use kvtier_client::{SharedIndex, Table, BAD_KEY};
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyList, PyString};
 
 /// The index tables of one server process's shards, mapped read-only
 /// (docs/LOCAL.md, "The shared index").
@@ -65,15 +65,15 @@ impl IndexTables {
     /// or not a ``str``: not probed), as ``bytes``; ``None`` when the index
     /// cannot answer for all of them (a table overflowed, a bucket stayed
     /// busy): then ask the server.
-    fn tiers<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> Option<Bound<'py, PyBytes>> {
-        self.probe(py, &keys).map(|out| PyBytes::new(py, &out))
+    fn tiers<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyList>) -> Option<Bound<'py, PyBytes>> {
+        self.probe(py, keys).map(|out| PyBytes::new(py, &out))
     }
 
     /// ``batch_is_exist``'s answer from the index: per key 1 (a local tier
     /// lists it), 0 (none does), -1 (a key the server would refuse, or not
     /// a ``str``); ``None`` as for :meth:`tiers`.
-    fn exist(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> Option<Vec<i8>> {
-        let out = self.probe(py, &keys)?;
+    fn exist(&self, py: Python<'_>, keys: &Bound<'_, PyList>) -> Option<Vec<i8>> {
+        let out = self.probe(py, keys)?;
         Some(out.into_iter().map(|t| if t == BAD_KEY { -1 } else { (t != 0) as i8 }).collect())
     }
 }
@@ -81,13 +81,17 @@ impl IndexTables {
 impl IndexTables {
     /// [`SharedIndex::tiers`] of `keys` with the GIL released; a key that
     /// is not a `str` answers [`BAD_KEY`].
-    fn probe(&self, py: Python<'_>, keys: &[Bound<'_, PyAny>]) -> Option<Vec<u8>> {
-        let texts: Vec<Option<&str>> =
-            keys.iter().map(|k| k.cast::<PyString>().ok().and_then(|s| s.to_str().ok())).collect();
-        let mut out = Vec::with_capacity(texts.len());
-        // A non-str key is probed as the empty key, which the rule refuses.
-        let bytes = texts.iter().map(|t| t.map_or(&b""[..], str::as_bytes));
-        let bytes: Vec<&[u8]> = bytes.collect();
+    fn probe(&self, py: Python<'_>, keys: &Bound<'_, PyList>) -> Option<Vec<u8>> {
+        // Each item is held (a reference of our own), so its UTF-8 bytes stay
+        // valid while the GIL is released, whatever another thread does to
+        // the list. A key that is not a str is probed as the empty key,
+        // which the rule refuses.
+        let items: Vec<Bound<'_, PyAny>> = keys.iter().collect();
+        let bytes: Vec<&[u8]> = items
+            .iter()
+            .map(|k| k.cast::<PyString>().ok().and_then(|s| s.to_str().ok()).map_or(&b""[..], str::as_bytes))
+            .collect();
+        let mut out = Vec::with_capacity(bytes.len());
         py.detach(|| self.index.tiers(bytes.iter().copied(), &mut out)).then_some(out)
     }
 }

@@ -31,6 +31,9 @@ from ._native import IndexTables
 from .errors import KvtierError, LeasesOffError
 from .local import LocalConnection
 
+#: :meth:`SharedIndex.tiers`'s answer for a key the server would refuse.
+BAD_KEY = 255
+
 
 class SharedIndex:
     """The index tables of one server process, mapped on first use and
@@ -97,12 +100,11 @@ class SharedIndex:
                 os.close(fd)
         return True
 
-    def tiers(self, conn: LocalConnection, keys: Sequence[str]) -> list[int] | None:
+    def tiers(self, conn: LocalConnection, keys: Sequence[str]) -> bytes | None:
         """Per key the wire number of the fastest local tier listed (0: none;
-        255: a key the server would refuse, not probed), or ``None`` when the
-        index cannot answer for all of them."""
-        out = self._probe(conn, keys, exist=False)
-        return None if out is None else list(out)
+        :data:`BAD_KEY`: a key the server would refuse, not probed), or
+        ``None`` when the index cannot answer for all of them."""
+        return self._probe(conn, keys, exist=False)  # type: ignore[return-value]
 
     def exist(self, conn: LocalConnection, keys: Sequence[str]) -> list[int] | None:
         """Per key 1 (a local tier lists it), 0 (none does), -1 (a key the

@@ -21,7 +21,7 @@ from typing import Any
 from . import codes
 from ._regions import Region, Regions
 from ._session import LocalSession, copy_bytes, key_chunks
-from ._shared_index import SharedIndex
+from ._shared_index import BAD_KEY, SharedIndex
 from ._transport import Parts, Span, Transport
 from .errors import (
     BlockSizeError,
@@ -292,9 +292,9 @@ class UnixTransport(Transport):
                 self.session.count("lease_bytes", bb)
         return rest
 
-    def _indexed(self, keys: Sequence[str]) -> tuple[list[int], bool] | None:
-        """Per key the fastest local tier the shared index lists (0: none),
-        and whether the server has a remote tier (whose blocks the index
+    def _indexed(self, keys: Sequence[str]) -> tuple[bytes, bool] | None:
+        """Per key the fastest local tier the shared index lists (0: none;
+        ``BAD_KEY``: a key the server would refuse), and whether the server has a remote tier (whose blocks the index
         does not list); ``None`` when the index cannot answer."""
         try:
             conn, _ = self.session.connection()
@@ -492,14 +492,16 @@ class UnixTransport(Transport):
         where the server offers one (unless the chain goes on past the
         local tiers and the server has a remote tier), else ``LOOKUP``,
         4,096 keys (and under 1 MiB) per request."""
-        for key in keys:
-            check_key(key)
         indexed = self._indexed(keys) if keys else None
-        if indexed is not None:
+        if indexed is not None and BAD_KEY not in indexed[0]:
             found, remote = indexed
-            hits = next((i for i, t in enumerate(found) if not t), len(found))
+            hits = found.find(0)
+            hits = len(found) if hits < 0 else hits
             if hits == len(found) or not remote:
-                return [codes.TIER_NAMES.get(t, str(t)) for t in found[:hits]]
+                tier_names = codes.TIER_NAMES
+                return [tier_names.get(t, str(t)) for t in found[:hits]]
+        for key in keys:
+            check_key(key)  # raises for the first key the server would refuse
         tiers: list[str] = []
         for chunk in key_chunks(keys, range(len(keys)), 2):
             names = [keys[i] for i in chunk]
