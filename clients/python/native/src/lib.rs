@@ -87,10 +87,8 @@ impl IndexTables {
         // the list. A key that is not a str is probed as the empty key,
         // which the rule refuses.
         let items: Vec<Bound<'_, PyAny>> = keys.iter().collect();
-        let bytes: Vec<&[u8]> = items
-            .iter()
-            .map(|k| k.cast::<PyString>().ok().and_then(|s| s.to_str().ok()).map_or(&b""[..], str::as_bytes))
-            .collect();
+        let bytes: Vec<&[u8]> =
+            items.iter().map(|k| k.cast::<PyString>().ok().and_then(|s| s.to_str().ok()).map_or(&b""[..], str::as_bytes)).collect();
         let mut out = Vec::with_capacity(bytes.len());
         py.detach(|| self.index.tiers(bytes.iter().copied(), &mut out)).then_some(out)
     }
