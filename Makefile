@@ -23,6 +23,7 @@
 #   make bench-engine  KvtierConnector under a real `vllm serve` at Llama-3-8B's KV geometry: TTFT from the log vs recompute and ExampleConnector, ITL under loads, connector time per step (target/bench/engine/)
 #   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
 #   make bench-load-path      a prefix load on kvtier's side: 63 x 16 MiB from the log, GB/s and server CPU-s/GiB beside dd (root)
+#   make bench-index   batch_is_exist/lookup of 64 keys from the shared index, from Python (beside a previous checkout with --previous)
 #   make bench-buffer  Mooncake's batch_get_buffer vs batch_get_into of 16 x 16 MiB on a default server, beside --ram-shared auto and off
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
@@ -50,12 +51,12 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,34p' Makefile
+	@sed -n '2,35p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -360,6 +361,13 @@ BENCH_LOAD_ARGS ?=
 bench-load-path: build target/py-vllm/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_load_path.py $(BENCH_LOAD_ARGS)
+
+# batch_is_exist and lookup of 64 keys from the shared index, from Python;
+# BENCH_INDEX_ARGS="--previous /tmp/prev/clients/python/src" runs a previous
+# checkout's package beside this one (git worktree add /tmp/prev COMMIT).
+bench-index: build target/py-vllm/.client
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  target/py-vllm/bin/python clients/python/bench/bench_index.py $(BENCH_INDEX_ARGS)
 
 # Mooncake's batch_get_buffer against batch_get_into of 16 x 16 MiB RAM hits
 # on a default server, beside --ram-shared auto (the previous default) and
