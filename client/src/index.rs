@@ -8,8 +8,8 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use kvtier_local_proto::key_is_valid;
 use kvtier_local_proto::shared_index::{fastest_tier, LayoutError, Probe, Reader};
+use kvtier_local_proto::{key_is_valid, shard_of};
 
 /// [`SharedIndex::tiers`]'s answer for a key the server would refuse
 /// (`kvtier_local_proto::key_is_valid`): it is not probed.
@@ -171,7 +171,7 @@ impl SharedIndex {
         if self.tables.is_empty() || self.overflowed() {
             return false;
         }
-        let shards = self.tables.len() as u64;
+        let shards = self.tables.len();
         for key in keys {
             if !key_is_valid(key) {
                 out.push(BAD_KEY);
@@ -188,32 +188,5 @@ impl SharedIndex {
             }
         }
         true
-    }
-}
-
-/// `hash mod shards`, the server's shard of a block hash
-/// (`engine/src/key.rs`), in 64-bit arithmetic: with `hash = hi·2⁶⁴ + lo`,
-/// it is `((hi mod s)·(2⁶⁴ mod s) + lo mod s) mod s`, whose product fits in
-/// 64 bits for any `s < 2³²` (u128's `%` is a library call).
-fn shard_of(hash: u128, shards: u64) -> usize {
-    debug_assert!(shards > 0 && shards <= u32::MAX as u64);
-    if shards == 1 {
-        return 0;
-    }
-    let (hi, lo) = ((hash >> 64) as u64, hash as u64);
-    let two_64 = (u64::MAX % shards + 1) % shards;
-    (((hi % shards) * two_64 + lo % shards) % shards) as usize
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn shard_of_is_hash_mod_shards() {
-        let hashes = [0u128, 1, u64::MAX as u128, u128::MAX, 0x1234_5678_9abc_def0_0fed_cba9_8765_4321, 1 << 64, (1 << 64) - 1];
-        for shards in [1u64, 2, 3, 7, 64, 1000, u32::MAX as u64] {
-            for h in hashes.iter().copied().chain((0..200u128).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))) {
-                assert_eq!(super::shard_of(h, shards), (h % shards as u128) as usize, "{h:#x} mod {shards}");
-            }
-        }
     }
 }

@@ -24,10 +24,10 @@ impl BlockHash {
         BlockHash(xxhash_rust::xxh3::xxh3_128(key))
     }
 
-    /// The shard that owns this hash among `shards` shards: `hash mod shards`.
+    /// The shard that owns this hash among `shards` shards: `hash mod shards`
+    /// (`kvtier_local_proto::shard_of`, which clients use too).
     pub fn shard(&self, shards: usize) -> usize {
-        debug_assert!(shards > 0);
-        (self.0 % shards as u128) as usize
+        kvtier_local_proto::shard_of(self.0, shards)
     }
 }
 
