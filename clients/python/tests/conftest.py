@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 import kvtier
-from kvtier.testing import ServerProcess
+from kvtier.testing import ServerProcess, free_port
 
 #: Small blocks keep the tests quick on a debug build; the client's code path
 #: is the same at 16 MiB (make bench-python runs that size).
 BLOCK_BYTES = 65536
+#: The bucket the ``moto`` fixture makes.
+MOTO_BUCKET = "kvtier-walk"
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +109,36 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+@pytest.fixture
+def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A moto_server on loopback (target/py-s3) with the bucket
+    :data:`MOTO_BUCKET`; its endpoint. The S3 credentials it takes are set
+    for this process and the servers it starts."""
+    binary = Path(os.environ.get("KVTIER_BIN", "")).resolve().parents[1] / "py-s3/bin/moto_server"
+    if not binary.exists():
+        pytest.fail(f"{binary} is missing: run `make target/py-s3/.installed` and the tests through make")
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "kvtier-test",
+        "AWS_SECRET_ACCESS_KEY": "kvtier-test",
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{MOTO_BUCKET}", method="PUT"), timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto_server did not answer within 30 s"
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait()

@@ -9,56 +9,17 @@ processes, a real S3-compatible server (moto, target/py-s3).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
 import time
 import types
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import zmq
-from conftest import BLOCK_BYTES, block
+from conftest import BLOCK_BYTES, MOTO_BUCKET, block
 from test_kv_events import as_int, batches, kv_events, msgspec, replay
 
 import kvtier
 from kvtier.testing import ServerProcess, free_port
 
-BUCKET = "kvtier-walk"
 TAG = kvtier.BlockTag(block_hashes=[bytes(range(32))], parent_hash=None, block_size=4, token_ids=[1, 2, 3, 4])
-
-
-@pytest.fixture
-def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A moto_server on loopback with the bucket; its endpoint."""
-    binary = Path(os.environ.get("KVTIER_BIN", "")).resolve().parents[1] / "py-s3/bin/moto_server"
-    if not binary.exists():
-        pytest.fail(f"{binary} is missing: run `make target/py-s3/.installed` and the tests through make")
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "kvtier-test",
-        "AWS_SECRET_ACCESS_KEY": "kvtier-test",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto_server did not answer within 30 s"
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def node(endpoint: str) -> tuple[ServerProcess, int, int]:
@@ -66,7 +27,7 @@ def node(endpoint: str) -> tuple[ServerProcess, int, int]:
     and their replay on ports of their own (without ownership, as Dynamo
     needs)."""
     pub, again = free_port(), free_port()
-    args = ("--s3-url", f"s3://{BUCKET}/walk", "--s3-endpoint", endpoint, "--s3-write-policy", "through")
+    args = ("--s3-url", f"s3://{MOTO_BUCKET}/walk", "--s3-endpoint", endpoint, "--s3-write-policy", "through")
     args += ("--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{again}")
     args += ("--kv-events-ownership", "")
     ram_gb = 2 * BLOCK_BYTES / 2**30

@@ -1,7 +1,8 @@
 """The shared index (docs/LOCAL.md, "The shared index") against a real
 ``kvtier serve``: existence and prefix lookups answered in the client from
 the shards' index tables, right after writes, deletes and RAM churn,
-under a concurrent writer, across a restart; off with tenants and with
+under a concurrent writer, across a restart, with a remote tier (keys the
+index does not list asked of the server); off with tenants and with
 ``--shared-index off``; the tables mapped read-only."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import xxhash
-from conftest import BLOCK_BYTES, block, start_on_same_port
+from conftest import BLOCK_BYTES, MOTO_BUCKET, block, start_on_same_port
 
 import kvtier
 from kvtier.local import LocalConnection
@@ -70,6 +71,25 @@ def test_existence_and_prefix_lookups_come_from_the_index_and_match_the_server(i
         exists_before = route_requests(c, "exists")
         assert c.batch_is_exist([keys[10], "a/b", "..", "x" * 257, "si-never"]) == [1, -1, -1, -1, 0]
         assert route_requests(c, "exists") == exists_before
+
+
+def test_with_a_remote_tier_keys_the_index_does_not_list_are_asked_of_the_server(moto: str):
+    """Node B shares node A's bucket: a block A stored is in B's S3 tier but
+    in none of B's local tiers, so B's index does not list it. One EXISTS
+    asks B for the keys its index does not list (not for the listed or the
+    refused ones), and a key stored nowhere stays absent."""
+    args = ("--s3-url", f"s3://{MOTO_BUCKET}/index", "--s3-endpoint", moto, "--s3-write-policy", "through")
+    node = {"block_bytes": BB, "shards": 1, "args": args}
+    with ServerProcess(**node) as a, ServerProcess(**node) as b:  # type: ignore[arg-type]
+        with kvtier.Client(a.unix_url, timeout_s=30) as ca:
+            ca.put("remote-0", block(61))
+        with kvtier.Client(b.unix_url, timeout_s=30) as cb:
+            cb.put("local-0", block(62))
+            assert cb._link.unix.session.connection()[0].info["shared_index"]["remote_tier"] is True
+            exists_before, probes_before = route_requests(cb, "exists"), cb.local_stats()["index_probes"]
+            assert cb.batch_is_exist(["local-0", "remote-0", "a/b", "nowhere-0"]) == [1, 1, -1, 0]
+            assert route_requests(cb, "exists") == exists_before + 1
+            assert cb.local_stats()["index_probes"] - probes_before == 4
 
 
 def test_the_index_never_lists_a_block_that_a_read_then_misses_or_serves_wrong(iserver: ServerProcess):

@@ -61,7 +61,7 @@ impl IndexTables {
     }
 
     /// Per key the wire number of the fastest local tier listed for it (1
-    /// gpu, 2 ram, 3 nvme; 0 none; 255 for a key the server would refuse,
+    /// gpu, 2 ram, 3 nvme; 0 none; ``BAD_KEY`` (255) for a key the server would refuse,
     /// or not a ``str``: not probed), as ``bytes``; ``None`` when the index
     /// cannot answer for all of them (a table overflowed, a bucket stayed
     /// busy): then ask the server.
@@ -105,5 +105,6 @@ fn index_error(e: kvtier_client::IndexError) -> PyErr {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IndexTables>()?;
+    m.add("BAD_KEY", BAD_KEY)?;
     Ok(())
 }

@@ -2,6 +2,9 @@
 
 from collections.abc import Sequence
 
+#: :meth:`IndexTables.tiers`'s answer for a key the server would refuse.
+BAD_KEY: int
+
 class IndexTables:
     """The index tables of one server process's shards, mapped read-only."""
 

@@ -292,67 +292,46 @@ class UnixTransport(Transport):
                 self.session.count("lease_bytes", bb)
         return rest
 
-    def _indexed(self, keys: Sequence[str]) -> tuple[bytes, bool] | None:
-        """Per key the fastest local tier the shared index lists (0: none;
-        ``BAD_KEY``: a key the server would refuse), and whether the server has a remote tier (whose blocks the index
-        does not list); ``None`` when the index cannot answer."""
+    def _indexed(self, keys: Sequence[str], *, exist: bool = False) -> tuple[Any, bool] | None:
+        """Per key the fastest local tier the shared index lists (``bytes``;
+        0: none, ``BAD_KEY``: a key the server would refuse) or, with
+        ``exist``, ``batch_is_exist``'s codes (1, 0, -1: refused); and
+        whether the server has a remote tier (whose blocks the index does
+        not list). ``None`` when the index cannot answer."""
         try:
             conn, _ = self.session.connection()
         except KvtierError:
             return None
         try:
-            tiers = self.index.tiers(conn, keys)
+            found = self.index.exist(conn, keys) if exist else self.index.tiers(conn, keys)
         except KvtierError:
             return None  # the request path says what is wrong
-        if tiers is None:
+        if found is None:
             return None
-        return tiers, bool((conn.info.get("shared_index") or {}).get("remote_tier"))
-
-    def _index_exist(self, keys: Sequence[str]) -> list[int] | None:
-        """:meth:`exist_codes` from the shared index alone (the key rule
-        checked there too), when it can answer for every key: the server
-        has no remote tier (whose blocks the index does not list)."""
-        if not keys:
-            return None
-        try:
-            conn, _ = self.session.connection()
-        except KvtierError:
-            return None
-        if (conn.info.get("shared_index") or {}).get("remote_tier"):
-            return None
-        try:
-            return self.index.exist(conn, keys)
-        except KvtierError:
-            return None  # the request path says what is wrong
+        return found, bool((conn.info.get("shared_index") or {}).get("remote_tier"))
 
     def exist_codes(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (stored in some tier), 0 (not), -1 (a bad key, or the
         request failed). Answered from the shared index where the server
-        offers one; keys it does not list are asked of the server when the
-        server has a remote tier."""
-        exist = self._index_exist(keys)
-        if exist is not None:
-            return exist
-        out = [-1] * len(keys)
-        good = []
-        if all_keys_valid(keys):
-            good = list(range(len(keys)))
-        for i, key in enumerate(keys if not good else ()):
-            try:
-                check_key(key)
-                good.append(i)
-            except (InvalidKeyError, TypeError):
-                pass
-        indexed = self._indexed(keys if len(good) == len(keys) else [keys[i] for i in good]) if good else None
+        offers one (the key rule checked there too); keys it does not list
+        are asked of the server when the server has a remote tier."""
+        indexed = self._indexed(keys, exist=True) if keys else None
         if indexed is not None:
-            tiers, remote = indexed
-            ask = []
-            for i, tier in zip(good, tiers, strict=True):
-                if tier or not remote:
-                    out[i] = 1 if tier else 0
-                else:
-                    ask.append(i)
-            good = ask
+            out, remote = indexed
+            if not remote:
+                return out
+            good = [i for i, code in enumerate(out) if code == 0]  # maybe in the remote tier: asked
+            for i in good:
+                out[i] = -1  # until the server answers for it
+        else:
+            out = [-1] * len(keys)
+            good = list(range(len(keys))) if all_keys_valid(keys) else []
+            for i, key in enumerate(keys if not good else ()):
+                try:
+                    check_key(key)
+                    good.append(i)
+                except (InvalidKeyError, TypeError):
+                    pass
         for chunk in key_chunks(keys, good, 2):
             names = [keys[i] for i in chunk]
             try:
