@@ -76,6 +76,19 @@ def beside(call: object, seconds: float) -> int:
         t.join()
 
 
+def filled(client: Client, prefix: str, args: argparse.Namespace) -> tuple[list[str], SharedBuffer, list[int]]:
+    """``--blocks`` blocks stored under ``prefix``, and a registered buffer
+    of one batch with each block's address in it: (keys, buffer, ptrs)."""
+    bb = args.block_bytes
+    keys = [f"{prefix}-{i}" for i in range(args.blocks)]
+    for i, key in enumerate(keys):
+        client.put(key, bytes([i % 251]) * bb)
+    room = SharedBuffer(args.batch * bb)
+    if client.register_buffer(room) != 0:
+        raise SystemExit("registering the buffer failed")
+    return keys, room, [room.ptr + j * bb for j in range(args.batch)]
+
+
 def gil(args: argparse.Namespace) -> None:
     """The second thread's speed beside the first's calls (module docs)."""
     bb = args.block_bytes
@@ -85,21 +98,13 @@ def gil(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {max(cpus)})  # this thread, and the threads it starts (the client's)
         try:
             client = Client(srv.unix_url, timeout_s=60)
-            keys = [f"gil-{i}" for i in range(args.blocks)]
-            for i, key in enumerate(keys):
-                client.put(key, bytes([i % 251]) * bb)
-            room = SharedBuffer(args.batch * bb)
-            if client.register_buffer(room) != 0:
-                raise SystemExit("registering the buffer failed")
-            batch = keys[: args.batch]
-            ptrs = [room.ptr + j * bb for j in range(args.batch)]
+            keys, room, ptrs = filled(client, "gil", args)
+            batch, sizes = keys[: args.batch], [bb] * args.batch
             name = f"batch_get_into {args.batch} x {bb} B"
             ratios = []
             for _ in range(args.rounds):
                 alone = counted(args.seconds)
-                ratios.append(
-                    beside(lambda: client.batch_get_into(batch, ptrs, [bb] * len(batch)), args.seconds) / alone
-                )
+                ratios.append(beside(lambda: client.batch_get_into(batch, ptrs, sizes), args.seconds) / alone)
             client.unregister_buffer(room)
             client.close()
         finally:
@@ -112,14 +117,9 @@ def measure(args: argparse.Namespace, name: str, extra: tuple[str, ...]) -> dict
     bb, n = args.block_bytes, args.blocks
     with ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * n * bb / 2**30 + 1, args=extra) as srv:
         with Client(srv.unix_url, timeout_s=60) as client:
-            keys = [f"buffer-{i}" for i in range(n)]
-            for i, key in enumerate(keys):
-                client.put(key, bytes([i % 251]) * bb)
-            room = SharedBuffer(args.batch * bb)
-            if client.register_buffer(room) != 0:
-                raise SystemExit("registering the buffer failed")
+            keys, room, ptrs = filled(client, "buffer", args)
             batches = [keys[i : i + args.batch] for i in range(0, n - args.batch + 1, args.batch)]
-            ptrs = [room.ptr + j * bb for j in range(args.batch)]
+            sizes = [bb] * args.batch
             turn = [0]
 
             def batch() -> list[str]:
@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace, name: str, extra: tuple[str, ...]) -> dict
                     h.release()  # type: ignore[union-attr]
 
             def get_into() -> None:
-                got = client.batch_get_into(batch(), ptrs, [bb] * args.batch)
+                got = client.batch_get_into(batch(), ptrs, sizes)
                 if any(r != bb for r in got):
                     raise SystemExit(f"{name}: batch_get_into failed: {sorted(set(got))}")
 
