@@ -257,11 +257,16 @@ test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang tes
 # later), tagged manylinux by maturin's check of the glibc symbols it uses.
 # maturin comes from PyPI into target/py-build (pinned in
 # requirements-build.txt).
-target/py-build/.installed: clients/python/requirements-build.txt
-	rm -rf target/py-build
-	$(PYTHON) -m venv target/py-build
-	target/py-build/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r clients/python/requirements-build.txt
-	touch $@
+# pinned_venv NAME,REQUIREMENTS: target/py-NAME with those pins only, made
+# again from scratch when they change.
+define pinned_venv
+target/py-$(1)/.installed: $(2)
+	rm -rf target/py-$(1)
+	$(PYTHON) -m venv target/py-$(1)
+	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r $(2)
+	touch $$@
+endef
+$(eval $(call pinned_venv,build,clients/python/requirements-build.txt))
 
 wheel: target/py-build/.installed
 	rm -rf target/wheels
@@ -274,12 +279,7 @@ wheel: target/py-build/.installed
 # module run against it from a copy of tests/ outside the source tree (so
 # `import kvtier` can only find the wheel's).
 WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py
-target/py-wheel/.installed: clients/python/requirements-wheel-test.txt
-	rm -rf target/py-wheel
-	$(PYTHON) -m venv target/py-wheel
-	target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir \
-	  -r clients/python/requirements-wheel-test.txt
-	touch $@
+$(eval $(call pinned_venv,wheel,clients/python/requirements-wheel-test.txt))
 
 test-wheel: wheel target/py-wheel/.installed
 	PATH=/usr/bin:/bin target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-index \
