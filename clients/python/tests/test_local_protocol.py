@@ -17,10 +17,13 @@ from conftest import BLOCK_BYTES, block
 
 import kvtier
 from kvtier import codes
-from kvtier.local import HEADER, MAGIC, OP_HELLO, LocalConnection
+from kvtier.local import MAGIC, OP_HELLO, LocalConnection
 from kvtier.testing import ServerProcess
 
 BB = BLOCK_BYTES
+#: The frame header as docs/LOCAL.md lays it out: u16 magic, u8 op, u8 flags,
+#: u32 payload bytes, u64 request id.
+HEADER = struct.Struct("<HBBIQ")
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@
 
 use std::os::fd::BorrowedFd;
 
+mod conn;
+
 use kvtier_client::{SharedIndex, Table, BAD_KEY};
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -105,6 +107,34 @@ fn index_error(e: kvtier_client::IndexError) -> PyErr {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IndexTables>()?;
+    m.add_class::<conn::Connection>()?;
+    m.add_class::<conn::Ticket>()?;
     m.add("BAD_KEY", BAD_KEY)?;
+    wire_constants(m)
+}
+
+/// The wire's constants, from `kvtier-local-proto` (the server's own), so
+/// Python writes none of them again.
+fn wire_constants(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    use kvtier_local_proto as p;
+    for op in p::Op::ALL {
+        m.add(format!("OP_{}", op.name()).as_str(), op as u8)?;
+    }
+    m.add("OP_NAMES", p::Op::ALL.iter().map(|op| (*op as u8, op.name())).collect::<std::collections::HashMap<_, _>>())?;
+    m.add("OP_ERROR", p::OP_CONNECTION_ERROR)?;
+    m.add("RESPONSE", p::RESPONSE_BIT)?;
+    m.add("MAGIC", p::MAGIC)?;
+    m.add("HEADER_BYTES", p::HEADER_BYTES)?;
+    m.add("MAX_ITEMS", p::ITEMS_MAX)?;
+    m.add("MAX_PARTS", p::PARTS_MAX)?;
+    m.add("MAX_PAYLOAD_BYTES", p::PAYLOAD_BYTES_MAX)?;
+    m.add("MAX_IN_FLIGHT", kvtier_client::IN_FLIGHT_MAX)?;
+    m.add("VERSIONS", p::VERSIONS.to_vec())?;
+    m.add("VERSION_TAGS", p::VERSION_TAGS)?;
+    m.add("VERSION_LEASES", p::VERSION_LEASES)?;
+    m.add("ITEM_BYTES", kvtier_client::ops::ITEM_BYTES)?;
+    m.add("PART_BYTES", kvtier_client::ops::PART_BYTES)?;
+    m.add("CLOSE_CONFIRM_S", kvtier_client::CLOSE_CONFIRM.as_secs_f64())?;
+    m.add("CLIENT_NAME", conn::CLIENT_NAME)?;
     Ok(())
 }

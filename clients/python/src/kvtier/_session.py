@@ -29,18 +29,13 @@ from ._retry import CONNECT_BACKOFF, OVERLOAD_BACKOFF, OVERLOAD_RETRIES, retryin
 from .errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
 from .local import (
     CLIENT_NAME,
-    ITEM_BYTES,
     MAX_ITEMS,
     MAX_PAYLOAD_BYTES,
     OP_GET_INTO,
     OP_GET_INTO_V,
     OP_PUT_FROM,
     OP_PUT_FROM_V,
-    PART_BYTES,
-    VERSION_TAGS,
     LocalConnection,
-    decode_results,
-    encode_batch,
 )
 
 log = logging.getLogger("kvtier.local")
@@ -346,17 +341,7 @@ class LocalSession:
                 reconnect was refused (configuration, not an item's fate).
         """
         vectored = op in (OP_GET_INTO_V, OP_PUT_FROM_V)
-        put = op in (OP_PUT_FROM, OP_PUT_FROM_V)
         parts_of: list[Sequence[tuple[Region, int, int]]] = [s if vectored else (s,) for s in spans]
-
-        def tag_of(i: int) -> bytes:
-            return tags[i] if tags is not None else b""
-
-        def each(i: int) -> int:
-            """Payload bytes of item ``i`` but its key (a tag's u16 counted even where none is sent)."""
-            item = 4 + PART_BYTES * len(parts_of[i]) if vectored else ITEM_BYTES + 2
-            return item + (2 + len(tag_of(i)) if put else 0)
-
         out: list[tuple[int, int]] = [(codes.CONNECTION_LOST, 0)] * len(keys)
         todo = list(range(len(keys)))
         lost_left, stalls, pause = 1, 0, 0.0
@@ -371,57 +356,35 @@ class LocalSession:
                 for i in todo:
                     out[i] = (codes.CONNECTION_LOST, 0)
                 break
-            # The form of a put's items is the connection's: a server
-            # restarted meanwhile may speak another version.
-            tagged = put and conn.version >= VERSION_TAGS
-            sendable, handle_of = [], {}
+            sendable, rows = [], []
             for i in todo:
                 named = [handles.get(region.id) for region, _, _ in parts_of[i]]
                 if None in named:  # unregistered meanwhile, or refused on this connection
                     out[i] = (codes.UNKNOWN_HANDLE, 0)
-                elif put and not tagged and tag_of(i):
-                    out[i] = (codes.UNSUPPORTED_VERSION, 0)  # a version-1 server takes no tags
+                    continue
+                sendable.append(i)
+                if vectored:
+                    rows.append(([(h, p[1], p[2]) for h, p in zip(named, parts_of[i], strict=True)], keys[i]))
                 else:
-                    sendable.append(i)
-                    handle_of[i] = named
-            flights = []
-            for chunk in key_chunks(keys, sendable, each):
-                rows: list[Any] = [
-                    ([(h, p[1], p[2]) for h, p in zip(handle_of[i], parts_of[i], strict=True)], keys[i])
-                    if vectored
-                    else (handle_of[i][0], spans[i][1], spans[i][2], keys[i])
-                    for i in chunk
-                ]
-                payload = encode_batch(vectored, rows, [tag_of(i) for i in chunk] if tagged else None)
-                nbytes = sum(p[2] for i in chunk for p in parts_of[i])
-                try:
-                    flights.append((chunk, nbytes, conn.request(op, payload)))
-                except KvtierError as e:  # the connection died under an earlier chunk
-                    flights.append((chunk, nbytes, e))
+                    rows.append((named[0], spans[i][1], spans[i][2], keys[i]))
+            # The form of a put's items is the connection's (a server
+            # restarted meanwhile may speak another version): the native
+            # batch sends tags where it carries them, splits the rows into
+            # requests within the protocol's limits, sends them all, and
+            # waits with the GIL released.
+            sent_tags = [tags[i] for i in sendable] if tags is not None else None
+            results, retry_after_ms, failures = conn.transfer(op, rows, sent_tags, self.timeout_s, SECONDS_PER_GIB)
+            for message in failures:
+                log.warning("kvtier: %s", message)
+            hint = retry_after_ms / 1000.0
             lost: list[int] = []
             overloaded: list[int] = []
-            hint = 0.0
-            for chunk, nbytes, fut in flights:
-                try:
-                    if isinstance(fut, KvtierError):
-                        raise fut
-                    body, retry_after_ms = conn.wait_hinted(fut, op, self._answer_timeout(nbytes))
-                    results = decode_results(body, len(chunk))
-                    if any(r == codes.OVERLOADED for r, _ in results):
-                        hint = max(hint, retry_after_ms / 1000.0)
-                except KvtierError as e:
-                    code = e.local_code if e.local_code is not None else codes.BAD_REQUEST
-                    results = [(code, 0)] * len(chunk)
-                    if code == codes.OVERLOADED:
-                        hint = max(hint, getattr(e, "retry_after_s", None) or 0.0)
-                    elif code != codes.CONNECTION_LOST:
-                        log.warning("kvtier: %d items failed as a whole: %s", len(chunk), e)
-                for i, result in zip(chunk, results, strict=True):
-                    out[i] = result
-                    if result[0] == codes.CONNECTION_LOST:
-                        lost.append(i)
-                    elif result[0] == codes.OVERLOADED:
-                        overloaded.append(i)
+            for i, result in zip(sendable, results, strict=True):
+                out[i] = result
+                if result[0] == codes.CONNECTION_LOST:
+                    lost.append(i)
+                elif result[0] == codes.OVERLOADED:
+                    overloaded.append(i)
             # A shard admits PUT bytes up to its budget and refuses the rest of
             # a batch item by item (OVERLOADED, with retry_after_ms). While a
             # round stores some, the refused ones go again at once: the budget

@@ -48,20 +48,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _cuda, codes
-from ._session import key_chunks
 from .errors import BlockSizeError, CudaError, KvtierError, ProtocolError, error_from_code
 from .keys import check_key
-from .local import (
-    MAX_ITEMS,
-    OP_LEASE,
-    OP_RELEASE,
-    VERSION_LEASES,
-    LocalConnection,
-    decode_leases,
-    decode_released,
-    encode_keys,
-    encode_release,
-)
+from .local import LocalConnection
 from .shm import _view_address, byte_view
 
 if TYPE_CHECKING:
@@ -489,20 +478,15 @@ def release_ids(conn: LocalConnection, ids: Sequence[int], *, wait: bool | str =
     if not wait:
         conn.release_later(ids)
         return 0
-    chunks = [ids[k : k + MAX_ITEMS] for k in range(0, len(ids), MAX_ITEMS)]
     if wait == "post":
-        for chunk in chunks:
-            conn.post(OP_RELEASE, encode_release(chunk))
+        conn.release_post(list(ids))
         return 0
-    released = 0
     try:
-        futures = [conn.request(OP_RELEASE, encode_release(chunk)) for chunk in chunks]
-        for fut in futures:
-            released += decode_released(conn.wait(fut, OP_RELEASE))
+        return int(conn.release(list(ids)))
     except KvtierError as e:
         if e.local_code != codes.CONNECTION_LOST:
             raise
-    return released
+    return 0
 
 
 def lease_keys(session: LocalSession, maps: ArenaMaps, keys: Sequence[str]) -> Leases:
@@ -522,32 +506,11 @@ def lease_keys(session: LocalSession, maps: ArenaMaps, keys: Sequence[str]) -> L
     keys = [check_key(key) for key in keys]
 
     def once(conn: LocalConnection) -> Leases:
-        if conn.version < VERSION_LEASES:
-            raise error_from_code(
-                codes.UNSUPPORTED_VERSION,
-                f"the server at {conn.path} speaks socket protocol version {conn.version}; leases need "
-                f"version {VERSION_LEASES}: upgrade kvtier, or read blocks with get_into",
-            )
-        conn.start_releaser()
-        items: list[tuple[int, int, int, int, int, int]] = [(codes.CONNECTION_LOST, 0, 0, 0, 0, 0)] * len(keys)
-        flights = []
-        failure: KvtierError | None = None
-        for chunk in key_chunks(keys, range(len(keys)), 2):
-            try:
-                flights.append((chunk, conn.request(OP_LEASE, encode_keys([keys[i] for i in chunk]))))
-            except KvtierError as e:  # the connection died under an earlier chunk
-                failure = e
-                break
-        for chunk, fut in flights:
-            try:
-                for i, item in zip(chunk, decode_leases(conn.wait(fut, OP_LEASE), len(chunk)), strict=True):
-                    items[i] = item
-            except KvtierError as e:
-                failure = failure or e
+        # Every request in flight at once, in the native client; a failure
+        # after some were granted has released those already.
+        items = conn.lease(keys)
         granted = [item[5] for item in items if item[0] >= 0]
         try:
-            if failure is not None:
-                raise failure
             bb = int(conn.info["block_bytes"])
             arenas: list[Arena | None] = []
             for r, _, arena, *_ in items:
