@@ -8,9 +8,10 @@
 //! F_SEAL_GROW`, so the server maps it) cut into block-sized *slots*. An
 //! operation takes a free slot (waiting for one when all are busy), so the
 //! slots bound the requests in flight: one per worker. Every connection
-//! carries many requests at once: a writer task sends frames in the order
-//! they were queued, and a reader task hands each response to its caller by
-//! `request_id`, whatever order the server finishes them in.
+//! carries many requests at once. The connection is `kvtier-client`'s (the
+//! one the Python package binds): its reader thread hands each response to
+//! its request by `request_id`, whatever order the server finishes them in,
+//! and a request's ticket is awaited here as a future.
 //!
 //! A block read is verified where the server wrote it: the returned body is
 //! a view of the slot (no copy), which goes back to the pool when the body is
@@ -19,16 +20,12 @@
 //! payloads share one base buffer, so a write copies only the key stamp),
 //! the way an engine's KV cache is already in its memory.
 //!
-//! `REGISTER` needs the descriptor in `SCM_RIGHTS`, which tokio's
-//! `UnixStream` cannot send: each connection is set up (HELLO, REGISTER) on
-//! a blocking `std` stream with `libc::sendmsg`, then handed to tokio.
+//! Set-up (connect, HELLO, REGISTER with the descriptor in `SCM_RIGHTS`)
+//! blocks, so it runs on tokio's blocking pool.
 //!
-//! `wire`: the frames themselves (ops, codes, encoding and decoding).
+//! `wire`: the ops, codes and errors of this client.
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -36,9 +33,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use kvtier_client::ops::{decode_lookup, decode_results, decode_tiers};
+use kvtier_client::{Connection, HelloRequest};
+use serde_json::Value;
+use tokio::sync::Semaphore;
 
 use crate::client::{BodyChunks, Client};
 use crate::retry::OverloadRetry;
@@ -210,105 +208,42 @@ impl AsRef<[u8]> for SlotBytes {
 
 // ------------------------------------------------------------ connection
 
-struct Pending {
-    waiting: HashMap<u64, oneshot::Sender<Result<Reply, LocalError>>>,
-    /// Why the connection is gone, once it is.
-    closed: Option<String>,
-}
-
 /// One connection: HELLO said, one region registered.
 struct Conn {
-    path: String,
-    out: mpsc::UnboundedSender<Vec<u8>>,
-    pending: Arc<Mutex<Pending>>,
-    next_id: AtomicU64,
+    conn: Connection,
     /// The registration's handle.
     handle: u64,
     /// 1 mapped, 2 file I/O (the server's `access`).
     access: u8,
-    reader: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for Conn {
-    fn drop(&mut self) {
-        self.reader.abort();
+/// The client crate's error as this client's.
+fn local_error(path: &str, op: Op, e: kvtier_client::Error) -> LocalError {
+    match e {
+        kvtier_client::Error::Code { code, message, .. } if code == kvtier_client::CONNECTION_LOST => {
+            LocalError::Closed { path: path.to_string(), message }
+        }
+        kvtier_client::Error::Code { code, message, .. } => {
+            LocalError::Status { op: op.name(), code: code as i32, name: code_name(code), message }
+        }
+        kvtier_client::Error::BadAnswer(message) | kvtier_client::Error::Protocol(message) => {
+            LocalError::BadResponse { op: op.name(), message }
+        }
     }
-}
-
-/// Writes `bytes` with `fd` in `SCM_RIGHTS` on the first `sendmsg`, the
-/// rest (if the kernel took only part) with plain writes.
-fn send_with_fd(stream: &mut UnixStream, bytes: &[u8], fd: RawFd) -> std::io::Result<()> {
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let mut control = [0u64; 8];
-    // SAFETY: CMSG_SPACE is a size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    // SAFETY: a zeroed msghdr pointed at live buffers; the one cmsghdr is
-    // written inside `control`, which CMSG_SPACE(one fd) fits.
-    let n = unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
-        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-    };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    stream.write_all(&bytes[n as usize..])
-}
-
-/// Reads one response frame off a blocking stream (set-up only).
-fn read_reply_blocking(stream: &mut UnixStream) -> Result<Reply, String> {
-    let mut h = [0u8; HEADER_BYTES];
-    stream.read_exact(&mut h).map_err(|e| format!("reading a response header: {e}"))?;
-    let (op, n, _) = decode_header(&h)?;
-    let mut payload = vec![0u8; n];
-    stream.read_exact(&mut payload).map_err(|e| format!("reading a response payload: {e}"))?;
-    Ok(decode_reply(op, payload))
-}
-
-/// The failure message of a non-zero status: `NAME (code): message`.
-fn status_message(r: &Reply) -> String {
-    format!("{} ({}): {}", code_name(r.status as i64), r.status, String::from_utf8_lossy(&r.body))
 }
 
 /// Connects and says HELLO (asking for `block_bytes` when given, with
 /// `token` when given). Blocking.
-fn connect_hello(path: &str, block_bytes: Option<u64>, token: Option<&str>) -> Result<(UnixStream, Hello), String> {
-    let mut s = UnixStream::connect(path).map_err(|e| format!("cannot connect: {e}"))?;
-    s.set_read_timeout(Some(SETUP_TIMEOUT)).and_then(|()| s.set_write_timeout(Some(SETUP_TIMEOUT))).map_err(|e| e.to_string())?;
-    let mut hello = json!({ "versions": [VERSION], "client": concat!("kvtier-loadgen ", env!("CARGO_PKG_VERSION")) });
-    if let Some(b) = block_bytes {
-        hello["block_bytes"] = json!(b);
-    }
-    if let Some(t) = token {
-        hello["token"] = json!(t);
-    }
-    let sent = s.write_all(&frame(Op::Hello as u8, 1, hello.to_string().as_bytes()));
-    // A refused peer gets one 0xFF frame as soon as it connects and is
-    // closed, so sending may fail: the frame, when it came, says why.
-    let r = match (sent, read_reply_blocking(&mut s)) {
-        (_, Ok(r)) => r,
-        (Err(e), Err(_)) => return Err(format!("sending HELLO: {e}")),
-        (Ok(()), Err(e)) => return Err(e),
+fn connect_hello(path: &str, block_bytes: Option<u64>, token: Option<&str>) -> Result<(Connection, Hello), String> {
+    let conn = Connection::connect(path).map_err(|e| format!("cannot connect: {e}"))?;
+    let req = HelloRequest {
+        token,
+        block_bytes,
+        model: None,
+        client: concat!("kvtier-loadgen ", env!("CARGO_PKG_VERSION")),
+        versions: Some(&[VERSION]),
     };
-    if r.op == OP_CONNECTION_ERROR {
-        return Err(format!("the server closed the connection: {}", status_message(&r)));
-    }
-    if r.status != 0 {
-        return Err(format!("HELLO failed with {}", status_message(&r)));
-    }
-    if r.op != Op::Hello as u8 | RESPONSE_BIT {
-        return Err(format!("HELLO answered with op 0x{:02x}", r.op));
-    }
-    let raw: Value = serde_json::from_slice(&r.body).map_err(|e| format!("HELLO answer is not JSON: {e}"))?;
+    let raw = conn.hello(&req, SETUP_TIMEOUT).map_err(|e| format!("HELLO failed: {e}"))?;
     let field = |k: &str| raw[k].as_u64().ok_or_else(|| format!("HELLO answer has no {k}: {raw}"));
     let hello = Hello {
         version: field("version")? as u32,
@@ -319,69 +254,23 @@ fn connect_hello(path: &str, block_bytes: Option<u64>, token: Option<&str>) -> R
         shards: field("shards")?,
         raw: raw.clone(),
     };
-    Ok((s, hello))
+    Ok((conn, hello))
 }
 
-/// Makes a region of `bytes` and registers it on the (blocking, greeted)
-/// stream; returns it with its handle and `access`, and leaves the stream
-/// non-blocking for tokio.
-fn register(s: &mut UnixStream, bytes: usize) -> Result<(Arc<Region>, u64, u8), String> {
+/// Makes a region of `bytes` and registers it on the (greeted)
+/// connection; returns it with its handle and `access`. Blocking.
+fn register(conn: &Connection, bytes: usize) -> Result<(Arc<Region>, u64, u8), String> {
     let region = Arc::new(Region::new(bytes).map_err(|e| format!("cannot make the shared memory: {e}"))?);
-    let mut payload = 0u64.to_le_bytes().to_vec();
-    payload.extend_from_slice(&(bytes as u64).to_le_bytes());
-    send_with_fd(s, &frame(Op::Register as u8, 2, &payload), region.fd.as_raw_fd()).map_err(|e| format!("sending REGISTER: {e}"))?;
-    let r = read_reply_blocking(s)?;
-    if r.op == OP_CONNECTION_ERROR {
-        return Err(format!("the server closed the connection after REGISTER: {}", status_message(&r)));
-    }
-    if r.status != 0 {
-        return Err(format!("REGISTER of a {bytes}-byte sealed memfd failed with {}", status_message(&r)));
-    }
-    let mut c = Cursor { rest: &r.body, op: Op::Register };
-    let handle = c.u64().map_err(|e| e.to_string())?;
-    let access = c.u8().map_err(|e| e.to_string())?;
-    c.end().map_err(|e| e.to_string())?;
-    s.set_read_timeout(None).and_then(|()| s.set_write_timeout(None)).and_then(|()| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
+    let (handle, access) = conn
+        .register(region.fd.as_raw_fd(), 0, bytes as u64, SETUP_TIMEOUT)
+        .map_err(|e| format!("REGISTER of a {bytes}-byte sealed memfd failed: {e}"))?;
     Ok((region, handle, access))
 }
 
 impl Conn {
-    /// Hands a set-up stream to tokio: a writer task and a reader task.
-    fn start(path: &str, stream: UnixStream, handle: u64, access: u8) -> Result<Conn, String> {
-        let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| format!("cannot hand the socket to tokio: {e}"))?;
-        let (read, mut write) = stream.into_split();
-        let (out, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-        let pending = Arc::new(Mutex::new(Pending { waiting: HashMap::new(), closed: None }));
-        // Writer: frames in queue order, what is queued already in one write.
-        let (pending_w, path_w) = (pending.clone(), path.to_string());
-        tokio::spawn(async move {
-            let mut batch = Vec::new();
-            while let Some(f) = rx.recv().await {
-                batch.clear();
-                batch.extend_from_slice(&f);
-                while batch.len() < PAYLOAD_BYTES_MAX {
-                    match rx.try_recv() {
-                        Ok(f) => batch.extend_from_slice(&f),
-                        Err(_) => break,
-                    }
-                }
-                if let Err(e) = write.write_all(&batch).await {
-                    fail_all(&pending_w, &path_w, format!("sending failed: {e}"));
-                    return;
-                }
-            }
-        });
-        let (pending_r, path_r) = (pending.clone(), path.to_string());
-        let reader = tokio::spawn(async move {
-            let why = read_loop(read, &pending_r).await;
-            fail_all(&pending_r, &path_r, why);
-        });
-        Ok(Conn { path: path.to_string(), out, pending, next_id: AtomicU64::new(16), handle, access, reader })
-    }
-
-    /// Sends one request and waits for its response; a non-zero status is
-    /// [`LocalError::Status`].
-    async fn call(&self, op: Op, payload: &[u8]) -> Result<Reply, LocalError> {
+    /// Sends one request and awaits its response body and retry hint; a
+    /// non-zero status is [`LocalError::Status`].
+    async fn call(&self, op: Op, payload: &[u8]) -> Result<(Vec<u8>, u32), LocalError> {
         if payload.len() > PAYLOAD_BYTES_MAX {
             return Err(LocalError::Request(format!(
                 "a {} payload of {} bytes is over the {PAYLOAD_BYTES_MAX}-byte limit",
@@ -389,76 +278,11 @@ impl Conn {
                 payload.len()
             )));
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut p = self.pending.lock().expect("pending lock");
-            if let Some(why) = &p.closed {
-                return Err(LocalError::Closed { path: self.path.clone(), message: why.clone() });
-            }
-            p.waiting.insert(id, tx);
-        }
-        if self.out.send(frame(op as u8, id, payload)).is_err() {
-            self.pending.lock().expect("pending lock").waiting.remove(&id);
-            return Err(LocalError::Closed { path: self.path.clone(), message: "the writer stopped".into() });
-        }
-        let reply = rx.await.map_err(|_| LocalError::Closed { path: self.path.clone(), message: "the reader stopped".into() })??;
-        if reply.op != op as u8 | RESPONSE_BIT {
-            return Err(LocalError::BadResponse { op: op.name(), message: format!("answered with op 0x{:02x}", reply.op) });
-        }
-        if reply.status != 0 {
-            return Err(LocalError::Status {
-                op: op.name(),
-                code: reply.status,
-                name: code_name(reply.status as i64),
-                message: String::from_utf8_lossy(&reply.body).into_owned(),
-            });
-        }
-        Ok(reply)
-    }
-}
-
-/// Fails every request waiting on the connection, and every later one.
-fn fail_all(pending: &Mutex<Pending>, path: &str, why: String) {
-    let mut p = pending.lock().expect("pending lock");
-    if p.closed.is_none() {
-        p.closed = Some(why.clone());
-    }
-    for (_, tx) in p.waiting.drain() {
-        let _ = tx.send(Err(LocalError::Closed { path: path.to_string(), message: why.clone() }));
-    }
-}
-
-/// Reads responses and hands each to its waiting caller; returns why it
-/// stopped.
-async fn read_loop(read: tokio::net::unix::OwnedReadHalf, pending: &Mutex<Pending>) -> String {
-    let mut r = tokio::io::BufReader::with_capacity(256 << 10, read);
-    loop {
-        let mut h = [0u8; HEADER_BYTES];
-        match r.read_exact(&mut h).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return "the server closed the connection".into(),
-            Err(e) => return format!("reading a response: {e}"),
-        }
-        let (op, n, id) = match decode_header(&h) {
-            Ok(x) => x,
-            Err(e) => return e,
-        };
-        let mut payload = vec![0u8; n];
-        if let Err(e) = r.read_exact(&mut payload).await {
-            return format!("the connection ended inside a response frame: {e}");
-        }
-        let reply = decode_reply(op, payload);
-        if op == OP_CONNECTION_ERROR {
-            return format!("the server closed the connection with {}", status_message(&reply));
-        }
-        let tx = pending.lock().expect("pending lock").waiting.remove(&id);
-        match tx {
-            Some(tx) => {
-                let _ = tx.send(Ok(reply));
-            }
-            None => return format!("a response (op 0x{op:02x}) to request id {id}, which is not in flight"),
-        }
+        let path = self.conn.path();
+        let ticket = self.conn.request(op as u8, payload, None).map_err(|e| local_error(path, op, e))?;
+        let r = ticket.await.map_err(|e| local_error(path, op, e))?;
+        let (body, hint) = r.body(op as u8).map_err(|e| local_error(path, op, e))?;
+        Ok((body.to_vec(), hint))
     }
 }
 
@@ -536,8 +360,8 @@ impl LocalTarget {
             let n = (slots - c).div_ceil(connections);
             let (p, bb, s, t) = (path.clone(), hello.block_bytes, first.take(), token.clone());
             let epoch = hello.epoch;
-            let (stream, region, handle, access) = tokio::task::spawn_blocking(move || {
-                let mut s = match s {
+            let (conn, region, handle, access) = tokio::task::spawn_blocking(move || {
+                let s = match s {
                     Some(s) => s,
                     None => {
                         let (s, h) = connect_hello(&p, Some(bb), t.as_deref())?;
@@ -547,13 +371,13 @@ impl LocalTarget {
                         s
                     }
                 };
-                let (region, handle, access) = register(&mut s, n * bb as usize)?;
+                let (region, handle, access) = register(&s, n * bb as usize)?;
                 Ok((s, region, handle, access))
             })
             .await
             .expect("set-up task")
             .map_err(setup_err)?;
-            conns.push(Conn::start(&path, stream, handle, access).map_err(setup_err)?);
+            conns.push(Conn { conn, handle, access });
             regions.push(region);
             for i in 0..n {
                 slot_list.push(Slot { conn: c, offset: (i * block_bytes) as u64, holds: Mutex::new(Vec::new()) });
@@ -663,8 +487,8 @@ impl LocalTarget {
         let (conn, offset) = { (&self.conns[slot.slot().conn], slot.slot().offset) };
         slot.overwritten();
         let bb = self.pool.block_bytes as u64;
-        let reply = conn.call(Op::GetInto, &encode_items(&[(conn.handle, offset, bb, key)])).await?;
-        let (result, tier) = decode_results(Op::GetInto, &reply.body, 1)?[0];
+        let (body, _) = conn.call(Op::GetInto, &encode_items(&[(conn.handle, offset, bb, key)])).await?;
+        let (result, tier) = decode_results(Op::GetInto, &body, 1).map_err(|e| local_error(&self.path, Op::GetInto, e))?[0];
         match result {
             n if n >= 0 => {
                 if n as u64 > bb {
@@ -708,14 +532,14 @@ impl LocalTarget {
         let payload = encode_items(&[(conn.handle, offset, total as u64, key)]);
         let mut retry = OverloadRetry::new();
         loop {
-            let reply = conn.call(Op::PutFrom, &payload).await?;
-            let (result, created) = decode_results(Op::PutFrom, &reply.body, 1)?[0];
+            let (body, retry_after_ms) = conn.call(Op::PutFrom, &payload).await?;
+            let (result, created) = decode_results(Op::PutFrom, &body, 1).map_err(|e| local_error(&self.path, Op::PutFrom, e))?[0];
             match result {
                 r if r >= 0 => return Ok(created == 1),
                 // Counted only when retried: a refusal that stands is an error.
                 OVERLOADED if !retry.exhausted() => {
                     self.refusals.fetch_add(1, Ordering::Relaxed);
-                    retry.wait(Duration::from_millis(u64::from(reply.retry_after_ms).max(1))).await;
+                    retry.wait(Duration::from_millis(u64::from(retry_after_ms).max(1))).await;
                 }
                 code => return Err(LocalError::Item { op: "PUT_FROM", key: key.to_string(), code, name: code_name(code) }),
             }
@@ -736,17 +560,11 @@ impl LocalTarget {
     pub async fn lookup<S: AsRef<str>>(&self, keys: &[S]) -> Result<usize, LocalError> {
         let mut hits = 0;
         for part in split_keys(keys) {
-            let reply = self.conn().call(Op::Lookup, &encode_keys(part)).await?;
-            let mut c = Cursor { rest: &reply.body, op: Op::Lookup };
-            let prefix = c.u32()? as usize;
-            let n = c.u32()? as usize;
-            c.take(n)?;
-            c.end()?;
-            if n != prefix || prefix > part.len() {
-                return Err(LocalError::BadResponse {
-                    op: "LOOKUP",
-                    message: format!("prefix_hits {prefix} with {n} tiers for {} keys", part.len()),
-                });
+            let (body, _) = self.conn().call(Op::Lookup, &encode_keys(part)).await?;
+            let (prefix, _) = decode_lookup(&body).map_err(|e| local_error(&self.path, Op::Lookup, e))?;
+            let prefix = prefix as usize;
+            if prefix > part.len() {
+                return Err(LocalError::BadResponse { op: "LOOKUP", message: format!("prefix_hits {prefix} for {} keys", part.len()) });
             }
             hits += prefix;
             if prefix < part.len() {
@@ -765,12 +583,9 @@ impl LocalTarget {
         if keys.len() > ITEMS_MAX {
             return Err(LocalError::Request(format!("{} keys in one EXISTS; the limit is {ITEMS_MAX}", keys.len())));
         }
-        let reply = self.conn().call(Op::Exists, &encode_keys(keys)).await?;
-        let mut c = Cursor { rest: &reply.body, op: Op::Exists };
-        let n = c.count(keys.len())?;
-        let tiers = c.take(n)?.iter().map(|&t| (t != 0).then(|| tier_name(t))).collect();
-        c.end()?;
-        Ok(tiers)
+        let (body, _) = self.conn().call(Op::Exists, &encode_keys(keys)).await?;
+        let tiers = decode_tiers(&body, keys.len()).map_err(|e| local_error(&self.path, Op::Exists, e))?;
+        Ok(tiers.into_iter().map(|t| (t != 0).then(|| tier_name(t))).collect())
     }
 
     /// `/v1/stats` over `?http=`.
@@ -835,29 +650,12 @@ mod tests {
     }
 
     #[test]
-    fn frames_and_items_encode_as_docs_local_says() {
-        let f = frame(4, 0x0102_0304_0506_0708, b"xyz");
-        assert_eq!(&f[..4], &[0x54, 0x4B, 4, 0]);
-        assert_eq!(&f[..2], b"TK");
-        assert_eq!(u32::from_le_bytes(f[4..8].try_into().unwrap()), 3);
-        assert_eq!(u64::from_le_bytes(f[8..16].try_into().unwrap()), 0x0102_0304_0506_0708);
-        assert_eq!(
-            decode_header(&f[..16].try_into().unwrap()),
-            Err("response frame of 3 payload bytes, too short for status and retry_after_ms".into())
-        );
+    fn items_encode_as_docs_local_says() {
         let p = encode_items(&[(7, 4096, 65536, "k1")]);
         assert_eq!(p.len(), 4 + 8 + 8 + 8 + 2 + 2);
         assert_eq!(&p[..4], &1u32.to_le_bytes());
         assert_eq!(&p[28..30], &2u16.to_le_bytes());
         assert_eq!(&p[30..], b"k1");
-        let mut body = 2u32.to_le_bytes().to_vec();
-        for (r, x) in [(65536i64, 2u8), (-2, 0)] {
-            body.extend_from_slice(&r.to_le_bytes());
-            body.push(x);
-        }
-        assert_eq!(decode_results(Op::GetInto, &body, 2).unwrap(), vec![(65536, 2), (-2, 0)]);
-        assert!(decode_results(Op::GetInto, &body, 3).is_err());
-        assert!(decode_results(Op::GetInto, &body[..body.len() - 1], 2).is_err());
         assert_eq!(code_name(-2), "NOT_FOUND");
         assert_eq!(code_name(-19), "BAD_FRAME");
         assert_eq!(tier_name(3), "nvme");

@@ -1,6 +1,6 @@
-//! The loadgen's side of docs/LOCAL.md: the frames, ops and codes of
-//! `kvtier-local-proto` (shared with the server), this client's errors, and
-//! the decoding of responses into them.
+//! The loadgen's side of docs/LOCAL.md: the ops and codes of
+//! `kvtier-local-proto` (shared with the server) and this client's errors;
+//! the connection and the decoders are `kvtier-client`'s.
 
 use std::time::Duration;
 
@@ -11,9 +11,7 @@ use crate::client::ClientError;
 /// URL scheme of the local socket: `unix:///absolute/path` or
 /// `unix://relative/path`.
 pub const SCHEME: &str = "unix://";
-pub use kvtier_local_proto::{
-    encode_items, encode_keys, frame, tier_name, Code, Op, HEADER_BYTES, ITEMS_MAX, OP_CONNECTION_ERROR, PAYLOAD_BYTES_MAX, RESPONSE_BIT,
-};
+pub use kvtier_local_proto::{encode_items, encode_keys, tier_name, Code, Op, ITEMS_MAX, PAYLOAD_BYTES_MAX};
 
 /// The protocol version this client speaks: 1, whose `PUT_FROM` items
 /// carry no block tag (the loadgen sends untagged blocks; version 2 adds the
@@ -123,87 +121,4 @@ pub struct Hello {
     pub shards: u64,
     /// The whole JSON answer.
     pub raw: Value,
-}
-
-/// A response frame: status, retry hint and body (or message).
-#[derive(Debug)]
-pub(crate) struct Reply {
-    pub(crate) op: u8,
-    pub(crate) status: i32,
-    pub(crate) retry_after_ms: u32,
-    pub(crate) body: Vec<u8>,
-}
-
-// ------------------------------------------------------------------ wire
-
-/// Decodes a response header: `(op, payload_bytes, request_id)`; a
-/// response payload holds at least its status and `retry_after_ms`.
-pub(crate) fn decode_header(b: &[u8; HEADER_BYTES]) -> Result<(u8, usize, u64), String> {
-    let h = kvtier_local_proto::Header::decode(b).map_err(|e| format!("response frame: {e}"))?;
-    if h.payload_bytes < 8 {
-        return Err(format!("response frame of {} payload bytes, too short for status and retry_after_ms", h.payload_bytes));
-    }
-    Ok((h.op, h.payload_bytes as usize, h.request_id))
-}
-
-pub(crate) fn decode_reply(op: u8, payload: Vec<u8>) -> Reply {
-    let status = i32::from_le_bytes(payload[0..4].try_into().expect("4 bytes"));
-    let retry_after_ms = u32::from_le_bytes(payload[4..8].try_into().expect("4 bytes"));
-    Reply { op, status, retry_after_ms, body: payload[8..].to_vec() }
-}
-
-/// Reads a response body front to back.
-pub(crate) struct Cursor<'a> {
-    pub(crate) rest: &'a [u8],
-    pub(crate) op: Op,
-}
-
-impl<'a> Cursor<'a> {
-    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], LocalError> {
-        if self.rest.len() < n {
-            return Err(LocalError::BadResponse {
-                op: self.op.name(),
-                message: format!("body ends early ({} bytes left, {n} needed)", self.rest.len()),
-            });
-        }
-        let (head, tail) = self.rest.split_at(n);
-        self.rest = tail;
-        Ok(head)
-    }
-    pub(crate) fn u8(&mut self) -> Result<u8, LocalError> {
-        Ok(self.take(1)?[0])
-    }
-    pub(crate) fn u32(&mut self) -> Result<u32, LocalError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
-    }
-    pub(crate) fn u64(&mut self) -> Result<u64, LocalError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
-    }
-    pub(crate) fn i64(&mut self) -> Result<i64, LocalError> {
-        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
-    }
-    pub(crate) fn end(&self) -> Result<(), LocalError> {
-        if self.rest.is_empty() {
-            Ok(())
-        } else {
-            Err(LocalError::BadResponse { op: self.op.name(), message: format!("{} unexpected bytes after the body", self.rest.len()) })
-        }
-    }
-    /// A count that must be `want`.
-    pub(crate) fn count(&mut self, want: usize) -> Result<usize, LocalError> {
-        let n = self.u32()? as usize;
-        if n != want {
-            return Err(LocalError::BadResponse { op: self.op.name(), message: format!("{n} results for {want} items") });
-        }
-        Ok(n)
-    }
-}
-
-/// Decodes a batch's per-item body: `n` × (i64 `result`, u8 `extra`).
-pub(crate) fn decode_results(op: Op, body: &[u8], want: usize) -> Result<Vec<(i64, u8)>, LocalError> {
-    let mut c = Cursor { rest: body, op };
-    let n = c.count(want)?;
-    let out = (0..n).map(|_| Ok((c.i64()?, c.u8()?))).collect::<Result<Vec<_>, LocalError>>()?;
-    c.end()?;
-    Ok(out)
 }
