@@ -24,6 +24,7 @@
 #   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
 #   make bench-load-path      a prefix load on kvtier's side: 63 x 16 MiB from the log, GB/s and server CPU-s/GiB beside dd (root)
 #   make bench-index   batch_is_exist/lookup of 64 keys from the shared index, from Python (beside a previous checkout with --previous)
+#   make bench-client  the same-host client from Python: get_many_into 64 x 64 KiB and 16 x 16 MiB, a lease of 16 (beside a previous checkout with --previous)
 #   make bench-buffer  Mooncake's batch_get_buffer vs batch_get_into of 16 x 16 MiB on a default server, beside --ram-shared auto and off
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
@@ -51,7 +52,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -368,6 +369,14 @@ bench-load-path: build target/py-vllm/.client
 bench-index: build target/py-vllm/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_index.py $(BENCH_INDEX_ARGS)
+
+# The same-host client's own cost from Python (get_many_into of 64 x 64 KiB
+# and 16 x 16 MiB, a lease of 16 blocks) beside a previous build of the
+# package (BENCH_CLIENT_ARGS="--previous /tmp/prev/clients/python/src"), in
+# one run (clients/python/bench/bench_client.py).
+bench-client: build target/py-vllm/.client
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
+	  target/py-vllm/bin/python clients/python/bench/bench_client.py $(BENCH_CLIENT_ARGS)
 
 # Mooncake's batch_get_buffer against batch_get_into of 16 x 16 MiB RAM hits
 # on a default server, beside --ram-shared auto (the previous default) and
