@@ -98,17 +98,35 @@ def rust_edges(src: Path) -> dict[Path, set[Path]]:
 
 
 def python_edges(package: Path, name: str) -> dict[Path, set[Path]]:
-    """File → package files it imports."""
-    files = {p.stem: p for p in package.glob("*.py")}
-    pattern = re.compile(r"^\s*(?:from\s+(?:\.|%s\.)(\w+)\s+import|import\s+%s\.(\w+))" % (name, name), re.M)
+    """File → package files it imports, subpackages included: ``from .x``,
+    ``from ..a.b``, ``from . import x`` (a module of that package),
+    ``from kvtier.a.b``, ``import kvtier.a.b``. A subpackage's
+    ``__init__.py`` is imported by nothing here (it holds no code)."""
+    files = {tuple(p.relative_to(package).with_suffix("").parts): p for p in package.rglob("*.py")}
+    pattern = re.compile(
+        r"^\s*(?:from\s+(?P<dots>\.+)(?P<rel>[\w.]*)\s+import\s+(?P<names>\([^)]*\)|[^\n]*)"
+        r"|from\s+%s\.(?P<abs>[\w.]+)\s+import|import\s+%s\.(?P<imp>[\w.]+))" % (name, name),
+        re.M,
+    )
     edges: dict[Path, set[Path]] = {}
-    for stem, path in files.items():
-        if stem == "__init__":
+    for parts, path in files.items():
+        if parts[-1] == "__init__":
             continue
+        here = parts[:-1]
         for m in pattern.finditer(path.read_text(encoding="utf-8")):
-            target = m.group(1) or m.group(2)
-            if target in files and target not in ("__init__", stem):
-                edges.setdefault(path, set()).add(files[target])
+            targets: list[tuple[str, ...]] = []
+            if m["dots"]:
+                base = here[: len(here) - (len(m["dots"]) - 1)]
+                if m["rel"]:
+                    targets.append(base + tuple(m["rel"].split(".")))
+                else:  # from . import a, b: modules of that package
+                    names = m["names"].strip("()").split(",")
+                    targets += [base + (n.split(" as ")[0].strip(),) for n in names if n.strip()]
+            else:
+                targets.append(tuple((m["abs"] or m["imp"]).split(".")))
+            for target in targets:
+                if target in files and target != parts and target[-1] != "__init__":
+                    edges.setdefault(path, set()).add(files[target])
     return edges
 
 
@@ -214,6 +232,16 @@ def self_test() -> None:
         (package / "_unix.py").write_text("from kvtier.client import Client\n")
         found = breaches(root)
         assert len(found) == 1 and "_unix.py" in found[0] and "client.py" in found[0], found
+        # Across subpackages, relative and absolute.
+        (package / "_unix.py").write_text("import os\n")
+        (package / "transport").mkdir()
+        (package / "transport" / "__init__.py").write_text("")
+        (package / "transport" / "unix.py").write_text("from .. import client\n")
+        (package / "client.py").write_text("from .transport.unix import open_local\n")
+        found = breaches(root)
+        assert len(found) == 1 and "transport/unix.py" in found[0] and "client.py" in found[0], found
+        (package / "transport" / "unix.py").write_text("from ..errors import X\n")
+        assert breaches(root) == [], breaches(root)
     print("check_layout self-test: ok")
 
 

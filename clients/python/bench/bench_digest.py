@@ -1,5 +1,5 @@
 """What the vLLM connector's end-to-end digest costs (``digest``,
-``kvtier._vllm_verify``): the xxh3-64 of each loaded block's layer pages,
+``kvtier.connectors.vllm.verify``): the xxh3-64 of each loaded block's layer pages,
 beside the load itself, in one run.
 
 One ``kvtier serve`` ($KVTIER_BIN) holds ``--blocks`` blocks; a CPU paged
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kvtier._connector import ConnectorCore
-from kvtier._vllm_blocks import PagedBlocks, SharedAllocation
-from kvtier._vllm_verify import digest_of
+from kvtier.connectors.core import ConnectorCore
+from kvtier.connectors.vllm.blocks import PagedBlocks, SharedAllocation
+from kvtier.connectors.vllm.verify import digest_of
 from kvtier.shm import SharedBuffer
 from kvtier.testing import ServerProcess
 

@@ -17,7 +17,7 @@ median GB/s over the rounds and the ratios in one run:
   memcpy_pinned   the DMA ceiling: one copy per block from a torch
                   pin_memory() tensor holding the same bytes
 
-then the vLLM connector's own block mover (``kvtier._vllm_blocks.PagedBlocks``
+then the vLLM connector's own block mover (``kvtier.connectors.vllm.blocks.PagedBlocks``
 over CUDA layer tensors, as vLLM's GPU build lays them out) loading every
 block with its leased path against its staged path.
 
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 import kvtier
-from kvtier._connector import ConnectorCore
-from kvtier._vllm_blocks import PagedBlocks
+from kvtier.connectors.core import ConnectorCore
+from kvtier.connectors.vllm.blocks import PagedBlocks
 from kvtier.testing import ServerProcess
 
 

@@ -10,10 +10,10 @@ import pytest
 from conftest import BLOCK_BYTES, block, start_on_same_port
 
 import kvtier
-from kvtier import _http_transport as http_transport
 from kvtier import client as client_module
 from kvtier.errors import error_from_response
 from kvtier.testing import ServerProcess, free_port
+from kvtier.transport import http as http_transport
 
 
 def put_requests(client: kvtier.Client) -> int:

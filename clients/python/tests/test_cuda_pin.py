@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
     """
     import ctypes, hashlib, json, sys
     import kvtier
-    from kvtier import _cuda
+    from kvtier.memory import cuda as _cuda
 
     url, bb, keys = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
     lib = ctypes.CDLL("libcuda.so.1")

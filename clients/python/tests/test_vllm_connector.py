@@ -15,10 +15,10 @@ import torch
 from conftest import block, start_on_same_port
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
-from kvtier._connector import ConnectorCore
-from kvtier._vllm_blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
-from kvtier._vllm_groups import Group, best_hit, groups_of, load_transfers, store_transfers
-from kvtier._vllm_plan import RequestState
+from kvtier.connectors.core import ConnectorCore
+from kvtier.connectors.vllm.blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
+from kvtier.connectors.vllm.groups import Group, best_hit, groups_of, load_transfers, store_transfers
+from kvtier.connectors.vllm.plan import RequestState
 from kvtier.shm import backing_fd
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import (

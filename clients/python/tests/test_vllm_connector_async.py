@@ -1,4 +1,4 @@
-"""KvtierConnector's copies off the forward path (kvtier._vllm_mover), against
+"""KvtierConnector's copies off the forward path (kvtier.connectors.vllm.mover), against
 a real ``kvtier serve`` and the connector's own worker code, no engine: a
 background load reported finished with its failed blocks in the same pass, a
 store that never reads a block after vLLM may reuse it (finished and
@@ -17,8 +17,8 @@ from conftest import block
 from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
 
 from kvtier import vllm_connector
-from kvtier._vllm_blocks import PagedBlocks
-from kvtier._vllm_plan import KvtierConnectorMetadata, Transfer
+from kvtier.connectors.vllm.blocks import PagedBlocks
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, Transfer
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector
 
@@ -202,7 +202,7 @@ def test_layer_loads_let_each_layer_go_as_its_pages_arrive(monkeypatch):
 
 
 def test_a_bad_mode_is_refused_naming_the_values():
-    from kvtier._vllm_mover import LOAD_MODES, mode_of
+    from kvtier.connectors.vllm.mover import LOAD_MODES, mode_of
 
     with pytest.raises(ValueError, match="loads is 'fast'; it is one of async, layer, sync"):
         mode_of({"loads": "fast"}, "loads", LOAD_MODES)

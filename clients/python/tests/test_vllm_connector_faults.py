@@ -17,13 +17,13 @@ import pytest
 import torch
 from conftest import block, start_on_same_port
 
-from kvtier._connector import ConnectorCore
-from kvtier._vllm_blocks import PagedBlocks
-from kvtier._vllm_groups import Group
-from kvtier._vllm_lookup import Lookups
-from kvtier._vllm_mover import BlockMover
-from kvtier._vllm_plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
-from kvtier._vllm_verify import Digests, digest_of
+from kvtier.connectors.core import ConnectorCore
+from kvtier.connectors.vllm.blocks import PagedBlocks
+from kvtier.connectors.vllm.groups import Group
+from kvtier.connectors.vllm.lookup import Lookups
+from kvtier.connectors.vllm.mover import BlockMover
+from kvtier.connectors.vllm.plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
+from kvtier.connectors.vllm.verify import Digests, digest_of
 from kvtier.keys import Namespace
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector

@@ -10,7 +10,7 @@ and a miss's with the first miss; never with a vLLM that has no connector,
 which compiles another graph that rounds differently on another CPU.
 Greedy output of a random-weight model follows every KV byte, but tokens
 are not the only witness: the **byte oracle** (the connector's
-``oracle_dir``, :mod:`kvtier._vllm_verify`) logs the xxh3-64 of every
+``oracle_dir``, :mod:`kvtier.connectors.vllm.verify`) logs the xxh3-64 of every
 block's pages as each worker stored them and as it loaded them, and the
 tests compare the two, per TP rank, and with kvtier's own bytes. The
 negative control stores another block's bytes under a real key and shows
@@ -56,7 +56,7 @@ from vllm_serve_support import (
 )
 
 import kvtier
-from kvtier._vllm_verify import read_oracle
+from kvtier.connectors.vllm.verify import read_oracle
 from kvtier.testing import ServerProcess, free_port
 
 # The first test also waits for the fleet of vLLM starts (about 3 minutes

@@ -17,16 +17,25 @@ and ``Client.lease`` reads blocks in place in the server's RAM tier
 inference engine's hash space for kvtier's KV events; the engine
 connectors are :mod:`kvtier.lmcache` (an LMCache remote-storage plugin),
 :mod:`kvtier.vllm` (a vLLM offloading tier) and :mod:`kvtier.sglang` (an
-SGLang HiCache storage backend), each the shared core of ``kvtier._connector``
-plus its engine's translation. A connector raises :class:`GeometryError` (or
+SGLang HiCache storage backend), each the shared core of
+``kvtier.connectors.core`` plus its engine's translation. The package is laid
+out as ``transport/`` (how blocks travel), ``memory/`` (memory handed to the
+server or read in place) and ``connectors/``; the old module paths above are
+the moved modules under their old names. A connector raises :class:`GeometryError` (or
 the engine's own configuration error caused by it) when the store's
 ``block_bytes`` is not the engine's chunk size.
 """
 
+# The engine-free old module paths, bound here as they were when the modules
+# lived at the top (``kvtier.shm.buffer_address`` after ``import kvtier``).
 from . import codes
-from ._connector import GeometryError
+from . import leases as leases
+from . import local as local
+from . import mooncake as mooncake
+from . import shm as shm
 from .aio import AsyncClient
 from .client import Client, byte_view
+from .connectors.core import GeometryError
 from .errors import (
     BadRequestError,
     BlockSizeError,
@@ -46,8 +55,8 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .keys import Namespace, block_key, chain_keys, check_key
-from .leases import Leases
-from .shm import SharedBuffer
+from .memory.leases import Leases
+from .memory.shm import SharedBuffer
 from .tag import BlockTag
 
 __all__ = [

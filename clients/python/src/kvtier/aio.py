@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .client import Client
-from .leases import Leases
+from .memory.leases import Leases
 from .tag import BlockTag, tags_for
 
 T = TypeVar("T")

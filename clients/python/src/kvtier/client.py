@@ -10,8 +10,8 @@ comes from the pool: each call takes one connection, and the batched forms
 on a thread pool; socket I/O releases the GIL, so threads overlap.
 
 Blocks move over this pool or over the same-host socket of docs/LOCAL.md,
-two transports of one interface (:class:`kvtier._transport.Transport`);
-:class:`kvtier._link.Link` picks one per call. A :class:`Client` is
+two transports of one interface (:class:`kvtier.transport.base.Transport`);
+:class:`kvtier.transport.link.Link` picks one per call. A :class:`Client` is
 thread-safe. One instance per process is the intended use.
 """
 
@@ -22,13 +22,13 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._http import _Answer
-from ._http_transport import LOOKUP_BODY_BYTES_MAX, LOOKUP_KEYS_MAX
-from ._link import Link
-from .leases import Leases
-from .mooncake import BufferHandle, MooncakeStore
-from .shm import byte_view
+from .connectors.mooncake import BufferHandle, MooncakeStore
+from .memory.leases import Leases
+from .memory.shm import byte_view
 from .tag import BlockTag
+from .transport.http import LOOKUP_BODY_BYTES_MAX, LOOKUP_KEYS_MAX
+from .transport.http_pool import _Answer
+from .transport.link import Link
 
 
 class Client:

@@ -1,6 +1,6 @@
 """What the vLLM connector's scheduler side hands its workers
 (:class:`kvtier.vllm_connector.KvtierConnector`); the namespaces their keys
-live in are :mod:`kvtier._vllm_groups`'s.
+live in are :mod:`kvtier.connectors.vllm.groups`'s.
 
 **Keys per rank.** A block's key is vLLM's block hash under the namespace of
 the worker that holds it (docs/KEYS.md): the namespace covers the TP and PP
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .errors import ConfigurationError as ConfigurationError  # where the connector's modules import it from
-from .tag import BlockTag
+from ...errors import ConfigurationError as ConfigurationError  # where the connector's modules import it from
+from ...tag import BlockTag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-    from ._vllm_lookup import PendingLookup
+    from .lookup import PendingLookup
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -128,7 +128,7 @@ class Transfer:
     ``tags[i]`` names it in vLLM's hash space for kvtier's KV events. A
     ``background`` load runs off the forward path (vLLM parks the request
     until the worker reports it loaded). ``group``: the KV cache group the
-    blocks belong to (:mod:`kvtier._vllm_groups`); an ``inline`` store ends
+    blocks belong to (:mod:`kvtier.connectors.vllm.groups`); an ``inline`` store ends
     inside its step even with asynchronous stores (a sliding-window group's
     blocks may be reused by the next step)."""
 
@@ -151,7 +151,7 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     ``preempted``: the requests vLLM preempted in this step (their stores
     in flight end before their blocks are reused). ``idle``: the step
     computes nothing (the workers may wait a little for a copy to end:
-    :meth:`kvtier._vllm_mover.BlockMover.wait_idle`)."""
+    :meth:`kvtier.connectors.vllm.mover.BlockMover.wait_idle`)."""
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)

@@ -1,10 +1,10 @@
 """The one interface both transports of :class:`kvtier.Client` implement:
-HTTP/1.1 (:class:`kvtier._http_transport.HttpTransport`) and the same-host socket
-(:class:`kvtier._unix.UnixTransport`).
+HTTP/1.1 (:class:`kvtier.transport.http.HttpTransport`) and the same-host socket
+(:class:`kvtier.transport.unix.UnixTransport`).
 
 The client's block methods and the Mooncake-style buffer calls
 (:class:`kvtier.mooncake.MooncakeStore`) speak only this interface; which
-transport serves a call is chosen by :class:`kvtier._link.Link`. A transport
+transport serves a call is chosen by :class:`kvtier.transport.link.Link`. A transport
 is handed what it needs when it is made (the client's settings, the table of
 registered buffers, the batch threads) and never reads the client.
 """
@@ -17,12 +17,12 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._regions import Region
-from .errors import GeometryMismatchError
-from .tag import BlockTag
+from ..errors import GeometryMismatchError
+from ..memory.regions import Region
+from ..tag import BlockTag
 
 if TYPE_CHECKING:
-    from .leases import Leases
+    from ..memory.leases import Leases
 
 #: A target or source of one item of a buffer call: ``(address, nbytes, is a
 #: buffer object)``, or the code it already failed with.
@@ -147,7 +147,7 @@ class Transport(ABC):
 
     @abstractmethod
     def share(self, ptr: int, nbytes: int, obj: Any) -> Region | int:
-        """The :class:`~kvtier._regions.Region` to register for ``nbytes`` at
+        """The :class:`~kvtier.memory.regions.Region` to register for ``nbytes`` at
         ``ptr`` (``obj`` the buffer object, if any, kept alive by it), or
         the code why this transport cannot use that memory."""
 

@@ -1,6 +1,6 @@
 """The HTTP/1.1 transport of :class:`kvtier.Client` (see client.py for why
 HTTP/1.1): :class:`HttpTransport`, the block API and the Mooncake-style item
-operations over the keep-alive connections of :mod:`kvtier._http`."""
+operations over the keep-alive connections of :mod:`kvtier.transport.http_pool`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import codes
-from ._http import _Answer, _Connection, _Pool
-from ._regions import Region, Regions
-from ._retry import HTTP_BACKOFF, retrying
-from ._transport import Parts, Span, Threads, Transport, check_block_bytes
-from .errors import (
+from .. import codes
+from ..errors import (
     BadRequestError,
     BlockSizeError,
     DiskFullError,
@@ -31,13 +27,17 @@ from .errors import (
     ServerError,
     UnauthorizedError,
 )
-from .keys import check_key
+from ..keys import check_key
+from ..memory.regions import Region, Regions
+from ..memory.shm import byte_view
+from ..tag import BlockTag, tags_for
+from .base import Parts, Span, Threads, Transport, check_block_bytes
+from .http_pool import _Answer, _Connection, _Pool
 from .local import OP_GET_INTO, OP_GET_INTO_V
-from .shm import byte_view
-from .tag import BlockTag, tags_for
+from .retry import HTTP_BACKOFF, retrying
 
 if TYPE_CHECKING:
-    from .leases import Leases
+    from ..memory.leases import Leases
 
 #: The server's lookup limits (docs/API.md, "Limits"): longer chains are sent
 #: in pieces, each under both.
@@ -110,7 +110,7 @@ def put_code(blocks: Blocks, key: str, view: memoryview, tag: BlockTag | None = 
 
 
 class HttpTransport(Transport):
-    """:class:`~kvtier._transport.Transport` over a pool of keep-alive
+    """:class:`~kvtier.transport.base.Transport` over a pool of keep-alive
     HTTP/1.1 connections: one call per connection, the batched forms one
     call per connection on ``threads`` (socket I/O releases the GIL).
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from .errors import CudaError
+from ..errors import CudaError
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 """The range is page-locked for every CUDA context of the process."""

@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._connector import ConnectorCore
-from ._vllm_blocks import block_tags
-from ._vllm_plan import ConfigurationError, Transfer
-from .keys import Namespace
+from ...keys import Namespace
+from ..core import ConnectorCore
+from .blocks import block_tags
+from .plan import ConfigurationError, Transfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -148,7 +148,7 @@ def namespace_of(
 
     Raises:
         ConfigurationError: a KV cache group the connector cannot move
-            (:func:`kvtier._vllm_groups.groups_of`).
+            (:func:`kvtier.connectors.vllm.groups.groups_of`).
     """
     cache = vllm_config.cache_config
     groups = groups_of(kv_cache_config, cache.block_size)

@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from . import codes
-from ._regions import Region, Staging
-from ._retry import CONNECT_BACKOFF, OVERLOAD_BACKOFF, OVERLOAD_RETRIES, retrying
-from .errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
+from .. import codes
+from ..errors import GeometryMismatchError, KvtierConnectionError, KvtierError, UnauthorizedError, error_from_code
+from ..memory.regions import Region, Staging
 from .local import (
     CLIENT_NAME,
     MAX_ITEMS,
@@ -37,6 +36,7 @@ from .local import (
     OP_PUT_FROM_V,
     LocalConnection,
 )
+from .retry import CONNECT_BACKOFF, OVERLOAD_BACKOFF, OVERLOAD_RETRIES, retrying
 
 log = logging.getLogger("kvtier.local")
 T = TypeVar("T")

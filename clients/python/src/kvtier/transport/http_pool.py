@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import KvtierError, error_from_response
+from ..errors import KvtierError, error_from_response
 
 #: Socket buffers large enough for a 16 MiB block to stream without stalls.
 SOCKET_BUFFER_BYTES = 4 << 20

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import codes
-from ._connector import ConnectorCore
-from ._vllm_plan import ConfigurationError
-from .errors import CudaError, InvalidTagError, KvtierConnectionError, KvtierError, LeasesOffError, error_from_code
-from .shm import SharedBuffer
-from .tag import TAG_TOKENS_MAX, BlockTag
+from ... import codes
+from ...errors import CudaError, InvalidTagError, KvtierConnectionError, KvtierError, LeasesOffError, error_from_code
+from ...memory.shm import SharedBuffer
+from ...tag import TAG_TOKENS_MAX, BlockTag
+from ..core import ConnectorCore
+from .plan import ConfigurationError
 
 #: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
 #: are those of at least this many bytes (vLLM allocates the whole cache as

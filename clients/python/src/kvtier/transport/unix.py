@@ -1,5 +1,5 @@
 """The same-host transport of :class:`kvtier.Client`: :class:`UnixTransport`
-moves blocks over a :class:`~kvtier._session.LocalSession`, and
+moves blocks over a :class:`~kvtier.transport.session.LocalSession`, and
 :func:`open_local` decides whether to use one.
 
 Each call names memory: the caller's own where it lies in a registered buffer
@@ -18,12 +18,8 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from . import codes
-from ._regions import Region, Regions
-from ._session import LocalSession, copy_bytes, key_chunks
-from ._shared_index import BAD_KEY, SharedIndex
-from ._transport import Parts, Span, Transport
-from .errors import (
+from .. import codes
+from ..errors import (
     BlockSizeError,
     GeometryMismatchError,
     InvalidKeyError,
@@ -34,11 +30,15 @@ from .errors import (
     UnsupportedVersionError,
     error_from_code,
 )
-from .keys import all_keys_valid, check_key
-from .leases import ArenaMaps, Leases, lease_keys
+from ..keys import all_keys_valid, check_key
+from ..memory.leases import ArenaMaps, Leases, lease_keys
+from ..memory.regions import Region, Regions
+from ..memory.shm import UnshareableMemoryError, backing_fd, buffer_address
+from ..tag import BlockTag, tags_for
+from .base import Parts, Span, Transport
 from .local import OP_GET_INTO, OP_PUT_FROM, VERSION_TAGS
-from .shm import UnshareableMemoryError, backing_fd, buffer_address
-from .tag import BlockTag, tags_for
+from .session import LocalSession, copy_bytes, key_chunks
+from .shared_index import BAD_KEY, SharedIndex
 
 log = logging.getLogger("kvtier.local")
 
@@ -131,8 +131,8 @@ def _raise(op: str, key: str, code: int) -> KvtierError:
 
 
 class UnixTransport(Transport):
-    """:class:`~kvtier._transport.Transport` over a
-    :class:`~kvtier._session.LocalSession`; ``regions`` is the client's table
+    """:class:`~kvtier.transport.base.Transport` over a
+    :class:`~kvtier.transport.session.LocalSession`; ``regions`` is the client's table
     of registered buffers."""
 
     name = "unix"

@@ -27,9 +27,9 @@ import select
 import threading
 from collections.abc import Sequence
 
-from ._native import BAD_KEY as BAD_KEY  # tiers' answer for a key the server would refuse
-from ._native import IndexTables
-from .errors import KvtierError, LeasesOffError
+from .._native import BAD_KEY as BAD_KEY  # tiers' answer for a key the server would refuse
+from .._native import IndexTables
+from ..errors import KvtierError, LeasesOffError
 from .local import LocalConnection
 
 

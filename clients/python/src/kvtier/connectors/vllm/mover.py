@@ -1,6 +1,6 @@
 """The worker side of the vLLM connector: when and on which thread blocks
 move (:class:`kvtier.vllm_connector.KvtierConnector`; how they are copied is
-:class:`kvtier._vllm_blocks.PagedBlocks`).
+:class:`kvtier.connectors.vllm.blocks.PagedBlocks`).
 
 Every copy runs on one thread per worker, the *mover* (``kvtier-mover``), in
 the order it was asked for, so the paths that share one staging buffer never
@@ -56,11 +56,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import codes
-from ._connector import ConnectorCore
-from ._vllm_blocks import PagedBlocks
-from ._vllm_plan import KvtierConnectorMetadata, Transfer
-from ._vllm_verify import Digests, Oracle, digest_of
+from ... import codes
+from ..core import ConnectorCore
+from .blocks import PagedBlocks
+from .plan import KvtierConnectorMetadata, Transfer
+from .verify import Digests, Oracle, digest_of
 
 #: The values of the ``loads`` setting (module docstring).
 LOAD_MODES = ("async", "layer", "sync", "off")

@@ -3,7 +3,7 @@ the same-host one once chosen, the registered buffers and the batch threads.
 
 :meth:`Link.current` answers the transport a call goes over. With
 ``local="auto"``/``"on"`` (or a ``unix://`` url) the choice is made on the
-first call that needs it (:func:`kvtier._unix.open_local`); until it is made
+first call that needs it (:func:`kvtier.transport.unix.open_local`); until it is made
 (``/v1/stats`` did not answer), calls go over HTTP.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ._http_transport import HttpTransport
-from ._regions import Regions
-from ._transport import Threads, Transport, check_block_bytes
-from ._unix import UnixTransport, open_local
+from ..memory.regions import Regions
+from .base import Threads, Transport, check_block_bytes
+from .http import HttpTransport
+from .unix import UnixTransport, open_local
 
 
 class Link:

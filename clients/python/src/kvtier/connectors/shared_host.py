@@ -1,19 +1,19 @@
 """The engine's own host buffer, shared with kvtier over the same-host
 socket (docs/LOCAL.md), for the connectors whose engine has one (LMCache's
 CPU buffer, vLLM's offloading tier, SGLang's host pool): see
-:class:`SharedHost`. The connectors' common core is :mod:`kvtier._connector`."""
+:class:`SharedHost`. The connectors' common core is :mod:`kvtier.connectors.core`."""
 
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import codes
-from .errors import KvtierError
-from .shm import buffer_address
+from .. import codes
+from ..errors import KvtierError
+from ..memory.shm import buffer_address
 
 if TYPE_CHECKING:
-    from ._connector import ConnectorCore
+    from .core import ConnectorCore
 
 
 class SharedHost:

@@ -32,7 +32,7 @@ the engine misses, never an exception or a stalled scheduler*:
   ``False`` at once while one probe thread asks the server (waiting out the
   down window first), so a kvtier that is down, or stopped and accepting
   connections it never answers, costs the engine misses, never a wait;
-- the engine's host buffer: :class:`kvtier._shared_host.SharedHost`
+- the engine's host buffer: :class:`kvtier.connectors.shared_host.SharedHost`
   registers it over the socket, so kvtier copies chunks straight into and
   out of it; when it cannot be registered, chunks are staged (one more
   copy, logged once);
@@ -54,8 +54,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from .client import Client
-from .errors import BlockSizeError, KvtierConnectionError, KvtierError
+from ..client import Client
+from ..errors import BlockSizeError, KvtierConnectionError, KvtierError
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from ._connector import ConnectorCore
+from ..core import ConnectorCore
 
 #: The scheduler's wait for a lookup per ask, milliseconds (``lookup_timeout_ms``).
 LOOKUP_TIMEOUT_MS = 10.0
