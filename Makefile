@@ -52,7 +52,7 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	disk-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	disk-check model-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
@@ -111,7 +111,15 @@ test: disk-check deps python-env
 	$(PYTHON) tests/check_layout.py --self-test
 	$(PYTHON) tests/check_layout.py .
 	$(CARGO) test --workspace
+	$(MAKE) --no-print-directory model-check
 	$(MAKE) --no-print-directory test-python
+
+# The loom models of the lock-free reads a same-host client makes (a shared
+# index bucket, a leased RAM-tier slot), each beside a negative control with
+# a fence taken out (local-proto/tests/loom_model.rs); `--cfg loom` builds
+# in a target folder of its own so the workspace's build is not redone.
+model-check:
+	CARGO_TARGET_DIR=$(CURDIR)/target/loom RUSTFLAGS="--cfg loom" $(CARGO) test --quiet -p kvtier-local-proto --release --test loom_model
 
 # The Python package (clients/python) and its engine connectors, in two
 # virtualenvs under target/ (vLLM and SGLang pin different torch versions;
@@ -190,7 +198,7 @@ test-vllm: target/py-vllm/.client
 test-sglang: target/py-sglang/.client
 	$(CARGO) build --quiet -p kvtier-server
 	cd clients/python && PATH=$(CURDIR)/target/py-sglang/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch-extensions \
-	  $(PYTEST_ENV) $(CURDIR)/target/py-sglang/bin/python $(PYTEST) tests/test_sglang.py
+	  $(PYTEST_ENV) $(CURDIR)/target/py-sglang/bin/python $(PYTEST) tests/test_sglang.py tests/test_module_paths.py
 
 # The model a real `vllm serve` serves in the engine tests and make
 # bench-engine: a random-weight Llama and a tokenizer trained on ShareGPT,
@@ -277,9 +285,10 @@ wheel: target/py-build/.installed
 # The wheel installed in a virtualenv with no Rust toolchain on the path
 # (PATH=/usr/bin:/bin: no cargo, no rustc; the virtualenv, with the tests'
 # pins only, made once), and the client's engine-free tests of the native
-# module run against it from a copy of tests/ outside the source tree (so
-# `import kvtier` can only find the wheel's).
-WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py
+# module (the shared index, the connection against a real server and a
+# scripted one, the old module paths) run against it from a copy of tests/
+# outside the source tree (so `import kvtier` can only find the wheel's).
+WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py test_local_protocol.py test_local_retries.py test_module_paths.py
 $(eval $(call pinned_venv,wheel,clients/python/requirements-wheel-test.txt))
 
 test-wheel: wheel target/py-wheel/.installed

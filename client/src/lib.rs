@@ -8,12 +8,15 @@
 //! - [`ops`]: every op's request and answer, and item batches split to the
 //!   protocol's limits. The payloads are `kvtier_local_proto`'s, the
 //!   server's own encoders, so the wire is written once.
+//! - [`lease`]: reading a leased block in place, the reader's half of the
+//!   RAM tier's generation protocol (an acquire fence, then the load).
 //! - [`index`]: the shared index read in the client; the table layout and
 //!   its reader are `kvtier_local_proto::shared_index`, the code the
 //!   server's shards write with.
 
 pub mod conn;
 pub mod index;
+pub mod lease;
 pub mod ops;
 mod sys;
 

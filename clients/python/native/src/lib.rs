@@ -103,12 +103,36 @@ fn index_error(e: kvtier_client::IndexError) -> PyErr {
     }
 }
 
+/// Whether the generation at address ``generation`` (a slot's u64 in a
+/// mapped arena's generation table) still equals ``leased``, read after an
+/// acquire fence: call it after reading the block; ``False`` means the bytes
+/// read are not to be trusted (docs/LOCAL.md, "Leases").
+#[pyfunction]
+fn still_leased(generation: usize, leased: u64) -> bool {
+    // SAFETY: the caller (kvtier.memory.leases) passes an address inside an
+    // arena it keeps mapped while its lease views live.
+    unsafe { kvtier_client::lease::still_leased(generation as *const u64, leased) }
+}
+
+/// Copies ``nbytes`` from a leased block at address ``src`` into ``dst``
+/// (the caller's writable memory) with the GIL released, then checks the
+/// generation as :func:`still_leased`: ``True`` when ``dst`` holds the block.
+#[pyfunction]
+fn copy_leased(py: Python<'_>, dst: usize, src: usize, nbytes: usize, generation: usize, leased: u64) -> bool {
+    // SAFETY: kvtier.memory.leases passes a block inside an arena it keeps
+    // mapped (under its lock, while the view lives) and a destination it
+    // checked writable and at least nbytes long.
+    py.detach(|| unsafe { kvtier_client::lease::copy_leased(dst as *mut u8, src as *const u8, nbytes, generation as *const u64, leased) })
+}
+
 /// kvtier's native core (module docs).
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IndexTables>()?;
     m.add_class::<conn::Connection>()?;
     m.add_class::<conn::Ticket>()?;
+    m.add_function(wrap_pyfunction!(still_leased, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_leased, m)?)?;
     m.add("BAD_KEY", BAD_KEY)?;
     wire_constants(m)
 }

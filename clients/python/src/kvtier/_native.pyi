@@ -105,3 +105,9 @@ class Connection:
     def release_later(self, ids: Sequence[int]) -> None: ...
     def map_arena(self, arena: int) -> tuple[int, tuple[int, int, int, int]]: ...
     def map_index(self, shard: int) -> tuple[int, tuple[int, int, int]]: ...
+
+def still_leased(generation: int, leased: int) -> bool:
+    """Whether the generation at address ``generation`` still equals ``leased`` (after an acquire fence)."""
+
+def copy_leased(dst: int, src: int, nbytes: int, generation: int, leased: int) -> bool:
+    """Copies a leased block (GIL released), then checks its generation as :func:`still_leased`."""

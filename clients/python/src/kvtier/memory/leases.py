@@ -28,11 +28,13 @@ a reconnect finds another server ``epoch``). A view of it cannot be written
 (``TypeError``); a torch tensor over it can be, by torch, and a write kills
 the process with ``SIGSEGV``: never write one.
 
-Ordering: the generation is read after the bytes by plain loads. On x86-64
-loads are not reordered with older loads, so the check is exact there; on
-weaker memory models this Python client has no load fence to place between
-the copy and the check, and the interpreter's own work between the two is
-what separates them.
+Ordering: the generation is loaded after an acquire fence that follows the
+reads of the bytes (:func:`kvtier._native.still_leased`, the reader's half of
+the server's protocol: the generation up by one, then a release fence, then
+the new bytes), so the check is exact on arm64 as on x86-64;
+``local-proto/tests/loom_model.rs`` checks the protocol under loom.
+:meth:`Leases.copy_into` copies and checks in one native call, with the GIL
+released.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import codes
+from .._native import copy_leased, still_leased
 from ..errors import BlockSizeError, CudaError, KvtierError, ProtocolError, error_from_code
 from ..keys import check_key
 from ..transport.local import LocalConnection
@@ -133,6 +136,10 @@ class Arena:
     def generation(self, offset: int) -> int:
         """The generation now in the table for the slot holding byte ``offset``."""
         return int(_GENERATION.unpack_from(self.map, self.generations_offset + 8 * self.slot_of(offset))[0])
+
+    def generation_address(self, offset: int) -> int:
+        """The address of the generation of the slot holding byte ``offset``."""
+        return self.address + self.generations_offset + 8 * self.slot_of(offset)
 
     def block(self, offset: int, nbytes: int) -> memoryview:
         """A read-only view of ``nbytes`` at ``offset``.
@@ -372,7 +379,7 @@ class Leases:
         arena = self._arenas[i]
         if arena is None or self.views[i] is None:
             return False
-        return arena.generation(self._offsets[i]) == self.generations[i]
+        return still_leased(arena.generation_address(self._offsets[i]), self.generations[i])
 
     def copy_into(self, i: int, dest: Any) -> bool:
         """Copies key ``i``'s block into the first ``block_bytes`` of ``dest``
@@ -395,12 +402,14 @@ class Leases:
                 f"a buffer of {target.nbytes} bytes is too small for a block of {self.block_bytes}",
                 code="buffer_too_small",
             )
-        with self._lock:
-            view = self.views[i]
-            if view is None:
+        with self._lock:  # the view (and its mapping) lives while it copies
+            view, arena = self.views[i], self._arenas[i]
+            if view is None or arena is None:
                 return False
-            target[: self.block_bytes] = view
-        return self.valid(i)
+            generation = arena.generation_address(self._offsets[i])
+            return copy_leased(
+                _view_address(target), _view_address(view), self.block_bytes, generation, self.generations[i]
+            )
 
     # ------------------------------------------------------------ releasing
 
