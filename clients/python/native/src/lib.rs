@@ -160,5 +160,13 @@ fn wire_constants(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PART_BYTES", kvtier_client::ops::PART_BYTES)?;
     m.add("CLOSE_CONFIRM_S", kvtier_client::CLOSE_CONFIRM.as_secs_f64())?;
     m.add("CLIENT_NAME", conn::CLIENT_NAME)?;
+    // Every code by name: the server's (local-proto), OK, and the client's own two.
+    let mut codes: std::collections::HashMap<&str, i64> = p::Code::ALL.iter().map(|c| (p::Code::name_of(*c as i64), *c as i64)).collect();
+    codes.insert("OK", 0);
+    codes.insert("NOT_REGISTERED", kvtier_client::NOT_REGISTERED);
+    codes.insert("CONNECTION_LOST", kvtier_client::CONNECTION_LOST);
+    m.add("CODES", codes)?;
+    // Tier numbers on the wire → names (0, "none", is not stored: left out).
+    m.add("TIER_NAMES", p::TIER_NAMES.iter().enumerate().skip(1).map(|(i, n)| (i as u8, *n)).collect::<std::collections::HashMap<_, _>>())?;
     Ok(())
 }

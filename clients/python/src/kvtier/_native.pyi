@@ -111,3 +111,8 @@ def still_leased(generation: int, leased: int) -> bool:
 
 def copy_leased(dst: int, src: int, nbytes: int, generation: int, leased: int) -> bool:
     """Copies a leased block (GIL released), then checks its generation as :func:`still_leased`."""
+
+#: Every same-host code by name (OK, the server's, the client's own two).
+CODES: dict[str, int]
+#: Tier numbers on the wire → names (1 gpu, 2 ram, 3 nvme, 4 s3).
+TIER_NAMES: dict[int, str]
