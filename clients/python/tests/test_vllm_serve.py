@@ -263,8 +263,17 @@ def test_the_negative_control_the_oracle_sees_a_wrong_block_and_the_digest_refus
             engine.reset_prefix_cache()  # vLLM's own cache holds what it loaded
     # The same on tp2, digest on: refused and recomputed.
     tp2 = fleet.tp2
-    tp2_events = read_oracle(fleet.oracles[2])
-    chain = prompt_blocks(tp2_events, tp2, fleet.prompts[0], rank=0)
+    chain = prompt_blocks(read_oracle(fleet.oracles[2]), tp2, fleet.prompts[0], rank=0)
+    for _attempt in range(2):
+        if len(chain) >= 2:
+            break
+        # A store the fleet made was lost (CONNECTION_LOST after the 20 s
+        # timeout, seen on this two-core machine under the fleet's load):
+        # the request again stores the blocks the control needs.
+        tp2.reset_prefix_cache()
+        tp2.complete(fleet.prompts[0], MAX_TOKENS)
+        chain = prompt_blocks(read_oracle(fleet.oracles[2]), tp2, fleet.prompts[0], rank=0)
+    assert len(chain) >= 2, f"rank 0 of tp2 stored {len(chain)} blocks of the prompt"
     victim, donor = chain[1], chain[0]
     with kvtier.Client(fleet.half.url) as c:
         original = c.get(victim)
@@ -406,12 +415,19 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_not_the_timeout(fleet, store,
     os.kill(store.pid, signal.SIGSTOP)
     try:
         took = []
-        for i in (0, 1):
+        for _ in range(2):  # the same prompt twice: the same compute
             engine.reset_prefix_cache()
             started = time.monotonic()
-            assert engine.complete(fleet.prompts[i], MAX_TOKENS) == answers["miss"][i]
+            assert engine.complete(fleet.prompts[0], MAX_TOKENS) == answers["miss"][0]
             took.append(time.monotonic() - started)
-        assert LOOKUP_GIVE_UP_MS / 1000 <= took[0] < 5.0 and took[1] < 5.0, took
+        # Like with like: the second request computes the same miss and
+        # waits for nothing, so the first one's extra time is its lookup's
+        # wait: the give-up (2 s), far inside the 20 s timeout. (An absolute
+        # bound on took[0] failed once at 5.11 s on a busy two-core machine,
+        # where the compute alone, took[1], was 3.46 s.)
+        give_up_s = LOOKUP_GIVE_UP_MS / 1000
+        assert took[0] >= give_up_s and give_up_s / 2 <= took[0] - took[1] < give_up_s + 3.0, took
+        assert took[1] < 10.0, took  # no wait: half the 20 s timeout would show one
     finally:
         os.kill(store.pid, signal.SIGCONT)
 
