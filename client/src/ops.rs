@@ -433,8 +433,9 @@ pub fn chunks(idx: &[usize], each: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
     out
 }
 
-/// One request's payload of `rows`, in the form of its op and connection.
-fn encode<'a>(vectored: bool, tagged: bool, rows: impl Iterator<Item = &'a BatchItem>) -> Vec<u8> {
+/// One request's payload of `rows`, in the form of its op (`vectored`) and
+/// connection (`tagged`: each item ends with its tag).
+pub fn encode<'a>(vectored: bool, tagged: bool, rows: impl Iterator<Item = &'a BatchItem>) -> Vec<u8> {
     let rows: Vec<&BatchItem> = rows.collect();
     match (vectored, tagged) {
         (false, false) => {

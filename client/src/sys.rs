@@ -3,8 +3,10 @@
 //! and the peer's pid (`SO_PEERCRED`).
 
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+
+use kvtier_local_proto::fds;
 
 /// Writes `bytes` with `fd` in `SCM_RIGHTS` on the first `sendmsg`, the
 /// rest (if the kernel took only part) with plain writes. `fd` stays the
@@ -14,26 +16,11 @@ use std::os::unix::net::UnixStream;
 /// The `sendmsg` or write error (`EPIPE` once the peer closed).
 pub fn send_with_fd(mut stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
     let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let mut control = [0u64; 8];
-    // SAFETY: CMSG_SPACE is a size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = fds::Control::default();
+    let msg = fds::sending(&mut iov, &mut control, &[fd]);
     let n = loop {
-        // SAFETY: a zeroed msghdr pointed at live buffers; the one cmsghdr
-        // is written inside `control`, which CMSG_SPACE(one fd) fits.
-        let n = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = space;
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
-            libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-        };
+        // SAFETY: `msg` points at the iovec and control buffer above.
+        let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
         if n >= 0 {
             break n as usize;
         }
@@ -56,17 +43,10 @@ pub fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, t
     let mut got = 0;
     while got < buf.len() {
         let mut iov = libc::iovec { iov_base: buf[got..].as_mut_ptr().cast(), iov_len: buf.len() - got };
-        let mut control = [0u64; 8];
-        // SAFETY: a zeroed msghdr pointed at live buffers of the lengths given.
-        let (n, msg) = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
-            let n = libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
-            (n, msg)
-        };
+        let mut control = fds::Control::default();
+        let mut msg = fds::receiving(&mut iov, &mut control, 1);
+        // SAFETY: `msg` points at live buffers of the lengths given.
+        let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -74,20 +54,8 @@ pub fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, t
             }
             return Err(e);
         }
-        // SAFETY: walking the control messages recvmsg wrote into `control`.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
-                    for i in 0..count {
-                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
+        // SAFETY: `msg` was filled by the recvmsg above; `control` lives.
+        fds.extend(unsafe { fds::received(&msg) });
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             *truncated = true;
         }

@@ -59,21 +59,10 @@ fn serve(frame: Vec<u8>, with_fd: bool) -> (tempfile::TempDir, PathBuf, std::thr
 
 fn send_fd(s: &UnixStream, bytes: &[u8], fd: i32) {
     let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    let mut control = [0u64; 8];
-    // SAFETY: as kvtier_client's own send_with_fd: one cmsghdr inside `control`.
-    let n = unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = libc::CMSG_SPACE(4) as usize;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(4) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), fd);
-        libc::sendmsg(s.as_raw_fd(), &msg, 0)
-    };
+    let mut control = kvtier_local_proto::fds::Control::default();
+    let msg = kvtier_local_proto::fds::sending(&mut iov, &mut control, &[fd]);
+    // SAFETY: `msg` points at the iovec and control buffer above.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, 0) };
     assert_eq!(n as usize, bytes.len(), "sendmsg");
 }
 

@@ -1,9 +1,10 @@
 //! The framed protocol of kvtier's same-host data plane (docs/LOCAL.md):
 //! frame headers, operations, status codes, and the encoding and decoding of
 //! payloads, both ways. One definition for the server (`server/src/local/`)
-//! and the load generator's client (`loadgen/src/local/`). Pure functions
-//! over bytes, so every decoder is tested (and can be fuzzed) without a
-//! socket. Its frames are written down, byte for byte, in
+//! and the client core (`client/`, under the Python package and the load
+//! generator). Pure functions over bytes, so every decoder is tested (and
+//! can be fuzzed) without a socket; [`fds`] lays out the descriptors that
+//! travel beside them. Its frames are written down, byte for byte, in
 //! `tests/data/local_frame_vectors.json` (`tests/frame_vectors.rs`) for
 //! other clients to check themselves against.
 
@@ -269,6 +270,7 @@ impl Code {
     }
 }
 
+pub mod fds;
 mod frame;
 mod key;
 mod lease;

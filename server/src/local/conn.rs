@@ -161,25 +161,11 @@ async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outg
 async fn send_with_fd(fd: RawFd, frame: &[u8], passed: &OwnedFd) -> std::io::Result<()> {
     loop {
         let mut iov = libc::iovec { iov_base: frame.as_ptr() as *mut libc::c_void, iov_len: 1 };
-        // SAFETY: CMSG_SPACE of one descriptor's size is a constant.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut control = vec![0u8; space];
-        // SAFETY: a zeroed msghdr pointing at the iovec and control buffer
-        // above, both alive for the call; the control message is laid out
-        // with the CMSG_* macros inside its buffer.
-        let sent = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), passed.as_raw_fd());
-            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-        };
+        let mut control = kvtier_local_proto::fds::Control::default();
+        let msg = kvtier_local_proto::fds::sending(&mut iov, &mut control, &[passed.as_raw_fd()]);
+        // SAFETY: `msg` points at the iovec and control buffer above, alive
+        // for the call.
+        let sent = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         if sent == 1 {
             return send_all(fd, &frame[1..]).await;
         }

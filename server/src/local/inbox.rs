@@ -2,10 +2,10 @@
 //! with the descriptors (`SCM_RIGHTS`) that came with them.
 
 use std::collections::VecDeque;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{OwnedFd, RawFd};
 
 /// Control-message room: this many descriptors per `recvmsg`.
-const FDS_PER_RECV: usize = 16;
+const FDS_PER_RECV: usize = kvtier_local_proto::fds::FDS_MAX;
 
 /// Bytes read off the socket and not yet parsed into frames, with the
 /// descriptors that came with them.
@@ -42,17 +42,8 @@ impl Inbox {
         self.buf.reserve(want.max(64 << 10));
         let spare = self.buf.capacity() - self.buf.len();
         let mut iov = libc::iovec { iov_base: unsafe { self.buf.as_mut_ptr().add(self.buf.len()) }.cast(), iov_len: spare };
-        // u64 storage keeps the control buffer aligned for cmsghdr.
-        let mut control = [0u64; 64];
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE((FDS_PER_RECV * std::mem::size_of::<RawFd>()) as u32) } as usize;
-        debug_assert!(space <= std::mem::size_of_val(&control));
-        // SAFETY: zeroed msghdr, then pointed at live buffers.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
+        let mut control = kvtier_local_proto::fds::Control::default();
+        let mut msg = kvtier_local_proto::fds::receiving(&mut iov, &mut control, FDS_PER_RECV);
         // SAFETY: recvmsg into the iovec and control buffer set up above.
         let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
@@ -60,21 +51,8 @@ impl Inbox {
         }
         // SAFETY: the kernel wrote `n` bytes into the spare capacity.
         unsafe { self.buf.set_len(self.buf.len() + n as usize) };
-        let mut fds = Vec::new();
-        // SAFETY: walking the control messages the kernel wrote into `msg`.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
-                    for i in 0..count {
-                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
+        // SAFETY: `msg` was filled by the recvmsg above; `control` lives.
+        let fds = unsafe { kvtier_local_proto::fds::received(&msg) };
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(std::io::Error::other(format!("more than {FDS_PER_RECV} descriptors in one message; the extra were lost")));
         }

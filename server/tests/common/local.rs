@@ -159,24 +159,10 @@ impl Raw {
 
 pub fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[i32]) {
     let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
-    let mut control = [0u64; 16];
-    // SAFETY: msghdr pointed at live buffers; CMSG macros within `control`.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        if !fds.is_empty() {
-            let data_bytes = std::mem::size_of_val(fds) as u32;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = libc::CMSG_SPACE(data_bytes) as usize;
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(data_bytes) as usize;
-            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
-        }
-        assert_eq!(libc::sendmsg(s.as_raw_fd(), &msg, 0), bytes.len() as isize);
-    }
+    let mut control = kvtier_local_proto::fds::Control::default();
+    let msg = kvtier_local_proto::fds::sending(&mut iov, &mut control, fds);
+    // SAFETY: `msg` points at the iovec and control buffer above.
+    assert_eq!(unsafe { libc::sendmsg(s.as_raw_fd(), &msg, 0) }, bytes.len() as isize);
 }
 
 /// A memfd of `len` bytes, sealed against shrinking when `sealed`.

@@ -8,7 +8,7 @@ use std::os::fd::{IntoRawFd, RawFd};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvtier_client::ops::{chunks, decode_leases, decode_released, decode_results};
+use kvtier_client::ops::{chunks, decode_leases, decode_released, decode_results, encode};
 use kvtier_client::{BatchItem, Error, HelloRequest};
 use kvtier_local_proto::{self as proto, Op, ITEMS_MAX, VERSION_LEASES, VERSION_TAGS};
 use pyo3::exceptions::PyValueError;
@@ -445,13 +445,7 @@ impl Connection {
         let tagged = op.carries_tags(self.inner.version());
         let limit = self.limit(timeout_s);
         let r = py.detach(|| -> Result<Vec<(i64, u8)>, Error> {
-            let payload = if tagged {
-                proto::encode_tagged_items(
-                    &rows.iter().map(|r| (r.parts[0].0, r.parts[0].1, r.parts[0].2, r.key.as_str(), r.tag.as_slice())).collect::<Vec<_>>(),
-                )
-            } else {
-                proto::encode_items(&rows.iter().map(|r| (r.parts[0].0, r.parts[0].1, r.parts[0].2, r.key.as_str())).collect::<Vec<_>>())
-            };
+            let payload = encode(false, tagged, rows.iter());
             let resp = self.inner.call(op as u8, &payload, None, limit)?;
             decode_results(op, resp.body(op as u8)?.0, rows.len())
         });
