@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,14 +95,9 @@ def one() -> None:
 
 
 def run(src: str | None) -> dict[str, float]:
-    env = dict(os.environ)
-    if src:
-        env["PYTHONPATH"] = src
-    done = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    from bench_index import run_with  # bench/ is on sys.path
+
+    return run_with(__file__, src)
 
 
 def main() -> None:

@@ -48,14 +48,24 @@ def one(block_bytes: int) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run(src: str | None, block_bytes: int) -> dict[str, float]:
+def run_with(script: str, src: str | None, *args: str) -> dict[str, float]:
+    """``script --one *args`` in a process of its own whose ``kvtier`` is
+    ``src`` (a ``clients/python/src``) or, without one, this tree's: the
+    JSON of its ``RESULT`` line. Raises ``RuntimeError`` with the end of its
+    stderr when it fails."""
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = src
-    argv = [sys.executable, __file__, "--one", "--block-bytes", str(block_bytes)]
-    done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, timeout=900)
+    argv = [sys.executable, script, "--one", *args]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def run(src: str | None, block_bytes: int) -> dict[str, float]:
+    return run_with(__file__, src, "--block-bytes", str(block_bytes))
 
 
 def main() -> None:
