@@ -202,10 +202,10 @@ fn check_hello(info: &Value, block_bytes: Option<u64>) -> Result<u32, Error> {
 }
 
 impl Connection {
+    /// One request of `op` and its response (whose status each caller
+    /// reads with [`Response::body`]).
     fn body(&self, op: Op, payload: &[u8], fd: Option<RawFd>, timeout: Duration) -> Result<Response, Error> {
-        let r = self.call(op as u8, payload, fd, timeout)?;
-        r.body(op as u8)?;
-        Ok(r)
+        self.call(op as u8, payload, fd, timeout)
     }
 
     /// `HELLO`, the first request: the versions offered, the client's name,
@@ -254,7 +254,8 @@ impl Connection {
     /// # Errors
     /// `UNKNOWN_HANDLE`, or a lost connection.
     pub fn unregister(&self, handle: u64, timeout: Duration) -> Result<(), Error> {
-        self.body(Op::Unregister, &proto::encode_unregister(handle), None, timeout).map(drop)
+        let r = self.body(Op::Unregister, &proto::encode_unregister(handle), None, timeout)?;
+        r.body(Op::Unregister as u8).map(drop)
     }
 
     /// `EXISTS`: each key's tier (0 not stored, 1 gpu, 2 ram, 3 nvme, 4 s3).
