@@ -243,6 +243,7 @@ fn main() {
             trace: None,
             owners: Default::default(),
             events: None,
+            stalls: None,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

@@ -62,6 +62,7 @@ pub mod shard;
 pub mod shared_index;
 mod signal;
 pub mod slot;
+pub mod stall;
 mod startup;
 pub mod store;
 pub mod stream;

@@ -44,6 +44,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         trace: None,
         owners: Default::default(),
         events: None,
+        stalls: None,
     }
 }
 

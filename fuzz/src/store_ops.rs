@@ -227,6 +227,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         trace: None,
         owners: Default::default(),
         events: None,
+        stalls: None,
     }
 }
 

@@ -38,6 +38,8 @@ pub struct Process {
     /// The Prometheus registry, built once by the first shard to serve
     /// (every shard's store has the same geometry and remote tier).
     pub metrics: OnceLock<Arc<Metrics>>,
+    /// Every shard's stall counters, with `--stall-threshold-ms` above 0.
+    pub stalls: Option<Arc<kvtier_engine::stall::Stalls>>,
     /// Each shard reports here once it accepts, or why it cannot.
     pub ready: Mutex<mpsc::Sender<Result<SocketAddr, String>>>,
 }
@@ -75,6 +77,7 @@ pub async fn serve(store: Rc<Store>, process: Arc<Process>) {
                 geometry: store.geometry().clone(),
                 remote: store.remote().cloned(),
                 tenancy: process.tenancy.clone(),
+                stalls: process.stalls.clone(),
             })
         })
         .clone();

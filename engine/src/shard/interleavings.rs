@@ -46,6 +46,7 @@ fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
         trace: None,
         owners: Default::default(),
         events: None,
+        stalls: None,
     }
 }
 

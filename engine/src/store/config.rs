@@ -134,6 +134,9 @@ pub struct StoreConfig {
     /// Where KV events go (`--kv-events`; `None`: none published, block
     /// tags are still kept and written). See [`crate::events`].
     pub events: Option<Arc<dyn crate::events::EventSink>>,
+    /// Stall detection on every shard's executor (`--stall-threshold-ms`;
+    /// `None`: off). See [`crate::stall`].
+    pub stalls: Option<Arc<crate::stall::Stalls>>,
 }
 
 impl StoreConfig {

@@ -79,6 +79,8 @@ where
             .name(&format!("kvtier-shard-{shard_id}"))
             .io_memory(io_memory_shard_bytes)
             .defer_io_memory_registration(defer_registration)
+            .preempt_timer(crate::stall::PREEMPT_BUDGET)
+            .detect_stalls(config.stalls.as_ref().map(|s| s.handler(shard_id)))
             .spawn(move || async move {
                 let executor_up = started.elapsed();
                 let opened = recover::open_shard(shard_cfg).await;

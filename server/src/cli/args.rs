@@ -90,6 +90,19 @@ pub(crate) struct ServeArgs {
     /// EnvFilter directive. Logs go to stderr.
     #[arg(long, default_value = "info")]
     pub(crate) log_level: String,
+    /// Report a shard whose thread runs this many milliseconds without
+    /// getting back to its I/O (a blocking call, a long computation: every
+    /// request the shard owns waits meanwhile): a warning with the shard,
+    /// the duration and the code it was in, counted in
+    /// kvtier_shard_stalls_total and /v1/stats (docs/OPERATIONS.md, "Shard
+    /// stalls"). At least 20; 0 turns the detector off.
+    #[arg(long, default_value_t = kvtier_engine::stall::STALL_THRESHOLD_DEFAULT.as_millis() as u64)]
+    pub(crate) stall_threshold_ms: u64,
+    /// Also append each stall to this file, one JSON object per line
+    /// (shard, duration_ms, frames, ...). `make test` sets it through
+    /// KVTIER_STALL_LOG for every server a test starts.
+    #[arg(long, env = "KVTIER_STALL_LOG", value_name = "FILE")]
+    pub(crate) stall_log: Option<PathBuf>,
     /// Record every block operation (time, operation, shard, block hash,
     /// serving tier; never keys or bytes) into trace files in this
     /// directory, from start-up; `POST /v1/admin/trace/stop` and `/start`
@@ -330,6 +343,7 @@ impl StoreArgs {
             trace: None,
             owners: Default::default(),
             events: None,
+            stalls: None,
         };
         Ok((config, segment_origin))
     }

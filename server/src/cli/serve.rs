@@ -119,6 +119,11 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         futures::executor::block_on(recorder.start()).map_err(|e| format!("--trace-dir {}: {e}", dir.display()))?;
         config.trace = Some(recorder);
     }
+    let stalls = match args.stall_threshold_ms {
+        0 => None,
+        ms => Some(kvtier_engine::stall::Stalls::new(config.shards, std::time::Duration::from_millis(ms), args.stall_log.clone())?),
+    };
+    config.stalls = stalls.clone();
     let tenancy = match &args.tenants {
         Some(path) => {
             let capacity = tenants::Capacity {
@@ -172,6 +177,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         local: local.clone(),
         events: events.clone(),
         metrics: Default::default(),
+        stalls: stalls.clone(),
         ready: Mutex::new(ready_tx),
     });
     if let Some(tier) = &s3_tier {
@@ -298,6 +304,10 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("starting the signal thread: {e}"))?;
     }
     let outcome = engine.join().map_err(|_| "engine thread panicked".to_string())?;
+    if let Some(s) = &stalls {
+        // The shards are gone: the last stalls are logged before the exit.
+        s.stop();
+    }
     if let Some(publisher) = &events {
         // The shards' last events are queued: sent as the last batch.
         publisher.stop();

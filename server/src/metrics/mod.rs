@@ -67,6 +67,9 @@ pub struct Parts {
     pub remote: Option<Arc<dyn kvtier_engine::remote::Remote>>,
     /// The tenants, with `--tenants`.
     pub tenancy: Option<Arc<crate::tenants::Tenancy>>,
+    /// The shards' stall counters, unless `--stall-threshold-ms 0`: read
+    /// here, not through the shards, so a stalled shard's are shown too.
+    pub stalls: Option<Arc<kvtier_engine::stall::Stalls>>,
 }
 
 /// The process's Prometheus registry, built once at start and shared by

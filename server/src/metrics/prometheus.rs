@@ -163,7 +163,7 @@ pub fn openmetrics_to_text_0_0_4(openmetrics: &str) -> String {
 
 /// Writes every metric of one scrape.
 pub(super) fn write_metrics(registry: &mut Scrape<'_>, parts: &Parts, snapshot: &EngineSnapshot) {
-    let Parts { doors, geometry, remote, tenancy } = parts;
+    let Parts { doors, geometry, remote, tenancy, stalls } = parts;
     let EngineSnapshot { engine, health, trace } = snapshot;
     register_tenants(registry, engine, geometry.block_bytes, tenancy.as_deref());
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
@@ -296,6 +296,32 @@ pub(super) fn write_metrics(registry: &mut Scrape<'_>, parts: &Parts, snapshot: 
     }
     register_health(registry, health);
     crate::gpu::register_metrics(registry, &tiers);
+    if let Some(stalls) = stalls {
+        register_stalls(registry, stalls);
+    }
+}
+
+/// `kvtier_shard_stalls_total{shard}`, `kvtier_shard_stall_duration_seconds{shard}`
+/// and the threshold ([`kvtier_engine::stall`]), read from the shared
+/// counters, not the shards: a stalled shard's show while it is stalled.
+fn register_stalls(registry: &mut Scrape<'_>, stalls: &kvtier_engine::stall::Stalls) {
+    let per_shard = stalls.shard_stats();
+    let count = Family::<ShardLabel, Counter>::default();
+    let mut durations = HistogramFamily::default();
+    for s in &per_shard {
+        let label = ShardLabel { shard: s.shard.to_string() };
+        count.get_or_create(&label).inc_by(s.stalls);
+        durations.series.push((label, s.durations.clone()));
+    }
+    registry.register(
+        "shard_stalls",
+        "Times a shard's thread ran past --stall-threshold-ms without getting back to its I/O (every request it owned waited)",
+        count,
+    );
+    registry.register("shard_stall_duration_seconds", "How long each shard stall lasted, in seconds", durations);
+    let threshold = Gauge::<f64, AtomicU64>::default();
+    threshold.set(stalls.threshold().as_secs_f64());
+    registry.register("shard_stall_threshold_seconds", "The stall threshold (--stall-threshold-ms), in seconds", threshold);
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

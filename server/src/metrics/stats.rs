@@ -14,7 +14,7 @@ impl Metrics {
     /// every door's section under its name, and `caller`, the calling
     /// tenant's name (null without `--tenants`).
     pub fn stats_json(&self, snapshot: &EngineSnapshot, shard_count: usize, caller: Option<&str>) -> Value {
-        let Parts { doors, geometry, remote, .. } = self.parts();
+        let Parts { doors, geometry, remote, stalls, .. } = self.parts();
         let EngineSnapshot { engine: shards, health, trace } = snapshot;
         let sum = |f: fn(&ShardStats) -> u64| shards.iter().map(f).sum::<u64>();
         let body = json!({
@@ -60,6 +60,20 @@ impl Metrics {
         if let Some(remote) = remote {
             body[remote.name()] = remote.stats_json();
         }
+        // Read from the shared counters: a stalled shard's show too.
+        body["stalls"] = match stalls {
+            Some(s) => {
+                let per_shard = s.shard_stats();
+                json!({
+                    "threshold_ms": s.threshold().as_secs_f64() * 1e3,
+                    "stalls": per_shard.iter().map(|p| p.stalls).sum::<u64>(),
+                    "longest_ms": per_shard.iter().map(|p| p.longest_ms).fold(0.0, f64::max),
+                    "reports_dropped": s.reports_dropped(),
+                    "per_shard": per_shard,
+                })
+            }
+            None => Value::Null,
+        };
         body
     }
 }

@@ -16,6 +16,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// A task queue run that went over its budget, as handed to
+/// [`StallDetectionHandler::stall`] (kvtier patch: documented, now that it
+/// is exported).
 pub struct StallDetection<'a> {
     executor: usize,
     queue_handle: TaskQueueHandle,
@@ -23,6 +26,38 @@ pub struct StallDetection<'a> {
     trace: backtrace::Backtrace,
     budget: Duration,
     overage: Duration,
+}
+
+// kvtier patch: accessors, so a handler can record a stall's parts, and the
+// trace left unresolved (resolving reads DWARF: a handler sends it to
+// another thread to resolve instead of stalling the executor again).
+impl StallDetection<'_> {
+    /// The executor's id.
+    pub fn executor(&self) -> usize {
+        self.executor
+    }
+
+    /// The task queue's name.
+    pub fn queue_name(&self) -> &str {
+        self.queue_name
+    }
+
+    /// How long the task queue was allowed to run: its preemption budget
+    /// plus the handler's threshold.
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// How far past [`StallDetection::budget`] it ran.
+    pub fn overage(&self) -> Duration {
+        self.overage
+    }
+
+    /// The executor thread's stack when the budget ran out, unresolved
+    /// (call [`backtrace::Backtrace::resolve`] where it costs no one).
+    pub fn into_trace(self) -> backtrace::Backtrace {
+        self.trace
+    }
 }
 
 impl fmt::Debug for StallDetection<'_> {
@@ -264,14 +299,15 @@ impl<'detector> Drop for StallDetectorGuard<'detector> {
         while let Ok(frame) = self.detector.rx.try_recv() {
             frames.push(frame);
         }
-        let mut strace = backtrace::Backtrace::from(frames);
+        let strace = backtrace::Backtrace::from(frames);
 
         if strace.frames().is_empty() {
             return;
         }
 
         let elapsed = self.start.elapsed();
-        strace.resolve();
+        // kvtier patch: not resolved here, on the executor (see
+        // `StallDetection::into_trace`).
         self.detector.stall_handler.stall(StallDetection {
             executor: self.detector.id,
             queue_name: &self.queue_name,

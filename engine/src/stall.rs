@@ -1,0 +1,409 @@
+//! Reactor stalls: a shard's executor that ran one task queue for longer
+//! than a threshold without getting back to its I/O, as Seastar's
+//! `--blocked-reactor-notify-ms` reports them.
+//!
+//! A shard is one thread serving every connection, forwarded item and
+//! background loop it owns; while one task holds it (a blocking syscall, a
+//! long computation) all of them wait. Each shard's executor runs with a
+//! preemption budget of [`PREEMPT_BUDGET`] (a task queue yields to I/O once
+//! it has run that long, between tasks) and glommio's stall detector: when
+//! a task queue's run passes the threshold ([`STALL_THRESHOLD_DEFAULT`],
+//! `--stall-threshold-ms`), a per-executor watchdog thread signals the
+//! shard's thread, which records its own stack; when the run ends, the
+//! shard counts the stall ([`ShardStalls`]: count, longest, a histogram)
+//! and hands the stack to the `kvtier-stalls` thread, which resolves its
+//! symbols (reading debug info: never on a shard) and logs one warning
+//! naming the shard, the duration and the frames of kvtier's code it was
+//! in. With `--stall-log FILE` each stall is also appended to FILE as one
+//! JSON line ([`StallRecord`]); `make test` points every server it starts
+//! at one directory and fails on any stall over a second.
+//!
+//! What a stall costs the shard's clients: every request it owns waits
+//! for the stall's length. docs/OPERATIONS.md ("Shard stalls") says what a
+//! report means and what to do about one.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::latency::{AtomicLatencyBuckets, LatencyBuckets};
+
+/// How long a shard's task queue may run before it yields to I/O (between
+/// tasks; glommio's default is 100 ms). Short, so that a shard with work
+/// queued still polls its sockets and devices every few milliseconds, and
+/// so that a run past the stall threshold means one task held the thread.
+pub const PREEMPT_BUDGET: Duration = Duration::from_millis(10);
+
+/// Default stall threshold: a task queue run this long is reported.
+pub const STALL_THRESHOLD_DEFAULT: Duration = Duration::from_millis(50);
+
+/// The least threshold accepted: below it the preemption budget itself
+/// would be reported.
+pub const STALL_THRESHOLD_MIN: Duration = Duration::from_millis(20);
+
+/// Stalls waiting for the reporter thread; past it a stall is counted but
+/// not logged ([`Stalls::reports_dropped`]).
+const REPORT_QUEUE: usize = 64;
+
+/// Frames of kvtier's own code a report names, innermost first.
+const FRAMES_NAMED: usize = 8;
+
+/// The signal the watchdog sends a stalled shard's thread to take its
+/// stack. SIGURG's default action is to ignore it, so one arriving after
+/// the handler is gone (a shard stopping) harms nothing.
+const STALL_SIGNAL: i32 = libc::SIGURG;
+
+/// One stall, as logged and written to `--stall-log`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StallRecord {
+    /// When the stall ended, in seconds since the Unix epoch.
+    pub unix_s: f64,
+    /// The server's process id.
+    pub pid: u32,
+    /// The shard whose thread stalled.
+    pub shard: u32,
+    /// How long the task queue ran without yielding, in milliseconds.
+    pub duration_ms: f64,
+    /// The threshold it passed, in milliseconds.
+    pub threshold_ms: f64,
+    /// The glommio task queue that ran.
+    pub queue: String,
+    /// The stack when the threshold passed: the innermost frame (often the
+    /// system call), then up to eight frames of kvtier's code, innermost
+    /// first, each `function (file:line)`.
+    pub frames: Vec<String>,
+}
+
+/// One shard's stall counters, written by the shard's thread and read by
+/// any (metrics, `/v1/stats`) without a lock on the shard's side.
+#[derive(Debug, Default)]
+pub struct ShardStalls {
+    count: AtomicU64,
+    longest_us: AtomicU64,
+    durations: AtomicLatencyBuckets,
+    /// The last stall reported, once its frames are resolved.
+    last: Mutex<Option<StallRecord>>,
+}
+
+/// A point-in-time view of one shard's stalls, for `/v1/stats`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShardStallStats {
+    /// The shard.
+    pub shard: u32,
+    /// Stalls since start.
+    pub stalls: u64,
+    /// The longest, in milliseconds (0 with none).
+    pub longest_ms: f64,
+    /// The last one logged (null with none).
+    pub last: Option<StallRecord>,
+    /// Their durations, for `/metrics` (not in the JSON).
+    #[serde(skip)]
+    pub durations: LatencyBuckets,
+}
+
+/// Every shard's stall counters and the reporter thread: one per process,
+/// shared by the shards' handlers and the metrics.
+#[derive(Debug)]
+pub struct Stalls {
+    threshold: Duration,
+    shards: Vec<ShardStalls>,
+    reports: Mutex<Option<SyncSender<Report>>>,
+    reports_dropped: AtomicU64,
+    reporter: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct Report {
+    shard: u32,
+    queue: String,
+    duration: Duration,
+    trace: backtrace::Backtrace,
+}
+
+impl Stalls {
+    /// Stall counters for `shards` shards, a stall being a task queue run
+    /// of more than `threshold`, and the `kvtier-stalls` reporter thread,
+    /// which logs each and appends it to `log` when given.
+    ///
+    /// # Errors
+    /// A threshold under [`STALL_THRESHOLD_MIN`]; a `log` file that cannot
+    /// be opened for appending; the thread cannot be started.
+    pub fn new(shards: usize, threshold: Duration, log: Option<PathBuf>) -> Result<Arc<Stalls>, String> {
+        if threshold < STALL_THRESHOLD_MIN {
+            return Err(format!(
+                "--stall-threshold-ms must be at least {} (a shard's preemption budget is {} ms), got {}",
+                STALL_THRESHOLD_MIN.as_millis(),
+                PREEMPT_BUDGET.as_millis(),
+                threshold.as_millis()
+            ));
+        }
+        let file = match &log {
+            None => None,
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("cannot open --stall-log {}: {e}", path.display()))?,
+            ),
+        };
+        let (tx, rx) = sync_channel(REPORT_QUEUE);
+        let stalls = Arc::new(Stalls {
+            threshold,
+            shards: (0..shards).map(|_| ShardStalls::default()).collect(),
+            reports: Mutex::new(Some(tx)),
+            reports_dropped: AtomicU64::new(0),
+            reporter: Mutex::new(None),
+        });
+        let reporter = stalls.clone();
+        let handle = std::thread::Builder::new()
+            .name("kvtier-stalls".into())
+            .spawn(move || reporter.report_all(rx, file))
+            .map_err(|e| format!("cannot start the stall reporter thread: {e}"))?;
+        *stalls.reporter.lock().expect("stall reporter") = Some(handle);
+        Ok(stalls)
+    }
+
+    /// The threshold a task queue run must pass to count.
+    pub fn threshold(&self) -> Duration {
+        self.threshold
+    }
+
+    /// Stalls counted but not logged: the reporter was this far behind.
+    pub fn reports_dropped(&self) -> u64 {
+        self.reports_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Every shard's stalls now.
+    pub fn shard_stats(&self) -> Vec<ShardStallStats> {
+        self.shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ShardStallStats {
+                shard: i as u32,
+                stalls: s.count.load(Ordering::Relaxed),
+                longest_ms: s.longest_us.load(Ordering::Relaxed) as f64 / 1e3,
+                last: s.last.lock().expect("stall record").clone(),
+                durations: s.durations.load(),
+            })
+            .collect()
+    }
+
+    /// The handler shard `shard`'s executor is built with
+    /// (`LocalExecutorBuilder::detect_stalls`).
+    ///
+    /// # Panics
+    /// `shard` is not below the shard count given to [`Stalls::new`].
+    pub fn handler(self: &Arc<Self>, shard: usize) -> Box<dyn glommio::StallDetectionHandler> {
+        assert!(shard < self.shards.len(), "shard {shard} of {}", self.shards.len());
+        Box::new(Handler { stalls: self.clone(), shard: shard as u32 })
+    }
+
+    /// Logs what is queued and stops the reporter thread (the shards have
+    /// stopped: nothing more comes).
+    pub fn stop(&self) {
+        drop(self.reports.lock().expect("stall reports").take());
+        if let Some(handle) = self.reporter.lock().expect("stall reporter").take() {
+            let _ = handle.join();
+        }
+    }
+
+    /// On the shard's thread, as its task queue run ends: counts the stall
+    /// and queues its report (never blocks: a full queue drops it).
+    fn record(&self, shard: u32, queue: &str, duration: Duration, trace: backtrace::Backtrace) {
+        let counters = &self.shards[shard as usize];
+        let us = duration.as_micros() as u64;
+        counters.count.fetch_add(1, Ordering::Relaxed);
+        counters.longest_us.fetch_max(us, Ordering::Relaxed);
+        counters.durations.record(us);
+        let report = Report { shard, queue: queue.to_string(), duration, trace };
+        // try_lock: the lock is only ever contended by `stop`.
+        let sent = self.reports.try_lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(report)));
+        if !matches!(sent, Some(Ok(()))) {
+            self.reports_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The reporter thread: resolves each stall's frames, logs it, keeps it
+    /// as its shard's last and appends it to the stall log.
+    fn report_all(&self, rx: Receiver<Report>, mut file: Option<std::fs::File>) {
+        let pid = std::process::id();
+        for mut report in rx {
+            report.trace.resolve();
+            let record = StallRecord {
+                unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
+                pid,
+                shard: report.shard,
+                duration_ms: report.duration.as_secs_f64() * 1e3,
+                threshold_ms: self.threshold.as_secs_f64() * 1e3,
+                queue: report.queue,
+                frames: named_frames(&report.trace),
+            };
+            tracing::warn!(
+                shard = record.shard,
+                ms = format!("{:.1}", record.duration_ms),
+                "shard {} stalled: its thread ran {:.1} ms without serving (threshold {:.0} ms; every request it owns waited), in {}",
+                record.shard,
+                record.duration_ms,
+                record.threshold_ms,
+                record.frames.join(" <- ")
+            );
+            if let Some(f) = &mut file {
+                let line = serde_json::to_string(&record).expect("a stall record serializes");
+                if let Err(e) = writeln!(f, "{line}") {
+                    tracing::warn!("cannot append to --stall-log: {e}; stalls are only logged from now on");
+                    file = None;
+                }
+            }
+            let shard = record.shard as usize;
+            *self.shards[shard].last.lock().expect("stall record") = Some(record);
+        }
+    }
+}
+
+/// The frames a report names: the innermost one with a symbol (what the
+/// thread was in: often a system call's wrapper), then up to
+/// [`FRAMES_NAMED`] of kvtier's own crates, innermost first.
+fn named_frames(trace: &backtrace::Backtrace) -> Vec<String> {
+    // The signal handler's frames come first (the unwinder, glommio's
+    // closure, signal-hook's handler), then the kernel's signal trampoline
+    // (no symbol), then the interrupted code.
+    let frames = trace.frames();
+    let start = frames
+        .iter()
+        .rposition(|f| f.symbols().iter().any(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("signal_hook_registry::handler"))))
+        .map_or(0, |i| i + 1);
+    let start = start + frames[start.min(frames.len())..].iter().take_while(|f| f.symbols().iter().all(|s| s.name().is_none())).count();
+    let describe = |s: &backtrace::BacktraceSymbol| {
+        let name = s.name().map_or_else(|| "?".to_string(), |n| format!("{n:#}"));
+        match (s.filename(), s.lineno()) {
+            (Some(file), Some(line)) => {
+                let file = file.to_string_lossy();
+                let short = file.rsplit_once("/src/").map_or(file.as_ref(), |(_, rest)| rest);
+                format!("{name} ({short}:{line})")
+            }
+            _ => name,
+        }
+    };
+    let symbols: Vec<&backtrace::BacktraceSymbol> = frames[start.min(frames.len())..].iter().flat_map(|f| f.symbols()).collect();
+    let mut named: Vec<String> = symbols.first().map(|s| describe(s)).into_iter().collect();
+    named.extend(
+        symbols
+            .iter()
+            .skip(1)
+            .filter(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("kvtier")))
+            .take(FRAMES_NAMED)
+            .map(|s| describe(s)),
+    );
+    named
+}
+
+/// The stall detection handler of one shard's executor.
+#[derive(Debug)]
+struct Handler {
+    stalls: Arc<Stalls>,
+    shard: u32,
+}
+
+impl glommio::StallDetectionHandler for Handler {
+    /// Called by the executor as each task queue run starts, with the run's
+    /// budget (the preemption budget): the watchdog fires at the stall
+    /// threshold measured from the run's start.
+    fn threshold(&self, _queue: glommio::TaskQueueHandle, budget: Duration) -> Option<Duration> {
+        // At least 1 ms: a zero timer is a disarmed one.
+        Some(self.stalls.threshold.saturating_sub(budget).max(Duration::from_millis(1)))
+    }
+
+    fn signal(&self) -> u8 {
+        STALL_SIGNAL as u8
+    }
+
+    /// On the shard's thread, once the run that passed the threshold ends.
+    fn stall(&self, detection: glommio::StallDetection<'_>) {
+        // A signal that landed after its run ended (the run finished as the
+        // timer fired) is another run's stack, not a stall.
+        if detection.overage().is_zero() {
+            return;
+        }
+        let duration = detection.budget() + detection.overage();
+        let queue = detection.queue_name().to_string();
+        self.stalls.record(self.shard, &queue, duration, detection.into_trace());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(never)]
+    fn block_thread_for(d: Duration) {
+        std::thread::sleep(d);
+    }
+
+    #[test]
+    fn a_blocked_shard_is_counted_and_logged_with_the_frame_it_was_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("stalls.jsonl");
+        let stalls = Stalls::new(1, Duration::from_millis(40), Some(log.clone())).unwrap();
+        let handler = stalls.handler(0);
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .preempt_timer(PREEMPT_BUDGET)
+            .detect_stalls(Some(handler))
+            .spawn(|| async move {
+                // A quick task: no stall.
+                glommio::timer::sleep(Duration::from_millis(5)).await;
+                // A blocking call on the shard's thread: one stall.
+                block_thread_for(Duration::from_millis(150));
+                glommio::timer::sleep(Duration::from_millis(5)).await;
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        stalls.stop();
+        let s = &stalls.shard_stats()[0];
+        assert_eq!(s.stalls, 1, "{s:?}");
+        assert!(s.longest_ms >= 150.0 && s.longest_ms < 1000.0, "{s:?}");
+        assert_eq!(s.durations.count(), 1);
+        let last = s.last.as_ref().expect("logged");
+        assert!(last.frames[0].contains("nanosleep"), "{:?}", last.frames);
+        assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
+        let lines = std::fs::read_to_string(&log).unwrap();
+        let record: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+        assert_eq!(record["shard"], 0);
+        assert!(record["duration_ms"].as_f64().unwrap() >= 150.0, "{record}");
+    }
+
+    #[test]
+    fn a_busy_shard_that_yields_is_not_a_stall() {
+        let stalls = Stalls::new(1, Duration::from_millis(40), None).unwrap();
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .preempt_timer(PREEMPT_BUDGET)
+            .detect_stalls(Some(stalls.handler(0)))
+            .spawn(|| async move {
+                // 300 ms of work in 2 ms steps, yielding between them.
+                let until = std::time::Instant::now() + Duration::from_millis(300);
+                while std::time::Instant::now() < until {
+                    let step = std::time::Instant::now() + Duration::from_millis(2);
+                    while std::time::Instant::now() < step {
+                        std::hint::spin_loop();
+                    }
+                    glommio::yield_if_needed().await;
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        stalls.stop();
+        assert_eq!(stalls.shard_stats()[0].stalls, 0);
+    }
+
+    #[test]
+    fn a_threshold_under_the_least_is_refused() {
+        let e = Stalls::new(1, Duration::from_millis(5), None).unwrap_err();
+        assert!(e.contains("--stall-threshold-ms must be at least 20"), "{e}");
+    }
+}
