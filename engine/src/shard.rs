@@ -99,6 +99,14 @@ pub struct Shard {
     free: RefCell<Vec<u32>>,
     /// The segment being appended to.
     head: Cell<Option<u32>>,
+    /// A segment created ahead of need, never written: the next head when
+    /// no free segment is left (`shard/slots.rs`, [`Shard::prepare_spare`]).
+    spare: Cell<Option<u32>>,
+    /// A task is creating the spare.
+    spare_pending: Cell<bool>,
+    /// Held while a segment file is being created (by the spare's task or
+    /// a rollover), so that two never take the same id.
+    create_lock: Semaphore,
     next_seq: Cell<u64>,
     /// Sequence numbers taken by writes not yet complete, with their
     /// segment: a snapshot covers only what lies below the lowest.
@@ -237,6 +245,9 @@ impl Shard {
             fs_full: Cell::new(false),
             free: RefCell::new(Vec::new()),
             head: Cell::new(None),
+            spare: Cell::new(None),
+            spare_pending: Cell::new(false),
+            create_lock: Semaphore::new(1),
             next_seq: Cell::new(1),
             inflight: RefCell::new(BTreeMap::new()),
             max_seq: RefCell::new(Vec::new()),

@@ -111,6 +111,16 @@ impl Shard {
             segment.write_superblock(&self.superblock(id, first_seq)).await?;
             return Ok((id, None));
         }
+        // A spare being created is waited for, not created twice.
+        let _creating = self.create_lock.acquire_permit(1).await.map_err(|_| Error::ShuttingDown)?;
+        if let Some(id) = self.spare.take() {
+            // Never written, and its superblock's first_seq is at most the
+            // next sequence number: its life starts as it is.
+            self.segment(id).slots_used.set(0);
+            drop(_creating);
+            self.prepare_spare();
+            return Ok((id, None));
+        }
         let created = self.segments.borrow().len() as u32;
         if created < self.cfg.segments_max {
             match self.create_segment(created).await {
@@ -118,6 +128,8 @@ impl Shard {
                     if self.fs_full.replace(false) {
                         tracing::info!(shard = self.id(), "filesystem has room again: segment {created} created");
                     }
+                    drop(_creating);
+                    self.prepare_spare();
                     return Ok((created, None));
                 }
                 // The filesystem is full before our share is. Evicting the
@@ -164,9 +176,52 @@ impl Shard {
         }
     }
 
+    /// Starts creating the next segment file in a task of its own, unless
+    /// a spare is there or on its way, a free segment is (it is the next
+    /// head), the disk share holds no more segments, or the filesystem was
+    /// found full. A rollover then takes it with no file to create and no
+    /// fsync to wait for; a write that finds it still being created waits
+    /// for it (other requests never do: the file is made on the blocking
+    /// pool, [`Shard::create_segment`]).
+    pub(crate) fn prepare_spare(&self) {
+        if self.spare.get().is_some()
+            || self.spare_pending.get()
+            || !self.free.borrow().is_empty()
+            || self.fs_full.get()
+            || self.segments.borrow().len() as u32 >= self.cfg.segments_max
+        {
+            return;
+        }
+        let Some(me) = self.me.borrow().upgrade() else { return };
+        self.spare_pending.set(true);
+        // Detached already (`spawn_holding`); a close waits for it.
+        let _ = me.spawn_holding(|shard| async move {
+            if let Ok(_creating) = shard.create_lock.acquire_permit(1).await {
+                let id = shard.segments.borrow().len() as u32;
+                if shard.spare.get().is_none() && shard.free.borrow().is_empty() && id < shard.cfg.segments_max {
+                    match shard.create_segment(id).await {
+                        Ok(()) => shard.spare.set(Some(id)),
+                        // The rollover that needs it creates it and says why
+                        // it cannot (a full filesystem: 507).
+                        Err(e) => tracing::debug!(shard = shard.id(), "spare segment {id} not created ahead: {e}"),
+                    }
+                }
+            }
+            shard.spare_pending.set(false);
+        });
+    }
+
+    /// Creates segment file `id` (temp file, `fallocate`, superblock, two
+    /// fsyncs, rename: [`segment::create_file`]) on the executor's blocking
+    /// pool, never on the shard's thread, and opens it. The caller holds
+    /// `create_lock`.
+    ///
+    /// # Errors
+    /// As [`segment::create_file`] and [`Segment::open`].
     pub(super) async fn create_segment(&self, id: u32) -> Result<()> {
         let sb = self.superblock(id, self.next_seq.get());
-        let path = segment::create_file(&self.cfg.dir, &sb)?;
+        let dir = self.cfg.dir.clone();
+        let path = glommio::executor().spawn_blocking(move || segment::create_file(&dir, &sb)).await?;
         let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment).await?;
         let mut segments = self.segments.borrow_mut();
         if segments.len() <= id as usize {

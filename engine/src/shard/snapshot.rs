@@ -25,7 +25,10 @@ impl Shard {
                 first_seq: seg.first_seq.get(),
                 slots_used: seg.slots_used.get(),
                 max_seq: max_seq.get(seg.id as usize).copied().unwrap_or(0),
+                // The spare is written after the snapshot with its
+                // first_seq unchanged: a restart must scan it.
                 rescan: self.head.get() == Some(seg.id)
+                    || self.spare.get() == Some(seg.id)
                     || seg.writers.get() > 0
                     || seg.compacting.get()
                     || inflight.values().any(|(s, _)| *s == seg.id),

@@ -99,6 +99,9 @@ where
                     }
                 };
                 let shard = shard.expect("opened");
+                // The first segment (or the next) is made before a write
+                // needs it, off the shard's thread.
+                shard.prepare_spare();
                 // Chunks of forwarded GETs come back here to be freed.
                 glommio::spawn_local(crate::stream::return_chunks_home()).detach();
                 starts.note(shard_id, startup::ShardStart { executor_up, recovered, joined: started.elapsed() });
