@@ -49,14 +49,43 @@ struct Record {
     tag: Vec<u8>,
 }
 
+/// What a shard's directory holds, read on the blocking pool: its
+/// segments ([`list_segments`]), its snapshot ([`load_snapshot`]), and what
+/// reading them found.
+struct Listing {
+    found: Vec<(u32, Superblock, PathBuf)>,
+    snap: Option<IndexSnapshot>,
+    report: RecoveryReport,
+}
+
+/// Lists `cfg.dir`'s segments and reads its snapshot with std I/O on the
+/// executor's blocking pool (directory listing, superblock reads, a
+/// truncated segment's `fallocate` and fsync: never on the shard's thread).
+async fn read_directory(cfg: &ShardConfig, slot_bytes: u64) -> Result<Listing> {
+    let (dir, shard_id, segment_bytes) = (cfg.dir.clone(), cfg.shard_id, cfg.segment_bytes);
+    glommio::executor()
+        .spawn_blocking(move || {
+            let mut report = RecoveryReport::default();
+            let found = list_segments(&dir, shard_id, slot_bytes, segment_bytes, &mut report)?;
+            let snap = load_snapshot(&dir, shard_id, &mut report);
+            Ok(Listing { found, snap, report })
+        })
+        .await
+}
+
 /// Segment files of a shard directory whose superblock belongs to this
 /// shard and geometry, sorted by id; others are counted as foreign.
-fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32, Superblock, PathBuf)>> {
-    let cfg = &shard.cfg;
+fn list_segments(
+    dir: &Path,
+    shard_id: u32,
+    slot_bytes: u64,
+    segment_bytes: u64,
+    report: &mut RecoveryReport,
+) -> Result<Vec<(u32, Superblock, PathBuf)>> {
     let mut found = Vec::new();
-    let entries = fs::read_dir(&cfg.dir).map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
+    let entries = fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
     for dirent in entries {
-        let dirent = dirent.map_err(|e| Error::io(format!("listing {}", cfg.dir.display()), e))?;
+        let dirent = dirent.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
         let path = dirent.path();
         let name = dirent.file_name().to_string_lossy().into_owned();
         if name.ends_with(".kvt.tmp") || name == format!("{}.tmp", snapshot::FILE) {
@@ -69,17 +98,17 @@ fn list_segments(shard: &Shard, report: &mut RecoveryReport) -> Result<Vec<(u32,
         }
         let Some(id) = segment::parse_segment_name(&name) else {
             report.foreign_files += 1;
-            tracing::warn!(shard = cfg.shard_id, "ignoring foreign file {}", path.display());
+            tracing::warn!(shard = shard_id, "ignoring foreign file {}", path.display());
             continue;
         };
         match segment::read_superblock(&path)? {
-            Some(sb) if sb.belongs_to(cfg.shard_id, id, shard.slot_bytes, cfg.segment_bytes) => {
-                restore_length(&path, cfg.segment_bytes, cfg.shard_id, report)?;
+            Some(sb) if sb.belongs_to(shard_id, id, slot_bytes, segment_bytes) => {
+                restore_length(&path, segment_bytes, shard_id, report)?;
                 found.push((id, sb, path));
             }
             other => {
                 report.foreign_files += 1;
-                tracing::warn!(shard = cfg.shard_id, "ignoring {}: not a segment of this store (superblock {other:?})", path.display());
+                tracing::warn!(shard = shard_id, "ignoring {}: not a segment of this store (superblock {other:?})", path.display());
             }
         }
     }
@@ -194,13 +223,14 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
 /// [`Error::Io`] when the directory or a segment cannot be read;
 /// [`Error::Config`] for settings that cannot work.
 pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
-    fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    let dir = cfg.dir.clone();
+    glommio::executor()
+        .spawn_blocking(move || fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e)))
+        .await?;
     // Mapping the RAM tier is set-up, not recovery: the clock starts after.
     let shard = Shard::new(cfg)?;
     let started = Instant::now();
-    let mut report = RecoveryReport::default();
-    let found = list_segments(&shard, &mut report)?;
-    let snap = load_snapshot(&shard.cfg.dir, shard.id(), &mut report);
+    let Listing { found, snap, mut report } = read_directory(&shard.cfg, shard.slot_bytes).await?;
     report.snapshot_loaded = snap.is_some();
     let covered_seq = snap.as_ref().map_or(0, |s| s.covered_seq);
     let snap_segments: HashMap<u32, &SegmentState> = snap.iter().flat_map(|s| s.segments.iter().map(|g| (g.id, g))).collect();

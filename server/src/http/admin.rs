@@ -119,8 +119,10 @@ pub(super) async fn reload(ctx: &Ctx) -> Reply {
     }
 }
 
-async fn apply_reload(store: &Store, tenancy: &Tenancy) -> Result<(), String> {
-    let owners: Arc<Owners> = tenancy.reload()?;
+async fn apply_reload(store: &Store, tenancy: &Arc<Tenancy>) -> Result<(), String> {
+    // The file is read on the blocking pool, never on the shard's thread.
+    let reading = tenancy.clone();
+    let owners: Arc<Owners> = glommio::executor().spawn_blocking(move || reading.reload()).await?;
     let n = owners.len() - 1;
     store.set_owners(owners).await.map_err(|e| e.to_string())?;
     tracing::info!(owners = n, file = %tenancy.path().display(), "tenants file reloaded");
