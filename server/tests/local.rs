@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -348,6 +348,35 @@ fn a_client_that_stops_sending_still_gets_its_answers() {
     assert!(r.closed(), "then the server closes");
     let cancelled = stats_of(&server)["local"]["items_cancelled_total"].as_u64().unwrap();
     assert_eq!(cancelled, u64::from(stored.0 == CANCELLED), "counted");
+}
+
+#[test]
+fn a_connection_whose_responses_cannot_be_sent_ends_at_once_never_in_silence() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let mut before = Raw::ready(&socket_of(&server));
+    // Every response the server sends with send(2) fails, as on a socket
+    // that broke under it (the HTTP door writes with sendmsg, so /v1/stats
+    // still answers).
+    let filters = ["trace=sendto".to_string(), "inject=sendto:error=EIO".to_string()];
+    let failing = common::Strace::attach(server.pid(), &filters, &dir.path().join("strace.log"));
+    let mut r = Raw::connect(&socket_of(&server));
+    let started = Instant::now();
+    r.send(HELLO, br#"{"versions":[1]}"#);
+    let mut b = [0u8; 1];
+    let first = r.s.read(&mut b);
+    let waited = started.elapsed();
+    // The connection's end, not the 10 s read timeout.
+    assert!(matches!(first, Ok(0)), "the client saw {first:?} after {waited:?}, not the end of the connection");
+    // A later request on it: refused at once (the server shut it both ways).
+    let later = r.s.write_all(&frame(EXISTS, 9, &keys_payload(&["k"])));
+    assert!(later.is_err() || matches!(r.s.read(&mut b), Ok(0)), "a later request was taken in silence");
+    drop(failing);
+    // Only that connection: another, opened before, is served as before.
+    let a = before.call(EXISTS, &keys_payload(&["k"]));
+    assert_eq!(a.status, 0, "{}", a.message());
+    assert!(server.log().contains("sending its responses failed"), "the reason is logged:\n{}", server.log());
+    assert_eq!(server.log().matches("sending its responses failed").count(), 1, "once");
 }
 
 #[test]

@@ -9,49 +9,14 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{client, payload, set_flag, start, test_args};
+use common::{client, payload, set_flag, start, test_args, Strace};
 
 /// How long each fsync is held.
 const FSYNC_DELAY: Duration = Duration::from_millis(1500);
-
-/// strace attached to every thread of `pid`, delaying each fsync and
-/// fdatasync by [`FSYNC_DELAY`] on entry; detached when dropped.
-struct DelayedFsyncs(Child);
-
-impl DelayedFsyncs {
-    fn attach(pid: u32, log: &Path) -> DelayedFsyncs {
-        let strace = ["/usr/bin/strace", "/bin/strace"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
-            panic!("this test needs strace (Debian's strace package; `make deps` installs it) to delay the server's fsyncs")
-        });
-        let delay = format!("delay_enter={}", FSYNC_DELAY.as_micros());
-        let child = Command::new(strace)
-            .args(["-f", "-qq", "-p", &pid.to_string(), "-e", "trace=fsync,fdatasync"])
-            .args(["-e", &format!("inject=fsync:{delay}"), "-e", &format!("inject=fdatasync:{delay}"), "-o"])
-            .arg(log)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start strace");
-        // strace has attached once its log names a thread's syscall or a
-        // moment has passed; attach is quick (tens of ms) on this machine.
-        std::thread::sleep(Duration::from_millis(500));
-        DelayedFsyncs(child)
-    }
-}
-
-impl Drop for DelayedFsyncs {
-    fn drop(&mut self) {
-        // SAFETY: SIGINT to our own child: strace detaches and exits.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-        let _ = self.0.wait();
-    }
-}
 
 /// Keys owned by `shard` of 2 (the owner is xxh3-128 of the key mod shards).
 fn keys_of(shard: usize, prefix: &str, n: usize) -> Vec<String> {
@@ -77,7 +42,9 @@ fn segment_rollovers_under_slow_fsyncs_leave_ram_hits_and_the_other_shard_at_ram
         }
     });
 
-    let _slow = DelayedFsyncs::attach(server.pid(), &dir.path().join("strace.log"));
+    let delay = format!("delay_enter={}", FSYNC_DELAY.as_micros());
+    let filters = ["trace=fsync,fdatasync".to_string(), format!("inject=fsync:{delay}"), format!("inject=fdatasync:{delay}")];
+    let _slow = Strace::attach(server.pid(), &filters, &dir.path().join("strace.log"));
     let writing = Arc::new(AtomicBool::new(true));
     let url = server.url.clone();
     let writer = {

@@ -107,8 +107,22 @@ pub async fn serve(stream: UnixStream, peer_uid: u32, service: Rc<Service>, shar
     unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_RDWR) };
 }
 
-async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+/// Sends the responses queued in `rx`, coalesced, until the queue ends. A
+/// send that fails (the peer is gone, or the socket broke) shuts the
+/// connection down both ways at once and says why, once: the reader then
+/// sees the end of the stream and stops dispatching, and the client sees
+/// EOF on every request in flight and every later one, never silence.
+async fn write_loop(stream: Rc<UnixStream>, rx: mpsc::UnboundedReceiver<Outgoing>) {
     let fd = stream.as_raw_fd();
+    if let Err(e) = send_responses(fd, rx).await {
+        tracing::warn!("closing a local connection: sending its responses failed ({e}); its client sees the connection end");
+        // SAFETY: shutdown on the socket this connection owns; the reader
+        // then reads the end of the stream.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    }
+}
+
+async fn send_responses(fd: RawFd, mut rx: mpsc::UnboundedReceiver<Outgoing>) -> std::io::Result<()> {
     let mut batch = Vec::new();
     let mut permits = Vec::new();
     let mut next = rx.next().await.flatten();
@@ -117,9 +131,7 @@ async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outg
         if let Some(passed) = passed {
             // A frame with a descriptor goes alone: the descriptor travels
             // with its first byte.
-            if send_with_fd(fd, &frame, &passed).await.is_err() {
-                return;
-            }
+            send_with_fd(fd, &frame, &passed).await?;
             permits.clear();
             next = rx.next().await.flatten();
             continue;
@@ -146,14 +158,16 @@ async fn write_loop(stream: Rc<UnixStream>, mut rx: mpsc::UnboundedReceiver<Outg
                 Err(_) => break,
             }
         }
-        if send_all(fd, &batch).await.is_err() || stop {
-            return;
+        send_all(fd, &batch).await?;
+        if stop {
+            return Ok(());
         }
         permits.clear();
         if next.is_none() {
             next = rx.next().await.flatten();
         }
     }
+    Ok(())
 }
 
 /// Sends `frame` with `passed` in `SCM_RIGHTS` on its first byte, then the

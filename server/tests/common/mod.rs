@@ -315,3 +315,44 @@ pub fn promtool_check(text: &str) -> (bool, String) {
     let out = child.wait_with_output().unwrap();
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
+
+/// strace attached to every thread of a running server, injecting faults
+/// into its real system calls (`-e inject=...`: a delay, an error), for
+/// the tests of what a slow or failing call costs; detached when dropped.
+pub struct Strace(std::process::Child);
+
+impl Strace {
+    /// `strace -f -p PID` with `filters` (`-e` expressions, e.g.
+    /// `inject=fsync:delay_enter=1500000`), its output to `log`.
+    ///
+    /// # Panics
+    /// strace is not installed (`make deps` installs it), or cannot start.
+    pub fn attach(pid: u32, filters: &[String], log: &Path) -> Strace {
+        let strace = ["/usr/bin/strace", "/bin/strace"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
+            panic!("this test needs strace (Debian's strace package; `make deps` installs it) to inject faults into the server's system calls")
+        });
+        let mut cmd = std::process::Command::new(strace);
+        cmd.args(["-f", "-qq", "-p", &pid.to_string()]);
+        for f in filters {
+            cmd.args(["-e", f]);
+        }
+        let child = cmd
+            .arg("-o")
+            .arg(log)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start strace");
+        // Attaching to a server's dozen threads takes tens of milliseconds.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        Strace(child)
+    }
+}
+
+impl Drop for Strace {
+    fn drop(&mut self) {
+        // SAFETY: SIGINT to our own child: strace detaches and exits.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let _ = self.0.wait();
+    }
+}
