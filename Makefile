@@ -64,13 +64,16 @@ help:
 # chromium (the loadgen's HTML reports are opened headless and their charts
 # checked on screen), g++ with OpenSSL's headers (SGLang builds its page
 # hash on first use), promtool (Debian's prometheus package: `/metrics` is
-# checked by `promtool check metrics`, server/tests/metrics.rs), and
-# e2fsprogs (mkfs.ext4 and chattr: the full-disk and tier-health tests).
+# checked by `promtool check metrics`, server/tests/metrics.rs),
+# e2fsprogs (mkfs.ext4 and chattr: the full-disk and tier-health tests),
+# and strace (its fault injection delays or fails the server's real system
+# calls: server/tests/stalls.rs, local.rs).
 deps:
 	@missing=""; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v mkfs.ext4 >/dev/null || missing="$$missing e2fsprogs"; \
+	command -v strace >/dev/null || missing="$$missing strace"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \

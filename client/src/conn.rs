@@ -140,10 +140,11 @@ impl Ticket {
             if left.is_zero() {
                 drop(s);
                 self.conn.abandon(&format!(
-                    "no answer to {} from {} within {:.1} s",
+                    "no answer to {} from {} within {:.1} s ({})",
                     op_name(self.op),
                     self.conn.path,
-                    timeout.as_secs_f64()
+                    timeout.as_secs_f64(),
+                    queued_bytes(&self.conn.sock)
                 ));
                 s = lock(&self.waiter.slot);
                 break;
@@ -167,6 +168,27 @@ impl Future for Ticket {
             }
         }
     }
+}
+
+/// What the socket still holds when a request times out, which tells the
+/// causes apart: bytes the server has not read (`SIOCOUTQ`, which on a
+/// Unix socket counts the kernel's buffers with their overhead: a few
+/// hundred bytes per message; the server stopped reading: a stalled shard
+/// or a full connection), bytes this client has not read (`SIOCINQ`: its
+/// reader thread is behind), or neither (the server read the request and
+/// has not answered).
+fn queued_bytes(sock: &UnixStream) -> String {
+    let ask = |request: libc::Ioctl| {
+        let mut n: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ/SIOCINQ write one int through the pointer.
+        (unsafe { libc::ioctl(sock.as_raw_fd(), request, &mut n) } == 0).then_some(n)
+    };
+    let show = |n: Option<libc::c_int>| n.map_or_else(|| "?".to_string(), |n| n.to_string());
+    format!(
+        "the socket holds {} bytes (with the kernel's overhead) sent and not yet read by the server, {} bytes received and not yet read here",
+        show(ask(libc::TIOCOUTQ)),
+        show(ask(libc::FIONREAD))
+    )
 }
 
 struct State {
