@@ -380,6 +380,30 @@ fn a_connection_whose_responses_cannot_be_sent_ends_at_once_never_in_silence() {
 }
 
 #[test]
+fn a_request_unanswered_for_a_second_is_logged_with_its_stage_and_again_when_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&test_args(dir.path()));
+    let (mut r, fd, handle) = common::local::ready_with_buffer(&socket_of(&server), BLOCK_BYTES);
+    write_at(&fd, 0, &pattern(3));
+    // Every fsync held 1.5 s: the spare segment the first rollover needs
+    // (made as the first write takes the one made at start) takes 3 s.
+    let filters = ["trace=fsync".to_string(), "inject=fsync:delay_enter=1500000".to_string()];
+    let slow = common::Strace::attach(server.pid(), &filters, &dir.path().join("strace.log"));
+    // More blocks on shard 0 than an 8 MiB segment holds (126).
+    let keys: Vec<String> =
+        (0..).map(|i| format!("slow-{i}")).filter(|k| kvtier_engine::key::BlockHash::of(k.as_bytes()).shard(2) == 0).take(140).collect();
+    let items: Vec<(u64, u64, u64, &str)> = keys.iter().map(|k| (handle, 0, BLOCK_BYTES, k.as_str())).collect();
+    let a = r.call(PUT_FROM, &items_payload(&items));
+    assert!(a.items().iter().all(|&(result, _)| result == 0), "{:?}", a.items());
+    drop(slow);
+    let log = server.log();
+    let unanswered = log.lines().find(|l| l.contains("local PUT_FROM request") && l.contains("unanswered after"));
+    let unanswered = unanswered.unwrap_or_else(|| panic!("no report of the slow request:\n{log}"));
+    assert!(unanswered.contains("read, in the store"), "{unanswered}");
+    assert!(log.lines().any(|l| l.contains("local PUT_FROM request") && l.contains("answered after")), "{log}");
+}
+
+#[test]
 fn a_clean_stop_is_not_held_up_by_idle_local_connections() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&test_args(dir.path()));

@@ -16,6 +16,8 @@ use futures::channel::mpsc;
 use futures::StreamExt;
 use glommio::sync::{Semaphore, StaticPermit};
 
+use super::watch::Admitted;
+
 use super::inbox::Inbox;
 use super::ops::{data_op, hello, register, unregister};
 use super::proto::{self, Code, Header, Op, HEADER_BYTES, OP_CONNECTION_ERROR};
@@ -259,6 +261,7 @@ fn connection_error(conn: &Conn, why: String) -> String {
 fn dispatch(conn: &Rc<Conn>, header: Header, payload: Vec<u8>, fd: Option<Result<OwnedFd, String>>, permit: StaticPermit) {
     let started = Instant::now();
     let op = Op::from_u8(header.op);
+    let permit = Admitted::new(permit, op, header.request_id, conn.peer_uid);
     // The ops answered here, in stream order (a handle registered is known
     // to every later frame); the data ops run as tasks, below.
     let answered: Result<Vec<u8>, (Code, String)> = match op {

@@ -24,6 +24,7 @@ pub(crate) mod proto;
 pub mod region;
 mod revoke;
 mod session;
+mod watch;
 
 pub use lease::{LeaseCounters, LEASES_PER_CONNECTION_MAX, LEASE_MS_DEFAULT};
 pub use ops::{parse_hello, Hello};
@@ -343,6 +344,7 @@ pub async fn serve_shard(service: Rc<Service>, local: Arc<LocalShared>) {
     let fd = local.listener.as_raw_fd();
     let shard = service.store.shard_id();
     let connections = Rc::new(Semaphore::new(CONNECTIONS_PER_SHARD_MAX));
+    let watching = glommio::spawn_local(watch::watch(shard));
     loop {
         let accepted = match local.listener.accept() {
             Ok((s, _)) => s,
@@ -393,4 +395,6 @@ pub async fn serve_shard(service: Rc<Service>, local: Arc<LocalShared>) {
         })
         .detach();
     }
+    // Connections still draining are not watched any more.
+    drop(watching);
 }

@@ -10,18 +10,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::channel::mpsc;
-use glommio::sync::StaticPermit;
 
 use super::proto::{self, Code, Header, Op, RESPONSE_BIT};
 use super::region::Region;
 use super::revoke::Peer;
+use super::watch::{Admitted, Stage};
 use super::LocalShared;
 use crate::service::{Caller, Service};
 
 /// A frame to send and, for a data request, its in-flight permit (given
 /// back once the response is on the socket, so a client that stops reading
 /// responses stops the server reading its requests).
-pub(super) type Outgoing = Option<(Vec<u8>, Option<StaticPermit>, Option<std::os::fd::OwnedFd>)>;
+pub(super) type Outgoing = Option<(Vec<u8>, Option<Admitted>, Option<std::os::fd::OwnedFd>)>;
 
 pub(super) struct Conn {
     pub(super) service: Rc<Service>,
@@ -46,16 +46,20 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub(super) fn send(&self, frame: Vec<u8>, permit: Option<StaticPermit>) {
-        let _ = self.out.unbounded_send(Some((frame, permit, None)));
+    pub(super) fn send(&self, frame: Vec<u8>, admitted: Option<Admitted>) {
+        if let Some(a) = &admitted {
+            a.tracked().set_stage(Stage::Queued);
+        }
+        let _ = self.out.unbounded_send(Some((frame, admitted, None)));
     }
 
     /// Sends a response frame with `fd` in `SCM_RIGHTS` beside its first
     /// byte (`MAP_ARENA`), and counts it.
-    pub(super) fn answer_with_fd(&self, header: Header, body: Vec<u8>, fd: std::os::fd::OwnedFd, started: Instant, permit: StaticPermit) {
+    pub(super) fn answer_with_fd(&self, header: Header, body: Vec<u8>, fd: std::os::fd::OwnedFd, started: Instant, admitted: Admitted) {
+        admitted.tracked().set_stage(Stage::Queued);
         self.record(Op::from_u8(header.op), None, started, 0, 0);
         let frame = proto::response(header.op | RESPONSE_BIT, header.request_id, 0, 0, &body);
-        let _ = self.out.unbounded_send(Some((frame, Some(permit), Some(fd))));
+        let _ = self.out.unbounded_send(Some((frame, Some(admitted), Some(fd))));
     }
 
     pub(super) fn record(&self, op: Option<Op>, code: Option<Code>, started: Instant, bytes_in: u64, bytes_out: u64) {
@@ -96,7 +100,7 @@ impl Conn {
         started: Instant,
         bytes_in: u64,
         bytes_out: u64,
-        permit: StaticPermit,
+        admitted: Admitted,
     ) {
         let op = Op::from_u8(header.op);
         let frame = match result {
@@ -109,6 +113,6 @@ impl Conn {
                 proto::failure(header.op, header.request_id, code, &message)
             }
         };
-        self.send(frame, Some(permit));
+        self.send(frame, Some(admitted));
     }
 }
