@@ -77,6 +77,12 @@ pub struct StallRecord {
     /// system call), then up to eight frames of kvtier's code, innermost
     /// first, each `function (file:line)`.
     pub frames: Vec<String>,
+    /// The stack sampled last, as `frames`, for a stall that went on past a
+    /// second (sampled again each second, `glommio::RESAMPLE_EVERY`): where
+    /// it stayed. Empty when sampled once.
+    pub last_frames: Vec<String>,
+    /// Samples taken of the stack: one at the threshold, one per second after.
+    pub samples: usize,
 }
 
 /// One shard's stall counters, written by the shard's thread and read by
@@ -234,6 +240,9 @@ impl Stalls {
         let pid = std::process::id();
         for mut report in rx {
             report.trace.resolve();
+            let samples = samples_of(&report.trace);
+            let frames = samples.first().map(|f| named_frames(f)).unwrap_or_default();
+            let last_frames = if samples.len() > 1 { samples.last().map(|f| named_frames(f)).unwrap_or_default() } else { Vec::new() };
             let record = StallRecord {
                 unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
                 pid,
@@ -241,12 +250,18 @@ impl Stalls {
                 duration_ms: report.duration.as_secs_f64() * 1e3,
                 threshold_ms: self.threshold.as_secs_f64() * 1e3,
                 queue: report.queue,
-                frames: named_frames(&report.trace),
+                frames,
+                last_frames,
+                samples: samples.len(),
+            };
+            let stayed = match record.last_frames.is_empty() {
+                true => String::new(),
+                false => format!("; sampled {} times, last in {}", record.samples, record.last_frames.join(" <- ")),
             };
             tracing::warn!(
                 shard = record.shard,
                 ms = format!("{:.1}", record.duration_ms),
-                "shard {} stalled: its thread ran {:.1} ms without serving (threshold {:.0} ms; every request it owns waited), in {}",
+                "shard {} stalled: its thread ran {:.1} ms without serving (threshold {:.0} ms; every request it owns waited), in {}{stayed}",
                 record.shard,
                 record.duration_ms,
                 record.threshold_ms,
@@ -265,14 +280,28 @@ impl Stalls {
     }
 }
 
-/// The frames a report names: the innermost one with a symbol (what the
-/// thread was in: often a system call's wrapper), then up to
-/// [`FRAMES_NAMED`] of kvtier's own crates, innermost first.
-fn named_frames(trace: &backtrace::Backtrace) -> Vec<String> {
+/// The samples of a stall's stack: the trace holds each capture in turn,
+/// each starting at the unwinder's own frame.
+fn samples_of(trace: &backtrace::Backtrace) -> Vec<&[backtrace::BacktraceFrame]> {
+    let frames = trace.frames();
+    let starts: Vec<usize> = (0..frames.len())
+        .filter(|&i| {
+            frames[i].symbols().iter().any(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("backtrace::backtrace::trace_unsynchronized")))
+        })
+        .collect();
+    if starts.is_empty() {
+        return vec![frames];
+    }
+    starts.iter().enumerate().map(|(k, &a)| &frames[a..starts.get(k + 1).copied().unwrap_or(frames.len())]).collect()
+}
+
+/// The frames a report names of one sample: the innermost one with a
+/// symbol (what the thread was in: often a system call's wrapper), then up
+/// to [`FRAMES_NAMED`] of kvtier's own crates, innermost first.
+fn named_frames(frames: &[backtrace::BacktraceFrame]) -> Vec<String> {
     // The signal handler's frames come first (the unwinder, glommio's
     // closure, signal-hook's handler), then the kernel's signal trampoline
     // (no symbol), then the interrupted code.
-    let frames = trace.frames();
     let start = frames
         .iter()
         .rposition(|f| f.symbols().iter().any(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("signal_hook_registry::handler"))))
@@ -291,14 +320,21 @@ fn named_frames(trace: &backtrace::Backtrace) -> Vec<String> {
     };
     let symbols: Vec<&backtrace::BacktraceSymbol> = frames[start.min(frames.len())..].iter().flat_map(|f| f.symbols()).collect();
     let mut named: Vec<String> = symbols.first().map(|s| describe(s)).into_iter().collect();
-    named.extend(
-        symbols
-            .iter()
-            .skip(1)
-            .filter(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("kvtier")))
-            .take(FRAMES_NAMED)
-            .map(|s| describe(s)),
-    );
+    let ours = |s: &&&backtrace::BacktraceSymbol, prefixes: &[&str]| {
+        s.name().is_some_and(|n| {
+            let n = format!("{n:#}");
+            prefixes.iter().any(|p| n.starts_with(p))
+        })
+    };
+    // kvtier's own frames; glommio's too when kvtier's are few (a stall in
+    // the executor's own work: registering memory, waking waiters).
+    let kvtier: Vec<&&backtrace::BacktraceSymbol> = symbols.iter().skip(1).filter(|s| ours(s, &["kvtier"])).collect();
+    let chosen: Vec<&&backtrace::BacktraceSymbol> = if kvtier.len() >= 2 {
+        kvtier
+    } else {
+        symbols.iter().skip(1).filter(|s| ours(s, &["kvtier", "glommio"])).collect()
+    };
+    named.extend(chosen.into_iter().take(FRAMES_NAMED).map(|s| describe(s)));
     named
 }
 
@@ -375,6 +411,43 @@ mod tests {
         let record: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
         assert_eq!(record["shard"], 0);
         assert!(record["duration_ms"].as_f64().unwrap() >= 150.0, "{record}");
+    }
+
+    #[test]
+    fn a_long_stall_is_sampled_again_and_says_where_it_stayed() {
+        let stalls = Stalls::new(1, Duration::from_millis(40), None).unwrap();
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .preempt_timer(PREEMPT_BUDGET)
+            .detect_stalls(Some(stalls.handler(0)))
+            .spawn(|| async move {
+                block_thread_for(Duration::from_millis(500));
+                spin_for(Duration::from_millis(1800));
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        stalls.stop();
+        let last = stalls.shard_stats()[0].last.clone().expect("one stall");
+        assert!(last.samples >= 2, "{last:?}");
+        assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
+        // The last sample is in the computation, not the sleep it began with
+        // (a sample inside a leaf function may lose its caller's frame, so
+        // the test's own frame is what is asked for).
+        assert!(!last.last_frames.is_empty() && !last.last_frames[0].contains("nanosleep"), "{:?}", last.last_frames);
+        assert!(last.last_frames.iter().any(|f| f.contains("a_long_stall_is_sampled_again")), "{:?}", last.last_frames);
+    }
+
+    /// Computes for `d`, reading the clock rarely (a sample landing in the
+    /// vDSO's clock loses its caller's frame).
+    #[inline(never)]
+    fn spin_for(d: Duration) {
+        let until = std::time::Instant::now() + d;
+        let mut x = 1u64;
+        while std::time::Instant::now() < until {
+            for _ in 0..1_000_000 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        }
     }
 
     #[test]

@@ -448,7 +448,7 @@ pub use crate::{
     executor::{
         allocate_dma_buffer, allocate_dma_buffer_global, executor, spawn_local, spawn_local_into,
         spawn_scoped_local, spawn_scoped_local_into,
-        stall::{DefaultStallDetectionHandler, StallDetection, StallDetectionHandler},
+        stall::{DefaultStallDetectionHandler, StallDetection, StallDetectionHandler, RESAMPLE_EVERY},
         yield_if_needed, CpuSet, ExecutorJoinHandle, ExecutorProxy, ExecutorStats, LocalExecutor,
         LocalExecutorBuilder, LocalExecutorPoolBuilder, Placement, PoolPlacement,
         PoolThreadHandles, ScopedTask, Task, TaskQueueHandle, TaskQueueStats,

@@ -16,6 +16,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// kvtier patch: while a task queue runs past its budget, its stack is
+/// sampled again this often (the trace then holds every sample, each
+/// starting at `backtrace::trace_unsynchronized`).
+pub const RESAMPLE_EVERY: Duration = Duration::from_secs(1);
+
 /// A task queue run that went over its budget, as handed to
 /// [`StallDetectionHandler::stall`] (kvtier patch: documented, now that it
 /// is exported).
@@ -154,7 +159,8 @@ impl StallDetector {
         );
         let terminated = Arc::new(AtomicBool::new(false));
         let sig = stall_handler.signal();
-        let (tx, rx) = crossbeam::channel::bounded(1 << 10);
+        // kvtier patch: room for about a hundred samples of a long stall.
+        let (tx, rx) = crossbeam::channel::bounded(1 << 13);
         let timer_handler =
             StallDetector::install_trigger(terminated.clone(), timer.clone(), sig.into());
         let signal_id = StallDetector::install_handler(tx, sig)?;
@@ -232,8 +238,14 @@ impl StallDetector {
     }
 
     pub(crate) fn arm(&self, threshold: Duration) -> nix::Result<()> {
+        // kvtier patch: the stack is sampled again every `RESAMPLE_EVERY`
+        // while the run goes on, so a long stall shows where it stayed, not
+        // only where it was when the budget ran out.
         self.timer.set(
-            sys::timerfd::Expiration::OneShot(sys::time::TimeSpec::from(threshold)),
+            sys::timerfd::Expiration::IntervalDelayed(
+                sys::time::TimeSpec::from(threshold),
+                sys::time::TimeSpec::from(RESAMPLE_EVERY),
+            ),
             sys::timerfd::TimerSetTimeFlags::empty(),
         )
     }
