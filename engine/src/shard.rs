@@ -337,10 +337,15 @@ impl Shard {
 
     /// Starts faulting the RAM tier's memory in on a helper thread (once;
     /// after start-up, see [`crate::ram::Arena::prefault_in_background`]).
-    pub fn prefault_ram(&self) {
-        if let Some(ram) = &self.ram {
-            ram.borrow().prefault_in_background();
-        }
+    /// The thread is started from the executor's blocking pool, not from
+    /// the shard's thread: creating a thread maps its stack, and `mmap`
+    /// waits for the process's memory-map lock, which other threads' page
+    /// faults hold in turn (a shard's thread waited 630 ms for it while
+    /// the other shards faulted their memory in and six vLLMs started).
+    pub async fn prefault_ram(&self) {
+        let Some(ram) = &self.ram else { return };
+        let arena = ram.borrow().arena().clone();
+        glommio::executor().spawn_blocking(move || arena.prefault_in_background()).await;
     }
 
     /// Wraps the opened shard in the `Rc` every task shares, so that it

@@ -161,11 +161,17 @@ async fn warm_up(
         let began = Instant::now();
         let (done, populated) = oneshot::channel();
         let stop_helper = stop.clone();
-        let spawned = std::thread::Builder::new().name(format!("kvtier-io-prefault-{shard_id}")).spawn(move || {
-            crate::populate::run_in_background();
-            // The executor keeps the memory until `WarmUp::stop` joined us.
-            let _ = done.send(crate::populate::populate(addr, len, &stop_helper));
-        });
+        // Started from the blocking pool: a new thread's stack is mapped,
+        // which can wait long for the memory-map lock (`Shard::prefault_ram`).
+        let spawned = executor
+            .spawn_blocking(move || {
+                std::thread::Builder::new().name(format!("kvtier-io-prefault-{shard_id}")).spawn(move || {
+                    crate::populate::run_in_background();
+                    // The executor keeps the memory until `WarmUp::stop` joined us.
+                    let _ = done.send(crate::populate::populate(addr, len, &stop_helper));
+                })
+            })
+            .await;
         match spawned {
             Ok(h) => *helper.borrow_mut() = Some(h),
             Err(e) => tracing::warn!(shard = shard_id, "I/O memory prefault thread not started ({e}); registering faults it in"),
@@ -194,7 +200,7 @@ async fn warm_up(
         }
     }
     if let Some(shard) = shard.upgrade() {
-        shard.prefault_ram();
+        shard.prefault_ram().await;
     }
 }
 
