@@ -42,6 +42,7 @@ pub(super) fn unregister(conn: &Conn, payload: &[u8]) -> Result<Vec<u8>, (Code, 
     region.revoke();
     conn.shared.registrations_open.fetch_sub(1, Ordering::Relaxed);
     conn.shared.registered_bytes.fetch_sub(region.len(), Ordering::Relaxed);
+    super::session::release_off_shard(vec![region]);
     Ok(Vec::new())
 }
 

@@ -84,11 +84,28 @@ impl Conn {
         }
     }
 
+    /// Forgets the connection's regions; their mappings and descriptors are
+    /// let go on the executor's blocking pool ([`release_off_shard`]).
     pub(super) fn drop_regions(&self) {
         let regions = std::mem::take(&mut *self.regions.borrow_mut());
         self.shared.registrations_open.fetch_sub(regions.len() as u64, Ordering::Relaxed);
         self.shared.registered_bytes.fetch_sub(regions.values().map(|r| r.len()).sum(), Ordering::Relaxed);
+        release_off_shard(regions.into_values().collect());
     }
+}
+
+/// Drops `regions` on the executor's blocking pool, not on the shard's
+/// thread: unmapping a client's buffer waits for the process's memory-map
+/// lock, and closing the last descriptor of a memory file whose client has
+/// exited frees its pages (985 ms and 75 ms on a shard's thread, measured
+/// under six vLLMs' memory pressure). A region an item in flight still
+/// holds is dropped by that item, once it ends.
+pub(super) fn release_off_shard(regions: Vec<Arc<Region>>) {
+    if regions.is_empty() {
+        return;
+    }
+    let releasing = glommio::executor().spawn_blocking(move || drop(regions));
+    glommio::spawn_local(releasing).detach();
 }
 
 impl Conn {
