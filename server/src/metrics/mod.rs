@@ -4,9 +4,10 @@
 //! `prometheus.rs`). Each front door exposes its counters as a [`Door`];
 //! nothing here knows a door.
 //!
-//! The Prometheus registry is built once ([`Metrics::new`]); one collector
-//! reads, at each scrape, the request counters (lock-free atomics each
-//! shard records into) and the engine's per-shard stats the scrape fetched.
+//! Each scrape builds its own Prometheus registry ([`Metrics::render`]),
+//! whose one collector reads the request counters (lock-free atomics each
+//! shard records into) and the engine's per-shard stats the scrape fetched:
+//! no lock a shard could wait on.
 //! Latencies are histograms (`_bucket`/`_sum`/`_count`, seconds, buckets
 //! from 10 µs to 10 s: [`kvtier_engine::latency`]), which sum across
 //! shards and instances; `/v1/stats` keeps percentiles. Metric names follow
@@ -20,7 +21,7 @@ pub use prometheus::openmetrics_to_text_0_0_4;
 pub use requests::{DurationLabel, RequestStats, ShardRequestStats};
 pub use stats::owners_json;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvtier_engine::health::TierHealth;
 use kvtier_engine::latency::{HistogramFamily, Scrape};
@@ -72,23 +73,21 @@ pub struct Parts {
     pub stalls: Option<Arc<kvtier_engine::stall::Stalls>>,
 }
 
-/// The process's Prometheus registry, built once at start and shared by
-/// every shard: [`Metrics::render`] encodes it for one scrape.
+/// The process's metrics: the parts every scrape reads, built once at start
+/// and shared by every shard; [`Metrics::render`] encodes them for one
+/// scrape. Nothing here is locked: each scrape builds its own registry over
+/// its own snapshot, so scrapes on several shards at once never wait for
+/// each other (a shared registry's lock held one shard for 0.8 s while
+/// another encoded).
 pub struct Metrics {
-    registry: prometheus_client::registry::Registry,
-    collector: Arc<Collector>,
-    /// Held for a whole [`Metrics::render`]: scrapes on several shards at
-    /// once are encoded one after the other (never on the request path).
-    scraping: Mutex<()>,
+    parts: Arc<Parts>,
 }
 
-/// The one collector in [`Metrics`]'s registry: reads [`Parts`] and the
-/// snapshot of the scrape being encoded.
+/// The collector of one scrape's registry: the process's parts and the
+/// engine's snapshot that scrape fetched.
 struct Collector {
-    parts: Parts,
-    /// Set for the duration of one [`Metrics::render`]; the lock is taken
-    /// by scrapes only, never on the request path.
-    snapshot: Mutex<Option<EngineSnapshot>>,
+    parts: Arc<Parts>,
+    snapshot: EngineSnapshot,
 }
 
 impl std::fmt::Debug for Collector {
@@ -99,40 +98,31 @@ impl std::fmt::Debug for Collector {
 
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
-        let snapshot = self.snapshot.lock().expect("metrics snapshot lock");
-        let Some(snapshot) = snapshot.as_ref() else { return Ok(()) };
         let mut scrape = Scrape::new(encoder);
-        prometheus::write_metrics(&mut scrape, &self.parts, snapshot);
+        prometheus::write_metrics(&mut scrape, &self.parts, &self.snapshot);
         scrape.finish()
     }
 }
 
 impl Metrics {
-    /// The registry (prefix `kvtier`) with its collector over `parts`.
+    /// The metrics over `parts`.
     pub fn new(parts: Parts) -> Arc<Self> {
-        let collector = Arc::new(Collector { parts, snapshot: Mutex::new(None) });
-        let mut registry = prometheus_client::registry::Registry::with_prefix("kvtier");
-        registry.register_collector(Box::new(collector.clone()));
-        Arc::new(Metrics { registry, collector, scraping: Mutex::new(()) })
+        Arc::new(Metrics { parts: Arc::new(parts) })
     }
 
-    /// The parts the registry reads.
+    /// The parts every scrape reads.
     pub fn parts(&self) -> &Parts {
-        &self.collector.parts
+        &self.parts
     }
 
     /// Every metric in the Prometheus (OpenMetrics) text format, the
-    /// engine's as in `snapshot`. Scrapes on several shards at once are
-    /// encoded one after the other.
+    /// engine's as in `snapshot`, through a registry (prefix `kvtier`) of
+    /// this scrape's own.
     pub fn render(&self, snapshot: EngineSnapshot) -> String {
-        // A concurrent scrape waits here for this one's snapshot to be
-        // encoded and cleared; requests never take this lock.
-        let _scraping = self.scraping.lock().expect("metrics scrape lock");
-        *self.collector.snapshot.lock().expect("metrics snapshot lock") = Some(snapshot);
+        let mut registry = prometheus_client::registry::Registry::with_prefix("kvtier");
+        registry.register_collector(Box::new(Collector { parts: self.parts.clone(), snapshot }));
         let mut out = String::new();
-        let encoded = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        *self.collector.snapshot.lock().expect("metrics snapshot lock") = None;
-        encoded.expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");
         out
     }
 }
