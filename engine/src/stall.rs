@@ -83,6 +83,46 @@ pub struct StallRecord {
     pub last_frames: Vec<String>,
     /// Samples taken of the stack: one at the threshold, one per second after.
     pub samples: usize,
+    /// CPU time the thread used in the run, in milliseconds.
+    pub cpu_ms: f64,
+    /// Times the thread went to sleep in the run (a blocking system call, a
+    /// page fault waiting on I/O or a lock).
+    pub blocked: u64,
+    /// Times it was taken off its CPU for another thread.
+    pub preempted: u64,
+    /// Why the run was long, from the three above: `"computing"` (mostly on
+    /// the CPU: kvtier's code), `"blocked"` (it slept in the kernel: a
+    /// blocking call on the shard's thread, kvtier's to fix), or
+    /// `"waiting for a CPU"` (runnable and neither: other threads had the
+    /// machine's CPUs; the machine's, not kvtier's code).
+    pub cause: String,
+}
+
+impl StallRecord {
+    /// How much of the stall kvtier's own thread accounts for, in ms: all of
+    /// it when the thread computed or blocked; its CPU time when it was
+    /// only waiting for a CPU (what `make test` judges stalls by).
+    pub fn own_ms(&self) -> f64 {
+        if self.cause == CAUSE_WAITING_FOR_CPU {
+            self.cpu_ms
+        } else {
+            self.duration_ms
+        }
+    }
+}
+
+/// [`StallRecord::cause`] of a thread that was runnable and not run.
+pub const CAUSE_WAITING_FOR_CPU: &str = "waiting for a CPU";
+
+/// The cause of a stall of `duration_ms` with `usage` (see [`StallRecord::cause`]).
+fn cause_of(duration_ms: f64, usage: Usage) -> &'static str {
+    if usage.voluntary > 0 {
+        "blocked"
+    } else if (usage.cpu_us as f64 / 1e3) * 2.0 >= duration_ms {
+        "computing"
+    } else {
+        CAUSE_WAITING_FOR_CPU
+    }
 }
 
 /// One shard's stall counters, written by the shard's thread and read by
@@ -90,6 +130,8 @@ pub struct StallRecord {
 #[derive(Debug, Default)]
 pub struct ShardStalls {
     count: AtomicU64,
+    /// Stalls the thread spent mostly waiting for a CPU ([`StallRecord::cause`]).
+    starved: AtomicU64,
     longest_us: AtomicU64,
     durations: AtomicLatencyBuckets,
     /// The last stall reported, once its frames are resolved.
@@ -103,6 +145,8 @@ pub struct ShardStallStats {
     pub shard: u32,
     /// Stalls since start.
     pub stalls: u64,
+    /// Of those, the ones it spent mostly waiting for a CPU.
+    pub waiting_for_cpu: u64,
     /// The longest, in milliseconds (0 with none).
     pub longest_ms: f64,
     /// The last one logged (null with none).
@@ -127,6 +171,7 @@ struct Report {
     shard: u32,
     queue: String,
     duration: Duration,
+    usage: Usage,
     trace: backtrace::Backtrace,
 }
 
@@ -192,6 +237,7 @@ impl Stalls {
             .map(|(i, s)| ShardStallStats {
                 shard: i as u32,
                 stalls: s.count.load(Ordering::Relaxed),
+                waiting_for_cpu: s.starved.load(Ordering::Relaxed),
                 longest_ms: s.longest_us.load(Ordering::Relaxed) as f64 / 1e3,
                 last: s.last.lock().expect("stall record").clone(),
                 durations: s.durations.load(),
@@ -206,7 +252,7 @@ impl Stalls {
     /// `shard` is not below the shard count given to [`Stalls::new`].
     pub fn handler(self: &Arc<Self>, shard: usize) -> Box<dyn glommio::StallDetectionHandler> {
         assert!(shard < self.shards.len(), "shard {shard} of {}", self.shards.len());
-        Box::new(Handler { stalls: self.clone(), shard: shard as u32 })
+        Box::new(Handler { stalls: self.clone(), shard: shard as u32, run_start: RunStart::default() })
     }
 
     /// Logs what is queued and stops the reporter thread (the shards have
@@ -220,13 +266,16 @@ impl Stalls {
 
     /// On the shard's thread, as its task queue run ends: counts the stall
     /// and queues its report (never blocks: a full queue drops it).
-    fn record(&self, shard: u32, queue: &str, duration: Duration, trace: backtrace::Backtrace) {
+    fn record(&self, shard: u32, queue: &str, duration: Duration, usage: Usage, trace: backtrace::Backtrace) {
         let counters = &self.shards[shard as usize];
         let us = duration.as_micros() as u64;
         counters.count.fetch_add(1, Ordering::Relaxed);
         counters.longest_us.fetch_max(us, Ordering::Relaxed);
         counters.durations.record(us);
-        let report = Report { shard, queue: queue.to_string(), duration, trace };
+        if usage.voluntary == 0 && usage.cpu_us * 2 < us {
+            counters.starved.fetch_add(1, Ordering::Relaxed);
+        }
+        let report = Report { shard, queue: queue.to_string(), duration, usage, trace };
         // try_lock: the lock is only ever contended by `stop`.
         let sent = self.reports.try_lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(report)));
         if !matches!(sent, Some(Ok(()))) {
@@ -253,6 +302,10 @@ impl Stalls {
                 frames,
                 last_frames,
                 samples: samples.len(),
+                cpu_ms: report.usage.cpu_us as f64 / 1e3,
+                blocked: report.usage.voluntary,
+                preempted: report.usage.involuntary,
+                cause: cause_of(report.duration.as_secs_f64() * 1e3, report.usage).to_string(),
             };
             let stayed = match record.last_frames.is_empty() {
                 true => String::new(),
@@ -261,10 +314,15 @@ impl Stalls {
             tracing::warn!(
                 shard = record.shard,
                 ms = format!("{:.1}", record.duration_ms),
-                "shard {} stalled: its thread ran {:.1} ms without serving (threshold {:.0} ms; every request it owns waited), in {}{stayed}",
+                "shard {} stalled: its thread ran {:.1} ms without serving (threshold {:.0} ms; every request it owns waited): {} \
+                 ({:.1} ms on a CPU, slept {} times, preempted {} times), in {}{stayed}",
                 record.shard,
                 record.duration_ms,
                 record.threshold_ms,
+                record.cause,
+                record.cpu_ms,
+                record.blocked,
+                record.preempted,
                 record.frames.join(" <- ")
             );
             if let Some(f) = &mut file {
@@ -343,6 +401,54 @@ fn named_frames(frames: &[backtrace::BacktraceFrame]) -> Vec<String> {
 struct Handler {
     stalls: Arc<Stalls>,
     shard: u32,
+    /// The shard thread's usage when the current task queue run started.
+    run_start: RunStart,
+}
+
+/// A thread's CPU time and context switches (`getrusage(RUSAGE_THREAD)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Usage {
+    cpu_us: u64,
+    voluntary: u64,
+    involuntary: u64,
+}
+
+impl Usage {
+    /// The calling thread's usage now (one system call).
+    fn now() -> Usage {
+        // SAFETY: getrusage fills the zeroed struct it is given.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+            return Usage::default();
+        }
+        let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+        Usage { cpu_us: us(ru.ru_utime) + us(ru.ru_stime), voluntary: ru.ru_nvcsw as u64, involuntary: ru.ru_nivcsw as u64 }
+    }
+}
+
+/// [`Usage`] at a run's start, written and read on the shard's thread only
+/// (atomics because a handler must be `Sync`).
+#[derive(Debug, Default)]
+struct RunStart {
+    cpu_us: AtomicU64,
+    voluntary: AtomicU64,
+    involuntary: AtomicU64,
+}
+
+impl RunStart {
+    fn set(&self, u: Usage) {
+        self.cpu_us.store(u.cpu_us, Ordering::Relaxed);
+        self.voluntary.store(u.voluntary, Ordering::Relaxed);
+        self.involuntary.store(u.involuntary, Ordering::Relaxed);
+    }
+
+    fn since(&self, now: Usage) -> Usage {
+        Usage {
+            cpu_us: now.cpu_us.saturating_sub(self.cpu_us.load(Ordering::Relaxed)),
+            voluntary: now.voluntary.saturating_sub(self.voluntary.load(Ordering::Relaxed)),
+            involuntary: now.involuntary.saturating_sub(self.involuntary.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 impl glommio::StallDetectionHandler for Handler {
@@ -350,6 +456,9 @@ impl glommio::StallDetectionHandler for Handler {
     /// budget (the preemption budget): the watchdog fires at the stall
     /// threshold measured from the run's start.
     fn threshold(&self, _queue: glommio::TaskQueueHandle, budget: Duration) -> Option<Duration> {
+        // The thread's usage at the run's start: a stall's CPU time and
+        // whether it blocked come from the difference (one getrusage per run).
+        self.run_start.set(Usage::now());
         // At least 1 ms: a zero timer is a disarmed one.
         Some(self.stalls.threshold.saturating_sub(budget).max(Duration::from_millis(1)))
     }
@@ -367,7 +476,8 @@ impl glommio::StallDetectionHandler for Handler {
         }
         let duration = detection.budget() + detection.overage();
         let queue = detection.queue_name().to_string();
-        self.stalls.record(self.shard, &queue, duration, detection.into_trace());
+        let usage = self.run_start.since(Usage::now());
+        self.stalls.record(self.shard, &queue, duration, usage, detection.into_trace());
     }
 }
 
@@ -406,6 +516,8 @@ mod tests {
         assert_eq!(s.durations.count(), 1);
         let last = s.last.as_ref().expect("logged");
         assert!(last.frames[0].contains("nanosleep"), "{:?}", last.frames);
+        assert_eq!(last.cause, "blocked", "{last:?}");
+        assert!(last.blocked >= 1 && last.cpu_ms < 100.0, "{last:?}");
         assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
         let lines = std::fs::read_to_string(&log).unwrap();
         let record: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
@@ -429,6 +541,9 @@ mod tests {
         stalls.stop();
         let last = stalls.shard_stats()[0].last.clone().expect("one stall");
         assert!(last.samples >= 2, "{last:?}");
+        // Slept 500 ms, then computed 1.8 s: it blocked (and computed).
+        assert_eq!(last.cause, "blocked", "{last:?}");
+        assert!(last.cpu_ms >= 1000.0, "{last:?}");
         assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
         // The last sample is in the computation, not the sleep it began with
         // (a sample inside a leaf function may lose its caller's frame, so
@@ -472,6 +587,31 @@ mod tests {
             .unwrap();
         stalls.stop();
         assert_eq!(stalls.shard_stats()[0].stalls, 0);
+    }
+
+    #[test]
+    fn a_stall_is_told_computing_blocked_or_waiting_for_a_cpu_by_its_usage() {
+        let usage = |cpu_ms: u64, voluntary: u64| Usage { cpu_us: cpu_ms * 1000, voluntary, involuntary: 3 };
+        assert_eq!(cause_of(100.0, usage(90, 0)), "computing");
+        assert_eq!(cause_of(100.0, usage(10, 1)), "blocked");
+        assert_eq!(cause_of(1200.0, usage(12, 0)), CAUSE_WAITING_FOR_CPU);
+        let record = |cause: &str| StallRecord {
+            unix_s: 0.0,
+            pid: 1,
+            shard: 0,
+            duration_ms: 1200.0,
+            threshold_ms: 50.0,
+            queue: "default".into(),
+            frames: vec![],
+            last_frames: vec![],
+            samples: 1,
+            cpu_ms: 12.0,
+            blocked: 0,
+            preempted: 3,
+            cause: cause.into(),
+        };
+        assert_eq!(record(CAUSE_WAITING_FOR_CPU).own_ms(), 12.0, "the machine's part is not kvtier's");
+        assert_eq!(record("blocked").own_ms(), 1200.0);
     }
 
     #[test]

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Runs test suites (make targets) one after another, keeps going past a
+failure, and ends with one summary: each suite's result and time, every
+shard stall of a second or more that any server of the run reported (one
+that kvtier's own thread accounts for fails the run; one spent waiting for
+a CPU other processes held is listed, not counted), and an exit status
+that is non-zero if anything failed.
+
+``make test`` and ``make test-all`` call it (docs/TESTING.md). Each suite's
+output goes to the terminal and to ``LOG_DIR/SUITE.log``; every kvtier
+server a test starts appends its stalls to ``LOG_DIR/stalls.jsonl``
+(``KVTIER_STALL_LOG``, read by ``kvtier serve --stall-log``), and the test
+servers' and engines' logs are kept under ``LOG_DIR/servers/``
+(``KVTIER_TEST_LOG_DIR``, read by ``kvtier.testing``).
+
+Usage: run_suites.py [--log-dir DIR] [--first A+B] SUITE [SUITE ...]
+
+``--first A+B`` runs make targets A and B at once before the suites (the
+test environments' installs beside the debug build); a failure there
+stops the run, since every suite needs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: A stall this long fails the run (docs/TESTING.md).
+STALL_FAIL_MS = 1000.0
+
+
+def run(target: str, log_dir: Path) -> tuple[int, float]:
+    """``make TARGET``, its output to the terminal and its log; (status, seconds)."""
+    started = time.monotonic()
+    with open(log_dir / f"{target}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [os.environ.get("MAKE", "make"), "--no-print-directory", target],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+            log.write(line)
+        status = proc.wait()
+    return status, time.monotonic() - started
+
+
+def first(targets: list[str], log_dir: Path) -> tuple[int, float]:
+    """``make`` of each target at once, each to its own log; (worst status, seconds)."""
+    started = time.monotonic()
+    procs = []
+    for target in targets:
+        log = open(log_dir / f"{target}.log", "wb")
+        print(f"run_suites: {target} (log: {log_dir / (target + '.log')})", flush=True)
+        procs.append((target, log, subprocess.Popen([os.environ.get("MAKE", "make"), "--no-print-directory", target], stdout=log, stderr=subprocess.STDOUT)))
+    worst = 0
+    for target, log, proc in procs:
+        status = proc.wait()
+        log.close()
+        if status:
+            print(f"run_suites: {target} failed (exit {status}); its log ends:", flush=True)
+            sys.stdout.write(Path(log.name).read_text(errors="replace")[-4000:])
+        worst = worst or status
+    return worst, time.monotonic() - started
+
+
+def own_ms(stall: dict[str, object]) -> float:
+    """How much of a stall kvtier's own thread accounts for (engine/src/stall.rs,
+    ``StallRecord::own_ms``): all of it when it computed or blocked, its CPU
+    time when it was only waiting for a CPU that other processes held."""
+    if stall.get("cause") == "waiting for a CPU":
+        return float(stall.get("cpu_ms", 0.0))  # type: ignore[arg-type]
+    return float(stall.get("duration_ms", 0.0))  # type: ignore[arg-type]
+
+
+def stalls(path: Path) -> list[dict[str, object]]:
+    """Every stall recorded in ``path`` (JSON lines), none when absent."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-dir", type=Path, default=Path("target/test-logs"))
+    parser.add_argument("--first", default="", help="make targets to run at once first, joined by +")
+    parser.add_argument("suites", nargs="+")
+    args = parser.parse_args()
+    log_dir: Path = args.log_dir.resolve()
+    shutil.rmtree(log_dir, ignore_errors=True)
+    (log_dir / "servers").mkdir(parents=True)
+    stall_log = log_dir / "stalls.jsonl"
+    # Servers a test runs as another user (uid 65534) append to it too.
+    stall_log.touch()
+    stall_log.chmod(0o666)
+    os.environ["KVTIER_STALL_LOG"] = str(stall_log)
+    os.environ["KVTIER_TEST_LOG_DIR"] = str(log_dir / "servers")
+    results: list[tuple[str, int, float]] = []
+    started = time.monotonic()
+    if args.first:
+        status, seconds = first(args.first.split("+"), log_dir)
+        results.append((args.first, status, seconds))
+    if not results or results[0][1] == 0:
+        for suite in args.suites:
+            print(f"\nrun_suites: {suite}", flush=True)
+            status, seconds = run(suite, log_dir)
+            results.append((suite, status, seconds))
+    total = time.monotonic() - started
+    found = stalls(stall_log)
+    long = [s for s in found if own_ms(s) >= STALL_FAIL_MS]
+    starved = [s for s in found if s.get("cause") == "waiting for a CPU" and float(s["duration_ms"]) >= STALL_FAIL_MS]  # type: ignore[arg-type]
+    print("\nrun_suites: summary")
+    for suite, status, seconds in results:
+        print(f"  {'ok  ' if status == 0 else 'FAIL'} {suite:<28} {seconds:7.1f} s")
+    skipped = [s for s in args.suites if s not in {r[0] for r in results}]
+    for suite in skipped:
+        print(f"  skip {suite:<28}  (not run: the set-up above failed)")
+    print(f"  total {total:.1f} s ({total / 60:.1f} min); logs in {log_dir}")
+    print(
+        f"  shard stalls reported by the test servers: {len(found)}; {len(long)} of kvtier's own of "
+        f"{STALL_FAIL_MS:.0f} ms or more; {len(starved)} that long waiting for a CPU (the machine's, not counted)"
+    )
+    for s in long + starved:
+        frames = " <- ".join(s.get("frames", []))  # type: ignore[arg-type]
+        verdict = "FAIL" if s in long else "note"
+        print(
+            f"    {verdict} stall of {s['duration_ms']:.0f} ms on shard {s['shard']} (pid {s['pid']}), "
+            f"{s.get('cause')}, {s.get('cpu_ms', 0):.0f} ms on a CPU: {frames}"
+        )
+    failed = [r for r in results if r[1] != 0]
+    if failed or long or skipped:
+        print(f"run_suites: FAILED ({len(failed)} suites failed, {len(long)} long stalls)")
+        return 1
+    print("run_suites: all passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
