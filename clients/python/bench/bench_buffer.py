@@ -93,7 +93,9 @@ def gil(args: argparse.Namespace) -> None:
     """The second thread's speed beside the first's calls (module docs)."""
     bb = args.block_bytes
     cpus = os.sched_getaffinity(0)
-    srv = ServerProcess(block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * args.blocks * bb / 2**30 + 1, shards=1)
+    srv = ServerProcess(
+        block_bytes=bb, ram_gb=args.ram_gb, disk_gb=2 * args.blocks * bb / 2**30 + 1, shards=1, pin_cpus=True
+    )
     with srv:
         os.sched_setaffinity(0, {max(cpus)})  # this thread, and the threads it starts (the client's)
         try:

@@ -1,15 +1,20 @@
 """KvtierConnector's answers to the faults of issue 53, against a real
 ``kvtier serve`` and the connector's own scheduler and worker code, no
 engine: keys per TP rank, no store over a failed load, the digest that
-refuses another block's bytes, and a kvtier that is stopped or gone costing
-the lookup deadline, never the client's timeout. The same under a real
-``vllm serve``: tests/test_vllm_serve.py."""
+refuses another block's bytes, a kvtier that is stopped or gone costing
+the lookup deadline, never the client's timeout, and the misconfigurations
+that stop an engine at start (``register_kv_caches``: a kvtier of another
+block size, a socket that refuses the engine's uid). The same under a real
+``vllm serve``: tests/test_vllm_serve*.py (one real misconfigured start:
+tests/test_vllm_serve_misconfigured.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -17,13 +22,14 @@ import pytest
 import torch
 from conftest import block, start_on_same_port
 
-from kvtier.connectors.core import ConnectorCore
+from kvtier.connectors.core import ConnectorCore, GeometryError
 from kvtier.connectors.vllm.blocks import PagedBlocks
 from kvtier.connectors.vllm.groups import Group
 from kvtier.connectors.vllm.lookup import Lookups
 from kvtier.connectors.vllm.mover import BlockMover
 from kvtier.connectors.vllm.plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
 from kvtier.connectors.vllm.verify import Digests, digest_of
+from kvtier.errors import ConfigurationError
 from kvtier.keys import Namespace
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector
@@ -34,9 +40,13 @@ BB, LAYERS, SLOTS = 65536, 4, 16
 log = logging.getLogger("t")
 
 
-def bare(url: str, *, digest: bool = False, ranks: int = 1, **settings: object) -> KvtierConnector:
+def bare(
+    url: str, *, digest: bool = False, ranks: int = 1, registered: bool = True, **settings: object
+) -> KvtierConnector:
     """A KvtierConnector with its scheduler and worker state but no engine:
-    a CPU paged cache of :data:`SLOTS` blocks of :data:`LAYERS` layer pages."""
+    a CPU paged cache of :data:`SLOTS` blocks of :data:`LAYERS` layer pages,
+    registered as ``register_kv_caches`` does unless ``registered`` is false
+    (then the test calls it)."""
     c = object.__new__(KvtierConnector)
     fingerprints = [Namespace(model="m", dtype="bfloat16", tp_rank=r, tp_size=ranks).fingerprint for r in range(ranks)]
     core = ConnectorCore(
@@ -62,10 +72,12 @@ def bare(url: str, *, digest: bool = False, ranks: int = 1, **settings: object) 
     )
     caches = {f"layer.{j}": torch.zeros((SLOTS, BB // LAYERS), dtype=torch.uint8) for j in range(LAYERS)}
     c.groups = [Group(0, tuple(caches))]
-    core.start(BB)
-    c._blocks = PagedBlocks(core, caches, [], log)
-    c._mover.register([c._blocks], list(caches))
+    c._shared, c._local = [], str(settings.get("local", "auto"))
     c.caches = caches  # type: ignore[attr-defined]
+    if registered:
+        core.start(BB)
+        c._blocks = PagedBlocks(core, caches, [], log)
+        c._mover.register([c._blocks], list(caches))
     return c
 
 
@@ -262,3 +274,34 @@ def test_a_kvtier_that_is_gone_is_a_miss_at_once_and_found_again():
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of its restart"
             time.sleep(0.1)
         c._core.close()
+
+
+def test_a_kvtier_of_another_block_size_stops_the_engine_at_start_naming_both_and_the_flag():
+    with ServerProcess(block_bytes=2 * BB) as server:
+        c = bare(server.url, registered=False)
+        with pytest.raises(GeometryError) as e:
+            c.register_kv_caches(c.caches)  # type: ignore[attr-defined]
+        message = str(e.value)
+        assert f"stores blocks of {2 * BB} bytes" in message and f"is {BB} bytes" in message, message
+        assert f"--block-bytes {BB}" in message, message
+
+
+def test_a_socket_that_refuses_the_engines_uid_stops_it_at_start_naming_the_uid_and_the_flag(tmp_path):
+    """kvtier runs as uid 65534, so its socket admits that uid only; the
+    engine (this test, as root) asked for the socket (``local: on``)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.fail("this test runs kvtier as uid 65534 with setpriv: run it as root on a machine with util-linux")
+    data = tempfile.mkdtemp(prefix="kvtier-uid-65534-")  # in /tmp: a directory uid 65534 can reach
+    os.chown(data, 65534, 65534)
+    strict = ServerProcess(block_bytes=BB, data_dir=data)
+    strict.argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *strict.argv]
+    try:
+        with strict:
+            c = bare(strict.url, registered=False, local="on")
+            with pytest.raises(ConfigurationError) as e:
+                c.register_kv_caches(c.caches)  # type: ignore[attr-defined]
+            message = str(e.value)
+            assert "refused this engine on its same-host socket" in message, message
+            assert "peer uid 0" in message and "--local-allow-uid 0" in message, message
+    finally:
+        shutil.rmtree(data, ignore_errors=True)

@@ -29,6 +29,24 @@ START_TIMEOUT_S = 30.0
 #: The longest Unix socket path (``sun_path`` less its NUL); the server
 #: refuses to start on a longer ``--local-socket``.
 SUN_PATH_MAX = 107
+#: Where a stopped server's log is kept, when set (``make test`` sets it to
+#: ``target/test-logs/servers``): a test's servers go, their logs stay.
+LOG_DIR_ENV = "KVTIER_TEST_LOG_DIR"
+
+
+def keep_log(log: Path, name: str) -> None:
+    """Copies ``log`` into ``$KVTIER_TEST_LOG_DIR`` as ``name`` (made
+    unique), when that is set and the log exists; otherwise does nothing."""
+    keep = os.environ.get(LOG_DIR_ENV)
+    if not keep or not log.exists():
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    target = Path(keep) / f"{name}.log"
+    n = 1
+    while target.exists():
+        n += 1
+        target = Path(keep) / f"{name}-{n}.log"
+    shutil.copyfile(log, target)
 
 
 def free_port() -> int:
@@ -82,6 +100,10 @@ class ServerProcess:
             temporary one, removed on :meth:`stop`.
         args: further ``kvtier serve`` flags.
         port: listen port; default a free one, kept across restarts.
+        pin_cpus: pin shard ``i`` to CPU ``i`` (``--pin-cpus``). Off by
+            default: a test's engines pin their own busy threads to these
+            CPUs, and a shard pinned under one waited for a CPU until its
+            client's timeout (docs/OPERATIONS.md, "Shard stalls").
     """
 
     def __init__(
@@ -94,6 +116,7 @@ class ServerProcess:
         data_dir: str | None = None,
         args: tuple[str, ...] = (),
         port: int | None = None,
+        pin_cpus: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -122,6 +145,8 @@ class ServerProcess:
             str(shards),
             "--log-level",
             "warn",
+            "--pin-cpus",
+            "true" if pin_cpus else "false",
             *args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -193,8 +218,10 @@ class ServerProcess:
                 self.kill()
 
     def stop(self) -> None:
-        """Stops the server and removes a data directory it created."""
+        """Stops the server and removes a data directory it created (its
+        log is kept in ``$KVTIER_TEST_LOG_DIR`` when that is set)."""
         self.terminate()
+        keep_log(self.log, f"kvtier-{self.port}")
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._own_dir:
@@ -386,17 +413,21 @@ class VllmServer:
         return out
 
     def stop(self) -> None:
-        """SIGTERM to the process group, then SIGKILL after 30 s."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the process group, then SIGKILL after 30 s (its log
+        is kept in ``$KVTIER_TEST_LOG_DIR`` when that is set)."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        keep_log(self.log, f"vllm-{self.port}")
+        self.proc = None
 
     def __enter__(self) -> VllmServer:
         return self.start()

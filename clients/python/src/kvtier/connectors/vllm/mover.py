@@ -336,8 +336,12 @@ class BlockMover:
                     if self.digests is not None:
                         self.digests.record(keys[i], digests[i])
                     self._tell("stored", transfer, i, keys[i], digests[i], step)
-                elif self.digests is not None:
-                    self.digests.forget(keys[i])  # what kvtier holds under it is not known
+                    continue
+                # What kvtier holds under it is not known: this block, if the
+                # store landed and only its answer was lost, else the last.
+                if self.digests is not None:
+                    self.digests.forget(keys[i])
+                self._tell("store_failed", transfer, i, keys[i], digests[i], step)
             failed = sum(1 for r in results if r < 0)
             self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
         finally:
