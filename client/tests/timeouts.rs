@@ -48,12 +48,16 @@ fn a_request_the_server_never_read_is_named_so() {
     let sent = frame(Op::Exists as u8, 1, &kvtier_local_proto::encode_keys(&["a-key"])).len();
     let message = timed_out_message(false);
     assert!(message.contains("no answer to EXISTS"), "{message}");
-    let queued: usize = message.split("the socket holds ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok()).expect(&message);
+    let queued: usize =
+        message.split("the socket holds ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok()).expect(&message);
     assert!(queued >= sent && message.contains("sent and not yet read by the server"), "{message}");
 }
 
 #[test]
 fn a_request_the_server_read_and_never_answered_leaves_nothing_queued() {
     let message = timed_out_message(true);
-    assert!(message.contains("holds 0 bytes (with the kernel's overhead) sent and not yet read by the server, 0 bytes received"), "{message}");
+    assert!(
+        message.contains("holds 0 bytes (with the kernel's overhead) sent and not yet read by the server, 0 bytes received"),
+        "{message}"
+    );
 }

@@ -344,7 +344,10 @@ fn samples_of(trace: &backtrace::Backtrace) -> Vec<&[backtrace::BacktraceFrame]>
     let frames = trace.frames();
     let starts: Vec<usize> = (0..frames.len())
         .filter(|&i| {
-            frames[i].symbols().iter().any(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("backtrace::backtrace::trace_unsynchronized")))
+            frames[i]
+                .symbols()
+                .iter()
+                .any(|s| s.name().is_some_and(|n| format!("{n:#}").starts_with("backtrace::backtrace::trace_unsynchronized")))
         })
         .collect();
     if starts.is_empty() {
@@ -387,11 +390,8 @@ fn named_frames(frames: &[backtrace::BacktraceFrame]) -> Vec<String> {
     // kvtier's own frames; glommio's too when kvtier's are few (a stall in
     // the executor's own work: registering memory, waking waiters).
     let kvtier: Vec<&&backtrace::BacktraceSymbol> = symbols.iter().skip(1).filter(|s| ours(s, &["kvtier"])).collect();
-    let chosen: Vec<&&backtrace::BacktraceSymbol> = if kvtier.len() >= 2 {
-        kvtier
-    } else {
-        symbols.iter().skip(1).filter(|s| ours(s, &["kvtier", "glommio"])).collect()
-    };
+    let chosen: Vec<&&backtrace::BacktraceSymbol> =
+        if kvtier.len() >= 2 { kvtier } else { symbols.iter().skip(1).filter(|s| ours(s, &["kvtier", "glommio"])).collect() };
     named.extend(chosen.into_iter().take(FRAMES_NAMED).map(|s| describe(s)));
     named
 }
@@ -482,141 +482,4 @@ impl glommio::StallDetectionHandler for Handler {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[inline(never)]
-    fn block_thread_for(d: Duration) {
-        std::thread::sleep(d);
-    }
-
-    #[test]
-    fn a_blocked_shard_is_counted_and_logged_with_the_frame_it_was_in() {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("stalls.jsonl");
-        let stalls = Stalls::new(1, Duration::from_millis(40), Some(log.clone())).unwrap();
-        let handler = stalls.handler(0);
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .preempt_timer(PREEMPT_BUDGET)
-            .detect_stalls(Some(handler))
-            .spawn(|| async move {
-                // A quick task: no stall.
-                glommio::timer::sleep(Duration::from_millis(5)).await;
-                // A blocking call on the shard's thread: one stall.
-                block_thread_for(Duration::from_millis(150));
-                glommio::timer::sleep(Duration::from_millis(5)).await;
-            })
-            .unwrap()
-            .join()
-            .unwrap();
-        stalls.stop();
-        let s = &stalls.shard_stats()[0];
-        assert_eq!(s.stalls, 1, "{s:?}");
-        assert!(s.longest_ms >= 150.0 && s.longest_ms < 1000.0, "{s:?}");
-        assert_eq!(s.durations.count(), 1);
-        let last = s.last.as_ref().expect("logged");
-        assert!(last.frames[0].contains("nanosleep"), "{:?}", last.frames);
-        assert_eq!(last.cause, "blocked", "{last:?}");
-        assert!(last.blocked >= 1 && last.cpu_ms < 100.0, "{last:?}");
-        assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
-        let lines = std::fs::read_to_string(&log).unwrap();
-        let record: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
-        assert_eq!(record["shard"], 0);
-        assert!(record["duration_ms"].as_f64().unwrap() >= 150.0, "{record}");
-    }
-
-    #[test]
-    fn a_long_stall_is_sampled_again_and_says_where_it_stayed() {
-        let stalls = Stalls::new(1, Duration::from_millis(40), None).unwrap();
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .preempt_timer(PREEMPT_BUDGET)
-            .detect_stalls(Some(stalls.handler(0)))
-            .spawn(|| async move {
-                block_thread_for(Duration::from_millis(500));
-                spin_for(Duration::from_millis(1800));
-            })
-            .unwrap()
-            .join()
-            .unwrap();
-        stalls.stop();
-        let last = stalls.shard_stats()[0].last.clone().expect("one stall");
-        assert!(last.samples >= 2, "{last:?}");
-        // Slept 500 ms, then computed 1.8 s: it blocked (and computed).
-        assert_eq!(last.cause, "blocked", "{last:?}");
-        assert!(last.cpu_ms >= 1000.0, "{last:?}");
-        assert!(last.frames.iter().any(|f| f.contains("block_thread_for")), "{:?}", last.frames);
-        // The last sample is in the computation, not the sleep it began with
-        // (a sample inside a leaf function may lose its caller's frame, so
-        // the test's own frame is what is asked for).
-        assert!(!last.last_frames.is_empty() && !last.last_frames[0].contains("nanosleep"), "{:?}", last.last_frames);
-        assert!(last.last_frames.iter().any(|f| f.contains("a_long_stall_is_sampled_again")), "{:?}", last.last_frames);
-    }
-
-    /// Computes for `d`, reading the clock rarely (a sample landing in the
-    /// vDSO's clock loses its caller's frame).
-    #[inline(never)]
-    fn spin_for(d: Duration) {
-        let until = std::time::Instant::now() + d;
-        let mut x = 1u64;
-        while std::time::Instant::now() < until {
-            for _ in 0..1_000_000 {
-                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-            }
-        }
-    }
-
-    #[test]
-    fn a_busy_shard_that_yields_is_not_a_stall() {
-        let stalls = Stalls::new(1, Duration::from_millis(40), None).unwrap();
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .preempt_timer(PREEMPT_BUDGET)
-            .detect_stalls(Some(stalls.handler(0)))
-            .spawn(|| async move {
-                // 300 ms of work in 2 ms steps, yielding between them.
-                let until = std::time::Instant::now() + Duration::from_millis(300);
-                while std::time::Instant::now() < until {
-                    let step = std::time::Instant::now() + Duration::from_millis(2);
-                    while std::time::Instant::now() < step {
-                        std::hint::spin_loop();
-                    }
-                    glommio::yield_if_needed().await;
-                }
-            })
-            .unwrap()
-            .join()
-            .unwrap();
-        stalls.stop();
-        assert_eq!(stalls.shard_stats()[0].stalls, 0);
-    }
-
-    #[test]
-    fn a_stall_is_told_computing_blocked_or_waiting_for_a_cpu_by_its_usage() {
-        let usage = |cpu_ms: u64, voluntary: u64| Usage { cpu_us: cpu_ms * 1000, voluntary, involuntary: 3 };
-        assert_eq!(cause_of(100.0, usage(90, 0)), "computing");
-        assert_eq!(cause_of(100.0, usage(10, 1)), "blocked");
-        assert_eq!(cause_of(1200.0, usage(12, 0)), CAUSE_WAITING_FOR_CPU);
-        let record = |cause: &str| StallRecord {
-            unix_s: 0.0,
-            pid: 1,
-            shard: 0,
-            duration_ms: 1200.0,
-            threshold_ms: 50.0,
-            queue: "default".into(),
-            frames: vec![],
-            last_frames: vec![],
-            samples: 1,
-            cpu_ms: 12.0,
-            blocked: 0,
-            preempted: 3,
-            cause: cause.into(),
-        };
-        assert_eq!(record(CAUSE_WAITING_FOR_CPU).own_ms(), 12.0, "the machine's part is not kvtier's");
-        assert_eq!(record("blocked").own_ms(), 1200.0);
-    }
-
-    #[test]
-    fn a_threshold_under_the_least_is_refused() {
-        let e = Stalls::new(1, Duration::from_millis(5), None).unwrap_err();
-        assert!(e.contains("--stall-threshold-ms must be at least 20"), "{e}");
-    }
-}
+mod tests;
