@@ -243,12 +243,12 @@ PYTEST = -m pytest -p no:cacheprovider -q -rs --durations=8
 # client, the LMCache plugin, the Mooncake and offloading tiers, vLLM's KV
 # connector through its own interfaces and against a real kvtier), in one
 # pytest process in vLLM's virtualenv (which also has ruff and LMCache).
-PYTHON_TESTS_ENGINELESS := --ignore tests/test_sglang.py $(addprefix --ignore ,$(wildcard clients/python/tests/test_vllm_serve*.py))
+PYTHON_TESTS_ENGINELESS := --ignore=tests/test_sglang.py \
+  $(patsubst clients/python/%,--ignore=%,$(wildcard clients/python/tests/test_vllm_serve*.py))
 test-python: target/py-vllm/.client target/py-router/.installed fake-cuda
 	target/py-vllm/bin/ruff check clients/python
 	target/py-vllm/bin/ruff format --check clients/python
-	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
-	  $(patsubst --ignore clients/python/%,--ignore %,$(PYTHON_TESTS_ENGINELESS))
+	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) $(PYTHON_TESTS_ENGINELESS)
 
 # SGLang JIT-builds its page hash with the virtualenv's ninja (on PATH here).
 test-sglang: target/py-sglang/.client

@@ -101,9 +101,10 @@ async fn a_log_that_cannot_grow_is_down_and_not_ready_until_it_can() {
     assert_eq!(tier(&ready, "nvme")["state"], "ok", "{ready}");
 
     let mut immutable = Immutable::set(shard_dirs(&data)).unwrap_or_else(|why| panic!("{why}"));
-    // PUTs go on until one needs a new segment, which cannot be created.
+    // PUTs go on until one needs a new segment, which cannot be created
+    // (after the spare segment each shard made ahead is full: 15 more).
     let mut refused = None;
-    for i in 0..40 {
+    for i in 0..100 {
         let key = format!("t-{i}");
         match put(&c, &key).await {
             StatusCode::CREATED => {}

@@ -31,6 +31,11 @@ pub fn serve_flags() -> Vec<String> {
         "warn",
         "--ram-gb",
         "0",
+        // The least I/O memory (64 MiB a shard, faulted in and pinned at
+        // each start): test servers come and go by the hundred, and 512 MiB
+        // each kept the machine reclaiming memory under the tests.
+        "--io-memory-mib",
+        "128",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -113,7 +118,7 @@ mod tests {
     fn launch_args_leave_the_store_to_the_server() {
         assert_eq!(
             launch_args("127.0.0.1:7", Path::new("/d")).join(" "),
-            "--listen 127.0.0.1:7 --data-dir /d --pin-cpus false --log-level warn"
+            "--listen 127.0.0.1:7 --data-dir /d --pin-cpus false --log-level warn --io-memory-mib 128"
         );
     }
 

@@ -16,6 +16,11 @@ import pytest
 import kvtier
 from kvtier.testing import ServerProcess, free_port
 
+# Every test server with the least I/O memory (64 MiB a shard, faulted in
+# and pinned at each start): the tests start servers by the hundred, and the
+# default 512 MiB each kept the machine reclaiming memory under them.
+ServerProcess.common_args = ("--io-memory-mib", "128")
+
 #: Small blocks keep the tests quick on a debug build; the client's code path
 #: is the same at 16 MiB (make bench-python runs that size).
 BLOCK_BYTES = 65536

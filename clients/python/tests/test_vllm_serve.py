@@ -31,10 +31,14 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import xxhash
@@ -247,33 +251,85 @@ def _loads_after(events: list[dict], reqs_before: set[str], t: float, kinds: tup
     return [e for e in events if e["event"] in kinds and e["t"] >= t and e["req"] not in reqs_before]
 
 
+def _answered_loads(store: ServerProcess) -> int:
+    """Load requests kvtier has answered on its socket (counted as answered,
+    before the answer is sent)."""
+    with kvtier.Client(store.url) as c:
+        routes = c.stats()["local"]["routes"]
+    return sum(routes[r]["requests"] for r in ("get_into", "get_into_v", "lease"))
+
+
+@contextmanager
+def responses_held(store: ServerProcess, seconds: float) -> Iterator[None]:
+    """Every answer kvtier sends on its socket held ``seconds`` in the
+    kernel's entry to ``send`` (strace's fault injection; its HTTP door
+    writes otherwise, so ``/v1/stats`` still answers)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.fail("this test holds kvtier's answers with strace: install it (make deps does)")
+    log = tempfile.NamedTemporaryFile(prefix="kvtier-strace-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [
+            strace,
+            "-f",
+            "-qq",
+            "-p",
+            str(store.pid),
+            "-e",
+            "trace=sendto",
+            "-e",
+            f"inject=sendto:delay_enter={int(seconds * 1e6)}",
+            "-o",
+            log.name,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)  # attached to the server's threads
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        os.unlink(log.name)
+
+
+def _when_a_load_is_held(store: ServerProcess, before: int, fault) -> None:
+    """Waits until kvtier has answered a load whose answer is still held
+    (:func:`responses_held`), then runs ``fault()``: a load is in flight."""
+    deadline = time.monotonic() + 60
+    while _answered_loads(store) == before:
+        assert time.monotonic() < deadline, "no load was asked within 60 s"
+        time.sleep(0.02)
+    fault()
+
+
 @pytest.mark.faults
 def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, prompts, answers):
     """kvtier killed, then stopped for 5 s, with loads of concurrent
     requests in flight: vLLM answers every request and no loaded page
-    differs from the oracle. The loads are made to be in flight: kvtier is
-    held still (SIGSTOP) as the requests start, so their loads, asked once
-    their lookups (answered from kvtier's shared index, in the engine's
-    memory) find the blocks, wait on the socket; then it is killed, or let
-    go after 5 s. (A load that fails part-way makes vLLM compute the rest
-    in another shape, so the tokens are not compared.)"""
+    differs from the oracle. The loads are made to be in flight: kvtier's
+    answers on its socket are held 1 s each in the kernel (strace; less than
+    the lookups' 2 s give-up, so the requests still find their hits), and the
+    fault comes once a load has been answered and its answer is held. (A
+    load that fails part-way makes vLLM compute the rest in another shape,
+    so the tokens are not compared.)"""
     chosen = prompts[2:6]
     since = time.time()
     before = {e["req"] for e in read_oracle(oracle)}
+    killed_at = [0.0]
+
+    def kill() -> None:
+        killed_at[0] = time.time()
+        store.kill()
+
     try:
         engine.reset_prefix_cache()
-
-        killed_at = [0.0]
-
-        def stop_then_kill() -> None:
-            os.kill(store.pid, signal.SIGSTOP)
-            time.sleep(1.5)  # the loads are asked and wait
-            killed_at[0] = time.time()
-            store.kill()
-
-        _concurrently(engine, chosen, stop_then_kill)
+        loads = _answered_loads(store)
+        with responses_held(store, 1.0):
+            _concurrently(engine, chosen, lambda: _when_a_load_is_held(store, loads, kill))
         failed = _loads_after(read_oracle(oracle), before, killed_at[0], ("load_failed",))
-        assert failed, "no load was in flight when kvtier was killed: the test did not test a fault in flight"
+        assert failed, "no load failed when kvtier was killed: none was in flight"
         # Down: a request costs no wait for a connection. Like with like: the
         # same prompt twice with kvtier down; the first would carry any wait
         # (the client's timeout is 20 s), the second none.
@@ -303,9 +359,11 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
             os.kill(store.pid, signal.SIGCONT)
 
     engine.reset_prefix_cache()
-    _concurrently(engine, chosen, stop_for_5_s)
+    loads = _answered_loads(store)
+    with responses_held(store, 1.0):
+        _concurrently(engine, chosen, lambda: _when_a_load_is_held(store, loads, stop_for_5_s))
     waited = _loads_after(read_oracle(oracle), before, continued_at[0], ("loaded", "load_failed"))
-    assert waited, "no load was waiting while kvtier was stopped: the test did not test a fault in flight"
+    assert waited, "no load ended after kvtier was let go: none was in flight while it was stopped"
     assert oracle_mismatches(read_oracle(oracle), since=since) == []
 
 

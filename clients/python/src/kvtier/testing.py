@@ -93,6 +93,10 @@ def kvtier_binary() -> str:
 class ServerProcess:
     """One ``kvtier serve`` child process on 127.0.0.1.
 
+    ``ServerProcess.common_args`` (class attribute, empty by default) are
+    flags every server this process starts gets before ``args`` (the test
+    suite's conftest gives them the least I/O memory).
+
     Args:
         block_bytes: the store's block size (``--block-bytes``).
         ram_gb, disk_gb, shards: as the CLI flags.
@@ -105,6 +109,8 @@ class ServerProcess:
             CPUs, and a shard pinned under one waited for a CPU until its
             client's timeout (docs/OPERATIONS.md, "Shard stalls").
     """
+
+    common_args: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -147,6 +153,7 @@ class ServerProcess:
             "warn",
             "--pin-cpus",
             "true" if pin_cpus else "false",
+            *self.common_args,
             *args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
