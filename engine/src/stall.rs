@@ -90,36 +90,63 @@ pub struct StallRecord {
     pub blocked: u64,
     /// Times it was taken off its CPU for another thread.
     pub preempted: u64,
-    /// Why the run was long, from the three above: `"computing"` (mostly on
-    /// the CPU: kvtier's code), `"blocked"` (it slept in the kernel: a
-    /// blocking call on the shard's thread, kvtier's to fix), or
-    /// `"waiting for a CPU"` (runnable and neither: other threads had the
-    /// machine's CPUs; the machine's, not kvtier's code).
+    /// Why the run was long, from the three above and the innermost
+    /// frame: `"computing"` (mostly on the CPU: kvtier's code ran long),
+    /// `"blocked"` (it slept in a system call that can block: a file's
+    /// fsync or read, a lock, a sleep, the memory map; a blocking call on
+    /// the shard's thread, kvtier's to fix), `"memory"` (it slept in the
+    /// kernel with no such call: in a page fault, or allocating inside a
+    /// call that never waits by design, such as a send with
+    /// `MSG_DONTWAIT`: the machine's memory was short, reclaimed or
+    /// compacted), or `"waiting for a CPU"` (runnable and neither: other
+    /// threads had the machine's CPUs).
     pub cause: String,
 }
 
 impl StallRecord {
     /// How much of the stall kvtier's own thread accounts for, in ms: all of
-    /// it when the thread computed or blocked; its CPU time when it was
-    /// only waiting for a CPU (what `make test` judges stalls by).
+    /// it when it computed or blocked in a call that can block; its CPU time
+    /// when it waited for the machine (memory, a CPU). `make test` fails on
+    /// a stall whose own part is a second or more.
     pub fn own_ms(&self) -> f64 {
-        if self.cause == CAUSE_WAITING_FOR_CPU {
-            self.cpu_ms
-        } else {
-            self.duration_ms
+        match self.cause.as_str() {
+            CAUSE_COMPUTING | CAUSE_BLOCKED => self.duration_ms,
+            _ => self.cpu_ms,
         }
     }
 }
 
+/// [`StallRecord::cause`]: mostly on the CPU.
+pub const CAUSE_COMPUTING: &str = "computing";
+/// [`StallRecord::cause`]: asleep in a system call that can block.
+pub const CAUSE_BLOCKED: &str = "blocked";
+/// [`StallRecord::cause`]: asleep in the kernel in a page fault or in a call
+/// that never waits by design.
+pub const CAUSE_MEMORY: &str = "memory";
 /// [`StallRecord::cause`] of a thread that was runnable and not run.
 pub const CAUSE_WAITING_FOR_CPU: &str = "waiting for a CPU";
 
-/// The cause of a stall of `duration_ms` with `usage` (see [`StallRecord::cause`]).
-fn cause_of(duration_ms: f64, usage: Usage) -> &'static str {
+/// The calls a shard makes that never wait by design (non-blocking sockets,
+/// eventfds, timers, its own accounting): asleep in one of them, the thread
+/// was allocating or faulting memory in the kernel.
+const NEVER_WAIT: [&str; 9] =
+    ["sendmsg", "__libc_send ", "sendto", "recvmsg", "__libc_recv", "io_uring_enter", "timerfd_settime", "write_eventfd", "getrusage"];
+
+/// The cause of a stall of `duration_ms` with `usage`, the thread's stack
+/// innermost first as `frames` names it (see [`StallRecord::cause`]).
+fn cause_of(duration_ms: f64, usage: Usage, frames: &[String]) -> &'static str {
     if usage.voluntary > 0 {
-        "blocked"
+        // A libc system call wrapper lives under sysdeps/unix; anything else
+        // innermost (a memset, kvtier's code) slept in a page fault.
+        let in_syscall = frames.first().is_some_and(|f| f.contains("sysdeps/unix") || f.starts_with("syscall "));
+        let never_waits = frames.iter().take(2).any(|f| NEVER_WAIT.iter().any(|c| f.contains(c)));
+        if in_syscall && !never_waits {
+            CAUSE_BLOCKED
+        } else {
+            CAUSE_MEMORY
+        }
     } else if (usage.cpu_us as f64 / 1e3) * 2.0 >= duration_ms {
-        "computing"
+        CAUSE_COMPUTING
     } else {
         CAUSE_WAITING_FOR_CPU
     }
@@ -130,8 +157,9 @@ fn cause_of(duration_ms: f64, usage: Usage) -> &'static str {
 #[derive(Debug, Default)]
 pub struct ShardStalls {
     count: AtomicU64,
-    /// Stalls the thread spent mostly waiting for a CPU ([`StallRecord::cause`]).
-    starved: AtomicU64,
+    /// Stalls whose cause was the machine's: memory or a CPU
+    /// ([`StallRecord::own_ms`] less than the stall; counted once reported).
+    machine: AtomicU64,
     longest_us: AtomicU64,
     durations: AtomicLatencyBuckets,
     /// The last stall reported, once its frames are resolved.
@@ -145,8 +173,9 @@ pub struct ShardStallStats {
     pub shard: u32,
     /// Stalls since start.
     pub stalls: u64,
-    /// Of those, the ones it spent mostly waiting for a CPU.
-    pub waiting_for_cpu: u64,
+    /// Of those, the ones the machine caused (memory, a CPU: their cause
+    /// is `memory` or `waiting for a CPU`), once reported.
+    pub machine: u64,
     /// The longest, in milliseconds (0 with none).
     pub longest_ms: f64,
     /// The last one logged (null with none).
@@ -237,7 +266,7 @@ impl Stalls {
             .map(|(i, s)| ShardStallStats {
                 shard: i as u32,
                 stalls: s.count.load(Ordering::Relaxed),
-                waiting_for_cpu: s.starved.load(Ordering::Relaxed),
+                machine: s.machine.load(Ordering::Relaxed),
                 longest_ms: s.longest_us.load(Ordering::Relaxed) as f64 / 1e3,
                 last: s.last.lock().expect("stall record").clone(),
                 durations: s.durations.load(),
@@ -272,9 +301,6 @@ impl Stalls {
         counters.count.fetch_add(1, Ordering::Relaxed);
         counters.longest_us.fetch_max(us, Ordering::Relaxed);
         counters.durations.record(us);
-        if usage.voluntary == 0 && usage.cpu_us * 2 < us {
-            counters.starved.fetch_add(1, Ordering::Relaxed);
-        }
         let report = Report { shard, queue: queue.to_string(), duration, usage, trace };
         // try_lock: the lock is only ever contended by `stop`.
         let sent = self.reports.try_lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(report)));
@@ -291,6 +317,7 @@ impl Stalls {
             report.trace.resolve();
             let samples = samples_of(&report.trace);
             let frames = samples.first().map(|f| named_frames(f)).unwrap_or_default();
+            let frames_for_cause = frames.clone();
             let last_frames = if samples.len() > 1 { samples.last().map(|f| named_frames(f)).unwrap_or_default() } else { Vec::new() };
             let record = StallRecord {
                 unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
@@ -305,8 +332,11 @@ impl Stalls {
                 cpu_ms: report.usage.cpu_us as f64 / 1e3,
                 blocked: report.usage.voluntary,
                 preempted: report.usage.involuntary,
-                cause: cause_of(report.duration.as_secs_f64() * 1e3, report.usage).to_string(),
+                cause: cause_of(report.duration.as_secs_f64() * 1e3, report.usage, &frames_for_cause).to_string(),
             };
+            if record.own_ms() < record.duration_ms {
+                self.shards[record.shard as usize].machine.fetch_add(1, Ordering::Relaxed);
+            }
             let stayed = match record.last_frames.is_empty() {
                 true => String::new(),
                 false => format!("; sampled {} times, last in {}", record.samples, record.last_frames.join(" <- ")),

@@ -426,11 +426,15 @@ async fn a_forwarded_get_sends_the_owners_chunks_and_returns_them_home() {
     assert!(server.stop().success());
 }
 
-/// `args` with `--io-memory-mib` set to `mib` and no RAM tier.
+/// `args` with `--io-memory-mib` set to `mib`, no RAM tier, and no stall
+/// detector: a stall report loads the binary's debug information to name
+/// its frames (tens of MiB of a debug build), which would count in one
+/// server's resident memory and not the other's.
 fn with_io_memory(data: &Path, mib: &str) -> Vec<String> {
     let mut a = args(data);
     set_flag(&mut a, "--ram-gb", "0");
     set_flag(&mut a, "--io-memory-mib", mib);
+    set_flag(&mut a, "--stall-threshold-ms", "0");
     a
 }
 

@@ -108,11 +108,19 @@ fn a_busy_shard_that_yields_is_not_a_stall() {
 }
 
 #[test]
-fn a_stall_is_told_computing_blocked_or_waiting_for_a_cpu_by_its_usage() {
+fn a_stall_is_told_computing_blocked_memory_or_waiting_for_a_cpu() {
     let usage = |cpu_ms: u64, voluntary: u64| Usage { cpu_us: cpu_ms * 1000, voluntary, involuntary: 3 };
-    assert_eq!(cause_of(100.0, usage(90, 0)), "computing");
-    assert_eq!(cause_of(100.0, usage(10, 1)), "blocked");
-    assert_eq!(cause_of(1200.0, usage(12, 0)), CAUSE_WAITING_FOR_CPU);
+    let frames = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let fsync = frames(&["__GI___fsync (./io/../sysdeps/unix/sysv/linux/fsync.c:27)", "kvtier_engine::segment::create_file"]);
+    let futex = frames(&["syscall (./misc/../sysdeps/unix/sysv/linux/x86_64/syscall.S:37)"]);
+    let send = frames(&["__libc_sendmsg (./socket/../sysdeps/unix/sysv/linux/sendmsg.c:28)", "glommio::task::task_impl::Task::run"]);
+    let fault = frames(&["__memset_avx512_unaligned_erms (./string/../sysdeps/x86_64/multiarch/memset-vec-unaligned-erms.S:235)"]);
+    assert_eq!(cause_of(100.0, usage(90, 0), &fault), CAUSE_COMPUTING);
+    assert_eq!(cause_of(1400.0, usage(1, 2), &fsync), CAUSE_BLOCKED);
+    assert_eq!(cause_of(1400.0, usage(1, 2), &futex), CAUSE_BLOCKED);
+    assert_eq!(cause_of(1400.0, usage(10, 19), &send), CAUSE_MEMORY, "a send that never waits slept allocating");
+    assert_eq!(cause_of(1400.0, usage(0, 3), &fault), CAUSE_MEMORY, "a page fault");
+    assert_eq!(cause_of(1200.0, usage(12, 0), &fault), CAUSE_WAITING_FOR_CPU);
     let record = |cause: &str| StallRecord {
         unix_s: 0.0,
         pid: 1,
@@ -129,7 +137,9 @@ fn a_stall_is_told_computing_blocked_or_waiting_for_a_cpu_by_its_usage() {
         cause: cause.into(),
     };
     assert_eq!(record(CAUSE_WAITING_FOR_CPU).own_ms(), 12.0, "the machine's part is not kvtier's");
-    assert_eq!(record("blocked").own_ms(), 1200.0);
+    assert_eq!(record(CAUSE_MEMORY).own_ms(), 12.0);
+    assert_eq!(record(CAUSE_BLOCKED).own_ms(), 1200.0);
+    assert_eq!(record(CAUSE_COMPUTING).own_ms(), 1200.0);
 }
 
 #[test]

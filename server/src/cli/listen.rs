@@ -67,6 +67,12 @@ pub(crate) struct Listeners {
 impl Listeners {
     /// Hands the sockets over (to the shards); the lock stays with `self`,
     /// which the caller keeps for as long as it serves.
+    /// The address the sockets listen on (with the port the kernel chose
+    /// for port 0); `None` once they were taken.
+    pub(crate) fn local_addr(&self) -> Option<SocketAddr> {
+        self.sockets.first()?.local_addr().ok()
+    }
+
     pub(crate) fn take_sockets(&mut self) -> Vec<std::net::TcpListener> {
         std::mem::take(&mut self.sockets)
     }

@@ -146,7 +146,13 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     steps.end("the listening sockets");
 
     let local = args.local.open(&config.data_dir, config.shards)?;
-    if local.is_some() {
+    if let Some(l) = &local {
+        // Known before any shard accepts: HELLO answers with it from the
+        // first connection on (set after the listening line, a client that
+        // connected at once was told there was no HTTP address).
+        if let Some(addr) = listeners.local_addr() {
+            let _ = l.http_addr.set(addr);
+        }
         steps.end("the local socket");
     }
     // Before the store opens: its first events (blocks recovery finds)
@@ -244,7 +250,6 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         data_dir.display()
     );
     if let Some(l) = &local {
-        let _ = l.http_addr.set(addr);
         println!("kvtier: same-host data plane on unix://{} (docs/LOCAL.md)", l.path.display());
     }
     if let Some(line) = gpu_line {

@@ -67,7 +67,7 @@ impl Metrics {
                 json!({
                     "threshold_ms": s.threshold().as_secs_f64() * 1e3,
                     "stalls": per_shard.iter().map(|p| p.stalls).sum::<u64>(),
-                    "waiting_for_cpu": per_shard.iter().map(|p| p.waiting_for_cpu).sum::<u64>(),
+                    "machine": per_shard.iter().map(|p| p.machine).sum::<u64>(),
                     "longest_ms": per_shard.iter().map(|p| p.longest_ms).fold(0.0, f64::max),
                     "reports_dropped": s.reports_dropped(),
                     "per_shard": per_shard,

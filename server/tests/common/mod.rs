@@ -329,20 +329,17 @@ impl Strace {
     /// strace is not installed (`make deps` installs it), or cannot start.
     pub fn attach(pid: u32, filters: &[String], log: &Path) -> Strace {
         let strace = ["/usr/bin/strace", "/bin/strace"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
-            panic!("this test needs strace (Debian's strace package; `make deps` installs it) to inject faults into the server's system calls")
+            panic!(
+                "this test needs strace (Debian's strace package; `make deps` installs it) to inject faults into the server's system calls"
+            )
         });
         let mut cmd = std::process::Command::new(strace);
         cmd.args(["-f", "-qq", "-p", &pid.to_string()]);
         for f in filters {
             cmd.args(["-e", f]);
         }
-        let child = cmd
-            .arg("-o")
-            .arg(log)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start strace");
+        let child =
+            cmd.arg("-o").arg(log).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().expect("start strace");
         // Attaching to a server's dozen threads takes tens of milliseconds.
         std::thread::sleep(std::time::Duration::from_millis(500));
         Strace(child)
