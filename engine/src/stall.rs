@@ -127,10 +127,22 @@ pub const CAUSE_MEMORY: &str = "memory";
 pub const CAUSE_WAITING_FOR_CPU: &str = "waiting for a CPU";
 
 /// The calls a shard makes that never wait by design (non-blocking sockets,
-/// eventfds, timers, its own accounting): asleep in one of them, the thread
-/// was allocating or faulting memory in the kernel.
-const NEVER_WAIT: [&str; 9] =
-    ["sendmsg", "__libc_send ", "sendto", "recvmsg", "__libc_recv", "io_uring_enter", "timerfd_settime", "write_eventfd", "getrusage"];
+/// a socket's shutdown, eventfds, timers, its own accounting): asleep in
+/// one of them, the thread was allocating or faulting memory in the kernel
+/// (a shutdown that slept 1.4 s with no CPU, under memory pressure).
+const NEVER_WAIT: [&str; 10] = [
+    "sendmsg",
+    "__libc_send ",
+    "sendto",
+    "recvmsg",
+    "__libc_recv",
+    "io_uring_enter",
+    "timerfd_settime",
+    "write_eventfd",
+    "getrusage",
+    // A socket's shutdown (no linger): a FIN queued, nothing waited for.
+    "_shutdown",
+];
 
 /// The cause of a stall of `duration_ms` with `usage`, the thread's stack
 /// innermost first as `frames` names it (see [`StallRecord::cause`]).

@@ -27,15 +27,15 @@ pub fn serve_flags() -> Vec<String> {
         "8",
         "--pin-cpus",
         "false",
-        "--log-level",
-        "warn",
-        "--ram-gb",
-        "0",
         // The least I/O memory (64 MiB a shard, faulted in and pinned at
         // each start): test servers come and go by the hundred, and 512 MiB
         // each kept the machine reclaiming memory under the tests.
         "--io-memory-mib",
         "128",
+        "--log-level",
+        "warn",
+        "--ram-gb",
+        "0",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -109,7 +109,7 @@ mod tests {
         assert_eq!(
             args.join(" "),
             "--listen 127.0.0.1:0 --data-dir /d --shards 2 --block-bytes 65536 --disk-gb 0.25 --segment-mib 8 \
-             --pin-cpus false --log-level warn --ram-gb 0"
+             --pin-cpus false --io-memory-mib 128 --log-level warn --ram-gb 0"
         );
         assert_eq!(args[4..], serve_flags()[..]);
     }
@@ -118,7 +118,7 @@ mod tests {
     fn launch_args_leave_the_store_to_the_server() {
         assert_eq!(
             launch_args("127.0.0.1:7", Path::new("/d")).join(" "),
-            "--listen 127.0.0.1:7 --data-dir /d --pin-cpus false --log-level warn --io-memory-mib 128"
+            "--listen 127.0.0.1:7 --data-dir /d --pin-cpus false --io-memory-mib 128 --log-level warn"
         );
     }
 

@@ -114,6 +114,8 @@ fn a_stall_is_told_computing_blocked_memory_or_waiting_for_a_cpu() {
     let fsync = frames(&["__GI___fsync (./io/../sysdeps/unix/sysv/linux/fsync.c:27)", "kvtier_engine::segment::create_file"]);
     let futex = frames(&["syscall (./misc/../sysdeps/unix/sysv/linux/x86_64/syscall.S:37)"]);
     let send = frames(&["__libc_sendmsg (./socket/../sysdeps/unix/sysv/linux/sendmsg.c:28)", "glommio::task::task_impl::Task::run"]);
+    let shutdown = frames(&["__GI_shutdown (./socket/../sysdeps/unix/syscall-template.S:120)", "glommio::sys::shutdown"]);
+    assert_eq!(cause_of(1400.0, usage(0, 1), &shutdown), CAUSE_MEMORY, "a socket's shutdown waits for nothing");
     let fault = frames(&["__memset_avx512_unaligned_erms (./string/../sysdeps/x86_64/multiarch/memset-vec-unaligned-erms.S:235)"]);
     assert_eq!(cause_of(100.0, usage(90, 0), &fault), CAUSE_COMPUTING);
     assert_eq!(cause_of(1400.0, usage(1, 2), &fsync), CAUSE_BLOCKED);
