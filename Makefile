@@ -243,7 +243,7 @@ PYTEST = -m pytest -p no:cacheprovider -q -rs --durations=8
 # client, the LMCache plugin, the Mooncake and offloading tiers, vLLM's KV
 # connector through its own interfaces and against a real kvtier), in one
 # pytest process in vLLM's virtualenv (which also has ruff and LMCache).
-PYTHON_TESTS_ENGINELESS := --ignore=tests/test_sglang.py \
+PYTHON_TESTS_ENGINELESS := --ignore=tests/test_sglang.py --ignore=tests/test_exit_vllm.py \
   $(patsubst clients/python/%,--ignore=%,$(wildcard clients/python/tests/test_vllm_serve*.py))
 test-python: target/py-vllm/.client target/py-router/.installed fake-cuda
 	target/py-vllm/bin/ruff check clients/python
@@ -301,7 +301,7 @@ test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
 test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
 	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
 	  tests/test_vllm_serve_tp2.py tests/test_vllm_serve_second.py tests/test_vllm_serve_sliding.py \
-	  tests/test_vllm_serve_misconfigured.py
+	  tests/test_vllm_serve_misconfigured.py tests/test_exit_vllm.py
 
 # vLLM 0.33.0's Python code over target/py-vllm's dependencies
 # (clients/python/requirements-vllm033.txt says why), about a minute the
