@@ -26,6 +26,7 @@
 #   make bench-load-path      a prefix load on kvtier's side: 63 x 16 MiB from the log, GB/s and server CPU-s/GiB beside dd (root)
 #   make bench-index   batch_is_exist/lookup of 64 keys from the shared index, from Python (beside a previous checkout with --previous)
 #   make bench-client  the same-host client from Python: get_many_into 64 x 64 KiB and 16 x 16 MiB, a lease of 16 (beside a previous checkout with --previous)
+#   make bench-rollover  RAM-tier GET/PUT p99 while the log rolls over segments vs no rollover; the stall detector's cost
 #   make bench-buffer  Mooncake's batch_get_buffer vs batch_get_into of 16 x 16 MiB on a default server, beside --ram-shared auto and off
 #   make bench-down  a real `vllm serve` with kvtier up, killed and stopped: TTFT growth, tokens/s; the connector's digest beside a load (target/bench/down/)
 #   make fake-cuda  build the fake CUDA driver test double into target/fake-cuda/ (LD_LIBRARY_PATH=target/fake-cuda)
@@ -54,12 +55,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all build build-server run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
 	disk-check model-check wheel test-wheel python-env python-env-all test-all test-build test-layout test-cargo test-python test-vllm033 \
-	test-vllm-serve test-vllm-serve-all test-sglang bench-engine bench-engine-replay bench-load-path bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
+	test-vllm-serve test-vllm-serve-all test-sglang bench-engine bench-engine-replay bench-load-path bench-rollover bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
 all: build
 
 help:
-	@sed -n '2,36p' Makefile
+	@sed -n '2,37p' Makefile
 
 # Test dependencies: curl (tests drive the server with it, as the README
 # does), redis-server (the loadgen's Redis target is tested against it),
@@ -436,6 +437,16 @@ bench-index: build target/py-vllm/.client
 bench-client: build target/py-vllm/.client
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_client.py $(BENCH_CLIENT_ARGS)
+
+# What a segment rollover costs a shard's other requests: RAM-tier GETs' and
+# PUTs' p99 while a writer rolls the log over 8 MiB segments, against 1 GiB
+# segments (no rollover), and the stall detector's cost (the same with
+# --stall-threshold-ms 0), alternated over rounds in one run
+# (clients/python/bench/bench_rollover.py; target/bench/rollover/).
+BENCH_ROLLOVER_ARGS ?=
+bench-rollover: build-server target/py-vllm/.client
+	target/py-vllm/bin/python clients/python/bench/bench_rollover.py --kvtier target/release/kvtier \
+	  --out target/bench/rollover $(BENCH_ROLLOVER_ARGS)
 
 # Mooncake's batch_get_buffer against batch_get_into of 16 x 16 MiB RAM hits
 # on a default server, beside --ram-shared auto (the previous default) and
