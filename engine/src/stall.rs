@@ -130,7 +130,7 @@ pub const CAUSE_WAITING_FOR_CPU: &str = "waiting for a CPU";
 /// a socket's shutdown, eventfds, timers, its own accounting): asleep in
 /// one of them, the thread was allocating or faulting memory in the kernel
 /// (a shutdown that slept 1.4 s with no CPU, under memory pressure).
-const NEVER_WAIT: [&str; 10] = [
+const NEVER_WAIT: [&str; 11] = [
     "sendmsg",
     "__libc_send ",
     "sendto",
@@ -142,6 +142,8 @@ const NEVER_WAIT: [&str; 10] = [
     "getrusage",
     // A socket's shutdown (no linger): a FIN queued, nothing waited for.
     "_shutdown",
+    // fcntl on a shard is F_GETFL, F_SETFL or F_GET_SEALS, never a lock.
+    "fcntl",
 ];
 
 /// The cause of a stall of `duration_ms` with `usage`, the thread's stack
@@ -376,6 +378,10 @@ impl Stalls {
             }
             let shard = record.shard as usize;
             *self.shards[shard].last.lock().expect("stall record") = Some(record);
+            // Naming the frames mapped and parsed the binary's debug
+            // information (tens of MiB of a debug build); let it go until
+            // the next stall.
+            backtrace::clear_symbol_cache();
         }
     }
 }

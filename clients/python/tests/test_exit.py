@@ -95,9 +95,14 @@ print("main returns", time.monotonic(), flush=True)
 """
 
 
+def exit_server() -> ServerProcess:
+    """The kvtier the exiting scripts talk to (both planes)."""
+    return ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.0625)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.0625) as s:
+    with exit_server() as s:
         yield s
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import BLOCK_BYTES
-from test_exit import EXIT_S, exit_once
+from test_exit import EXIT_S, exit_once, exit_server
 
 from kvtier.testing import ServerProcess
 
@@ -39,7 +38,7 @@ print("main returns", time.monotonic(), flush=True)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with ServerProcess(block_bytes=BLOCK_BYTES, ram_gb=0.0625) as s:
+    with exit_server() as s:
         yield s
 
 

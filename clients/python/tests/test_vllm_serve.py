@@ -46,6 +46,8 @@ from vllm_serve_support import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
     LOOKUP_GIVE_UP_MS,
+    MAX_TOKENS,
+    SEED,
     connector,
     damage_key,
     events_store,
@@ -69,11 +71,8 @@ from kvtier.testing import ServerProcess, VllmServer
 # The first test also waits for the engine's start (about 1.5 minutes here).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-#: Generated tokens compared per prompt.
-MAX_TOKENS = 8
-#: Prompts drawn from ShareGPT (by seed, not chosen to agree).
+#: Prompts drawn from ShareGPT.
 PROMPT_COUNT = 20
-SEED = 53
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 from vllm_serve_support import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
+    MAX_TOKENS,
     connector,
     external_hit_tokens,
     lost_requests,
@@ -29,8 +30,6 @@ from kvtier.connectors.vllm.verify import read_oracle
 from kvtier.testing import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-MAX_TOKENS = 8
 
 
 def leases_granted(server: ServerProcess) -> int:

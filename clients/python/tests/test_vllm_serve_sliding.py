@@ -12,6 +12,8 @@ import pytest
 from vllm_serve_support import (
     BLOCK_TOKENS,
     GROUP_BLOCK_BYTES,
+    MAX_TOKENS,
+    SEED,
     SW_GROUPS,
     SW_LAYERS,
     SW_WINDOW_BLOCKS,
@@ -31,9 +33,6 @@ from kvtier.connectors.vllm.verify import read_oracle
 from kvtier.testing import ServerProcess, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-MAX_TOKENS = 8
-SEED = 53
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import pytest
 from vllm_serve_support import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
+    MAX_TOKENS,
+    SEED,
     connector,
     external_hit_tokens,
     no_lost_requests,
@@ -31,9 +33,6 @@ from kvtier.connectors.vllm.verify import read_oracle
 from kvtier.testing import ServerProcess, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-MAX_TOKENS = 8
-SEED = 53
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,10 @@ SW_LAYERS, SW_GROUPS, SW_WINDOW_BLOCKS = 12, 6, 2
 PROMPT_CHARS = (1500, 2100)
 #: The tests' ``lookup_give_up_ms``: a request's wait for its lookup in all.
 LOOKUP_GIVE_UP_MS = 2000
+#: Generated tokens compared per prompt.
+MAX_TOKENS = 8
+#: The seed prompts are drawn from ShareGPT by (not chosen to agree).
+SEED = 53
 
 
 def _model(variable: str = "KVTIER_VLLM_MODEL") -> str:
