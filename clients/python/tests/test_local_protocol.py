@@ -144,13 +144,15 @@ def hello_as_nobody(server: ServerProcess) -> dict[str, object]:
     return frame
 
 
-needs_setpriv = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run a peer as another uid"
-)
+@pytest.fixture
+def setpriv() -> None:
+    """These tests run a peer as uid 65534 with setpriv: they fail, saying
+    so, where they cannot (CI runs as root; util-linux has setpriv)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.fail("this test runs a peer as uid 65534: run it as root on a machine with setpriv (util-linux)")
 
 
-@needs_setpriv
-def test_a_peer_of_another_uid_is_refused(server):
+def test_a_peer_of_another_uid_is_refused(server, setpriv):
     frame = hello_as_nobody(server)
     assert frame["op"] == 0xFF and frame["status"] == codes.UNAUTHORIZED, frame
     assert "65534" in frame["msg"], frame
@@ -158,8 +160,7 @@ def test_a_peer_of_another_uid_is_refused(server):
         assert c.stats()["local"]["peers_refused"] >= 1
 
 
-@needs_setpriv
-def test_a_peer_of_an_allowed_uid_gets_its_hello():
+def test_a_peer_of_an_allowed_uid_gets_its_hello(setpriv):
     with ServerProcess(block_bytes=BB, args=("--local-allow-uid", "65534")) as s:
         frame = hello_as_nobody(s)
         assert frame["op"] == OP_HELLO | 0x80 and frame["status"] == 0, frame

@@ -74,6 +74,11 @@ def sharegpt_prompts(count: int, seed: int) -> list[str]:
     return prompts
 
 
+#: The connector's ``timeout_s`` in these tests: a call unanswered this long
+#: fails with CONNECTION_LOST (and fails the test that sees it).
+CLIENT_TIMEOUT_S = 20
+
+
 def connector(url: str, **settings: object) -> dict[str, object]:
     """The ``--kv-transfer-config`` of KvtierConnector in these tests:
     failed loads recomputed, a short down window, the default lookup
@@ -89,7 +94,7 @@ def connector(url: str, **settings: object) -> dict[str, object]:
         "kv_connector_extra_config": {
             "url": url,
             "down_s": 0.5,
-            "timeout_s": 20,
+            "timeout_s": CLIENT_TIMEOUT_S,
             "lookup_give_up_ms": LOOKUP_GIVE_UP_MS,
             **settings,
         },
