@@ -98,11 +98,17 @@ impl ServerProcess {
         match rx.recv_timeout(START_TIMEOUT) {
             Ok((url, listening_line)) => Ok(ServerProcess { child: Some(child), url, listening_line, start_time: started.elapsed() }),
             Err(_) => {
+                // Where it waited, taken before the kill: a start that hangs
+                // says so (an empty log alone cannot).
+                let threads = match child.try_wait() {
+                    Ok(None) => format!("\nnot listening after {START_TIMEOUT:?}; its threads then:\n{}", thread_states(child.id())),
+                    _ => String::new(),
+                };
                 let _ = child.kill();
                 let status = child.wait().ok();
                 Err(failed(
                     status,
-                    format!("{} serve exited ({status:?}) before listening; its log ends:\n{}", bin.display(), log_tail(log)),
+                    format!("{} serve exited ({status:?}) before listening; its log ends:\n{}{threads}", bin.display(), log_tail(log)),
                 ))
             }
         }
@@ -214,7 +220,47 @@ pub fn log_tail(log: &Path) -> String {
     s
 }
 
+/// One line per thread of process `pid`: its name, state, the kernel
+/// function it sleeps in (`wchan`) and its kernel stack where readable
+/// (root), from `/proc`.
+pub fn thread_states(pid: u32) -> String {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return format!("(no /proc/{pid}/task)") };
+    let mut lines = Vec::new();
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+        let stat = read("stat");
+        let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next().unwrap_or('?')).unwrap_or('?');
+        let stack: Vec<String> = read("stack").lines().filter_map(|l| l.split_whitespace().nth(1).map(str::to_string)).collect();
+        lines.push(format!(
+            "  {} {} state {state} wchan {} stack {}",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim(),
+            stack.join(" <- ")
+        ));
+    }
+    lines.sort();
+    lines.join("\n")
+}
+
 /// Lines of `log` that contain `needle` (e.g. "corrupt").
 pub fn log_lines_with(log: &Path, needle: &str) -> Vec<String> {
     std::fs::read_to_string(log).map(|s| s.lines().filter(|l| l.contains(needle)).map(str::to_string).collect()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hung_process_is_described_by_its_threads_states() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let states = thread_states(child.id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(states.contains("sleep state S wchan "), "{states}");
+        assert!(thread_states(child.id()).starts_with("(no /proc/"), "a reaped process has no threads to describe");
+    }
 }

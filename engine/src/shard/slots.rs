@@ -195,7 +195,7 @@ impl Shard {
         let Some(me) = self.me.borrow().upgrade() else { return };
         self.spare_pending.set(true);
         // Detached already (`spawn_holding`); a close waits for it.
-        let _ = me.spawn_holding(|shard| async move {
+        me.spawn_holding(|shard| async move {
             if let Ok(_creating) = shard.create_lock.acquire_permit(1).await {
                 let id = shard.segments.borrow().len() as u32;
                 if shard.spare.get().is_none() && shard.free.borrow().is_empty() && id < shard.cfg.segments_max {
