@@ -245,6 +245,7 @@ PYTEST = -m pytest -p no:cacheprovider -q -rs --durations=8
 # connector through its own interfaces and against a real kvtier), in one
 # pytest process in vLLM's virtualenv (which also has ruff and LMCache).
 PYTHON_TESTS_ENGINELESS := --ignore=tests/test_sglang.py --ignore=tests/test_exit_vllm.py \
+  --ignore=tests/test_vllm_connector_failed_loads.py \
   $(patsubst clients/python/%,--ignore=%,$(wildcard clients/python/tests/test_vllm_serve*.py))
 test-python: target/py-vllm/.client target/py-router/.installed fake-cuda
 	target/py-vllm/bin/ruff check clients/python
@@ -293,7 +294,9 @@ $(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py
 # kvtier's cost. test-vllm-serve-all (make test-all): TP 2 with the digest,
 # a second engine loading the first's blocks from leases, a sliding-window
 # model, one misconfigured start; each engine started by its module and
-# stopped after it, one at a time.
+# stopped after it, one at a time; and two TP workers of the connector
+# joined by a gloo group (no engine: its two processes import vLLM, about a
+# minute), one's failed load stopping both ranks' stores.
 VLLM_SERVE_ENV = KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_VLLM_SW_MODEL=$(CURDIR)/$(VLLM_MODEL_SW) \
   KVTIER_SHAREGPT="$(SHAREGPT_JSON)"
 test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
@@ -302,7 +305,7 @@ test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
 test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
 	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
 	  tests/test_vllm_serve_tp2.py tests/test_vllm_serve_second.py tests/test_vllm_serve_sliding.py \
-	  tests/test_vllm_serve_misconfigured.py tests/test_exit_vllm.py
+	  tests/test_vllm_serve_misconfigured.py tests/test_exit_vllm.py tests/test_vllm_connector_failed_loads.py
 
 # vLLM 0.33.0's Python code over target/py-vllm's dependencies
 # (clients/python/requirements-vllm033.txt says why), about a minute the
@@ -319,7 +322,8 @@ test-vllm033: target/py-vllm033/.installed target/py-vllm/.client
 	$(CARGO) build --quiet -p kvtier-server
 	target/py-vllm033/bin/python -c 'import vllm; assert vllm.__version__ == "0.33.0", vllm.__version__'
 	cd clients/python && $(PYTEST_ENV) $(CURDIR)/target/py-vllm033/bin/python $(PYTEST) tests/test_vllm_connector.py \
-	  tests/test_vllm_connector_async.py tests/test_vllm.py
+	  tests/test_vllm_connector_async.py tests/test_vllm_connector_completions.py \
+	  tests/test_vllm_connector_lookups.py tests/test_vllm.py
 
 
 # The distributable wheel: `maturin build` of clients/python (the Python

@@ -1,6 +1,6 @@
 """What a kvtier that is down or stopped costs a real ``vllm serve``
-(``KvtierConnector`` with its default settings: ``lookup_timeout_ms`` 10,
-``timeout_s`` 10, ``down_s`` 1), in one run:
+(``KvtierConnector`` with its default settings: ``lookup_timeout_ms`` 0,
+``lookup_give_up_ms`` 100, ``timeout_s`` 10, ``down_s`` 1), in one run:
 
 - ``up``: kvtier serving (every prompt new to it: a lookup that misses, then
   the prompt's blocks stored);

@@ -92,6 +92,38 @@ def test_kv_cache_groups_are_read_and_those_it_cannot_move_are_refused_saying_wh
         groups_of(spec_groups((window, 2)), 128)  # type: ignore[arg-type]
 
 
+def test_groups_vllm_gives_blocks_of_their_own_size_are_refused_naming_them():
+    """vLLM's own KV cache config builder, layer-major layout: a full
+    attention layer of 8 KV heads and a sliding one of 4 have pages of two
+    sizes, so vLLM doubles the sliding group's block (32 tokens beside 16)
+    and sets ``cache_config.block_size`` to the smaller. Keyed at 16, the
+    sliding group's block i would be named by a shorter prefix's hash."""
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = {
+        "model.layers.0.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        ),
+        "model.layers.1.self_attn.attn": SlidingWindowSpec(
+            block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16, sliding_window=512
+        ),
+    }
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    config = get_kv_cache_config_from_groups(vllm_config, get_kv_cache_groups(vllm_config, specs), 1 << 26)
+    assert sorted(g.kv_cache_spec.block_size for g in config.kv_cache_groups) == [16, 32]
+    with pytest.raises(ConfigurationError, match=r"block size \(16 tokens\).* blocks of 16, 32 tokens"):
+        groups_of(config, 16)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    same = dict.fromkeys(specs, full)
+    uniform = get_kv_cache_config_from_groups(vllm_config, get_kv_cache_groups(vllm_config, same), 1 << 26)
+    assert [g.kind for g in groups_of(uniform, 16)] == ["full"]
+    with pytest.raises(ConfigurationError, match="context parallelism \\(--decode-context-parallel-size 2\\)"):
+        groups_of(uniform, 16, ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2))
+
+
 def test_a_hybrid_hit_is_the_largest_boundary_every_group_can_serve():
     groups = [Group(0, ("a",), 2, 256), Group(1, ("b",))]  # sliding (2 blocks before a boundary), full
 
@@ -188,3 +220,25 @@ def test_loads_come_from_leases_then_from_staging_once_a_restarted_server_offers
         assert core.stats["leased_blocks"] == n and core.stats["staged_blocks"] == n
         mover.close()
         core.client.close()
+
+
+def test_per_layer_loads_ask_vllm_for_piecewise_cuda_graphs_and_the_others_do_not():
+    """vLLM's config finds the connector class by its factory and asks it
+    (``VllmConfig``: full CUDA graphs become piecewise when it answers
+    ``True``); a replayed full graph would skip ``wait_for_layer_load``."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def asks(**extra: object) -> bool:
+        config = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+        return KVConnectorFactory.get_connector_class(config).requires_piecewise_for_cudagraph(extra)
+
+    assert asks(loads="layer") is True
+    assert asks() is False and asks(loads="async") is False and asks(loads="sync") is False
+    with pytest.raises(ValueError, match="loads is 'fast'"):
+        asks(loads="fast")

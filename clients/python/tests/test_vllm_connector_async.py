@@ -112,7 +112,10 @@ def test_a_finished_requests_blocks_are_kept_until_its_stores_end():
         c.wait_for_save()
         c.clear_connector_metadata()
         assert time.monotonic() - began < 1.0, "the step waited for its stores"
-        assert c.get_finished({"r", "other"}) == (None, None)  # "other" had no store: not vLLM's to wait for
+        # The scheduler kept "r" for its stores; "other" had none: vLLM freed it.
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores_awaited=["r"]))
+        assert c.get_finished({"r", "other"}) == (None, None)
+        c.clear_connector_metadata()
         os.kill(s.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while (sending := c.get_finished(set())[0]) is None:

@@ -51,6 +51,9 @@ SHARED_ALLOCATION_BYTES_MIN = 1 << 20
 #: Blocks the staging buffer holds (the path when the KV cache is not
 #: registered); a larger transfer goes in rounds of this many.
 STAGING_BLOCKS = 32
+#: ``cudaHostRegisterPortable`` (CUDA runtime API): the pinned range is
+#: pinned for every CUDA context of the process, not only the current one.
+CUDA_HOST_REGISTER_PORTABLE = 0x01
 
 
 def block_tags(
@@ -172,6 +175,7 @@ class PagedBlocks:
         self.block_bytes = self.layer_bytes * len(layers)
         self.shared = shared
         self.on_gpu = layers[0].device.type == "cuda"
+        self.staging_pinned = False
         self.kv_base = 0
         self.zero_copy = False
         self.leased_loads = False
@@ -216,8 +220,7 @@ class PagedBlocks:
                 self.core.failed("register", error_from_code(code, "registering the staging buffer"))
                 return False
             if self.on_gpu:
-                # Page-locked, so the host-device copies are DMA from and to it.
-                torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, 0)
+                self.staging_pinned = self._pin(staging)
             self.staging = staging
             if self.core.transport == "unix":
                 self._use_leases()
@@ -419,11 +422,33 @@ class PagedBlocks:
         self.core.count(staged_blocks=sum(1 for r in results if r >= 0))
         return list(results)
 
+    def _pin(self, staging: SharedBuffer) -> bool:
+        """Page-locks ``staging`` so the host-device copies are DMA from and
+        to it: ``cudaHostRegisterPortable`` (every CUDA context of the
+        process sees it as pinned), made with the KV cache's device current
+        (this runs on the mover thread, whose current device is 0 otherwise:
+        on TP rank k that would make a context on GPU 0). A refusal is
+        logged and the copies stay pageable (slower, still correct)."""
+        device = self.layers[0].device
+        with torch.cuda.device(device):
+            code = torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, CUDA_HOST_REGISTER_PORTABLE)
+        if int(code) == 0:
+            return True
+        self.logger.warning(
+            "kvtier connector: page-locking the staging buffer (%d bytes) for %s failed (CUDA error %d: %s); "
+            "staged copies to and from the GPU are pageable, slower",
+            staging.nbytes,
+            device,
+            int(code),
+            torch.cuda.cudart().cudaGetErrorString(code),
+        )
+        return False
+
     def close(self) -> None:
         """Releases the staging buffer (its page lock on a GPU); a group's
         pages leave that to their owner."""
         if self.staging is not None and self.owner is None:
-            if self.on_gpu:
+            if self.on_gpu and self.staging_pinned:
                 torch.cuda.cudart().cudaHostUnregister(self.staging.ptr)
             self.staging.close()
             self.staging = None

@@ -27,12 +27,12 @@ fixed seed) is the same in every process; ``xxhash`` without
 start (the message names the flag).
 
 **Scheduler side.** ``get_num_new_matched_tokens`` asks kvtier once per
-request how many leading blocks of the prompt it holds (``lookup`` of the
-whole chain) on the client's pool, and waits for the answer at most
-``lookup_timeout_ms`` per ask: while it is in flight vLLM is told to ask
-again (it schedules the other requests meanwhile); past
-``lookup_give_up_ms`` in all the request is a miss and kvtier counts as down
-for ``down_s`` (:mod:`kvtier.connectors.vllm.lookup`). The prompt's last
+request (again after a preemption) how many leading blocks of the prompt it
+holds (``lookup`` of the whole chain) on the client's pool, without waiting:
+while it is in flight vLLM is told to ask again (it schedules the other
+requests meanwhile); ``lookup_give_up_ms`` after its sending the request is
+a miss and kvtier counts as down for ``down_s``
+(:mod:`kvtier.connectors.vllm.lookup`). The prompt's last
 token is always computed (vLLM needs its logits). A hit is loaded into the
 blocks vLLM allocates for it; every full block a step computes that kvtier
 does not hold is stored after that step's forward.
@@ -50,22 +50,15 @@ block that misses or fails to load is reported by
 ``get_block_ids_with_load_errors``, and vLLM recomputes from it: a damaged
 block in kvtier (CRC) is a miss, never bytes.
 
-**What is copied where.** With ``kv_cache_shared`` (default on) the
-connector's ``get_mem_pool_context`` places vLLM's KV cache allocation in a
-memfd (:class:`kvtier.SharedBuffer`), which the worker registers over the
-same-host socket: kvtier copies each block straight into the layers' pages
-(a load) and out of them (a store), one span per layer, with no copy in
-vLLM's process. Over HTTP, or when the cache could not be placed in shared
-memory, each block goes through the client (a staging buffer, then one copy
-per layer page). Which path is used is logged once and counted
-(``zero_copy_blocks``, ``staged_blocks``).
+**What is copied where.** With ``kv_cache_shared`` (default on)
+``get_mem_pool_context`` places vLLM's KV cache in a memfd, which the worker
+registers over the same-host socket: kvtier copies each block straight into
+and out of the layers' pages. Over HTTP, or without the shared cache, blocks
+go through a staging buffer (logged once; ``zero_copy_blocks``,
+``staged_blocks``).
 
-**Block tags.** Every stored block carries its :class:`kvtier.BlockTag`:
-vLLM's hash of the block (``Request.block_hashes[i]``), the previous
-block's as its parent (none for a request's first block), vLLM's
-``block_size`` and the block's token ids, the fields of vLLM's own
-``BlockStored`` event, so kvtier's KV events name it as vLLM does
-(docs/INTEGRATIONS.md). The scheduler side builds them with the store plan.
+**Block tags.** Every stored block carries its :class:`kvtier.BlockTag`, so
+kvtier's KV events name it as vLLM's ``BlockStored`` does.
 
 **Failures.** A kvtier that is down or slow costs misses (vLLM recomputes),
 never an exception or a stalled scheduler (``kvtier.connectors.core``): a socket
@@ -73,15 +66,11 @@ that is gone or a port that refuses fails at once, and is asked again by the
 probe thread only. A store that fails is a later miss. docs/INTEGRATIONS.md,
 "What can go wrong, and what the connector does", lists each case.
 
-**GPUs.** vLLM's CUDA build keeps the cache in GPU memory: each block is
-copied between the layers' pages and a staging buffer that is shared with
-kvtier and page-locked (``cudaHostRegister``), so the host-device copies are
-DMA and kvtier copies into and out of the staging buffer itself. Over the
-same-host socket, where kvtier offers leases (``--ram-shared``), loads skip
-the staging buffer: the connector page-locks kvtier's RAM-tier arenas
-(:meth:`kvtier.Client.pin_arenas`) and copies each leased block's layer
-pages from kvtier's memory to the GPU, one DMA each, with no host copy
-(``leased_blocks``).
+**GPUs.** With the cache in GPU memory each block goes through a staging
+buffer shared with kvtier and page-locked, so the host-device copies are
+DMA; where kvtier offers leases (``--ram-shared``) loads copy each leased
+block's pages from kvtier's page-locked arenas to the GPU
+(:meth:`kvtier.Client.pin_arenas`, ``leased_blocks``).
 
 **Hybrid models** (``SupportsHMA``; :mod:`kvtier.connectors.vllm.groups`): one
 kvtier block per vLLM block of each KV cache group; full-attention groups
@@ -102,9 +91,9 @@ key                   default                   meaning
 ``retries``           1                         new-connection retries after a reset
 ``down_s``            1                         after a connection failure, answer misses
                                                 for this long untried
-``lookup_timeout_ms`` 10                        the scheduler's wait for a lookup per ask;
-                                                then vLLM asks again next step
-``lookup_give_up_ms`` 100                       a request's wait for its lookup in all;
+``lookup_timeout_ms`` 0                         the scheduler's wait for a lookup per ask
+                                                (0: none); then vLLM asks again next step
+``lookup_give_up_ms`` 100                       a lookup's time from its sending to kvtier;
                                                 then a miss (kvtier down for ``down_s``)
 ``loads``             ``async``                 ``async``: off the forward path; ``layer``:
                                                 on it, waited for per layer; ``sync``:
@@ -145,7 +134,7 @@ from ...keys import block_id_hex
 from ...memory.shm import SharedBuffer
 from ..core import ConnectorCore
 from .blocks import PagedBlocks, SharedAllocation, require_socket
-from .groups import groups_of, load_transfers, lookup_hits, namespace_of, rank_namespaces, store_transfers
+from .groups import any_rank, groups_of, load_transfers, lookup_hits, namespace_of, rank_namespaces, store_transfers
 from .lookup import LOOKUP_GIVE_UP_MS, LOOKUP_TIMEOUT_MS, Lookups
 from .mover import LOAD_MODES, STORE_MODES, BlockMover, mode_of
 from .plan import (
@@ -199,7 +188,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             ``block_bytes`` is not this engine's block (both named, with the
             ``--block-bytes`` to start kvtier with).
         OSError, ValueError: a bad setting (``token_file``, ``local``, a
-            number, ``lookup_timeout_ms`` or ``lookup_give_up_ms`` not positive).
+            number, ``lookup_timeout_ms`` negative, ``lookup_give_up_ms`` not positive).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -208,7 +197,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         check_hash_algo(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         model = settings.get("model")
-        self.groups = groups_of(kv_cache_config, self.block_size)
+        self.groups = groups_of(kv_cache_config, self.block_size, vllm_config.parallel_config)
         self.hybrid = len(self.groups) > 1
         self.namespace = namespace_of(vllm_config, kv_cache_config, model)
         self._fingerprint = self.namespace.fingerprint
@@ -239,6 +228,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # Scheduler side.
         self._requests: dict[str, RequestState] = {}
         self._loads: list[Transfer] = []  # planned by update_state_after_alloc, sent with the next step
+        self._stores_awaited: list[str] = []  # request_finished answered True, sent with the next step
         self._lookup_fingerprints: list[list[str]] = []  # per group, every TP rank's
         # Worker side.
         self._shared: list[SharedBuffer] = []
@@ -288,6 +278,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             policy,
         )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``True`` with ``loads: layer``: a replayed full CUDA graph would
+        skip :meth:`wait_for_layer_load` and read pages before they are
+        loaded, so vLLM runs piecewise graphs instead. Raises ``ValueError``
+        for a ``loads`` value not in :data:`LOAD_MODES`."""
+        return mode_of(dict(extra_config or {}), "loads", LOAD_MODES) == "layer"
+
     def key_of(self, block_hash: bytes, fingerprint: str | None = None) -> str:
         """The kvtier key of one vLLM block hash in ``fingerprint``'s
         namespace (default this process's rank's)."""
@@ -304,10 +302,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Prompt tokens beyond ``num_computed_tokens`` whose blocks every
         rank holds in kvtier, and whether they load in the background
         (``loads: async``; else before the forward that needs them).
-        ``(None, False)`` while the request's lookup is in flight (vLLM asks
-        again next step; :mod:`kvtier.connectors.vllm.lookup`); no answer within
-        ``lookup_give_up_ms``, or kvtier not known to answer, is no hit.
-        Whole blocks only, and never the prompt's last token."""
+        ``(None, False)`` while its lookup is in flight (vLLM asks again;
+        :mod:`kvtier.connectors.vllm.lookup`); a lookup given up, or kvtier
+        not known to answer, is no hit. Never the prompt's last token."""
         state = self._requests.setdefault(request.request_id, RequestState(request))
         if self.loads == "off":
             state.local_tokens = num_computed_tokens
@@ -351,6 +348,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         last = (state.local_tokens + num_external_tokens) // self.block_size
         hashes = [bytes(h) for h in request.block_hashes[:last]]
         background = self.loads == "async"
+        state.loading = background
         self._loads += load_transfers(request.request_id, hashes, state.block_ids, first, last, background=background)
 
     @timed("scheduler_us")
@@ -361,7 +359,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._core.count(scheduler_steps=1)
         meta = KvtierConnectorMetadata(store=self._core.ready(), idle=scheduler_output.total_num_scheduled_tokens == 0)
         meta.loads, self._loads = self._loads, []
+        meta.stores_awaited, self._stores_awaited = self._stores_awaited, []
         meta.preempted = list(scheduler_output.preempted_req_ids or ())
+        for req_id in meta.preempted:  # kvtier may hold more, or less, when vLLM resumes it: asked again
+            if (state := self._requests.get(req_id)) is not None:
+                state.hit_blocks, state.lookup = None, None
+        if meta.idle:
+            self._lookups.wait_any(IDLE_STEP_WAIT_S)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -409,10 +413,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Blocks whose load failed (a miss, a CRC or digest failure) are
         recomputed by vLLM: from the first of them on, a request's blocks
         count as not in kvtier, so the steps that recompute them store them
-        (the worker stored none of them in the failed step)."""
+        (the worker stored none of them in the failed step). A request
+        named in ``finished_recving`` has no load in flight any more."""
+        for req_id in connector_output.finished_recving or ():
+            if (state := self._requests.get(req_id)) is not None:
+                state.loading = False
         for req_id in connector_output.failed_recving or ():  # a hybrid model's: the request recomputes
-            state = self._requests.get(req_id)
-            if state is not None:
+            if (state := self._requests.get(req_id)) is not None:
                 state.hit_blocks, state.stored_blocks = 0, 0
         invalid = connector_output.invalid_block_ids
         if not invalid:
@@ -427,9 +434,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets ``request``. With ``stores: async`` and a store planned for
         it, ``True``: vLLM keeps its blocks until every worker reports its
-        stores done (:meth:`get_finished`); otherwise vLLM may free them now."""
+        stores done (told by the next step's ``stores_awaited``). ``False``
+        while its background load is in flight (aborted mid-load): vLLM keeps
+        the blocks until the workers report that load, which they do once its
+        stores have ended too (a ``finished_sending`` as well would free the
+        blocks under the load, or name a freed request: vLLM asserts)."""
         state = self._requests.pop(request.request_id, None)
-        return self.stores == "async" and state is not None and state.has_stores, None
+        awaited = self.stores == "async" and state is not None and state.has_stores and not state.loading
+        if awaited:
+            self._stores_awaited.append(request.request_id)
+        return awaited, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -480,7 +494,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             require_socket(self._core)
         self._blocks = blocks
         assert self._mover is not None
-        self._mover.register(groups, list(kv_caches))
+        self._mover.register(groups, list(kv_caches), any_rank)
         logger.info(
             "kvtier connector: %d layers in %d KV cache group(s), %d bytes per layer page, blocks of %d bytes; KV "
             "cache in shared memory: %s",
@@ -547,17 +561,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         no block failures with more than one KV cache group). In a step that
         computes nothing, first waits up to ``IDLE_STEP_WAIT_S`` for a
         background copy to end (not counted in ``worker_us``)."""
+        meta = getattr(self, "_connector_metadata", None) or KvtierConnectorMetadata()
         if self._mover is None:
             return KVConnectorTransferResults()
-        meta = getattr(self, "_connector_metadata", None)
-        if isinstance(meta, KvtierConnectorMetadata) and meta.idle:
+        if meta.idle:
             self._mover.wait_idle(IDLE_STEP_WAIT_S)
-        return self._transfer_results(finished_req_ids)
+        return self._transfer_results(set(meta.stores_awaited))
 
     @timed("worker_us")
-    def _transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def _transfer_results(self, stores_awaited: set[str]) -> KVConnectorTransferResults:
         assert self._mover is not None
-        sending, recving, failed = self._mover.finished(finished_req_ids)
+        sending, recving, failed = self._mover.finished(stores_awaited)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -10,8 +10,10 @@ its own block table, its blocks drawn from one pool (block ids unique across
 groups, 0 the null block), and a block of group ``g`` lives in the pages of
 ``g``'s layers only. A kvtier block is one vLLM block of one group (its
 layers' pages in model order), keyed under that group's namespace, so every
-group must have the same block bytes (vLLM's uniform page grouping gives
-that; a model where it does not is refused at start).
+group must have the same block bytes and the same block tokens (vLLM's
+uniform page grouping gives that; a model where it does not, where vLLM
+gives a group of smaller pages a larger block, or one served with context
+parallelism is refused at start, naming why).
 
 **Which blocks.** A full-attention group needs every block up to a hit's
 boundary; a sliding-window group of window ``w`` tokens only the blocks
@@ -51,7 +53,7 @@ from .blocks import block_tags
 from .plan import ConfigurationError, Transfer
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: vLLM's null block (a sliding group's blocks outside its window).
@@ -75,13 +77,19 @@ class Group:
         return "full" if self.window_tokens is None else f"sliding{self.window_tokens}"
 
 
-def groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> list[Group]:
-    """The KV cache groups of ``kv_cache_config``.
+def groups_of(kv_cache_config: KVCacheConfig, block_size: int, parallel: ParallelConfig | None = None) -> list[Group]:
+    """The KV cache groups of ``kv_cache_config``, whose blocks are all of
+    vLLM's ``block_size`` tokens (``cache_config.block_size``); ``parallel``:
+    vLLM's parallel config (context parallelism is refused).
 
     Raises:
         ConfigurationError: a group that is neither full attention nor a
             sliding window (Mamba, chunked local attention, cross attention),
-            or groups whose blocks differ in bytes; the message names them.
+            groups whose blocks differ in bytes or in tokens (vLLM gives a
+            group of smaller pages a larger block: its blocks would be keyed
+            by a shorter prefix's hash), or decode or prefill context
+            parallelism (a block's tokens split across ranks, hashed at the
+            block times the ranks); the message names them.
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -104,6 +112,24 @@ def groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> list[Group]:
                 f"kvtier's vLLM connector moves full-attention and sliding-window KV caches; this model's KV cache "
                 f"groups are {kinds}: serve it without --kv-transfer-config"
             )
+    sizes = [int(getattr(g.kv_cache_spec, "block_size", block_size)) for g in kv_cache_config.kv_cache_groups]
+    if any(size != block_size for size in sizes):
+        raise ConfigurationError(
+            f"kvtier's vLLM connector keys every KV cache group's blocks at vLLM's block size ({block_size} tokens); "
+            f"this model's groups ({kinds}) have blocks of {', '.join(map(str, sizes))} tokens (vLLM gives groups "
+            f"whose pages differ in size blocks of their own): serve it without --kv-transfer-config"
+        )
+    context = [
+        f"--{name.replace('_', '-')} {getattr(parallel, name)}"
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+        if int(getattr(parallel, name, 1) or 1) > 1
+    ]
+    if context:
+        raise ConfigurationError(
+            f"kvtier's vLLM connector keys whole blocks of one rank; context parallelism ({', '.join(context)}) "
+            f"splits a block's tokens across ranks: serve it without --kv-transfer-config or without context "
+            f"parallelism"
+        )
     if len(page_bytes) > 1:
         raise ConfigurationError(
             f"kvtier's vLLM connector stores one block per KV cache group, all of one size; this model's groups "
@@ -125,6 +151,21 @@ def _parallel_rank() -> tuple[int, int]:
     if model_parallel_is_initialized():
         return get_tp_group().rank_in_group, get_pp_group().rank_in_group
     return 0, 0
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of this worker's tensor-parallel
+    group: one all-reduce (max) of one integer over the group's CPU (gloo)
+    group, which every rank must make in the same step; this rank's own flag
+    where vLLM's model-parallel groups do not exist or hold one rank."""
+    import torch
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return bool(value.item())
 
 
 def namespace_of(

@@ -36,7 +36,8 @@ overlap. When the forward waits for it depends on the settings:
     stores to the mover and returns, so they overlap the next forward. A
     block's pages are never read after vLLM may reuse them: a finished
     request with stores planned is kept by vLLM (``request_finished``
-    answers ``True``) until :meth:`BlockMover.finished` reports its stores
+    answers ``True``; the scheduler names it in the next step's
+    ``stores_awaited``) until :meth:`BlockMover.finished` reports its stores
     done, and a preempted request's stores are waited for in
     :meth:`BlockMover.preempt`, before vLLM hands its blocks to another.
 
@@ -143,14 +144,20 @@ class BlockMover:
         self._load_errors: set[int] = set()
         self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
         self._layers: _Layers | None = None
-        self._store_requests: set[str] = set()  # requests a store was planned for (vLLM keeps their blocks)
+        self._any_rank: Callable[[bool], bool] | None = None
         self._awaiting: set[str] = set()  # finished requests whose stores vLLM waits for
 
-    def register(self, groups: list[PagedBlocks], layer_names: list[str]) -> None:
-        """The paged cache of each KV cache group, and the layers' names in
-        model order (one group: every layer)."""
+    def register(
+        self, groups: list[PagedBlocks], layer_names: list[str], any_rank: Callable[[bool], bool] | None = None
+    ) -> None:
+        """The paged cache of each KV cache group, the layers' names in
+        model order (one group: every layer), and ``any_rank``: whether a
+        flag holds on any rank of this worker's tensor-parallel group (a
+        collective every rank makes in the same step; ``None``: this rank
+        alone)."""
         self.groups = groups
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self._any_rank = any_rank
 
     # ------------------------------------------------------------ loads
 
@@ -198,16 +205,26 @@ class BlockMover:
         return self.oracle.step if self.oracle is not None else 0
 
     def _background_load(self, transfers: list[Transfer], step: int) -> None:
-        self.core.count(background_loads=1)
+        """One request's background load; reported by :meth:`finished`
+        whatever happens in it (a request vLLM parks for its load waits for
+        that report, holding its blocks): a fault fails the blocks not known
+        loaded."""
         failed_blocks: list[int] = []
-        for transfer in transfers:
-            failed = self._load(transfer, step, None)
-            if failed is not None:
-                failed_blocks += transfer.block_ids[failed:]
-        with self._lock:
-            self._pending.loaded.append((transfers[0].req_id, failed_blocks))
-            self._pending.loading -= 1
-            self._ended.notify_all()
+        done = 0
+        try:
+            self.core.count(background_loads=1)
+            for transfer in transfers:
+                failed = self._load(transfer, step, None)
+                if failed is not None:
+                    failed_blocks += transfer.block_ids[failed:]
+                done += 1
+        finally:
+            for transfer in transfers[done:]:
+                failed_blocks += transfer.block_ids
+            with self._lock:
+                self._pending.loaded.append((transfers[0].req_id, failed_blocks))
+                self._pending.loading -= 1
+                self._ended.notify_all()
 
     def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None) -> None:
         try:
@@ -223,7 +240,23 @@ class BlockMover:
 
     def _load(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
         """Loads one request's blocks; the index of its first block that
-        failed (a miss, CRC or digest), ``None`` when all loaded."""
+        failed (a miss, CRC or digest), ``None`` when all loaded. A fault
+        anywhere in it (staging, a copy, the digest, the oracle) fails every
+        block of the transfer, logged: a failed load vLLM recomputes, never
+        an exception in the forward or a lost completion."""
+        try:
+            return self._load_blocks(transfer, step, layers)
+        except Exception as error:  # any fault is this load's failure
+            self.core.count(load_failed_blocks=len(transfer.hashes), errors=1)
+            self.core.failures.warn(
+                "copy",
+                f"loading {len(transfer.hashes)} block(s) of request {transfer.req_id} failed: {error!r}; a failed "
+                f"load (vLLM recomputes them)",
+                logging.ERROR,
+            )
+            return 0
+
+    def _load_blocks(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
         blocks = self.groups[transfer.group]
         keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
         on_layer = layers.done if layers is not None else None
@@ -269,9 +302,13 @@ class BlockMover:
         return loaded
 
     def _tell(self, kind: str, transfer: Transfer, i: int, key: str, digest: int | None, step: int) -> None:
-        """One oracle event of block ``i`` of ``transfer`` (with ``oracle_dir``)."""
-        if self.oracle is not None:
-            tag = transfer.tags[i] if transfer.tags is not None else None
+        """One oracle event of block ``i`` of ``transfer`` (with ``oracle_dir``).
+        The oracle only watches: an event it cannot write is logged and
+        counted (``errors``), and the copy goes on."""
+        if self.oracle is None:
+            return
+        tag = transfer.tags[i] if transfer.tags is not None else None
+        try:
             self.oracle.event(
                 kind,
                 step=step,
@@ -283,24 +320,35 @@ class BlockMover:
                 tokens=tag.token_ids if tag is not None else None,
                 parent=tag.parent_hash if tag is not None else None,
             )
+        except Exception as error:  # an observer's fault is not the copy's
+            self.core.count(errors=1)
+            self.core.failures.warn("oracle", f"the byte oracle could not record a {kind} event: {error!r}")
 
     # ----------------------------------------------------------- stores
 
     def start_stores(self, meta: KvtierConnectorMetadata) -> None:
-        """Starts (``async``) or makes (``sync``) the step's stores: none of
-        a request from a block whose load failed in this step on
-        (``stores_skipped_after_failed_load``), none while kvtier is not known
-        to answer (``store_dropped_blocks``)."""
+        """Starts (``async``) or makes (``sync``) the step's stores, none
+        while kvtier is not known to answer (``store_dropped_blocks``). In a
+        step whose loads ran on the forward path, none at all when a load
+        failed on any rank of the tensor-parallel group
+        (``stores_skipped_after_failed_load``): the forward read the failed
+        pages, other requests of the step may have taken the loaded blocks as
+        a prefix hit of vLLM's own, and the other ranks' slices of every
+        block went through the all-reduce with it. The ranks agree on that
+        with one collective in such steps only (:meth:`register`'s
+        ``any_rank``); background loads need none, since vLLM schedules their
+        requests only once every rank has reported them."""
         self.end_loads_on_path()
         step = self._step()
         jobs: list[Future[None]] = []
+        failed_anywhere = False
+        if any(not t.background for t in meta.loads):
+            failed_here = bool(self._failed_from)
+            failed_anywhere = self._any_rank(failed_here) if self._any_rank is not None else failed_here
         for transfer in meta.stores:
-            if self.stores == "async":  # the scheduler kept this request's blocks for its stores
-                self._store_requests.add(transfer.req_id)
             n = len(transfer.hashes)
             keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
-            failed_at = self._failed_from.get(transfer.req_id)
-            keep = n if failed_at is None else max(0, min(n, failed_at - transfer.first))
+            keep = 0 if failed_anywhere else n
             if keep < n:
                 self.core.count(stores_skipped_after_failed_load=n - keep)
                 for i in range(keep, n):
@@ -319,31 +367,21 @@ class BlockMover:
             job.result()
 
     def _store(self, transfer: Transfer, keys: list[str], step: int) -> None:
+        """One transfer's store; a fault anywhere in it (staging, a copy, the
+        digest, the oracle) is a failed store of its blocks, logged, and the
+        request's stores end all the same (vLLM waits for them)."""
         try:
-            blocks = self.groups[transfer.group]
-            keep = len(keys)
-            if not blocks.ready():
-                self.core.count(store_dropped_blocks=keep)
-                return
-            tags = transfer.tags[:keep] if transfer.tags is not None else None
-            check = self.digests is not None or self.oracle is not None
-            digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
-            results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags)
-            for i, result in enumerate(results):
-                if not digests:
-                    break
-                if result >= 0:
-                    if self.digests is not None:
-                        self.digests.record(keys[i], digests[i])
-                    self._tell("stored", transfer, i, keys[i], digests[i], step)
-                    continue
-                # What kvtier holds under it is not known: this block, if the
-                # store landed and only its answer was lost, else the last.
-                if self.digests is not None:
-                    self.digests.forget(keys[i])
-                self._tell("store_failed", transfer, i, keys[i], digests[i], step)
-            failed = sum(1 for r in results if r < 0)
-            self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
+            self._store_blocks(transfer, keys, step)
+        except Exception as error:  # any fault is this store's failure
+            if self.digests is not None:
+                for key in keys:
+                    self.digests.forget(key)
+            self.core.count(store_failed_blocks=len(keys), errors=1)
+            self.core.failures.warn(
+                "copy",
+                f"storing {len(keys)} block(s) of request {transfer.req_id} failed: {error!r}; they are not in kvtier",
+                logging.ERROR,
+            )
         finally:
             with self._lock:
                 left = self._pending.stores[transfer.req_id] - 1
@@ -352,6 +390,32 @@ class BlockMover:
                 else:
                     del self._pending.stores[transfer.req_id]
                     self._ended.notify_all()
+
+    def _store_blocks(self, transfer: Transfer, keys: list[str], step: int) -> None:
+        blocks = self.groups[transfer.group]
+        keep = len(keys)
+        if not blocks.ready():
+            self.core.count(store_dropped_blocks=keep)
+            return
+        tags = transfer.tags[:keep] if transfer.tags is not None else None
+        check = self.digests is not None or self.oracle is not None
+        digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
+        results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags)
+        for i, result in enumerate(results):
+            if not digests:
+                break
+            if result >= 0:
+                if self.digests is not None:
+                    self.digests.record(keys[i], digests[i])
+                self._tell("stored", transfer, i, keys[i], digests[i], step)
+                continue
+            # What kvtier holds under it is not known: this block, if the
+            # store landed and only its answer was lost, else the last.
+            if self.digests is not None:
+                self.digests.forget(keys[i])
+            self._tell("store_failed", transfer, i, keys[i], digests[i], step)
+        failed = sum(1 for r in results if r < 0)
+        self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
 
     def preempt(self, preempted: list[str]) -> None:
         """Waits for the stores of ``preempted`` requests still in flight:
@@ -380,19 +444,23 @@ class BlockMover:
             if waiting and not self._pending.loaded:
                 self._ended.wait(timeout_s)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+    def finished(self, stores_awaited: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(sending, recving, failed)`` for vLLM's ``get_transfer_results``:
-        finished requests whose stores have all ended (those a store was
-        planned for: the scheduler kept their blocks); requests whose
-        background load ended, its failed blocks then in :meth:`load_errors`;
-        with more than one KV cache group, which vLLM takes no block failures
-        for, the requests among them whose load failed instead."""
+        the finished requests vLLM keeps for their stores (``stores_awaited``
+        of this step and earlier ones: ``request_finished`` answered
+        ``True``) whose stores have all ended; requests whose background load
+        ended and that have no store in flight (an aborted request's blocks
+        are freed when its load is reported), its failed blocks then in
+        :meth:`load_errors`; with more than one KV cache group, which vLLM
+        takes no block failures for, the requests among them whose load
+        failed instead."""
         with self._lock:
-            self._awaiting |= finished_req_ids & self._store_requests
+            self._awaiting |= stores_awaited
             sending = {r for r in self._awaiting if r not in self._pending.stores}
-            loaded, self._pending.loaded = self._pending.loaded, []
+            pending = self._pending
+            loaded = [entry for entry in pending.loaded if entry[0] not in pending.stores]
+            pending.loaded = [entry for entry in pending.loaded if entry[0] in pending.stores]
         self._awaiting -= sending
-        self._store_requests -= sending
         recving = {req_id for req_id, _ in loaded}
         if len(self.groups) > 1:
             return sending, recving, {req_id for req_id, blocks in loaded if blocks}

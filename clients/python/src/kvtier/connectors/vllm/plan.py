@@ -151,13 +151,20 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     ``preempted``: the requests vLLM preempted in this step (their stores
     in flight end before their blocks are reused). ``idle``: the step
     computes nothing (the workers may wait a little for a copy to end:
-    :meth:`kvtier.connectors.vllm.mover.BlockMover.wait_idle`)."""
+    :meth:`kvtier.connectors.vllm.mover.BlockMover.wait_idle`).
+    ``stores_awaited``: the requests finished since the last step for which
+    ``request_finished`` answered ``True`` (vLLM keeps their blocks): each
+    worker names each of them in ``finished_sending`` once its stores have
+    ended, and names no other request there (vLLM frees a request's blocks
+    at the first of ``finished_sending`` and ``finished_recving``, and a
+    second naming is an unknown request to its scheduler)."""
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     store: bool = True
     preempted: list[str] = field(default_factory=list)
     idle: bool = False
+    stores_awaited: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -190,7 +197,11 @@ class RequestState:
     """What the scheduler side keeps of one request: its blocks, the
     leading blocks kvtier holds (once asked), the blocks stored so far;
     ``has_stores`` once a store was planned (with asynchronous stores vLLM
-    then keeps its blocks until the workers report its stores done)."""
+    then keeps its blocks until the workers report its stores done);
+    ``loading`` while a background load of its blocks is in flight (from
+    the step that plans it until the workers name it in
+    ``finished_recving``: a request finished meanwhile is freed by vLLM when
+    its load ends, not by its stores)."""
 
     request: Request
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
@@ -199,3 +210,4 @@ class RequestState:
     local_tokens: int = 0
     stored_blocks: int = 0
     has_stores: bool = False
+    loading: bool = False
