@@ -35,6 +35,9 @@ def test_it_is_a_complete_vllm_kv_connector_that_serves_hybrid_models():
     assert issubclass(KvtierConnector, KVConnectorBase_V1)
     assert not KvtierConnector.__abstractmethods__
     assert supports_hma(KvtierConnector)  # else vLLM turns its hybrid KV cache manager off
+    # A cache, not a producer: vLLM 0.33's default (the producer role, kv_both included) would
+    # recompute a request preempted with a store pending.
+    assert object.__new__(KvtierConnector).requires_kv_delivery is False
 
 
 def test_the_kv_cache_allocation_lands_in_shared_memory_and_small_ones_do_not():
@@ -93,35 +96,31 @@ def test_kv_cache_groups_are_read_and_those_it_cannot_move_are_refused_saying_wh
 
 
 def test_groups_vllm_gives_blocks_of_their_own_size_are_refused_naming_them():
-    """vLLM's own KV cache config builder, layer-major layout: a full
-    attention layer of 8 KV heads and a sliding one of 4 have pages of two
-    sizes, so vLLM doubles the sliding group's block (32 tokens beside 16)
-    and sets ``cache_config.block_size`` to the smaller. Keyed at 16, the
-    sliding group's block i would be named by a shorter prefix's hash."""
-    from vllm.config import ParallelConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    """vLLM's own page unification (``unify_kv_cache_spec_page_size``, which
+    its KV cache planner applies to a hybrid model): a full attention layer
+    of 8 KV heads and a sliding one of 4 have pages of two sizes, so vLLM
+    doubles the sliding layer's block (32 tokens beside 16) and sets
+    ``cache_config.block_size`` to the smaller. Keyed at 16, the sliding
+    group's block i would be named by a shorter prefix's hash."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    specs = {
-        "model.layers.0.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-        ),
-        "model.layers.1.self_attn.attn": SlidingWindowSpec(
-            block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16, sliding_window=512
-        ),
-    }
-    vllm_config = VllmConfig()
-    vllm_config.cache_config.kv_cache_layout = "LBHNC"
-    config = get_kv_cache_config_from_groups(vllm_config, get_kv_cache_groups(vllm_config, specs), 1 << 26)
-    assert sorted(g.kv_cache_spec.block_size for g in config.kv_cache_groups) == [16, 32]
-    with pytest.raises(ConfigurationError, match=r"block size \(16 tokens\).* blocks of 16, 32 tokens"):
-        groups_of(config, 16)
+    try:  # vLLM 0.33 moved KV cache planning out of kv_cache_utils
+        from vllm.v1.core.kv_cache_planning import unify_kv_cache_spec_page_size
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
+
     full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    same = dict.fromkeys(specs, full)
-    uniform = get_kv_cache_config_from_groups(vllm_config, get_kv_cache_groups(vllm_config, same), 1 << 26)
-    assert [g.kind for g in groups_of(uniform, 16)] == ["full"]
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16, sliding_window=512)
+    unified = unify_kv_cache_spec_page_size({"full": full, "sliding": window})
+    assert [unified[name].block_size for name in ("full", "sliding")] == [16, 32]
+    config = spec_groups((unified["full"], 1), (unified["sliding"], 1))
+    with pytest.raises(ConfigurationError, match=r"block size \(16 tokens\).* blocks of 16, 32 tokens"):
+        groups_of(config, 16)  # type: ignore[arg-type]
+    uniform = spec_groups((full, 2))
+    assert [g.kind for g in groups_of(uniform, 16)] == ["full"]  # type: ignore[arg-type]
+    context = SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1)
     with pytest.raises(ConfigurationError, match="context parallelism \\(--decode-context-parallel-size 2\\)"):
-        groups_of(uniform, 16, ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2))
+        groups_of(uniform, 16, context)  # type: ignore[arg-type]
 
 
 def test_a_hybrid_hit_is_the_largest_boundary_every_group_can_serve():

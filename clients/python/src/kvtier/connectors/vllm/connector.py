@@ -60,11 +60,8 @@ go through a staging buffer (logged once; ``zero_copy_blocks``,
 **Block tags.** Every stored block carries its :class:`kvtier.BlockTag`, so
 kvtier's KV events name it as vLLM's ``BlockStored`` does.
 
-**Failures.** A kvtier that is down or slow costs misses (vLLM recomputes),
-never an exception or a stalled scheduler (``kvtier.connectors.core``): a socket
-that is gone or a port that refuses fails at once, and is asked again by the
-probe thread only. A store that fails is a later miss. docs/INTEGRATIONS.md,
-"What can go wrong, and what the connector does", lists each case.
+**Failures** cost misses, never an exception or a stalled scheduler:
+docs/INTEGRATIONS.md, "What can go wrong, and what the connector does".
 
 **GPUs.** With the cache in GPU memory each block goes through a staging
 buffer shared with kvtier and page-locked, so the host-device copies are
@@ -180,15 +177,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     copies) in each worker.
 
     Raises:
-        ConfigurationError: at start, for KV cache groups the connector
-            cannot move (:func:`kvtier.connectors.vllm.groups.groups_of`), a hybrid
-            model with loads that are not ``async``, or a per-process block
-            hash.
-        kvtier.GeometryError: at start (worker), when kvtier answers and its
-            ``block_bytes`` is not this engine's block (both named, with the
-            ``--block-bytes`` to start kvtier with).
+        ConfigurationError: at start: KV cache groups it cannot move
+            (:func:`kvtier.connectors.vllm.groups.groups_of`), a hybrid model
+            with loads not ``async``, a per-process block hash.
+        kvtier.GeometryError: at start (worker): kvtier's ``block_bytes`` is
+            not this engine's block (both named, and the ``--block-bytes``).
         OSError, ValueError: a bad setting (``token_file``, ``local``, a
-            number, ``lookup_timeout_ms`` negative, ``lookup_give_up_ms`` not positive).
+            number, a lookup deadline out of range).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -277,6 +272,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             "on" if digests is not None else "off",
             policy,
         )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """``False`` (vLLM 0.33 asks): a cache, not a producer; a store lost to a
+        preemption is a later miss, so vLLM need not recompute the request."""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -527,8 +528,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._mover.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """With ``loads: layer``, waits until this layer's pages of the
-        step's loads are in; otherwise returns at once."""
+        """With ``loads: layer``, waits for this layer's pages of the step's loads."""
         if self._mover is not None:
             self._mover.wait_layer(layer_name)
 
