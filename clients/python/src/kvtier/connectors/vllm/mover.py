@@ -241,7 +241,7 @@ class BlockMover:
     def _load(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
         """Loads one request's blocks; the index of its first block that
         failed (a miss, CRC or digest), ``None`` when all loaded. A fault
-        anywhere in it (staging, a copy, the digest, the oracle) fails every
+        anywhere in it (staging, a copy, the digest) fails every
         block of the transfer, logged: a failed load vLLM recomputes, never
         an exception in the forward or a lost completion."""
         try:
@@ -368,8 +368,8 @@ class BlockMover:
 
     def _store(self, transfer: Transfer, keys: list[str], step: int) -> None:
         """One transfer's store; a fault anywhere in it (staging, a copy, the
-        digest, the oracle) is a failed store of its blocks, logged, and the
-        request's stores end all the same (vLLM waits for them)."""
+        digest) is a failed store of its blocks, logged, and the request's
+        stores end all the same (vLLM waits for them)."""
         try:
             self._store_blocks(transfer, keys, step)
         except Exception as error:  # any fault is this store's failure
