@@ -204,16 +204,9 @@ impl StoreManifest {
     /// Writes `store.json` atomically: temp file, fsync, rename, fsync of
     /// the directory.
     fn write(&self, dir: &Path) -> Result<()> {
-        let path = Self::path(dir);
-        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
-        let body = serde_json::to_vec_pretty(self).expect("manifest serializes");
-        let mut f = fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-        f.write_all(&body)
-            .and_then(|_| f.write_all(b"\n"))
-            .and_then(|_| f.sync_all())
-            .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-        fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
-        fsync_dir(dir)
+        let mut body = serde_json::to_vec_pretty(self).expect("manifest serializes");
+        body.push(b'\n');
+        write_durably(dir, MANIFEST_FILE, &body)
     }
 
     fn check_against(&self, dir: &Path, stored: &StoreManifest) -> Result<()> {
@@ -305,6 +298,21 @@ impl StoreManifest {
         }
         Ok(m)
     }
+}
+
+/// Writes `dir/name` atomically and durably: `name.tmp` written and
+/// fsynced, renamed over `name`, then the directory fsynced. Blocking std
+/// I/O: a shard calls it on the executor's blocking pool.
+///
+/// # Errors
+/// [`Error::Io`] naming the file and the step that failed.
+pub(crate) fn write_durably(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let path = dir.join(name);
+    let tmp = dir.join(format!("{name}.tmp"));
+    let mut f = fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {} into place", tmp.display()), e))?;
+    fsync_dir(dir)
 }
 
 /// fsyncs a directory so a rename or a new file in it survives power loss.

@@ -129,6 +129,7 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
     let path = segment_path(shard_dir, sb.segment_id);
     let tmp = path.with_extension("kvt.tmp");
     let result = (|| -> Result<()> {
+        // off-shard: every call here runs on the executor's blocking pool (Shard::create_segment).
         let mut f = fs::OpenOptions::new()
             .write(true)
             .create(true)
@@ -136,6 +137,7 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
             .open(&tmp)
             .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
         // SAFETY: fallocate on an fd we own; mode 0 allocates and extends.
+        // off-shard: the blocking pool, as above.
         let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, sb.segment_bytes as libc::off_t) };
         if rc != 0 {
             return Err(Error::io(
@@ -145,11 +147,15 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
         }
         let mut page = vec![0u8; PAGE_BYTES as usize];
         sb.encode(&mut page);
+        // off-shard: the blocking pool, as above.
         f.write_all(&page).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("writing superblock of {}", tmp.display()), e))?;
+        // off-shard: the blocking pool, as above.
         fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))?;
+        // off-shard: the blocking pool, as above.
         crate::geometry::fsync_dir(shard_dir)
     })();
     if result.is_err() {
+        // off-shard: the blocking pool, as above.
         let _ = fs::remove_file(&tmp);
     }
     result.map(|_| path)
@@ -162,8 +168,10 @@ pub fn create_file(shard_dir: &Path, sb: &Superblock) -> Result<PathBuf> {
 /// # Errors
 /// [`Error::Io`] when the file cannot be read.
 pub fn read_superblock(path: &Path) -> Result<Option<Superblock>> {
+    // off-shard: called by recovery on the blocking pool and by `kvtier fsck` (no shard).
     let mut f = fs::File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
     let mut page = vec![0u8; PAGE_BYTES as usize];
+    // off-shard: as above.
     match f.read_exact(&mut page) {
         Ok(()) => Ok(Superblock::decode(&page)),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::Shard;
 use crate::counter::bump;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::index::snapshot::{self, EntryState, IndexSnapshot, SegmentState, TagState};
 
 impl Shard {
@@ -81,15 +81,9 @@ impl Shard {
         let dir = self.cfg.dir.clone();
         let written = glommio::executor()
             .spawn_blocking(move || -> Result<usize> {
-                let tmp = dir.join(format!("{}.tmp", snapshot::FILE));
-                let path = dir.join(snapshot::FILE);
-                let len = bytes.len();
-                std::fs::write(&tmp, &bytes)
-                    .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
-                    .and_then(|_| std::fs::rename(&tmp, &path))
-                    .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-                crate::geometry::fsync_dir(&dir)?;
-                Ok(len)
+                // off-shard: inside spawn_blocking (the executor's blocking pool).
+                crate::geometry::write_durably(&dir, snapshot::FILE, &bytes)?;
+                Ok(bytes.len())
             })
             .await;
         if let Err(e) = &written {
