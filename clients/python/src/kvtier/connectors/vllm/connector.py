@@ -366,7 +366,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if (state := self._requests.get(req_id)) is not None:
                 state.hit_blocks, state.lookup = None, None
         if meta.idle:
-            self._lookups.wait_any(IDLE_STEP_WAIT_S)
+            self._lookups.wait_any((state.lookup for state in self._requests.values()), IDLE_STEP_WAIT_S)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)

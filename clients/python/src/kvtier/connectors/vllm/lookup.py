@@ -19,9 +19,8 @@ in flight to end, at most ``IDLE_STEP_WAIT_S`` (:meth:`Lookups.wait_any`).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -64,8 +63,6 @@ class Lookups:
         self._core = core
         self.timeout_s = _ms("lookup_timeout_ms", timeout_ms, zero=True) / 1000.0
         self.give_up_s = max(self.timeout_s, _ms("lookup_give_up_ms", give_up_ms, zero=False) / 1000.0)
-        self._lock = threading.Lock()
-        self._in_flight: set[Future[int]] = set()
 
     def start(self, lookup: Callable[[], int]) -> PendingLookup | None:
         """Starts ``lookup`` on the client's pool; ``None`` when kvtier is not
@@ -82,14 +79,7 @@ class Lookups:
             pending.future = self._core.client.executor().submit(send)
         except RuntimeError:  # the client is closed
             return None
-        with self._lock:
-            self._in_flight.add(pending.future)
-        pending.future.add_done_callback(self._ended)
         return pending
-
-    def _ended(self, future: Future[int]) -> None:
-        with self._lock:
-            self._in_flight.discard(future)
 
     def answer(self, pending: PendingLookup) -> int | None:
         """The lookup's answer if it has one (waited for at most
@@ -118,13 +108,14 @@ class Lookups:
         self._core.mark_down("lookup", f"no lookup answer within lookup_give_up_ms {self.give_up_s * 1e3:g}")
         return 0
 
-    def wait_any(self, timeout_s: float) -> None:
+    @staticmethod
+    def wait_any(lookups: Iterable[PendingLookup | None], timeout_s: float) -> None:
         """In a step with nothing to compute: waits at most ``timeout_s`` for
-        the first lookup in flight to end (none in flight: returns at once).
-        Without it vLLM runs empty steps back to back while its waiting
-        requests' lookups are in flight, taking the CPU kvtier answers with."""
-        with self._lock:
-            in_flight = list(self._in_flight)
+        the first of ``lookups`` still in flight to end (none: returns at
+        once). Without it vLLM runs empty steps back to back while its
+        waiting requests' lookups are in flight, taking the CPU kvtier
+        answers with."""
+        in_flight = [p.future for p in lookups if p is not None and not p.future.done()]
         if in_flight:
             wait(in_flight, timeout=timeout_s, return_when=FIRST_COMPLETED)
 

@@ -142,7 +142,7 @@ class BlockMover:
         self._ended = threading.Condition(self._lock)  # a background load, or a request's last store, ended
         self._pending = _Pending()
         self._load_errors: set[int] = set()
-        self._failed_from: dict[str, int] = {}  # this step: request → chain index of its first failed load
+        self._load_failed = False  # a load on this step's forward path failed on this rank
         self._layers: _Layers | None = None
         self._any_rank: Callable[[bool], bool] | None = None
         self._awaiting: set[str] = set()  # finished requests whose stores vLLM waits for
@@ -165,7 +165,7 @@ class BlockMover:
         """Starts (``async``, ``layer``) or makes (``sync``) the step's loads."""
         if self.oracle is not None:
             self.oracle.step += 1
-        self._failed_from = {}
+        self._load_failed = False
         self._layers = None
         background: dict[str, list[Transfer]] = {}
         for t in meta.loads:
@@ -233,7 +233,7 @@ class BlockMover:
                 if failed is not None:
                     with self._lock:
                         self._load_errors.update(transfer.block_ids[failed:])
-                    self._failed_from[transfer.req_id] = transfer.first + failed
+                    self._load_failed = True
         finally:
             if layers is not None:
                 layers.done()
@@ -343,7 +343,7 @@ class BlockMover:
         jobs: list[Future[None]] = []
         failed_anywhere = False
         if any(not t.background for t in meta.loads):
-            failed_here = bool(self._failed_from)
+            failed_here = self._load_failed
             failed_anywhere = self._any_rank(failed_here) if self._any_rank is not None else failed_here
         for transfer in meta.stores:
             n = len(transfer.hashes)
@@ -454,20 +454,19 @@ class BlockMover:
         :meth:`load_errors`; with more than one KV cache group, which vLLM
         takes no block failures for, the requests among them whose load
         failed instead."""
+        hybrid = len(self.groups) > 1
         with self._lock:
-            self._awaiting |= stores_awaited
-            sending = {r for r in self._awaiting if r not in self._pending.stores}
             pending = self._pending
+            self._awaiting |= stores_awaited
+            sending = {r for r in self._awaiting if r not in pending.stores}
             loaded = [entry for entry in pending.loaded if entry[0] not in pending.stores]
             pending.loaded = [entry for entry in pending.loaded if entry[0] in pending.stores]
+            if not hybrid:
+                for _, failed_blocks in loaded:
+                    self._load_errors.update(failed_blocks)
         self._awaiting -= sending
         recving = {req_id for req_id, _ in loaded}
-        if len(self.groups) > 1:
-            return sending, recving, {req_id for req_id, blocks in loaded if blocks}
-        with self._lock:
-            for _, failed_blocks in loaded:
-                self._load_errors.update(failed_blocks)
-        return sending, recving, set()
+        return sending, recving, {req_id for req_id, blocks in loaded if blocks} if hybrid else set()
 
     def load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
