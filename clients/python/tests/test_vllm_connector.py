@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from conftest import block, start_on_same_port
+from test_cuda_pin import fake_cuda  # noqa: F401 - the fixture
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvtier.connectors.core import ConnectorCore
@@ -241,3 +243,59 @@ def test_per_layer_loads_ask_vllm_for_piecewise_cuda_graphs_and_the_others_do_no
     assert asks() is False and asks(loads="async") is False and asks(loads="sync") is False
     with pytest.raises(ValueError, match="loads is 'fast'"):
         asks(loads="fast")
+
+
+def test_the_staging_buffer_is_pinned_portable_on_the_kv_caches_device_and_a_refusal_is_logged(
+    fake_cuda,  # noqa: F811 - the fixture imported above
+    tmp_path,
+    monkeypatch,
+    caplog,
+):
+    """On the fake CUDA driver (server/tests/fake-cuda, loaded in this
+    process): the staging buffer of a rank whose KV cache is on GPU 1 is
+    registered ``PORTABLE`` (flags 1) with GPU 1's context made current on
+    the calling thread, and unregistered at close; a driver that cannot be
+    loaded (as :func:`kvtier.memory.cuda.driver` answers then) leaves it
+    pageable, logged."""
+    from kvtier.memory import cuda as _cuda
+    from kvtier.memory.shm import SharedBuffer
+
+    trace = tmp_path / "fake-cuda.trace"
+    monkeypatch.setenv("FAKE_CUDA_TRACE", str(trace))
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setattr(_cuda, "_driver", _cuda.Driver(str(fake_cuda / "libcuda.so.1")))
+    blocks = object.__new__(PagedBlocks)
+    blocks.layers = [SimpleNamespace(device=SimpleNamespace(index=1, type="cuda"))]  # type: ignore[list-item]
+    blocks.logger, blocks.owner = logging.getLogger("t"), None
+    staging = SharedBuffer(1 << 20)
+    pinned = threading_result(lambda: blocks._pin(staging))  # a fresh thread: no context current, as the mover
+    assert pinned is True
+    calls = trace.read_text().splitlines()
+    assert "cuDeviceGet 1" in calls and f"cuMemHostRegister_v2 bytes={1 << 20} flags=1" in calls, calls
+    blocks.staging, blocks.staging_pinned = staging, True
+    blocks.close()
+    assert trace.read_text().splitlines()[-1] == "cuMemHostUnregister"
+
+    def no_driver() -> _cuda.Driver:
+        raise _cuda.CudaError("no CUDA driver: cannot load libcuda.so.1", code="no_cuda_driver")
+
+    monkeypatch.setattr(_cuda, "driver", no_driver)
+    other = SharedBuffer(1 << 20)
+    with caplog.at_level(logging.WARNING, logger="t"):
+        assert blocks._pin(other) is False
+    assert (
+        "page-locking the staging buffer (1048576 bytes) for GPU 1 failed: no_cuda_driver: no CUDA driver"
+        in caplog.text
+    )
+    other.close()
+
+
+def threading_result(fn: Any) -> Any:
+    """``fn()`` run on a thread of its own; its result."""
+    import threading
+
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]

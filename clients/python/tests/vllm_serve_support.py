@@ -103,14 +103,14 @@ def connector(url: str, **settings: object) -> dict[str, object]:
 
 def vllm(model: str = "KVTIER_VLLM_MODEL", **kwargs: Any) -> VllmServer:
     """A vLLM of the tests serving the model the environment variable
-        ``model`` names: OpenMP threads left to the kernel unless the caller
-        binds them (vLLM would pin them to core 0), 10 nicer than the tests and
-    kvtier (its process and its session's autogroup). On two
-        cores a CPU vLLM's threads spin between steps (OpenMP, and its
-        shared-memory queue's second of ``sched_yield`` after each message);
-        kvtier, as a serving host would run it, comes first when it has work,
-        so a shard's wait for a CPU is not what the tests measure (kvtier's
-        stall log says when one happens anyway, docs/OPERATIONS.md)."""
+    ``model`` names: OpenMP threads left to the kernel unless the caller
+    binds them (vLLM would pin them to core 0), 10 nicer than the tests and
+    kvtier (its process and its session's autogroup). On two cores a CPU
+    vLLM's threads spin between steps (OpenMP, and its shared-memory queue's
+    second of ``sched_yield`` after each message); kvtier, as a serving host
+    would run it, comes first when it has work, so a shard's wait for a CPU
+    is not what the tests measure (kvtier's stall log says when one happens
+    anyway, docs/OPERATIONS.md)."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **kwargs.pop("env", {})}
     return VllmServer(_model(model), python=sys.executable, env=env, niceness=10, **kwargs)
 

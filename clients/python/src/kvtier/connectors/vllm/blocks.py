@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import codes
 from ...errors import CudaError, InvalidTagError, KvtierConnectionError, KvtierError, LeasesOffError, error_from_code
+from ...memory import cuda as _cuda
 from ...memory.shm import SharedBuffer
 from ...tag import TAG_TOKENS_MAX, BlockTag
 from ..core import ConnectorCore
@@ -51,9 +52,6 @@ SHARED_ALLOCATION_BYTES_MIN = 1 << 20
 #: Blocks the staging buffer holds (the path when the KV cache is not
 #: registered); a larger transfer goes in rounds of this many.
 STAGING_BLOCKS = 32
-#: ``cudaHostRegisterPortable`` (CUDA runtime API): the pinned range is
-#: pinned for every CUDA context of the process, not only the current one.
-CUDA_HOST_REGISTER_PORTABLE = 0x01
 
 
 def block_tags(
@@ -424,32 +422,34 @@ class PagedBlocks:
 
     def _pin(self, staging: SharedBuffer) -> bool:
         """Page-locks ``staging`` so the host-device copies are DMA from and
-        to it: ``cudaHostRegisterPortable`` (every CUDA context of the
-        process sees it as pinned), made with the KV cache's device current
-        (this runs on the mover thread, whose current device is 0 otherwise:
-        on TP rank k that would make a context on GPU 0). A refusal is
-        logged and the copies stay pageable (slower, still correct)."""
-        device = self.layers[0].device
-        with torch.cuda.device(device):
-            code = torch.cuda.cudart().cudaHostRegister(staging.ptr, staging.nbytes, CUDA_HOST_REGISTER_PORTABLE)
-        if int(code) == 0:
-            return True
-        self.logger.warning(
-            "kvtier connector: page-locking the staging buffer (%d bytes) for %s failed (CUDA error %d: %s); "
-            "staged copies to and from the GPU are pageable, slower",
-            staging.nbytes,
-            device,
-            int(code),
-            torch.cuda.cudart().cudaGetErrorString(code),
-        )
-        return False
+        to it, as kvtier's arenas are (:mod:`kvtier.memory.cuda`: ``PORTABLE``,
+        so every CUDA context of the process sees it pinned), with the KV
+        cache's device's context current when the thread has none (this runs
+        on the mover thread: with the default, device 0, TP rank k would make
+        a context on GPU 0). A refusal is logged and the copies stay pageable
+        (slower, still correct)."""
+        device = self.layers[0].device.index or 0
+        try:
+            cuda = _cuda.driver()
+            cuda.use_device(device)
+            cuda.register(staging.ptr, staging.nbytes, read_only=False)
+        except CudaError as e:
+            self.logger.warning(
+                "kvtier connector: page-locking the staging buffer (%d bytes) for GPU %d failed: %s; staged copies "
+                "to and from the GPU are pageable, slower",
+                staging.nbytes,
+                device,
+                e,
+            )
+            return False
+        return True
 
     def close(self) -> None:
         """Releases the staging buffer (its page lock on a GPU); a group's
         pages leave that to their owner."""
         if self.staging is not None and self.owner is None:
-            if self.on_gpu and self.staging_pinned:
-                torch.cuda.cudart().cudaHostUnregister(self.staging.ptr)
+            if self.staging_pinned:
+                _cuda.driver().unregister(self.staging.ptr)
             self.staging.close()
             self.staging = None
 
