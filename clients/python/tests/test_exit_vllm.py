@@ -23,7 +23,8 @@ MOVER_SCRIPT = """
 import sys, time
 sys.path.insert(0, "tests")
 from test_vllm_connector_faults import SLOTS, bare, fill, hashes
-from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, Transfer
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata
+from kvtier.connectors.vllm.transfer import Transfer
 c = bare(sys.argv[1], local="on")
 for b in range(SLOTS):
     fill(c, b, b)

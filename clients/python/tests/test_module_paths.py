@@ -57,3 +57,17 @@ def test_importing_the_package_and_its_subpackages_imports_no_engine():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_vllm_connectors_worker_data_path_imports_without_vllm():
+    """The worker side of the vLLM connector (worker, mover, copies, digest,
+    the step's plan) runs with torch alone: ``make gpu-check`` drives it on a
+    GPU machine that has no vLLM. Imported with ``vllm`` made unimportable."""
+    pytest.importorskip("torch")
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvtier.connectors.vllm.worker, kvtier.connectors.vllm.transfer\n"
+        "assert not [m for m in sys.modules if m.startswith('vllm.')], 'vllm imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

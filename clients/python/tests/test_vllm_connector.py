@@ -21,6 +21,7 @@ from kvtier.connectors.core import ConnectorCore
 from kvtier.connectors.vllm.blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
 from kvtier.connectors.vllm.groups import Group, best_hit, groups_of, load_transfers, store_transfers
 from kvtier.connectors.vllm.plan import RequestState
+from kvtier.connectors.vllm.scheduler import KvtierScheduler
 from kvtier.shm import backing_fd
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import (
@@ -173,13 +174,13 @@ def test_each_stored_block_carries_vllms_hash_its_parent_and_its_tokens():
 
 
 def test_the_store_plan_hands_the_worker_each_blocks_tag():
-    connector = object.__new__(KvtierConnector)
-    connector.block_size, connector._fingerprint, connector.groups = 4, "ns", [Group(0, ("a",))]
+    scheduler = object.__new__(KvtierScheduler)
+    scheduler.block_size, scheduler.groups = 4, [Group(0, ("a",))]
     hashes = [bytes([i]) * 32 for i in range(1, 4)]
     request = SimpleNamespace(request_id="r", block_hashes=hashes, all_token_ids=list(range(12)), num_prompt_tokens=12)
     state = RequestState(request, block_ids=[[7, 8, 9]], hit_blocks=1)
     meta = KvtierConnectorMetadata()
-    connector._plan(meta, state, 12)
+    scheduler.plan_stores(meta, state, 12)
     (store,) = meta.stores
     assert store.block_ids == [8, 9] and store.hashes == hashes[1:] and store.first == 1
     assert store.tags == block_tags(hashes, list(range(12)), 4, 1, 3)

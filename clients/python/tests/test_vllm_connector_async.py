@@ -16,9 +16,10 @@ import pytest
 from conftest import block
 from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
 
-from kvtier import vllm_connector
+from kvtier.connectors.vllm import worker as worker_module
 from kvtier.connectors.vllm.blocks import PagedBlocks
-from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, Transfer
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata
+from kvtier.connectors.vllm.transfer import Transfer
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector
 
@@ -74,7 +75,7 @@ def test_an_idle_step_waits_for_a_background_load_woken_when_it_ends(monkeypatch
     woken as it ends (else vLLM runs empty steps back to back, taking the
     CPU the copy needs), at most ``IDLE_STEP_WAIT_S``; a step with work, or
     an idle one with nothing in flight, does not wait."""
-    monkeypatch.setattr(vllm_connector, "IDLE_STEP_WAIT_S", 4.0)  # long enough to tell a wake-up from a timeout
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 4.0)  # long enough to tell a wake-up from a timeout
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
         c = bare(s.url, loads="async")
         hs = hashes(2)
@@ -141,7 +142,7 @@ def preempted_store(url: str, pid: int, *, wait: bool) -> bytes | None:
     ``handle_preemptions`` returns. What kvtier then holds under r's key."""
     c = bare(url)
     if not wait:
-        c._mover.preempt = lambda preempted: None  # type: ignore[method-assign,union-attr]
+        c.worker.mover.preempt = lambda preempted: None  # type: ignore[method-assign,union-attr]
     hr, hq = hashes(1), hashes(1, salt=1)
     fill(c, 4, 1)
     fill(c, 6, 2)
@@ -153,7 +154,7 @@ def preempted_store(url: str, pid: int, *, wait: bool) -> bytes | None:
     c.handle_preemptions(KvtierConnectorMetadata(preempted=["r"]))
     fill(c, 4, 3)  # vLLM reuses the preempted request's block
     timer.join()
-    c._mover.drain()  # type: ignore[union-attr]
+    c.worker.mover.drain()  # type: ignore[union-attr]
     got = c._core.client.get(c.key_of(hr[0]))
     c.shutdown()
     return got
@@ -217,14 +218,14 @@ def test_a_hybrid_models_failed_load_fails_the_request_not_blocks():
     request's load is reported failed as a whole (``failed_recving``)."""
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
         c = bare(s.url, loads="async")
-        c._mover.register([c._blocks, c._blocks], list(c.caches))  # type: ignore[union-attr,attr-defined]
+        c.worker.mover.register([c.worker.blocks, c.worker.blocks], list(c.caches))  # type: ignore[union-attr,attr-defined]
         hs = hashes(2)
         c._core.client.put(c.key_of(hs[0]), block(0, BB))  # block 1 missing
         loads = [Transfer("r", 0, hs, [0, 1], background=True, group=g) for g in (0, 1)]
         c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads))
         c.start_load_kv(None)  # type: ignore[arg-type]
         c.clear_connector_metadata()
-        c._mover.drain()  # type: ignore[union-attr]
+        c.worker.mover.drain()  # type: ignore[union-attr]
         results = c.get_transfer_results(set())
         assert results.finished_recving == {"r"} and results.failed_recving == {"r"}
         assert c.get_block_ids_with_load_errors() == set()

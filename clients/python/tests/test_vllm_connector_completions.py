@@ -22,7 +22,8 @@ from test_vllm_connector_faults import BB, bare, fill, hashes, stop
 
 from kvtier.connectors.vllm import mover as mover_module
 from kvtier.connectors.vllm.blocks import PagedBlocks
-from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, RequestState, Transfer
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, RequestState
+from kvtier.connectors.vllm.transfer import Transfer
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector
 
@@ -57,7 +58,7 @@ class Frees:
                     self.errors.append(f"{req_id} named in {kind} after {self.freed[req_id]} freed it")
                     continue
                 self.freed[req_id] = kind
-                if self.c._mover._pending.loading:  # type: ignore[union-attr]
+                if self.c.worker.mover._pending.loading:  # type: ignore[union-attr]
                     self.loading_when_freed.append(f"{req_id} freed by {kind} while its load was in flight")
 
 
@@ -98,7 +99,7 @@ def aborted_mid_load(url: str, pid: int) -> Frees:
     request = SimpleNamespace(request_id="r", block_hashes=hs, num_prompt_tokens=9)
     state = RequestState(request)  # type: ignore[arg-type]
     state.has_stores, state.stored_blocks, state.hit_blocks = True, 2, 2  # its stores before the preemption
-    c._requests["r"] = state
+    c.scheduler.requests["r"] = state
     c.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1],)), 8)  # type: ignore[arg-type]
     frees = Frees(c)
     stop(pid)
@@ -132,7 +133,7 @@ def test_a_finished_request_is_named_once_its_stores_end_and_only_if_the_schedul
     request = SimpleNamespace(request_id="r", block_hashes=hs, num_prompt_tokens=4)
     state = RequestState(request)  # type: ignore[arg-type]
     state.has_stores = True
-    c._requests["r"] = state
+    c.scheduler.requests["r"] = state
     frees = Frees(c)
     stop(server.pid)
     try:
@@ -175,7 +176,7 @@ def break_stage(c: KvtierConnector, stage: str, monkeypatch: pytest.MonkeyPatch)
     elif stage == "digest":
         monkeypatch.setattr(mover_module, "digest_of", fail)
     else:
-        c._mover.oracle = BrokenOracle()  # type: ignore[union-attr,assignment]
+        c.worker.mover.oracle = BrokenOracle()  # type: ignore[union-attr,assignment]
 
 
 STAGES = ("staging", "copy", "digest", "oracle")
@@ -239,6 +240,6 @@ def test_a_fault_in_a_store_is_a_failed_store_and_its_request_is_still_reported(
             assert time.monotonic() < deadline, f"a fault at {stage} lost the store's completion"
             worker_step(c, KvtierConnectorMetadata(stores_awaited=awaited), {"r"}, frees)
             awaited = []
-    c._mover.drain()  # type: ignore[union-attr]
+    c.worker.mover.drain()  # type: ignore[union-attr]
     assert c.stats["store_failed_blocks"] == failed_blocks(stage, 1) and c.stats["errors"] >= 1
     c.shutdown()

@@ -36,8 +36,8 @@ import json, sys
 import torch
 import torch.distributed as dist
 from test_vllm_connector_faults import bare, fill, hashes
-from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, Transfer
-from kvtier.keys import Namespace
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata
+from kvtier.connectors.vllm.transfer import Transfer
 
 url, rank, init = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -47,10 +47,9 @@ def any_rank(flag):
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
-c = bare(url, loads="sync")
-c._fingerprint = Namespace(model="m", dtype="bfloat16", tp_rank=rank, tp_size=2).fingerprint
+c = bare(url, loads="sync", rank=rank, ranks=2)
 for salt, agree in ((50, any_rank), (60, None)):
-    c._mover.register([c._blocks], list(c.caches), agree)
+    c.worker.mover.register([c.worker.blocks], list(c.caches), agree)
     fill(c, 2, 30 + rank)
     fill(c, 3, 40 + rank)
     loads = [Transfer("a", 0, hashes(2, salt=salt), [0, 1])]
@@ -61,7 +60,7 @@ for salt, agree in ((50, any_rank), (60, None)):
     c.wait_for_save()
     errors = c.get_block_ids_with_load_errors()
     c.clear_connector_metadata()
-    c._mover.drain()
+    c.worker.mover.drain()
     counts = {k: c.stats[k] - before[k] for k in ("stored_blocks", "stores_skipped_after_failed_load")}
     print(json.dumps({"load_errors": sorted(errors), **counts}), flush=True)
 c.shutdown()

@@ -23,12 +23,13 @@ import torch
 from conftest import block, start_on_same_port
 
 from kvtier.connectors.core import ConnectorCore, GeometryError
-from kvtier.connectors.vllm.blocks import PagedBlocks
 from kvtier.connectors.vllm.groups import Group
 from kvtier.connectors.vllm.lookup import Lookups
-from kvtier.connectors.vllm.mover import BlockMover
-from kvtier.connectors.vllm.plan import STATS, KvtierConnectorMetadata, RequestState, Transfer
+from kvtier.connectors.vllm.plan import KvtierConnectorMetadata, RequestState
+from kvtier.connectors.vllm.scheduler import KvtierScheduler
+from kvtier.connectors.vllm.transfer import STATS, Transfer, block_key
 from kvtier.connectors.vllm.verify import Digests, digest_of
+from kvtier.connectors.vllm.worker import KvtierWorker
 from kvtier.errors import ConfigurationError
 from kvtier.keys import Namespace
 from kvtier.testing import ServerProcess
@@ -41,44 +42,56 @@ log = logging.getLogger("t")
 
 
 def bare(
-    url: str, *, digest: bool = False, ranks: int = 1, registered: bool = True, **settings: object
+    url: str,
+    *,
+    digest: bool = False,
+    ranks: int = 1,
+    rank: int = 0,
+    registered: bool = True,
+    **settings: object,
 ) -> KvtierConnector:
-    """A KvtierConnector with its scheduler and worker state but no engine:
-    a CPU paged cache of :data:`SLOTS` blocks of :data:`LAYERS` layer pages,
-    registered as ``register_kv_caches`` does unless ``registered`` is false
-    (then the test calls it)."""
+    """A KvtierConnector with its scheduler and worker sides but no engine
+    (rank ``rank`` of ``ranks``): a CPU paged cache of :data:`SLOTS` blocks
+    of :data:`LAYERS` layer pages, registered as ``register_kv_caches`` does
+    unless ``registered`` is false (then the test calls it)."""
     c = object.__new__(KvtierConnector)
-    fingerprints = [Namespace(model="m", dtype="bfloat16", tp_rank=r, tp_size=ranks).fingerprint for r in range(ranks)]
+    namespaces = [Namespace(model="m", dtype="bfloat16", tp_rank=r, tp_size=ranks) for r in range(ranks)]
     core = ConnectorCore(
         {"url": url, "timeout_s": 5, "down_s": 0.3, **settings},
         logger=log,
         stats=STATS,
         background_probe=True,
     )
-    c.block_size, c._fingerprint, c._lookup_fingerprints = 4, fingerprints[0], [fingerprints]
-    c._group_fingerprints, c.hybrid = [fingerprints[0]], False
+    c.block_size, c.namespace = 4, namespaces[rank]
     c._core, c.stats = core, core.stats
-    c._lookups = Lookups(core, settings.get("lookup_timeout_ms", 50), settings.get("lookup_give_up_ms", 300))
-    c._requests, c._loads, c._reported, c._lock = {}, [], dict.fromkeys(STATS, 0), threading.Lock()
-    c._stores_awaited = []
+    c._reported, c._lock = dict.fromkeys(STATS, 0), threading.Lock()
     c.loads, c.stores = str(settings.get("loads", "sync")), str(settings.get("stores", "async"))
-    c._mover = BlockMover(
+    caches = {f"layer.{j}": torch.zeros((SLOTS, BB // LAYERS), dtype=torch.uint8) for j in range(LAYERS)}
+    c.groups = [Group(0, tuple(caches))]
+    c.scheduler = KvtierScheduler(
         core,
-        lambda h, group: c.key_of(h),
+        Lookups(core, settings.get("lookup_timeout_ms", 50), settings.get("lookup_give_up_ms", 300)),
+        groups=c.groups,
+        block_size=c.block_size,
+        loads=c.loads,
+        stores=c.stores,
+        lookup_fingerprints=[[ns.fingerprint for ns in namespaces]],
+    )
+    c.worker = KvtierWorker(
+        core,
+        groups=c.groups,
+        block_size=c.block_size,
+        group_fingerprints=[namespaces[rank].fingerprint],
         loads=c.loads,
         stores=c.stores,
         digests=Digests() if digest else None,
         oracle=None,
+        local=str(settings.get("local", "auto")),
         logger=log,
     )
-    caches = {f"layer.{j}": torch.zeros((SLOTS, BB // LAYERS), dtype=torch.uint8) for j in range(LAYERS)}
-    c.groups = [Group(0, tuple(caches))]
-    c._shared, c._local = [], str(settings.get("local", "auto"))
     c.caches = caches  # type: ignore[attr-defined]
     if registered:
-        core.start(BB)
-        c._blocks = PagedBlocks(core, caches, [], log)
-        c._mover.register([c._blocks], list(caches))
+        c.worker.register_kv_caches(caches)
     return c
 
 
@@ -98,14 +111,14 @@ def step(c: KvtierConnector, loads: list[Transfer], stores: list[Transfer], stor
     c.start_load_kv(None)  # type: ignore[arg-type]
     c.wait_for_save()
     c.clear_connector_metadata()
-    c._mover.drain()  # type: ignore[union-attr]
+    c.worker.mover.drain()  # type: ignore[union-attr]
 
 
 def ask(c: KvtierConnector, hs: list[bytes]) -> int:
     """A new request's lookup answered as vLLM asks for it: again, each
     step, while the connector answers ``None``."""
     state = RequestState(None)  # type: ignore[arg-type]
-    while (hit := c._ask(hs, state)) is None:
+    while (hit := c.scheduler.ask(hs, state)) is None:
         pass
     return hit
 
@@ -131,13 +144,10 @@ def test_each_rank_keys_its_own_slice_and_a_lookup_counts_blocks_every_rank_hold
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
         c = bare(s.url, ranks=2)
         hs = hashes(4)
-        (
-            r0,
-            r1,
-        ) = c._lookup_fingerprints[0]
-        assert r0 != r1 and c.key_of(hs[0], r0) != c.key_of(hs[0], r1)
-        c._core.client.put_many([(c.key_of(h, r0), block(i, BB)) for i, h in enumerate(hs)])
-        c._core.client.put_many([(c.key_of(h, r1), block(i, BB)) for i, h in enumerate(hs[:2])])
+        r0, r1 = c.scheduler.lookup_fingerprints[0]
+        assert r0 != r1 and block_key(r0, hs[0]) != block_key(r1, hs[0])
+        c._core.client.put_many([(block_key(r0, h), block(i, BB)) for i, h in enumerate(hs)])
+        c._core.client.put_many([(block_key(r1, h), block(i, BB)) for i, h in enumerate(hs[:2])])
         assert ask(c, hs) == 2  # rank 1 holds two
         c._core.close()
 
@@ -166,7 +176,7 @@ def test_no_block_computed_over_a_failed_load_is_stored_in_that_step():
         # Deliberate fault: the failure not counted, the failed step's stores are made.
         c._core.client.delete(keys[2])
         c._core.client.delete(keys[4])
-        c._mover._any_rank = lambda failed: False  # type: ignore[union-attr]
+        c.worker.mover._any_rank = lambda failed: False  # type: ignore[union-attr]
         step(c, [load], [store])
         assert c.get_block_ids_with_load_errors() == {2, 3}
         assert c._core.client.batch_is_exist(keys[4:5]) == [1]
@@ -188,7 +198,7 @@ def test_the_digest_refuses_another_blocks_bytes_under_a_real_key():
         step(c, [Transfer("r", 0, hs, [0, 1, 2])], [])
         assert c.get_block_ids_with_load_errors() == {1, 2}
         assert c.stats["digest_mismatch_blocks"] == 1 and c.stats["digest_checked_blocks"] == 1
-        pages = c._blocks.pages(0)  # type: ignore[union-attr]
+        pages = c.worker.blocks.pages(0)  # type: ignore[union-attr]
         assert digest_of(pages) == digest_of([block(0, BB)])  # a block is its pages end to end
         c._core.close()
 
@@ -203,7 +213,7 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_then_nothing_until_it_answers
         try:
             started = time.monotonic()
             assert ask(c, hs) == 0
-            assert c._lookups.give_up_s <= time.monotonic() - started < c._lookups.give_up_s + 0.5
+            assert c.scheduler.lookups.give_up_s <= time.monotonic() - started < c.scheduler.lookups.give_up_s + 0.5
             assert c.stats["lookup_timeouts"] == 1 and c.stats["lookup_retries"] >= 1
             for _ in range(3):  # down: answered at once, nothing asked
                 started = time.monotonic()
@@ -233,11 +243,11 @@ def test_a_lookup_slower_than_its_deadline_is_asked_again_and_keeps_its_hit():
         state = RequestState(None)  # type: ignore[arg-type]
         stop(s.pid)
         try:
-            assert c._ask(hs, state) is None  # past lookup_timeout_ms: ask again
-            assert c._ask(hs, state) is None
+            assert c.scheduler.ask(hs, state) is None  # past lookup_timeout_ms: ask again
+            assert c.scheduler.ask(hs, state) is None
         finally:
             os.kill(s.pid, signal.SIGCONT)
-        while (hit := c._ask(hs, state)) is None:
+        while (hit := c.scheduler.ask(hs, state)) is None:
             pass
         assert hit == 2
         assert c.stats["lookup_timeouts"] == 0 and c.stats["lookup_retries"] >= 2

@@ -36,12 +36,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import codes
-from ...errors import CudaError, InvalidTagError, KvtierConnectionError, KvtierError, LeasesOffError, error_from_code
+from ...errors import (
+    ConfigurationError,
+    CudaError,
+    InvalidTagError,
+    KvtierConnectionError,
+    KvtierError,
+    LeasesOffError,
+    error_from_code,
+)
 from ...memory import cuda as _cuda
 from ...memory.shm import SharedBuffer
 from ...tag import TAG_TOKENS_MAX, BlockTag
 from ..core import ConnectorCore
-from .plan import ConfigurationError
 
 #: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
 #: are those of at least this many bytes (vLLM allocates the whole cache as

@@ -47,10 +47,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ...errors import ConfigurationError
 from ...keys import Namespace
 from ..core import ConnectorCore
 from .blocks import block_tags
-from .plan import ConfigurationError, Transfer
+from .transfer import Transfer
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from ... import codes
 from ..core import ConnectorCore
 from .blocks import PagedBlocks
-from .plan import KvtierConnectorMetadata, Transfer
+from .transfer import StepPlan, Transfer
 from .verify import Digests, Oracle, digest_of
 
 #: The values of the ``loads`` setting (module docstring).
@@ -161,7 +161,7 @@ class BlockMover:
 
     # ------------------------------------------------------------ loads
 
-    def start_loads(self, meta: KvtierConnectorMetadata) -> None:
+    def start_loads(self, meta: StepPlan) -> None:
         """Starts (``async``, ``layer``) or makes (``sync``) the step's loads."""
         if self.oracle is not None:
             self.oracle.step += 1
@@ -326,7 +326,7 @@ class BlockMover:
 
     # ----------------------------------------------------------- stores
 
-    def start_stores(self, meta: KvtierConnectorMetadata) -> None:
+    def start_stores(self, meta: StepPlan) -> None:
         """Starts (``async``) or makes (``sync``) the step's stores, none
         while kvtier is not known to answer (``store_dropped_blocks``). In a
         step whose loads ran on the forward path, none at all when a load
