@@ -567,7 +567,9 @@ fake-cuda:
 # (target/bench/gpu-get/), then loads into GPU memory from leases in
 # kvtier's page-locked arenas against staging (target/bench/gpu-lease/;
 # GPU_PYTHON must have torch with CUDA, numpy and xxhash). GPU_CHECK_DEVICE
-# picks the device.
+# picks the device. Last, the vLLM connector's worker data path with torch
+# alone: stores and loads ordered after the forward's stream, per-layer loads
+# read by captured graphs (tools/gpu_connector_check.py; target/bench/gpu-connector/).
 GPU_CHECK_DEVICE ?= 0
 GPU_PYTHON ?= python3
 gpu-check: build
@@ -577,6 +579,8 @@ gpu-check: build
 	loadgen/scripts/bench_gpu_get.sh
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier PYTHONPATH=$(CURDIR)/clients/python/src $(GPU_PYTHON) \
 	  clients/python/bench/bench_gpu_lease.py --device $(GPU_CHECK_DEVICE) --out target/bench/gpu-lease
+	KVTIER_BIN=$(CURDIR)/target/release/kvtier PYTHONPATH=$(CURDIR)/clients/python/src $(GPU_PYTHON) \
+	  clients/python/tools/gpu_connector_check.py --device $(GPU_CHECK_DEVICE) --out target/bench/gpu-connector
 
 # The same from prebuilt executables, for a GPU machine with no Rust
 # toolchain: `make gpu-pack` builds them into target/gpu-pack/ (stripped);

@@ -9,7 +9,9 @@
 #   3. GET from the GPU tier against the RAM tier over h2c (gpu-get/);
 #   4. loads into GPU memory from leases in kvtier's page-locked arenas
 #      (clients/python/bench/bench_gpu_lease.py; gpu-lease/), with PYTHON
-#      (default python3), which needs torch with CUDA, numpy and xxhash.
+#      (default python3), which needs torch with CUDA, numpy and xxhash;
+#   5. the vLLM connector's worker data path on the GPU with torch alone
+#      (clients/python/tools/gpu_connector_check.py; gpu-connector/).
 # Results go to GPU_CHECK_OUT (default target/bench). Every step runs; the exit status
 # is the first failing step's.
 #
@@ -43,4 +45,6 @@ step "tier copy path against pinned memcpy" "$PACK/gpu-bench" --device "$DEVICE"
 step "GET from the GPU tier against the RAM tier" env BIN=target/release OUT="$RESULTS/gpu-get" loadgen/scripts/bench_gpu_get.sh
 step "loads into the GPU from leases" env KVTIER_BIN="$PWD/target/release/kvtier" PYTHONPATH="$PWD/clients/python/src" \
   "${PYTHON:-python3}" clients/python/bench/bench_gpu_lease.py --device "$DEVICE" --out "$RESULTS/gpu-lease"
+step "the vLLM connector's data path on the GPU" env KVTIER_BIN="$PWD/target/release/kvtier" PYTHONPATH="$PWD/clients/python/src" \
+  "${PYTHON:-python3}" clients/python/tools/gpu_connector_check.py --device "$DEVICE" --out "$RESULTS/gpu-connector"
 exit $status

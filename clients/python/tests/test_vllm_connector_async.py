@@ -16,6 +16,7 @@ import pytest
 from conftest import block
 from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
 
+from kvtier.connectors.vllm import blocks as blocks_module
 from kvtier.connectors.vllm import worker as worker_module
 from kvtier.connectors.vllm.blocks import PagedBlocks
 from kvtier.connectors.vllm.plan import KvtierConnectorMetadata
@@ -177,13 +178,15 @@ def test_layer_loads_let_each_layer_go_as_its_pages_arrive(monkeypatch):
         release = threading.Event()
         staged = PagedBlocks._staged
 
-        def held_before_the_last_layer(self, keys, block_ids, *, load, tags=None, layer_done=None):  # type: ignore[no-untyped-def]
+        def held_before_the_last_layer(self, keys, block_ids, *, load, tags=None, layer_done=None, lane=0):  # type: ignore[no-untyped-def]
             def done(layer: int) -> None:
                 if layer == LAYERS - 1:
                     assert release.wait(10)
                 layer_done(layer)  # type: ignore[misc]
 
-            return staged(self, keys, block_ids, load=load, tags=tags, layer_done=done if layer_done else None)
+            return staged(
+                self, keys, block_ids, load=load, tags=tags, layer_done=done if layer_done else None, lane=lane
+            )
 
         monkeypatch.setattr(PagedBlocks, "_staged", held_before_the_last_layer)
         c.bind_connector_metadata(KvtierConnectorMetadata(loads=[Transfer("r", 0, hs, [0, 1, 2])]))
@@ -229,4 +232,68 @@ def test_a_hybrid_models_failed_load_fails_the_request_not_blocks():
         results = c.get_transfer_results(set())
         assert results.finished_recving == {"r"} and results.failed_recving == {"r"}
         assert c.get_block_ids_with_load_errors() == set()
+        c.shutdown()
+
+
+def test_the_forwards_copies_never_wait_behind_a_background_load(monkeypatch):
+    """The mover's two lanes: a background load held in its copy (its
+    thread stuck) does not hold up a synchronous store or a load on the
+    forward path of the next step; the background load is still reported
+    once let go. On one FIFO thread both waited for it."""
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, loads="async", stores="sync")
+        hs, hq = hashes(2), hashes(2, salt=1)
+        c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
+        release = threading.Event()
+        move = PagedBlocks.move
+
+        def held(self, keys, block_ids, *, load, **kw):  # type: ignore[no-untyped-def]
+            if load and block_ids == [0, 1]:
+                assert release.wait(10)
+            return move(self, keys, block_ids, load=load, **kw)
+
+        monkeypatch.setattr(PagedBlocks, "move", held)
+        c.bind_connector_metadata(KvtierConnectorMetadata(loads=[Transfer("r", 0, hs, [0, 1], background=True)]))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        data = [fill(c, b, 40 + b) for b in (4, 5)]
+        began = time.monotonic()
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("q", 0, hq, [4, 5])]))
+        c.start_load_kv(None)  # type: ignore[arg-type]
+        c.wait_for_save()  # stores: sync, on the forward's lane
+        c.clear_connector_metadata()
+        took = time.monotonic() - began
+        release.set()
+        assert took < 5, f"the forward's store waited {took:.1f} s behind the background load"
+        assert c._core.client.get_many([c.key_of(h) for h in hq]) == data
+        deadline = time.monotonic() + 10
+        while (recving := c.get_finished(set())[1]) is None:
+            assert time.monotonic() < deadline, "the background load was not reported"
+            time.sleep(0.01)
+        assert recving == {"r"} and c.get_block_ids_with_load_errors() == set()
+        c.shutdown()
+
+
+def test_a_stopped_kvtier_costs_a_transfer_one_give_up_not_one_per_staged_round(monkeypatch):
+    """Against a kvtier stopped with SIGSTOP, a store of 12 blocks staged in
+    rounds of 4 waits the client's timeout once (then the rest of it, and
+    the step's other transfers, fail at once: kvtier counts as down), not
+    once per round."""
+    monkeypatch.setattr(blocks_module, "STAGING_BLOCKS", 4)
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = bare(s.url, stores="sync", timeout_s=1, retries=0)
+        for b in range(12):
+            fill(c, b, b)
+        assert c.worker.blocks.ready() and not c.worker.blocks.zero_copy  # type: ignore[union-attr]
+        stop(s.pid)
+        began = time.monotonic()
+        stores = [Transfer("r", 0, hashes(12), list(range(12))), Transfer("q", 0, hashes(2, salt=1), [12, 13])]
+        c.bind_connector_metadata(KvtierConnectorMetadata(stores=stores))
+        c.wait_for_save()
+        c.clear_connector_metadata()
+        took = time.monotonic() - began
+        os.kill(s.pid, signal.SIGCONT)
+        assert c.stats["store_failed_blocks"] + c.stats["store_dropped_blocks"] == 14
+        assert took < 2.5, f"the stores waited {took:.1f} s: one give-up per staged round"
         c.shutdown()

@@ -155,6 +155,11 @@ class PagedBlocks:
         leased_loads: whether loads copy from leases in kvtier's arenas
             (same-host socket, leases offered, not ``zero_copy``; on a GPU,
             the arenas page-locked).
+        staging: the background lane's staging buffer, once kvtier answered
+            (``None`` with ``zero_copy``); :meth:`staging_for` gives each lane's.
+        pinned: the addresses of the staging buffers page-locked on a GPU.
+        lanes: the mover's lanes whose staging buffers :meth:`ready` makes
+            (another lane's is made on its first copy).
     """
 
     def __init__(
@@ -180,17 +185,23 @@ class PagedBlocks:
         self.block_bytes = self.layer_bytes * len(layers)
         self.shared = shared
         self.on_gpu = layers[0].device.type == "cuda"
-        self.staging_pinned = False
+        self.pinned: set[int] = set()  # the staging buffers page-locked (their addresses)
         self.kv_base = 0
         self.zero_copy = False
         self.leased_loads = False
-        self.staging: SharedBuffer | None = None
+        self.staging: SharedBuffer | None = None  # the background lane's (registered first)
+        self._stagings: dict[int, SharedBuffer] = {}  # per lane, once made (lane 0: self.staging)
+        self.lanes: tuple[int, ...] = (0,)  # the mover's lanes that copy (BlockMover.register sets them)
         self.owner = owner
         self._lock = threading.Lock()
 
     def ready(self) -> bool:
-        """Registers the KV cache (zero-copy) or the staging buffer with the
-        client the first time kvtier answers; ``False`` while it does not."""
+        """Whether to move blocks now: kvtier not known down (the connector's
+        down window), and the KV cache (zero-copy) or the staging buffer of
+        each lane in :attr:`lanes` registered with the client, which happens
+        the first time kvtier answers."""
+        if not self.core.ready():
+            return False
         if self.kv_base or self.staging is not None:
             return True
         if self.owner is not None:
@@ -200,8 +211,6 @@ class PagedBlocks:
                 self.kv_base, self.zero_copy, self.leased_loads = owner.kv_base, owner.zero_copy, owner.leased_loads
                 self.staging = owner.staging
             return ready
-        if not self.core.ready():
-            return False
         with self._lock:
             if self.kv_base or self.staging is not None:
                 return True
@@ -218,15 +227,16 @@ class PagedBlocks:
                         buffer.nbytes,
                     )
                     return True
-            staging = SharedBuffer(STAGING_BLOCKS * self.layer_bytes * len(self.layers), name="kvtier-vllm-staging")
-            code = client.register_buffer(staging.ptr, staging.nbytes)
-            if code != codes.OK:
-                staging.close()
-                self.core.failed("register", error_from_code(code, "registering the staging buffer"))
+            try:
+                for lane in self.lanes:  # made now, not in a later step's copy (kvtier may be stopped then)
+                    self._stagings[lane] = self._new_staging()
+            except KvtierError as e:
+                for staging in self._stagings.values():
+                    self._release(staging)
+                self._stagings.clear()
+                self.core.failed("register", e)
                 return False
-            if self.on_gpu:
-                self.staging_pinned = self._pin(staging)
-            self.staging = staging
+            self.staging = self._stagings[0]
             if self.core.transport == "unix":
                 self._use_leases()
             if self.on_gpu:
@@ -238,6 +248,38 @@ class PagedBlocks:
             if not self.leased_loads:  # else _use_leases said which path loads take
                 self.logger.info("kvtier connector: blocks are staged (one more copy of each layer page): %s", why)
             return True
+
+    def _new_staging(self) -> SharedBuffer:
+        """A staging buffer of :data:`STAGING_BLOCKS` blocks, registered with
+        the client (on a GPU page-locked, :meth:`_pin`).
+
+        Raises:
+            KvtierError: kvtier refused the registration.
+        """
+        staging = SharedBuffer(STAGING_BLOCKS * self.layer_bytes * len(self.layers), name="kvtier-vllm-staging")
+        code = self.core.client.register_buffer(staging.ptr, staging.nbytes)
+        if code != codes.OK:
+            staging.close()
+            raise error_from_code(code, "registering the staging buffer")
+        if self.on_gpu and self._pin(staging):
+            self.pinned.add(staging.ptr)
+        return staging
+
+    def staging_for(self, lane: int) -> SharedBuffer:
+        """The staging buffer of the mover's ``lane``: each lane has its own,
+        so the forward's copies never wait for the background's (lane 0's
+        is made when kvtier first answers, another lane's on first use).
+
+        Raises:
+            KvtierError: kvtier refused to register a new one.
+        """
+        if self.owner is not None:
+            return self.owner.staging_for(lane)
+        with self._lock:
+            staging = self._stagings.get(lane)
+            if staging is None:
+                staging = self._stagings[lane] = self._new_staging()
+            return staging
 
     def _use_leases(self) -> None:
         """Turns leased loads on where kvtier offers leases (on a GPU, once
@@ -307,13 +349,16 @@ class PagedBlocks:
         load: bool,
         tags: list[BlockTag | None] | None = None,
         layer_done: Callable[[int], None] | None = None,
+        lane: int = 0,
     ) -> list[int]:
         """Blocks ``block_ids`` of the paged cache to or from kvtier keys
         ``keys`` (a store's block ``i`` with the block tag ``tags[i]``, if
-        given); per block the call's result (``>= 0`` done, else a
-        docs/LOCAL.md code). Never raises: a failure is a result. A staged
-        load calls ``layer_done(layer)`` as each layer's pages of every block
-        are in (the other paths write all layers of a block at once)."""
+        given), staged through ``lane``'s buffer; per block the call's result
+        (``>= 0`` done, else a docs/LOCAL.md code). Never raises: a failure
+        is a result. A staged load calls ``layer_done(layer)`` as each
+        layer's pages of every block are in (the other paths write all
+        layers of a block at once). Staged rounds stop at the first kvtier
+        did not answer (:func:`in_rounds`)."""
         client = self.core.client
         kind = "load" if load else "store"
         out: list[int] = []
@@ -327,19 +372,19 @@ class PagedBlocks:
                     out = client.batch_put_from_multi_buffers(keys, ptrs, sizes, tags)
                 self.core.count(zero_copy_blocks=sum(1 for r in out if r >= 0))
             elif load and self.leased_loads:
-                out = self._leased(keys, block_ids)
+                out = self._leased(keys, block_ids, lane)
             else:
-                for start in range(0, len(keys), STAGING_BLOCKS):
-                    end = start + STAGING_BLOCKS
-                    out.extend(
-                        self._staged(
-                            keys[start:end],
-                            block_ids[start:end],
-                            load=load,
-                            tags=None if tags is None else tags[start:end],
-                            layer_done=layer_done if end >= len(keys) else None,
-                        )
-                    )
+                out = in_rounds(
+                    len(keys),
+                    lambda start, end: self._staged(
+                        keys[start:end],
+                        block_ids[start:end],
+                        load=load,
+                        tags=None if tags is None else tags[start:end],
+                        layer_done=layer_done if end >= len(keys) else None,
+                        lane=lane,
+                    ),
+                )
         except Exception as e:  # a kvtier failure is a miss, never an exception in vLLM
             self.core.failed(kind, e)
             out.extend([codes.CONNECTION_LOST] * (len(keys) - len(out)))
@@ -348,7 +393,7 @@ class PagedBlocks:
                 self.core.failed(kind, error_from_code(result, f"{kind} {key}: {codes.name_of(result)}"))
         return out
 
-    def _leased(self, keys: list[str], block_ids: list[int]) -> list[int]:
+    def _leased(self, keys: list[str], block_ids: list[int], lane: int) -> list[int]:
         """Loads from leases: one copy per layer page from kvtier's arena into
         vLLM's (on a GPU a DMA from the page-locked arena, then a wait for
         the stream), then the generation check. Blocks not leased for want of
@@ -387,11 +432,14 @@ class PagedBlocks:
                     else:
                         again.append(i)
         self.core.count(leased_blocks=leased)
-        for start in range(0, len(again), STAGING_BLOCKS):
-            chunk = again[start : start + STAGING_BLOCKS]
-            results = self._staged([keys[i] for i in chunk], [block_ids[i] for i in chunk], load=True)
-            for i, result in zip(chunk, results, strict=True):
-                out[i] = result
+        staged = in_rounds(
+            len(again),
+            lambda start, end: self._staged(
+                [keys[i] for i in again[start:end]], [block_ids[i] for i in again[start:end]], load=True, lane=lane
+            ),
+        )
+        for i, result in zip(again, staged, strict=True):
+            out[i] = result
         return out
 
     def _staged(
@@ -402,14 +450,18 @@ class PagedBlocks:
         load: bool,
         tags: list[BlockTag | None] | None = None,
         layer_done: Callable[[int], None] | None = None,
+        lane: int = 0,
     ) -> list[int]:
-        """Up to :data:`STAGING_BLOCKS` blocks through the staging buffer,
-        one torch copy per layer page (a store with its blocks' tags); a
-        load copies layer by layer, calling ``layer_done`` after each."""
-        assert self.staging is not None
+        """Up to :data:`STAGING_BLOCKS` blocks through ``lane``'s staging
+        buffer, one torch copy per layer page (a store with its blocks'
+        tags); a load copies layer by layer, calling ``layer_done`` after
+        each. On a GPU each copy runs on the calling thread's current stream
+        and ends before it returns (``copy_`` without ``non_blocking``)."""
+        staging = self.staging_for(lane)
         block_bytes = self.layer_bytes * len(self.layers)
-        rows = self.staging.torch().view(STAGING_BLOCKS, len(self.layers), self.layer_bytes)
-        ptrs = [self.staging.ptr + i * block_bytes for i in range(len(keys))]
+        rows = staging.torch()[: STAGING_BLOCKS * len(self.layers) * self.layer_bytes]
+        rows = rows.view(STAGING_BLOCKS, len(self.layers), self.layer_bytes)
+        ptrs = [staging.ptr + i * block_bytes for i in range(len(keys))]
         client = self.core.client
         if load:
             results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
@@ -454,11 +506,34 @@ class PagedBlocks:
     def close(self) -> None:
         """Releases the staging buffer (its page lock on a GPU); a group's
         pages leave that to their owner."""
-        if self.staging is not None and self.owner is None:
-            if self.staging_pinned:
-                _cuda.driver().unregister(self.staging.ptr)
-            self.staging.close()
-            self.staging = None
+        if self.owner is None:
+            for staging in {id(b): b for b in (self.staging, *self._stagings.values()) if b is not None}.values():
+                self._release(staging)
+            self._stagings.clear()
+        self.staging = None
+
+    def _release(self, staging: SharedBuffer) -> None:
+        """Unpins (if pinned) and unmaps one staging buffer."""
+        if staging.ptr in self.pinned:
+            self.pinned.discard(staging.ptr)
+            _cuda.driver().unregister(staging.ptr)
+        staging.close()
+
+
+def in_rounds(n: int, run: Callable[[int, int], list[int]]) -> list[int]:
+    """The results of ``n`` blocks moved in rounds of :data:`STAGING_BLOCKS`
+    (``run(start, end)`` per round). A round with a block kvtier did not
+    answer (``CONNECTION_LOST``: the client waited its ``timeout_s``) ends
+    them: the later blocks fail at once, so a stopped kvtier costs one
+    give-up per transfer, not one per round (and the connector then counts
+    it down, so the step's later transfers are not tried)."""
+    out: list[int] = []
+    for start in range(0, n, STAGING_BLOCKS):
+        results = run(start, min(start + STAGING_BLOCKS, n))
+        out.extend(results)
+        if codes.CONNECTION_LOST in results:
+            return out + [codes.CONNECTION_LOST] * (n - len(out))
+    return out
 
 
 def require_socket(core: ConnectorCore) -> None:

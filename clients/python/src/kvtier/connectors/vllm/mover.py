@@ -2,9 +2,14 @@
 move (:class:`kvtier.vllm_connector.KvtierConnector`; how they are copied is
 :class:`kvtier.connectors.vllm.blocks.PagedBlocks`).
 
-Every copy runs on one thread per worker, the *mover* (``kvtier-mover``), in
-the order it was asked for, so the paths that share one staging buffer never
-overlap. When the forward waits for it depends on the settings:
+Copies run on two threads per worker, the mover's *lanes*, each in the
+order it was asked for and each with its own staging buffer: the
+background lane (``kvtier-mover``: background loads, asynchronous stores)
+and the forward's lane (``kvtier-mover-forward``: what the forward waits
+for, loads on its path, synchronous and inline stores), so the forward
+never waits behind a background transfer. A preemption waits for the
+preempted requests' own stores, not for the lane. When the forward waits
+depends on the settings:
 
 ``loads``
     ``async`` (default): a hit is loaded off the forward path. The scheduler
@@ -46,6 +51,19 @@ overlap. When the forward waits for it depends on the settings:
 Per-layer stores (``save_kv_layer``) are not made: a kvtier block is every
 layer of a vLLM block, stored in one call, and an asynchronous store already
 takes the whole store off the forward path.
+
+**GPU order.** With the KV cache in GPU memory, ``start_loads`` and
+``start_stores`` record a CUDA event on the forward thread's current stream
+(the forward's writes enqueued so far: vLLM calls ``wait_for_save`` as soon
+as the forward is enqueued, not when it has run), and each lane runs its
+copies and digests on a CUDA stream of its own that first waits for that
+event: a store never reads a page before the forward wrote it, a load
+never writes a page a step still in flight reads. Each copy ends before
+the lane reports it (``copy_`` to or from page-locked staging, or a
+stream synchronize after leased copies), so a reported load is on the GPU
+before vLLM schedules its request, and a failed load is reported only
+once nothing more of it can land (kvtier writes into memory only while its
+client waits: docs/LOCAL.md, "When a client gives up").
 """
 
 from __future__ import annotations
@@ -53,9 +71,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ... import codes
 from ..core import ConnectorCore
@@ -67,6 +89,8 @@ from .verify import Digests, Oracle, digest_of
 LOAD_MODES = ("async", "layer", "sync", "off")
 #: The values of the ``stores`` setting (module docstring).
 STORE_MODES = ("async", "sync")
+#: The mover's lanes (module docstring): each a thread and a staging buffer.
+BACKGROUND, FORWARD = 0, 1
 
 
 def mode_of(settings: dict[str, object], name: str, allowed: tuple[str, ...]) -> str:
@@ -137,7 +161,11 @@ class BlockMover:
         self.logger = logger
         self.groups: list[PagedBlocks] = []
         self.layer_index: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-mover")
+        self._lanes = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-mover"),
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-mover-forward"),
+        ]
+        self._streams: dict[int, Any] = {}  # per lane, its CUDA stream (a GPU KV cache)
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # a background load, or a request's last store, ended
         self._pending = _Pending()
@@ -158,6 +186,11 @@ class BlockMover:
         self.groups = groups
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self._any_rank = any_rank
+        # The forward's lane copies on-path loads, synchronous stores and a
+        # hybrid model's inline ones: its staging buffer is made up front then.
+        forward = self.loads in ("sync", "layer") or self.stores == "sync" or len(groups) > 1
+        for blocks in groups:
+            (blocks.owner or blocks).lanes = (BACKGROUND, FORWARD) if forward else (BACKGROUND,)
 
     # ------------------------------------------------------------ loads
 
@@ -172,18 +205,45 @@ class BlockMover:
             if t.background:
                 background.setdefault(t.req_id, []).append(t)
         on_path = [t for t in meta.loads if not t.background]
+        mark = self._mark() if meta.loads else None
         for transfers in background.values():  # one job per request: its groups' loads, reported together
             with self._lock:
                 self._pending.loading += 1
-            self._pool.submit(self._background_load, transfers, self._step())
+            self._lanes[BACKGROUND].submit(self._background_load, transfers, self._step(), mark)
         if not on_path:
             return
+        forward = self._lanes[FORWARD]
         if self.loads == "layer" and len(self.groups) == 1:
             layers = _Layers([threading.Event() for _ in self.groups[0].layers])
-            layers.future = self._pool.submit(self._loads_on_path, on_path, self._step(), layers)
+            layers.future = forward.submit(self._loads_on_path, on_path, self._step(), layers, mark)
             self._layers = layers
         else:
-            self._pool.submit(self._loads_on_path, on_path, self._step(), None).result()
+            forward.submit(self._loads_on_path, on_path, self._step(), None, mark).result()
+
+    def _mark(self) -> Any:
+        """With a GPU KV cache, a CUDA event recorded now on the calling
+        (forward) thread's current stream, which the lanes' copies wait for
+        (module docstring); else ``None``."""
+        if not self.groups or not self.groups[0].on_gpu:
+            return None
+        device = self.groups[0].layers[0].device
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    @contextmanager
+    def _after(self, mark: Any, lane: int) -> Iterator[None]:
+        """Runs the body's copies on ``lane``'s CUDA stream once ``mark``
+        (:meth:`_mark`) has passed; on the CPU, as they are."""
+        if mark is None:
+            yield
+            return
+        stream = self._streams.get(lane)
+        if stream is None:
+            stream = self._streams[lane] = torch.cuda.Stream(device=self.groups[0].layers[0].device)
+        stream.wait_event(mark)
+        with torch.cuda.stream(stream):
+            yield
 
     def wait_layer(self, layer_name: str) -> None:
         """Waits until ``layer_name``'s pages of the step's loads are in (``layer`` mode)."""
@@ -204,7 +264,7 @@ class BlockMover:
     def _step(self) -> int:
         return self.oracle.step if self.oracle is not None else 0
 
-    def _background_load(self, transfers: list[Transfer], step: int) -> None:
+    def _background_load(self, transfers: list[Transfer], step: int, mark: Any) -> None:
         """One request's background load; reported by :meth:`finished`
         whatever happens in it (a request vLLM parks for its load waits for
         that report, holding its blocks): a fault fails the blocks not known
@@ -213,11 +273,12 @@ class BlockMover:
         done = 0
         try:
             self.core.count(background_loads=1)
-            for transfer in transfers:
-                failed = self._load(transfer, step, None)
-                if failed is not None:
-                    failed_blocks += transfer.block_ids[failed:]
-                done += 1
+            with self._after(mark, BACKGROUND):
+                for transfer in transfers:
+                    failed = self._load(transfer, step, None, BACKGROUND)
+                    if failed is not None:
+                        failed_blocks += transfer.block_ids[failed:]
+                    done += 1
         finally:
             for transfer in transfers[done:]:
                 failed_blocks += transfer.block_ids
@@ -226,26 +287,27 @@ class BlockMover:
                 self._pending.loading -= 1
                 self._ended.notify_all()
 
-    def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None) -> None:
+    def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None, mark: Any) -> None:
         try:
-            for transfer in transfers:
-                failed = self._load(transfer, step, layers if transfer is transfers[-1] else None)
-                if failed is not None:
-                    with self._lock:
-                        self._load_errors.update(transfer.block_ids[failed:])
-                    self._load_failed = True
+            with self._after(mark, FORWARD):
+                for transfer in transfers:
+                    failed = self._load(transfer, step, layers if transfer is transfers[-1] else None, FORWARD)
+                    if failed is not None:
+                        with self._lock:
+                            self._load_errors.update(transfer.block_ids[failed:])
+                        self._load_failed = True
         finally:
             if layers is not None:
                 layers.done()
 
-    def _load(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
+    def _load(self, transfer: Transfer, step: int, layers: _Layers | None, lane: int) -> int | None:
         """Loads one request's blocks; the index of its first block that
         failed (a miss, CRC or digest), ``None`` when all loaded. A fault
         anywhere in it (staging, a copy, the digest) fails every
         block of the transfer, logged: a failed load vLLM recomputes, never
         an exception in the forward or a lost completion."""
         try:
-            return self._load_blocks(transfer, step, layers)
+            return self._load_blocks(transfer, step, layers, lane)
         except Exception as error:  # any fault is this load's failure
             self.core.count(load_failed_blocks=len(transfer.hashes), errors=1)
             self.core.failures.warn(
@@ -256,13 +318,13 @@ class BlockMover:
             )
             return 0
 
-    def _load_blocks(self, transfer: Transfer, step: int, layers: _Layers | None) -> int | None:
+    def _load_blocks(self, transfer: Transfer, step: int, layers: _Layers | None, lane: int) -> int | None:
         blocks = self.groups[transfer.group]
         keys = [self.key_of(h, transfer.group) for h in transfer.hashes]
         on_layer = layers.done if layers is not None else None
         started = time.perf_counter_ns()
         if blocks.ready():
-            results = blocks.move(keys, transfer.block_ids, load=True, layer_done=on_layer)
+            results = blocks.move(keys, transfer.block_ids, load=True, layer_done=on_layer, lane=lane)
         else:
             results = [codes.CONNECTION_LOST] * len(keys)
         loaded = next((i for i, r in enumerate(results) if r < 0), len(results))
@@ -340,6 +402,7 @@ class BlockMover:
         requests only once every rank has reported them."""
         self.end_loads_on_path()
         step = self._step()
+        mark = self._mark() if meta.stores else None
         jobs: list[Future[None]] = []
         failed_anywhere = False
         if any(not t.background for t in meta.loads):
@@ -360,18 +423,21 @@ class BlockMover:
                 continue
             with self._lock:
                 self._pending.stores[transfer.req_id] = self._pending.stores.get(transfer.req_id, 0) + 1
-            job = self._pool.submit(self._store, transfer, keys[:keep], step)
-            if self.stores == "sync" or transfer.inline:
+            waited = self.stores == "sync" or transfer.inline
+            lane = FORWARD if waited else BACKGROUND
+            job = self._lanes[lane].submit(self._store, transfer, keys[:keep], step, mark, lane)
+            if waited:
                 jobs.append(job)
         for job in jobs:
             job.result()
 
-    def _store(self, transfer: Transfer, keys: list[str], step: int) -> None:
+    def _store(self, transfer: Transfer, keys: list[str], step: int, mark: Any, lane: int) -> None:
         """One transfer's store; a fault anywhere in it (staging, a copy, the
         digest) is a failed store of its blocks, logged, and the request's
         stores end all the same (vLLM waits for them)."""
         try:
-            self._store_blocks(transfer, keys, step)
+            with self._after(mark, lane):
+                self._store_blocks(transfer, keys, step, lane)
         except Exception as error:  # any fault is this store's failure
             if self.digests is not None:
                 for key in keys:
@@ -391,7 +457,7 @@ class BlockMover:
                     del self._pending.stores[transfer.req_id]
                     self._ended.notify_all()
 
-    def _store_blocks(self, transfer: Transfer, keys: list[str], step: int) -> None:
+    def _store_blocks(self, transfer: Transfer, keys: list[str], step: int, lane: int) -> None:
         blocks = self.groups[transfer.group]
         keep = len(keys)
         if not blocks.ready():
@@ -400,7 +466,7 @@ class BlockMover:
         tags = transfer.tags[:keep] if transfer.tags is not None else None
         check = self.digests is not None or self.oracle is not None
         digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
-        results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags)
+        results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags, lane=lane)
         for i, result in enumerate(results):
             if not digests:
                 break
@@ -418,17 +484,18 @@ class BlockMover:
         self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
 
     def preempt(self, preempted: list[str]) -> None:
-        """Waits for the stores of ``preempted`` requests still in flight:
-        vLLM hands their blocks to others once this returns."""
+        """Waits for the stores of ``preempted`` requests still in flight
+        (theirs only, not the lane's other work): vLLM hands their blocks to
+        others once this returns."""
         with self._lock:
-            busy = any(req_id in self._pending.stores for req_id in preempted)
-        if busy:
-            self.core.count(preemption_waits=1)
-            self.drain()
+            if any(req_id in self._pending.stores for req_id in preempted):
+                self.core.count(preemption_waits=1)
+                self._ended.wait_for(lambda: not any(r in self._pending.stores for r in preempted))
 
     def drain(self) -> None:
-        """Waits until every copy asked for so far has ended (the mover runs them in order)."""
-        self._pool.submit(lambda: None).result()
+        """Waits until every copy asked for so far has ended (each lane runs its copies in order)."""
+        for job in [lane.submit(lambda: None) for lane in self._lanes]:
+            job.result()
 
     # ------------------------------------------------------ completions
 
@@ -475,5 +542,6 @@ class BlockMover:
         return errors
 
     def close(self) -> None:
-        """Waits for the copies in flight, then ends the mover."""
-        self._pool.shutdown(wait=True)
+        """Waits for the copies in flight, then ends the mover's lanes."""
+        for lane in self._lanes:
+            lane.shutdown(wait=True)

@@ -9,7 +9,7 @@ copied).
 Nothing here imports vLLM: given torch tensors for the layers' caches and
 a step's plan, a :class:`KvtierWorker` moves blocks as it does inside vLLM,
 which is how ``make gpu-check`` drives the data path on a GPU machine that
-has torch and no vLLM (``clients/python/bench/gpu_connector_check.py``).
+has torch and no vLLM (``clients/python/tools/gpu_connector_check.py``).
 """
 
 from __future__ import annotations
