@@ -300,3 +300,37 @@ def threading_result(fn: Any) -> Any:
     thread.start()
     thread.join()
     return out[0]
+
+
+def test_the_connectors_counters_reach_vllms_prometheus_metrics():
+    """vLLM's own ``KVConnectorProm`` (what its Prometheus logger builds)
+    finds the connector's ``build_prom_metrics`` through its factory, and an
+    interval's counters land as ``vllm:kvtier_*_total`` per engine, the
+    microsecond ones as seconds."""
+    import functools
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    registry = prometheus_client.CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)  # type: ignore[assignment]
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)  # type: ignore[assignment]
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)  # type: ignore[assignment]
+
+    config = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm_connector", kv_role="kv_both"
+        )
+    )
+    prom = Prom(config, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})  # type: ignore[arg-type]
+    assert prom.prom_metrics is not None, "vLLM found no Prometheus metrics for the connector"
+    prom.observe({"stored_blocks": 7, "loaded_blocks": 0, "scheduler_us": 1_500_000}, engine_idx=1)
+    prom.observe({"stored_blocks": 2}, engine_idx=1)
+    labels = {"model_name": "m", "engine": "1"}
+    assert registry.get_sample_value("vllm:kvtier_stored_blocks_total", labels) == 9
+    assert registry.get_sample_value("vllm:kvtier_scheduler_seconds_total", labels) == 1.5
+    assert registry.get_sample_value("vllm:kvtier_loaded_blocks_total", labels) is None  # never grew
+    assert registry.get_sample_value("vllm:kvtier_stored_blocks_total", {"model_name": "m", "engine": "0"}) is None

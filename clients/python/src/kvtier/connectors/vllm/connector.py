@@ -134,7 +134,7 @@ from .blocks import SharedAllocation
 from .groups import any_rank, groups_of, namespace_of, rank_namespaces
 from .lookup import LOOKUP_GIVE_UP_MS, LOOKUP_TIMEOUT_MS, Lookups
 from .mover import LOAD_MODES, STORE_MODES, mode_of
-from .plan import ConfigurationError, KvtierConnectorMetadata, KvtierConnectorStats, check_hash_algo
+from .plan import ConfigurationError, KvtierConnectorMetadata, KvtierConnectorStats, KvtierPromMetrics, check_hash_algo
 from .scheduler import KvtierScheduler
 from .transfer import STATS, block_key, flag, timed
 from .verify import Digests, Oracle
@@ -151,6 +151,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -433,6 +434,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         """The stats object vLLM's logger rebuilds from a worker's ``data``."""
         return KvtierConnectorStats(data=dict(data or dict.fromkeys(STATS, 0)))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        """The connector's counters on vLLM's ``/metrics``
+        (:class:`~kvtier.connectors.vllm.plan.KvtierPromMetrics`)."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Waits for the copies in flight, unregisters the buffers and closes the client."""

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ...errors import ConfigurationError as ConfigurationError  # where the connector's modules import it from
 from .transfer import STATS, StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.request import Request
 
     from .lookup import PendingLookup
@@ -80,6 +81,45 @@ class KvtierConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """Whether every counter is zero."""
         return not any(self.data.values())
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters (:data:`~kvtier.connectors.vllm.transfer.STATS`)
+    on vLLM's ``/metrics``, summed over the workers and the scheduler as
+    vLLM's stats logger sums them: ``vllm:kvtier_<name>_total`` per counter,
+    the microsecond ones as seconds (``vllm:kvtier_scheduler_seconds_total``
+    for ``scheduler_us``), with vLLM's own labels per engine
+    (``model_name``, ``engine``). The counters' meaning: docs/INTEGRATIONS.md."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvtier_{prom_name(name)}",
+                documentation=f"kvtier connector: {name} (docs/INTEGRATIONS.md, the connector's counters)",
+                labelnames=labelnames,
+            )
+            for name in STATS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Adds one interval's counters (``KvtierConnectorStats.data``) of engine ``engine_idx``."""
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value / 1e6 if name.endswith("_us") else value)
+
+
+def prom_name(name: str) -> str:
+    """A counter's Prometheus name: microseconds become seconds (``load_us``: ``load_seconds``)."""
+    return name.removesuffix("_us") + "_seconds" if name.endswith("_us") else name
 
 
 @dataclass
