@@ -29,10 +29,13 @@ unanswered request, the client's 20 s timeout, fails the module).
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -53,6 +56,7 @@ from vllm_serve_support import (
     damage_key,
     events_store,
     external_hit_tokens,
+    log_size,
     no_lost_requests,
     oracle_dir,
     oracle_mismatches,
@@ -364,6 +368,64 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
         _concurrently(engine, chosen, lambda: _when_a_load_is_held(store, loads, stop_for_5_s))
     waited = _loads_after(read_oracle(oracle), before, continued_at[0], ("loaded", "load_failed"))
     assert waited, "no load ended after kvtier was let go: none was in flight while it was stopped"
+    assert oracle_mismatches(read_oracle(oracle), since=since) == []
+
+
+def _abandoned(engine: VllmServer, prompt: str, go: threading.Event) -> None:
+    """Sends ``prompt`` as a streamed completion and closes the connection
+    once ``go`` is set: the client disconnects, and vLLM's API server aborts
+    the request (``request_finished`` in the connector while it loads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=60)
+    body = {"model": "kvtier-llama", "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    go.wait(120)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    conn.close()
+
+
+@pytest.mark.faults
+def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong(
+    store, engine, oracle, prompts, answers
+):
+    """A request whose background load is in flight (kvtier's answer held in
+    the kernel, then kvtier stopped) is aborted: its client disconnects.
+    kvtier is let go 2 s later; vLLM frees the request's blocks when its
+    load is reported. After it: no assertion or dead engine in vLLM's log,
+    other prompts' kvtier hits give vLLM's own hit tokens, and no loaded
+    page differs from the oracle. (This request has no stores; the case
+    that asserted in vLLM, a request that stored, was preempted and aborted
+    during its reload, is played step by step without an engine:
+    test_vllm_connector_completions.py.)"""
+    since, mark = time.time(), log_size(engine)
+    victim, others = prompts[10], list(range(11, 15))
+    engine.reset_prefix_cache()
+    loads = _answered_loads(store)
+    go = threading.Event()
+    client = threading.Thread(target=_abandoned, args=(engine, victim, go))
+
+    def stop_then_abort() -> None:
+        os.kill(store.pid, signal.SIGSTOP)
+        go.set()
+
+    try:
+        with responses_held(store, 1.0):
+            client.start()
+            _when_a_load_is_held(store, loads, stop_then_abort)
+            client.join(60)
+            time.sleep(2)  # vLLM takes the abort while the load waits on kvtier
+            os.kill(store.pid, signal.SIGCONT)
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    events = read_oracle(oracle)
+    victim_loads = [e for e in events if e["t"] >= since and e["event"] in ("loaded", "load_failed")]
+    assert victim_loads, "no load of the aborted request was in flight"
+    engine.reset_prefix_cache()
+    got = [engine.complete(prompts[i], MAX_TOKENS) for i in others]
+    assert got == [answers["own"][i] for i in others]
+    with open(engine.log, "rb") as f:
+        f.seek(mark)
+        text = f.read().decode("utf-8", "replace")
+    assert "AssertionError" not in text and "EngineDeadError" not in text, text[-4000:]
     assert oracle_mismatches(read_oracle(oracle), since=since) == []
 
 
