@@ -222,6 +222,7 @@ fn main() {
         let fio_file = plan.dir.join("fio.dat");
         let config = StoreConfig {
             data_dir: data_dir.clone(),
+            layout: None,
             geometry: Geometry::from_block_bytes(block_bytes, 128).unwrap(),
             shards: 1,
             disk_bytes: plan.store_bytes,

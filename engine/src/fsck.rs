@@ -67,19 +67,28 @@ struct Record {
     intact: bool,
 }
 
-/// Checks every segment of the store in `data_dir`.
+/// Checks every segment of the store in `data_dir` (one directory).
 ///
 /// # Errors
 /// [`Error::Io`] when a file cannot be read; [`Error::Config`] when
 /// `store.json` is missing or unreadable.
 pub fn fsck(data_dir: &Path) -> Result<FsckReport> {
-    let manifest = StoreManifest::read(data_dir)?;
+    fsck_layout(&crate::devices::Layout::single(data_dir, 0))
+}
+
+/// Checks every segment of the store on `layout`'s devices (each shard in
+/// its device's directory; [`crate::devices::Layout::resolve`]).
+///
+/// # Errors
+/// As [`fsck`], for any of the directories.
+pub fn fsck_layout(layout: &crate::devices::Layout) -> Result<FsckReport> {
+    let manifest = StoreManifest::read(&layout.devices[0].dir)?;
     let block_bytes = manifest.geometry.block_bytes;
     let slot_bytes = slot::slot_bytes(block_bytes);
     let slots = ((manifest.segment_bytes - PAGE_BYTES) / slot_bytes) as u32;
     let mut report = FsckReport::default();
     for shard in 0..manifest.shards {
-        let dir = data_dir.join(format!("shard-{shard:03}"));
+        let dir = layout.shard_dir(shard as usize);
         let Ok(entries) = fs::read_dir(&dir) else { continue };
         let mut files: Vec<(u32, PathBuf)> = Vec::new();
         for e in entries.flatten() {

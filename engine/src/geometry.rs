@@ -148,6 +148,17 @@ pub struct StoreManifest {
     pub shards: u32,
     /// Size of each segment file in bytes.
     pub segment_bytes: u64,
+    /// The store's identity, the same in every data directory of it (128
+    /// random bits, hex); absent in a store made before devices existed
+    /// (one directory), which opens as it always did ([`crate::devices`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_id: Option<String>,
+    /// The store's devices (data directories), the same list in each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<crate::devices::DeviceRecord>,
+    /// Which of `devices` this directory is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_index: Option<u32>,
 }
 
 /// Most shards a manifest may name: one per core of the largest hosts we
@@ -216,6 +227,11 @@ impl StoreManifest {
             stored,
             requested,
         };
+        if let (Some(s), Some(r)) = (&stored.store_id, &self.store_id) {
+            if s != r {
+                return Err(Error::Config(format!("{} belongs to store {s}, not to store {r}", dir.display())));
+            }
+        }
         if stored.format_version > FORMAT_VERSION {
             return Err(Error::Config(format!(
                 "{} has format version {}, this kvtier reads up to {FORMAT_VERSION}",
@@ -344,6 +360,9 @@ mod tests {
             geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
             shards: 2,
             segment_bytes: 1 << 20,
+            store_id: None,
+            devices: Vec::new(),
+            device_index: None,
         };
         a.create_or_check(dir.path()).unwrap();
         assert_eq!(a.create_or_check(dir.path()).unwrap(), a);
@@ -364,6 +383,9 @@ mod tests {
             geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
             shards: 2,
             segment_bytes: 1 << 20,
+            store_id: None,
+            devices: Vec::new(),
+            device_index: None,
         };
         let json = serde_json::to_value(&good).unwrap();
         assert_eq!(StoreManifest::parse(json.to_string().as_bytes()), Ok(good.clone()));
@@ -398,6 +420,9 @@ mod tests {
             geometry: Geometry::from_block_bytes(65_536, 128).unwrap(),
             shards: 2,
             segment_bytes: 1 << 20,
+            store_id: None,
+            devices: Vec::new(),
+            device_index: None,
         };
         v1.write(dir.path()).unwrap();
         let current = StoreManifest { format_version: FORMAT_VERSION, ..v1.clone() };

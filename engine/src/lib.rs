@@ -41,6 +41,7 @@
 
 pub mod alloc;
 mod counter;
+pub mod devices;
 pub mod error;
 pub mod events;
 pub mod fsck;

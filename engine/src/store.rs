@@ -65,6 +65,8 @@ pub struct Store {
     senders: Senders<Request>,
     shards: usize,
     manifest: StoreManifest,
+    /// Every shard's directory (on its device, [`crate::devices`]).
+    shard_dirs: Arc<Vec<std::path::PathBuf>>,
     remote: Option<Arc<dyn Remote>>,
     trace: Option<Rc<ShardTrace>>,
 }
@@ -301,11 +303,15 @@ impl Store {
         leased
     }
 
+    /// Each device's state from every shard's `stats` ([`crate::devices::device_stats`]).
+    pub fn devices(&self, stats: &[ShardStats]) -> Vec<crate::devices::DeviceStats> {
+        crate::devices::device_stats(self.manifest.devices.len(), &self.shard_dirs, stats)
+    }
+
     /// The index table of shard `shard` ([`crate::shared_index`]), when the
     /// store keeps them (`shared_index`) and that shard is open.
     pub fn index_table(&self, shard: usize) -> Option<Arc<crate::shared_index::IndexTable>> {
-        let dir = self.shard.cfg.dir.with_file_name(format!("shard-{shard:03}"));
-        crate::shared_index::index_table(&dir)
+        crate::shared_index::index_table(self.shard_dirs.get(shard)?)
     }
 
     /// Whether this store can lease blocks: `Err` says why not (no RAM

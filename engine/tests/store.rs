@@ -23,6 +23,7 @@ fn sks<K: AsRef<str>>(keys: &[K]) -> Vec<StoredKey> {
 fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_bytes: u64) -> StoreConfig {
     StoreConfig {
         data_dir: dir.to_path_buf(),
+        layout: None,
         geometry: Geometry::from_block_bytes(block_bytes, 128).unwrap(),
         shards,
         disk_bytes,

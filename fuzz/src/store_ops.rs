@@ -206,6 +206,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
     let segment_bytes = PAGE_BYTES + slots * slot_bytes(block_bytes);
     StoreConfig {
         data_dir: dir.to_path_buf(),
+        layout: None,
         geometry: Geometry::from_block_bytes(block_bytes, 16).expect("a valid block size"),
         shards,
         disk_bytes: shards as u64 * segments * segment_bytes,

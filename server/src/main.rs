@@ -19,7 +19,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => cli::serve::serve(*args),
-        Command::Info(args) => cli::inspect::info(&args.data_dir),
+        Command::Info(args) => cli::inspect::info(&args.data_dirs),
         Command::Fsck(args) => match cli::inspect::fsck(&args) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),

@@ -10,9 +10,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
+use common::loopfs::LoopFs;
 use common::{client, payload, set_flag, start, test_args, Server};
 use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
@@ -22,42 +22,6 @@ use serde_json::Value;
 const IMAGE_MIB: u64 = 48;
 /// A file the test deletes to free space.
 const FILLER_MIB: u64 = 12;
-
-/// A loop-mounted ext4 filesystem, unmounted on drop.
-struct LoopFs {
-    mnt: PathBuf,
-}
-
-impl LoopFs {
-    fn make(dir: &Path) -> Result<LoopFs, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not root: mounting a loop device needs root (run `make test` as root, as CI does)".into());
-        }
-        let img = dir.join("fs.img");
-        let mnt = dir.join("mnt");
-        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
-        let f = std::fs::File::create(&img).map_err(|e| e.to_string())?;
-        f.set_len(IMAGE_MIB << 20).map_err(|e| e.to_string())?;
-        let run = |cmd: &mut Command| -> Result<(), String> {
-            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr)))
-            }
-        };
-        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img))?;
-        run(Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt))?;
-        Ok(LoopFs { mnt })
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mnt).status();
-    }
-}
 
 async fn put(c: &Client, key: &str) -> (StatusCode, Value) {
     let a = c.send(Method::PUT, &format!("/v1/blocks/{key}"), ChunkedBody::new(vec![payload(key)]), None).await.unwrap();
@@ -117,7 +81,7 @@ async fn stats(server: &Server) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_filesystem_refuses_puts_with_507_and_keeps_every_block() {
     let dir = tempfile::tempdir().unwrap();
-    let fs = LoopFs::make(dir.path()).unwrap_or_else(|why| {
+    let fs = LoopFs::make(dir.path(), IMAGE_MIB).unwrap_or_else(|why| {
         panic!(
             "the full-disk test needs a loop-mounted ext4 image: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)"
         )

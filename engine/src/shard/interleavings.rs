@@ -25,6 +25,7 @@ const BLOCK_BYTES: u64 = 65_536;
 fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
     StoreConfig {
         data_dir: dir.to_path_buf(),
+        layout: None,
         geometry: Geometry::from_block_bytes(BLOCK_BYTES, 128).unwrap(),
         shards: 1,
         disk_bytes: 8 << 20,

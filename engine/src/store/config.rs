@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::devices::Layout;
 use crate::geometry::{Geometry, StoreManifest, FORMAT_VERSION};
 use crate::remote::Remote;
 use crate::shard::ShardConfig;
@@ -70,13 +71,18 @@ pub fn auto_segment_bytes(disk_bytes: u64, shards: usize, block_bytes: u64) -> u
 /// How a store is opened.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
-    /// Data directory (`store.json`, `shard-NNN/`).
+    /// Data directory (`store.json`, `shard-NNN/`); with several devices,
+    /// the first device's ([`StoreConfig::layout`]).
     pub data_dir: PathBuf,
+    /// The store's devices, one data directory each ([`crate::devices`]);
+    /// `None`: `data_dir` alone, holding `disk_bytes`.
+    pub layout: Option<Layout>,
     /// Block geometry; must match `store.json` of an existing store.
     pub geometry: Geometry,
     /// Number of shards (executors); must match an existing store.
     pub shards: usize,
-    /// Disk capacity for segments across all shards, in bytes.
+    /// Disk capacity for segments across all shards, in bytes (with a
+    /// [`Layout`], the sum of its devices' capacities).
     pub disk_bytes: u64,
     /// Size of one segment file in bytes; must match an existing store.
     pub segment_bytes: u64,
@@ -148,21 +154,43 @@ impl StoreConfig {
         per_shard.next_multiple_of(2 << 20) as usize
     }
 
-    /// The manifest this configuration describes.
+    /// The store's devices: [`StoreConfig::layout`], else `data_dir` alone
+    /// holding `disk_bytes`.
+    pub fn layout(&self) -> Layout {
+        self.layout.clone().unwrap_or_else(|| Layout::single(&self.data_dir, self.disk_bytes))
+    }
+
+    /// The manifest this configuration describes (of a store's one
+    /// directory, or of its first device's).
     pub fn manifest(&self) -> StoreManifest {
+        self.manifest_for(&self.layout(), 0)
+    }
+
+    /// The manifest of device `device`'s directory: the store's id and
+    /// device list beside the geometry (none of them for a store made
+    /// before devices).
+    pub fn manifest_for(&self, layout: &Layout, device: u32) -> StoreManifest {
+        let ided = layout.store_id.is_some();
         StoreManifest {
             format_version: FORMAT_VERSION,
             geometry: self.geometry.clone(),
             shards: self.shards as u32,
             segment_bytes: self.segment_bytes,
+            store_id: layout.store_id.clone(),
+            devices: if ided { layout.records(self.shards) } else { Vec::new() },
+            device_index: ided.then_some(device),
         }
     }
 
     pub(super) fn shard_config(&self, shard_id: usize) -> ShardConfig {
-        let per_shard = self.disk_bytes / self.shards as u64;
+        self.shard_config_in(&self.layout(), shard_id)
+    }
+
+    pub(super) fn shard_config_in(&self, layout: &Layout, shard_id: usize) -> ShardConfig {
+        let per_shard = layout.shard_capacity_bytes(shard_id, self.shards);
         ShardConfig {
             shard_id: shard_id as u32,
-            dir: self.data_dir.join(format!("shard-{shard_id:03}")),
+            dir: layout.shard_dir(shard_id),
             geometry: self.geometry.clone(),
             segment_bytes: self.segment_bytes,
             segments_max: (per_shard / self.segment_bytes).min(u32::MAX as u64) as u32,

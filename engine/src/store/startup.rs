@@ -58,7 +58,22 @@ where
         return Err(Error::Config(format!("segment_bytes {} is too small", config.segment_bytes)));
     }
     let started = Instant::now();
-    let manifest = config.manifest().create_or_check(&config.data_dir)?;
+    let layout = config.layout();
+    let mut manifest = None;
+    for device in &layout.devices {
+        let m = config.manifest_for(&layout, device.index).create_or_check(&device.dir)?;
+        manifest.get_or_insert(m);
+    }
+    let manifest = manifest.expect("a layout has a device");
+    for index in &layout.replaced {
+        let device = &layout.devices[*index as usize];
+        tracing::warn!(
+            "device {index} is the empty directory {} in place of a missing one: shards {:?} start with an empty log",
+            device.dir.display(),
+            layout.shards_on(*index as usize, config.shards)
+        );
+    }
+    let shard_dirs: Arc<Vec<std::path::PathBuf>> = Arc::new((0..config.shards).map(|s| layout.shard_dir(s)).collect());
     let mesh: MeshBuilder<Request, _> = MeshBuilder::full(config.shards, MESH_QUEUE_DEPTH);
     let failed = Arc::new(AtomicBool::new(false));
     let serve = Arc::new(serve);
@@ -68,7 +83,7 @@ where
     let mut handles = Vec::with_capacity(config.shards);
     for shard_id in 0..config.shards {
         let (mesh, failed, serve, starts) = (mesh.clone(), failed.clone(), serve.clone(), starts.clone());
-        let (shard_cfg, manifest) = (config.shard_config(shard_id), manifest.clone());
+        let (shard_cfg, manifest, shard_dirs) = (config.shard_config_in(&layout, shard_id), manifest.clone(), shard_dirs.clone());
         let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
         let io_memory_shard_bytes = config.io_memory_shard_bytes();
         let remote = config.remote.clone();
@@ -115,7 +130,8 @@ where
                 let health = health_loop(&shard, remote.clone().filter(|_| shard_id == 0));
                 let trace_flush = trace.clone().map(trace_flush_loop);
                 let events = events_loop(shard.residency().clone());
-                let store = Rc::new(Store { shard: Hold::new(&shard), senders, shards, manifest, remote, trace: trace.clone() });
+                let store =
+                    Rc::new(Store { shard: Hold::new(&shard), senders, shards, manifest, shard_dirs, remote, trace: trace.clone() });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
+use kvtier_engine::devices::{DeviceSpec, Layout};
 use kvtier_engine::geometry::{Geometry, StoreManifest, BLOCK_TOKENS_DEFAULT, MODEL_DEFAULT};
 use kvtier_engine::store::{
     auto_segment_bytes, IO_DEPTH_DEFAULT, IO_MEMORY_BYTES_DEFAULT, IO_MEMORY_SHARD_BYTES_MIN, IO_QUEUE_MAX_DEFAULT, SNAPSHOT_SECS_DEFAULT,
@@ -39,9 +40,10 @@ pub(crate) enum Command {
 
 #[derive(Args, Debug)]
 pub(crate) struct FsckArgs {
-    /// Data directory to check (no server may have it open).
-    #[arg(long, default_value = "./kvtier-data")]
-    pub(crate) data_dir: PathBuf,
+    /// Data directory to check (no server may have it open); once per
+    /// device of a store made over several, in any order.
+    #[arg(long = "data-dir", default_value = "./kvtier-data", value_parser = device_spec)]
+    pub(crate) data_dirs: Vec<DeviceSpec>,
     /// Print the report as JSON.
     #[arg(long)]
     pub(crate) json: bool,
@@ -128,9 +130,16 @@ pub(crate) struct ServeArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct StoreArgs {
-    /// Data directory: store.json and shard-NNN/seg-NNNNNN.kvt segment files.
-    #[arg(long, default_value = "./kvtier-data")]
-    pub(crate) data_dir: PathBuf,
+    /// Data directory: store.json and shard-NNN/seg-NNNNNN.kvt segment
+    /// files. Repeat it, one per device (NVMe drive), to spread the store
+    /// over several: shard s's log goes on directory s mod N, each
+    /// optionally PATH=SIZE_GB (else --disk-gb is split in proportion to
+    /// each filesystem's free space when the store is made). A store's
+    /// directories are recognised by the store id in their store.json, in
+    /// any order; an empty directory stands in for a lost device (its
+    /// shards start empty). docs/OPERATIONS.md, "Several devices".
+    #[arg(long = "data-dir", default_value = "./kvtier-data", value_parser = device_spec)]
+    pub(crate) data_dirs: Vec<DeviceSpec>,
     /// Shards (one executor thread each). Default: the existing store's
     /// count, else the number of CPUs.
     #[arg(long)]
@@ -270,16 +279,36 @@ pub(crate) enum OnOff {
 
 #[derive(Args, Debug)]
 pub(crate) struct InfoArgs {
-    /// Data directory to describe.
-    #[arg(long, default_value = "./kvtier-data")]
-    pub(crate) data_dir: PathBuf,
+    /// Data directory to describe; once per device of a store made over
+    /// several, in any order.
+    #[arg(long = "data-dir", default_value = "./kvtier-data", value_parser = device_spec)]
+    pub(crate) data_dirs: Vec<DeviceSpec>,
+}
+
+/// `--data-dir PATH[=SIZE_GB]` ([`DeviceSpec`]).
+fn device_spec(s: &str) -> Result<DeviceSpec, String> {
+    s.parse()
+}
+
+/// The store's devices as the directories given name them, for `info`
+/// and `fsck`: an existing store only.
+pub(crate) fn existing_layout(specs: &[DeviceSpec]) -> Result<Layout, String> {
+    if let Some(s) = specs.iter().find(|s| !StoreManifest::path(&s.dir).exists()) {
+        if specs.len() == 1 {
+            return Err(format!("{} is not a kvtier data directory (no store.json)", s.dir.display()));
+        }
+    }
+    if specs.iter().all(|s| !StoreManifest::path(&s.dir).exists()) {
+        return Err("none of the directories given is a kvtier data directory (no store.json)".into());
+    }
+    Layout::resolve(specs, 0, usize::MAX).map_err(|e| e.to_string())
 }
 
 impl StoreArgs {
     /// The store configuration, taking unset values from an existing
     /// store.json so `kvtier serve --data-dir D` reopens D as it was made.
     pub(crate) fn config(&self) -> Result<(StoreConfig, SegmentOrigin), String> {
-        let stored = StoreManifest::read(&self.data_dir).ok();
+        let stored = self.data_dirs.iter().find_map(|s| StoreManifest::read(&s.dir).ok());
         let geometry = match (&self.model, self.block_bytes, &stored) {
             (Some(model), _, _) => Geometry::from_model(model, self.block_tokens),
             (None, Some(bytes), _) => Geometry::from_block_bytes(bytes, self.block_tokens),
@@ -292,11 +321,16 @@ impl StoreArgs {
         if self.disk_gb.is_nan() || self.disk_gb <= 0.0 {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
-        let disk_bytes = (self.disk_gb * (1u64 << 30) as f64) as u64;
+        let layout = Layout::resolve(&self.data_dirs, (self.disk_gb * (1u64 << 30) as f64) as u64, shards).map_err(|e| e.to_string())?;
+        let disk_bytes = layout.capacity_bytes();
+        // The smallest shard share sizes a new store's segments.
+        let least_share = (0..shards).map(|s| layout.shard_capacity_bytes(s, shards)).min().unwrap_or(disk_bytes);
         let (segment_bytes, segment_origin) = match (self.segment_mib, &stored) {
             (Some(mib), _) => (mib << 20, SegmentOrigin::Flag),
             (None, Some(m)) => (m.segment_bytes, SegmentOrigin::Stored),
-            (None, None) => (auto_segment_bytes(disk_bytes, shards, geometry.block_bytes), SegmentOrigin::Chosen),
+            (None, None) => {
+                (auto_segment_bytes(least_share.saturating_mul(shards as u64), shards, geometry.block_bytes), SegmentOrigin::Chosen)
+            }
         };
         if self.ram_gb.is_nan() || self.ram_gb < 0.0 {
             return Err(format!("--ram-gb must be 0 or more, got {}", self.ram_gb));
@@ -318,7 +352,8 @@ impl StoreArgs {
             }
         }
         let config = StoreConfig {
-            data_dir: self.data_dir.clone(),
+            data_dir: layout.devices[0].dir.clone(),
+            layout: Some(layout),
             geometry,
             shards,
             disk_bytes,

@@ -2,17 +2,33 @@
 //! and its every block checked.
 
 use std::fs;
-use std::path::Path;
 
 use kvtier_engine::geometry::StoreManifest;
 
 use super::args::*;
 use super::serve::lock_data_dir;
 
-pub(crate) fn info(dir: &Path) -> Result<(), String> {
-    let manifest = StoreManifest::read(dir).map_err(|e| e.to_string())?;
+pub(crate) fn info(specs: &[kvtier_engine::devices::DeviceSpec]) -> Result<(), String> {
+    let layout = existing_layout(specs)?;
+    let manifest = StoreManifest::read(&layout.devices[0].dir).map_err(|e| e.to_string())?;
     let g = &manifest.geometry;
-    println!("data dir      {}", dir.display());
+    match layout.devices.as_slice() {
+        [one] => println!("data dir      {}", one.dir.display()),
+        all => {
+            for d in all {
+                println!(
+                    "data dir      {} (device {}, filesystem {}, {} bytes of segments)",
+                    d.dir.display(),
+                    d.index,
+                    d.fs_id,
+                    d.capacity_bytes
+                );
+            }
+        }
+    }
+    if let Some(id) = &manifest.store_id {
+        println!("store id      {id}");
+    }
     println!("format        {}", manifest.format_version);
     println!("model         {}", g.model);
     println!("block_tokens  {}", g.block_tokens);
@@ -20,8 +36,8 @@ pub(crate) fn info(dir: &Path) -> Result<(), String> {
     println!("block_bytes   {}", g.block_bytes);
     println!("shards        {}", manifest.shards);
     println!("segment_bytes {}", manifest.segment_bytes);
-    for shard in 0..manifest.shards {
-        let shard_dir = dir.join(format!("shard-{shard:03}"));
+    for shard in 0..manifest.shards as usize {
+        let shard_dir = layout.shard_dir(shard);
         let (mut segments, mut bytes) = (0u64, 0u64);
         if let Ok(entries) = fs::read_dir(&shard_dir) {
             for e in entries.flatten() {
@@ -31,18 +47,16 @@ pub(crate) fn info(dir: &Path) -> Result<(), String> {
                 }
             }
         }
-        println!("shard {shard:03}     {segments} segments, {bytes} bytes");
+        println!("shard {shard:03}     {segments} segments, {bytes} bytes (device {})", layout.device_of(shard).index);
     }
     Ok(())
 }
 
 /// Runs fsck; `Ok(true)` when nothing is damaged.
 pub(crate) fn fsck(args: &FsckArgs) -> Result<bool, String> {
-    if !StoreManifest::path(&args.data_dir).exists() {
-        return Err(format!("{} is not a kvtier data directory (no store.json)", args.data_dir.display()));
-    }
-    let _lock = lock_data_dir(&args.data_dir)?;
-    let report = kvtier_engine::fsck::fsck(&args.data_dir).map_err(|e| e.to_string())?;
+    let layout = existing_layout(&args.data_dirs)?;
+    let _locks = layout.devices.iter().map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
+    let report = kvtier_engine::fsck::fsck_layout(&layout).map_err(|e| e.to_string())?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("report serializes"));
     } else {

@@ -68,6 +68,42 @@ pub(crate) fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
     Ok(file)
 }
 
+/// Warns, at start, of a device layout that costs balance or isolation:
+/// shards not a multiple of the devices (some devices hold more shards'
+/// logs, so more blocks and more I/O), and two directories on one
+/// filesystem (they share its bandwidth and fail together).
+fn warn_about_devices(layout: &kvtier_engine::devices::Layout, shards: usize) {
+    let n = layout.devices.len();
+    if n > 1 && !shards.is_multiple_of(n) {
+        tracing::warn!(
+            "{shards} shards over {n} data directories: not a multiple, so {} of them hold {} shards' logs and the rest {} (use a multiple of {n} shards for an even spread)",
+            shards % n,
+            shards / n + 1,
+            shards / n
+        );
+    }
+    for (i, a) in layout.devices.iter().enumerate() {
+        if let Some(b) = layout.devices[..i].iter().find(|b| b.fs_id == a.fs_id && a.fs_id != "?") {
+            tracing::warn!(
+                "data directories {} and {} are on one filesystem ({}): they share its bandwidth and fail together",
+                b.dir.display(),
+                a.dir.display(),
+                a.fs_id
+            );
+        }
+    }
+    for d in &layout.devices {
+        tracing::info!(
+            "device {}: {} ({} bytes of segments, filesystem {}), shards {:?}",
+            d.index,
+            d.dir.display(),
+            d.capacity_bytes,
+            d.fs_id,
+            layout.shards_on(d.index as usize, shards)
+        );
+    }
+}
+
 fn read_token(path: &Path) -> Result<Arc<[u8]>, String> {
     let raw = fs::read_to_string(path).map_err(|e| format!("cannot read --auth-token-file {}: {e}", path.display()))?;
     let token = raw.trim();
@@ -139,8 +175,10 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     };
     let mut steps = StartSteps::new(started);
     steps.end("configuration");
-    let _lock = lock_data_dir(&config.data_dir)?;
+    let layout = config.layout();
+    let _locks = layout.devices.iter().map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
     steps.end("the data-directory lock");
+    warn_about_devices(&layout, config.shards);
     let mut listeners = bind_listeners(args.listen, config.shards)
         .map_err(|e| format!("cannot listen on {}: {e} (is another kvtier running?)", args.listen))?;
     steps.end("the listening sockets");
@@ -197,8 +235,8 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         }
         steps.end("the S3 probe");
     }
-    let (shards, geometry, data_dir, segment_bytes) =
-        (config.shards, config.geometry.clone(), config.data_dir.clone(), config.segment_bytes);
+    let data_dirs: Vec<String> = layout.devices.iter().map(|d| d.dir.display().to_string()).collect();
+    let (shards, geometry, segment_bytes) = (config.shards, config.geometry.clone(), config.segment_bytes);
     let engine = {
         let shared = shared.clone();
         std::thread::Builder::new()
@@ -247,7 +285,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         geometry.block_bytes,
         segment_bytes,
         segment_origin.describe(),
-        data_dir.display()
+        data_dirs.join(", ")
     );
     if let Some(l) = &local {
         println!("kvtier: same-host data plane on unix://{} (docs/LOCAL.md)", l.path.display());

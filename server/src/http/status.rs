@@ -25,19 +25,40 @@ pub(crate) fn healthz(ctx: &Ctx) -> Reply {
 /// log cannot be written (a PUT would fail, or in write-back lose its
 /// block); 200 otherwise, naming the degraded tiers (they cost misses or
 /// refusals, not correctness). Each tier's state, reason and since when.
+/// With several data directories (devices) the store is ready while any
+/// device's logs can be written: `status` is then `degraded`, and
+/// `devices_down` names each device that is not, with its directory and
+/// reason (its shards' blocks miss; the rest serve).
 pub(crate) async fn readyz(ctx: &Ctx) -> Reply {
-    let health = match ctx.store().health().await {
-        Ok(h) => h,
+    let shards = match ctx.store().stats().await {
+        Ok(s) => s,
         Err(e) => return engine_error(&e),
     };
+    let health = ctx.store().health_table(shards.iter().flat_map(|s| &s.health));
+    let devices = ctx.store().devices(&shards);
     let names = |state: HealthState| -> Vec<&str> { health.iter().filter(|h| h.state == state).map(|h| h.tier.as_str()).collect() };
-    let ready = !health.iter().any(|h| h.tier == Tier::Nvme.as_str() && h.state == HealthState::Down);
+    let down: Vec<_> = devices
+        .iter()
+        .filter(|d| d.state == HealthState::Down)
+        .map(|d| json!({ "device": d.index, "dir": d.dir, "shards": d.shards, "reason": d.reason }))
+        .collect();
+    let ready = if devices.len() > 1 {
+        down.len() < devices.len()
+    } else {
+        !health.iter().any(|h| h.tier == Tier::Nvme.as_str() && h.state == HealthState::Down)
+    };
     let tiers: Vec<_> =
         health.iter().map(|h| json!({ "tier": h.tier, "state": h.state, "reason": h.reason, "since_unix_ms": h.since_unix_ms })).collect();
+    let status = match (ready, down.is_empty()) {
+        (false, _) => "not_ready",
+        (true, false) => "degraded",
+        (true, true) => "ready",
+    };
     let body = json!({
-        "status": if ready { "ready" } else { "not_ready" },
+        "status": status,
         "degraded": names(HealthState::Degraded),
         "down": names(HealthState::Down),
+        "devices_down": down,
         "tiers": tiers,
     });
     json_reply(if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
@@ -72,7 +93,8 @@ pub(crate) async fn stats(ctx: &Ctx, caller: Option<&Tenant>) -> Reply {
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store().health_table(shards.iter().flat_map(|s| &s.health));
-    let snapshot = crate::metrics::EngineSnapshot { engine: shards, health, trace: ctx.store().trace_status() };
+    let devices = ctx.store().devices(&shards);
+    let snapshot = crate::metrics::EngineSnapshot { engine: shards, health, trace: ctx.store().trace_status(), devices };
     json_reply(StatusCode::OK, &ctx.metrics.stats_json(&snapshot, ctx.store().shards(), caller.map(|t| t.name.as_str())))
 }
 
@@ -85,7 +107,8 @@ pub(crate) async fn metrics(ctx: &Ctx, headers: &HeaderMap) -> Reply {
         Err(e) => return engine_error(&e),
     };
     let health = ctx.store().health_table(shards.iter().flat_map(|s| &s.health));
-    let text = ctx.metrics.render(crate::metrics::EngineSnapshot { engine: shards, health, trace: ctx.store().trace_status() });
+    let devices = ctx.store().devices(&shards);
+    let text = ctx.metrics.render(crate::metrics::EngineSnapshot { engine: shards, health, trace: ctx.store().trace_status(), devices });
     let openmetrics = headers
         .get_all(header::ACCEPT)
         .iter()

@@ -56,6 +56,8 @@ pub struct EngineSnapshot {
     pub health: Vec<TierHealth>,
     /// The trace recorder's state, with `--trace-dir`.
     pub trace: Option<kvtier_engine::trace::TraceStatus>,
+    /// Each device's state ([`kvtier_engine::devices`]).
+    pub devices: Vec<kvtier_engine::devices::DeviceStats>,
 }
 
 /// What lives as long as the server and is read at each scrape.

@@ -164,7 +164,8 @@ pub fn openmetrics_to_text_0_0_4(openmetrics: &str) -> String {
 /// Writes every metric of one scrape.
 pub(super) fn write_metrics(registry: &mut Scrape<'_>, parts: &Parts, snapshot: &EngineSnapshot) {
     let Parts { doors, geometry, remote, tenancy, stalls } = parts;
-    let EngineSnapshot { engine, health, trace } = snapshot;
+    let EngineSnapshot { engine, health, trace, devices } = snapshot;
+    register_devices(registry, devices);
     register_tenants(registry, engine, geometry.block_bytes, tenancy.as_deref());
     let block = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
     block.set(geometry.block_bytes as i64);
@@ -328,6 +329,26 @@ fn register_stalls(registry: &mut Scrape<'_>, stalls: &kvtier_engine::stall::Sta
 struct TierKindLabel {
     tier: String,
     kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabel {
+    device: String,
+}
+
+/// `kvtier_device_up{device}` (1 unless its shards' logs are down) and
+/// `kvtier_device_blocks{device}`, per data directory
+/// ([`kvtier_engine::devices`]).
+fn register_devices(registry: &mut Scrape<'_>, devices: &[kvtier_engine::devices::DeviceStats]) {
+    let up = Family::<DeviceLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    let blocks = Family::<DeviceLabel, Gauge<i64, std::sync::atomic::AtomicI64>>::default();
+    for d in devices {
+        let label = DeviceLabel { device: d.index.to_string() };
+        up.get_or_create(&label).set((d.state != HealthState::Down) as i64);
+        blocks.get_or_create(&label).set(d.blocks as i64);
+    }
+    registry.register("device_up", "1 while the device's shards' logs serve, 0 while they are down (one per --data-dir)", up);
+    registry.register("device_blocks", "Blocks in the logs of the device's shards", blocks);
 }
 
 /// `kvtier_tier_up{tier}` (1 unless down), `kvtier_tier_degraded{tier}` (1

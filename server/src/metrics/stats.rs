@@ -15,7 +15,7 @@ impl Metrics {
     /// tenant's name (null without `--tenants`).
     pub fn stats_json(&self, snapshot: &EngineSnapshot, shard_count: usize, caller: Option<&str>) -> Value {
         let Parts { doors, geometry, remote, stalls, .. } = self.parts();
-        let EngineSnapshot { engine: shards, health, trace } = snapshot;
+        let EngineSnapshot { engine: shards, health, trace, devices } = snapshot;
         let sum = |f: fn(&ShardStats) -> u64| shards.iter().map(f).sum::<u64>();
         let body = json!({
             "geometry": geometry,
@@ -47,6 +47,7 @@ impl Metrics {
             "promote": shards.first().map(|s| s.promote),
             "tiers": kvtier_engine::shard::tier_totals(shards),
             "health": health,
+            "devices": devices,
             "per_shard": shards,
             "trace": trace,
             "tenants": owners_json(shards, geometry.block_bytes),

@@ -4,6 +4,7 @@
 
 pub mod browser;
 pub mod local;
+pub mod loopfs;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -45,7 +46,9 @@ pub fn try_start_env(args: &[String], env: &[(String, String)]) -> Result<Server
     let log = tempfile::NamedTempFile::new().expect("temporary log file");
     match ServerProcess::start_with_env(Path::new(env!("CARGO_BIN_EXE_kvtier")), args, env, log.path()) {
         Ok(process) => Ok(Server { url: process.url().to_string(), process: Some(process), log, data_dir }),
-        Err(e) => Err((e.status, std::fs::read_to_string(log.path()).unwrap_or(e.message))),
+        // The server's log, then what the start saw (a timeout names where
+        // each of the server's threads was).
+        Err(e) => Err((e.status, format!("{}\n{}", std::fs::read_to_string(log.path()).unwrap_or_default(), e.message))),
     }
 }
 

@@ -1,0 +1,484 @@
+//! Several data directories per store, one per device (NVMe drive):
+//! which shard's log lives on which device, how much of each device a
+//! store takes, and how the directories of a store are recognised.
+//!
+//! **Placement.** A store of `S` shards over `D` devices puts shard `s`'s
+//! log (`shard-NNN/`) on device `s mod D`, so the shards are spread evenly
+//! (each device gets `S / D` of them, the first `S mod D` one more) and a
+//! block is never striped across devices: a device that fails costs the
+//! blocks of its shards only. Keys are routed to shards as with one
+//! directory (`block_hash mod shards`), so adding devices never moves a key
+//! between shards. A store needs at least as many shards as devices.
+//!
+//! **Capacity.** Each device holds `capacity_bytes` of segments, split
+//! evenly among its shards: given per directory as `PATH=SIZE_GB`, else
+//! `--disk-gb` split in proportion to each filesystem's free space when the
+//! store is made, and recorded in `store.json`. With one directory the
+//! capacity is `--disk-gb` at every start, as before devices existed.
+//!
+//! **Identity.** Every directory holds its own `store.json` naming the
+//! store (`store_id`, 128 random bits made with the store), the whole
+//! device list (index, filesystem id, capacity, shards) and which device it
+//! is (`device_index`). Directories are matched by that, not by their order
+//! on the command line; a directory of another store is refused naming
+//! both; an empty directory given for a device that is not there takes its
+//! place, and its shards start empty. A store made before devices (one
+//! directory, no `store_id`) opens as it always did.
+//!
+//! The functions here read and stat directories with `std::fs`: they run
+//! at start-up and in `kvtier fsck`/`info`, never on a shard's thread.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::geometry::StoreManifest;
+
+/// One `--data-dir` as given: a directory and, optionally, how many bytes
+/// of segments it may hold (`PATH=SIZE_GB`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSpec {
+    /// The data directory on this device.
+    pub dir: PathBuf,
+    /// Its capacity for segments, bytes (`None`: from `--disk-gb`).
+    pub capacity_bytes: Option<u64>,
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+
+    /// `PATH` or `PATH=SIZE_GB` (GiB, 2^30 bytes; a positive number). A path
+    /// that itself holds `=` is taken whole unless what follows the last
+    /// `=` is a number.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s.is_empty() {
+            return Err("a data directory cannot be empty".into());
+        }
+        if let Some((path, size)) = s.rsplit_once('=') {
+            if let Ok(gb) = size.parse::<f64>() {
+                if !(gb.is_finite() && gb > 0.0) || path.is_empty() {
+                    return Err(format!("{s:?}: the size after '=' must be a positive number of GiB, with a path before it"));
+                }
+                return Ok(DeviceSpec { dir: PathBuf::from(path), capacity_bytes: Some((gb * (1u64 << 30) as f64) as u64) });
+            }
+        }
+        Ok(DeviceSpec { dir: PathBuf::from(s), capacity_bytes: None })
+    }
+}
+
+/// What `store.json` records of one device of a store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    /// Its place in the store's device list (shard `s` is on device `s mod D`).
+    pub index: u32,
+    /// The filesystem id of its directory when the store was made (`statvfs`'s `f_fsid`, hex).
+    pub fs_id: String,
+    /// Bytes of segments it holds, split evenly among its shards.
+    pub capacity_bytes: u64,
+    /// The shards whose logs it holds.
+    pub shards: Vec<u32>,
+}
+
+/// One device of an open store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Device {
+    /// Its index in the store's device list.
+    pub index: u32,
+    /// Its data directory (as given on this start).
+    pub dir: PathBuf,
+    /// Bytes of segments it holds.
+    pub capacity_bytes: u64,
+    /// The filesystem id of its directory now (hex).
+    pub fs_id: String,
+}
+
+/// The devices of a store, by index, as matched on this start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// The store's id; `None` for a store made before devices (one directory).
+    pub store_id: Option<String>,
+    /// Every device, by index.
+    pub devices: Vec<Device>,
+    /// Devices given as empty directories in place of missing ones: their shards start empty.
+    pub replaced: Vec<u32>,
+}
+
+impl Layout {
+    /// One directory, as a store was before devices: `dir` holding
+    /// `capacity_bytes` (used by tests and tools that make a store in one place).
+    pub fn single(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Layout {
+        let dir = dir.into();
+        let fs_id = fs_id(&dir);
+        Layout { store_id: None, devices: vec![Device { index: 0, dir, capacity_bytes, fs_id }], replaced: Vec::new() }
+    }
+
+    /// The device that holds shard `shard`'s log.
+    pub fn device_of(&self, shard: usize) -> &Device {
+        &self.devices[shard % self.devices.len()]
+    }
+
+    /// The shards on device `index` of a store of `shards` shards.
+    pub fn shards_on(&self, index: usize, shards: usize) -> Vec<u32> {
+        (0..shards).filter(|s| s % self.devices.len() == index).map(|s| s as u32).collect()
+    }
+
+    /// Shard `shard`'s directory: `<its device's dir>/shard-NNN`.
+    pub fn shard_dir(&self, shard: usize) -> PathBuf {
+        self.device_of(shard).dir.join(format!("shard-{shard:03}"))
+    }
+
+    /// Bytes of segments shard `shard` may hold: its device's capacity over
+    /// the shards on that device.
+    pub fn shard_capacity_bytes(&self, shard: usize, shards: usize) -> u64 {
+        let device = self.device_of(shard);
+        device.capacity_bytes / self.shards_on(device.index as usize, shards).len().max(1) as u64
+    }
+
+    /// The device list `store.json` records.
+    pub fn records(&self, shards: usize) -> Vec<DeviceRecord> {
+        self.devices
+            .iter()
+            .map(|d| DeviceRecord {
+                index: d.index,
+                fs_id: d.fs_id.clone(),
+                capacity_bytes: d.capacity_bytes,
+                shards: self.shards_on(d.index as usize, shards),
+            })
+            .collect()
+    }
+
+    /// Every device's total capacity, bytes.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.devices.iter().map(|d| d.capacity_bytes).sum()
+    }
+
+    /// Matches the directories given (`specs`, in any order) to a store's
+    /// devices (module docs): a new store when none holds a `store.json`
+    /// (each device's capacity its `PATH=SIZE_GB`, else `disk_bytes` alone
+    /// for one directory, else `disk_bytes` split by free space); an
+    /// existing store's devices by the `store_id` and `device_index` their
+    /// directories hold, empty directories standing in for missing devices.
+    /// Reads only: `store.json` files are written when the store opens.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the directories for: a directory given
+    /// twice; fewer shards than devices for a new store; directories of two
+    /// stores; a store made with one directory given more; more
+    /// directories than the store has devices; a device neither given nor
+    /// replaced; sizes that do not add up. [`Error::Io`] for an unreadable
+    /// `store.json` or directory.
+    pub fn resolve(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
+        if specs.is_empty() {
+            return Err(Error::Config("at least one --data-dir is needed".into()));
+        }
+        for (i, a) in specs.iter().enumerate() {
+            if let Some(b) = specs[..i].iter().find(|b| same_dir(&a.dir, &b.dir)) {
+                return Err(Error::Config(format!("--data-dir {} is given twice (also as {})", a.dir.display(), b.dir.display())));
+            }
+        }
+        let mut found: Vec<(usize, StoreManifest)> = Vec::new();
+        for (i, spec) in specs.iter().enumerate() {
+            if StoreManifest::path(&spec.dir).exists() {
+                found.push((i, StoreManifest::read(&spec.dir)?));
+            }
+        }
+        if found.is_empty() {
+            return Self::new_store(specs, disk_bytes, shards);
+        }
+        if let Some((i, _)) = found.iter().find(|(_, m)| m.store_id.is_none()) {
+            if specs.len() > 1 {
+                return Err(Error::Config(format!(
+                    "{} holds a store made with one data directory; a store's devices are fixed when it is made: give it alone, or make a new store over empty directories",
+                    specs[*i].dir.display()
+                )));
+            }
+            let spec = &specs[0];
+            return Ok(Layout::single(spec.dir.clone(), spec.capacity_bytes.unwrap_or(disk_bytes)));
+        }
+        let (first, template) = &found[0];
+        let id = template.store_id.clone().expect("checked above");
+        for (i, m) in &found[1..] {
+            if m.store_id.as_deref() != Some(id.as_str()) {
+                return Err(Error::Config(format!(
+                    "{} belongs to store {} but {} to store {}: give the directories of one store",
+                    specs[*first].dir.display(),
+                    id,
+                    specs[*i].dir.display(),
+                    m.store_id.as_deref().unwrap_or("?")
+                )));
+            }
+        }
+        let records = &template.devices;
+        if specs.len() > records.len() {
+            return Err(Error::Config(format!(
+                "{} data directories given, but store {id} has {} devices (made so; its shards' logs are placed by device)",
+                specs.len(),
+                records.len()
+            )));
+        }
+        let mut by_index: BTreeMap<u32, usize> = BTreeMap::new();
+        for (i, m) in &found {
+            let index = m.device_index.unwrap_or(u32::MAX);
+            if records.iter().all(|r| r.index != index) {
+                return Err(Error::Config(format!("{} names device {index}, which store {id} does not have", specs[*i].dir.display())));
+            }
+            if let Some(other) = by_index.insert(index, *i) {
+                return Err(Error::Config(format!(
+                    "{} and {} are both device {index} of store {id} (a copy of a directory?)",
+                    specs[other].dir.display(),
+                    specs[*i].dir.display()
+                )));
+            }
+        }
+        let fresh: Vec<usize> = (0..specs.len()).filter(|i| found.iter().all(|(j, _)| j != i)).collect();
+        let mut fresh = fresh.into_iter();
+        let mut replaced = Vec::new();
+        let mut devices = Vec::with_capacity(records.len());
+        for r in records {
+            let spec = match by_index.get(&r.index) {
+                Some(&i) => &specs[i],
+                None => match fresh.next() {
+                    Some(i) => {
+                        replaced.push(r.index);
+                        &specs[i]
+                    }
+                    None => {
+                        return Err(Error::Config(format!(
+                            "device {} of store {id} (filesystem {}, shards {:?}) is not among the directories given: give its directory (in any order), or an empty directory to start its shards empty",
+                            r.index, r.fs_id, r.shards
+                        )))
+                    }
+                },
+            };
+            // One directory: --disk-gb at every start, as before devices;
+            // several: what was recorded when the store was made.
+            let recorded = if records.len() == 1 { disk_bytes } else { r.capacity_bytes };
+            devices.push(Device {
+                index: r.index,
+                dir: spec.dir.clone(),
+                capacity_bytes: spec.capacity_bytes.unwrap_or(recorded),
+                fs_id: fs_id(&spec.dir),
+            });
+        }
+        Ok(Layout { store_id: Some(id), devices, replaced })
+    }
+
+    fn new_store(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
+        if shards < specs.len() {
+            return Err(Error::Config(format!(
+                "{} data directories need at least {} shards (each device holds whole shards' logs), got {shards}",
+                specs.len(),
+                specs.len()
+            )));
+        }
+        let capacities = capacities(specs, disk_bytes)?;
+        let devices = specs
+            .iter()
+            .zip(capacities)
+            .enumerate()
+            .map(|(i, (s, capacity_bytes))| Device { index: i as u32, dir: s.dir.clone(), capacity_bytes, fs_id: fs_id(&s.dir) })
+            .collect();
+        Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new() })
+    }
+}
+
+/// Each new device's capacity: its `PATH=SIZE_GB`; for one directory
+/// without a size `disk_bytes`; else what `disk_bytes` leaves after the
+/// sized ones, split among the others in proportion to their
+/// filesystems' free space (evenly when it cannot be read).
+fn capacities(specs: &[DeviceSpec], disk_bytes: u64) -> Result<Vec<u64>> {
+    if specs.len() == 1 {
+        return Ok(vec![specs[0].capacity_bytes.unwrap_or(disk_bytes)]);
+    }
+    let sized: u64 = specs.iter().filter_map(|s| s.capacity_bytes).sum();
+    let open_ended: Vec<&DeviceSpec> = specs.iter().filter(|s| s.capacity_bytes.is_none()).collect();
+    if open_ended.is_empty() {
+        return Ok(specs.iter().map(|s| s.capacity_bytes.unwrap_or(0)).collect());
+    }
+    let left = disk_bytes.checked_sub(sized).filter(|&b| b > 0).ok_or_else(|| {
+        Error::Config(format!(
+            "--disk-gb ({disk_bytes} bytes) leaves nothing for the data directories given without a size after those with one ({sized} bytes): give every directory a size (PATH=SIZE_GB) or raise --disk-gb"
+        ))
+    })?;
+    let free: Vec<u64> = open_ended.iter().map(|s| free_bytes(&s.dir).unwrap_or(0)).collect();
+    let total: u128 = free.iter().map(|&f| f as u128).sum();
+    let share = |i: usize| -> u64 {
+        match (left as u128 * free[i] as u128).checked_div(total) {
+            Some(bytes) => bytes as u64,
+            None => left / open_ended.len() as u64, // free space unknown: evenly
+        }
+    };
+    let mut next = 0;
+    Ok(specs
+        .iter()
+        .map(|s| {
+            s.capacity_bytes.unwrap_or_else(|| {
+                next += 1;
+                share(next - 1)
+            })
+        })
+        .collect())
+}
+
+/// One device's state, for `/v1/stats` (`devices`), `/readyz` and
+/// `kvtier_device_up`: its shards' blocks and the worst of their NVMe
+/// tiers' health (a device that fails shows as its shards' logs failing).
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceStats {
+    /// Its index in the store's device list.
+    pub index: u32,
+    /// Its data directory.
+    pub dir: String,
+    /// The shards whose logs it holds.
+    pub shards: Vec<u32>,
+    /// Blocks in those shards' indexes.
+    pub blocks: u64,
+    /// Blocks its segments can hold.
+    pub capacity_blocks: u64,
+    /// Bytes of segment files on it.
+    pub disk_bytes: u64,
+    /// `ok`, `degraded` or `down`: the worst of its shards' NVMe tiers.
+    pub state: crate::health::HealthState,
+    /// Why not `ok` (that shard's NVMe reason).
+    pub reason: Option<String>,
+}
+
+/// Each of `devices` devices' state from every shard's stats (shard `s`
+/// on device `s mod devices`, in `shard_dirs[s]`).
+pub fn device_stats(devices: usize, shard_dirs: &[PathBuf], shards: &[crate::ShardStats]) -> Vec<DeviceStats> {
+    let devices = devices.max(1);
+    (0..devices)
+        .map(|d| {
+            let mine: Vec<&crate::ShardStats> = shards.iter().filter(|s| s.shard as usize % devices == d).collect();
+            let mut worst: Option<crate::health::TierHealth> = None;
+            for h in mine.iter().flat_map(|s| s.health.iter().filter(|h| h.tier == "nvme")) {
+                match &mut worst {
+                    Some(w) => w.merge(h),
+                    None => worst = Some(h.clone()),
+                }
+            }
+            let dir = shard_dirs.get(d).and_then(|p| p.parent()).map(|p| p.display().to_string()).unwrap_or_default();
+            DeviceStats {
+                index: d as u32,
+                dir,
+                shards: mine.iter().map(|s| s.shard).collect(),
+                blocks: mine.iter().map(|s| s.blocks).sum(),
+                capacity_blocks: mine.iter().map(|s| s.capacity_blocks).sum(),
+                disk_bytes: mine.iter().map(|s| s.disk_bytes).sum(),
+                state: worst.as_ref().map_or(crate::health::HealthState::Ok, |w| w.state),
+                reason: worst.and_then(|w| w.reason),
+            }
+        })
+        .collect()
+}
+
+/// Whether two paths name one directory (by device and inode when both
+/// exist, else by their text).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => a == b,
+    }
+}
+
+/// `statvfs` of the nearest existing ancestor of `dir` (it may not exist yet).
+fn statvfs(dir: &Path) -> Option<libc::statvfs> {
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        if p.exists() {
+            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
+            let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+            // SAFETY: `c` is a NUL-terminated path; `s` is ours to fill.
+            return (unsafe { libc::statvfs(c.as_ptr(), &mut s) } == 0).then_some(s);
+        }
+        at = p.parent().filter(|q| !q.as_os_str().is_empty()).or(if p.is_relative() { Some(Path::new(".")) } else { None });
+        if at == Some(p) {
+            break;
+        }
+    }
+    None
+}
+
+/// Bytes free to an unprivileged writer on `dir`'s filesystem.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    statvfs(dir).map(|s| s.f_bavail * s.f_frsize)
+}
+
+/// `dir`'s filesystem id (`statvfs`'s `f_fsid`, hex; `?` when unknown):
+/// two directories on one filesystem share it.
+pub fn fs_id(dir: &Path) -> String {
+    statvfs(dir).map_or_else(|| "?".into(), |s| format!("{:016x}", { s.f_fsid }))
+}
+
+/// 128 random bits, hex: a new store's id.
+fn new_store_id() -> Result<String> {
+    let mut bytes = [0u8; 16];
+    // SAFETY: getrandom fills the buffer we own.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        return Err(Error::io("getrandom for a new store id".to_string(), std::io::Error::last_os_error()));
+    }
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(s: &str) -> DeviceSpec {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_spec_is_a_path_with_an_optional_size() {
+        assert_eq!(spec("/a"), DeviceSpec { dir: "/a".into(), capacity_bytes: None });
+        assert_eq!(spec("/a=2").capacity_bytes, Some(2 << 30));
+        assert_eq!(spec("/a=b").dir, PathBuf::from("/a=b"));
+        assert!("/a=0".parse::<DeviceSpec>().unwrap_err().contains("positive"));
+        assert!("=3".parse::<DeviceSpec>().is_err());
+    }
+
+    #[test]
+    fn shards_go_round_robin_and_split_their_devices_capacity() {
+        let l = Layout {
+            store_id: Some("x".into()),
+            devices: (0..3).map(|i| Device { index: i, dir: format!("/d{i}").into(), capacity_bytes: 90, fs_id: "?".into() }).collect(),
+            replaced: vec![],
+        };
+        assert_eq!(l.shards_on(0, 8), vec![0, 3, 6]);
+        assert_eq!(l.shards_on(2, 8), vec![2, 5]);
+        assert_eq!(l.shard_dir(4), PathBuf::from("/d1/shard-004"));
+        assert_eq!(l.shard_capacity_bytes(0, 8), 30);
+        assert_eq!(l.shard_capacity_bytes(2, 8), 45);
+        let all: Vec<u32> = l.records(8).iter().flat_map(|r| r.shards.clone()).collect();
+        assert_eq!(all.len(), 8);
+    }
+
+    #[test]
+    fn new_capacities_take_sizes_then_split_the_rest() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b, c) = (d.path().join("a"), d.path().join("b"), d.path().join("c"));
+        let specs = [
+            DeviceSpec { dir: a.clone(), capacity_bytes: Some(10) },
+            DeviceSpec { dir: b, capacity_bytes: None },
+            DeviceSpec { dir: c, capacity_bytes: None },
+        ];
+        // b and c are on one filesystem: the 90 bytes left split evenly.
+        assert_eq!(capacities(&specs, 100).unwrap(), vec![10, 45, 45]);
+        assert!(capacities(&specs, 10).unwrap_err().to_string().contains("leaves nothing"));
+        assert_eq!(capacities(&[DeviceSpec { dir: a, capacity_bytes: None }], 7).unwrap(), vec![7]);
+    }
+
+    #[test]
+    fn fewer_shards_than_devices_and_a_directory_twice_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let specs = [spec(&d.path().join("a").to_string_lossy()), spec(&d.path().join("b").to_string_lossy())];
+        assert!(Layout::resolve(&specs, 1 << 30, 1).unwrap_err().to_string().contains("at least 2 shards"));
+        let twice = [specs[0].clone(), specs[0].clone()];
+        assert!(Layout::resolve(&twice, 1 << 30, 2).unwrap_err().to_string().contains("given twice"));
+    }
+}

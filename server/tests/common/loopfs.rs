@@ -1,0 +1,46 @@
+//! A small ext4 filesystem on a loop device, made and mounted by a test
+//! (root, mkfs.ext4 and loop devices; `make test` runs as root, as CI does).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A loop-mounted ext4 filesystem, unmounted on drop.
+pub struct LoopFs {
+    /// Where it is mounted.
+    pub mnt: PathBuf,
+}
+
+impl LoopFs {
+    /// An ext4 image of `mib` MiB in `dir`, mounted at `dir/mnt`.
+    ///
+    /// # Errors
+    /// Why not (not root, a command missing or failing), for the test's panic.
+    pub fn make(dir: &Path, mib: u64) -> Result<LoopFs, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root: mounting a loop device needs root (run `make test` as root, as CI does)".into());
+        }
+        let img = dir.join("fs.img");
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+        let f = std::fs::File::create(&img).map_err(|e| e.to_string())?;
+        f.set_len(mib << 20).map_err(|e| e.to_string())?;
+        let run = |cmd: &mut Command| -> Result<(), String> {
+            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr)))
+            }
+        };
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img))?;
+        run(Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt))?;
+        Ok(LoopFs { mnt })
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mnt).status();
+    }
+}

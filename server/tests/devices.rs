@@ -1,0 +1,173 @@
+//! Several data directories per store, one per device (docs/OPERATIONS.md,
+//! "Several devices"; `kvtier_engine::devices`), against a real
+//! `kvtier serve`: blocks spread over two loop-mounted ext4 filesystems
+//! within ±10 % and read back byte for byte after a kill -9 and a restart
+//! with the directories given in the other order (and `fsck` over both); a
+//! directory of another store refused naming both; a device not given
+//! named; an empty directory standing in for a lost device, its shards
+//! starting empty while the other device's blocks still serve; a store
+//! made with one directory opening alone as before.
+//!
+//! The spread test needs root, mkfs.ext4 and loop devices (as
+//! tests/full_disk.rs); without them it fails naming what is missing.
+
+mod common;
+
+use std::path::Path;
+
+use common::loopfs::LoopFs;
+use common::{client, payload, set_flag, start, test_args, try_start, Server};
+use http::{Method, StatusCode};
+use kvtier_loadgen::client::{ChunkedBody, Client};
+use serde_json::Value;
+
+/// A store over `dirs`, in that order, of `shards` shards.
+fn args(dirs: &[&Path], shards: usize) -> Vec<String> {
+    let mut a = test_args(dirs[0]);
+    for d in &dirs[1..] {
+        a.push("--data-dir".into());
+        a.push(d.display().to_string());
+    }
+    set_flag(&mut a, "--shards", &shards.to_string());
+    set_flag(&mut a, "--disk-gb", "0.1");
+    set_flag(&mut a, "--ram-gb", "0");
+    a
+}
+
+async fn put_keys(c: &Client, prefix: &str, n: usize) -> Vec<String> {
+    let mut keys = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("{prefix}-{i}");
+        let a = c.send(Method::PUT, &format!("/v1/blocks/{key}"), ChunkedBody::new(vec![payload(&key)]), None).await.unwrap();
+        assert_eq!(a.status, StatusCode::CREATED, "PUT {key}");
+        keys.push(key);
+    }
+    keys
+}
+
+/// Per key: `Some(true)` read back right, `None` a miss; a wrong byte panics.
+async fn read_back(c: &Client, keys: &[String]) -> Vec<Option<bool>> {
+    let mut out = Vec::with_capacity(keys.len());
+    for key in keys {
+        match c.get(key).await.unwrap() {
+            Some((body, _)) => {
+                assert!(body.to_bytes() == payload(key), "{key} served with wrong bytes");
+                out.push(Some(true));
+            }
+            None => out.push(None),
+        }
+    }
+    out
+}
+
+async fn devices(server: &Server) -> Vec<Value> {
+    client(server, false).stats().await.unwrap()["devices"].as_array().unwrap().clone()
+}
+
+fn store_id(dir: &Path) -> String {
+    let m: Value = serde_json::from_slice(&std::fs::read(dir.join("store.json")).unwrap()).unwrap();
+    m["store_id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_spread_over_two_filesystems_and_survive_a_crash_and_a_reordered_restart() {
+    let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let need = |why: String| -> LoopFs {
+        panic!("the devices test needs loop-mounted ext4 images: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)")
+    };
+    let fa = LoopFs::make(ta.path(), 160).unwrap_or_else(need);
+    let fb = LoopFs::make(tb.path(), 160).unwrap_or_else(need);
+    let (a, b) = (fa.mnt.join("data"), fb.mnt.join("data"));
+    let server = start(&args(&[&a, &b], 4));
+    let c = client(&server, false);
+    let keys = put_keys(&c, "spread", 400).await;
+    let per_device: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(per_device.iter().sum::<u64>(), 400, "{per_device:?}");
+    for (i, n) in per_device.iter().enumerate() {
+        assert!((180..=220).contains(n), "device {i} holds {n} of 400 blocks, not within 10 % of 200: {per_device:?}");
+    }
+    assert_ne!(store_id(&a), "");
+    assert_eq!(store_id(&a), store_id(&b));
+    server.crash();
+    // The directories the other way round: matched by their store.json.
+    let server = start(&args(&[&b, &a], 4));
+    let c = client(&server, false);
+    assert!(read_back(&c, &keys).await.iter().all(|r| *r == Some(true)), "a block was lost over the crash");
+    let per_device: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(per_device.iter().sum::<u64>(), 400);
+    let ready: Value =
+        serde_json::from_slice(&c.send(Method::GET, "/readyz", ChunkedBody::new(vec![]), None).await.unwrap().body.to_bytes()).unwrap();
+    assert_eq!(ready["status"], "ready", "{ready}");
+    let metrics = c.send(Method::GET, "/metrics", ChunkedBody::new(vec![]), None).await.unwrap().body.to_bytes();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvtier_device_up{device=\"0\"} 1") && metrics.contains("kvtier_device_up{device=\"1\"} 1"), "{metrics}");
+    server.stop();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fsck", "--json", "--data-dir"])
+        .arg(&a)
+        .arg("--data-dir")
+        .arg(&b)
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fsck: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "{report}");
+    assert_eq!(report["live_blocks"], 400, "{report}");
+}
+
+#[test]
+fn a_directory_of_another_store_is_refused_naming_both_stores() {
+    let t = tempfile::tempdir().unwrap();
+    let [a, b, c, d] = ["a", "b", "c", "d"].map(|n| t.path().join(n));
+    start(&args(&[&a, &b], 2)).stop();
+    start(&args(&[&c, &d], 2)).stop();
+    let (_, stderr) = try_start(&args(&[&a, &c], 2)).err().expect("a mix of two stores started");
+    assert!(stderr.contains("belongs to store"), "{stderr}");
+    assert!(stderr.contains(&store_id(&a)) && stderr.contains(&store_id(&c)), "{stderr}");
+}
+
+#[test]
+fn a_device_not_given_is_named_and_the_start_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let (a, b) = (t.path().join("a"), t.path().join("b"));
+    start(&args(&[&a, &b], 2)).stop();
+    let (_, stderr) = try_start(&args(&[&a], 2)).err().expect("started without device 1");
+    assert!(stderr.contains("device 1 of store") && stderr.contains("not among the directories given"), "{stderr}");
+    assert!(stderr.contains("an empty directory"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_empty() {
+    let t = tempfile::tempdir().unwrap();
+    let (a, b, e) = (t.path().join("a"), t.path().join("b"), t.path().join("e"));
+    let server = start(&args(&[&a, &b], 2));
+    let keys = put_keys(&client(&server, false), "lost", 100).await;
+    server.stop();
+    std::fs::remove_dir_all(&b).unwrap(); // device 1 is gone; e replaces it
+    let server = start(&args(&[&e, &a], 2));
+    assert!(server.log().contains("in place of a missing one"), "{}", server.log());
+    let got = read_back(&client(&server, false), &keys).await;
+    let served = got.iter().filter(|r| r.is_some()).count();
+    assert!((30..=70).contains(&served), "device 0's half still serves, device 1's misses: {served} of 100 served");
+    assert_eq!(store_id(&e), store_id(&a));
+    server.stop();
+}
+
+#[test]
+fn a_store_made_with_one_directory_opens_alone_as_before_and_refuses_a_second() {
+    let t = tempfile::tempdir().unwrap();
+    let (a, b) = (t.path().join("a"), t.path().join("b"));
+    start(&args(&[&a], 2)).stop();
+    // As a store made before devices: no store id, no device list.
+    let path = a.join("store.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for field in ["store_id", "devices", "device_index"] {
+        m.as_object_mut().unwrap().remove(field);
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    start(&args(&[&a], 2)).stop();
+    let kept: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert!(kept.get("store_id").is_none(), "an old store's manifest was rewritten: {kept}");
+    let (_, stderr) = try_start(&args(&[&a, &b], 2)).err().expect("an old one-directory store took a second directory");
+    assert!(stderr.contains("made with one data directory"), "{stderr}");
+}
