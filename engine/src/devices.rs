@@ -32,9 +32,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::error::{Error, Result};
+pub use crate::geometry::DeviceRecord;
 use crate::geometry::StoreManifest;
 
 /// One `--data-dir` as given: a directory and, optionally, how many bytes
@@ -67,19 +68,6 @@ impl FromStr for DeviceSpec {
         }
         Ok(DeviceSpec { dir: PathBuf::from(s), capacity_bytes: None })
     }
-}
-
-/// What `store.json` records of one device of a store.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceRecord {
-    /// Its place in the store's device list (shard `s` is on device `s mod D`).
-    pub index: u32,
-    /// The filesystem id of its directory when the store was made (`statvfs`'s `f_fsid`, hex).
-    pub fs_id: String,
-    /// Bytes of segments it holds, split evenly among its shards.
-    pub capacity_bytes: u64,
-    /// The shards whose logs it holds.
-    pub shards: Vec<u32>,
 }
 
 /// One device of an open store.

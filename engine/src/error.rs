@@ -61,6 +61,13 @@ pub enum Error {
     /// segment too small to hold one slot). The message says which setting.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The device holding the owning shard's log failed: its last write
+    /// met an I/O error. Writes are refused for [`crate::shard::LOG_PROBE_EVERY`]
+    /// after each failure, then one is tried again (a success brings the
+    /// log back); reads of that shard's log are misses meanwhile. Nothing
+    /// on other devices is affected. The message names the error.
+    #[error("device down: {0}")]
+    DeviceDown(String),
     /// The owning shard already has as many block I/Os waiting as it
     /// admits (`io_queue_max`); nothing was done. Retry after a moment.
     #[error("overloaded: {0}")]

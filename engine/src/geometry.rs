@@ -135,6 +135,19 @@ impl Geometry {
     }
 }
 
+/// What `store.json` records of one device of a store ([`crate::devices`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    /// Its place in the store's device list (shard `s` is on device `s mod D`).
+    pub index: u32,
+    /// The filesystem id of its directory when the store was made (`statvfs`'s `f_fsid`, hex).
+    pub fs_id: String,
+    /// Bytes of segments it holds, split evenly among its shards.
+    pub capacity_bytes: u64,
+    /// The shards whose logs it holds.
+    pub shards: Vec<u32>,
+}
+
 /// Contents of `<data-dir>/store.json`: written once when the store is
 /// created, checked on every open.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,7 +168,7 @@ pub struct StoreManifest {
     pub store_id: Option<String>,
     /// The store's devices (data directories), the same list in each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub devices: Vec<crate::devices::DeviceRecord>,
+    pub devices: Vec<DeviceRecord>,
     /// Which of `devices` this directory is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_index: Option<u32>,

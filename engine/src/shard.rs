@@ -64,6 +64,7 @@ mod transit;
 mod waterfall;
 
 pub use config::ShardConfig;
+pub use health::LOG_PROBE_EVERY;
 pub use lease::LeaseOutcome;
 pub use owners::{owner_totals, OwnerCounters, OwnerShardStats};
 pub use remote::PutReport;
@@ -451,13 +452,15 @@ impl Shard {
                 Ok((body, Tier::Nvme))
             }
             Err(e) => {
-                if matches!(e, Error::NotFound | Error::Corrupt { .. }) {
+                // A read the device failed (counted in the log's health) is
+                // a miss too: the block may still be in the remote tier.
+                if matches!(e, Error::NotFound | Error::Corrupt { .. } | Error::Io { .. }) {
                     bump(&self.nvme_counters.misses, 1);
                     if let Some(bytes) = self.read_remote(key, hash).await {
                         return Ok((BlockBody::Whole(bytes), Tier::Remote));
                     }
                 }
-                Err(e)
+                Err(if matches!(e, Error::Io { .. }) { Error::NotFound } else { e })
             }
         }
     }

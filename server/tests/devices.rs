@@ -6,10 +6,16 @@
 //! directory of another store refused naming both; a device not given
 //! named; an empty directory standing in for a lost device, its shards
 //! starting empty while the other device's blocks still serve; a store
-//! made with one directory opening alone as before.
+//! made with one directory opening alone as before; a device that fails
+//! under load (its filesystem shut down, so every I/O on it fails as on a
+//! dead drive) costing its shards' blocks and nothing else.
 //!
 //! The spread test needs root, mkfs.ext4 and loop devices (as
 //! tests/full_disk.rs); without them it fails naming what is missing.
+
+// Each test holds the file's lock for its whole run, awaits included: every
+// test has a runtime of its own, so nothing else waits on that thread.
+#![allow(clippy::await_holding_lock)]
 
 mod common;
 
@@ -20,6 +26,16 @@ use common::{client, payload, set_flag, start, test_args, try_start, Server};
 use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::Value;
+
+/// One test of this file at a time: many kvtier starts at once on a
+/// two-core machine can hang in glommio's channel-mesh join (a known,
+/// pre-existing start hang, noted in issue 63's closing note), and these
+/// tests start and restart several servers each.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A store over `dirs`, in that order, of `shards` shards.
 fn args(dirs: &[&Path], shards: usize) -> Vec<String> {
@@ -32,6 +48,13 @@ fn args(dirs: &[&Path], shards: usize) -> Vec<String> {
     set_flag(&mut a, "--disk-gb", "0.1");
     set_flag(&mut a, "--ram-gb", "0");
     a
+}
+
+/// A 160 MiB ext4 filesystem on a loop device in `dir`: one device.
+fn device(dir: &Path) -> LoopFs {
+    LoopFs::make(dir, 160).unwrap_or_else(|why| {
+        panic!("the devices test needs loop-mounted ext4 images: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)")
+    })
 }
 
 async fn put_keys(c: &Client, prefix: &str, n: usize) -> Vec<String> {
@@ -71,12 +94,9 @@ fn store_id(dir: &Path) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_spread_over_two_filesystems_and_survive_a_crash_and_a_reordered_restart() {
+    let _one = one_at_a_time();
     let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let need = |why: String| -> LoopFs {
-        panic!("the devices test needs loop-mounted ext4 images: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)")
-    };
-    let fa = LoopFs::make(ta.path(), 160).unwrap_or_else(need);
-    let fb = LoopFs::make(tb.path(), 160).unwrap_or_else(need);
+    let (fa, fb) = (device(ta.path()), device(tb.path()));
     let (a, b) = (fa.mnt.join("data"), fb.mnt.join("data"));
     let server = start(&args(&[&a, &b], 4));
     let c = client(&server, false);
@@ -115,8 +135,69 @@ async fn blocks_spread_over_two_filesystems_and_survive_a_crash_and_a_reordered_
     assert_eq!(report["live_blocks"], 400, "{report}");
 }
 
+/// Every later I/O on `mnt`'s filesystem fails with EIO, as on a device
+/// that died: ext4's `EXT4_IOC_SHUTDOWN` (`_IOR('X', 125, __u32)`) with
+/// `EXT4_GOING_FLAGS_NOLOGFLUSH`, as xfstests' `godown` does (root).
+fn fail_device(mnt: &Path) {
+    use std::os::fd::AsRawFd;
+    let dir = std::fs::File::open(mnt).unwrap();
+    let flags: u32 = 2;
+    // SAFETY: the ioctl reads one u32 we own from a valid pointer.
+    let rc = unsafe { libc::ioctl(dir.as_raw_fd(), 0x8004_587D, &flags) };
+    assert_eq!(rc, 0, "EXT4_IOC_SHUTDOWN on {}: {}", mnt.display(), std::io::Error::last_os_error());
+}
+
+async fn status_and_body(c: &Client, method: Method, key: &str) -> (StatusCode, Value) {
+    let body = if method == Method::PUT { vec![payload(key)] } else { vec![] };
+    let a = c.send(method, &format!("/v1/blocks/{key}"), ChunkedBody::new(body), None).await.unwrap();
+    (a.status, serde_json::from_slice(&a.body.to_bytes()).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_fails_under_load_costs_its_shards_blocks_and_nothing_else() {
+    let _one = one_at_a_time();
+    let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (fa, fb) = (device(ta.path()), device(tb.path()));
+    let server = start(&args(&[&fa.mnt.join("data"), &fb.mnt.join("data")], 4));
+    let c = client(&server, false);
+    let before = put_keys(&c, "before", 200).await;
+    fail_device(&fb.mnt);
+    // PUTs: the failed device's shards answer 503 device_down, naming it;
+    // the other device's store every block. Never a 500.
+    let mut stored_after = Vec::new();
+    let mut refused = 0;
+    for i in 0..200 {
+        let key = format!("after-{i}");
+        match status_and_body(&c, Method::PUT, &key).await {
+            (StatusCode::CREATED, _) => stored_after.push(key),
+            (StatusCode::SERVICE_UNAVAILABLE, body) => {
+                assert_eq!(body["error"]["code"], "device_down", "{body}");
+                assert!(body["error"]["message"].as_str().unwrap().contains("device"), "{body}");
+                refused += 1;
+            }
+            (status, body) => panic!("PUT {key} with device 1 failed: {status} {body}"),
+        }
+    }
+    assert!((60..=140).contains(&refused), "device 1's half refused, device 0's stored: {refused} refused of 200");
+    // GETs: every block acknowledged on the healthy device reads back; the
+    // failed device's are misses; nothing is served wrong, nothing is a 5xx.
+    assert!(read_back(&c, &stored_after).await.iter().all(|r| *r == Some(true)), "a block stored on the healthy device was lost");
+    let served = read_back(&c, &before).await.iter().filter(|r| r.is_some()).count();
+    assert!((60..=140).contains(&served), "the healthy device's half of the earlier blocks serves: {served} of 200");
+    let ready: Value =
+        serde_json::from_slice(&c.send(Method::GET, "/readyz", ChunkedBody::new(vec![]), None).await.unwrap().body.to_bytes()).unwrap();
+    assert_eq!(ready["status"], "degraded", "{ready}");
+    assert_eq!(ready["devices_down"][0]["device"], 1, "{ready}");
+    assert!(ready["devices_down"][0]["dir"].as_str().unwrap().starts_with(&fb.mnt.display().to_string()), "{ready}");
+    let metrics = c.send(Method::GET, "/metrics", ChunkedBody::new(vec![]), None).await.unwrap().body.to_bytes();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvtier_device_up{device=\"0\"} 1") && metrics.contains("kvtier_device_up{device=\"1\"} 0"), "{metrics}");
+    server.crash(); // its failed filesystem is unmounted next
+}
+
 #[test]
 fn a_directory_of_another_store_is_refused_naming_both_stores() {
+    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let [a, b, c, d] = ["a", "b", "c", "d"].map(|n| t.path().join(n));
     start(&args(&[&a, &b], 2)).stop();
@@ -128,6 +209,7 @@ fn a_directory_of_another_store_is_refused_naming_both_stores() {
 
 #[test]
 fn a_device_not_given_is_named_and_the_start_refused() {
+    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
     start(&args(&[&a, &b], 2)).stop();
@@ -138,6 +220,7 @@ fn a_device_not_given_is_named_and_the_start_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_empty() {
+    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b, e) = (t.path().join("a"), t.path().join("b"), t.path().join("e"));
     let server = start(&args(&[&a, &b], 2));
@@ -155,6 +238,7 @@ async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_emp
 
 #[test]
 fn a_store_made_with_one_directory_opens_alone_as_before_and_refuses_a_second() {
+    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
     start(&args(&[&a], 2)).stop();

@@ -115,7 +115,8 @@ async fn a_log_that_cannot_grow_is_down_and_not_ready_until_it_can() {
         }
     }
     let (key, status) = refused.expect("a PUT needed a new segment");
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{key}");
+    // An I/O error in the log is the device failing: 503 device_down (issue 63).
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{key}");
 
     let (status, ready) = get_json(&c, "/readyz").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{ready}");
@@ -142,10 +143,19 @@ async fn a_log_that_cannot_grow_is_down_and_not_ready_until_it_can() {
         assert_eq!(body.to_bytes(), payload(k), "{k}");
     }
 
-    // Writable again: the next PUT succeeds, and the log is ready at once
-    // (degraded for the health window by the errors it met), then ok.
+    // Writable again: the shard refuses writes (503 device_down) for at most
+    // LOG_PROBE_EVERY after the last failure, then lets one through; it
+    // succeeds, and the log is ready at once (degraded for the health
+    // window by the errors it met), then ok.
     immutable.clear();
-    assert_eq!(put(&c, &key).await, StatusCode::CREATED, "{key} after chattr -i");
+    let until = Instant::now() + kvtier_engine::shard::LOG_PROBE_EVERY + Duration::from_millis(500);
+    loop {
+        match put(&c, &key).await {
+            StatusCode::CREATED => break,
+            StatusCode::SERVICE_UNAVAILABLE if Instant::now() < until => tokio::time::sleep(Duration::from_millis(50)).await,
+            status => panic!("{key} after chattr -i: {status}, past the probe interval"),
+        }
+    }
     let (status, ready) = get_json(&c, "/readyz").await;
     assert_eq!(status, StatusCode::OK, "{ready}");
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -147,10 +147,17 @@ impl Shard {
     /// slot and applies the record to the index. Returns the new entry and
     /// whether the key was stored before. `owner` is the owner of the
     /// header's key ([`Shard::owner_of`]).
+    /// While the device holding the log is failing, the write is refused
+    /// ([`Shard::log_accepts_writes`]), and a write that meets an I/O error
+    /// answers [`Error::DeviceDown`] naming it.
     pub(super) async fn append(&self, body: RecordBody, header: SlotHeader, owner: OwnerId) -> Result<(Entry, bool)> {
+        self.log_accepts_writes()?;
         let written = self.write_record(body, header, owner).await;
         self.note_log_write(&written);
-        written
+        written.map_err(|e| match e {
+            Error::Io { .. } => Error::DeviceDown(format!("the device holding {} failed: {e}", self.cfg.dir.display())),
+            e => e,
+        })
     }
 
     /// [`Shard::append`] without the health bookkeeping.

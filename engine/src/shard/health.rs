@@ -13,13 +13,18 @@ use super::Shard;
 use crate::error::{Error, Result};
 use crate::health::{HealthState, HealthTracker, TierHealth};
 
+/// How long a shard refuses writes after its log's last write failed with
+/// an I/O error (a failed device) before it lets one through to see whether
+/// the device is back.
+pub const LOG_PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// One tracker per local tier, and the log's standing condition.
 pub(super) struct Trackers {
     gpu: HealthTracker,
     ram: HealthTracker,
     nvme: HealthTracker,
-    /// The error of the log's last write, while no write has succeeded since.
-    log_write_error: RefCell<Option<String>>,
+    /// The error of the log's last write and when, while no write has succeeded since.
+    log_write_error: RefCell<Option<(String, std::time::Instant)>>,
     /// The GPU fault counters' sum when last evaluated.
     gpu_faults_seen: Cell<u64>,
 }
@@ -48,9 +53,25 @@ impl Shard {
             Err(e @ Error::Io { .. }) => {
                 let message = format!("shard {}: {e}", self.id());
                 self.health.nvme.error("write", message.clone());
-                *self.health.log_write_error.borrow_mut() = Some(message);
+                *self.health.log_write_error.borrow_mut() = Some((message, std::time::Instant::now()));
             }
             Err(_) => {}
+        }
+    }
+
+    /// `Err(DeviceDown)` while the log's last write failed less than
+    /// [`LOG_PROBE_EVERY`] ago: the write is refused without touching the
+    /// device. After that one write is let through as a probe (others may
+    /// follow it): its success brings the log back, its failure refuses
+    /// writes for another interval.
+    pub(super) fn log_accepts_writes(&self) -> Result<()> {
+        match &*self.health.log_write_error.borrow() {
+            Some((message, at)) if at.elapsed() < LOG_PROBE_EVERY => Err(Error::DeviceDown(format!(
+                "the device holding {} failed ({message}); writes to this shard are refused, retried every {} ms",
+                self.cfg.dir.display(),
+                LOG_PROBE_EVERY.as_millis()
+            ))),
+            _ => Ok(()),
         }
     }
 
@@ -88,7 +109,7 @@ impl Shard {
         if self.ram.is_some() {
             out.push(h.ram.evaluate(None));
         }
-        let condition = match (h.log_write_error.borrow().clone(), self.fs_full.get()) {
+        let condition = match (h.log_write_error.borrow().clone().map(|(e, _)| e), self.fs_full.get()) {
             (Some(e), _) => Some((HealthState::Down, format!("the log's last write failed: {e}"))),
             (None, true) => Some((
                 HealthState::Degraded,

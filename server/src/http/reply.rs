@@ -46,6 +46,7 @@ pub fn engine_error(e: &Error) -> Reply {
         Error::DiskFull(_) => (StatusCode::INSUFFICIENT_STORAGE, "disk_full"),
         Error::Overloaded(m) => return overloaded(m.clone()),
         Error::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+        Error::DeviceDown(_) => (StatusCode::SERVICE_UNAVAILABLE, "device_down"),
         Error::GeometryMismatch { .. } | Error::Config(_) | Error::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
     };
