@@ -3,8 +3,9 @@
 failure, and ends with one summary: each suite's result and time, every
 shard stall of a second or more that any server of the run reported (one
 that kvtier's own thread accounts for fails the run; one spent waiting for
-the machine, memory being reclaimed or a CPU other processes held, is
-listed, not counted), and an exit status
+the machine, memory being reclaimed or a CPU other processes held, or
+held by a test that stopped the server with SIGSTOP
+(``kvtier.testing.note_stopped``), is listed, not counted), and an exit status
 that is non-zero if anything failed.
 
 ``make test`` and ``make test-all`` call it (docs/TESTING.md). Each suite's
@@ -83,6 +84,19 @@ def own_ms(stall: dict[str, object]) -> float:
     return float(stall.get("cpu_ms", 0.0))  # type: ignore[arg-type]
 
 
+def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, float]]) -> float:
+    """How much of ``stall`` a test's own SIGSTOP of that server covered
+    (``kvtier.testing.note_stopped``: the server's threads stop wherever
+    they are, so the shard's run that was going on lasts the stop)."""
+    end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
+    start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
+    held = 0.0
+    for s in stops:
+        if s.get("pid") == stall.get("pid"):
+            held += max(0.0, min(end, s["to_unix_s"]) - max(start, s["from_unix_s"]))
+    return held * 1000
+
+
 def stalls(path: Path) -> list[dict[str, object]]:
     """Every stall recorded in ``path`` (JSON lines), none when absent."""
     if not path.exists():
@@ -123,7 +137,9 @@ def main() -> int:
             results.append((suite, status, seconds))
     total = time.monotonic() - started
     found = stalls(stall_log)
-    long = [s for s in found if own_ms(s) >= STALL_FAIL_MS]
+    stops = stalls(log_dir / "servers" / "stopped.jsonl")  # a test's own SIGSTOPs (kvtier.testing)
+    held = {id(s): held_by_tests_ms(s, stops) for s in found}  # type: ignore[arg-type]
+    long = [s for s in found if own_ms(s) - held[id(s)] >= STALL_FAIL_MS]
     starved = [s for s in found if s not in long and float(s["duration_ms"]) >= STALL_FAIL_MS]  # type: ignore[arg-type]
     print("\nrun_suites: summary")
     for suite, status, seconds in results:
@@ -139,9 +155,10 @@ def main() -> int:
     for s in long + starved:
         frames = " <- ".join(s.get("frames", []))  # type: ignore[arg-type]
         verdict = "FAIL" if s in long else "note"
+        stopped = f", {held[id(s)]:.0f} ms of it stopped by a test (SIGSTOP)" if held[id(s)] else ""
         print(
             f"    {verdict} stall of {s['duration_ms']:.0f} ms on shard {s['shard']} (pid {s['pid']}), "
-            f"{s.get('cause')}, {s.get('cpu_ms', 0):.0f} ms on a CPU: {frames}"
+            f"{s.get('cause')}, {s.get('cpu_ms', 0):.0f} ms on a CPU{stopped}: {frames}"
         )
     failed = [r for r in results if r[1] != 0]
     if failed or long or skipped:

@@ -71,7 +71,7 @@ from vllm_serve_support import (
 
 import kvtier
 from kvtier.connectors.vllm.verify import read_oracle
-from kvtier.testing import ServerProcess, VllmServer
+from kvtier.testing import ServerProcess, VllmServer, note_stopped
 
 # The first test also waits for the engine's start (about 1.5 minutes here).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -355,12 +355,14 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
     continued_at = [0.0]
 
     def stop_for_5_s() -> None:
+        stopped_at = time.time()
         os.kill(store.pid, signal.SIGSTOP)
         try:
             time.sleep(5)
         finally:
             continued_at[0] = time.time()
             os.kill(store.pid, signal.SIGCONT)
+            note_stopped(store.pid, stopped_at, time.time())
 
     engine.reset_prefix_cache()
     loads = _answered_loads(store)
@@ -403,7 +405,10 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
     go = threading.Event()
     client = threading.Thread(target=_abandoned, args=(engine, victim, go))
 
+    stopped_at = [time.time()]
+
     def stop_then_abort() -> None:
+        stopped_at[0] = time.time()
         os.kill(store.pid, signal.SIGSTOP)
         go.set()
 
@@ -416,6 +421,7 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
             os.kill(store.pid, signal.SIGCONT)
     finally:
         os.kill(store.pid, signal.SIGCONT)
+        note_stopped(store.pid, stopped_at[0], time.time())
     events = read_oracle(oracle)
     victim_loads = [e for e in events if e["t"] >= since and e["event"] in ("loaded", "load_failed")]
     assert victim_loads, "no load of the aborted request was in flight"

@@ -34,6 +34,25 @@ SUN_PATH_MAX = 107
 LOG_DIR_ENV = "KVTIER_TEST_LOG_DIR"
 
 
+#: Where tests record when they stopped a server with SIGSTOP (JSON lines
+#: of ``pid``, ``from_unix_s``, ``to_unix_s``), under ``$KVTIER_TEST_LOG_DIR``:
+#: ``tests/run_suites.py`` does not count the part of a shard stall that a
+#: test's own SIGSTOP held (the server's threads stop wherever they are).
+STOPPED_FILE = "stopped.jsonl"
+
+
+def note_stopped(pid: int, from_unix_s: float, to_unix_s: float) -> None:
+    """Records that a test held process ``pid`` stopped (SIGSTOP) from
+    ``from_unix_s`` to ``to_unix_s`` (``time.time()``), when
+    ``$KVTIER_TEST_LOG_DIR`` is set; otherwise does nothing."""
+    keep = os.environ.get(LOG_DIR_ENV)
+    if not keep:
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    with open(Path(keep) / STOPPED_FILE, "a") as f:
+        f.write(json.dumps({"pid": pid, "from_unix_s": from_unix_s, "to_unix_s": to_unix_s}) + "\n")
+
+
 def keep_log(log: Path, name: str) -> None:
     """Copies ``log`` into ``$KVTIER_TEST_LOG_DIR`` as ``name`` (made
     unique), when that is set and the log exists; otherwise does nothing."""
