@@ -507,7 +507,7 @@ class PagedBlocks:
         """Releases the staging buffer (its page lock on a GPU); a group's
         pages leave that to their owner."""
         if self.owner is None:
-            for staging in {id(b): b for b in (self.staging, *self._stagings.values()) if b is not None}.values():
+            for staging in self._stagings.values():  # lane 0's is self.staging
                 self._release(staging)
             self._stagings.clear()
         self.staging = None
