@@ -27,16 +27,6 @@ use http::{Method, StatusCode};
 use kvtier_loadgen::client::{ChunkedBody, Client};
 use serde_json::Value;
 
-/// One test of this file at a time: many kvtier starts at once on a
-/// two-core machine can hang in glommio's channel-mesh join (a known,
-/// pre-existing start hang, noted in issue 63's closing note), and these
-/// tests start and restart several servers each.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A store over `dirs`, in that order, of `shards` shards.
 fn args(dirs: &[&Path], shards: usize) -> Vec<String> {
     let mut a = test_args(dirs[0]);
@@ -94,7 +84,6 @@ fn store_id(dir: &Path) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_spread_over_two_filesystems_and_survive_a_crash_and_a_reordered_restart() {
-    let _one = one_at_a_time();
     let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (fa, fb) = (device(ta.path()), device(tb.path()));
     let (a, b) = (fa.mnt.join("data"), fb.mnt.join("data"));
@@ -155,7 +144,6 @@ async fn status_and_body(c: &Client, method: Method, key: &str) -> (StatusCode, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_that_fails_under_load_costs_its_shards_blocks_and_nothing_else() {
-    let _one = one_at_a_time();
     let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (fa, fb) = (device(ta.path()), device(tb.path()));
     let server = start(&args(&[&fa.mnt.join("data"), &fb.mnt.join("data")], 4));
@@ -197,7 +185,6 @@ async fn a_device_that_fails_under_load_costs_its_shards_blocks_and_nothing_else
 
 #[test]
 fn a_directory_of_another_store_is_refused_naming_both_stores() {
-    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let [a, b, c, d] = ["a", "b", "c", "d"].map(|n| t.path().join(n));
     start(&args(&[&a, &b], 2)).stop();
@@ -209,7 +196,6 @@ fn a_directory_of_another_store_is_refused_naming_both_stores() {
 
 #[test]
 fn a_device_not_given_is_named_and_the_start_refused() {
-    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
     start(&args(&[&a, &b], 2)).stop();
@@ -220,7 +206,6 @@ fn a_device_not_given_is_named_and_the_start_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_empty() {
-    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b, e) = (t.path().join("a"), t.path().join("b"), t.path().join("e"));
     let server = start(&args(&[&a, &b], 2));
@@ -238,7 +223,6 @@ async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_emp
 
 #[test]
 fn a_store_made_with_one_directory_opens_alone_as_before_and_refuses_a_second() {
-    let _one = one_at_a_time();
     let t = tempfile::tempdir().unwrap();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
     start(&args(&[&a], 2)).stop();

@@ -1513,7 +1513,14 @@ impl LocalExecutor {
                 let cur_time = Instant::now();
                 this.queues.borrow_mut().stats.total_runtime += cur_time - pre_time;
                 pre_time = cur_time;
-                if !run {
+                // kvtier patch: `run_task_queues` also answers false when the
+                // preemption timer had fired before it ran anything, with
+                // woken tasks still queued. Parking then slept with nothing
+                // left to wake the executor (a shard's mesh join hung for
+                // good on a loaded machine): go round again instead, where
+                // `poll_io` consumes the timer and re-arms it.
+                let queued = !this.queues.borrow().active_executors.is_empty();
+                if !run && !queued {
                     if let Poll::Ready(t) = future.as_mut().poll(cx) {
                         // It may be that we just became ready now that the task queue
                         // is exhausted. But if we sleep (park) we'll never know so we
