@@ -42,13 +42,18 @@ pub struct ModelPreset {
     pub head_dim: u32,
     /// Bytes per element (2 for fp16/bf16).
     pub dtype_bytes: u32,
+    /// Vectors cached per head, token and layer: 2 (K and V), or 1 for
+    /// multi-head latent attention (MLA), whose one latent vector per token
+    /// and layer (`kv_heads` 1, `head_dim` = `kv_lora_rank` +
+    /// `qk_rope_head_dim`) is the same on every tensor-parallel rank.
+    pub vectors: u32,
 }
 
 impl ModelPreset {
-    /// `layers × 2 × kv_heads × head_dim × dtype_bytes`: bytes of K and V
-    /// for one token across all layers.
+    /// `layers × vectors × kv_heads × head_dim × dtype_bytes`: bytes of the
+    /// KV cache (K and V, or MLA's latent) for one token across all layers.
     pub const fn bytes_per_token(&self) -> u64 {
-        self.layers as u64 * 2 * self.kv_heads as u64 * self.head_dim as u64 * self.dtype_bytes as u64
+        self.layers as u64 * self.vectors as u64 * self.kv_heads as u64 * self.head_dim as u64 * self.dtype_bytes as u64
     }
 }
 
@@ -56,15 +61,21 @@ impl ModelPreset {
 /// card: `num_hidden_layers`, `num_key_value_heads`, `hidden_size /
 /// num_attention_heads`), fp16. Bytes per token: tiny-1b 24,576;
 /// mistral-7b 131,072; llama2-7b 524,288; llama3.1-8b 131,072 (16 MiB per
-/// 128-token block); llama3.1-70b 327,680.
+/// 128-token block); llama3.1-70b 327,680; deepseek-v3 70,272 (MLA: 61
+/// layers × one 576-value latent, `kv_lora_rank` 512 + `qk_rope_head_dim`
+/// 64, bf16; 4,497,408 bytes per 64-token block, vLLM's FlashMLA block).
 pub const MODEL_PRESETS: &[ModelPreset] = &[
     // A 1B-class model with grouped-query attention (24 layers, 4 KV heads of
     // 64): 24·2·4·64·2 = 24,576 bytes per token, as the list above says.
-    ModelPreset { name: "tiny-1b", layers: 24, kv_heads: 4, head_dim: 64, dtype_bytes: 2 },
-    ModelPreset { name: "mistral-7b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
-    ModelPreset { name: "llama2-7b", layers: 32, kv_heads: 32, head_dim: 128, dtype_bytes: 2 },
-    ModelPreset { name: "llama3.1-8b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
-    ModelPreset { name: "llama3.1-70b", layers: 80, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
+    ModelPreset { name: "tiny-1b", layers: 24, kv_heads: 4, head_dim: 64, dtype_bytes: 2, vectors: 2 },
+    ModelPreset { name: "mistral-7b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, vectors: 2 },
+    ModelPreset { name: "llama2-7b", layers: 32, kv_heads: 32, head_dim: 128, dtype_bytes: 2, vectors: 2 },
+    ModelPreset { name: "llama3.1-8b", layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, vectors: 2 },
+    ModelPreset { name: "llama3.1-70b", layers: 80, kv_heads: 8, head_dim: 128, dtype_bytes: 2, vectors: 2 },
+    // DeepSeek-V3 (and R1, V3.1): config.json's num_hidden_layers 61,
+    // kv_lora_rank 512, qk_rope_head_dim 64; vLLM caches 576 values per
+    // token and layer (MLAAttentionSpec: one KV head of head size 576).
+    ModelPreset { name: "deepseek-v3", layers: 61, kv_heads: 1, head_dim: 576, dtype_bytes: 2, vectors: 1 },
 ];
 
 /// Looks a preset up by name.
@@ -356,13 +367,17 @@ mod tests {
     #[test]
     fn presets_match_design_figures() {
         let expect =
-            [("tiny-1b", 24_576), ("mistral-7b", 131_072), ("llama2-7b", 524_288), ("llama3.1-8b", 131_072), ("llama3.1-70b", 327_680)];
+            [("tiny-1b", 24_576), ("mistral-7b", 131_072), ("llama2-7b", 524_288), ("llama3.1-8b", 131_072), ("llama3.1-70b", 327_680), ("deepseek-v3", 70_272)];
         for (name, bytes) in expect {
             assert_eq!(preset(name).unwrap().bytes_per_token(), bytes, "{name}");
         }
         let g = Geometry::from_model(MODEL_DEFAULT, BLOCK_TOKENS_DEFAULT).unwrap();
         assert_eq!(g.block_bytes, 16 << 20);
         assert!(preset("gpt-5").unwrap_err().to_string().contains("llama3.1-8b"));
+        // An MLA block at vLLM's FlashMLA block size, a whole number of pages.
+        let mla = Geometry::from_model("deepseek-v3", 64).unwrap();
+        assert_eq!(mla.block_bytes, 4_497_408);
+        assert_eq!(mla.block_bytes % 4096, 0);
     }
 
     #[test]

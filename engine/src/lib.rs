@@ -6,8 +6,9 @@
 //!
 //! - [`alloc`]: the global allocator of every kvtier binary (jemalloc,
 //!   huge pages).
-//! - [`geometry`]: block size from the model (`layers × 2 × kv_heads ×
-//!   head_dim × dtype_bytes × block_tokens`) and `store.json`.
+//! - [`geometry`]: block size from the model (`layers × vectors × kv_heads
+//!   × head_dim × dtype_bytes × block_tokens`: 2 vectors, K and V; 1, MLA's
+//!   latent) and `store.json`.
 //! - [`key`]: key rules, the 128-bit [`key::BlockHash`], shard choice.
 //! - [`slot`]: the slot header (on-disk format of one record).
 //! - [`segment`]: preallocated segment files and their superblock.

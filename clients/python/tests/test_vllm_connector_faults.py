@@ -47,22 +47,27 @@ def bare(
     digest: bool = False,
     ranks: int = 1,
     rank: int = 0,
+    replicas: int = 1,
     registered: bool = True,
     **settings: object,
 ) -> KvtierConnector:
     """A KvtierConnector with its scheduler and worker sides but no engine
-    (rank ``rank`` of ``ranks``): a CPU paged cache of :data:`SLOTS` blocks
-    of :data:`LAYERS` layer pages, registered as ``register_kv_caches`` does
-    unless ``registered`` is false (then the test calls it)."""
+    (rank ``rank`` of ``ranks``, in replica sets of ``replicas`` ranks that
+    share their keys, as an MLA model's do): a CPU paged cache of
+    :data:`SLOTS` blocks of :data:`LAYERS` layer pages, registered as
+    ``register_kv_caches`` does unless ``registered`` is false (then the
+    test calls it)."""
     c = object.__new__(KvtierConnector)
-    namespaces = [Namespace(model="m", dtype="bfloat16", tp_rank=r, tp_size=ranks) for r in range(ranks)]
+    namespaces = [
+        Namespace(model="m", dtype="bfloat16", tp_rank=r // replicas, tp_size=ranks) for r in range(0, ranks, replicas)
+    ]
     core = ConnectorCore(
         {"url": url, "timeout_s": 5, "down_s": 0.3, **settings},
         logger=log,
         stats=STATS,
         background_probe=True,
     )
-    c.block_size, c.namespace = 4, namespaces[rank]
+    c.block_size, c.namespace, c.replicas = 4, namespaces[rank // replicas], replicas
     c._core, c.stats = core, core.stats
     c._reported, c._lock = dict.fromkeys(STATS, 0), threading.Lock()
     c.loads, c.stores = str(settings.get("loads", "sync")), str(settings.get("stores", "async"))
@@ -81,13 +86,15 @@ def bare(
         core,
         groups=c.groups,
         block_size=c.block_size,
-        group_fingerprints=[namespaces[rank].fingerprint],
+        group_fingerprints=[namespaces[rank // replicas].fingerprint],
         loads=c.loads,
         stores=c.stores,
         digests=Digests() if digest else None,
         oracle=None,
         local=str(settings.get("local", "auto")),
         logger=log,
+        replicas=replicas,
+        replica_rank=rank % replicas,
     )
     c.caches = caches  # type: ignore[attr-defined]
     if registered:

@@ -114,11 +114,43 @@ DIMENSIONS_GEMMA3_SW: dict[str, Any] = {
     "tie_word_embeddings": True,
     "initializer_range": 0.02,
 }
+#: The deepseek-v2-mla kind's dimensions (``DeepseekV2Config`` fields): a
+#: small DeepSeek-V2 whose layers are all dense (``first_k_dense_replace`` =
+#: the layer count: no mixture of experts) with DeepSeek's multi-head latent
+#: attention geometry: a 512-value compressed KV (``kv_lora_rank``) plus a
+#: 64-value RoPE key per token and layer, the 576 values vLLM caches per
+#: token and layer, the same on every tensor-parallel rank. KV bytes per
+#: token: 4 layers x 576 x 2 (bf16) = 4,608; a 16-token block (vLLM's CPU
+#: MLA backend's) 73,728.
+DIMENSIONS_DEEPSEEK_V2_MLA: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 4,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
 #: Each kind's dimensions.
 KINDS: dict[str, dict[str, Any]] = {
     "llama": DIMENSIONS,
     "llama3-8b-kv": DIMENSIONS_LLAMA3_8B_KV,
     "gemma3-sw": DIMENSIONS_GEMMA3_SW,
+    "deepseek-v2-mla": DIMENSIONS_DEEPSEEK_V2_MLA,
 }
 #: Seed of the weights and of the tokenizer's training order.
 SEED = 20261127
@@ -224,6 +256,13 @@ def make_weights(out: Path, kind: str = "llama") -> None:
             **DIMENSIONS_GEMMA3_SW, bos_token_id=0, eos_token_id=1, pad_token_id=None, dtype="bfloat16"
         )
         model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    elif kind == "deepseek-v2-mla":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            **DIMENSIONS_DEEPSEEK_V2_MLA, bos_token_id=0, eos_token_id=1, pad_token_id=None, dtype="bfloat16"
+        )
+        model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 

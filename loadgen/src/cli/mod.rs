@@ -25,7 +25,8 @@ pub mod sweep;
 #[derive(Args, Debug, Clone)]
 pub(crate) struct GeometryArgs {
     /// Model whose block size the run uses (bytes per token = layers × 2 ×
-    /// kv_heads × head_dim × dtype_bytes, times --block-tokens). A kvtier
+    /// kv_heads × head_dim × dtype_bytes, 1 × for an MLA model's latent,
+    /// times --block-tokens). A kvtier
     /// target storing another size is refused. Default: the kvtier
     /// target's geometry, else llama3.1-8b (16 MiB blocks).
     #[arg(long)]

@@ -145,8 +145,9 @@ pub(crate) struct StoreArgs {
     #[arg(long)]
     pub(crate) shards: Option<usize>,
     /// Model preset fixing the block size (tiny-1b, mistral-7b, llama2-7b,
-    /// llama3.1-8b, llama3.1-70b). Default: the existing store's, else
-    /// llama3.1-8b (131,072 bytes/token, 16 MiB per 128-token block).
+    /// llama3.1-8b, llama3.1-70b, deepseek-v3: MLA, 70,272 bytes/token, one
+    /// copy for every tensor-parallel rank). Default: the existing store's,
+    /// else llama3.1-8b (131,072 bytes/token, 16 MiB per 128-token block).
     #[arg(long)]
     pub(crate) model: Option<String>,
     /// Block size in bytes, instead of a model preset.

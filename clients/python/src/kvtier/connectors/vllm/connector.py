@@ -131,7 +131,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ..core import ConnectorCore
 from .blocks import SharedAllocation
-from .groups import any_rank, groups_of, namespace_of, rank_namespaces
+from .groups import any_rank, groups_of, namespace_of, parallel_rank, rank_namespaces, replicas_of
 from .lookup import LOOKUP_GIVE_UP_MS, LOOKUP_TIMEOUT_MS, Lookups
 from .mover import LOAD_MODES, STORE_MODES, mode_of
 from .plan import ConfigurationError, KvtierConnectorMetadata, KvtierConnectorStats, KvtierPromMetrics, check_hash_algo
@@ -189,6 +189,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         model = settings.get("model")
         self.groups = groups_of(kv_cache_config, self.block_size, vllm_config.parallel_config)
         self.namespace = namespace_of(vllm_config, kv_cache_config, model)
+        self.replicas = replicas_of(vllm_config, kv_cache_config)
         self.loads = mode_of(settings, "loads", LOAD_MODES)
         self.stores = mode_of(settings, "stores", STORE_MODES)
         if len(self.groups) > 1 and self.loads not in ("async", "off"):
@@ -214,7 +215,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         )
         policy = self._kv_transfer_config.kv_load_failure_policy
         if role == KVConnectorRole.WORKER:
-            rank = (self.namespace.tp_rank, self.namespace.pp_rank)
+            rank = parallel_rank()  # the namespace's TP rank is its replica set's
             oracle_dir = settings.get("oracle_dir")
             self.worker = KvtierWorker(
                 self._core,
@@ -230,6 +231,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 oracle=Oracle(str(oracle_dir), rank) if oracle_dir else None,
                 local=str(settings.get("local") or "auto"),
                 logger=logger,
+                replicas=self.replicas,
+                replica_rank=rank[0] % self.replicas,
             )
         else:
             self.scheduler = KvtierScheduler(
@@ -253,7 +256,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             self._core.ready()  # the probe learns whether kvtier answers before the first request
         logger.info(
-            "kvtier connector (%s) at %s: blocks of %d tokens, KV cache groups %s, namespace %s (%s), lookup "
+            "kvtier connector (%s) at %s: blocks of %d tokens, KV cache groups %s, namespace %s (%s), TP ranks "
+            "per stored copy %d, lookup "
             "deadline %g ms per ask, %g ms in all, loads %s, stores %s, digest %s, load failures: %s",
             role.name.lower(),
             self._core.url,
@@ -261,6 +265,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             ", ".join(f"{g.kind} x{len(g.layer_names)}" for g in self.groups),
             self.namespace.fingerprint,
             self.namespace.extra,
+            self.replicas,
             lookups.timeout_s * 1000,
             lookups.give_up_s * 1000,
             self.loads,

@@ -144,7 +144,7 @@ def groups_of(kv_cache_config: KVCacheConfig, block_size: int, parallel: Paralle
     return groups
 
 
-def _parallel_rank() -> tuple[int, int]:
+def parallel_rank() -> tuple[int, int]:
     """This process's (TP rank, PP rank): vLLM's once its model-parallel
     groups exist (the workers), else (0, 0) (the scheduler)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
@@ -169,6 +169,35 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def replicas_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """Consecutive TP ranks holding identical KV for every layer (``r``):
+    vLLM's ``KVCacheConfig.kv_tp_replicas`` (0.32 on), which is the TP size
+    for an MLA model (one latent per token and layer, the same on every
+    rank) and 1 under decode context parallelism or where any layer's heads
+    are split; on a vLLM without it, the TP size when the model uses MLA,
+    every KV cache group is ``MLAAttentionSpec`` and no context parallelism
+    is set, else 1. Keys drop the rank within a replica set
+    (:func:`namespace_of`) and one rank of the set writes each block
+    (:func:`~kvtier.connectors.vllm.transfer.writer_of`). A value that does
+    not divide the TP size is taken as 1 (per-rank keys, as without it)."""
+    parallel = vllm_config.parallel_config
+    tp_size = int(parallel.tensor_parallel_size)
+    replicas = getattr(kv_cache_config, "kv_tp_replicas", None)
+    if replicas is None:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        mla = bool(getattr(vllm_config.model_config, "use_mla", False)) and all(
+            isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in kv_cache_config.kv_cache_groups
+        )
+        context = any(
+            int(getattr(parallel, name, 1) or 1) > 1
+            for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+        )
+        replicas = tp_size if mla and not context else 1
+    replicas = int(replicas)
+    return replicas if replicas >= 1 and tp_size % replicas == 0 else 1
+
+
 def namespace_of(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -183,6 +212,9 @@ def namespace_of(
     that changes a block's bytes or key. A hybrid model's groups each have
     their own (``extra`` names the group, its kind and the group count); a
     model of one group keeps the namespace it had before groups were known.
+    Ranks whose KV is identical (``r`` = :func:`replicas_of` > 1: an MLA
+    model) share one namespace: its TP rank is ``tp_rank // r`` (the replica
+    set's), and the TP size stays the engine's.
 
     Args:
         rank: ``(tp_rank, pp_rank)``; default this process's (a worker's own
@@ -196,7 +228,8 @@ def namespace_of(
     groups = groups_of(kv_cache_config, cache.block_size)
     spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
     parallel = vllm_config.parallel_config
-    tp_rank, pp_rank = rank if rank is not None else _parallel_rank()
+    tp_rank, pp_rank = rank if rank is not None else parallel_rank()
+    tp_rank //= replicas_of(vllm_config, kv_cache_config)
     layout = cache.get_resolved_kv_cache_layout()
     which = f"group={group}/{len(groups)};kind={groups[group].kind};" if len(groups) > 1 else ""
     extra = (
@@ -220,12 +253,15 @@ def rank_namespaces(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str | None, group: int = 0
 ) -> list[Namespace]:
     """The namespaces the scheduler's lookup asks for in KV cache group
-    ``group``: every TP rank's, of PP stage 0. Under tensor parallelism a block is usable only when every
+    ``group``: every replica set's (every TP rank's, without replicas), of
+    PP stage 0: ``tp_size // r`` of them (:func:`replicas_of`; one for an
+    MLA model). Under tensor parallelism a block is usable only when every
     rank's slice of its heads is held; the stages of pipeline parallelism
     hold other layers under another page count, which the scheduler cannot
     see (a stage that misses reports a failed load and vLLM recomputes)."""
     size = vllm_config.parallel_config.tensor_parallel_size
-    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0), group=group) for tp in range(size)]
+    step = replicas_of(vllm_config, kv_cache_config)
+    return [namespace_of(vllm_config, kv_cache_config, model, rank=(tp, 0), group=group) for tp in range(0, size, step)]
 
 
 def best_hit(held: Sequence[int], groups: Sequence[Group], ranks: int, positions: int) -> int:

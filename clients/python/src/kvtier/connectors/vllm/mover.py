@@ -139,6 +139,12 @@ class BlockMover:
         digests: the digests this worker stored (``digest`` on), else ``None``.
         oracle: the byte oracle (tests), else ``None``.
         logger: vLLM's logger.
+        writes: whether this rank writes the block of a vLLM block hash
+            (an MLA model's replica set stores each block once:
+            :func:`~kvtier.connectors.vllm.transfer.writer_of`); ``None``:
+            every block. A block another rank writes counts as stored here
+            (``store_replica_blocks``), its digest recorded from this rank's
+            own pages, so this rank's loads of it are checked as well.
     """
 
     def __init__(
@@ -151,9 +157,11 @@ class BlockMover:
         digests: Digests | None,
         oracle: Oracle | None,
         logger: logging.Logger,
+        writes: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.core = core
         self.key_of = key_of
+        self.writes = writes
         self.loads = loads
         self.stores = stores
         self.digests = digests
@@ -463,17 +471,23 @@ class BlockMover:
         if not blocks.ready():
             self.core.count(store_dropped_blocks=keep)
             return
-        tags = transfer.tags[:keep] if transfer.tags is not None else None
+        mine = [i for i in range(keep) if self.writes is None or self.writes(transfer.hashes[i])]
         check = self.digests is not None or self.oracle is not None
         digests = [digest_of(blocks.pages(b)) for b in transfer.block_ids[:keep]] if check else []
-        results = blocks.move(keys, transfer.block_ids[:keep], load=False, tags=tags, lane=lane)
-        for i, result in enumerate(results):
+        tags = [transfer.tags[i] for i in mine] if transfer.tags is not None else None
+        ids = [transfer.block_ids[i] for i in mine]
+        results = blocks.move([keys[i] for i in mine], ids, load=False, tags=tags, lane=lane) if mine else []
+        result_of = dict(zip(mine, results, strict=True))
+        for i in range(keep):
             if not digests:
                 break
-            if result >= 0:
+            result = result_of.get(i)
+            if result is None or result >= 0:
+                # Stored here, or by the rank of the replica set that writes
+                # it, from pages equal to these.
                 if self.digests is not None:
                     self.digests.record(keys[i], digests[i])
-                self._tell("stored", transfer, i, keys[i], digests[i], step)
+                self._tell("stored" if result is not None else "replica", transfer, i, keys[i], digests[i], step)
                 continue
             # What kvtier holds under it is not known: this block, if the
             # store landed and only its answer was lost, else the last.
@@ -481,7 +495,9 @@ class BlockMover:
                 self.digests.forget(keys[i])
             self._tell("store_failed", transfer, i, keys[i], digests[i], step)
         failed = sum(1 for r in results if r < 0)
-        self.core.count(stored_blocks=len(results) - failed, store_failed_blocks=failed)
+        self.core.count(
+            stored_blocks=len(results) - failed, store_failed_blocks=failed, store_replica_blocks=keep - len(mine)
+        )
 
     def preempt(self, preempted: list[str]) -> None:
         """Waits for the stores of ``preempted`` requests still in flight

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import xxhash
+
 from ...keys import block_id_hex
 from ...tag import BlockTag
 
@@ -36,6 +38,9 @@ STATS = (
     "loaded_blocks",
     "load_failed_blocks",
     "stored_blocks",
+    # Blocks another rank of this rank's replica set writes (an MLA model's
+    # KV, the same on every TP rank, is stored once: writer_of).
+    "store_replica_blocks",
     "store_failed_blocks",
     "store_dropped_blocks",
     "stores_skipped_after_failed_load",
@@ -91,6 +96,20 @@ def block_key(fingerprint: str, block_hash: bytes) -> str:
     """The kvtier key of one vLLM block hash in the namespace of
     ``fingerprint`` (docs/KEYS.md)."""
     return f"{fingerprint}-{block_id_hex(bytes(block_hash))}"
+
+
+def writer_of(block_hash: bytes, replicas: int) -> int:
+    """Which rank of a replica set writes the block of ``block_hash``
+    (``0 .. replicas - 1``, a rank's ``tp_rank % replicas``): the set's
+    ``replicas`` consecutive TP ranks hold identical KV (an MLA model's
+    latent), so one of them stores each block and the others count it as
+    stored; a stripe by the xxh3-64 of the hash, so the writes spread
+    evenly over the set whatever the hash's own bits (vLLM's are sha256 or
+    xxhash output; a test's may be patterned). Every rank of the set
+    computes the same answer from the hash alone."""
+    if replicas <= 1:
+        return 0
+    return xxhash.xxh3_64_intdigest(bytes(block_hash)) % replicas
 
 
 @dataclass

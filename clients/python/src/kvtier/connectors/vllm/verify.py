@@ -21,7 +21,8 @@ return today.
 
 **Oracle** (``oracle_dir``, for tests): each worker appends one JSON line per
 event to ``<oracle_dir>/rank-<tp>-<pp>.jsonl``: ``stored`` (the digest of the
-pages it stored), ``loaded`` (of the pages after a load), ``load_failed``
+pages it stored), ``replica`` (of its pages of a block another rank of its
+replica set stores: an MLA model's), ``loaded`` (of the pages after a load), ``load_failed``
 and ``store_skipped`` (a store not made because a load of the request failed
 in the same step), ``digest_refused`` (a load the digest refused), each with
 its wall-clock time, vLLM's block hash, the key, the request and the

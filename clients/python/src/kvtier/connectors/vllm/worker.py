@@ -24,7 +24,7 @@ from ..core import ConnectorCore
 from .blocks import PagedBlocks, require_socket
 from .groups import Group
 from .mover import BlockMover
-from .transfer import IDLE_STEP_WAIT_S, StepPlan, block_key
+from .transfer import IDLE_STEP_WAIT_S, StepPlan, block_key, writer_of
 from .verify import Digests, Oracle
 
 
@@ -42,6 +42,12 @@ class KvtierWorker:
         oracle: the byte oracle (tests), else ``None``.
         local: the ``local`` setting (``on`` refuses an engine the socket refuses).
         logger: vLLM's logger.
+        replicas: consecutive TP ranks holding identical KV (an MLA model:
+            :func:`~kvtier.connectors.vllm.groups.replicas_of`); they share
+            ``group_fingerprints`` and each block is written by one of them.
+        replica_rank: this rank within its replica set (``tp_rank % replicas``):
+            it writes the blocks :func:`~kvtier.connectors.vllm.transfer.writer_of`
+            gives it, and counts the others as stored.
 
     Attributes:
         shared: the memfds vLLM's KV cache was allocated in
@@ -63,6 +69,8 @@ class KvtierWorker:
         oracle: Oracle | None,
         local: str,
         logger: logging.Logger,
+        replicas: int = 1,
+        replica_rank: int = 0,
     ) -> None:
         self.core = core
         self.groups = groups
@@ -80,6 +88,7 @@ class KvtierWorker:
             digests=digests,
             oracle=oracle,
             logger=logger,
+            writes=None if replicas <= 1 else (lambda block_hash: writer_of(block_hash, replicas) == replica_rank),
         )
 
     def register_kv_caches(
