@@ -273,17 +273,24 @@ $(VLLM_MODEL)/kvtier-model.json: clients/python/tools/make_model.py target/py-vl
 # Two more random-weight models with the same tokenizer (copied from
 # $(VLLM_MODEL), not trained again): a Llama with Llama-3-8B's KV geometry (32 layers, 8 KV heads
 # of 128: 128 KiB a token, 16 MiB a 128-token block) and a small hidden size,
-# and a Gemma-3 text model with sliding-window (256 tokens) and full-attention
-# layers, 5:1, for vLLM's hybrid KV cache manager. The first is for make
-# bench-engine only; the second is served by make test-vllm-serve.
+# a Gemma-3 text model with sliding-window (256 tokens) and full-attention
+# layers, 5:1, for vLLM's hybrid KV cache manager, and a dense DeepSeek-V2
+# with multi-head latent attention (576 values a token and layer, the same on
+# every TP rank). The first is for make bench-engine only; the others are
+# served by make test-vllm-serve-all.
 VLLM_MODEL_8B := target/models/kvtier-llama3-8b-kv
 VLLM_MODEL_SW := target/models/kvtier-gemma3-sw
+VLLM_MODEL_MLA := target/models/kvtier-deepseek-v2-mla
 $(VLLM_MODEL_8B)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind llama3-8b-kv --out $(VLLM_MODEL_8B) \
 	  --tokenizer-from $(VLLM_MODEL)
 	@touch $@
 $(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
 	target/py-vllm/bin/python clients/python/tools/make_model.py --kind gemma3-sw --out $(VLLM_MODEL_SW) \
+	  --tokenizer-from $(VLLM_MODEL)
+	@touch $@
+$(VLLM_MODEL_MLA)/kvtier-model.json: clients/python/tools/make_model.py target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json
+	target/py-vllm/bin/python clients/python/tools/make_model.py --kind deepseek-v2-mla --out $(VLLM_MODEL_MLA) \
 	  --tokenizer-from $(VLLM_MODEL)
 	@touch $@
 
@@ -293,18 +300,20 @@ $(VLLM_MODEL_SW)/kvtier-model.json: clients/python/tools/make_model.py target/py
 # mid-chain, kvtier killed and stopped with loads in flight, a stopped
 # kvtier's cost. test-vllm-serve-all (make test-all): TP 2 with the digest,
 # a second engine loading the first's blocks from leases, a sliding-window
-# model, one misconfigured start; each engine started by its module and
+# model, an MLA model at TP 2 stored once, one misconfigured start; each engine started by its module and
 # stopped after it, one at a time; and two TP workers of the connector
 # joined by a gloo group (no engine: its two processes import vLLM, about a
 # minute), one's failed load stopping both ranks' stores.
 VLLM_SERVE_ENV = KVTIER_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) KVTIER_VLLM_SW_MODEL=$(CURDIR)/$(VLLM_MODEL_SW) \
-  KVTIER_SHAREGPT="$(SHAREGPT_JSON)"
+  KVTIER_VLLM_MLA_MODEL=$(CURDIR)/$(VLLM_MODEL_MLA) KVTIER_SHAREGPT="$(SHAREGPT_JSON)"
 test-vllm-serve: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json | data
 	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) tests/test_vllm_serve.py
 
-test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json | data
+test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VLLM_MODEL_SW)/kvtier-model.json \
+  $(VLLM_MODEL_MLA)/kvtier-model.json | data
 	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
 	  tests/test_vllm_serve_tp2.py tests/test_vllm_serve_second.py tests/test_vllm_serve_sliding.py \
+	  tests/test_vllm_serve_mla.py \
 	  tests/test_vllm_serve_misconfigured.py tests/test_exit_vllm.py tests/test_vllm_connector_failed_loads.py
 
 # vLLM 0.33.0's Python code over target/py-vllm's dependencies

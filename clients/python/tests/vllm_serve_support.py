@@ -274,11 +274,13 @@ def oracle_mismatches(
     one too. Every load is judged: a block loaded under a key nothing was
     stored under is a mismatch. ``stored`` seeds the record (another
     engine's stores). Each rank keys its own blocks, so one file's order is
-    enough."""
+    enough; the ranks of an MLA model share their keys, and each records
+    the digest of the blocks another rank writes from its own pages
+    (``replica``), which counts as stored here."""
     record: dict[str, set[str]] = {k: {v} for k, v in (stored or {}).items()}
     bad = []
     for e in events:
-        if e["event"] == "stored":
+        if e["event"] in ("stored", "replica"):
             record[e["key"]] = {e["digest"]}
         elif e["event"] == "store_failed":
             record[e["key"]] = record.get(e["key"], set()) | {e["digest"]}
