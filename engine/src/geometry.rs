@@ -366,8 +366,14 @@ mod tests {
 
     #[test]
     fn presets_match_design_figures() {
-        let expect =
-            [("tiny-1b", 24_576), ("mistral-7b", 131_072), ("llama2-7b", 524_288), ("llama3.1-8b", 131_072), ("llama3.1-70b", 327_680), ("deepseek-v3", 70_272)];
+        let expect = [
+            ("tiny-1b", 24_576),
+            ("mistral-7b", 131_072),
+            ("llama2-7b", 524_288),
+            ("llama3.1-8b", 131_072),
+            ("llama3.1-70b", 327_680),
+            ("deepseek-v3", 70_272),
+        ];
         for (name, bytes) in expect {
             assert_eq!(preset(name).unwrap().bytes_per_token(), bytes, "{name}");
         }

@@ -131,7 +131,10 @@ def test_the_index_never_lists_a_block_that_a_read_then_misses_or_serves_wrong(i
 def test_after_a_restart_the_index_lists_the_recovered_blocks(tmp_path):
     keys = [f"rs-{i}" for i in range(24)]
     with ServerProcess(block_bytes=BB, ram_gb=0.01, disk_gb=0.5, data_dir=str(tmp_path / "data")) as s:
-        with kvtier.Client(s.unix_url, timeout_s=30) as c:
+        # connect_timeout_s=0, as the engine connectors: a call to the dead
+        # server fails at its first refused connect instead of retrying the
+        # socket for the whole call timeout (30 s here).
+        with kvtier.Client(s.unix_url, timeout_s=30, connect_timeout_s=0) as c:
             c.put_many([(k, block(i)) for i, k in enumerate(keys)])
             assert c.delete(keys[3])
             epoch = c.server_info["epoch"]
