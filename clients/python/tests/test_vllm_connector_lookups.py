@@ -122,3 +122,29 @@ def test_a_preempted_request_is_looked_up_again_when_vllm_resumes_it(server):
     assert output.preempted == ["p"]
     assert ask() == 2 * 4, "the resumed request was answered from its lookup before the preemption"
     c.shutdown()
+
+
+def test_an_idle_steps_wait_ends_with_the_first_lookup_that_answers_and_never_for_answered_ones():
+    """``Lookups.wait_any`` (the scheduler's wait in a step with nothing to
+    compute): it returns as soon as one lookup in flight answers, not at its
+    timeout, and at once when none is in flight (answered or absent)."""
+    from kvtier.connectors.vllm.lookup import Lookups, PendingLookup
+
+    answered, slow, late = PendingLookup(), PendingLookup(), PendingLookup()
+    answered.future.set_result(3)
+    order: list[str] = []
+    Lookups.wait_any([answered, None], 60.0)  # nothing in flight: no wait
+    order.append("idle returned")
+    timer = threading.Timer(0.2, lambda: (order.append("answered"), late.future.set_result(1)))
+    started = time.monotonic()
+    timer.start()
+    Lookups.wait_any([answered, slow, None, late], 60.0)
+    order.append("wait returned")
+    waited_s = time.monotonic() - started
+    timer.join()
+    assert order == ["idle returned", "answered", "wait returned"]
+    assert waited_s < 30, f"it waited {waited_s:.1f} s: for its 60 s timeout or every lookup, not the first answer"
+    assert not slow.future.done()  # it returned on `late`, while `slow` still waits
+    # Deliberate fault's mirror: with no lookup able to answer, the wait is its timeout.
+    Lookups.wait_any([slow], 0.05)
+    assert not slow.future.done()
