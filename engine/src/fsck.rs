@@ -86,6 +86,7 @@ pub fn fsck_layout(layout: &crate::devices::Layout) -> Result<FsckReport> {
     let block_bytes = manifest.geometry.block_bytes;
     let slot_bytes = slot::slot_bytes(block_bytes);
     let slots = ((manifest.segment_bytes - PAGE_BYTES) / slot_bytes) as u32;
+    let store_id = crate::segment::store_id_bytes(manifest.store_id.as_deref());
     let mut report = FsckReport::default();
     for shard in 0..manifest.shards {
         let dir = layout.shard_dir(shard as usize);
@@ -104,7 +105,7 @@ pub fn fsck_layout(layout: &crate::devices::Layout) -> Result<FsckReport> {
         let mut damaged = Vec::new();
         for (id, path) in files {
             let sb = match segment::read_superblock(&path)? {
-                Some(sb) if sb.belongs_to(shard, id, slot_bytes, manifest.segment_bytes) => sb,
+                Some(sb) if sb.belongs_to(shard, id, slot_bytes, manifest.segment_bytes, &store_id) => sb,
                 _ => {
                     report.foreign_files.push(path);
                     continue;

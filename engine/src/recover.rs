@@ -62,11 +62,11 @@ struct Listing {
 /// executor's blocking pool (directory listing, superblock reads, a
 /// truncated segment's `fallocate` and fsync: never on the shard's thread).
 async fn read_directory(cfg: &ShardConfig, slot_bytes: u64) -> Result<Listing> {
-    let (dir, shard_id, segment_bytes) = (cfg.dir.clone(), cfg.shard_id, cfg.segment_bytes);
+    let (dir, shard_id, segment_bytes, store_id) = (cfg.dir.clone(), cfg.shard_id, cfg.segment_bytes, cfg.store_id);
     glommio::executor()
         .spawn_blocking(move || {
             let mut report = RecoveryReport::default();
-            let found = list_segments(&dir, shard_id, slot_bytes, segment_bytes, &mut report)?;
+            let found = list_segments(&dir, shard_id, slot_bytes, segment_bytes, &store_id, &mut report)?;
             let snap = load_snapshot(&dir, shard_id, &mut report);
             Ok(Listing { found, snap, report })
         })
@@ -74,12 +74,15 @@ async fn read_directory(cfg: &ShardConfig, slot_bytes: u64) -> Result<Listing> {
 }
 
 /// Segment files of a shard directory whose superblock belongs to this
-/// shard and geometry, sorted by id; others are counted as foreign.
+/// shard, geometry and store, sorted by id; others are counted as foreign
+/// (a segment of another store is never read: its blocks are not this
+/// store's).
 fn list_segments(
     dir: &Path,
     shard_id: u32,
     slot_bytes: u64,
     segment_bytes: u64,
+    store_id: &crate::segment::StoreId,
     report: &mut RecoveryReport,
 ) -> Result<Vec<(u32, Superblock, PathBuf)>> {
     let mut found = Vec::new();
@@ -102,7 +105,7 @@ fn list_segments(
             continue;
         };
         match segment::read_superblock(&path)? {
-            Some(sb) if sb.belongs_to(shard_id, id, slot_bytes, segment_bytes) => {
+            Some(sb) if sb.belongs_to(shard_id, id, slot_bytes, segment_bytes, store_id) => {
                 restore_length(&path, segment_bytes, shard_id, report)?;
                 found.push((id, sb, path));
             }

@@ -42,7 +42,33 @@ const OFF_SLOT_BYTES: usize = 16; // u64
 const OFF_BLOCK_BYTES: usize = 24; // u64
 const OFF_SEGMENT_BYTES: usize = 32; // u64
 const OFF_FIRST_SEQ: usize = 40; // u64
+const OFF_STORE_ID: usize = 48; // [u8; 16]
 const OFF_CRC: usize = PAGE_BYTES as usize - 4; // u32 over bytes 0..OFF_CRC
+
+/// A store's id as a segment's superblock holds it: the 16 bytes of
+/// `store.json`'s 32-hex-digit `store_id` ([`crate::devices`]).
+/// [`STORE_ID_NONE`] (zeros) names no store: segments written before
+/// superblocks named their store, and those of a store made with one
+/// directory (it has no id). Bytes 48..64 of the superblock were zero
+/// before, under the same CRC and version, so either kind of segment opens
+/// in either kvtier (docs/FORMAT.md).
+pub type StoreId = [u8; 16];
+
+/// No store named ([`StoreId`]).
+pub const STORE_ID_NONE: StoreId = [0; 16];
+
+/// The [`StoreId`] of `store.json`'s `store_id` (32 hex digits);
+/// [`STORE_ID_NONE`] for none or for any other text.
+pub fn store_id_bytes(id: Option<&str>) -> StoreId {
+    let mut out = STORE_ID_NONE;
+    let Some(hex) = id.filter(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit())) else {
+        return STORE_ID_NONE;
+    };
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("checked hex digits");
+    }
+    out
+}
 
 /// The decoded superblock of a segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +86,8 @@ pub struct Superblock {
     /// Slots with a lower sequence number belong to an earlier life of this
     /// segment and are ignored.
     pub first_seq: u64,
+    /// The store the segment belongs to ([`STORE_ID_NONE`]: not named).
+    pub store_id: StoreId,
 }
 
 impl Superblock {
@@ -75,15 +103,22 @@ impl Superblock {
         slot::put(page, OFF_BLOCK_BYTES, &self.block_bytes.to_le_bytes());
         slot::put(page, OFF_SEGMENT_BYTES, &self.segment_bytes.to_le_bytes());
         slot::put(page, OFF_FIRST_SEQ, &self.first_seq.to_le_bytes());
+        slot::put(page, OFF_STORE_ID, &self.store_id);
         let crc = crc32fast::hash(&page[..OFF_CRC]);
         slot::put(page, OFF_CRC, &crc.to_le_bytes());
         debug_assert_eq!(Superblock::decode(page), Some(*self));
     }
 
-    /// Whether this superblock is segment `segment_id` of `shard` in a store
-    /// with these slot and segment sizes; any other file is foreign.
-    pub fn belongs_to(&self, shard: u32, segment_id: u32, slot_bytes: u64, segment_bytes: u64) -> bool {
-        self.shard == shard && self.segment_id == segment_id && self.slot_bytes == slot_bytes && self.segment_bytes == segment_bytes
+    /// Whether this superblock is segment `segment_id` of `shard` in store
+    /// `store_id` with these slot and segment sizes; any other file is
+    /// foreign. A superblock or a store that names no store
+    /// ([`STORE_ID_NONE`]) matches on the rest alone.
+    pub fn belongs_to(&self, shard: u32, segment_id: u32, slot_bytes: u64, segment_bytes: u64, store_id: &StoreId) -> bool {
+        self.shard == shard
+            && self.segment_id == segment_id
+            && self.slot_bytes == slot_bytes
+            && self.segment_bytes == segment_bytes
+            && (self.store_id == STORE_ID_NONE || *store_id == STORE_ID_NONE || self.store_id == *store_id)
     }
 
     /// Decodes a page; `None` when the magic, version or CRC is wrong.
@@ -105,6 +140,7 @@ impl Superblock {
             block_bytes: u64::from_le_bytes(slot::get(page, OFF_BLOCK_BYTES)),
             segment_bytes: u64::from_le_bytes(slot::get(page, OFF_SEGMENT_BYTES)),
             first_seq: u64::from_le_bytes(slot::get(page, OFF_FIRST_SEQ)),
+            store_id: slot::get(page, OFF_STORE_ID),
         })
     }
 }
@@ -361,10 +397,29 @@ mod tests {
 
     #[test]
     fn superblock_round_trip_and_names() {
-        let sb = Superblock { shard: 1, segment_id: 7, slot_bytes: 69_632, block_bytes: 65_536, segment_bytes: 1 << 20, first_seq: 99 };
+        let id = store_id_bytes(Some("00112233445566778899aabbccddeeff"));
+        assert_eq!(id[0], 0x00);
+        assert_eq!(id[15], 0xff);
+        let sb = Superblock {
+            shard: 1,
+            segment_id: 7,
+            slot_bytes: 69_632,
+            block_bytes: 65_536,
+            segment_bytes: 1 << 20,
+            first_seq: 99,
+            store_id: id,
+        };
         let mut page = vec![0u8; 4096];
         sb.encode(&mut page);
         assert_eq!(Superblock::decode(&page), Some(sb));
+        // Its own store, or no store named on either side: it belongs; another store's: foreign.
+        assert!(sb.belongs_to(1, 7, 69_632, 1 << 20, &id));
+        assert!(sb.belongs_to(1, 7, 69_632, 1 << 20, &STORE_ID_NONE));
+        assert!(Superblock { store_id: STORE_ID_NONE, ..sb }.belongs_to(1, 7, 69_632, 1 << 20, &id));
+        let other = store_id_bytes(Some("ffeeddccbbaa99887766554433221100"));
+        assert!(!sb.belongs_to(1, 7, 69_632, 1 << 20, &other));
+        assert_eq!(store_id_bytes(None), STORE_ID_NONE);
+        assert_eq!(store_id_bytes(Some("not hex")), STORE_ID_NONE);
         page[41] ^= 1;
         assert_eq!(Superblock::decode(&page), None);
         assert_eq!(segment_path(Path::new("/d"), 7), PathBuf::from("/d/seg-000007.kvt"));

@@ -379,6 +379,7 @@ impl Shard {
             block_bytes: self.cfg.geometry.block_bytes,
             segment_bytes: self.cfg.segment_bytes,
             first_seq,
+            store_id: self.cfg.store_id,
         }
     }
 

@@ -54,6 +54,10 @@ pub struct ShardConfig {
     pub owners: Arc<crate::tenant::Owners>,
     /// Where this shard's KV events go ([`crate::events`]).
     pub events: Option<Arc<dyn crate::events::EventSink>>,
+    /// The store its segments' superblocks name; a segment naming another
+    /// is foreign ([`crate::segment::StoreId`]; none for a store made with
+    /// one directory).
+    pub store_id: crate::segment::StoreId,
 }
 
 impl ShardConfig {

@@ -209,6 +209,7 @@ impl StoreConfig {
             shards: self.shards as u32,
             owners: self.owners.clone(),
             events: self.events.clone(),
+            store_id: crate::segment::store_id_bytes(layout.store_id.as_deref()),
         }
     }
 
