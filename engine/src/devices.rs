@@ -230,6 +230,7 @@ impl Layout {
                 Some(&i) => &specs[i],
                 None => match fresh.next() {
                     Some(i) => {
+                        check_replacement(&specs[i].dir, r.index, &id)?;
                         replaced.push(r.index);
                         &specs[i]
                     }
@@ -271,6 +272,45 @@ impl Layout {
             .collect();
         Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new() })
     }
+}
+
+/// A directory given in place of device `index` of store `id`, whose
+/// shards then start empty there, must be an existing directory holding
+/// nothing (but ext4's `lost+found`): a directory that does not exist is
+/// most often a device that is not mounted (its directory lived on it), and
+/// making it would put the device's shards on whatever filesystem holds
+/// its parent; one holding files is not a replacement device.
+///
+/// # Errors
+/// [`Error::Config`] naming the directory, the device and what to do.
+fn check_replacement(dir: &Path, index: u32, id: &str) -> Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::Config(format!(
+                "{} does not exist, so it cannot stand in for device {index} of store {id}: if it is that device's directory, mount the device; to start the device's shards empty there, make it an empty directory first",
+                dir.display()
+            )))
+        }
+        Err(e) => return Err(Error::io(format!("listing {}", dir.display()), e)),
+    };
+    let mut held = Vec::new();
+    for entry in entries {
+        let name = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?.file_name();
+        if name != "lost+found" {
+            held.push(name.to_string_lossy().into_owned());
+        }
+    }
+    if !held.is_empty() {
+        held.sort();
+        held.truncate(3);
+        return Err(Error::Config(format!(
+            "{} holds files ({}…) and no store.json, so it cannot stand in for device {index} of store {id}: give that device's directory, or an empty directory to start its shards empty",
+            dir.display(),
+            held.join(", ")
+        )));
+    }
+    Ok(())
 }
 
 /// Each new device's capacity: its `PATH=SIZE_GB`; for one directory

@@ -211,7 +211,18 @@ async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_emp
     let server = start(&args(&[&a, &b], 2));
     let keys = put_keys(&client(&server, false), "lost", 100).await;
     server.stop();
-    std::fs::remove_dir_all(&b).unwrap(); // device 1 is gone; e replaces it
+    // Device 1 is gone; e replaces it.
+    std::fs::remove_dir_all(&b).unwrap();
+    // A directory that does not exist is refused (an unmounted device's,
+    // most often), as is one holding files; an empty one stands in.
+    let (_, stderr) = try_start(&args(&[&e, &a], 2)).err().expect("a missing directory stood in for device 1");
+    assert!(stderr.contains("does not exist") && stderr.contains("mount the device"), "{stderr}");
+    assert!(!e.exists(), "the refused start made {}", e.display());
+    std::fs::create_dir(&e).unwrap();
+    std::fs::write(e.join("notes.txt"), b"not a device").unwrap();
+    let (_, stderr) = try_start(&args(&[&e, &a], 2)).err().expect("a directory holding files stood in for device 1");
+    assert!(stderr.contains("holds files (notes.txt"), "{stderr}");
+    std::fs::remove_file(e.join("notes.txt")).unwrap();
     let server = start(&args(&[&e, &a], 2));
     assert!(server.log().contains("in place of a missing one"), "{}", server.log());
     let got = read_back(&client(&server, false), &keys).await;
