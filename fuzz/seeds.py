@@ -282,13 +282,17 @@ def store_ops_seeds(out: Path) -> None:
 
     put = lambda k, s: op(0, k, s)  # noqa: E731
     get = lambda k: op(2, k)  # noqa: E731
-    setups = [bytes([0, 0, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 2, 1]), bytes([0, 1, 0, 0, 0, 0])]
+    # The last byte is flags: bit 0 promote, bit 1 two devices (with two shards).
+    setups = [bytes([0, 0, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 2, 1]), bytes([0, 1, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 2, 3])]
     for setup in setups:
         save(out, "store_ops", setup + put(0, 1) + put(1, 2) + get(0) + op(6) + get(0) + get(1))
         save(out, "store_ops", setup + put(0, 1) + op(1, 0, 2, 3) + op(3, 0) + op(4, 0) + get(0) + op(6) + get(0))
         save(out, "store_ops", setup + put(0, 1) + put(2, 5) + op(5) + get(0) + get(2) + op(6) + get(2))
         save(out, "store_ops", setup + put(0, 1) + put(1, 3) + op(7, 1, 2) + get(0) + get(1) + get(2))
         save(out, "store_ops", setup + put(0, 1) + put(1, 3) + op(8, 1, 0, 0x20, 0, 0, 0x40) + get(0) + get(1))
+        # A corrupt of no byte (xor 0): a two-device store loses device 1 (file 1), then writes on.
+        puts = b"".join(put(k, k + 1) for k in range(6))
+        save(out, "store_ops", setup + puts + op(8, 1, 0, 0, 0, 0, 0) + get(0) + get(3) + put(3, 9) + op(6) + get(3))
 
 
 def main() -> None:

@@ -8,7 +8,13 @@
 //! at a chosen point with puts in flight, and one byte flipped in a chosen
 //! file of the stopped store. Each runs against a real store on real files
 //! through io_uring (the store opened anew for every life), and an
-//! in-memory model says what each read may return:
+//! in-memory model says what each read may return. With two shards the
+//! store may span two devices (a data directory each, shard s on device
+//! s mod 2), and a `Corrupt` of no byte loses one between lives: its
+//! directory is emptied, as a failed drive replaced by an empty one, and
+//! the store opens with the empty directory in its place.
+//!
+//! The model:
 //!
 //! - a block acknowledged and not overwritten or deleted since is served
 //!   with exactly its bytes, unless an eviction (reclaim of the oldest
@@ -34,6 +40,7 @@ use std::sync::{Arc, Mutex};
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
+use kvtier_engine::devices::{DeviceSpec, Layout};
 use kvtier_engine::key::StoredKey;
 use kvtier_engine::slot::{slot_bytes, PAGE_BYTES};
 use kvtier_engine::{Error, Geometry, Store, StoreConfig};
@@ -57,7 +64,20 @@ struct Setup {
     slots_per_segment: u8,
     segments_per_shard: u8,
     ram_blocks: u8,
-    promote: bool,
+    /// Bit 0: reads from the log promote into RAM; bit 1, with two shards:
+    /// two devices, one per shard. (Bit 0 alone was a `bool` before there
+    /// were devices: the committed inputs decode as they did.)
+    flags: u8,
+}
+
+impl Setup {
+    fn promote(&self) -> bool {
+        self.flags & 1 != 0
+    }
+
+    fn two_devices(&self) -> bool {
+        self.two_shards && self.flags & 2 != 0
+    }
 }
 
 /// One operation.
@@ -92,7 +112,12 @@ enum Op {
         yields: u8,
     },
     /// Ends the life cleanly, then xors the byte at `offset` (modulo the
-    /// file's length) of the `file`-th file of the store with `xor`.
+    /// file's length) of the `file`-th file of the store with `xor`. With
+    /// `xor` 0, which changes no byte, a two-device store loses device
+    /// `file % 2` instead: its directory is emptied (a failed drive
+    /// replaced by an empty one), and its shards' keys read as missing from
+    /// then on. (A new variant would renumber every committed input's
+    /// operations.)
     Corrupt {
         file: u8,
         offset: u32,
@@ -151,6 +176,16 @@ impl Model {
         s.history.extend(value);
     }
 
+    /// Device `device`'s log is gone: the keys of its shards (shard s on
+    /// device s mod `devices`) are missing from now on.
+    fn lost(&mut self, device: usize, devices: usize, shards: usize) {
+        for (k, s) in self.keys.iter_mut().enumerate() {
+            if stored(k).hash().shard(shards) % devices == device {
+                s.allowed = vec![None];
+            }
+        }
+    }
+
     /// Checks one answer for key `k`; `got` is the seed served or `None`.
     fn read(&mut self, k: usize, got: Option<u8>, what: &str) {
         let s = &mut self.keys[k];
@@ -198,7 +233,31 @@ fn payload(k: usize, seed: u8, len: u64) -> Bytes {
     Bytes::from(v)
 }
 
+/// The devices of a store of `setup` in `dir`: `dir/d0` and `dir/d1` with
+/// two devices, else none (the store is `dir` itself, one directory).
+fn device_dirs(setup: &Setup, dir: &Path) -> Vec<PathBuf> {
+    if setup.two_devices() {
+        vec![dir.join("d0"), dir.join("d1")]
+    } else {
+        Vec::new()
+    }
+}
+
+/// The store's configuration for its next life: over its devices as
+/// `kvtier serve` resolves them (an emptied one stands in for the lost
+/// device), else over `dir`.
 fn config(setup: &Setup, dir: &Path) -> StoreConfig {
+    let mut cfg = config_in(setup, dir);
+    let devices = device_dirs(setup, dir);
+    if !devices.is_empty() {
+        let specs: Vec<DeviceSpec> = devices.into_iter().map(|dir| DeviceSpec { dir, capacity_bytes: None }).collect();
+        let layout = Layout::resolve(&specs, cfg.disk_bytes, cfg.shards).unwrap_or_else(|e| panic!("the devices did not resolve: {e}"));
+        cfg.layout = Some(layout);
+    }
+    cfg
+}
+
+fn config_in(setup: &Setup, dir: &Path) -> StoreConfig {
     let shards = if setup.two_shards { 2 } else { 1 };
     let block_bytes: u64 = if setup.big_blocks { (1 << 20) + 4096 } else { 4096 };
     let slots = 2 + setup.slots_per_segment as u64 % 3;
@@ -220,7 +279,7 @@ fn config(setup: &Setup, dir: &Path) -> StoreConfig {
         ram_shared: Default::default(),
         shared_index: false,
         write_policy: kvtier_engine::WritePolicy::Through,
-        promote: setup.promote,
+        promote: setup.promote(),
         gpu: Default::default(),
         io_memory_bytes: kvtier_engine::store::IO_MEMORY_SHARD_BYTES_MIN,
         remote: None,
@@ -256,9 +315,11 @@ pub fn run(data: &[u8]) {
         eprintln!("store_ops: {setup:?}\nstore_ops: {ops:?}");
     }
     let dir = tempfile::Builder::new().prefix("kvtier-fuzz-store-").tempdir_in(tmp_root()).expect("a temp dir");
-    let cfg = config(&setup, dir.path());
+    let devices = device_dirs(&setup, dir.path());
     let mut model = Model::new();
-    for life in ops.split_inclusive(|op| matches!(op, Op::Restart | Op::Kill { .. } | Op::Corrupt { .. })) {
+    let ends_life = |op: &Op| matches!(op, Op::Restart | Op::Kill { .. } | Op::Corrupt { .. });
+    for life in ops.split_inclusive(ends_life) {
+        let cfg = config(&setup, dir.path());
         model = match life.last() {
             Some(Op::Kill { .. }) => killed_life(&cfg, life, model),
             _ => life_in_process(&cfg, life, model),
@@ -268,10 +329,19 @@ pub fn run(data: &[u8]) {
                 model.damage_epoch = model.epoch;
             }
         }
+        if let (Some(Op::Corrupt { file, xor: 0, .. }), false) = (life.last(), devices.is_empty()) {
+            let lost = *file as usize % devices.len();
+            std::fs::remove_dir_all(&devices[lost]).expect("emptying a device");
+            std::fs::create_dir(&devices[lost]).expect("its replacement");
+            if tracing() {
+                eprintln!("store_ops: device {lost} lost ({})", devices[lost].display());
+            }
+            model.lost(lost, devices.len(), cfg.shards);
+        }
     }
     // The last life reads every key back.
     let check: Vec<Op> = (0..KEYS.len() as u8).map(|key| Op::Get { key }).collect();
-    life_in_process(&cfg, &check, model);
+    life_in_process(&config(&setup, dir.path()), &check, model);
 }
 
 /// Whether `KVTIER_FUZZ_TRACE` asks for the input, each operation, each
