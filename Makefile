@@ -7,6 +7,7 @@
 #   make sweep    start kvtier and redis-server, sweep both (report in target/loadgen/sweep/)
 #   make bench    engine vs fio, same block size and queue depth (target/bench/)
 #   make bench-http  PUT/GET over h2c and HTTP/1.1 vs iperf3 loopback, NVMe-tier GETs vs fio, also via h2load (target/bench/http/)
+#   make bench-devices  kvtier over 1 and N data directories vs fio with one job per directory (root: loop-mounted ext4) (target/bench/devices/)
 #   make bench-s3    two nodes replaying with and without a shared S3 tier (moto), an upload burst (target/bench/s3/)
 #   make bench-router  two nodes on one bucket, ShareGPT routed on their KV events vs store events only vs round robin (target/bench/router/)
 #   make bench-events  what KV events cost: tagged sweeps with events and a subscriber vs events off, alternated (target/bench/events/)
@@ -53,7 +54,7 @@ REPLAY_OUT ?= target/loadgen/replay
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build build-server run test deps data replay sweep bench bench-http crash-test soak fmt lint clean-data help \
+.PHONY: all build build-server run test deps data replay sweep bench bench-http bench-devices crash-test soak fmt lint clean-data help \
 	disk-check model-check wheel test-wheel python-env python-env-all test-all test-build test-layout test-cargo test-python test-vllm033 \
 	test-vllm-serve test-vllm-serve-all test-sglang bench-engine bench-engine-replay bench-load-path bench-rollover bench-buffer bench-index bench-client bench-down bench-python bench-local bench-waits bench-connectors bench-s3 bench-router bench-events bench-size bench-tenants fake-cuda gpu-check gpu-pack fuzz fuzz-seeds
 
@@ -513,6 +514,17 @@ bench:
 	  echo "installing fio"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fio; }
 	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
+
+# kvtier with the same shards over one and over N data directories (one per
+# device), beside fio with one O_DIRECT job per directory at kvtier's slot
+# size and the same requests in flight, in 3 pairs; loop-mounted ext4
+# images (root), or DEVICES_MOUNTS="dir-on-drive-1 dir-on-drive-2 ..." on a
+# host with several drives; settings in loadgen/scripts/bench_devices.sh.
+bench-devices: build
+	@command -v fio >/dev/null || { \
+	  echo "installing fio"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fio; }
+	loadgen/scripts/bench_devices.sh
 
 # Whole-block PUT/GET at 1.2 MB and 16 MiB, h2c and HTTP/1.1, concurrency
 # 1 and 16, by the loadgen and by h2load (one request per connection over
