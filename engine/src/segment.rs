@@ -48,8 +48,8 @@ const OFF_CRC: usize = PAGE_BYTES as usize - 4; // u32 over bytes 0..OFF_CRC
 /// A store's id as a segment's superblock holds it: the 16 bytes of
 /// `store.json`'s 32-hex-digit `store_id` ([`crate::devices`]).
 /// [`STORE_ID_NONE`] (zeros) names no store: segments written before
-/// superblocks named their store, and those of a store made with one
-/// directory (it has no id). Bytes 48..64 of the superblock were zero
+/// superblocks named their store, and those of a store made before store
+/// ids (its `store.json` has none). Bytes 48..64 of the superblock were zero
 /// before, under the same CRC and version, so either kind of segment opens
 /// in either kvtier (docs/FORMAT.md).
 pub type StoreId = [u8; 16];

@@ -55,8 +55,8 @@ pub struct ShardConfig {
     /// Where this shard's KV events go ([`crate::events`]).
     pub events: Option<Arc<dyn crate::events::EventSink>>,
     /// The store its segments' superblocks name; a segment naming another
-    /// is foreign ([`crate::segment::StoreId`]; none for a store made with
-    /// one directory).
+    /// is foreign ([`crate::segment::StoreId`]; none for a store made
+    /// before store ids).
     pub store_id: crate::segment::StoreId,
 }
 
