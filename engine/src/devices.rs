@@ -450,7 +450,7 @@ fn new_store_id() -> Result<String> {
     if n != bytes.len() as isize {
         return Err(Error::io("getrandom for a new store id".to_string(), std::io::Error::last_os_error()));
     }
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex::encode(bytes))
 }
 
 #[cfg(test)]

@@ -61,13 +61,10 @@ pub const STORE_ID_NONE: StoreId = [0; 16];
 /// [`STORE_ID_NONE`] for none or for any other text.
 pub fn store_id_bytes(id: Option<&str>) -> StoreId {
     let mut out = STORE_ID_NONE;
-    let Some(hex) = id.filter(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit())) else {
-        return STORE_ID_NONE;
-    };
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("checked hex digits");
+    match id.map(|hex| hex::decode_to_slice(hex, &mut out)) {
+        Some(Ok(())) => out,
+        _ => STORE_ID_NONE,
     }
-    out
 }
 
 /// The decoded superblock of a segment.
