@@ -10,11 +10,8 @@ asyncio client's cancelled ones included."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -36,17 +33,6 @@ def server() -> Iterator[ServerProcess]:
     """A server of its own per test (each one freezes it)."""
     with ServerProcess(block_bytes=BB, ram_gb=0.125, disk_gb=0.25) as s:
         yield s
-
-
-@contextmanager
-def frozen(server: ServerProcess) -> Iterator[None]:
-    """The server stopped (SIGSTOP) inside the block; let go (SIGCONT) after."""
-    os.kill(server.pid, signal.SIGSTOP)
-    try:
-        assert wait_for(lambda: state(server.pid) == "T", 5.0), "the server did not stop"
-        yield
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
 
 
 def state(pid: int) -> str:
@@ -119,7 +105,7 @@ def test_a_get_given_up_on_writes_nothing_into_the_buffer_afterwards(server, vec
                 return c.batch_get_into_multi_buffers(keys, ptrs, sizes)
             return c.batch_get_into(keys, [buf.ptr + i * BB for i in range(N)], [BB] * N)
 
-        with frozen(server):
+        with server.paused():
             t0 = time.monotonic()
             assert get() == [codes.CONNECTION_LOST] * N
             assert time.monotonic() - t0 < TIMEOUT_S + 1.5, "not sent again on a new connection"
@@ -156,7 +142,7 @@ def test_a_put_given_up_on_stores_nothing_written_afterwards(server, vectored):
                 return bytes(v[i * half : (i + 1) * half]) + bytes(v[(2 * N - 1 - i) * half :][:half])
             return bytes(v[i * BB : (i + 1) * BB])
 
-        with frozen(server):
+        with server.paused():
             if vectored:
                 answered = c.batch_put_from_multi_buffers(keys, ptrs, sizes)
             else:
@@ -190,7 +176,7 @@ def test_a_staging_area_the_server_may_still_copy_into_is_retired(server):
         assert c.batch_get_into(keys, outs) == [BB] * N  # through the staging area
         session = c._link.unix.session
         old = session._staging
-        with frozen(server):
+        with server.paused():
             assert c.batch_get_into(keys, outs) == [codes.CONNECTION_LOST] * N
             assert session._staging is None and c.local_stats()["staging_retired"] == 1
             staged = np.frombuffer(old.buf, dtype=np.uint8)
@@ -208,7 +194,7 @@ def test_over_http_a_get_that_timed_out_has_ended_when_the_call_returns(server):
         blocks = store(c, keys, 300)
         buf = np.zeros(N * BB, dtype=np.uint8)
         assert c.register_buffer(buf) == 0
-        with frozen(server):
+        with server.paused():
             assert c.batch_get_into(keys, [buf[i * BB :] for i in range(N)], [BB] * N) == [codes.CONNECTION_LOST] * N
             mine = pattern(5, buf.size)
             buf[:] = mine
@@ -232,7 +218,7 @@ def test_a_cancelled_asyncio_get_has_ended_when_the_coroutine_has(server):
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(aclient.get_many_into(keys, bufs), 0.2)
 
-        with frozen(server):
+        with server.paused():
             asyncio.run(give_up())
             mine = [pattern(6 + i, BB).tobytes() for i in range(N)]
             for b, m in zip(bufs, mine):

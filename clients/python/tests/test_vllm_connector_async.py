@@ -7,14 +7,12 @@ preempted requests), and loads waited for per layer. The same under a real
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
 import pytest
 from conftest import block
-from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes, stop
+from test_vllm_connector_faults import BB, LAYERS, bare, fill, hashes
 
 from kvtier.connectors.vllm import blocks as blocks_module
 from kvtier.connectors.vllm import worker as worker_module
@@ -32,9 +30,9 @@ def pages_of(c: KvtierConnector, block_id: int) -> bytes:
     return b"".join(bytes(c.caches[f"layer.{j}"][block_id].numpy()) for j in range(LAYERS))  # type: ignore[attr-defined]
 
 
-def cont_after(pid: int, seconds: float) -> threading.Timer:
-    """SIGCONT ``pid`` in ``seconds``."""
-    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+def resume_after(server: ServerProcess, seconds: float) -> threading.Timer:
+    """:meth:`~kvtier.testing.ServerProcess.resume` ``server`` in ``seconds``."""
+    timer = threading.Timer(seconds, server.resume)
     timer.start()
     return timer
 
@@ -46,7 +44,7 @@ def test_a_background_load_ends_off_the_forward_path_and_reports_its_failed_bloc
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hr) if i != 2])  # 2 missing
         c._core.client.put_many([(c.key_of(h), block(10 + i, BB)) for i, h in enumerate(hq)])
         loads = [Transfer("r", 0, hr, [0, 1, 2, 3], background=True), Transfer("q", 0, hq, [4, 5], background=True)]
-        stop(s.pid)
+        s.pause()
         began = time.monotonic()
         c.bind_connector_metadata(KvtierConnectorMetadata(loads=loads))
         c.start_load_kv(None)  # type: ignore[arg-type]
@@ -54,7 +52,7 @@ def test_a_background_load_ends_off_the_forward_path_and_reports_its_failed_bloc
         c.clear_connector_metadata()
         assert time.monotonic() - began < 1.0, "the step waited for a background load"
         assert c.get_finished(set()) == (None, None) and c.get_block_ids_with_load_errors() == set()
-        os.kill(s.pid, signal.SIGCONT)
+        s.resume()
         finished: dict[str, set[int]] = {}
         deadline = time.monotonic() + 10
         while len(finished) < 2:
@@ -81,14 +79,14 @@ def test_an_idle_step_waits_for_a_background_load_woken_when_it_ends(monkeypatch
         c = bare(s.url, loads="async")
         hs = hashes(2)
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
-        stop(s.pid)
+        s.pause()
         c.bind_connector_metadata(KvtierConnectorMetadata(loads=[Transfer("r", 0, hs, [0, 1], background=True)]))
         c.start_load_kv(None)  # type: ignore[arg-type]
         began = time.monotonic()
         assert c.get_finished(set()) == (None, None)  # a step with work
         assert time.monotonic() - began < 0.5
         c.clear_connector_metadata()
-        cont_after(s.pid, 0.3)
+        resume_after(s, 0.3)
         c.bind_connector_metadata(KvtierConnectorMetadata(idle=True))
         began = time.monotonic()
         assert c.get_finished(set()) == (None, {"r"})
@@ -108,7 +106,7 @@ def test_a_finished_requests_blocks_are_kept_until_its_stores_end():
         c = bare(s.url)
         hs = hashes(2)
         data = [fill(c, b, 20 + b) for b in (0, 1)]
-        stop(s.pid)
+        s.pause()
         began = time.monotonic()
         c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("r", 0, hs, [0, 1])]))
         c.wait_for_save()
@@ -118,7 +116,7 @@ def test_a_finished_requests_blocks_are_kept_until_its_stores_end():
         c.bind_connector_metadata(KvtierConnectorMetadata(stores_awaited=["r"]))
         assert c.get_finished({"r", "other"}) == (None, None)
         c.clear_connector_metadata()
-        os.kill(s.pid, signal.SIGCONT)
+        s.resume()
         deadline = time.monotonic() + 10
         while (sending := c.get_finished(set())[0]) is None:
             assert time.monotonic() < deadline, "the finished request's stores were not reported"
@@ -136,22 +134,22 @@ def test_a_finished_requests_blocks_are_kept_until_its_stores_end():
         c.shutdown()
 
 
-def preempted_store(url: str, pid: int, *, wait: bool) -> bytes | None:
+def preempted_store(server: ServerProcess, *, wait: bool) -> bytes | None:
     """Request ``r``'s block (vLLM block 4) is stored behind another
     request's store that waits on a stopped kvtier; ``r`` is preempted and
     vLLM writes another block's bytes into block 4 once
     ``handle_preemptions`` returns. What kvtier then holds under r's key."""
-    c = bare(url)
+    c = bare(server.url)
     if not wait:
         c.worker.mover.preempt = lambda preempted: None  # type: ignore[method-assign,union-attr]
     hr, hq = hashes(1), hashes(1, salt=1)
     fill(c, 4, 1)
     fill(c, 6, 2)
-    stop(pid)
+    server.pause()
     c.bind_connector_metadata(KvtierConnectorMetadata(stores=[Transfer("q", 0, hq, [6]), Transfer("r", 0, hr, [4])]))
     c.wait_for_save()
     c.clear_connector_metadata()
-    timer = cont_after(pid, 0.5)
+    timer = resume_after(server, 0.5)
     c.handle_preemptions(KvtierConnectorMetadata(preempted=["r"]))
     fill(c, 4, 3)  # vLLM reuses the preempted request's block
     timer.join()
@@ -163,9 +161,9 @@ def preempted_store(url: str, pid: int, *, wait: bool) -> bytes | None:
 
 def test_a_preempted_requests_stores_end_before_its_blocks_are_reused():
     with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
-        assert preempted_store(s.url, s.pid, wait=True) == block(1, BB)
+        assert preempted_store(s, wait=True) == block(1, BB)
         # Deliberate fault: handle_preemptions that does not wait stores the reused block's bytes.
-        assert preempted_store(s.url, s.pid, wait=False) == block(3, BB)
+        assert preempted_store(s, wait=False) == block(3, BB)
 
 
 def test_layer_loads_let_each_layer_go_as_its_pages_arrive(monkeypatch):
@@ -286,14 +284,14 @@ def test_a_stopped_kvtier_costs_a_transfer_one_give_up_not_one_per_staged_round(
         for b in range(12):
             fill(c, b, b)
         assert c.worker.blocks.ready() and not c.worker.blocks.zero_copy  # type: ignore[union-attr]
-        stop(s.pid)
+        s.pause()
         began = time.monotonic()
         stores = [Transfer("r", 0, hashes(12), list(range(12))), Transfer("q", 0, hashes(2, salt=1), [12, 13])]
         c.bind_connector_metadata(KvtierConnectorMetadata(stores=stores))
         c.wait_for_save()
         c.clear_connector_metadata()
         took = time.monotonic() - began
-        os.kill(s.pid, signal.SIGCONT)
+        s.resume()
         assert c.stats["store_failed_blocks"] + c.stats["store_dropped_blocks"] == 14
         assert took < 2.5, f"the stores waited {took:.1f} s: one give-up per staged round"
         c.shutdown()

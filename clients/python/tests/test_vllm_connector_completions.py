@@ -11,14 +11,12 @@ go on."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from types import SimpleNamespace
 
 import pytest
 from conftest import block
-from test_vllm_connector_faults import BB, bare, fill, hashes, stop
+from test_vllm_connector_faults import BB, bare, fill, hashes
 
 from kvtier.connectors.vllm import mover as mover_module
 from kvtier.connectors.vllm.blocks import PagedBlocks
@@ -89,11 +87,11 @@ def worker_step(c: KvtierConnector, meta: KvtierConnectorMetadata, finished: set
     frees.take(sending, recving, errors)
 
 
-def aborted_mid_load(url: str, pid: int) -> Frees:
+def aborted_mid_load(server: ServerProcess) -> Frees:
     """Request ``r`` stored blocks before it was preempted; resumed, it
     loads its 2 blocks in the background from a stopped kvtier and is
     aborted before the load ends. kvtier resumes and the steps go on."""
-    c = bare(url, loads="async")
+    c = bare(server.url, loads="async")
     hs = hashes(2, salt=10)
     c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
     request = SimpleNamespace(request_id="r", block_hashes=hs, num_prompt_tokens=9)
@@ -102,14 +100,14 @@ def aborted_mid_load(url: str, pid: int) -> Frees:
     c.scheduler.requests["r"] = state
     c.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1],)), 8)  # type: ignore[arg-type]
     frees = Frees(c)
-    stop(pid)
+    server.pause()
     try:
         worker_step(c, schedule(c), set(), frees)
         delay, _ = c.request_finished(request, [0, 1])  # type: ignore[arg-type]
         assert delay is False, "request_finished kept the blocks of a request whose load is in flight for its stores"
         worker_step(c, schedule(c), {"r"}, frees)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        server.resume()
     deadline = time.monotonic() + 10
     while "r" not in frees.freed and time.monotonic() < deadline:
         worker_step(c, schedule(c), set(), frees)
@@ -121,7 +119,7 @@ def aborted_mid_load(url: str, pid: int) -> Frees:
 
 
 def test_a_request_aborted_during_its_load_is_freed_by_the_load_not_by_its_stores(server):
-    frees = aborted_mid_load(server.url, server.pid)
+    frees = aborted_mid_load(server)
     assert frees.freed == {"r": "finished_recving"}
     assert frees.errors == [] and frees.loading_when_freed == []
 
@@ -135,7 +133,7 @@ def test_a_finished_request_is_named_once_its_stores_end_and_only_if_the_schedul
     state.has_stores = True
     c.scheduler.requests["r"] = state
     frees = Frees(c)
-    stop(server.pid)
+    server.pause()
     try:
         worker_step(c, KvtierConnectorMetadata(stores=[Transfer("r", 0, hs, [0])]), set(), frees)
         assert c.request_finished(request, [0]) == (True, None)  # type: ignore[arg-type]
@@ -144,7 +142,7 @@ def test_a_finished_request_is_named_once_its_stores_end_and_only_if_the_schedul
         worker_step(c, meta, {"r", "q"}, frees)  # "q" finished without stores: vLLM freed it already
         assert frees.freed == {}, "named before its stores ended"
     finally:
-        os.kill(server.pid, signal.SIGCONT)
+        server.resume()
     deadline = time.monotonic() + 10
     while not frees.freed and time.monotonic() < deadline:
         worker_step(c, schedule(c), set(), frees)

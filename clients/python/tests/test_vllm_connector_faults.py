@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -130,19 +129,6 @@ def ask(c: KvtierConnector, hs: list[bytes]) -> int:
     return hit
 
 
-def stop(pid: int) -> None:
-    """SIGSTOP, and waits until every thread of ``pid`` is stopped (a thread
-    running on another core finishes what it is doing first)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while any(
-        open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] != "T"
-        for t in os.listdir(f"/proc/{pid}/task")
-    ):
-        assert time.monotonic() < deadline, f"{pid} did not stop within 5 s"
-        time.sleep(0.01)
-
-
 def hashes(n: int, salt: int = 0) -> list[bytes]:
     return [bytes([salt, i]) * 16 for i in range(n)]
 
@@ -216,7 +202,7 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_then_nothing_until_it_answers
         hs = hashes(2)
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
         assert ask(c, hs) == 2
-        stop(s.pid)
+        s.pause()
         try:
             started = time.monotonic()
             assert ask(c, hs) == 0
@@ -229,7 +215,7 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_then_nothing_until_it_answers
             step(c, [], [Transfer("r", 0, hs, [0, 1])], store=False)
             assert c.stats["store_dropped_blocks"] == 2
         finally:
-            os.kill(s.pid, signal.SIGCONT)
+            s.resume()
         deadline = time.monotonic() + 15
         while ask(c, hs) != 2:  # the probe finds it again
             assert time.monotonic() < deadline, "kvtier not found again within 15 s of SIGCONT"
@@ -248,12 +234,12 @@ def test_a_lookup_slower_than_its_deadline_is_asked_again_and_keeps_its_hit():
         c._core.client.put_many([(c.key_of(h), block(i, BB)) for i, h in enumerate(hs)])
         assert ask(c, hs) == 2
         state = RequestState(None)  # type: ignore[arg-type]
-        stop(s.pid)
+        s.pause()
         try:
             assert c.scheduler.ask(hs, state) is None  # past lookup_timeout_ms: ask again
             assert c.scheduler.ask(hs, state) is None
         finally:
-            os.kill(s.pid, signal.SIGCONT)
+            s.resume()
         while (hit := c.scheduler.ask(hs, state)) is None:
             pass
         assert hit == 2

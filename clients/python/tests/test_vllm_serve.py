@@ -71,7 +71,7 @@ from vllm_serve_support import (
 
 import kvtier
 from kvtier.connectors.vllm.verify import read_oracle
-from kvtier.testing import ServerProcess, VllmServer, note_stopped
+from kvtier.testing import ServerProcess, VllmServer
 
 # The first test also waits for the engine's start (about 1.5 minutes here).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -355,14 +355,9 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
     continued_at = [0.0]
 
     def stop_for_5_s() -> None:
-        stopped_at = time.time()
-        os.kill(store.pid, signal.SIGSTOP)
-        try:
+        with store.paused():
             time.sleep(5)
-        finally:
             continued_at[0] = time.time()
-            os.kill(store.pid, signal.SIGCONT)
-            note_stopped(store.pid, stopped_at, time.time())
 
     engine.reset_prefix_cache()
     loads = _answered_loads(store)
@@ -405,11 +400,8 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
     go = threading.Event()
     client = threading.Thread(target=_abandoned, args=(engine, victim, go))
 
-    stopped_at = [time.time()]
-
     def stop_then_abort() -> None:
-        stopped_at[0] = time.time()
-        os.kill(store.pid, signal.SIGSTOP)
+        store.pause()
         go.set()
 
     try:
@@ -418,10 +410,9 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
             _when_a_load_is_held(store, loads, stop_then_abort)
             client.join(60)
             time.sleep(2)  # vLLM takes the abort while the load waits on kvtier
-            os.kill(store.pid, signal.SIGCONT)
+            store.resume()
     finally:
-        os.kill(store.pid, signal.SIGCONT)
-        note_stopped(store.pid, stopped_at[0], time.time())
+        store.resume()
     events = read_oracle(oracle)
     victim_loads = [e for e in events if e["t"] >= since and e["event"] in ("loaded", "load_failed")]
     assert victim_loads, "no load of the aborted request was in flight"
@@ -442,7 +433,7 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_not_the_timeout(store, engine
     until ``lookup_give_up_ms`` and goes on as a miss, far inside the
     client's ``timeout_s`` (20 s here); kvtier is then down, and the next
     request does not wait."""
-    os.kill(store.pid, signal.SIGSTOP)
+    store.pause()
     try:
         took = []
         for _ in range(2):  # the same prompt twice: the same compute
@@ -459,4 +450,4 @@ def test_a_stopped_kvtier_costs_the_lookup_give_up_not_the_timeout(store, engine
         assert took[0] >= give_up_s and give_up_s / 2 <= took[0] - took[1] < give_up_s + 3.0, took
         assert took[1] < CLIENT_TIMEOUT_S / 2, took  # no wait: a wait for the timeout would show here
     finally:
-        os.kill(store.pid, signal.SIGCONT)
+        store.resume()

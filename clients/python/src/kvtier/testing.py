@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: How long a start may take before it counts as failed (a cold store opens
@@ -51,6 +52,12 @@ def note_stopped(pid: int, from_unix_s: float, to_unix_s: float) -> None:
     Path(keep).mkdir(parents=True, exist_ok=True)
     with open(Path(keep) / STOPPED_FILE, "a") as f:
         f.write(json.dumps({"pid": pid, "from_unix_s": from_unix_s, "to_unix_s": to_unix_s}) + "\n")
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    """The scheduler state of thread ``tid`` of ``pid`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def keep_log(log: Path, name: str) -> None:
@@ -176,6 +183,7 @@ class ServerProcess:
             *args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
+        self._paused_at: float | None = None  # time.time() of the SIGSTOP :meth:`pause` sent
         self.log = Path(self.data_dir) / "server.log" if not self._own_dir else Path(self.data_dir + ".log")
 
     @property
@@ -227,6 +235,41 @@ class ServerProcess:
                 tail = self.log.read_bytes()[-2000:].decode("utf-8", "replace")
                 raise RuntimeError(f"kvtier serve did not start ({' '.join(self.argv)}):\n{tail}")
         return self
+
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP: the server holds still (its sockets accept, nothing
+        answers). Returns once every thread of it is stopped (``T``, or
+        ``t`` under a tracer such as strace; a thread running on another
+        core first finishes what it is doing).
+
+        Raises:
+            AssertionError: a thread was still running after ``timeout_s``.
+        """
+        os.kill(self.pid, signal.SIGSTOP)
+        self._paused_at = time.time()
+        deadline = time.monotonic() + timeout_s
+        while any(_thread_state(self.pid, t) not in ("T", "t") for t in os.listdir(f"/proc/{self.pid}/task")):
+            assert time.monotonic() < deadline, f"kvtier {self.pid} did not stop within {timeout_s} s"
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause` (a second call does nothing), and the
+        stop recorded (:func:`note_stopped`): a shard stall it held is not
+        counted against kvtier (tests/run_suites.py)."""
+        if self._paused_at is None:
+            return
+        os.kill(self.pid, signal.SIGCONT)
+        note_stopped(self.pid, self._paused_at, time.time())
+        self._paused_at = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """:meth:`pause` for the block, :meth:`resume` after it, however it ends."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def kill(self) -> None:
         """``kill -9`` and wait: what a crash looks like to clients."""
