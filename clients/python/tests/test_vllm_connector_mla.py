@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_vllm_connector import spec_groups
 from test_vllm_connector_faults import BB, bare, fill, hashes, step
 
 import kvtier
@@ -34,8 +35,7 @@ def engine(tp: int, *, mla: bool, replicas: int | None, dcp: int = 1) -> tuple[S
         spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     else:
         spec = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16)
-    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
+    kv_cache_config = spec_groups((spec, 2))
     if replicas is not None:
         kv_cache_config.kv_tp_replicas = replicas
     vllm_config = SimpleNamespace(

@@ -17,7 +17,6 @@ import pytest
 from vllm_serve_support import (
     MAX_TOKENS,
     SEED,
-    connector,
     external_hit_tokens,
     no_lost_requests,
     oracle_dir,
@@ -25,7 +24,7 @@ from vllm_serve_support import (
     server_totals,
     serving,
     sharegpt_prompts,
-    vllm,
+    vllm_tp2,
 )
 
 from kvtier.connectors.vllm.transfer import writer_of
@@ -55,14 +54,7 @@ def oracle() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def mla(latent: ServerProcess, oracle: str) -> Iterator[VllmServer]:
-    engine = vllm(
-        "KVTIER_VLLM_MLA_MODEL",
-        kv_transfer_config=connector(latent.url, digest=True, oracle_dir=oracle, loads="sync", stores="sync"),
-        args=("--enforce-eager", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
-        single_process=False,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-    )
-    with serving(engine) as e:
+    with serving(vllm_tp2(latent.url, oracle, "KVTIER_VLLM_MLA_MODEL")) as e:
         yield e
 
 

@@ -17,7 +17,6 @@ from vllm_serve_support import (
     BLOCK_TOKENS,
     MAX_TOKENS,
     SEED,
-    connector,
     external_hit_tokens,
     no_lost_requests,
     oracle_dir,
@@ -25,7 +24,7 @@ from vllm_serve_support import (
     prompt_blocks,
     serving,
     sharegpt_prompts,
-    vllm,
+    vllm_tp2,
 )
 
 import kvtier
@@ -50,13 +49,7 @@ def oracle() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tp2(half: ServerProcess, oracle: str) -> Iterator[VllmServer]:
-    engine = vllm(
-        kv_transfer_config=connector(half.url, digest=True, oracle_dir=oracle, loads="sync", stores="sync"),
-        args=("--enforce-eager", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
-        single_process=False,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-    )
-    with serving(engine) as e:
+    with serving(vllm_tp2(half.url, oracle)) as e:
         yield e
 
 

@@ -115,6 +115,20 @@ def vllm(model: str = "KVTIER_VLLM_MODEL", **kwargs: Any) -> VllmServer:
     return VllmServer(_model(model), python=sys.executable, env=env, niceness=10, **kwargs)
 
 
+def vllm_tp2(url: str, oracle: str, model: str = "KVTIER_VLLM_MODEL") -> VllmServer:
+    """A vLLM of the tests with two tensor-parallel workers (vLLM's mp
+    executor, one core each) serving ``model`` through kvtier at ``url``:
+    loads and stores inside the step, the end-to-end digest on, and the byte
+    oracle in ``oracle``."""
+    return vllm(
+        model,
+        kv_transfer_config=connector(url, digest=True, oracle_dir=oracle, loads="sync", stores="sync"),
+        args=("--enforce-eager", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+        single_process=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+
+
 #: What an engine's log says when a request to kvtier went unanswered
 #: (the client's timeout) or its connection was lost: never tolerated
 #: outside a test that kills or stops kvtier (``@pytest.mark.faults``).
