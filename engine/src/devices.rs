@@ -25,6 +25,14 @@
 //! place, and its shards start empty. A store made before devices (one
 //! directory, no `store_id`) opens as it always did.
 //!
+//! **A device absent at start.** A device whose directory is not given,
+//! does not exist, cannot be read (an I/O error: a dead drive), or is an
+//! empty directory that cannot be that device's filesystem (see
+//! [`Layout::resolve`]) is *absent*: the store starts without it, its
+//! shards serve what the RAM and S3 tiers hold with their log down, and
+//! nothing is made or written where its directory would be. A restart with
+//! the device's directory brings their logs back as they were.
+//!
 //! The functions here read and stat directories with `std::fs`: they run
 //! at start-up and in `kvtier fsck`/`info`, never on a shard's thread.
 
@@ -79,8 +87,12 @@ pub struct Device {
     pub dir: PathBuf,
     /// Bytes of segments it holds.
     pub capacity_bytes: u64,
-    /// The filesystem id of its directory now (hex).
+    /// The filesystem id of its directory now (hex); an absent device's as
+    /// recorded when the store was made.
     pub fs_id: String,
+    /// Why the device is absent on this start (its directory not given,
+    /// missing or unreadable): its shards run without a log. `None`: present.
+    pub absent: Option<String>,
 }
 
 /// The devices of a store, by index, as matched on this start.
@@ -100,7 +112,12 @@ impl Layout {
     pub fn single(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Layout {
         let dir = dir.into();
         let fs_id = fs_id(&dir);
-        Layout { store_id: None, devices: vec![Device { index: 0, dir, capacity_bytes, fs_id }], replaced: Vec::new() }
+        Layout { store_id: None, devices: vec![Device { index: 0, dir, capacity_bytes, fs_id, absent: None }], replaced: Vec::new() }
+    }
+
+    /// The devices absent on this start (module docs).
+    pub fn absent(&self) -> impl Iterator<Item = &Device> {
+        self.devices.iter().filter(|d| d.absent.is_some())
     }
 
     /// The device that holds shard `shard`'s log.
@@ -148,16 +165,22 @@ impl Layout {
     /// (each device's capacity its `PATH=SIZE_GB`, else `disk_bytes` alone
     /// for one directory, else `disk_bytes` split by free space); an
     /// existing store's devices by the `store_id` and `device_index` their
-    /// directories hold, empty directories standing in for missing devices.
-    /// Reads only: `store.json` files are written when the store opens.
+    /// directories hold. A device whose directory is not among them takes
+    /// the next directory that holds no `store.json`: an empty one stands
+    /// in for it (its shards start empty there), and one that does not
+    /// exist or cannot be read leaves it absent, as does none left
+    /// ([`Device::absent`]; `check_replacement` says when an empty
+    /// directory cannot stand in). Reads only: `store.json` files are
+    /// written when the store opens.
     ///
     /// # Errors
     /// [`Error::Config`] naming the directories for: a directory given
     /// twice; fewer shards than devices for a new store; directories of two
     /// stores; a store made with one directory given more; more
-    /// directories than the store has devices; a device neither given nor
-    /// replaced; sizes that do not add up. [`Error::Io`] for an unreadable
-    /// `store.json` or directory.
+    /// directories than the store has devices; a directory holding files
+    /// and no `store.json` in place of a device; sizes that do not add up;
+    /// no readable directory holding the store while one cannot be read.
+    /// [`Error::Config`] for a `store.json` that does not parse.
     pub fn resolve(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
         if specs.is_empty() {
             return Err(Error::Config("at least one --data-dir is needed".into()));
@@ -168,12 +191,24 @@ impl Layout {
             }
         }
         let mut found: Vec<(usize, StoreManifest)> = Vec::new();
+        // Directories whose store.json could not be read (an I/O error):
+        // absent devices, if the store turns out to have them.
+        let mut unreadable: Vec<(usize, String)> = Vec::new();
         for (i, spec) in specs.iter().enumerate() {
-            if StoreManifest::path(&spec.dir).exists() {
-                found.push((i, StoreManifest::read(&spec.dir)?));
+            let path = StoreManifest::path(&spec.dir);
+            match std::fs::read(&path) {
+                Ok(bytes) => found.push((i, StoreManifest::parse(&bytes).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.kind() == std::io::ErrorKind::NotADirectory => {}
+                Err(e) => unreadable.push((i, format!("reading {}: {e}", path.display()))),
             }
         }
         if found.is_empty() {
+            if let Some((i, why)) = unreadable.first() {
+                return Err(Error::Config(format!(
+                    "{} cannot be read ({why}), and no other directory given holds a store: give a readable directory of the store",
+                    specs[*i].dir.display()
+                )));
+            }
             return Self::new_store(specs, disk_bytes, shards);
         }
         if let Some((i, _)) = found.iter().find(|(_, m)| m.store_id.is_none()) {
@@ -223,33 +258,55 @@ impl Layout {
         }
         let fresh: Vec<usize> = (0..specs.len()).filter(|i| found.iter().all(|(j, _)| j != i)).collect();
         let mut fresh = fresh.into_iter();
+        // Filesystems a stand-in for a device of its own cannot be on: the
+        // root's (an unmounted drive's mount point lives there) and the
+        // present devices'.
+        let mut taken_fs: Vec<String> = found.iter().map(|(i, _)| fs_id(&specs[*i].dir)).collect();
+        taken_fs.push(fs_id(Path::new("/")));
         let mut replaced = Vec::new();
         let mut devices = Vec::with_capacity(records.len());
         for r in records {
+            // One directory: --disk-gb at every start, as before devices;
+            // several: what was recorded when the store was made.
+            let recorded = if records.len() == 1 { disk_bytes } else { r.capacity_bytes };
+            let absent = |dir: PathBuf, why: String| Device {
+                index: r.index,
+                dir,
+                capacity_bytes: recorded,
+                fs_id: r.fs_id.clone(),
+                absent: Some(why),
+            };
             let spec = match by_index.get(&r.index) {
                 Some(&i) => &specs[i],
                 None => match fresh.next() {
                     Some(i) => {
-                        check_replacement(&specs[i].dir, r.index, &id)?;
-                        replaced.push(r.index);
+                        let dir = &specs[i].dir;
+                        if let Some((_, why)) = unreadable.iter().find(|(j, _)| *j == i) {
+                            devices.push(absent(dir.clone(), why.clone()));
+                            continue;
+                        }
+                        let own_fs = records.iter().all(|o| o.index == r.index || o.fs_id != r.fs_id);
+                        match check_replacement(dir, r.index, &id, own_fs.then_some(&taken_fs[..]))? {
+                            Replacement::Empty => replaced.push(r.index),
+                            Replacement::Absent(why) => {
+                                devices.push(absent(dir.clone(), why));
+                                continue;
+                            }
+                        }
                         &specs[i]
                     }
                     None => {
-                        return Err(Error::Config(format!(
-                            "device {} of store {id} (filesystem {}, shards {:?}) is not among the directories given: give its directory (in any order), or an empty directory to start its shards empty",
-                            r.index, r.fs_id, r.shards
-                        )))
+                        devices.push(absent(PathBuf::new(), "its directory is not among the directories given".into()));
+                        continue;
                     }
                 },
             };
-            // One directory: --disk-gb at every start, as before devices;
-            // several: what was recorded when the store was made.
-            let recorded = if records.len() == 1 { disk_bytes } else { r.capacity_bytes };
             devices.push(Device {
                 index: r.index,
                 dir: spec.dir.clone(),
                 capacity_bytes: spec.capacity_bytes.unwrap_or(recorded),
                 fs_id: fs_id(&spec.dir),
+                absent: None,
             });
         }
         Ok(Layout { store_id: Some(id), devices, replaced })
@@ -268,35 +325,58 @@ impl Layout {
             .iter()
             .zip(capacities)
             .enumerate()
-            .map(|(i, (s, capacity_bytes))| Device { index: i as u32, dir: s.dir.clone(), capacity_bytes, fs_id: fs_id(&s.dir) })
+            .map(|(i, (s, capacity_bytes))| Device {
+                index: i as u32,
+                dir: s.dir.clone(),
+                capacity_bytes,
+                fs_id: fs_id(&s.dir),
+                absent: None,
+            })
             .collect();
         Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new() })
     }
 }
 
-/// A directory given in place of device `index` of store `id`, whose
-/// shards then start empty there, must be an existing directory holding
-/// nothing (but ext4's `lost+found`): a directory that does not exist is
-/// most often a device that is not mounted (its directory lived on it), and
-/// making it would put the device's shards on whatever filesystem holds
-/// its parent; one holding files is not a replacement device.
+/// What a directory given in place of a device that is not there is.
+#[derive(Debug, PartialEq)]
+enum Replacement {
+    /// An empty directory: the device's shards start empty there.
+    Empty,
+    /// Not the device nor a stand-in for it (why): the device is absent.
+    Absent(String),
+}
+
+/// A directory given in place of device `index` of store `id`: an existing
+/// directory holding nothing (but ext4's `lost+found`) stands in for it, and
+/// the device's shards start empty there. One that does not exist or
+/// cannot be listed is most often the device itself, not mounted or
+/// failed (its directory lived on it): the device is absent, and nothing is
+/// made there (making it would put the shards on whatever filesystem holds
+/// its parent). Likewise an empty directory on one of `taken_fs` (given
+/// when the device had a filesystem of its own: the root's and the present
+/// devices'), which is an unmounted drive's mount point or a directory
+/// made where the drive should be mounted.
 ///
 /// # Errors
-/// [`Error::Config`] naming the directory, the device and what to do.
-fn check_replacement(dir: &Path, index: u32, id: &str) -> Result<()> {
+/// [`Error::Config`] for a directory holding files, naming it, the device
+/// and what to do.
+fn check_replacement(dir: &Path, index: u32, id: &str, taken_fs: Option<&[String]>) -> Result<Replacement> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::Config(format!(
-                "{} does not exist, so it cannot stand in for device {index} of store {id}: if it is that device's directory, mount the device; to start the device's shards empty there, make it an empty directory first",
+            return Ok(Replacement::Absent(format!(
+                "{} does not exist (if it is on that device, mount the device; to start the device's shards empty there, make it an empty directory on a filesystem of its own)",
                 dir.display()
             )))
         }
-        Err(e) => return Err(Error::io(format!("listing {}", dir.display()), e)),
+        Err(e) => return Ok(Replacement::Absent(format!("listing {}: {e}", dir.display()))),
     };
     let mut held = Vec::new();
     for entry in entries {
-        let name = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?.file_name();
+        let name = match entry {
+            Ok(entry) => entry.file_name(),
+            Err(e) => return Ok(Replacement::Absent(format!("listing {}: {e}", dir.display()))),
+        };
         if name != "lost+found" {
             held.push(name.to_string_lossy().into_owned());
         }
@@ -310,7 +390,14 @@ fn check_replacement(dir: &Path, index: u32, id: &str) -> Result<()> {
             held.join(", ")
         )));
     }
-    Ok(())
+    let here = fs_id(dir);
+    if taken_fs.is_some_and(|taken| here != "?" && taken.contains(&here)) {
+        return Ok(Replacement::Absent(format!(
+            "{} is an empty directory on the root filesystem or another device's (filesystem {here}), while device {index} had a filesystem of its own: most often the drive is not mounted there; mount it, or a new drive for its shards to start empty",
+            dir.display()
+        )));
+    }
+    Ok(Replacement::Empty)
 }
 
 /// Each new device's capacity: its `PATH=SIZE_GB`; for one directory
@@ -474,7 +561,9 @@ mod tests {
     fn shards_go_round_robin_and_split_their_devices_capacity() {
         let l = Layout {
             store_id: Some("x".into()),
-            devices: (0..3).map(|i| Device { index: i, dir: format!("/d{i}").into(), capacity_bytes: 90, fs_id: "?".into() }).collect(),
+            devices: (0..3)
+                .map(|i| Device { index: i, dir: format!("/d{i}").into(), capacity_bytes: 90, fs_id: "?".into(), absent: None })
+                .collect(),
             replaced: vec![],
         };
         assert_eq!(l.shards_on(0, 8), vec![0, 3, 6]);

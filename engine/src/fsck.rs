@@ -57,6 +57,9 @@ pub struct FsckReport {
     pub damaged: Vec<Damage>,
     /// Files in shard directories that are not segments of this store.
     pub foreign_files: Vec<PathBuf>,
+    /// Devices absent ([`crate::devices::Device::absent`]): their shards
+    /// were not checked.
+    pub devices_absent: Vec<u32>,
 }
 
 struct Record {
@@ -77,18 +80,24 @@ pub fn fsck(data_dir: &Path) -> Result<FsckReport> {
 }
 
 /// Checks every segment of the store on `layout`'s devices (each shard in
-/// its device's directory; [`crate::devices::Layout::resolve`]).
+/// its device's directory; [`crate::devices::Layout::resolve`]); an absent
+/// device's shards are not checked, and the device is listed in
+/// `devices_absent`.
 ///
 /// # Errors
 /// As [`fsck`], for any of the directories.
 pub fn fsck_layout(layout: &crate::devices::Layout) -> Result<FsckReport> {
-    let manifest = StoreManifest::read(&layout.devices[0].dir)?;
+    let present = layout.devices.iter().find(|d| d.absent.is_none()).unwrap_or(&layout.devices[0]);
+    let manifest = StoreManifest::read(&present.dir)?;
     let block_bytes = manifest.geometry.block_bytes;
     let slot_bytes = slot::slot_bytes(block_bytes);
     let slots = ((manifest.segment_bytes - PAGE_BYTES) / slot_bytes) as u32;
     let store_id = crate::segment::store_id_bytes(manifest.store_id.as_deref());
-    let mut report = FsckReport::default();
+    let mut report = FsckReport { devices_absent: layout.absent().map(|d| d.index).collect(), ..FsckReport::default() };
     for shard in 0..manifest.shards {
+        if layout.device_of(shard as usize).absent.is_some() {
+            continue; // an absent device's shards have nothing here to check
+        }
         let dir = layout.shard_dir(shard as usize);
         let Ok(entries) = fs::read_dir(&dir) else { continue };
         let mut files: Vec<(u32, PathBuf)> = Vec::new();

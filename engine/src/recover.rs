@@ -35,6 +35,26 @@ use crate::shard::{RecoveredLog, RecoveryReport, Shard, ShardConfig};
 use crate::slot::{HeaderFault, RecordKind, SlotHeader, PAGE_BYTES};
 use crate::tenant::OwnerId;
 
+/// A shard whose device is absent ([`ShardConfig::log_absent`]): an empty
+/// log, nothing read or made in its directory.
+fn open_without_log(cfg: ShardConfig) -> Result<Shard> {
+    let shard = Shard::new(cfg)?;
+    tracing::warn!(shard = shard.id(), "shard opened without its log: {}", shard.cfg.log_absent.as_deref().unwrap_or_default());
+    let log = RecoveredLog {
+        segments: Vec::new(),
+        max_seq: Vec::new(),
+        index: shard.empty_index(),
+        next_seq: 1,
+        sealed: Vec::new(),
+        free: Vec::new(),
+        head: None,
+        report: RecoveryReport { log_absent: true, ..RecoveryReport::default() },
+    };
+    shard.restore(log);
+    shard.set_owners(shard.cfg.owners.clone());
+    Ok(shard)
+}
+
 /// Header reads in flight per shard during recovery.
 pub const SCAN_DEPTH: usize = 64;
 
@@ -226,6 +246,9 @@ async fn scan_segment(shard: &Shard, segment: &Rc<Segment>, from_slot: u32, repo
 /// [`Error::Io`] when the directory or a segment cannot be read;
 /// [`Error::Config`] for settings that cannot work.
 pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
+    if cfg.log_absent.is_some() {
+        return open_without_log(cfg);
+    }
     let dir = cfg.dir.clone();
     glommio::executor()
         .spawn_blocking(move || fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e)))

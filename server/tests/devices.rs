@@ -4,8 +4,11 @@
 //! within ±10 % and read back byte for byte after a kill -9 and a restart
 //! with the directories given in the other order (and `fsck` over both); a
 //! directory of another store refused naming both; a device not given
-//! named; an empty directory standing in for a lost device, its shards
-//! starting empty while the other device's blocks still serve; a store
+//! absent (its shards refusing PUTs); a device absent at start three ways
+//! (not mounted, an empty directory where it mounts, failing every I/O)
+//! serving from S3 and refusing PUTs, then back; an empty directory
+//! standing in for a lost device, its shards starting empty while the
+//! other device's blocks still serve; a store
 //! made with one directory opening alone as before; a device that fails
 //! under load (its filesystem shut down, so every I/O on it fails as on a
 //! dead drive) costing its shards' blocks and nothing else.
@@ -13,13 +16,11 @@
 //! The spread test needs root, mkfs.ext4 and loop devices (as
 //! tests/full_disk.rs); without them it fails naming what is missing.
 
-// Each test holds the file's lock for its whole run, awaits included: every
-// test has a runtime of its own, so nothing else waits on that thread.
-#![allow(clippy::await_holding_lock)]
-
 mod common;
+mod s3_support;
 
 use std::path::Path;
+use std::time::Instant;
 
 use common::loopfs::LoopFs;
 use common::{client, payload, set_flag, start, test_args, try_start, Server};
@@ -194,14 +195,29 @@ fn a_directory_of_another_store_is_refused_naming_both_stores() {
     assert!(stderr.contains(&store_id(&a)) && stderr.contains(&store_id(&c)), "{stderr}");
 }
 
-#[test]
-fn a_device_not_given_is_named_and_the_start_refused() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_not_given_starts_absent_and_named_and_its_shards_refuse_puts() {
     let t = tempfile::tempdir().unwrap();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
     start(&args(&[&a, &b], 2)).stop();
-    let (_, stderr) = try_start(&args(&[&a], 2)).err().expect("started without device 1");
-    assert!(stderr.contains("device 1 of store") && stderr.contains("not among the directories given"), "{stderr}");
-    assert!(stderr.contains("an empty directory"), "{stderr}");
+    let server = start(&args(&[&a], 2));
+    let log = server.log();
+    assert!(log.contains("device 1 is absent") && log.contains("not among the directories given"), "{log}");
+    let c = client(&server, false);
+    let (mut stored, mut refused) = (0, 0);
+    for i in 0..40 {
+        match status_and_body(&c, Method::PUT, &format!("given-{i}")).await {
+            (StatusCode::CREATED, _) => stored += 1,
+            (StatusCode::SERVICE_UNAVAILABLE, body) => {
+                assert_eq!(body["error"]["code"], "device_down", "{body}");
+                assert!(body["error"]["message"].as_str().unwrap().contains("device 1 is absent"), "{body}");
+                refused += 1;
+            }
+            (status, body) => panic!("PUT with device 1 absent: {status} {body}"),
+        }
+    }
+    assert!(stored >= 10 && refused >= 10, "shard 0 stores, shard 1 refuses: {stored} stored, {refused} refused");
+    server.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,11 +229,13 @@ async fn an_empty_directory_stands_in_for_a_lost_device_and_its_shards_start_emp
     server.stop();
     // Device 1 is gone; e replaces it.
     std::fs::remove_dir_all(&b).unwrap();
-    // A directory that does not exist is refused (an unmounted device's,
-    // most often), as is one holding files; an empty one stands in.
-    let (_, stderr) = try_start(&args(&[&e, &a], 2)).err().expect("a missing directory stood in for device 1");
-    assert!(stderr.contains("does not exist") && stderr.contains("mount the device"), "{stderr}");
-    assert!(!e.exists(), "the refused start made {}", e.display());
+    // A directory that does not exist leaves device 1 absent (an unmounted
+    // device's, most often) and is not made; one holding files is refused;
+    // an empty one stands in.
+    let server = start(&args(&[&a, &e], 2));
+    assert!(server.log().contains("does not exist") && server.log().contains("mount the device"), "{}", server.log());
+    server.stop();
+    assert!(!e.exists(), "a start made {} for an absent device", e.display());
     std::fs::create_dir(&e).unwrap();
     std::fs::write(e.join("notes.txt"), b"not a device").unwrap();
     let (_, stderr) = try_start(&args(&[&e, &a], 2)).err().expect("a directory holding files stood in for device 1");
@@ -279,4 +297,116 @@ async fn a_segment_of_another_store_is_foreign_and_its_blocks_are_not_served() {
     assert_eq!(totals["foreign_files_at_start"], 1, "{totals}");
     assert!(server.log().contains("not a segment of this store"), "{}", server.log());
     server.stop();
+}
+
+/// The store over two loop-mounted filesystems with the shared tier on
+/// moto: `shards` shards, a small RAM tier, S3 write-through (a PUT is
+/// uploaded before it is acknowledged).
+fn s3_args(dirs: &[&Path], shards: usize, moto: &s3_support::Moto) -> Vec<String> {
+    let mut a = args(dirs, shards);
+    set_flag(&mut a, "--ram-gb", "0.01");
+    let url = format!("s3://{}/{}", s3_support::BUCKET, s3_support::PREFIX);
+    a.extend(["--s3-url".into(), url, "--s3-endpoint".into(), moto.endpoint(), "--s3-write-policy".into(), "through".into()]);
+    a
+}
+
+/// `/readyz`'s status code and JSON.
+async fn readyz(c: &Client) -> (StatusCode, Value) {
+    let a = c.send(Method::GET, "/readyz", ChunkedBody::new(vec![]), None).await.unwrap();
+    (a.status, serde_json::from_slice(&a.body.to_bytes()).unwrap())
+}
+
+/// Per key, the tier it was served from; a wrong byte or a miss panics.
+async fn tiers(c: &Client, keys: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(keys.len());
+    for key in keys {
+        out.push(s3_support::get_tier(c, key).await.unwrap_or_else(|| panic!("{key} missed")));
+    }
+    out
+}
+
+/// A device absent at start, three ways (its drive unmounted, so its
+/// directory does not exist; an empty directory where the drive should be
+/// mounted; its filesystem failing every I/O), leaves its shards serving
+/// from RAM and S3 with their log down and their PUTs refused, the other
+/// device's shards serving as ever, and nothing made where it should be;
+/// with the drive back, its blocks serve from its log again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_absent_at_start_leaves_its_shards_serving_from_s3_and_refusing_puts() {
+    let moto = s3_support::Moto::start();
+    let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (fa, fb) = (device(ta.path()), device(tb.path()));
+    let (a, b) = (fa.mnt.join("data"), fb.mnt.join("data"));
+    let server = start(&s3_args(&[&a, &b], 4, &moto));
+    let held = put_keys(&client(&server, false), "held", 100).await;
+    server.stop();
+
+    // The drive is gone: its mount point is an empty directory, `b` is not there.
+    fb.unmount();
+    let started = Instant::now();
+    let server = start(&s3_args(&[&a, &b], 4, &moto));
+    println!("restart with device 1 absent: listening after {} ms", started.elapsed().as_millis());
+    assert!(server.log().contains("device 1 is absent") && server.log().contains("does not exist"), "{}", server.log());
+    let c = client(&server, false);
+    // Every block serves, right: device 0's from its log, device 1's from S3.
+    let got = tiers(&c, &held).await;
+    let from_s3 = got.iter().filter(|t| *t == "s3").count();
+    assert!((30..=70).contains(&from_s3), "device 1's half from S3, device 0's from its log: {got:?}");
+    assert_eq!(got.iter().filter(|t| *t == "nvme" || *t == "s3").count(), 100, "{got:?}");
+    // Read again, device 1's come from RAM: the S3 reads were kept there.
+    let again = tiers(&c, &held).await;
+    let kept = got.iter().zip(&again).filter(|(first, then)| *first == "s3" && *then == "ram").count();
+    assert_eq!(kept, from_s3, "{again:?}");
+    // PUTs: device 1's shards answer 503 device_down naming it; device 0's store.
+    let mut refused = 0;
+    for i in 0..100 {
+        let key = format!("during-{i}");
+        match status_and_body(&c, Method::PUT, &key).await {
+            (StatusCode::CREATED, _) => {}
+            (StatusCode::SERVICE_UNAVAILABLE, body) => {
+                assert_eq!(body["error"]["code"], "device_down", "{body}");
+                assert!(body["error"]["message"].as_str().unwrap().contains("device 1 is absent"), "{body}");
+                refused += 1;
+            }
+            (status, body) => panic!("PUT {key} with device 1 absent: {status} {body}"),
+        }
+    }
+    assert!((30..=70).contains(&refused), "device 1's half refused: {refused} of 100");
+    let (status, ready) = readyz(&c).await;
+    assert_eq!((status, ready["status"].as_str()), (StatusCode::OK, Some("degraded")), "{ready}");
+    assert_eq!(ready["devices_down"][0]["device"], 1, "{ready}");
+    assert!(ready["devices_down"][0]["reason"].as_str().unwrap().contains("absent"), "{ready}");
+    let metrics = c.send(Method::GET, "/metrics", ChunkedBody::new(vec![]), None).await.unwrap().body.to_bytes();
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("kvtier_device_up{device=\"0\"} 1") && metrics.contains("kvtier_device_up{device=\"1\"} 0"), "{metrics}");
+    server.stop();
+    assert!(!b.exists(), "a start made {} for an absent device", b.display());
+
+    // An empty directory where the drive should be mounted (on the root
+    // filesystem, while device 1 had one of its own) is not taken as a new
+    // drive: device 1 stays absent and the directory stays empty.
+    std::fs::create_dir(&b).unwrap();
+    let server = start(&s3_args(&[&a, &b], 4, &moto));
+    assert!(server.log().contains("device 1 is absent") && server.log().contains("filesystem of its own"), "{}", server.log());
+    assert_eq!(tiers(&client(&server, false), &held).await.iter().filter(|t| *t == "s3").count(), from_s3);
+    server.stop();
+    assert_eq!(std::fs::read_dir(&b).unwrap().count(), 0, "a start wrote into the empty directory standing where device 1 mounts");
+    std::fs::remove_dir(&b).unwrap();
+
+    // The drive is back: its blocks serve from its log, and the store is ready.
+    fb.mount();
+    let server = start(&s3_args(&[&a, &b], 4, &moto));
+    let c = client(&server, false);
+    let got = tiers(&c, &held).await;
+    assert_eq!(got.iter().filter(|t| *t == "nvme").count(), 100, "every block from the logs again: {got:?}");
+    assert_eq!(readyz(&c).await.1["status"], "ready");
+    server.stop();
+
+    // Its filesystem fails every I/O (a dead drive still mounted): absent,
+    // named with the error.
+    fail_device(&fb.mnt);
+    let server = start(&s3_args(&[&a, &b], 4, &moto));
+    assert!(server.log().contains("device 1 is absent") && server.log().contains("Input/output error"), "{}", server.log());
+    assert_eq!(tiers(&client(&server, false), &held).await.iter().filter(|t| *t == "s3").count(), from_s3);
+    server.crash(); // its failed filesystem is unmounted next
 }

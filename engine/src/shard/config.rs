@@ -58,6 +58,11 @@ pub struct ShardConfig {
     /// is foreign ([`crate::segment::StoreId`]; none for a store made
     /// before store ids).
     pub store_id: crate::segment::StoreId,
+    /// Why this shard runs without a log on this start: its device is
+    /// absent ([`crate::devices::Device::absent`]). Nothing is read,
+    /// made or written in `dir`; the shard serves its RAM and remote
+    /// tiers and refuses PUTs ([`crate::error::Error::DeviceDown`]).
+    pub log_absent: Option<String>,
 }
 
 impl ShardConfig {

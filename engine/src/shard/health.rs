@@ -1,6 +1,7 @@
 //! The health of the shard's tiers ([`crate::health`]): what each tier met
 //! and its standing condition. The log is `down` while its last write failed
-//! with an I/O error (the store cannot keep what it acknowledges) and
+//! with an I/O error (the store cannot keep what it acknowledges) or, for
+//! the whole run, when its device was absent at start, and
 //! `degraded` while the filesystem is full (PUTs answer 507) or after read,
 //! write, reclaim or snapshot errors; the GPU is `down` when it was
 //! configured but is not there (`--gpu-optional`) and `degraded` after copy,
@@ -65,6 +66,12 @@ impl Shard {
     /// follow it): its success brings the log back, its failure refuses
     /// writes for another interval.
     pub(super) fn log_accepts_writes(&self) -> Result<()> {
+        if let Some(why) = &self.cfg.log_absent {
+            return Err(Error::DeviceDown(format!(
+                "shard {} has no log: {why}; its PUTs are refused until kvtier restarts with the device",
+                self.id()
+            )));
+        }
         match &*self.health.log_write_error.borrow() {
             Some((message, at)) if at.elapsed() < LOG_PROBE_EVERY => Err(Error::DeviceDown(format!(
                 "the device holding {} failed ({message}); writes to this shard are refused, retried every {} ms",
@@ -110,6 +117,9 @@ impl Shard {
             out.push(h.ram.evaluate(None));
         }
         let condition = match (h.log_write_error.borrow().clone().map(|(e, _)| e), self.fs_full.get()) {
+            _ if self.cfg.log_absent.is_some() => {
+                Some((HealthState::Down, format!("shard {} has no log: {}", self.id(), self.cfg.log_absent.as_deref().unwrap_or_default())))
+            }
             (Some(e), _) => Some((HealthState::Down, format!("the log's last write failed: {e}"))),
             (None, true) => Some((
                 HealthState::Degraded,

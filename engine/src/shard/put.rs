@@ -104,6 +104,11 @@ impl Shard {
         if got != block_bytes {
             return Err(Error::WrongSize { expected: block_bytes, got });
         }
+        // A shard without a log takes no PUT, in any write policy: a
+        // write-back block would live in RAM only.
+        if self.cfg.log_absent.is_some() {
+            self.log_accepts_writes()?;
+        }
         if self.puts_through_ram() {
             if let Some(put) = self.put_through_ram(key, hash, chunks, source).await {
                 return put;

@@ -196,8 +196,13 @@ impl Shard {
         // The object's tag comes with it; the block is in the shared tier too.
         let _putting = self.residency.begin_put(hash, tag);
         self.residency.journal(Medium::S3).arrived(hash);
-        match self.put(key, hash, &[payload]).await {
-            Ok(_) => remote.count(RemoteEvent::Installed),
+        let installed = match self.cfg.log_absent {
+            None => self.put(key, hash, &[payload]).await.map(|_| true),
+            Some(_) => self.cache_without_log(key, hash, payload).await,
+        };
+        match installed {
+            Ok(true) => remote.count(RemoteEvent::Installed),
+            Ok(false) => {}
             Err(e) => remote.count(RemoteEvent::InstallFailed(format!(
                 "shard {}: storing {key}, read from the remote tier, in the local tiers failed: {e}",
                 self.id()
@@ -205,6 +210,22 @@ impl Shard {
         }
         state.installing.set(false);
         state.installed.notify();
+    }
+
+    /// A block read from the remote tier, on a shard without a log
+    /// ([`super::ShardConfig::log_absent`]): a clean copy in the memory
+    /// tiers, which drop it when they need its slot (the remote tier still
+    /// holds it). `Ok(false)` when no memory tier took it.
+    ///
+    /// # Errors
+    /// As [`Shard::place`] (never, as nothing here is dirty).
+    async fn cache_without_log(&self, key: &StoredKey, hash: BlockHash, payload: Bytes) -> Result<bool> {
+        if self.ram.is_none() && self.gpu.is_none() {
+            return Ok(false);
+        }
+        let ticket = self.transits.begin(key, hash, vec![payload.clone()]);
+        let placed = self.place(key, hash, &[&payload[..]], false, &ticket).await?;
+        Ok(matches!(placed, super::transit::Placed::In(_)))
     }
 
     /// Whether each of `keys` exists in the remote tier (`None`: unknown, or

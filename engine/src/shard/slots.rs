@@ -185,6 +185,7 @@ impl Shard {
     /// pool, [`Shard::create_segment`]).
     pub(crate) fn prepare_spare(&self) {
         if self.spare.get().is_some()
+            || self.cfg.log_absent.is_some()
             || self.spare_pending.get()
             || !self.free.borrow().is_empty()
             || self.fs_full.get()
@@ -219,6 +220,10 @@ impl Shard {
     /// # Errors
     /// As [`segment::create_file`] and [`Segment::open`].
     pub(super) async fn create_segment(&self, id: u32) -> Result<()> {
+        // Nothing is ever made in an absent device's directory.
+        if self.cfg.log_absent.is_some() {
+            self.log_accepts_writes()?;
+        }
         let sb = self.superblock(id, self.next_seq.get());
         let dir = self.cfg.dir.clone();
         let path = glommio::executor().spawn_blocking(move || segment::create_file(&dir, &sb)).await?;

@@ -74,6 +74,9 @@ impl Shard {
     /// # Errors
     /// [`Error::Io`] from the filesystem.
     pub async fn write_snapshot(&self) -> Result<()> {
+        if self.cfg.log_absent.is_some() {
+            return Ok(()); // no log, nothing to snapshot
+        }
         let started = Instant::now();
         let state = self.snapshot_state();
         let entries = state.entries.len();

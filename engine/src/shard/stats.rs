@@ -62,6 +62,9 @@ pub struct RecoveryReport {
     pub segments_truncated: u64,
     /// Wall time of the recovery in milliseconds.
     pub duration_ms: f64,
+    /// The shard's device was absent at start: it has no log this run
+    /// ([`crate::shard::ShardConfig::log_absent`]).
+    pub log_absent: bool,
 }
 
 /// A point-in-time view of one shard, for `/v1/stats`.

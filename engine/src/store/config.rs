@@ -210,6 +210,10 @@ impl StoreConfig {
             owners: self.owners.clone(),
             events: self.events.clone(),
             store_id: crate::segment::store_id_bytes(layout.store_id.as_deref()),
+            log_absent: layout.device_of(shard_id).absent.as_ref().map(|why| {
+                let device = layout.device_of(shard_id);
+                format!("device {} is absent since start ({why})", device.index)
+            }),
         }
     }
 

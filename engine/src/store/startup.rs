@@ -60,11 +60,20 @@ where
     let started = Instant::now();
     let layout = config.layout();
     let mut manifest = None;
-    for device in &layout.devices {
+    for device in layout.devices.iter().filter(|d| d.absent.is_none()) {
         let m = config.manifest_for(&layout, device.index).create_or_check(&device.dir)?;
         manifest.get_or_insert(m);
     }
-    let manifest = manifest.expect("a layout has a device");
+    // `Layout::resolve` leaves a device absent only beside one present.
+    let manifest = manifest.expect("a layout has a present device");
+    for device in layout.absent() {
+        tracing::warn!(
+            "device {} is absent ({}): shards {:?} serve from RAM and S3 with their log down and answer PUTs 503 device_down; restart with the device's directory to bring their logs back",
+            device.index,
+            device.absent.as_deref().unwrap_or_default(),
+            layout.shards_on(device.index as usize, config.shards)
+        );
+    }
     for index in &layout.replaced {
         let device = &layout.devices[*index as usize];
         tracing::warn!(

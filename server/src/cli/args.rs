@@ -34,7 +34,8 @@ pub(crate) enum Command {
     /// Print a data directory's geometry and segment usage, then exit.
     Info(InfoArgs),
     /// Verify every slot header and payload CRC-32 of a stopped store and
-    /// list the damaged blocks. Exits 0 when clean, 1 when damage is found.
+    /// list the damaged blocks. Exits 0 when clean, 1 when damage is found
+    /// or a device of the store is absent (its shards not checked).
     Fsck(FsckArgs),
 }
 
@@ -137,7 +138,10 @@ pub(crate) struct StoreArgs {
     /// each filesystem's free space when the store is made). A store's
     /// directories are recognised by the store id in their store.json, in
     /// any order; an empty directory stands in for a lost device (its
-    /// shards start empty). docs/OPERATIONS.md, "Several devices".
+    /// shards start empty), and a device whose directory is not given,
+    /// does not exist or cannot be read is absent (its shards serve RAM
+    /// and S3 hits, their log down, PUTs refused with 503 device_down).
+    /// docs/OPERATIONS.md, "Several devices".
     #[arg(long = "data-dir", default_value = "./kvtier-data", value_parser = device_spec)]
     pub(crate) data_dirs: Vec<DeviceSpec>,
     /// Shards (one executor thread each). Default: the existing store's
@@ -353,7 +357,8 @@ impl StoreArgs {
             }
         }
         let config = StoreConfig {
-            data_dir: layout.devices[0].dir.clone(),
+            // The first present device's (the default local socket is made there).
+            data_dir: layout.devices.iter().find(|d| d.absent.is_none()).unwrap_or(&layout.devices[0]).dir.clone(),
             layout: Some(layout),
             geometry,
             shards,

@@ -10,12 +10,17 @@ use super::serve::lock_data_dir;
 
 pub(crate) fn info(specs: &[kvtier_engine::devices::DeviceSpec]) -> Result<(), String> {
     let layout = existing_layout(specs)?;
-    let manifest = StoreManifest::read(&layout.devices[0].dir).map_err(|e| e.to_string())?;
+    let present = layout.devices.iter().find(|d| d.absent.is_none()).expect("a layout has a present device");
+    let manifest = StoreManifest::read(&present.dir).map_err(|e| e.to_string())?;
     let g = &manifest.geometry;
     match layout.devices.as_slice() {
         [one] => println!("data dir      {}", one.dir.display()),
         all => {
             for d in all {
+                if let Some(why) = &d.absent {
+                    println!("data dir      absent: device {}, filesystem {} ({why})", d.index, d.fs_id);
+                    continue;
+                }
                 println!(
                     "data dir      {} (device {}, filesystem {}, {} bytes of segments)",
                     d.dir.display(),
@@ -37,6 +42,10 @@ pub(crate) fn info(specs: &[kvtier_engine::devices::DeviceSpec]) -> Result<(), S
     println!("shards        {}", manifest.shards);
     println!("segment_bytes {}", manifest.segment_bytes);
     for shard in 0..manifest.shards as usize {
+        if let Some(why) = &layout.device_of(shard).absent {
+            println!("shard {shard:03}     absent: device {} ({why})", layout.device_of(shard).index);
+            continue;
+        }
         let shard_dir = layout.shard_dir(shard);
         let (mut segments, mut bytes) = (0u64, 0u64);
         if let Ok(entries) = fs::read_dir(&shard_dir) {
@@ -52,10 +61,14 @@ pub(crate) fn info(specs: &[kvtier_engine::devices::DeviceSpec]) -> Result<(), S
     Ok(())
 }
 
-/// Runs fsck; `Ok(true)` when nothing is damaged.
+/// Runs fsck; `Ok(true)` when nothing is damaged and no device is absent
+/// (an absent device's shards were not checked).
 pub(crate) fn fsck(args: &FsckArgs) -> Result<bool, String> {
     let layout = existing_layout(&args.data_dirs)?;
-    let _locks = layout.devices.iter().map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
+    let _locks = layout.devices.iter().filter(|d| d.absent.is_none()).map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
+    for d in layout.absent() {
+        eprintln!("device {} is absent ({}): its shards' segments are not checked", d.index, d.absent.as_deref().unwrap_or_default());
+    }
     let report = kvtier_engine::fsck::fsck_layout(&layout).map_err(|e| e.to_string())?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("report serializes"));
@@ -86,5 +99,5 @@ pub(crate) fn fsck(args: &FsckArgs) -> Result<bool, String> {
             println!("foreign file (ignored): {}", f.display());
         }
     }
-    Ok(report.damaged.is_empty())
+    Ok(report.damaged.is_empty() && report.devices_absent.is_empty())
 }

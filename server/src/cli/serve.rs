@@ -82,8 +82,9 @@ fn warn_about_devices(layout: &kvtier_engine::devices::Layout, shards: usize) {
             shards / n
         );
     }
-    for (i, a) in layout.devices.iter().enumerate() {
-        if let Some(b) = layout.devices[..i].iter().find(|b| b.fs_id == a.fs_id && a.fs_id != "?") {
+    let present: Vec<_> = layout.devices.iter().filter(|d| d.absent.is_none()).collect();
+    for (i, a) in present.iter().enumerate() {
+        if let Some(b) = present[..i].iter().find(|b| b.fs_id == a.fs_id && a.fs_id != "?") {
             tracing::warn!(
                 "data directories {} and {} are on one filesystem ({}): they share its bandwidth and fail together",
                 b.dir.display(),
@@ -92,7 +93,7 @@ fn warn_about_devices(layout: &kvtier_engine::devices::Layout, shards: usize) {
             );
         }
     }
-    for d in &layout.devices {
+    for d in present {
         tracing::info!(
             "device {}: {} ({} bytes of segments, filesystem {}), shards {:?}",
             d.index,
@@ -176,7 +177,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
     let mut steps = StartSteps::new(started);
     steps.end("configuration");
     let layout = config.layout();
-    let _locks = layout.devices.iter().map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
+    let _locks = layout.devices.iter().filter(|d| d.absent.is_none()).map(|d| lock_data_dir(&d.dir)).collect::<Result<Vec<_>, _>>()?;
     steps.end("the data-directory lock");
     warn_about_devices(&layout, config.shards);
     let mut listeners = bind_listeners(args.listen, config.shards)
@@ -235,7 +236,11 @@ pub(crate) fn serve(args: ServeArgs) -> Result<(), String> {
         }
         steps.end("the S3 probe");
     }
-    let data_dirs: Vec<String> = layout.devices.iter().map(|d| d.dir.display().to_string()).collect();
+    let data_dirs: Vec<String> = layout
+        .devices
+        .iter()
+        .map(|d| if d.absent.is_some() { format!("device {} absent", d.index) } else { d.dir.display().to_string() })
+        .collect();
     let (shards, geometry, segment_bytes) = (config.shards, config.geometry.clone(), config.segment_bytes);
     let engine = {
         let shared = shared.clone();

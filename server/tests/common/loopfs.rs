@@ -8,6 +8,8 @@ use std::process::Command;
 pub struct LoopFs {
     /// Where it is mounted.
     pub mnt: PathBuf,
+    /// Its image file.
+    img: PathBuf,
 }
 
 impl LoopFs {
@@ -35,7 +37,22 @@ impl LoopFs {
         };
         run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img))?;
         run(Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt))?;
-        Ok(LoopFs { mnt })
+        Ok(LoopFs { mnt, img })
+    }
+
+    /// Unmounts it, as a drive gone from the host: `mnt` is left an empty
+    /// directory on the filesystem holding it.
+    #[allow(dead_code)] // not every test file that shares this module unmounts
+    pub fn unmount(&self) {
+        let out = Command::new("umount").arg(&self.mnt).output().expect("umount");
+        assert!(out.status.success(), "umount {}: {}", self.mnt.display(), String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Mounts it again at `mnt`, as the drive put back.
+    #[allow(dead_code)]
+    pub fn mount(&self) {
+        let out = Command::new("mount").args(["-o", "loop"]).arg(&self.img).arg(&self.mnt).output().expect("mount");
+        assert!(out.status.success(), "mount {}: {}", self.mnt.display(), String::from_utf8_lossy(&out.stderr));
     }
 }
 
