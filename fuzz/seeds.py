@@ -293,6 +293,10 @@ def store_ops_seeds(out: Path) -> None:
         # A corrupt of no byte (xor 0): a two-device store loses device 1 (file 1), then writes on.
         puts = b"".join(put(k, k + 1) for k in range(6))
         save(out, "store_ops", setup + puts + op(8, 1, 0, 0, 0, 0, 0) + get(0) + get(3) + put(3, 9) + op(6) + get(3))
+        # An odd offset: device 1 is absent for a life (reads miss, writes are
+        # refused), then back with its blocks.
+        absent = op(8, 1, 1, 0, 0, 0, 0) + get(0) + get(3) + put(3, 9) + op(4, 3) + op(3, 3) + op(5) + op(6)
+        save(out, "store_ops", setup + puts + absent + get(0) + get(3) + op(8, 0, 1, 0, 0, 0, 0) + get(1) + put(1, 7))
 
 
 def main() -> None:

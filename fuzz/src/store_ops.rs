@@ -12,7 +12,9 @@
 //! store may span two devices (a data directory each, shard s on device
 //! s mod 2), and a `Corrupt` of no byte loses one between lives: its
 //! directory is emptied, as a failed drive replaced by an empty one, and
-//! the store opens with the empty directory in its place.
+//! the store opens with the empty directory in its place; or (an odd
+//! offset) the device is absent for the next life, its directory moved
+//! away as an unmounted drive's, and back after it.
 //!
 //! The model:
 //!
@@ -25,6 +27,9 @@
 //! - after a flipped byte, a key may read as missing or as any value it
 //!   ever held (an older record behind a damaged newer one), byte for
 //!   byte, never as bytes it never held;
+//! - while a device is absent, its shards' keys read as missing and their
+//!   PUTs and DELETEs are refused ([`Error::DeviceDown`], a miss), and
+//!   once it is back they read as before it went;
 //! - recovery always completes: every restart opens the store.
 //!
 //! `kill -9` is real: that life runs in a forked child that reports each
@@ -114,10 +119,12 @@ enum Op {
     /// Ends the life cleanly, then xors the byte at `offset` (modulo the
     /// file's length) of the `file`-th file of the store with `xor`. With
     /// `xor` 0, which changes no byte, a two-device store loses device
-    /// `file % 2` instead: its directory is emptied (a failed drive
-    /// replaced by an empty one), and its shards' keys read as missing from
-    /// then on. (A new variant would renumber every committed input's
-    /// operations.)
+    /// `file % 2` instead: with an even `offset` its directory is emptied
+    /// (a failed drive replaced by an empty one), and its shards' keys read
+    /// as missing from then on; with an odd one the device is absent for
+    /// the next life (its directory moved away, as a drive not mounted)
+    /// and back after it. (A new variant would renumber every committed
+    /// input's operations.)
     Corrupt {
         file: u8,
         offset: u32,
@@ -149,12 +156,21 @@ struct Model {
     damage_epoch: u64,
     /// Filler blocks written so far (their keys are unique).
     fillers: u64,
+    /// The keys whose device is absent in this life: they read as missing,
+    /// and their writes are refused, leaving their state as it was.
+    #[serde(default)]
+    absent_keys: Vec<usize>,
 }
 
 impl Model {
     fn new() -> Self {
         let empty = KeyState { allowed: vec![None], history: Vec::new(), written_epoch: 0 };
-        Model { keys: vec![empty; KEYS.len()], epoch: 0, loss_epoch: 0, damage_epoch: 0, fillers: 0 }
+        Model { keys: vec![empty; KEYS.len()], epoch: 0, loss_epoch: 0, damage_epoch: 0, fillers: 0, absent_keys: Vec::new() }
+    }
+
+    /// The keys of device `device`'s shards (shard s on device s mod `devices`).
+    fn keys_on(device: usize, devices: usize, shards: usize) -> Vec<usize> {
+        (0..KEYS.len()).filter(|k| stored(*k).hash().shard(shards) % devices == device).collect()
     }
 
     fn acked(&mut self, k: usize, values: &[Option<u8>]) {
@@ -179,11 +195,15 @@ impl Model {
     /// Device `device`'s log is gone: the keys of its shards (shard s on
     /// device s mod `devices`) are missing from now on.
     fn lost(&mut self, device: usize, devices: usize, shards: usize) {
-        for (k, s) in self.keys.iter_mut().enumerate() {
-            if stored(k).hash().shard(shards) % devices == device {
-                s.allowed = vec![None];
-            }
+        for k in Self::keys_on(device, devices, shards) {
+            self.keys[k].allowed = vec![None];
         }
+    }
+
+    /// Checks an answer for key `k` of an absent device: a miss (`got`
+    /// `None`, or a refusal), which says nothing of what it holds once back.
+    fn read_absent(&self, k: usize, got: Option<u8>, what: &str) {
+        assert_eq!(got, None, "{what} {}: its device is absent, yet it was served", KEYS[k]);
     }
 
     /// Checks one answer for key `k`; `got` is the seed served or `None`.
@@ -318,19 +338,36 @@ pub fn run(data: &[u8]) {
     let devices = device_dirs(&setup, dir.path());
     let mut model = Model::new();
     let ends_life = |op: &Op| matches!(op, Op::Restart | Op::Kill { .. } | Op::Corrupt { .. });
+    // The directory of a device absent for this life, moved away, and where.
+    let mut away: Option<(PathBuf, PathBuf)> = None;
     for life in ops.split_inclusive(ends_life) {
         let cfg = config(&setup, dir.path());
         model = match life.last() {
             Some(Op::Kill { .. }) => killed_life(&cfg, life, model),
             _ => life_in_process(&cfg, life, model),
         };
+        if let Some((at, moved)) = away.take() {
+            assert!(!at.exists(), "the store made {} while its device was absent", at.display());
+            std::fs::rename(&moved, &at).expect("putting an absent device back");
+            model.absent_keys.clear();
+        }
         if let Some(Op::Corrupt { file, offset, xor }) = life.last() {
             if flip_byte(dir.path(), *file, *offset, *xor) {
                 model.damage_epoch = model.epoch;
             }
         }
-        if let (Some(Op::Corrupt { file, xor: 0, .. }), false) = (life.last(), devices.is_empty()) {
+        if let (Some(Op::Corrupt { file, offset, xor: 0 }), false) = (life.last(), devices.is_empty()) {
             let lost = *file as usize % devices.len();
+            if offset % 2 == 1 {
+                let moved = devices[lost].with_extension("away");
+                std::fs::rename(&devices[lost], &moved).expect("moving a device away");
+                if tracing() {
+                    eprintln!("store_ops: device {lost} absent for a life ({})", devices[lost].display());
+                }
+                model.absent_keys = Model::keys_on(lost, devices.len(), cfg.shards);
+                away = Some((devices[lost].clone(), moved));
+                continue;
+            }
             std::fs::remove_dir_all(&devices[lost]).expect("emptying a device");
             std::fs::create_dir(&devices[lost]).expect("its replacement");
             if tracing() {
@@ -520,6 +557,8 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             Op::Put { key, seed } => {
                 let k = key as usize % KEYS.len();
                 match store.put(&stored(k), vec![payload(k, seed, block_bytes)]).await {
+                    Ok(_) if model.absent_keys.contains(&k) => panic!("PUT {} stored with its device absent", KEYS[k]),
+                    Err(Error::DeviceDown(_)) if model.absent_keys.contains(&k) => {}
                     Ok(_) => model.acked(k, &[Some(seed)]),
                     Err(e @ (Error::DiskFull(_) | Error::Overloaded(_))) => panic!("PUT {} refused on an idle store: {e}", KEYS[k]),
                     Err(e) => panic!("PUT {} failed: {e}", KEYS[k]),
@@ -532,6 +571,14 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                     store.put(&stored(k), vec![payload(k, b, block_bytes)]),
                 )
                 .await;
+                if model.absent_keys.contains(&k) {
+                    assert!(
+                        matches!((&ra, &rb), (Err(Error::DeviceDown(_)), Err(Error::DeviceDown(_)))),
+                        "concurrent PUTs of {} with its device absent: {ra:?} {rb:?}",
+                        KEYS[k]
+                    );
+                    continue;
+                }
                 if let Err(e) = ra.and(rb) {
                     panic!("concurrent PUTs of {} failed: {e}", KEYS[k]);
                 }
@@ -543,8 +590,12 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                     Ok(block) => {
                         assert_eq!(block.bytes.len() as u64, block_bytes, "GET {} served a short block", KEYS[k]);
                         let seed = model.identify(k, &block.bytes);
+                        if model.absent_keys.contains(&k) {
+                            model.read_absent(k, Some(seed), "GET");
+                        }
                         model.read(k, Some(seed), "GET");
                     }
+                    Err(e) if miss(&e) && model.absent_keys.contains(&k) => {}
                     Err(e) if miss(&e) => model.read(k, None, "GET"),
                     Err(e) => panic!("GET {} failed: {e}", KEYS[k]),
                 }
@@ -552,7 +603,9 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             Op::Contains { key } => {
                 let k = key as usize % KEYS.len();
                 let found = store.contains(&stored(k)).await.unwrap_or_else(|e| panic!("HEAD {} failed: {e}", KEYS[k]));
-                if found.is_none() {
+                if model.absent_keys.contains(&k) {
+                    model.read_absent(k, found.map(|_| 0), "HEAD");
+                } else if found.is_none() {
                     model.read(k, None, "HEAD");
                 } else {
                     let s = &model.keys[k];
@@ -568,6 +621,8 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             Op::Delete { key } => {
                 let k = key as usize % KEYS.len();
                 match store.delete(&stored(k)).await {
+                    Ok(()) if model.absent_keys.contains(&k) => panic!("DELETE {} done with its device absent", KEYS[k]),
+                    Err(e) if miss(&e) && model.absent_keys.contains(&k) => {}
                     Ok(()) => model.acked(k, &[None]),
                     Err(e) if miss(&e) => model.read(k, None, "DELETE"),
                     Err(e) => panic!("DELETE {} failed: {e}", KEYS[k]),
@@ -580,10 +635,15 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 for _ in 0..capacity + 4 {
                     model.fillers += 1;
                     let key = format!("fill-{}", model.fillers);
-                    store
+                    match store
                         .put(&StoredKey::unscoped(&key).expect("a valid key"), vec![payload(0xff, model.fillers as u8, block_bytes)])
                         .await
-                        .expect("a filler PUT");
+                    {
+                        Ok(_) => {}
+                        // A filler of an absent device's shard.
+                        Err(Error::DeviceDown(_)) if !model.absent_keys.is_empty() => continue,
+                        Err(e) => panic!("a filler PUT failed: {e}"),
+                    }
                     let now: u64 = store.stats().await.expect("stats").iter().map(|s| s.reclaimed_segments).sum();
                     if now > before {
                         break;
