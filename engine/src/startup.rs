@@ -136,10 +136,15 @@ impl WarmUp {
     }
 
     /// Stops the warm-up where it is (the helper thread within one
-    /// [`crate::populate::CHUNK_BYTES`] chunk) and waits for it.
+    /// [`crate::populate::CHUNK_BYTES`] chunk) and waits for it. The task
+    /// is let finish, not cancelled: cancelled while the blocking pool
+    /// started the helper, it lost the helper's handle (the helper then
+    /// outlived the executor's I/O memory it faults in, and the pool's
+    /// answer found no executor: "failed to send response", seen in a
+    /// store life a few milliseconds long).
     pub(crate) async fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
-        self.task.cancel().await;
+        self.task.await;
         let helper = self.helper.borrow_mut().take();
         if let Some(h) = helper {
             let _ = h.join();
@@ -181,6 +186,9 @@ async fn warm_up(
             Ok(Err(e)) => tracing::debug!(shard = shard_id, "I/O memory prefault not available ({e}); registering faults it in"),
             Ok(Ok(true)) | Err(_) => {}
         }
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
         let faulted_in = began.elapsed();
         let pinning = Instant::now();
         if executor.register_io_memory() {
@@ -198,6 +206,9 @@ async fn warm_up(
                 "I/O memory could not be registered with io_uring (RLIMIT_MEMLOCK?); block reads and writes use it unregistered"
             );
         }
+    }
+    if stop.load(Ordering::Relaxed) {
+        return;
     }
     if let Some(shard) = shard.upgrade() {
         shard.prefault_ram().await;
