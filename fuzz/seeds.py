@@ -282,8 +282,15 @@ def store_ops_seeds(out: Path) -> None:
 
     put = lambda k, s: op(0, k, s)  # noqa: E731
     get = lambda k: op(2, k)  # noqa: E731
-    # The last byte is flags: bit 0 promote, bit 1 two devices (with two shards).
-    setups = [bytes([0, 0, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 2, 1]), bytes([0, 1, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 2, 3])]
+    # The last byte is flags: bit 0 promote, bit 1 two devices (one per
+    # shard with two shards; with one, its segments rotating over both).
+    setups = [
+        bytes([0, 0, 0, 0, 0, 0]),
+        bytes([1, 0, 1, 1, 2, 1]),
+        bytes([0, 1, 0, 0, 0, 0]),
+        bytes([1, 0, 1, 1, 2, 3]),
+        bytes([0, 0, 1, 1, 2, 2]),
+    ]
     for setup in setups:
         save(out, "store_ops", setup + put(0, 1) + put(1, 2) + get(0) + op(6) + get(0) + get(1))
         save(out, "store_ops", setup + put(0, 1) + op(1, 0, 2, 3) + op(3, 0) + op(4, 0) + get(0) + op(6) + get(0))

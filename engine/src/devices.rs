@@ -2,16 +2,29 @@
 //! which shard's log lives on which device, how much of each device a
 //! store takes, and how the directories of a store are recognised.
 //!
-//! **Placement.** A store of `S` shards over `D` devices puts shard `s`'s
-//! log (`shard-NNN/`) on device `s mod D`, so the shards are spread evenly
-//! (each device gets `S / D` of them, the first `S mod D` one more) and a
-//! block is never striped across devices: a device that fails costs the
-//! blocks of its shards only. Keys are routed to shards as with one
-//! directory (`block_hash mod shards`), so adding devices never moves a key
-//! between shards. A store needs at least as many shards as devices.
+//! **Placement** ([`devices_of_shard`]). A store of `S` shards over `D`
+//! devices puts shard `s`'s log (`shard-NNN/`) on device `s mod D` when
+//! `S ≥ D`, so the shards are spread evenly (each device gets `S / D` of
+//! them, the first `S mod D` one more). With fewer shards than devices,
+//! shard `s` spans the devices `d` with `d mod S = s`, and its segments
+//! rotate over them: segment `i` lives on the `i mod k`-th of its `k`
+//! devices (new segments are made in id order, so writes go round them),
+//! each holding an equal number of its segments. Either way a block is
+//! never striped across devices: it lives in one slot of one segment. Keys
+//! are routed to shards as with one directory (`block_hash mod shards`), so
+//! adding devices never moves a key between shards.
+//!
+//! A shard that spans several devices depends on all of them: one absent
+//! at start leaves the shard without a log for that run, one failing at run
+//! time refuses the shard's writes (its segments on the other devices still
+//! serve), and one replaced by an empty directory discards the shard's
+//! segments on the others too (`ShardConfig::discard_log`): a newer
+//! version or a tombstone lost with the device must not leave an older
+//! version on another to be served.
 //!
 //! **Capacity.** Each device holds `capacity_bytes` of segments, split
-//! evenly among its shards: given per directory as `PATH=SIZE_GB`, else
+//! evenly among its shards (a shard spanning several devices takes as many
+//! segments from each as the smallest holds): given per directory as `PATH=SIZE_GB`, else
 //! `--disk-gb` split in proportion to each filesystem's free space when the
 //! store is made, and recorded in `store.json`. With one directory the
 //! capacity is `--disk-gb` at every start, as before devices existed.
@@ -120,26 +133,72 @@ impl Layout {
         self.devices.iter().filter(|d| d.absent.is_some())
     }
 
-    /// The device that holds shard `shard`'s log.
+    /// The device that holds shard `shard`'s log, or with fewer shards than
+    /// devices the first of those it spans (its home: its index snapshot).
     pub fn device_of(&self, shard: usize) -> &Device {
         &self.devices[shard % self.devices.len()]
     }
 
-    /// The shards on device `index` of a store of `shards` shards.
-    pub fn shards_on(&self, index: usize, shards: usize) -> Vec<u32> {
-        (0..shards).filter(|s| s % self.devices.len() == index).map(|s| s as u32).collect()
+    /// The devices shard `shard` of `shards` spans, in the order its
+    /// segments rotate over them ([`devices_of_shard`]).
+    pub fn devices_of(&self, shard: usize, shards: usize) -> Vec<&Device> {
+        devices_of_shard(shard, shards, self.devices.len()).into_iter().map(|d| &self.devices[d]).collect()
     }
 
-    /// Shard `shard`'s directory: `<its device's dir>/shard-NNN`.
+    /// The shards on device `index` of a store of `shards` shards.
+    pub fn shards_on(&self, index: usize, shards: usize) -> Vec<u32> {
+        shards_on_device(index, shards, self.devices.len())
+    }
+
+    /// Shard `shard`'s directory on its home device: `<dir>/shard-NNN`.
     pub fn shard_dir(&self, shard: usize) -> PathBuf {
         self.device_of(shard).dir.join(format!("shard-{shard:03}"))
     }
 
-    /// Bytes of segments shard `shard` may hold: its device's capacity over
-    /// the shards on that device.
+    /// Shard `shard`'s directories, one on each device it spans, in the
+    /// order its segments rotate over them (the first is [`Layout::shard_dir`]).
+    pub fn shard_dirs(&self, shard: usize, shards: usize) -> Vec<PathBuf> {
+        self.devices_of(shard, shards).iter().map(|d| d.dir.join(format!("shard-{shard:03}"))).collect()
+    }
+
+    /// Bytes of segments shard `shard` may keep on each device it spans:
+    /// a device's capacity over the shards on it, or for a shard spanning
+    /// several, the smallest of theirs (each holds an equal share of its
+    /// segments).
+    pub fn shard_lane_bytes(&self, shard: usize, shards: usize) -> u64 {
+        self.devices_of(shard, shards)
+            .iter()
+            .map(|d| d.capacity_bytes / self.shards_on(d.index as usize, shards).len().max(1) as u64)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of segments shard `shard` may hold in all.
     pub fn shard_capacity_bytes(&self, shard: usize, shards: usize) -> u64 {
-        let device = self.device_of(shard);
-        device.capacity_bytes / self.shards_on(device.index as usize, shards).len().max(1) as u64
+        self.shard_lane_bytes(shard, shards) * devices_of_shard(shard, shards, self.devices.len()).len() as u64
+    }
+
+    /// Why shard `shard` has no log on this start: the first absent device
+    /// it spans, with its reason.
+    pub fn shard_absent(&self, shard: usize, shards: usize) -> Option<String> {
+        self.devices_of(shard, shards)
+            .iter()
+            .find_map(|d| d.absent.as_ref().map(|why| format!("device {} is absent since start ({why})", d.index)))
+    }
+
+    /// Why shard `shard` must start with an empty log on every device it
+    /// spans: one of several it spans was replaced by an empty directory.
+    pub fn shard_discards(&self, shard: usize, shards: usize) -> Option<String> {
+        let spans = self.devices_of(shard, shards);
+        if spans.len() < 2 {
+            return None;
+        }
+        spans.iter().find(|d| self.replaced.contains(&d.index)).map(|d| {
+            format!(
+                "device {} was replaced by an empty directory, so shard {shard}'s segments on the other devices it spans are discarded (an older version of a block there could otherwise be served)",
+                d.index
+            )
+        })
     }
 
     /// The device list `store.json` records.
@@ -175,7 +234,7 @@ impl Layout {
     ///
     /// # Errors
     /// [`Error::Config`] naming the directories for: a directory given
-    /// twice; fewer shards than devices for a new store; directories of two
+    /// twice; no shards for a new store; directories of two
     /// stores; a store made with one directory given more; more
     /// directories than the store has devices; a directory holding files
     /// and no `store.json` in place of a device; sizes that do not add up;
@@ -313,12 +372,8 @@ impl Layout {
     }
 
     fn new_store(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
-        if shards < specs.len() {
-            return Err(Error::Config(format!(
-                "{} data directories need at least {} shards (each device holds whole shards' logs), got {shards}",
-                specs.len(),
-                specs.len()
-            )));
+        if shards == 0 {
+            return Err(Error::Config("a store needs at least 1 shard".into()));
         }
         let capacities = capacities(specs, disk_bytes)?;
         let devices = specs
@@ -334,6 +389,30 @@ impl Layout {
             })
             .collect();
         Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new() })
+    }
+}
+
+/// The devices shard `shard` of `shards` spans over `devices` devices, in
+/// the order its segments rotate over them: device `shard mod devices`
+/// when there are at least as many shards as devices, else every device
+/// `d` with `d mod shards = shard` (module docs).
+pub fn devices_of_shard(shard: usize, shards: usize, devices: usize) -> Vec<usize> {
+    let devices = devices.max(1);
+    if shards >= devices {
+        vec![shard % devices]
+    } else {
+        (shard..devices).step_by(shards.max(1)).collect()
+    }
+}
+
+/// The shards whose logs device `device` holds (all or part of), in a
+/// store of `shards` shards over `devices` devices.
+pub fn shards_on_device(device: usize, shards: usize, devices: usize) -> Vec<u32> {
+    let devices = devices.max(1);
+    if shards >= devices {
+        (0..shards).filter(|s| s % devices == device).map(|s| s as u32).collect()
+    } else {
+        vec![(device % shards.max(1)) as u32]
     }
 }
 
@@ -461,13 +540,17 @@ pub struct DeviceStats {
     pub reason: Option<String>,
 }
 
-/// Each of `devices` devices' state from every shard's stats (shard `s`
-/// on device `s mod devices`, in `shard_dirs[s]`).
-pub fn device_stats(devices: usize, shard_dirs: &[PathBuf], shards: &[crate::ShardStats]) -> Vec<DeviceStats> {
-    let devices = devices.max(1);
+/// Each of `device_dirs.len()` devices' state from every shard's stats
+/// (placement as [`devices_of_shard`]): a device's blocks, capacity and
+/// bytes are its share of each shard on it (the shard's counts on that
+/// device, when it spans several), its state the worst of those shards'
+/// NVMe tiers.
+pub fn device_stats(device_dirs: &[PathBuf], shards: &[crate::ShardStats]) -> Vec<DeviceStats> {
+    let devices = device_dirs.len().max(1);
     (0..devices)
         .map(|d| {
-            let mine: Vec<&crate::ShardStats> = shards.iter().filter(|s| s.shard as usize % devices == d).collect();
+            let on: Vec<u32> = shards_on_device(d, shards.len(), devices);
+            let mine: Vec<&crate::ShardStats> = shards.iter().filter(|s| on.contains(&s.shard)).collect();
             let mut worst: Option<crate::health::TierHealth> = None;
             for h in mine.iter().flat_map(|s| s.health.iter().filter(|h| h.tier == "nvme")) {
                 match &mut worst {
@@ -475,14 +558,22 @@ pub fn device_stats(devices: usize, shard_dirs: &[PathBuf], shards: &[crate::Sha
                     None => worst = Some(h.clone()),
                 }
             }
-            let dir = shard_dirs.get(d).and_then(|p| p.parent()).map(|p| p.display().to_string()).unwrap_or_default();
+            // This device's lane of each shard on it, and how many lanes it has.
+            let lane = |s: &crate::ShardStats| {
+                let spans = devices_of_shard(s.shard as usize, shards.len(), devices);
+                (spans.iter().position(|x| *x == d).unwrap_or(0), spans.len() as u64)
+            };
+            let share = |s: &crate::ShardStats, by_lane: &[u64], total: u64| {
+                let (j, lanes) = lane(s);
+                by_lane.get(j).copied().unwrap_or(total / lanes)
+            };
             DeviceStats {
                 index: d as u32,
-                dir,
+                dir: device_dirs.get(d).map(|p| p.display().to_string()).unwrap_or_default(),
                 shards: mine.iter().map(|s| s.shard).collect(),
-                blocks: mine.iter().map(|s| s.blocks).sum(),
-                capacity_blocks: mine.iter().map(|s| s.capacity_blocks).sum(),
-                disk_bytes: mine.iter().map(|s| s.disk_bytes).sum(),
+                blocks: mine.iter().map(|s| share(s, &s.blocks_by_device, s.blocks)).sum(),
+                capacity_blocks: mine.iter().map(|s| s.capacity_blocks / lane(s).1).sum(),
+                disk_bytes: mine.iter().map(|s| share(s, &s.disk_bytes_by_device, s.disk_bytes)).sum(),
                 state: worst.as_ref().map_or(crate::health::HealthState::Ok, |w| w.state),
                 reason: worst.and_then(|w| w.reason),
             }
@@ -591,11 +682,41 @@ mod tests {
     }
 
     #[test]
-    fn fewer_shards_than_devices_and_a_directory_twice_are_refused() {
+    fn a_directory_twice_is_refused_and_fewer_shards_than_devices_rotate() {
         let d = tempfile::tempdir().unwrap();
         let specs = [spec(&d.path().join("a").to_string_lossy()), spec(&d.path().join("b").to_string_lossy())];
-        assert!(Layout::resolve(&specs, 1 << 30, 1).unwrap_err().to_string().contains("at least 2 shards"));
+        let one = Layout::resolve(&specs, 1 << 30, 1).unwrap();
+        assert_eq!(one.shard_dirs(0, 1), vec![d.path().join("a/shard-000"), d.path().join("b/shard-000")]);
         let twice = [specs[0].clone(), specs[0].clone()];
         assert!(Layout::resolve(&twice, 1 << 30, 2).unwrap_err().to_string().contains("given twice"));
+    }
+
+    #[test]
+    fn fewer_shards_than_devices_span_them_with_the_smallest_share_on_each() {
+        // 2 shards over 5 devices: shard 0 on 0, 2, 4; shard 1 on 1, 3.
+        assert_eq!(devices_of_shard(0, 2, 5), vec![0, 2, 4]);
+        assert_eq!(devices_of_shard(1, 2, 5), vec![1, 3]);
+        assert_eq!(shards_on_device(4, 2, 5), vec![0]);
+        assert_eq!(shards_on_device(3, 2, 5), vec![1]);
+        // As many shards as devices or more: round robin, one device each.
+        assert_eq!(devices_of_shard(5, 8, 3), vec![2]);
+        assert_eq!(shards_on_device(2, 8, 3), vec![2, 5]);
+        let l = Layout {
+            store_id: Some("x".into()),
+            devices: [100, 60, 90]
+                .iter()
+                .enumerate()
+                .map(|(i, c)| Device { index: i as u32, dir: format!("/d{i}").into(), capacity_bytes: *c, fs_id: "?".into(), absent: None })
+                .collect(),
+            replaced: vec![2],
+        };
+        assert_eq!(l.shard_lane_bytes(0, 2), 90, "shard 0 takes as much from each of its devices as the smaller holds");
+        assert_eq!(l.shard_capacity_bytes(0, 2), 180);
+        assert_eq!(l.shard_capacity_bytes(1, 2), 60);
+        assert_eq!(l.shard_dir(1), PathBuf::from("/d1/shard-001"));
+        assert!(l.shard_discards(0, 2).unwrap().contains("device 2 was replaced"));
+        assert_eq!(l.shard_discards(1, 2), None);
+        let all: Vec<u32> = l.records(2).iter().flat_map(|r| r.shards.clone()).collect();
+        assert_eq!(all, vec![0, 1, 0]);
     }
 }

@@ -94,19 +94,24 @@ pub fn fsck_layout(layout: &crate::devices::Layout) -> Result<FsckReport> {
     let slots = ((manifest.segment_bytes - PAGE_BYTES) / slot_bytes) as u32;
     let store_id = crate::segment::store_id_bytes(manifest.store_id.as_deref());
     let mut report = FsckReport { devices_absent: layout.absent().map(|d| d.index).collect(), ..FsckReport::default() };
+    let shards = manifest.shards as usize;
     for shard in 0..manifest.shards {
-        if layout.device_of(shard as usize).absent.is_some() {
-            continue; // an absent device's shards have nothing here to check
+        if layout.shard_absent(shard as usize, shards).is_some() {
+            continue; // a shard on an absent device has nothing here to check
         }
-        let dir = layout.shard_dir(shard as usize);
-        let Ok(entries) = fs::read_dir(&dir) else { continue };
+        // One directory per device the shard spans; segment i in the
+        // (i mod lanes)-th (crate::devices).
+        let dirs = layout.shard_dirs(shard as usize, shards);
         let mut files: Vec<(u32, PathBuf)> = Vec::new();
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            match segment::parse_segment_name(&name) {
-                Some(id) => files.push((id, e.path())),
-                None if name == crate::index::snapshot::FILE || name == "LOCK" => {}
-                None => report.foreign_files.push(e.path()),
+        for (lane, dir) in dirs.iter().enumerate() {
+            let Ok(entries) = fs::read_dir(dir) else { continue };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                match segment::parse_segment_name(&name) {
+                    Some(id) if id as usize % dirs.len() == lane => files.push((id, e.path())),
+                    None if name == crate::index::snapshot::FILE || name == "LOCK" => {}
+                    _ => report.foreign_files.push(e.path()),
+                }
             }
         }
         files.sort();

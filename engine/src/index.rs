@@ -73,6 +73,10 @@ pub struct Index {
     slots_per_segment: u32,
     /// Blocks indexed, by owner id.
     owner_blocks: Vec<u64>,
+    /// Blocks indexed by lane: a shard spanning several devices keeps
+    /// segment `i` on lane `i mod lanes` ([`crate::devices`]); one lane
+    /// otherwise.
+    lane_blocks: Vec<u64>,
     /// Where arrivals and departures are reported (KV events).
     journal: Option<Journal>,
 }
@@ -86,8 +90,20 @@ impl Index {
             map: HashMap::with_capacity_and_hasher(capacity_blocks, Default::default()),
             slots_per_segment,
             owner_blocks: Vec::new(),
+            lane_blocks: vec![0],
             journal: None,
         }
+    }
+
+    /// Counts blocks over `lanes` lanes from now on (set before any insert).
+    pub fn set_lanes(&mut self, lanes: usize) {
+        debug_assert!(self.map.is_empty(), "lanes are set on an empty index");
+        self.lane_blocks = vec![0; lanes.max(1)];
+    }
+
+    /// Blocks indexed per lane ([`Index::set_lanes`]).
+    pub fn lane_blocks(&self) -> &[u64] {
+        &self.lane_blocks
     }
 
     /// Reports every block the log starts or stops holding to `journal`.
@@ -162,9 +178,9 @@ impl Index {
             _ => {
                 self.map.insert(Key::from(hash), packed);
                 if let Some(o) = old {
-                    self.count(o.owner, -1);
+                    self.count(o, -1);
                 }
-                self.count(entry.owner, 1);
+                self.count(entry, 1);
                 self.arrived(hash);
                 (old, true)
             }
@@ -177,7 +193,7 @@ impl Index {
         match self.get(hash) {
             Some(e) if e.seq <= seq => {
                 self.map.remove(&Key::from(*hash));
-                self.count(e.owner, -1);
+                self.count(e, -1);
                 self.left(*hash);
                 Some(e)
             }
@@ -190,7 +206,7 @@ impl Index {
     pub fn remove_exact(&mut self, hash: &BlockHash, entry: Entry) -> bool {
         if self.get(hash) == Some(entry) {
             self.map.remove(&Key::from(*hash));
-            self.count(entry.owner, -1);
+            self.count(entry, -1);
             self.left(*hash);
             return true;
         }
@@ -201,6 +217,7 @@ impl Index {
     pub fn remove_segment(&mut self, segment: u32) -> usize {
         let before = self.map.len();
         let sps = self.slots_per_segment;
+        let lane = segment as usize % self.lane_blocks.len();
         let counts = &mut self.owner_blocks;
         let journal = &self.journal;
         self.map.retain(|k, p| {
@@ -213,7 +230,9 @@ impl Index {
             }
             keep
         });
-        before - self.map.len()
+        let removed = before - self.map.len();
+        self.lane_blocks[lane] -= removed as u64;
+        removed
     }
 
     /// Blocks indexed of `owner`.
@@ -233,12 +252,14 @@ impl Index {
         mine
     }
 
-    fn count(&mut self, owner: OwnerId, delta: i64) {
-        let i = owner as usize;
+    fn count(&mut self, entry: Entry, delta: i64) {
+        let i = entry.owner as usize;
         if self.owner_blocks.len() <= i {
             self.owner_blocks.resize(i + 1, 0);
         }
         self.owner_blocks[i] = self.owner_blocks[i].checked_add_signed(delta).expect("owner block count stays positive");
+        let lane = entry.segment as usize % self.lane_blocks.len();
+        self.lane_blocks[lane] = self.lane_blocks[lane].checked_add_signed(delta).expect("lane block count stays positive");
     }
 
     /// Number of blocks indexed.

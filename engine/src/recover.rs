@@ -78,27 +78,67 @@ struct Listing {
     report: RecoveryReport,
 }
 
-/// Lists `cfg.dir`'s segments and reads its snapshot with std I/O on the
-/// executor's blocking pool (directory listing, superblock reads, a
-/// truncated segment's `fallocate` and fsync: never on the shard's thread).
+/// Lists the shard's segments in each of its directories and reads its
+/// snapshot (in `cfg.dir`) with std I/O on the executor's blocking pool
+/// (directory listing, superblock reads, a truncated segment's `fallocate`
+/// and fsync, a discarded log's deletions: never on the shard's thread).
 async fn read_directory(cfg: &ShardConfig, slot_bytes: u64) -> Result<Listing> {
     let (dir, shard_id, segment_bytes, store_id) = (cfg.dir.clone(), cfg.shard_id, cfg.segment_bytes, cfg.store_id);
+    let dirs = if cfg.segment_dirs.is_empty() { vec![dir.clone()] } else { cfg.segment_dirs.clone() };
+    let discard = cfg.discard_log.clone();
     glommio::executor()
         .spawn_blocking(move || {
             let mut report = RecoveryReport::default();
-            let found = list_segments(&dir, shard_id, slot_bytes, segment_bytes, &store_id, &mut report)?;
+            if let Some(why) = &discard {
+                discard_log(&dirs, shard_id, why)?;
+            }
+            let mut found = Vec::new();
+            for (lane, d) in dirs.iter().enumerate() {
+                let lanes = (lane, dirs.len());
+                found.extend(list_segments(d, lanes, shard_id, slot_bytes, segment_bytes, &store_id, &mut report)?);
+            }
+            found.sort_by_key(|(id, _, _)| *id);
             let snap = load_snapshot(&dir, shard_id, &mut report);
             Ok(Listing { found, snap, report })
         })
         .await
 }
 
+/// Deletes the shard's segment files and snapshot in each of `dirs`
+/// (`ShardConfig::discard_log`, which says `why`), logging what it drops.
+///
+/// # Errors
+/// [`Error::Io`] when a directory cannot be listed or a file removed.
+fn discard_log(dirs: &[PathBuf], shard_id: u32, why: &str) -> Result<()> {
+    let mut dropped = 0u64;
+    for dir in dirs {
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("listing {}", dir.display()), e)),
+        };
+        for dirent in entries {
+            let dirent = dirent.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+            let name = dirent.file_name().to_string_lossy().into_owned();
+            if segment::parse_segment_name(&name).is_some() || name == snapshot::FILE {
+                fs::remove_file(dirent.path()).map_err(|e| Error::io(format!("removing {}", dirent.path().display()), e))?;
+                dropped += 1;
+            }
+        }
+        crate::geometry::fsync_dir(dir)?;
+    }
+    tracing::warn!(shard = shard_id, files = dropped, "{why}: the shard starts with an empty log");
+    Ok(())
+}
+
 /// Segment files of a shard directory whose superblock belongs to this
-/// shard, geometry and store, sorted by id; others are counted as foreign
-/// (a segment of another store is never read: its blocks are not this
-/// store's).
+/// shard, geometry and store, and whose id belongs in this directory (lane
+/// `lanes.0` of `lanes.1`: segment `i` in lane `i mod lanes.1`); others
+/// are counted as foreign (a segment of another store is never read: its
+/// blocks are not this store's).
 fn list_segments(
     dir: &Path,
+    lanes: (usize, usize),
     shard_id: u32,
     slot_bytes: u64,
     segment_bytes: u64,
@@ -125,6 +165,18 @@ fn list_segments(
             continue;
         };
         match segment::read_superblock(&path)? {
+            Some(sb) if id as usize % lanes.1 != lanes.0 => {
+                report.foreign_files += 1;
+                tracing::warn!(
+                    shard = shard_id,
+                    "ignoring {}: segment {} of this shard belongs on device lane {} of {}, not {} (superblock {sb:?})",
+                    path.display(),
+                    id,
+                    id as usize % lanes.1,
+                    lanes.1,
+                    lanes.0
+                );
+            }
             Some(sb) if sb.belongs_to(shard_id, id, slot_bytes, segment_bytes, store_id) => {
                 restore_length(&path, segment_bytes, shard_id, report)?;
                 found.push((id, sb, path));
@@ -135,7 +187,6 @@ fn list_segments(
             }
         }
     }
-    found.sort_by_key(|(id, _, _)| *id);
     Ok(found)
 }
 
@@ -249,9 +300,11 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     if cfg.log_absent.is_some() {
         return open_without_log(cfg);
     }
-    let dir = cfg.dir.clone();
+    let dirs = if cfg.segment_dirs.is_empty() { vec![cfg.dir.clone()] } else { cfg.segment_dirs.clone() };
     glommio::executor()
-        .spawn_blocking(move || fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e)))
+        .spawn_blocking(move || {
+            dirs.iter().try_for_each(|dir| fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e)))
+        })
         .await?;
     // Mapping the RAM tier is set-up, not recovery: the clock starts after.
     let shard = Shard::new(cfg)?;

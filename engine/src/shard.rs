@@ -236,6 +236,7 @@ impl Shard {
         }
         let mut index = Index::new(capacity_blocks.min(1 << 20), slots_per_segment);
         index.set_journal(residency.journal(Medium::Nvme));
+        index.set_lanes(cfg.segment_dirs.len());
         let remote = cfg.remote.as_ref().map(|r| r.for_shard(cfg.shard_id as usize));
         Ok(Shard {
             slot_bytes,
@@ -314,6 +315,7 @@ impl Shard {
         let capacity_blocks = self.cfg.segments_max as usize * self.slots_per_segment as usize;
         let mut index = Index::new(capacity_blocks.min(1 << 20), self.slots_per_segment);
         index.set_journal(self.residency.journal(Medium::Nvme));
+        index.set_lanes(self.cfg.segment_dirs.len());
         index
     }
 

@@ -67,6 +67,8 @@ pub struct Store {
     manifest: StoreManifest,
     /// Every shard's directory (on its device, [`crate::devices`]).
     shard_dirs: Arc<Vec<std::path::PathBuf>>,
+    /// Every device's data directory, by index ([`crate::devices`]).
+    device_dirs: Arc<Vec<std::path::PathBuf>>,
     remote: Option<Arc<dyn Remote>>,
     trace: Option<Rc<ShardTrace>>,
 }
@@ -305,7 +307,7 @@ impl Store {
 
     /// Each device's state from every shard's `stats` ([`crate::devices::device_stats`]).
     pub fn devices(&self, stats: &[ShardStats]) -> Vec<crate::devices::DeviceStats> {
-        crate::devices::device_stats(self.manifest.devices.len(), &self.shard_dirs, stats)
+        crate::devices::device_stats(&self.device_dirs, stats)
     }
 
     /// The index table of shard `shard` ([`crate::shared_index`]), when the

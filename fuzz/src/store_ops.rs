@@ -8,9 +8,10 @@
 //! at a chosen point with puts in flight, and one byte flipped in a chosen
 //! file of the stopped store. Each runs against a real store on real files
 //! through io_uring (the store opened anew for every life), and an
-//! in-memory model says what each read may return. With two shards the
-//! store may span two devices (a data directory each, shard s on device
-//! s mod 2), and a `Corrupt` of no byte loses one between lives: its
+//! in-memory model says what each read may return. The store may span two
+//! devices (a data directory each: with two shards shard s on device s, with
+//! one its segments rotating over both), and a `Corrupt` of no byte loses
+//! one between lives: its
 //! directory is emptied, as a failed drive replaced by an empty one, and
 //! the store opens with the empty directory in its place; or (an odd
 //! offset) the device is absent for the next life, its directory moved
@@ -45,7 +46,7 @@ use std::sync::{Arc, Mutex};
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
-use kvtier_engine::devices::{DeviceSpec, Layout};
+use kvtier_engine::devices::{devices_of_shard, DeviceSpec, Layout};
 use kvtier_engine::key::StoredKey;
 use kvtier_engine::slot::{slot_bytes, PAGE_BYTES};
 use kvtier_engine::{Error, Geometry, Store, StoreConfig};
@@ -69,9 +70,10 @@ struct Setup {
     slots_per_segment: u8,
     segments_per_shard: u8,
     ram_blocks: u8,
-    /// Bit 0: reads from the log promote into RAM; bit 1, with two shards:
-    /// two devices, one per shard. (Bit 0 alone was a `bool` before there
-    /// were devices: the committed inputs decode as they did.)
+    /// Bit 0: reads from the log promote into RAM; bit 1: two devices, one
+    /// per shard with two shards, both under the one shard's rotating
+    /// segments with one. (Bit 0 alone was a `bool` before there were
+    /// devices: the committed inputs decode as they did.)
     flags: u8,
 }
 
@@ -81,7 +83,7 @@ impl Setup {
     }
 
     fn two_devices(&self) -> bool {
-        self.two_shards && self.flags & 2 != 0
+        self.flags & 2 != 0
     }
 }
 
@@ -168,9 +170,10 @@ impl Model {
         Model { keys: vec![empty; KEYS.len()], epoch: 0, loss_epoch: 0, damage_epoch: 0, fillers: 0, absent_keys: Vec::new() }
     }
 
-    /// The keys of device `device`'s shards (shard s on device s mod `devices`).
+    /// The keys of the shards on device `device` ([`devices_of_shard`]: a
+    /// shard spanning it and another loses its whole log with it).
     fn keys_on(device: usize, devices: usize, shards: usize) -> Vec<usize> {
-        (0..KEYS.len()).filter(|k| stored(*k).hash().shard(shards) % devices == device).collect()
+        (0..KEYS.len()).filter(|k| devices_of_shard(stored(*k).hash().shard(shards), shards, devices).contains(&device)).collect()
     }
 
     fn acked(&mut self, k: usize, values: &[Option<u8>]) {
@@ -192,8 +195,8 @@ impl Model {
         s.history.extend(value);
     }
 
-    /// Device `device`'s log is gone: the keys of its shards (shard s on
-    /// device s mod `devices`) are missing from now on.
+    /// Device `device`'s log is gone: the keys of its shards
+    /// ([`Model::keys_on`]) are missing from now on.
     fn lost(&mut self, device: usize, devices: usize, shards: usize) {
         for k in Self::keys_on(device, devices, shards) {
             self.keys[k].allowed = vec![None];

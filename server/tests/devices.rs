@@ -410,3 +410,63 @@ async fn a_device_absent_at_start_leaves_its_shards_serving_from_s3_and_refusing
     assert_eq!(tiers(&client(&server, false), &held).await.iter().filter(|t| *t == "s3").count(), from_s3);
     server.crash(); // its failed filesystem is unmounted next
 }
+
+/// One shard over two devices (fewer shards than devices): its segments
+/// rotate over both, so its blocks spread within ±10 % (1 MiB segments of
+/// 15 slots, 400 blocks: 205 and 195); they survive a kill -9 and
+/// a restart with the directories the other way round, and fsck reads
+/// them over both. A device replaced by an empty filesystem discards the
+/// shard's segments on the other too (an older version there must not be
+/// served), and the shard serves on, writing over both again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_over_two_devices_rotates_its_segments_over_both() {
+    let (ta, tb, tc) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (fa, fb) = (device(ta.path()), device(tb.path()));
+    let (a, b) = (fa.mnt.join("data"), fb.mnt.join("data"));
+    let mut one_shard = args(&[&a, &b], 1);
+    set_flag(&mut one_shard, "--segment-mib", "1");
+    let server = start(&one_shard);
+    let c = client(&server, false);
+    let keys = put_keys(&c, "rotate", 400).await;
+    let per_device: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(per_device.iter().sum::<u64>(), 400, "{per_device:?}");
+    for (i, n) in per_device.iter().enumerate() {
+        assert!((180..=220).contains(n), "device {i} holds {n} of 400 blocks, not within 10 % of 200: {per_device:?}");
+    }
+    assert!(a.join("shard-000").read_dir().unwrap().count() > 1 && b.join("shard-000").read_dir().unwrap().count() > 1);
+    server.crash();
+    let mut reversed = args(&[&b, &a], 1);
+    set_flag(&mut reversed, "--segment-mib", "1");
+    let server = start(&reversed);
+    assert!(read_back(&client(&server, false), &keys).await.iter().all(|r| *r == Some(true)), "a block was lost over the crash");
+    server.stop();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fsck", "--json", "--data-dir"])
+        .arg(&a)
+        .arg("--data-dir")
+        .arg(&b)
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fsck: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "{report}");
+    assert_eq!((report["live_blocks"].as_u64(), report["foreign_files"].as_array().map(Vec::len)), (Some(400), Some(0)), "{report}");
+
+    // Device 1 replaced by a new, empty filesystem: the shard starts empty
+    // on both, and writes over both again.
+    drop(fb);
+    let fc = device(tc.path());
+    let c_dir = fc.mnt.join("data");
+    std::fs::create_dir(&c_dir).unwrap();
+    let mut replaced = args(&[&a, &c_dir], 1);
+    set_flag(&mut replaced, "--segment-mib", "1");
+    let server = start(&replaced);
+    assert!(server.log().contains("segments on the other devices it spans are discarded"), "{}", server.log());
+    let c = client(&server, false);
+    assert!(read_back(&c, &keys).await.iter().all(|r| r.is_none()), "a block of the discarded log was served");
+    let again = put_keys(&c, "again", 40).await;
+    assert!(read_back(&c, &again).await.iter().all(|r| *r == Some(true)));
+    let per_device: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(per_device, vec![25, 15], "40 blocks of 15 a segment: segments 0 and 2 on device 0, segment 1 on device 1");
+    server.stop();
+}

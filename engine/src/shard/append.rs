@@ -155,7 +155,7 @@ impl Shard {
         let written = self.write_record(body, header, owner).await;
         self.note_log_write(&written);
         written.map_err(|e| match e {
-            Error::Io { .. } => Error::DeviceDown(format!("the device holding {} failed: {e}", self.cfg.dir.display())),
+            Error::Io { .. } => Error::DeviceDown(format!("the device holding {} failed: {e}", self.cfg.log_dirs())),
             e => e,
         })
     }

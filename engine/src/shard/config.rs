@@ -14,8 +14,13 @@ use crate::tier::WritePolicy;
 pub struct ShardConfig {
     /// This shard's id, `0..shards`.
     pub shard_id: u32,
-    /// `<data-dir>/shard-NNN`.
+    /// `<data-dir>/shard-NNN` on its home device: its index snapshot, and
+    /// its segments unless it spans several devices.
     pub dir: PathBuf,
+    /// The directories its segments rotate over, one per device it spans
+    /// (segment `i` in the `i mod len`-th; [`crate::devices`]); the first
+    /// is `dir`. One, `dir`, unless the store has fewer shards than devices.
+    pub segment_dirs: Vec<PathBuf>,
     /// Block geometry.
     pub geometry: Geometry,
     /// Size of each segment file in bytes.
@@ -63,12 +68,33 @@ pub struct ShardConfig {
     /// made or written in `dir`; the shard serves its RAM and remote
     /// tiers and refuses PUTs ([`crate::error::Error::DeviceDown`]).
     pub log_absent: Option<String>,
+    /// Why this shard starts with an empty log on every device it spans
+    /// ([`crate::devices::Layout::shard_discards`]): recovery deletes its
+    /// segments and snapshot first, and says so.
+    pub discard_log: Option<String>,
 }
 
 impl ShardConfig {
     /// Bytes per slot for this geometry.
     pub fn slot_bytes(&self) -> u64 {
         slot::slot_bytes(self.geometry.block_bytes)
+    }
+
+    /// Where the shard's log is, for messages: `dir`, or for a shard
+    /// spanning several devices `one of A, B`.
+    pub fn log_dirs(&self) -> String {
+        match self.segment_dirs.as_slice() {
+            [] | [_] => self.dir.display().to_string(),
+            all => format!("one of {}", all.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")),
+        }
+    }
+
+    /// The directory of segment `id` ([`ShardConfig::segment_dirs`]).
+    pub fn segment_dir(&self, id: u32) -> &std::path::Path {
+        match self.segment_dirs.len() {
+            0 => &self.dir,
+            n => &self.segment_dirs[id as usize % n],
+        }
     }
 
     /// Slots that fit in one segment after its superblock.

@@ -75,7 +75,7 @@ impl Shard {
         match &*self.health.log_write_error.borrow() {
             Some((message, at)) if at.elapsed() < LOG_PROBE_EVERY => Err(Error::DeviceDown(format!(
                 "the device holding {} failed ({message}); writes to this shard are refused, retried every {} ms",
-                self.cfg.dir.display(),
+                self.cfg.log_dirs(),
                 LOG_PROBE_EVERY.as_millis()
             ))),
             _ => Ok(()),
@@ -123,7 +123,7 @@ impl Shard {
             (Some(e), _) => Some((HealthState::Down, format!("the log's last write failed: {e}"))),
             (None, true) => Some((
                 HealthState::Degraded,
-                format!("the filesystem holding {} is full: PUTs answer 507 disk_full until space frees", self.cfg.dir.display()),
+                format!("the filesystem holding {} is full: PUTs answer 507 disk_full until space frees", self.cfg.log_dirs()),
             )),
             (None, false) => None,
         };

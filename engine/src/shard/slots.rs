@@ -153,7 +153,7 @@ impl Shard {
                             "the filesystem holding {} is full: shard {} could not add segment {created} of {} MiB ({why}); \
                              every stored block stays readable. Free space on the filesystem, or restart with a --disk-gb \
                              no larger than the space there so that the log reclaims its oldest segments",
-                            self.cfg.dir.display(),
+                            self.cfg.log_dirs(),
                             self.id(),
                             self.cfg.segment_bytes >> 20,
                         )));
@@ -225,7 +225,7 @@ impl Shard {
             self.log_accepts_writes()?;
         }
         let sb = self.superblock(id, self.next_seq.get());
-        let dir = self.cfg.dir.clone();
+        let dir = self.cfg.segment_dir(id).to_path_buf();
         let path = glommio::executor().spawn_blocking(move || segment::create_file(&dir, &sb)).await?;
         let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment).await?;
         let mut segments = self.segments.borrow_mut();

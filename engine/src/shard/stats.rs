@@ -82,6 +82,12 @@ pub struct ShardStats {
     pub segments_max: u32,
     /// Bytes of segment files on disk.
     pub disk_bytes: u64,
+    /// `blocks` on each device the shard spans, in its
+    /// [`crate::shard::ShardConfig::segment_dirs`] order (one entry unless
+    /// the store has fewer shards than devices).
+    pub blocks_by_device: Vec<u64>,
+    /// `disk_bytes` on each device the shard spans, in the same order.
+    pub disk_bytes_by_device: Vec<u64>,
     /// Index heap bytes.
     pub index_bytes: u64,
     /// Successful PUTs.
@@ -190,6 +196,15 @@ impl Shard {
             segments,
             segments_max: self.cfg.segments_max,
             disk_bytes: segments as u64 * self.cfg.segment_bytes,
+            blocks_by_device: self.index.borrow().lane_blocks().to_vec(),
+            disk_bytes_by_device: {
+                let lanes = self.cfg.segment_dirs.len().max(1);
+                let mut bytes = vec![0u64; lanes];
+                for s in self.segments.borrow().iter().flatten() {
+                    bytes[s.id as usize % lanes] += self.cfg.segment_bytes;
+                }
+                bytes
+            },
             index_bytes: self.index.borrow().heap_bytes() as u64,
             puts: c.puts.get(),
             gets: c.gets.get(),

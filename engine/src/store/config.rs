@@ -187,13 +187,17 @@ impl StoreConfig {
     }
 
     pub(super) fn shard_config_in(&self, layout: &Layout, shard_id: usize) -> ShardConfig {
-        let per_shard = layout.shard_capacity_bytes(shard_id, self.shards);
+        // As many segments on each device the shard spans (one, unless
+        // there are fewer shards than devices).
+        let segment_dirs = layout.shard_dirs(shard_id, self.shards);
+        let lane_segments = layout.shard_lane_bytes(shard_id, self.shards) / self.segment_bytes;
         ShardConfig {
             shard_id: shard_id as u32,
             dir: layout.shard_dir(shard_id),
             geometry: self.geometry.clone(),
             segment_bytes: self.segment_bytes,
-            segments_max: (per_shard / self.segment_bytes).min(u32::MAX as u64) as u32,
+            segments_max: (lane_segments * segment_dirs.len() as u64).min(u32::MAX as u64) as u32,
+            segment_dirs,
             sync: self.sync,
             io_depth_max: self.io_depth_max,
             io_queue_max: self.io_queue_max,
@@ -210,10 +214,8 @@ impl StoreConfig {
             owners: self.owners.clone(),
             events: self.events.clone(),
             store_id: crate::segment::store_id_bytes(layout.store_id.as_deref()),
-            log_absent: layout.device_of(shard_id).absent.as_ref().map(|why| {
-                let device = layout.device_of(shard_id);
-                format!("device {} is absent since start ({why})", device.index)
-            }),
+            log_absent: layout.shard_absent(shard_id, self.shards),
+            discard_log: layout.shard_discards(shard_id, self.shards),
         }
     }
 

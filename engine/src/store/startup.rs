@@ -83,6 +83,7 @@ where
         );
     }
     let shard_dirs: Arc<Vec<std::path::PathBuf>> = Arc::new((0..config.shards).map(|s| layout.shard_dir(s)).collect());
+    let device_dirs: Arc<Vec<std::path::PathBuf>> = Arc::new(layout.devices.iter().map(|d| d.dir.clone()).collect());
     let mesh: MeshBuilder<Request, _> = MeshBuilder::full(config.shards, MESH_QUEUE_DEPTH);
     let failed = Arc::new(AtomicBool::new(false));
     let serve = Arc::new(serve);
@@ -93,6 +94,7 @@ where
     for shard_id in 0..config.shards {
         let (mesh, failed, serve, starts) = (mesh.clone(), failed.clone(), serve.clone(), starts.clone());
         let (shard_cfg, manifest, shard_dirs) = (config.shard_config_in(&layout, shard_id), manifest.clone(), shard_dirs.clone());
+        let device_dirs = device_dirs.clone();
         let (shards, snapshot_secs) = (config.shards, config.snapshot_secs);
         let io_memory_shard_bytes = config.io_memory_shard_bytes();
         let remote = config.remote.clone();
@@ -139,8 +141,16 @@ where
                 let health = health_loop(&shard, remote.clone().filter(|_| shard_id == 0));
                 let trace_flush = trace.clone().map(trace_flush_loop);
                 let events = events_loop(shard.residency().clone());
-                let store =
-                    Rc::new(Store { shard: Hold::new(&shard), senders, shards, manifest, shard_dirs, remote, trace: trace.clone() });
+                let store = Rc::new(Store {
+                    shard: Hold::new(&shard),
+                    senders,
+                    shards,
+                    manifest,
+                    shard_dirs,
+                    device_dirs,
+                    remote,
+                    trace: trace.clone(),
+                });
                 let out = if failed.load(Ordering::SeqCst) { None } else { Some(serve(store.clone()).await) };
                 store.senders.close();
                 futures::future::join_all(answering).await;

@@ -133,7 +133,9 @@ pub(crate) struct ServeArgs {
 pub(crate) struct StoreArgs {
     /// Data directory: store.json and shard-NNN/seg-NNNNNN.kvt segment
     /// files. Repeat it, one per device (NVMe drive), to spread the store
-    /// over several: shard s's log goes on directory s mod N, each
+    /// over several: shard s's log goes on directory s mod N (with fewer
+    /// shards than directories, shard s's segments rotate over every
+    /// directory d with d mod shards = s), each
     /// optionally PATH=SIZE_GB (else --disk-gb is split in proportion to
     /// each filesystem's free space when the store is made). A store's
     /// directories are recognised by the store id in their store.json, in

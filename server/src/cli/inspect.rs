@@ -41,22 +41,29 @@ pub(crate) fn info(specs: &[kvtier_engine::devices::DeviceSpec]) -> Result<(), S
     println!("block_bytes   {}", g.block_bytes);
     println!("shards        {}", manifest.shards);
     println!("segment_bytes {}", manifest.segment_bytes);
-    for shard in 0..manifest.shards as usize {
-        if let Some(why) = &layout.device_of(shard).absent {
-            println!("shard {shard:03}     absent: device {} ({why})", layout.device_of(shard).index);
+    let shards = manifest.shards as usize;
+    for shard in 0..shards {
+        if let Some(why) = layout.shard_absent(shard, shards) {
+            println!("shard {shard:03}     absent: {why}");
             continue;
         }
-        let shard_dir = layout.shard_dir(shard);
         let (mut segments, mut bytes) = (0u64, 0u64);
-        if let Ok(entries) = fs::read_dir(&shard_dir) {
-            for e in entries.flatten() {
-                if kvtier_engine::segment::parse_segment_name(&e.file_name().to_string_lossy()).is_some() {
-                    segments += 1;
-                    bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+        for shard_dir in layout.shard_dirs(shard, shards) {
+            if let Ok(entries) = fs::read_dir(&shard_dir) {
+                for e in entries.flatten() {
+                    if kvtier_engine::segment::parse_segment_name(&e.file_name().to_string_lossy()).is_some() {
+                        segments += 1;
+                        bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+                    }
                 }
             }
         }
-        println!("shard {shard:03}     {segments} segments, {bytes} bytes (device {})", layout.device_of(shard).index);
+        let devices: Vec<u32> = layout.devices_of(shard, shards).iter().map(|d| d.index).collect();
+        let on = match devices.as_slice() {
+            [one] => format!("device {one}"),
+            all => format!("devices {all:?}"),
+        };
+        println!("shard {shard:03}     {segments} segments, {bytes} bytes ({on})");
     }
     Ok(())
 }

@@ -70,11 +70,25 @@ pub(crate) fn lock_data_dir(dir: &Path) -> Result<fs::File, String> {
 
 /// Warns, at start, of a device layout that costs balance or isolation:
 /// shards not a multiple of the devices (some devices hold more shards'
-/// logs, so more blocks and more I/O), and two directories on one
-/// filesystem (they share its bandwidth and fail together).
+/// logs, so more blocks and more I/O), fewer shards than devices not
+/// dividing them (some shards span more devices than others), and two
+/// directories on one filesystem (they share its bandwidth and fail
+/// together).
 fn warn_about_devices(layout: &kvtier_engine::devices::Layout, shards: usize) {
     let n = layout.devices.len();
-    if n > 1 && !shards.is_multiple_of(n) {
+    if shards < n {
+        tracing::info!(
+            "{shards} shards over {n} data directories: each shard's segments rotate over the devices it spans (shard s on every device d with d mod {shards} = s); a device that fails costs the writes of its shard, and one replaced costs that shard's segments on its other devices too"
+        );
+        if !n.is_multiple_of(shards) {
+            tracing::warn!(
+                "{n} data directories over {shards} shards: not a multiple, so {} shards span {} devices and the rest {} (the smallest share of its devices sets each shard's capacity); use a number of shards that divides {n} for an even spread",
+                n % shards,
+                n / shards + 1,
+                n / shards
+            );
+        }
+    } else if n > 1 && !shards.is_multiple_of(n) {
         tracing::warn!(
             "{shards} shards over {n} data directories: not a multiple, so {} of them hold {} shards' logs and the rest {} (use a multiple of {n} shards for an even spread)",
             shards % n,
