@@ -301,7 +301,8 @@ $(VLLM_MODEL_MLA)/kvtier-model.json: clients/python/tools/make_model.py target/p
 # mid-chain, kvtier killed and stopped with loads in flight, a stopped
 # kvtier's cost. test-vllm-serve-all (make test-all): TP 2 with the digest,
 # a second engine loading the first's blocks from leases, a sliding-window
-# model, an MLA model at TP 2 stored once, one misconfigured start; each engine started by its module and
+# model, an MLA model at TP 2 stored once, preempted requests reloading from
+# kvtier in a cache too small, one misconfigured start; each engine started by its module and
 # stopped after it, one at a time; and two TP workers of the connector
 # joined by a gloo group (no engine: its two processes import vLLM, about a
 # minute), one's failed load stopping both ranks' stores.
@@ -314,7 +315,7 @@ test-vllm-serve-all: target/py-vllm/.client $(VLLM_MODEL)/kvtier-model.json $(VL
   $(VLLM_MODEL_MLA)/kvtier-model.json | data
 	cd clients/python && $(VLLM_SERVE_ENV) $(PYTEST_ENV) $(CURDIR)/target/py-vllm/bin/python $(PYTEST) \
 	  tests/test_vllm_serve_tp2.py tests/test_vllm_serve_second.py tests/test_vllm_serve_sliding.py \
-	  tests/test_vllm_serve_mla.py \
+	  tests/test_vllm_serve_mla.py tests/test_vllm_serve_preempt.py \
 	  tests/test_vllm_serve_misconfigured.py tests/test_exit_vllm.py tests/test_vllm_connector_failed_loads.py
 
 # vLLM 0.33.0's Python code over target/py-vllm's dependencies

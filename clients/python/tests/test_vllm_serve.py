@@ -29,19 +29,10 @@ unanswered request, the client's 20 s timeout, fails the module).
 
 from __future__ import annotations
 
-import http.client
-import json
-import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import xxhash
@@ -52,6 +43,8 @@ from vllm_serve_support import (
     LOOKUP_GIVE_UP_MS,
     MAX_TOKENS,
     SEED,
+    abandoned,
+    answered_loads,
     connector,
     damage_key,
     events_store,
@@ -61,12 +54,14 @@ from vllm_serve_support import (
     oracle_dir,
     oracle_mismatches,
     prompt_blocks,
+    responses_held,
     server_totals,
     serving,
     settled_puts,
     sharegpt_prompts,
     stored_events,
     vllm,
+    when_a_load_is_held,
 )
 
 import kvtier
@@ -255,59 +250,6 @@ def _loads_after(events: list[dict], reqs_before: set[str], t: float, kinds: tup
     return [e for e in events if e["event"] in kinds and e["t"] >= t and e["req"] not in reqs_before]
 
 
-def _answered_loads(store: ServerProcess) -> int:
-    """Load requests kvtier has answered on its socket (counted as answered,
-    before the answer is sent)."""
-    with kvtier.Client(store.url) as c:
-        routes = c.stats()["local"]["routes"]
-    return sum(routes[r]["requests"] for r in ("get_into", "get_into_v", "lease"))
-
-
-@contextmanager
-def responses_held(store: ServerProcess, seconds: float) -> Iterator[None]:
-    """Every answer kvtier sends on its socket held ``seconds`` in the
-    kernel's entry to ``send`` (strace's fault injection; its HTTP door
-    writes otherwise, so ``/v1/stats`` still answers)."""
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.fail("this test holds kvtier's answers with strace: install it (make deps does)")
-    log = tempfile.NamedTemporaryFile(prefix="kvtier-strace-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [
-            strace,
-            "-f",
-            "-qq",
-            "-p",
-            str(store.pid),
-            "-e",
-            "trace=sendto",
-            "-e",
-            f"inject=sendto:delay_enter={int(seconds * 1e6)}",
-            "-o",
-            log.name,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    time.sleep(0.5)  # attached to the server's threads
-    try:
-        yield
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-        os.unlink(log.name)
-
-
-def _when_a_load_is_held(store: ServerProcess, before: int, fault) -> None:
-    """Waits until kvtier has answered a load whose answer is still held
-    (:func:`responses_held`), then runs ``fault()``: a load is in flight."""
-    deadline = time.monotonic() + 60
-    while _answered_loads(store) == before:
-        assert time.monotonic() < deadline, "no load was asked within 60 s"
-        time.sleep(0.02)
-    fault()
-
-
 @pytest.mark.faults
 def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, prompts, answers):
     """kvtier killed, then stopped for 5 s, with loads of concurrent
@@ -329,9 +271,9 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
 
     try:
         engine.reset_prefix_cache()
-        loads = _answered_loads(store)
+        loads = answered_loads(store)
         with responses_held(store, 1.0):
-            _concurrently(engine, chosen, lambda: _when_a_load_is_held(store, loads, kill))
+            _concurrently(engine, chosen, lambda: when_a_load_is_held(store, loads, kill))
         failed = _loads_after(read_oracle(oracle), before, killed_at[0], ("load_failed",))
         assert failed, "no load failed when kvtier was killed: none was in flight"
         # Down: a request costs no wait for a connection. Like with like: the
@@ -360,24 +302,12 @@ def test_faults_in_flight_cost_misses_never_a_wrong_page(store, engine, oracle, 
             continued_at[0] = time.time()
 
     engine.reset_prefix_cache()
-    loads = _answered_loads(store)
+    loads = answered_loads(store)
     with responses_held(store, 1.0):
-        _concurrently(engine, chosen, lambda: _when_a_load_is_held(store, loads, stop_for_5_s))
+        _concurrently(engine, chosen, lambda: when_a_load_is_held(store, loads, stop_for_5_s))
     waited = _loads_after(read_oracle(oracle), before, continued_at[0], ("loaded", "load_failed"))
     assert waited, "no load ended after kvtier was let go: none was in flight while it was stopped"
     assert oracle_mismatches(read_oracle(oracle), since=since) == []
-
-
-def _abandoned(engine: VllmServer, prompt: str, go: threading.Event) -> None:
-    """Sends ``prompt`` as a streamed completion and closes the connection
-    once ``go`` is set: the client disconnects, and vLLM's API server aborts
-    the request (``request_finished`` in the connector while it loads)."""
-    conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=60)
-    body = {"model": "kvtier-llama", "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    go.wait(120)
-    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-    conn.close()
 
 
 @pytest.mark.faults
@@ -396,9 +326,9 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
     since, mark = time.time(), log_size(engine)
     victim, others = prompts[10], list(range(11, 15))
     engine.reset_prefix_cache()
-    loads = _answered_loads(store)
+    loads = answered_loads(store)
     go = threading.Event()
-    client = threading.Thread(target=_abandoned, args=(engine, victim, go))
+    client = threading.Thread(target=abandoned, args=(engine, victim, go))
 
     def stop_then_abort() -> None:
         store.pause()
@@ -407,7 +337,7 @@ def test_a_request_aborted_during_its_load_leaves_vllm_serving_and_no_page_wrong
     try:
         with responses_held(store, 1.0):
             client.start()
-            _when_a_load_is_held(store, loads, stop_then_abort)
+            when_a_load_is_held(store, loads, stop_then_abort)
             client.join(60)
             time.sleep(2)  # vLLM takes the abort while the load waits on kvtier
             store.resume()

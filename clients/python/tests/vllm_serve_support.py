@@ -7,11 +7,17 @@ comparison."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -330,3 +336,68 @@ def prompt_blocks(events: list[dict[str, Any]], engine: VllmServer, prompt: str,
             break
         out[k], parent = hit["key"], hit["hash"]
     return out
+
+
+def answered_loads(store: ServerProcess) -> int:
+    """Load requests kvtier has answered on its socket (counted as answered,
+    before the answer is sent)."""
+    with kvtier.Client(store.url) as c:
+        routes = c.stats()["local"]["routes"]
+    return sum(routes[r]["requests"] for r in ("get_into", "get_into_v", "lease"))
+
+
+@contextmanager
+def responses_held(store: ServerProcess, seconds: float) -> Iterator[None]:
+    """Every answer kvtier sends on its socket held ``seconds`` in the
+    kernel's entry to ``send`` (strace's fault injection; its HTTP door
+    writes otherwise, so ``/v1/stats`` still answers)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.fail("this test holds kvtier's answers with strace: install it (make deps does)")
+    log = tempfile.NamedTemporaryFile(prefix="kvtier-strace-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [
+            strace,
+            "-f",
+            "-qq",
+            "-p",
+            str(store.pid),
+            "-e",
+            "trace=sendto",
+            "-e",
+            f"inject=sendto:delay_enter={int(seconds * 1e6)}",
+            "-o",
+            log.name,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)  # attached to the server's threads
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        os.unlink(log.name)
+
+
+def when_a_load_is_held(store: ServerProcess, before: int, fault) -> None:
+    """Waits until kvtier has answered a load whose answer is still held
+    (:func:`responses_held`), then runs ``fault()``: a load is in flight."""
+    deadline = time.monotonic() + 60
+    while answered_loads(store) == before:
+        assert time.monotonic() < deadline, "no load was asked within 60 s"
+        time.sleep(0.02)
+    fault()
+
+
+def abandoned(engine: VllmServer, prompt: str, go: threading.Event, max_tokens: int = 64) -> None:
+    """Sends ``prompt`` as a streamed completion and closes the connection
+    once ``go`` is set: the client disconnects, and vLLM's API server aborts
+    the request (``request_finished`` in the connector while it loads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=60)
+    body = {"model": "kvtier-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    go.wait(120)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    conn.close()
