@@ -11,7 +11,10 @@
 # - kvtier with DEVICES_SHARDS shards over the first directory alone, then
 #   over all N (shard s on device s mod N; with fewer shards than
 #   devices, each shard's segments rotate over its devices): `kvtier-loadgen blocks` PUTs
-#   then GETs at the same concurrency, no RAM tier (GETs read the log).
+#   then GETs at the same concurrency, no RAM tier (GETs read the log);
+# - with loop images, once at the end: PUTs over all N, then with the last
+#   device failed (its filesystem shut down), then a restart with that
+#   device absent, timed until /readyz answers.
 #
 # The devices are loop-mounted ext4 images (root; made here, removed at the
 # end, with direct I/O to their backing files) under DEVICES_DIR, or the
@@ -40,7 +43,7 @@ PORT=${DEVICES_PORT:-18555}
 WORK=${DEVICES_DIR:-$(mktemp -d /tmp/kvtier-bench-devices.XXXXXX)}
 
 mkdir -p "$OUT"
-rm -f "$OUT"/*.json "$OUT/log.txt"
+rm -rf "$OUT"/*.json "$OUT/log.txt" "$OUT"/failed-* "$OUT/server-failed.log"
 
 MOUNTS=()
 LOOPS=()
@@ -119,6 +122,41 @@ for pair in $(seq "$PAIRS"); do
   kvtier_run "$N" "$pair"
 done
 
+# One of N devices failed under load (loop images only: it shuts the last
+# image's filesystem down, as a drive that died): PUTs over all N, then the
+# same PUTs once every I/O on device N-1 fails (its shards answer 503
+# device_down, counted as the loadgen's errors; MB/s counts stored blocks),
+# then a restart with that device's directory absent, timed to /readyz.
+if [ -z "${DEVICES_MOUNTS:-}" ] && [ "$N" -gt 1 ]; then
+  dirs=()
+  for i in $(seq 0 $((N - 1))); do dirs+=(--data-dir "${MOUNTS[$i]}/kvtier"); done
+  serve() {
+    "$BIN/kvtier" serve --listen "127.0.0.1:$PORT" "${dirs[@]}" --shards "$SHARDS" --block-bytes "$BLOCK" \
+      --disk-gb 1 --ram-gb 0 --log-level warn >>"$OUT/server-failed.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 300); do
+      curl -fsS "http://127.0.0.1:$PORT/readyz" >/dev/null 2>&1 && break
+      sleep 0.01
+    done
+  }
+  serve
+  "$BIN/kvtier-loadgen" blocks --target "http://127.0.0.1:$PORT" --op put --concurrency "$C" \
+    --duration-s "$SECONDS_PER" --out "$OUT/failed-before" >>"$OUT/log.txt"
+  python3 -c 'import fcntl, os, struct, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.ioctl(fd, 0x8004587D, struct.pack("I", 2))' \
+    "${MOUNTS[$((N - 1))]}"
+  "$BIN/kvtier-loadgen" blocks --target "http://127.0.0.1:$PORT" --op put --concurrency "$C" \
+    --duration-s "$SECONDS_PER" --out "$OUT/failed-after" >>"$OUT/log.txt" || true
+  kill -9 "$SERVER"; wait "$SERVER" 2>/dev/null || true
+  SERVER=""
+  umount "${MOUNTS[$((N - 1))]}" 2>/dev/null || umount -l "${MOUNTS[$((N - 1))]}"
+  LOOPS=("${LOOPS[@]:0:$((N - 1))}")
+  started=$(date +%s.%N)
+  serve
+  echo "$started $(date +%s.%N)" >"$OUT/failed-restart.txt"
+  kill -TERM "$SERVER"; wait "$SERVER" 2>/dev/null || true
+  SERVER=""
+fi
+
 python3 - "$OUT" "$N" "$SHARDS" "$C" "$BLOCK" <<'PY'
 import glob, json, statistics, sys
 out, n, shards, c, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -143,6 +181,17 @@ for count in sorted({1, n}):
     put, get = med[f"kvtier_{count}_put"], med[f"kvtier_{count}_get"]
     print(f"{f'kvtier over {count} dir(s)':24}{put / 1e6:>12.0f}{get / 1e6:>12.0f}"
           f"   vs fio: PUT {put / med['fio_write']:.2f}, GET {get / med['fio_read']:.2f}")
-json.dump({"devices": n, "shards": shards, "concurrency": c, "block_bytes": block, "runs": rows, "medians": med},
+failed = {}
+try:
+    before, after = (json.load(open(f"{out}/failed-{w}/results.json")) for w in ("before", "after"))
+    t0, t1 = (float(x) for x in open(f"{out}/failed-restart.txt").read().split())
+    failed = {"put_before": before["bytes_per_s"], "put_after": after["bytes_per_s"], "refused": after["errors"],
+              "stored_after": after["requests"], "restart_s": t1 - t0}
+    print(f"device {n - 1} of {n} failed under load: PUT {before['bytes_per_s'] / 1e6:.0f} -> {after['bytes_per_s'] / 1e6:.0f} MB/s "
+          f"({after['bytes_per_s'] / before['bytes_per_s']:.2f}; {(n - 1) / n:.2f} expected), {after['errors']} PUTs refused, "
+          f"{after['requests']} stored; restart with it absent ready in {t1 - t0:.2f} s")
+except FileNotFoundError:
+    pass
+json.dump({"devices": n, "shards": shards, "concurrency": c, "block_bytes": block, "runs": rows, "medians": med, "failed": failed},
           open(f"{out}/results.json", "w"), indent=1)
 PY
