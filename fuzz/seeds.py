@@ -300,10 +300,15 @@ def store_ops_seeds(out: Path) -> None:
         # A corrupt of no byte (xor 0): a two-device store loses device 1 (file 1), then writes on.
         puts = b"".join(put(k, k + 1) for k in range(6))
         save(out, "store_ops", setup + puts + op(8, 1, 0, 0, 0, 0, 0) + get(0) + get(3) + put(3, 9) + op(6) + get(3))
-        # An odd offset: device 1 is absent for a life (reads miss, writes are
-        # refused), then back with its blocks.
+        # Offset 1 (mod 4): device 1 is absent for a life (reads miss, writes
+        # are refused), then back with its blocks.
         absent = op(8, 1, 1, 0, 0, 0, 0) + get(0) + get(3) + put(3, 9) + op(4, 3) + op(3, 3) + op(5) + op(6)
         save(out, "store_ops", setup + puts + absent + get(0) + get(3) + op(8, 0, 1, 0, 0, 0, 0) + get(1) + put(1, 7))
+        # Offset 3 + 4 j: device 1 fails in the next life from its operation
+        # j (here 2) on: writes refused, reads may miss, then back as it was.
+        every = b"".join(get(k) for k in range(6))
+        failing = op(8, 1, 11, 0, 0, 0, 0) + get(0) + get(3) + every + put(3, 9) + put(0, 8) + op(4, 3) + op(3, 3) + op(5) + op(6)
+        save(out, "store_ops", setup + puts + failing + every + put(3, 7) + get(3))
 
 
 def main() -> None:

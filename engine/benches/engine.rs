@@ -245,6 +245,7 @@ fn main() {
             owners: Default::default(),
             events: None,
             stalls: None,
+            device_faults: None,
         };
         let (depths, seconds, pairs, fio_on, store_bytes) = (plan.depths.clone(), plan.seconds, plan.pairs, plan.fio, plan.store_bytes);
         let out = kvtier_engine::run(config, move |store| {

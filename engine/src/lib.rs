@@ -45,6 +45,7 @@ mod counter;
 pub mod devices;
 pub mod error;
 pub mod events;
+pub mod faults;
 pub mod fsck;
 pub mod geometry;
 pub mod gpu;

@@ -324,7 +324,8 @@ pub async fn open_shard(cfg: ShardConfig) -> Result<Shard> {
     // (id, first_seq, slots used, highest seq) of each segment.
     let mut lives: Vec<(u32, u64, u32, u64)> = Vec::new();
     for (id, sb, path) in &found {
-        let segment = Rc::new(Segment::open(path, *id, sb.first_seq, shard.slot_bytes, shard.slots_per_segment).await?);
+        let fault = shard.cfg.fault_switch(*id);
+        let segment = Rc::new(Segment::open(path, *id, sb.first_seq, shard.slot_bytes, shard.slots_per_segment, fault).await?);
         next_seq = next_seq.max(sb.first_seq);
         let same_life = snap_segments.get(id).filter(|s| s.first_seq == sb.first_seq);
         let (mut used, mut max_seq) = same_life.map_or((0, 0), |s| (s.slots_used, s.max_seq));

@@ -247,14 +247,25 @@ pub struct Segment {
     pub referenced: RefCell<Vec<bool>>,
     /// Bytes per slot.
     pub slot_bytes: u64,
+    /// Its device's injected failure, if the store has the test double
+    /// ([`crate::faults`]).
+    pub fault: Option<crate::faults::FaultSwitch>,
 }
 
 impl Segment {
-    /// Opens an existing segment file for DMA.
+    /// Opens an existing segment file for DMA; its I/O fails while `fault`
+    /// is on ([`crate::faults`]).
     ///
     /// # Errors
     /// [`Error::Io`] from `open(2)`.
-    pub async fn open(path: &Path, id: u32, first_seq: u64, slot_bytes: u64, slots: u32) -> Result<Segment> {
+    pub async fn open(
+        path: &Path,
+        id: u32,
+        first_seq: u64,
+        slot_bytes: u64,
+        slots: u32,
+        fault: Option<crate::faults::FaultSwitch>,
+    ) -> Result<Segment> {
         let file = glommio::io::OpenOptions::new()
             .read(true)
             .write(true)
@@ -274,7 +285,16 @@ impl Segment {
             survivors_moved: Signal::new("the survivor copy moved past a slot, or the compaction ended"),
             referenced: RefCell::new(vec![false; slots as usize]),
             slot_bytes,
+            fault,
         })
+    }
+
+    /// `Err` while the device's injected failure is on ([`crate::faults`]).
+    fn check_fault(&self, what: impl FnOnce() -> String) -> Result<()> {
+        match &self.fault {
+            Some(f) => f.check(what),
+            None => Ok(()),
+        }
     }
 
     /// Byte offset of slot `slot`: after the superblock page.
@@ -293,6 +313,7 @@ impl Segment {
     pub async fn write_slot(&self, buf: Rc<glommio::io::DmaBuffer>, slot: u32) -> Result<()> {
         let len = buf.len();
         assert!((len as u64).is_multiple_of(PAGE_BYTES) && len as u64 <= self.slot_bytes, "slot write of {len} bytes");
+        self.check_fault(|| format!("writing slot {slot} of segment {}", self.id))?;
         let written = self.file.write_rc_at(buf, self.slot_offset(slot)).await;
         self.check_written(slot, written, len as u64)
     }
@@ -333,6 +354,7 @@ impl Segment {
             payload.as_ptr()
         );
         let at = self.slot_offset(slot);
+        self.check_fault(|| format!("writing slot {slot} of segment {}", self.id))?;
         let (head, body) = futures::join!(self.file.write_rc_at(header, at), self.file.write_foreign_at(payload, at + PAGE_BYTES));
         self.check_written(slot, head, PAGE_BYTES)?;
         self.check_written(slot, body, len)
@@ -354,6 +376,7 @@ impl Segment {
     /// [`Error::Io`] on failure or a short read.
     pub async fn read_slot_range(&self, slot: u32, offset: u64, len: u64) -> Result<ReadResult> {
         debug_assert!(offset.is_multiple_of(PAGE_BYTES) && offset + len <= self.slot_bytes);
+        self.check_fault(|| format!("reading slot {slot} of segment {}", self.id))?;
         let rr = self
             .file
             .read_at_aligned(self.slot_offset(slot) + offset, len as usize)
@@ -374,6 +397,7 @@ impl Segment {
     /// # Errors
     /// [`Error::Io`] from the write or the sync.
     pub async fn write_superblock(&self, sb: &Superblock) -> Result<()> {
+        self.check_fault(|| format!("rewriting superblock of segment {}", self.id))?;
         let mut buf = self.file.alloc_dma_buffer(PAGE_BYTES as usize);
         sb.encode(buf.as_bytes_mut());
         let written =

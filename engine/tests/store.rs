@@ -46,6 +46,7 @@ fn config(dir: &Path, block_bytes: u64, shards: usize, segment_bytes: u64, disk_
         owners: Default::default(),
         events: None,
         stalls: None,
+        device_faults: None,
     }
 }
 

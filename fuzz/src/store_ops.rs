@@ -13,9 +13,11 @@
 //! one its segments rotating over both), and a `Corrupt` of no byte loses
 //! one between lives: its
 //! directory is emptied, as a failed drive replaced by an empty one, and
-//! the store opens with the empty directory in its place; or (an odd
-//! offset) the device is absent for the next life, its directory moved
-//! away as an unmounted drive's, and back after it.
+//! the store opens with the empty directory in its place; or the device is
+//! absent for the next life, its directory moved away as an unmounted
+//! drive's, and back after it; or it fails in the middle of the next life,
+//! every segment I/O on it answering `EIO` from a chosen operation on
+//! (`kvtier_engine::faults`), and works again after it.
 //!
 //! The model:
 //!
@@ -31,6 +33,9 @@
 //! - while a device is absent, its shards' keys read as missing and their
 //!   PUTs and DELETEs are refused ([`Error::DeviceDown`], a miss), and
 //!   once it is back they read as before it went;
+//! - while a device fails, its shards' PUTs and DELETEs are refused
+//!   ([`Error::DeviceDown`]), a read may miss and is never wrong, and once
+//!   it works again its keys read as before it failed;
 //! - recovery always completes: every restart opens the store.
 //!
 //! `kill -9` is real: that life runs in a forked child that reports each
@@ -47,6 +52,7 @@ use std::sync::{Arc, Mutex};
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
 use kvtier_engine::devices::{devices_of_shard, DeviceSpec, Layout};
+use kvtier_engine::faults::DeviceFaults;
 use kvtier_engine::key::StoredKey;
 use kvtier_engine::slot::{slot_bytes, PAGE_BYTES};
 use kvtier_engine::{Error, Geometry, Store, StoreConfig};
@@ -121,11 +127,13 @@ enum Op {
     /// Ends the life cleanly, then xors the byte at `offset` (modulo the
     /// file's length) of the `file`-th file of the store with `xor`. With
     /// `xor` 0, which changes no byte, a two-device store loses device
-    /// `file % 2` instead: with an even `offset` its directory is emptied
-    /// (a failed drive replaced by an empty one), and its shards' keys read
-    /// as missing from then on; with an odd one the device is absent for
-    /// the next life (its directory moved away, as a drive not mounted)
-    /// and back after it. (A new variant would renumber every committed
+    /// `file % 2` instead, by `offset % 4`: 0 and 2, its directory is
+    /// emptied (a failed drive replaced by an empty one), and its shards'
+    /// keys read as missing from then on; 1, the device is absent for the
+    /// next life (its directory moved away, as a drive not mounted) and
+    /// back after it; 3, the device fails in the next life from its
+    /// operation `offset / 4 % 8` on (every segment I/O answers `EIO`) and
+    /// works again after it. (A new variant would renumber every committed
     /// input's operations.)
     Corrupt {
         file: u8,
@@ -162,12 +170,36 @@ struct Model {
     /// and their writes are refused, leaving their state as it was.
     #[serde(default)]
     absent_keys: Vec<usize>,
+    /// A device to fail in this life: from which operation, and its keys.
+    #[serde(default)]
+    fail: Option<FailPlan>,
+    /// The keys whose device fails now: their writes are refused, their
+    /// reads may miss, and neither changes their state.
+    #[serde(default)]
+    failing_keys: Vec<usize>,
+}
+
+/// A device failing from one operation of a life on ([`Model::fail`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct FailPlan {
+    device: usize,
+    from_op: usize,
+    keys: Vec<usize>,
 }
 
 impl Model {
     fn new() -> Self {
         let empty = KeyState { allowed: vec![None], history: Vec::new(), written_epoch: 0 };
-        Model { keys: vec![empty; KEYS.len()], epoch: 0, loss_epoch: 0, damage_epoch: 0, fillers: 0, absent_keys: Vec::new() }
+        Model {
+            keys: vec![empty; KEYS.len()],
+            epoch: 0,
+            loss_epoch: 0,
+            damage_epoch: 0,
+            fillers: 0,
+            absent_keys: Vec::new(),
+            fail: None,
+            failing_keys: Vec::new(),
+        }
     }
 
     /// The keys of the shards on device `device` ([`devices_of_shard`]: a
@@ -311,6 +343,7 @@ fn config_in(setup: &Setup, dir: &Path) -> StoreConfig {
         owners: Default::default(),
         events: None,
         stalls: None,
+        device_faults: None,
     }
 }
 
@@ -339,16 +372,23 @@ pub fn run(data: &[u8]) {
     }
     let dir = tempfile::Builder::new().prefix("kvtier-fuzz-store-").tempdir_in(tmp_root()).expect("a temp dir");
     let devices = device_dirs(&setup, dir.path());
+    // Each device's injected failure (kvtier_engine::faults), off but in a life planned to fail.
+    let faults = (!devices.is_empty()).then(|| DeviceFaults::new(devices.len()));
     let mut model = Model::new();
     let ends_life = |op: &Op| matches!(op, Op::Restart | Op::Kill { .. } | Op::Corrupt { .. });
     // The directory of a device absent for this life, moved away, and where.
     let mut away: Option<(PathBuf, PathBuf)> = None;
     for life in ops.split_inclusive(ends_life) {
-        let cfg = config(&setup, dir.path());
+        let mut cfg = config(&setup, dir.path());
+        cfg.device_faults = faults.clone();
         model = match life.last() {
             Some(Op::Kill { .. }) => killed_life(&cfg, life, model),
             _ => life_in_process(&cfg, life, model),
         };
+        if let (Some(plan), Some(faults)) = (model.fail.take(), &faults) {
+            faults.set_failing(plan.device, false);
+            model.failing_keys.clear();
+        }
         if let Some((at, moved)) = away.take() {
             assert!(!at.exists(), "the store made {} while its device was absent", at.display());
             std::fs::rename(&moved, &at).expect("putting an absent device back");
@@ -361,7 +401,15 @@ pub fn run(data: &[u8]) {
         }
         if let (Some(Op::Corrupt { file, offset, xor: 0 }), false) = (life.last(), devices.is_empty()) {
             let lost = *file as usize % devices.len();
-            if offset % 2 == 1 {
+            if offset % 4 == 3 {
+                let from_op = (*offset / 4 % 8) as usize;
+                if tracing() {
+                    eprintln!("store_ops: device {lost} fails in the next life from its operation {from_op}");
+                }
+                model.fail = Some(FailPlan { device: lost, from_op, keys: Model::keys_on(lost, devices.len(), cfg.shards) });
+                continue;
+            }
+            if offset % 4 == 1 {
                 let moved = devices[lost].with_extension("away");
                 std::fs::rename(&devices[lost], &moved).expect("moving a device away");
                 if tracing() {
@@ -379,9 +427,12 @@ pub fn run(data: &[u8]) {
             model.lost(lost, devices.len(), cfg.shards);
         }
     }
-    // The last life reads every key back.
+    // The last life reads every key back (a failure planned for it comes
+    // at its chosen operation, as in any life).
     let check: Vec<Op> = (0..KEYS.len() as u8).map(|key| Op::Get { key }).collect();
-    life_in_process(&config(&setup, dir.path()), &check, model);
+    let mut cfg = config(&setup, dir.path());
+    cfg.device_faults = faults.clone();
+    life_in_process(&cfg, &check, model);
 }
 
 /// Whether `KVTIER_FUZZ_TRACE` asks for the input, each operation, each
@@ -393,12 +444,13 @@ fn tracing() -> bool {
 /// Opens the store, runs `ops` on shard 0, and closes it cleanly.
 fn life_in_process(cfg: &StoreConfig, ops: &[Op], model: Model) -> Model {
     let job = Arc::new(Mutex::new(Some((ops.to_vec(), model))));
+    let faults = cfg.device_faults.clone();
     let out = kvtier_engine::run(cfg.clone(), move |store| {
-        let job = job.clone();
+        let (job, faults) = (job.clone(), faults.clone());
         async move {
             let taken = if store.shard_id() == 0 { job.lock().expect("job").take() } else { None };
             match taken {
-                Some((ops, model)) => Some(apply(&store, &ops, model, None).await),
+                Some((ops, model)) => Some(apply(&store, &ops, model, None, faults.as_ref()).await),
                 None => None,
             }
         }
@@ -455,11 +507,12 @@ fn killed_life(cfg: &StoreConfig, ops: &[Op], model: Model) -> Model {
         }));
         let reporter = Arc::new(Reporter(fds[1]));
         let job = Arc::new(Mutex::new(Some((ops.to_vec(), model))));
+        let faults = cfg.device_faults.clone();
         let opened = kvtier_engine::run(cfg.clone(), move |store| {
-            let (job, reporter) = (job.clone(), reporter.clone());
+            let (job, reporter, faults) = (job.clone(), reporter.clone(), faults.clone());
             async move {
                 if let Some((ops, model)) = if store.shard_id() == 0 { job.lock().expect("job").take() } else { None } {
-                    apply(&store, &ops, model, Some(&reporter)).await;
+                    apply(&store, &ops, model, Some(&reporter), faults.as_ref()).await;
                 }
             }
         });
@@ -544,7 +597,7 @@ fn miss(e: &Error) -> bool {
 
 /// Runs the operations of one life, checking every answer against the
 /// model; with a reporter (a child life), reports the model after each.
-async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option<&Reporter>) -> Model {
+async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option<&Reporter>, faults: Option<&Arc<DeviceFaults>>) -> Model {
     let block_bytes = store.geometry().block_bytes;
     let mut evicted_seen = 0;
     if tracing() {
@@ -552,7 +605,16 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
             eprintln!("store_ops: shard {} opened: {:?}", s.shard, s.recovery);
         }
     }
-    for op in ops {
+    for (i, op) in ops.iter().enumerate() {
+        if let (Some(plan), Some(faults)) = (model.fail.clone(), faults) {
+            if plan.from_op == i {
+                faults.set_failing(plan.device, true);
+                model.failing_keys = plan.keys;
+                if tracing() {
+                    eprintln!("store_ops: device {} fails from here on", plan.device);
+                }
+            }
+        }
         if tracing() {
             eprintln!("store_ops: {op:?}");
         }
@@ -561,7 +623,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 let k = key as usize % KEYS.len();
                 match store.put(&stored(k), vec![payload(k, seed, block_bytes)]).await {
                     Ok(_) if model.absent_keys.contains(&k) => panic!("PUT {} stored with its device absent", KEYS[k]),
-                    Err(Error::DeviceDown(_)) if model.absent_keys.contains(&k) => {}
+                    Err(Error::DeviceDown(_)) if model.absent_keys.contains(&k) || model.failing_keys.contains(&k) => {}
                     Ok(_) => model.acked(k, &[Some(seed)]),
                     Err(e @ (Error::DiskFull(_) | Error::Overloaded(_))) => panic!("PUT {} refused on an idle store: {e}", KEYS[k]),
                     Err(e) => panic!("PUT {} failed: {e}", KEYS[k]),
@@ -582,6 +644,21 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                     );
                     continue;
                 }
+                if model.failing_keys.contains(&k) {
+                    // Each stored (on a device the shard spans that works) or refused.
+                    let stored: Vec<Option<u8>> = [(a, &ra), (b, &rb)]
+                        .into_iter()
+                        .filter_map(|(seed, r)| match r {
+                            Ok(_) => Some(Some(seed)),
+                            Err(Error::DeviceDown(_)) => None,
+                            Err(e) => panic!("concurrent PUT of {} while its device fails: {e}", KEYS[k]),
+                        })
+                        .collect();
+                    if !stored.is_empty() {
+                        model.acked(k, &stored);
+                    }
+                    continue;
+                }
                 if let Err(e) = ra.and(rb) {
                     panic!("concurrent PUTs of {} failed: {e}", KEYS[k]);
                 }
@@ -598,7 +675,7 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                         }
                         model.read(k, Some(seed), "GET");
                     }
-                    Err(e) if miss(&e) && model.absent_keys.contains(&k) => {}
+                    Err(e) if miss(&e) && (model.absent_keys.contains(&k) || model.failing_keys.contains(&k)) => {}
                     Err(e) if miss(&e) => model.read(k, None, "GET"),
                     Err(e) => panic!("GET {} failed: {e}", KEYS[k]),
                 }
@@ -609,7 +686,11 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 if model.absent_keys.contains(&k) {
                     model.read_absent(k, found.map(|_| 0), "HEAD");
                 } else if found.is_none() {
-                    model.read(k, None, "HEAD");
+                    // A failing device's key may read as missing (its copy
+                    // in memory gone with a refused DELETE).
+                    if !model.failing_keys.contains(&k) {
+                        model.read(k, None, "HEAD");
+                    }
                 } else {
                     let s = &model.keys[k];
                     let damaged = model.damage_epoch >= s.written_epoch && !s.history.is_empty();
@@ -626,6 +707,8 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                 match store.delete(&stored(k)).await {
                     Ok(()) if model.absent_keys.contains(&k) => panic!("DELETE {} done with its device absent", KEYS[k]),
                     Err(e) if miss(&e) && model.absent_keys.contains(&k) => {}
+                    // The tombstone is not written; a copy in memory may be gone.
+                    Err(Error::DeviceDown(_) | Error::NotFound) if model.failing_keys.contains(&k) => {}
                     Ok(()) => model.acked(k, &[None]),
                     Err(e) if miss(&e) => model.read(k, None, "DELETE"),
                     Err(e) => panic!("DELETE {} failed: {e}", KEYS[k]),
@@ -643,8 +726,8 @@ async fn apply(store: &Rc<Store>, ops: &[Op], mut model: Model, reporter: Option
                         .await
                     {
                         Ok(_) => {}
-                        // A filler of an absent device's shard.
-                        Err(Error::DeviceDown(_)) if !model.absent_keys.is_empty() => continue,
+                        // A filler of an absent or failing device's shard.
+                        Err(Error::DeviceDown(_)) if !model.absent_keys.is_empty() || model.fail.is_some() => continue,
                         Err(e) => panic!("a filler PUT failed: {e}"),
                     }
                     let now: u64 = store.stats().await.expect("stats").iter().map(|s| s.reclaimed_segments).sum();

@@ -72,6 +72,9 @@ pub struct ShardConfig {
     /// ([`crate::devices::Layout::shard_discards`]): recovery deletes its
     /// segments and snapshot first, and says so.
     pub discard_log: Option<String>,
+    /// The test double for devices that fail ([`crate::faults`]), and the
+    /// device of each of `segment_dirs` (its lanes); `None` in a served store.
+    pub device_faults: Option<(Arc<crate::faults::DeviceFaults>, Vec<u32>)>,
 }
 
 impl ShardConfig {
@@ -87,6 +90,14 @@ impl ShardConfig {
             [] | [_] => self.dir.display().to_string(),
             all => format!("one of {}", all.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")),
         }
+    }
+
+    /// Segment `id`'s device's injected failure, if the store has the test
+    /// double ([`ShardConfig::device_faults`]).
+    pub fn fault_switch(&self, id: u32) -> Option<crate::faults::FaultSwitch> {
+        let (faults, lanes) = self.device_faults.as_ref()?;
+        let device = *lanes.get(id as usize % lanes.len().max(1))?;
+        Some(crate::faults::FaultSwitch::new(faults.clone(), device as usize))
     }
 
     /// The directory of segment `id` ([`ShardConfig::segment_dirs`]).

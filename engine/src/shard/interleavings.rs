@@ -48,6 +48,7 @@ fn config(dir: &Path, ram_blocks: u64) -> StoreConfig {
         owners: Default::default(),
         events: None,
         stalls: None,
+        device_faults: None,
     }
 }
 

@@ -224,10 +224,14 @@ impl Shard {
         if self.cfg.log_absent.is_some() {
             self.log_accepts_writes()?;
         }
+        let fault = self.cfg.fault_switch(id);
+        if let Some(f) = &fault {
+            f.check(|| format!("creating segment {id}"))?;
+        }
         let sb = self.superblock(id, self.next_seq.get());
         let dir = self.cfg.segment_dir(id).to_path_buf();
         let path = glommio::executor().spawn_blocking(move || segment::create_file(&dir, &sb)).await?;
-        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment).await?;
+        let segment = Segment::open(&path, id, sb.first_seq, self.slot_bytes, self.slots_per_segment, fault).await?;
         let mut segments = self.segments.borrow_mut();
         if segments.len() <= id as usize {
             segments.resize(id as usize + 1, None);

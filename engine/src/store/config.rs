@@ -143,6 +143,9 @@ pub struct StoreConfig {
     /// Stall detection on every shard's executor (`--stall-threshold-ms`;
     /// `None`: off). See [`crate::stall`].
     pub stalls: Option<Arc<crate::stall::Stalls>>,
+    /// The test double for devices that fail at run time, by device index
+    /// ([`crate::faults`]); `None` for a served store.
+    pub device_faults: Option<Arc<crate::faults::DeviceFaults>>,
 }
 
 impl StoreConfig {
@@ -216,6 +219,10 @@ impl StoreConfig {
             store_id: crate::segment::store_id_bytes(layout.store_id.as_deref()),
             log_absent: layout.shard_absent(shard_id, self.shards),
             discard_log: layout.shard_discards(shard_id, self.shards),
+            device_faults: self.device_faults.clone().map(|f| {
+                let lanes = layout.devices_of(shard_id, self.shards).iter().map(|d| d.index).collect();
+                (f, lanes)
+            }),
         }
     }
 

@@ -387,6 +387,7 @@ impl StoreArgs {
             owners: Default::default(),
             events: None,
             stalls: None,
+            device_faults: None,
         };
         Ok((config, segment_origin))
     }
