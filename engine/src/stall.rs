@@ -61,7 +61,9 @@ const STALL_SIGNAL: i32 = libc::SIGURG;
 /// One stall, as logged and written to `--stall-log`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StallRecord {
-    /// When the stall ended, in seconds since the Unix epoch.
+    /// When the stall ended (the task queue run), in seconds since the Unix
+    /// epoch, read on the shard's thread as the run ended: not when the
+    /// reporter logged it, which can be seconds later.
     pub unix_s: f64,
     /// The server's process id.
     pub pid: u32,
@@ -213,6 +215,9 @@ pub struct Stalls {
 struct Report {
     shard: u32,
     queue: String,
+    /// When the run ended ([`StallRecord::unix_s`]), read on the shard's
+    /// thread: the reporter may take a second or more to resolve symbols.
+    ended_unix_s: f64,
     duration: Duration,
     usage: Usage,
     trace: backtrace::Backtrace,
@@ -315,7 +320,9 @@ impl Stalls {
         counters.count.fetch_add(1, Ordering::Relaxed);
         counters.longest_us.fetch_max(us, Ordering::Relaxed);
         counters.durations.record(us);
-        let report = Report { shard, queue: queue.to_string(), duration, usage, trace };
+        // clock_gettime through the vDSO: no syscall, nothing that waits.
+        let ended_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+        let report = Report { shard, queue: queue.to_string(), ended_unix_s, duration, usage, trace };
         // try_lock: the lock is only ever contended by `stop`.
         let sent = self.reports.try_lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(report)));
         if !matches!(sent, Some(Ok(()))) {
@@ -334,7 +341,7 @@ impl Stalls {
             let frames_for_cause = frames.clone();
             let last_frames = if samples.len() > 1 { samples.last().map(|f| named_frames(f)).unwrap_or_default() } else { Vec::new() };
             let record = StallRecord {
-                unix_s: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
+                unix_s: report.ended_unix_s,
                 pid,
                 shard: report.shard,
                 duration_ms: report.duration.as_secs_f64() * 1e3,

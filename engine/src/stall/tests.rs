@@ -149,3 +149,39 @@ fn a_threshold_under_the_least_is_refused() {
     let e = Stalls::new(1, Duration::from_millis(5), None).unwrap_err();
     assert!(e.contains("--stall-threshold-ms must be at least 20"), "{e}");
 }
+
+#[test]
+fn a_stalls_end_is_when_its_run_ended_not_when_the_reporter_got_to_it() {
+    // The reporter resolves symbols (a second or more on a busy machine) and
+    // reports stalls one at a time; `make test` places a stall against a
+    // test's SIGSTOPs by its end, so the end must be the run's.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("stalls.jsonl");
+    let stalls = Stalls::new(1, Duration::from_millis(40), Some(log.clone())).unwrap();
+    // Held, the shard's last-stall slot keeps the reporter on the first stall.
+    let held = stalls.shards[0].last.lock().unwrap();
+    let handler = stalls.handler(0);
+    let ended = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .preempt_timer(PREEMPT_BUDGET)
+        .detect_stalls(Some(handler))
+        .spawn(|| async move {
+            block_thread_for(Duration::from_millis(100));
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+            block_thread_for(Duration::from_millis(100));
+            let ended = std::time::SystemTime::now();
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+            ended
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(held);
+    stalls.stop();
+    let lines = std::fs::read_to_string(&log).unwrap();
+    let records: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), 2, "{lines}");
+    let ended = ended.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let late_s = records[1]["unix_s"].as_f64().unwrap() - ended;
+    assert!((-0.001..0.5).contains(&late_s), "the second stall is placed {late_s:.3} s after its run ended");
+}
