@@ -53,6 +53,9 @@ REPLAY_OUT ?= target/loadgen/replay
 
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# A recipe line installing a tool the benches need, once: $(call install_tool,COMMAND,APT-PACKAGE).
+install_tool = command -v $(1) >/dev/null || { echo "installing $(2)"; \
+  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(2); }
 
 .PHONY: all build build-server run test deps data replay sweep bench bench-http bench-devices crash-test soak fmt lint clean-data help \
 	disk-check model-check wheel test-wheel python-env python-env-all test-all test-build test-layout test-cargo test-python test-vllm033 \
@@ -392,9 +395,7 @@ bench-waits: build target/py-vllm/.client
 	  --loadgen target/release/kvtier-loadgen --out target/bench/waits
 
 bench-local: build data target/py-vllm/.client
-	@command -v fio >/dev/null || { \
-	  echo "installing fio"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fio; }
+	@$(call install_tool,fio,fio)
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier LOADGEN_BIN=$(CURDIR)/target/release/kvtier-loadgen \
 	  target/py-vllm/bin/python clients/python/bench/bench_local.py --out target/bench/local $(BENCH_LOCAL_ARGS)
 
@@ -416,15 +417,17 @@ bench-connectors: build data target/py-vllm/.client target/py-sglang/.client
 # geometry (16 MiB blocks), contenders alternated over rounds, each figure
 # with its range: repeated 4K and 8K-token prefixes loaded from kvtier's log
 # and from ExampleConnector's files with the page cache dropped (root),
-# against the same graph recomputing (the connector with loads off);
+# against the same graph recomputing (the connector with loads off), and
+# fio (O_DIRECT) reading the bytes a kvtier hit loads from the same disk;
 # multi-turn ShareGPT; decoding streams' ITL while others load long prefixes
 # (sync, per-layer, asynchronous loads); the connector's own time per step
-# at 64 running requests. Prints the table and issue 54's goals with their
+# at 64 running requests. Prints the table and issues 54's and 62's goals with their
 # verdicts; target/bench/engine/{results.json,table.md}. About 45 minutes
 # here. Settings in clients/python/bench/bench_serving.py; BENCH_ENGINE_ARGS
 # e.g. "--rounds 5 --phases prefix,interference".
 BENCH_ENGINE_ARGS ?=
 bench-engine: build target/py-vllm/.client $(VLLM_MODEL_8B)/kvtier-model.json | data
+	@$(call install_tool,fio,fio)
 	KVTIER_BIN=$(CURDIR)/target/release/kvtier \
 	  target/py-vllm/bin/python clients/python/bench/bench_serving.py --model $(CURDIR)/$(VLLM_MODEL_8B) \
 	  --out target/bench/engine --sharegpt "$(SHAREGPT_JSON)" $(BENCH_ENGINE_ARGS)
@@ -502,18 +505,14 @@ replay: build data
 # kvtier and redis-server started here, swept in one run on one workload;
 # settings in loadgen/scripts/sweep.sh (SWEEP_CONCURRENCY, SWEEP_DURATION_S, ...).
 sweep: build deps
-	@command -v iperf3 >/dev/null || { \
-	  echo "installing iperf3"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq iperf3; }
+	@$(call install_tool,iperf3,iperf3)
 	loadgen/scripts/sweep.sh
 
 # Engine PUT/GET against fio at 1.2 MB and 16 MiB blocks, queue depth 1 and
 # 16, alternating in 3 pairs; BENCH_ARGS e.g. "--seconds 10 --pairs 5".
 BENCH_ARGS ?=
 bench:
-	@command -v fio >/dev/null || { \
-	  echo "installing fio"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fio; }
+	@$(call install_tool,fio,fio)
 	$(CARGO) bench -p kvtier-engine --bench engine -- $(BENCH_ARGS)
 
 # kvtier with the same shards over one and over N data directories (one per
@@ -522,9 +521,7 @@ bench:
 # images (root), or DEVICES_MOUNTS="dir-on-drive-1 dir-on-drive-2 ..." on a
 # host with several drives; settings in loadgen/scripts/bench_devices.sh.
 bench-devices: build
-	@command -v fio >/dev/null || { \
-	  echo "installing fio"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fio; }
+	@$(call install_tool,fio,fio)
 	loadgen/scripts/bench_devices.sh
 
 # Whole-block PUT/GET at 1.2 MB and 16 MiB, h2c and HTTP/1.1, concurrency

@@ -20,8 +20,12 @@ Phases:
 1. ``prefix``: each of ``--prefix-tokens`` (a ShareGPT text cut to that
    many tokens) is stored once, then per round and contender: vLLM's prefix
    cache emptied, the page cache dropped (``/proc/sys/vm/drop_caches``,
-   root), the prompt sent again: TTFT. kvtier's RAM tier is
-   ``--kvtier-ram-gb`` (default 64 MiB), so its blocks come from the log.
+   root), the prompt sent again: TTFT, then once more: vLLM's own hit.
+   kvtier's RAM tier is ``--kvtier-ram-gb`` (default 64 MiB), so its blocks
+   come from the log. In kvtier's turn fio then reads the bytes the hit
+   loaded (``O_DIRECT``, io_uring, ``--fio-depth`` blocks in flight, the page
+   cache dropped) from a file on the same filesystem: what kvtier adds past
+   vLLM's own hit against the disk's time for those bytes (issue 62).
 2. ``multiturn``: ``--conversations`` ShareGPT conversations, turns
    interleaved, each prompt the conversation so far; TTFT p50/p99. The
    working set is larger than kvtier's RAM tier and vLLM's cache.
@@ -57,10 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from bench_engine import conversations, pct, stream  # the same requests as the replay (bench/ is on sys.path)
+from bench_local import fio
 
 from kvtier.testing import ServerProcess, VllmServer, sharegpt_conversations
 
-BLOCK_TOKENS = 128
 #: The figures a phase reports per contender, each a list over rounds.
 Figures = dict[str, dict[str, list[float]]]
 
@@ -185,8 +189,19 @@ class Fleet:
             shutil.rmtree(self.args.out / scratch, ignore_errors=True)
 
 
+def loaded_bytes(args: argparse.Namespace, prompt: list[int]) -> int:
+    """The bytes a hit on ``prompt`` loads: its whole blocks but the one
+    holding its last token (vLLM computes that token for its logits)."""
+    return (len(prompt) - 1) // BLOCK_TOKENS * args.block_bytes
+
+
 def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]]) -> Figures:
     figures: Figures = {}
+    # fio's read of the bytes a kvtier hit loads, from a file on the
+    # filesystem kvtier's log is on, in the same round: what the disk gives.
+    fio_file = args.out / "fio-prefix.dat"
+    if "kvtier" in fleet.engines:
+        fio(fio_file, args.block_bytes, max(loaded_bytes(args, p) for p in prompts), "write", 4, None)
     for prompt in prompts:  # computed once, and stored, by each contender
         for engine in fleet.engines.values():
             stream(engine.url, prompt, 1)
@@ -204,12 +219,20 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
                 figs = figures.setdefault(name, {})
                 figs.setdefault(f"ttft_s_{len(prompt)}", []).append(got["ttft_s"])
                 figs.setdefault(f"own_hit_ttft_s_{len(prompt)}", []).append(own["ttft_s"])
+                disk = ""
+                if name == "kvtier":
+                    size = loaded_bytes(args, prompt)
+                    drop_caches()
+                    read = fio(fio_file, args.block_bytes, size, "read", args.fio_depth, None)
+                    figs.setdefault(f"fio_read_s_{len(prompt)}", []).append(size / read["bytes_per_s"])
+                    disk = f"; fio reads its {size / 2**30:.2f} GiB in {size / read['bytes_per_s']:.2f} s"
                 print(
                     f"bench-engine: {time.strftime('%H:%M:%S')} prefix round {rnd} {name} {len(prompt)}: "
                     f"{got['ttft_s']:.2f} s "
-                    f"(vLLM's own hit {own['ttft_s']:.2f} s)",
+                    f"(vLLM's own hit {own['ttft_s']:.2f} s{disk})",
                     file=sys.stderr,
                 )
+    fio_file.unlink(missing_ok=True)
     for name, engine in fleet.engines.items():  # kvtier's loads: wall time in its mover (counter load_us)
         if name == "kvtier":
             time.sleep(11)  # vLLM logs its counters every 10 s
@@ -350,6 +373,13 @@ def goals(s: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, float,
                 1e-9, prefix["kvtier"][big]["median"] - prefix["kvtier"][own]["median"]
             )
             out.append((f"{big} beyond vLLM's own hit (the load): ExampleConnector / kvtier >= 2", ratio, ratio >= 2))
+    fio_key = f"fio_read_s_{max(args.prefix_tokens)}"
+    if "kvtier" in prefix and fio_key in prefix["kvtier"]:  # issue 62: what kvtier adds to a hit, against the disk
+        kv = prefix["kvtier"]
+        added = kv[big]["median"] - kv[f"own_hit_{big}"]["median"]
+        ratio = added / kv[fio_key]["median"]
+        goal = f"{big}: kvtier beyond vLLM's own hit / fio's read of the same bytes <= 1.25"
+        out.append((goal, ratio, ratio <= 1.25))
     inter = s.get("interference", {})
     if "kvtier/loads" in inter:
         p99 = inter["kvtier/loads"]["itl_s_p99"]["median"]
@@ -414,6 +444,12 @@ def main() -> None:
         "--eager",
         action="store_true",
         help="every contender without torch.compile (still one graph for all; a start takes ~2 min, not ~11)",
+    )
+    ap.add_argument(
+        "--fio-depth",
+        type=int,
+        default=4,
+        help="fio's blocks in flight reading a hit's bytes (O_DIRECT, io_uring, one block each)",
     )
     ap.add_argument("--vllm-cache-gib", type=int, default=3)
     ap.add_argument("--kvtier-ram-gb", type=float, default=0.0625)
