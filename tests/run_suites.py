@@ -4,8 +4,8 @@ failure, and ends with one summary: each suite's result and time, every
 shard stall of a second or more that any server of the run reported (one
 that kvtier's own thread accounts for fails the run; one spent waiting for
 the machine, memory being reclaimed or a CPU other processes held, or
-held by a test that stopped the server with SIGSTOP
-(``kvtier.testing.note_stopped``), is listed, not counted), and an exit status
+held by a test that stopped the server with SIGSTOP or held its sends
+with strace (``kvtier.testing.note_stopped``), is listed, not counted), and an exit status
 that is non-zero if anything failed.
 
 ``make test`` and ``make test-all`` call it (docs/TESTING.md). Each suite's
@@ -84,17 +84,36 @@ def own_ms(stall: dict[str, object]) -> float:
     return float(stall.get("cpu_ms", 0.0))  # type: ignore[arg-type]
 
 
-def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, float]]) -> float:
-    """How much of ``stall`` a test's own SIGSTOP of that server covered
-    (``kvtier.testing.note_stopped``: the server's threads stop wherever
-    they are, so the shard's run that was going on lasts the stop)."""
+def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, object]]) -> float:
+    """How much of ``stall`` a test's own hold of that server covered
+    (``kvtier.testing.note_stopped``): a SIGSTOP (``held`` "process": the
+    server's threads stop wherever they are, so the shard's run that was
+    going on lasts the stop), or its sends delayed by strace (``held``
+    "sends": a stall whose innermost frame is a send)."""
     end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
     start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
+    frames = stall.get("frames") or [""]
+    in_send = "send" in str(frames[0])  # type: ignore[index]
     held = 0.0
     for s in stops:
-        if s.get("pid") == stall.get("pid"):
-            held += max(0.0, min(end, s["to_unix_s"]) - max(start, s["from_unix_s"]))
+        if s.get("pid") != stall.get("pid") or (s.get("held") == "sends" and not in_send):
+            continue
+        held += max(0.0, min(end, float(s["to_unix_s"])) - max(start, float(s["from_unix_s"])))  # type: ignore[arg-type]
     return held * 1000
+
+
+def hold_kind(stall: dict[str, object], stops: list[dict[str, object]]) -> str:
+    """How the test held the server during ``stall``, for the summary."""
+    end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
+    start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
+    kinds = {
+        str(s.get("held", "process"))
+        for s in stops
+        if s.get("pid") == stall.get("pid") and float(s["from_unix_s"]) < end and float(s["to_unix_s"]) > start  # type: ignore[arg-type]
+    }
+    return " and ".join(
+        {"process": "stopped by a test (SIGSTOP)", "sends": "its sends held by a test (strace)"}[k] for k in sorted(kinds)
+    )
 
 
 def stalls(path: Path) -> list[dict[str, object]]:
@@ -155,7 +174,7 @@ def main() -> int:
     for s in long + starved:
         frames = " <- ".join(s.get("frames", []))  # type: ignore[arg-type]
         verdict = "FAIL" if s in long else "note"
-        stopped = f", {held[id(s)]:.0f} ms of it stopped by a test (SIGSTOP)" if held[id(s)] else ""
+        stopped = f", {held[id(s)]:.0f} ms of it {hold_kind(s, stops)}" if held[id(s)] else ""
         print(
             f"    {verdict} stall of {s['duration_ms']:.0f} ms on shard {s['shard']} (pid {s['pid']}), "
             f"{s.get('cause')}, {s.get('cpu_ms', 0):.0f} ms on a CPU{stopped}: {frames}"

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import kvtier
-from kvtier.testing import ServerProcess, VllmServer, free_port, sharegpt_conversations
+from kvtier.testing import ServerProcess, VllmServer, free_port, note_stopped, sharegpt_conversations
 
 #: vLLM's CPU backend: 128-token blocks; the model's KV is 16 KiB a token
 #: (8 layers x K,V x 8 heads x 64 x bf16), so a block is 2 MiB.
@@ -350,7 +350,10 @@ def answered_loads(store: ServerProcess) -> int:
 def responses_held(store: ServerProcess, seconds: float) -> Iterator[None]:
     """Every answer kvtier sends on its socket held ``seconds`` in the
     kernel's entry to ``send`` (strace's fault injection; its HTTP door
-    writes otherwise, so ``/v1/stats`` still answers)."""
+    writes otherwise, so ``/v1/stats`` still answers). The shard sending
+    stalls that long in the send: the hold is recorded
+    (:func:`kvtier.testing.note_stopped`), so ``make test`` lists such a
+    stall as the test's."""
     strace = shutil.which("strace")
     if strace is None:
         pytest.fail("this test holds kvtier's answers with strace: install it (make deps does)")
@@ -372,12 +375,14 @@ def responses_held(store: ServerProcess, seconds: float) -> Iterator[None]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    held_from = time.time()
     time.sleep(0.5)  # attached to the server's threads
     try:
         yield
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+        note_stopped(store.pid, held_from, time.time() + seconds, sends_only=True)  # a send let go lasts its hold
         os.unlink(log.name)
 
 

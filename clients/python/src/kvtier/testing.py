@@ -35,23 +35,29 @@ SUN_PATH_MAX = 107
 LOG_DIR_ENV = "KVTIER_TEST_LOG_DIR"
 
 
-#: Where tests record when they stopped a server with SIGSTOP (JSON lines
-#: of ``pid``, ``from_unix_s``, ``to_unix_s``), under ``$KVTIER_TEST_LOG_DIR``:
-#: ``tests/run_suites.py`` does not count the part of a shard stall that a
-#: test's own SIGSTOP held (the server's threads stop wherever they are).
+#: Where tests record when they held a server still (JSON lines of ``pid``,
+#: ``from_unix_s``, ``to_unix_s`` and ``held``: ``"process"`` for SIGSTOP,
+#: ``"sends"`` for its sends delayed by strace), under
+#: ``$KVTIER_TEST_LOG_DIR``: ``tests/run_suites.py`` does not count the part
+#: of a shard stall that a test held (all of the process: wherever its
+#: threads were; its sends: a stall in a send).
 STOPPED_FILE = "stopped.jsonl"
 
 
-def note_stopped(pid: int, from_unix_s: float, to_unix_s: float) -> None:
-    """Records that a test held process ``pid`` stopped (SIGSTOP) from
-    ``from_unix_s`` to ``to_unix_s`` (``time.time()``), when
-    ``$KVTIER_TEST_LOG_DIR`` is set; otherwise does nothing."""
+def note_stopped(pid: int, from_unix_s: float, to_unix_s: float, *, sends_only: bool = False) -> None:
+    """Records that a test held process ``pid`` still from ``from_unix_s``
+    to ``to_unix_s`` (``time.time()``): stopped with SIGSTOP, or with
+    ``sends_only`` each of its ``send`` calls delayed (strace's fault
+    injection), when ``$KVTIER_TEST_LOG_DIR`` is set; otherwise does
+    nothing."""
     keep = os.environ.get(LOG_DIR_ENV)
     if not keep:
         return
     Path(keep).mkdir(parents=True, exist_ok=True)
+    held = "sends" if sends_only else "process"
+    record = {"pid": pid, "from_unix_s": from_unix_s, "to_unix_s": to_unix_s, "held": held}
     with open(Path(keep) / STOPPED_FILE, "a") as f:
-        f.write(json.dumps({"pid": pid, "from_unix_s": from_unix_s, "to_unix_s": to_unix_s}) + "\n")
+        f.write(json.dumps(record) + "\n")
 
 
 def _thread_state(pid: int, tid: str) -> str:
