@@ -174,7 +174,7 @@ def run_contender(
             disk_gb=8,
             shards=1,
             data_dir=str(work / f"{name}-data"),
-            args=("--pin-cpus", "false", "--ram-shared", "on" if name == "kvtier-leased" else "off"),
+            args=("--ram-shared", "on" if name == "kvtier-leased" else "off"),
         )
         shutil.rmtree(server.data_dir, ignore_errors=True)
         server.start()

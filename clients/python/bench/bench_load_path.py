@@ -60,9 +60,7 @@ def main() -> None:
     n, bb = args.blocks, args.block_bytes
     os.makedirs(args.dir, exist_ok=True)
     disk_gb = 2 * n * bb / 2**30 + 1
-    with ServerProcess(
-        block_bytes=bb, ram_gb=0.0625, disk_gb=disk_gb, shards=args.shards, args=("--pin-cpus", "false")
-    ) as srv:
+    with ServerProcess(block_bytes=bb, ram_gb=0.0625, disk_gb=disk_gb, shards=args.shards) as srv:
         source = SharedBuffer(n * bb)
         view = memoryview(source)
         for i in range(n):
