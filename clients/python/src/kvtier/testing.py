@@ -480,10 +480,20 @@ class VllmServer:
         answer = self._post("/tokenize", {"model": "kvtier-llama", "prompt": prompt}, timeout_s)
         return [int(t) for t in answer["tokens"]]  # type: ignore[attr-defined]
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, wait_s: float = 30.0) -> None:
         """Empties vLLM's own prefix cache (``POST /reset_prefix_cache``, a
-        development-mode route)."""
-        self._post("/reset_prefix_cache", None, 60.0)
+        development-mode route). vLLM refuses while blocks are held (a
+        running request, a connector's stores in flight), answering
+        ``{"success": false}``: asked again every 0.1 s for up to ``wait_s``.
+
+        Raises:
+            RuntimeError: still refused after ``wait_s``: a request after it
+                would be vLLM's own hit, not what the caller meant to measure."""
+        deadline = time.monotonic() + wait_s
+        while not self._post("/reset_prefix_cache", None, 60.0).get("success", True):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"vLLM refused to reset its prefix cache for {wait_s:.0f} s: blocks are still held")
+            time.sleep(0.1)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus counters and gauges (``/metrics``), summed over
