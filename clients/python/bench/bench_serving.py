@@ -155,7 +155,6 @@ class Fleet:
                 disk_gb=args.kvtier_disk_gb,
                 shards=1,
                 data_dir=str(data),
-                args=("--pin-cpus", "false"),
             )
             self.kvtier.start()
             self.servers.append(self.kvtier)
@@ -189,6 +188,14 @@ class Fleet:
             shutil.rmtree(self.args.out / scratch, ignore_errors=True)
 
 
+def server_usage(pid: int) -> tuple[float, int]:
+    """kvtier's CPU seconds (user + system) and minor page faults so far
+    (``/proc/PID/stat``): a load's page faults are the first touches of
+    vLLM's registered pages in the server's mapping."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
 def loaded_bytes(args: argparse.Namespace, prompt: list[int]) -> int:
     """The bytes a hit on ``prompt`` loads: its whole blocks but the one
     holding its last token (vLLM computes that token for its logits)."""
@@ -212,7 +219,9 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
             for prompt in prompts:
                 engine.reset_prefix_cache()
                 drop_caches()
+                before = server_usage(fleet.kvtier.pid) if fleet.kvtier and name == "kvtier" else None
                 got = stream(engine.url, prompt, 1)
+                after = server_usage(fleet.kvtier.pid) if fleet.kvtier and name == "kvtier" else None
                 # The same prompt again, from vLLM's own prefix cache: the last
                 # block's prefill alone, the floor under every contender's TTFT.
                 own = stream(engine.url, prompt, 1)
@@ -220,12 +229,21 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
                 figs.setdefault(f"ttft_s_{len(prompt)}", []).append(got["ttft_s"])
                 figs.setdefault(f"own_hit_ttft_s_{len(prompt)}", []).append(own["ttft_s"])
                 disk = ""
+                if before and after:  # kvtier's own work on the load: CPU, and pages mapped for the first time
+                    size = loaded_bytes(args, prompt)
+                    figs.setdefault(f"server_cpu_s_per_gib_{len(prompt)}", []).append(
+                        (after[0] - before[0]) / (size / 2**30)
+                    )
+                    figs.setdefault(f"server_page_faults_per_page_{len(prompt)}", []).append(
+                        (after[1] - before[1]) / (size / os.sysconf("SC_PAGESIZE"))
+                    )
+                    disk = f"; kvtier {after[0] - before[0]:.2f} CPU-s, {after[1] - before[1]} page faults"
                 if name == "kvtier":
                     size = loaded_bytes(args, prompt)
                     drop_caches()
                     read = fio(fio_file, args.block_bytes, size, "read", args.fio_depth, None)
                     figs.setdefault(f"fio_read_s_{len(prompt)}", []).append(size / read["bytes_per_s"])
-                    disk = f"; fio reads its {size / 2**30:.2f} GiB in {size / read['bytes_per_s']:.2f} s"
+                    disk += f"; fio reads its {size / 2**30:.2f} GiB in {size / read['bytes_per_s']:.2f} s"
                 print(
                     f"bench-engine: {time.strftime('%H:%M:%S')} prefix round {rnd} {name} {len(prompt)}: "
                     f"{got['ttft_s']:.2f} s "

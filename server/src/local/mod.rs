@@ -97,6 +97,9 @@ pub struct LocalShared {
     pub registrations_total: AtomicU64,
     /// Bytes of the registrations held now.
     pub registered_bytes: AtomicU64,
+    /// Bytes of registered regions the server mapped ahead since start
+    /// ([`region::Region::map_ahead`]: the pages the client's file held).
+    pub registered_bytes_mapped_ahead: AtomicU64,
     /// Connections closed for a framing error.
     pub frame_errors: AtomicU64,
     /// Peers refused by the uid/gid check.
@@ -151,6 +154,7 @@ impl LocalArgs {
             registrations_open: AtomicU64::new(0),
             registrations_total: AtomicU64::new(0),
             registered_bytes: AtomicU64::new(0),
+            registered_bytes_mapped_ahead: AtomicU64::new(0),
             frame_errors: AtomicU64::new(0),
             peers_refused: AtomicU64::new(0),
             items_cancelled: AtomicU64::new(0),
@@ -238,6 +242,11 @@ impl crate::metrics::Door for LocalShared {
         registry.register("local_registered_bytes", "Bytes of the buffers registered now", gauge(load(&self.registered_bytes)));
         registry.register("local_registrations", "Buffers registered since start", ConstCounter::new(load(&self.registrations_total)));
         registry.register(
+            "local_registered_bytes_mapped_ahead",
+            "Bytes of registered buffers the server mapped in its page tables at registration (the pages the client held), so copies take no page faults",
+            ConstCounter::new(load(&self.registered_bytes_mapped_ahead)),
+        );
+        registry.register(
             "local_frame_errors",
             "Local connections closed for a framing error",
             ConstCounter::new(load(&self.frame_errors)),
@@ -280,6 +289,7 @@ impl crate::metrics::Door for LocalShared {
             "registrations_open": self.registrations_open.load(Ordering::Relaxed),
             "registrations_total": self.registrations_total.load(Ordering::Relaxed),
             "registered_bytes": self.registered_bytes.load(Ordering::Relaxed),
+            "registered_bytes_mapped_ahead_total": self.registered_bytes_mapped_ahead.load(Ordering::Relaxed),
             "frame_errors": self.frame_errors.load(Ordering::Relaxed),
             "peers_refused": self.peers_refused.load(Ordering::Relaxed),
             "items_cancelled_total": self.items_cancelled.load(Ordering::Relaxed),
