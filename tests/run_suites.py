@@ -94,11 +94,16 @@ def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, object]]) -
     start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
     frames = stall.get("frames") or [""]
     in_send = "send" in str(frames[0])  # type: ignore[index]
-    held = 0.0
-    for s in stops:
-        if s.get("pid") != stall.get("pid") or (s.get("held") == "sends" and not in_send):
-            continue
-        held += max(0.0, min(end, float(s["to_unix_s"])) - max(start, float(s["from_unix_s"])))  # type: ignore[arg-type]
+    spans = sorted(
+        (max(start, float(s["from_unix_s"])), min(end, float(s["to_unix_s"])))  # type: ignore[arg-type]
+        for s in stops
+        if s.get("pid") == stall.get("pid") and not (s.get("held") == "sends" and not in_send)
+    )
+    held, reached = 0.0, start  # the union of the holds within the stall: overlapping ones count once
+    for a, b in spans:
+        if b > max(a, reached):
+            held += b - max(a, reached)
+            reached = b
     return held * 1000
 
 
