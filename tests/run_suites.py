@@ -84,14 +84,20 @@ def own_ms(stall: dict[str, object]) -> float:
     return float(stall.get("cpu_ms", 0.0))  # type: ignore[arg-type]
 
 
+def window(stall: dict[str, object]) -> tuple[float, float]:
+    """When ``stall`` began and ended (Unix seconds; the end as the shard's
+    thread read it)."""
+    end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
+    return end - float(stall.get("duration_ms", 0.0)) / 1000, end  # type: ignore[arg-type]
+
+
 def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, object]]) -> float:
     """How much of ``stall`` a test's own hold of that server covered
     (``kvtier.testing.note_stopped``): a SIGSTOP (``held`` "process": the
     server's threads stop wherever they are, so the shard's run that was
     going on lasts the stop), or its sends delayed by strace (``held``
     "sends": a stall whose innermost frame is a send)."""
-    end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
-    start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
+    start, end = window(stall)
     frames = stall.get("frames") or [""]
     in_send = "send" in str(frames[0])  # type: ignore[index]
     spans = sorted(
@@ -109,8 +115,7 @@ def held_by_tests_ms(stall: dict[str, object], stops: list[dict[str, object]]) -
 
 def hold_kind(stall: dict[str, object], stops: list[dict[str, object]]) -> str:
     """How the test held the server during ``stall``, for the summary."""
-    end = float(stall.get("unix_s", 0.0))  # type: ignore[arg-type]
-    start = end - float(stall.get("duration_ms", 0.0)) / 1000  # type: ignore[arg-type]
+    start, end = window(stall)
     kinds = {
         str(s.get("held", "process"))
         for s in stops

@@ -21,18 +21,13 @@ import statistics
 import subprocess
 import time
 
-from bench_serving import drop_caches  # bench/ is on sys.path
+from bench_serving import drop_caches, server_usage  # bench/ is on sys.path
 
 from kvtier import Client
 from kvtier.shm import SharedBuffer
 from kvtier.testing import ServerProcess
 
 SPANS = 32  # one page per layer, as vLLM's layer-major cache at Llama-3-8B's geometry
-
-
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def dd_gbps(path: str, nbytes: int, block_bytes: int) -> float:
@@ -92,14 +87,14 @@ def main() -> None:
             ptrs = [[base + i * bb + j * page for j in range(SPANS)] for i in range(n)]
             ref.append(dd_gbps(ref_path, n * bb, bb))
             drop_caches()
-            cpu0 = cpu_s(srv.pid)
+            cpu0 = server_usage(srv.pid)[0]
             started = time.perf_counter()
             got = client.batch_get_into_multi_buffers(keys, ptrs, sizes)
             wall = time.perf_counter() - started
             if any(r != bb for r in got):
                 raise SystemExit(f"loading the blocks failed: {sorted(set(got))}")
             gbps.append(n * bb / wall / 1e9)
-            cpu_per_gib.append((cpu_s(srv.pid) - cpu0) / (n * bb / 2**30))
+            cpu_per_gib.append((server_usage(srv.pid)[0] - cpu0) / (n * bb / 2**30))
             print(
                 f"round {rnd}: kvtier {gbps[-1]:.2f} GB/s, server {cpu_per_gib[-1]:.2f} CPU-s/GiB; "
                 f"dd O_DIRECT {ref[-1]:.2f} GB/s",

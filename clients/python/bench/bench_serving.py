@@ -229,7 +229,7 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
                 figs.setdefault(f"ttft_s_{len(prompt)}", []).append(got["ttft_s"])
                 figs.setdefault(f"own_hit_ttft_s_{len(prompt)}", []).append(own["ttft_s"])
                 disk = ""
-                if before and after:  # kvtier's own work on the load: CPU, and pages mapped for the first time
+                if before and after:  # kvtier's turn: its own work on the load, then fio on the same bytes
                     size = loaded_bytes(args, prompt)
                     figs.setdefault(f"server_cpu_s_per_gib_{len(prompt)}", []).append(
                         (after[0] - before[0]) / (size / 2**30)
@@ -237,13 +237,13 @@ def prefix_phase(args: argparse.Namespace, fleet: Fleet, prompts: list[list[int]
                     figs.setdefault(f"server_page_faults_per_page_{len(prompt)}", []).append(
                         (after[1] - before[1]) / (size / os.sysconf("SC_PAGESIZE"))
                     )
-                    disk = f"; kvtier {after[0] - before[0]:.2f} CPU-s, {after[1] - before[1]} page faults"
-                if name == "kvtier":
-                    size = loaded_bytes(args, prompt)
                     drop_caches()
                     read = fio(fio_file, args.block_bytes, size, "read", args.fio_depth, None)
                     figs.setdefault(f"fio_read_s_{len(prompt)}", []).append(size / read["bytes_per_s"])
-                    disk += f"; fio reads its {size / 2**30:.2f} GiB in {size / read['bytes_per_s']:.2f} s"
+                    disk = (
+                        f"; kvtier {after[0] - before[0]:.2f} CPU-s, {after[1] - before[1]} page faults"
+                        f"; fio reads its {size / 2**30:.2f} GiB in {size / read['bytes_per_s']:.2f} s"
+                    )
                 print(
                     f"bench-engine: {time.strftime('%H:%M:%S')} prefix round {rnd} {name} {len(prompt)}: "
                     f"{got['ttft_s']:.2f} s "
