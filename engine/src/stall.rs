@@ -55,8 +55,11 @@ const FRAMES_NAMED: usize = 8;
 
 /// The signal the watchdog sends a stalled shard's thread to take its
 /// stack. SIGURG's default action is to ignore it, so one arriving after
-/// the handler is gone (a shard stopping) harms nothing.
-const STALL_SIGNAL: i32 = libc::SIGURG;
+/// the handler is gone (a shard stopping) harms nothing. Its handler
+/// unwinds the stack where the signal lands, which takes kilobytes: a
+/// handler that runs on the small alternate signal stack must keep it
+/// blocked (`server/src/local/guard.rs`).
+pub const STALL_SIGNAL: i32 = libc::SIGURG;
 
 /// One stall, as logged and written to `--stall-log`.
 #[derive(Debug, Clone, Serialize)]

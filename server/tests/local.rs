@@ -624,7 +624,7 @@ fn a_buffer_truncated_under_the_servers_copies_costs_the_registration_not_the_se
         std::thread::sleep(Duration::from_micros(500 * (attempts % 8)));
         // SAFETY: ftruncate on the test's own memfd, under the server's copies.
         assert_eq!(unsafe { libc::ftruncate(target.as_raw_fd(), 0) }, 0);
-        let answer = r.read().expect("the server answers, alive");
+        let answer = r.read().unwrap_or_else(|| panic!("the server closed the connection (dead? its log:)\n{}", server.log()));
         assert!(answer.items().iter().all(|(res, _)| *res == BB as i64 || *res == -7), "{:?}", answer.items());
         // Lost whole, faulted or not: the next item on it fails too.
         // SAFETY: as above, the file grown back to its size.

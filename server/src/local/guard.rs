@@ -101,7 +101,14 @@ fn install() {
         let mut ours: libc::sigaction = std::mem::zeroed();
         ours.sa_sigaction = on_sigbus as *const () as usize;
         ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-        libc::sigemptyset(&mut ours.sa_mask);
+        // Every other signal waits until the handler returns. It runs on
+        // the thread's alternate signal stack (Rust's: 8 KiB, for stack
+        // overflows), and a handler that lands on top of it runs there too:
+        // the stall detector's, which unwinds the stack with libgcc, ran
+        // past it and the process died of SIGSEGV (a copy into a shrinking
+        // buffer that took past the stall threshold, 1 run in 2 on a busy
+        // machine).
+        libc::sigfillset(&mut ours.sa_mask);
         if libc::sigaction(libc::SIGBUS, &ours, (*std::ptr::addr_of_mut!(PREVIOUS)).as_mut_ptr()) == 0 {
             INSTALLED.store(true, Ordering::Release);
         } else {
@@ -168,6 +175,19 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_handler_blocks_the_stall_detectors_signal_while_it_runs_on_the_alternate_stack() {
+        let _ = Guard::new(0x1000, 1);
+        // SAFETY: sigaction reads the current action into a zeroed struct.
+        let (flags, stall_blocked) = unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut now), 0);
+            (now.sa_flags, libc::sigismember(&now.sa_mask, kvtier_engine::stall::STALL_SIGNAL))
+        };
+        assert_ne!(flags & libc::SA_ONSTACK, 0, "the handler runs on the alternate stack");
+        assert_eq!(stall_blocked, 1, "the stall detector's handler (an unwinder) must not nest on the alternate stack");
+    }
 
     #[test]
     fn a_file_shrunk_under_a_guarded_mapping_faults_into_zero_pages_not_a_crash() {
