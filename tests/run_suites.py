@@ -5,8 +5,10 @@ shard stall of a second or more that any server of the run reported (one
 that kvtier's own thread accounts for fails the run; one spent waiting for
 the machine, memory being reclaimed or a CPU other processes held, or
 held by a test that stopped the server with SIGSTOP or held its sends
-with strace (``kvtier.testing.note_stopped``), is listed, not counted), and an exit status
-that is non-zero if anything failed.
+with strace (``kvtier.testing.note_stopped``), is listed, not counted),
+every kvtier process the kernel logged as killed by a fault (a segfault:
+its clients saw only the connection end) since the run began, which fails
+the run, and an exit status that is non-zero if anything failed.
 
 ``make test`` and ``make test-all`` call it (docs/TESTING.md). Each suite's
 output goes to the terminal and to ``LOG_DIR/SUITE.log``; every kvtier
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +38,32 @@ from pathlib import Path
 
 #: A stall this long fails the run (docs/TESTING.md).
 STALL_FAIL_MS = 1000.0
+
+
+#: A kernel log line of a kvtier process (any thread: ``kvtier``,
+#: ``kvtier-shard-0-``) killed by a fault: ``kvtier-shard-0-[21844]: segfault
+#: at ...``, ``traps: kvtier[123] general protection ...``.
+CRASH = re.compile(r"\b(kvtier[\w-]*)\[(\d+)\]:? (segfault|general protection|trap|invalid opcode)")
+
+
+def kernel_log() -> list[str] | None:
+    """The kernel's log (``dmesg``), or None where it cannot be read."""
+    try:
+        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.splitlines() if done.returncode == 0 else None
+
+
+def crashes(before: list[str] | None) -> list[str] | None:
+    """The kernel's lines on kvtier processes killed by a fault since
+    ``before`` was read (a server a test started died where no test meant
+    it to: its client saw only EOF), or None where the log cannot be read."""
+    after = kernel_log()
+    if before is None or after is None:
+        return None
+    seen = set(before)
+    return [line for line in after if line not in seen and CRASH.search(line)]
 
 
 def run(target: str, log_dir: Path) -> tuple[int, float]:
@@ -155,6 +184,7 @@ def main() -> int:
     os.environ["KVTIER_STALL_LOG"] = str(stall_log)
     os.environ["KVTIER_TEST_LOG_DIR"] = str(log_dir / "servers")
     results: list[tuple[str, int, float]] = []
+    kernel_before = kernel_log()
     started = time.monotonic()
     if args.first:
         status, seconds = first(args.first.split("+"), log_dir)
@@ -189,9 +219,20 @@ def main() -> int:
             f"    {verdict} stall of {s['duration_ms']:.0f} ms on shard {s['shard']} (pid {s['pid']}), "
             f"{s.get('cause')}, {s.get('cpu_ms', 0):.0f} ms on a CPU{stopped}: {frames}"
         )
+    died = crashes(kernel_before)
+    if died is None:
+        print("  kvtier processes killed by a fault: not checked (the kernel log, dmesg, cannot be read here)")
+    else:
+        print(f"  kvtier processes killed by a fault (the kernel log): {len(died)}")
+        for line in died:
+            print(f"    FAIL {line.strip()}")
+    died = died or []
     failed = [r for r in results if r[1] != 0]
-    if failed or long or skipped:
-        print(f"run_suites: FAILED ({len(failed)} suites failed, {len(long)} long stalls)")
+    if failed or long or skipped or died:
+        print(
+            f"run_suites: FAILED ({len(failed)} suites failed, {len(long)} long stalls, "
+            f"{len(died)} kvtier processes killed by a fault)"
+        )
         return 1
     print("run_suites: all passed")
     return 0
