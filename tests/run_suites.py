@@ -49,7 +49,7 @@ CRASH = re.compile(r"\b(kvtier[\w-]*)\[(\d+)\]:? (segfault|general protection|tr
 def kernel_log() -> list[str] | None:
     """The kernel's log (``dmesg``), or None where it cannot be read."""
     try:
-        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.splitlines() if done.returncode == 0 else None
@@ -89,9 +89,19 @@ def first(targets: list[str], log_dir: Path) -> tuple[int, float]:
     started = time.monotonic()
     procs = []
     for target in targets:
-        log = open(log_dir / f"{target}.log", "wb")
+        log = open(log_dir / f"{target}.log", "wb")  # noqa: SIM115 (closed below, once its make ends)
         print(f"run_suites: {target} (log: {log_dir / (target + '.log')})", flush=True)
-        procs.append((target, log, subprocess.Popen([os.environ.get("MAKE", "make"), "--no-print-directory", target], stdout=log, stderr=subprocess.STDOUT)))
+        procs.append(
+            (
+                target,
+                log,
+                subprocess.Popen(
+                    [os.environ.get("MAKE", "make"), "--no-print-directory", target],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+            )
+        )
     worst = 0
     for target, log, proc in procs:
         status = proc.wait()
@@ -151,7 +161,8 @@ def hold_kind(stall: dict[str, object], stops: list[dict[str, object]]) -> str:
         if s.get("pid") == stall.get("pid") and float(s["from_unix_s"]) < end and float(s["to_unix_s"]) > start  # type: ignore[arg-type]
     }
     return " and ".join(
-        {"process": "stopped by a test (SIGSTOP)", "sends": "its sends held by a test (strace)"}[k] for k in sorted(kinds)
+        {"process": "stopped by a test (SIGSTOP)", "sends": "its sends held by a test (strace)"}[k]
+        for k in sorted(kinds)
     )
 
 
