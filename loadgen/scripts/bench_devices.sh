@@ -11,7 +11,11 @@
 # - kvtier with DEVICES_SHARDS shards over the first directory alone, then
 #   over all N (shard s on device s mod N; with fewer shards than
 #   devices, each shard's segments rotate over its devices): `kvtier-loadgen blocks` PUTs
-#   then GETs at the same concurrency, no RAM tier (GETs read the log);
+#   then GETs at the same concurrency, no RAM tier (GETs read the log),
+#   over each transport of DEVICES_TRANSPORTS: `http` (h2c, the block API's
+#   door: each block's bytes cross a TCP socket) and `socket` (the same-host
+#   socket engines use: each block copied from or into memory the loadgen
+#   registered, as a vLLM or LMCache worker's are);
 # - with loop images, once at the end: PUTs over all N, then with the last
 #   device failed (its filesystem shut down), then a restart with that
 #   device absent, timed until /readyz answers.
@@ -25,6 +29,7 @@
 # same directories, not a gain from more drives.
 #
 # Settings: DEVICES_N (2), DEVICES_SHARDS (2), DEVICES_CONCURRENCY (8),
+# DEVICES_TRANSPORTS ("http socket"),
 # DEVICES_SECONDS (6), DEVICES_PAIRS (3), DEVICES_BLOCK_BYTES (1 MiB),
 # DEVICES_IMAGE_MIB (1536), OUT (target/bench/devices), BIN (target/release).
 set -euo pipefail
@@ -41,6 +46,10 @@ BIN=${BIN:-target/release}
 OUT=${OUT:-target/bench/devices}
 PORT=${DEVICES_PORT:-18555}
 WORK=${DEVICES_DIR:-$(mktemp -d /tmp/kvtier-bench-devices.XXXXXX)}
+read -r -a TRANSPORTS <<<"${DEVICES_TRANSPORTS:-http socket}"
+for t in "${TRANSPORTS[@]}"; do
+  case "$t" in http | socket) ;; *) echo "bench-devices: DEVICES_TRANSPORTS: '$t' is neither http nor socket" >&2; exit 2 ;; esac
+done
 
 mkdir -p "$OUT"
 rm -rf "$OUT"/*.json "$OUT/log.txt" "$OUT"/failed-* "$OUT/server-failed.log"
@@ -94,20 +103,22 @@ fio_run() { # rw pair
   fio "${args[@]}" >"$OUT/fio-$rw-$pair.json"
 }
 
-# kvtier over the first `count` device directories.
-kvtier_run() { # count pair
-  local count=$1 pair=$2 dirs=()
+# kvtier over the first `count` device directories, driven over `transport`
+# (its same-host socket is made in the first directory).
+kvtier_run() { # count pair transport
+  local count=$1 pair=$2 transport=$3 dirs=() target="http://127.0.0.1:$PORT"
+  [ "$transport" = socket ] && target="unix://${MOUNTS[0]}/kvtier/kvtier.sock"
   for i in $(seq 0 $((count - 1))); do dirs+=(--data-dir "${MOUNTS[$i]}/kvtier"); done
   "$BIN/kvtier" serve --listen "127.0.0.1:$PORT" "${dirs[@]}" --shards "$SHARDS" --block-bytes "$BLOCK" \
-    --disk-gb 1 --ram-gb 0 --log-level warn >"$OUT/server-$count-$pair.log" 2>&1 &
+    --disk-gb 1 --ram-gb 0 --log-level warn >"$OUT/server-$transport-$count-$pair.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 100); do
     curl -fsS "http://127.0.0.1:$PORT/readyz" >/dev/null 2>&1 && break
     sleep 0.1
   done
   for op in put get; do
-    "$BIN/kvtier-loadgen" blocks --target "http://127.0.0.1:$PORT" --op $op --concurrency "$C" \
-      --duration-s "$SECONDS_PER" --out "$OUT/kvtier-$count-$op-$pair" >>"$OUT/log.txt"
+    "$BIN/kvtier-loadgen" blocks --target "$target" --op $op --concurrency "$C" \
+      --duration-s "$SECONDS_PER" --out "$OUT/kvtier-$transport-$count-$op-$pair" >>"$OUT/log.txt"
   done
   kill -TERM "$SERVER"; wait "$SERVER" || true
   SERVER=""
@@ -118,8 +129,10 @@ for pair in $(seq "$PAIRS"); do
   fio_run write "$pair"
   fio_run randread "$pair"
   for i in $(seq 0 $((N - 1))); do rm -f "${MOUNTS[$i]}"/dev*.*; done
-  kvtier_run 1 "$pair"
-  kvtier_run "$N" "$pair"
+  for t in "${TRANSPORTS[@]}"; do
+    kvtier_run 1 "$pair" "$t"
+    kvtier_run "$N" "$pair" "$t"
+  done
 done
 
 # One of N devices failed under load (loop images only: it shuts the last
@@ -157,30 +170,34 @@ if [ -z "${DEVICES_MOUNTS:-}" ] && [ "$N" -gt 1 ]; then
   SERVER=""
 fi
 
-python3 - "$OUT" "$N" "$SHARDS" "$C" "$BLOCK" <<'PY'
+python3 - "$OUT" "$N" "$SHARDS" "$C" "$BLOCK" "${TRANSPORTS[*]}" <<'PY'
 import glob, json, statistics, sys
 out, n, shards, c, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+transports = sys.argv[6].split()
 
 def fio(rw):
     side = "write" if rw == "write" else "read"
     return [json.load(open(p))["jobs"][0][side]["bw_bytes"] for p in sorted(glob.glob(f"{out}/fio-{rw}-*.json"))]
 
-def kvtier(count, op):
-    return [json.load(open(p))["bytes_per_s"] for p in sorted(glob.glob(f"{out}/kvtier-{count}-{op}-*/results.json"))]
+def kvtier(transport, count, op):
+    return [json.load(open(p))["bytes_per_s"]
+            for p in sorted(glob.glob(f"{out}/kvtier-{transport}-{count}-{op}-*/results.json"))]
 
 rows = {"fio_write": fio("write"), "fio_read": fio("randread")}
-for count in sorted({1, n}):
-    for op in ("put", "get"):
-        rows[f"kvtier_{count}_{op}"] = kvtier(count, op)
+for t in transports:
+    for count in sorted({1, n}):
+        for op in ("put", "get"):
+            rows[f"kvtier_{t}_{count}_{op}"] = kvtier(t, count, op)
 med = {k: statistics.median(v) if v else None for k, v in rows.items()}
 print(f"bench-devices: {n} device directories, {shards} shards, {c} in flight, {block} B blocks (fio at the slot size), "
       f"{len(rows['fio_write'])} pairs; medians in MB/s")
 print(f"{'':24}{'write/PUT':>12}{'read/GET':>12}")
 print(f"{'fio, one job per dir':24}{med['fio_write'] / 1e6:>12.0f}{med['fio_read'] / 1e6:>12.0f}")
-for count in sorted({1, n}):
-    put, get = med[f"kvtier_{count}_put"], med[f"kvtier_{count}_get"]
-    print(f"{f'kvtier over {count} dir(s)':24}{put / 1e6:>12.0f}{get / 1e6:>12.0f}"
-          f"   vs fio: PUT {put / med['fio_write']:.2f}, GET {get / med['fio_read']:.2f}")
+for t in transports:
+    for count in sorted({1, n}):
+        put, get = med[f"kvtier_{t}_{count}_put"], med[f"kvtier_{t}_{count}_get"]
+        print(f"{f'kvtier {t}, {count} dir(s)':24}{put / 1e6:>12.0f}{get / 1e6:>12.0f}"
+              f"   vs fio: PUT {put / med['fio_write']:.2f}, GET {get / med['fio_read']:.2f}")
 failed = {}
 try:
     before, after = (json.load(open(f"{out}/failed-{w}/results.json")) for w in ("before", "after"))
@@ -192,6 +209,6 @@ try:
           f"{after['requests']} stored; restart with it absent ready in {t1 - t0:.2f} s")
 except FileNotFoundError:
     pass
-json.dump({"devices": n, "shards": shards, "concurrency": c, "block_bytes": block, "runs": rows, "medians": med, "failed": failed},
+json.dump({"devices": n, "shards": shards, "transports": transports, "concurrency": c, "block_bytes": block, "runs": rows, "medians": med, "failed": failed},
           open(f"{out}/results.json", "w"), indent=1)
 PY
