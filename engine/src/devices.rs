@@ -38,6 +38,16 @@
 //! place, and its shards start empty. A store made before devices (one
 //! directory, no `store_id`) opens as it always did.
 //!
+//! **Adding devices** ([`Layout::resolve_adding`], `kvtier serve
+//! --add-devices`). Directories given past a store's devices become new
+//! devices, numbered after the last; keys stay on their shards, so only
+//! placement changes: a shard whose devices differ under the new count
+//! ([`Layout::moved_shards`]; with S ≥ D, those with `s mod D ≠ s mod D'`)
+//! drops its segments where it was and starts empty where it is placed
+//! now, and the others keep theirs. The drops are done before any
+//! `store.json` names the longer device list, so a start that stops midway
+//! is finished by the next, which takes the longest list it finds.
+//!
 //! **A device absent at start.** A device whose directory is not given,
 //! does not exist, cannot be read (an I/O error: a dead drive), or is an
 //! empty directory that cannot be that device's filesystem (see
@@ -122,6 +132,9 @@ pub struct Layout {
     pub devices: Vec<Device>,
     /// Devices given as empty directories in place of missing ones: their shards start empty.
     pub replaced: Vec<u32>,
+    /// Devices the store had before this start: fewer than `devices` when
+    /// devices were added on it ([`Layout::resolve_adding`]).
+    pub devices_before: usize,
 }
 
 impl Layout {
@@ -130,7 +143,12 @@ impl Layout {
     pub fn single(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Layout {
         let dir = dir.into();
         let fs_id = fs_id(&dir);
-        Layout { store_id: None, devices: vec![Device { index: 0, dir, capacity_bytes, fs_id, absent: None }], replaced: Vec::new() }
+        Layout {
+            store_id: None,
+            devices: vec![Device { index: 0, dir, capacity_bytes, fs_id, absent: None }],
+            replaced: Vec::new(),
+            devices_before: 1,
+        }
     }
 
     /// The devices absent on this start (module docs).
@@ -206,6 +224,23 @@ impl Layout {
         })
     }
 
+    /// The shards whose devices changed because devices were added on this
+    /// start, each with its directories on the devices it spanned before
+    /// (`shard-NNN` on each): their segments there are discarded, and they
+    /// start empty on the devices they span now.
+    pub fn moved_shards(&self, shards: usize) -> Vec<(usize, Vec<PathBuf>)> {
+        if self.devices_before >= self.devices.len() {
+            return Vec::new();
+        }
+        (0..shards)
+            .filter_map(|s| {
+                let before = devices_of_shard(s, shards, self.devices_before);
+                (before != devices_of_shard(s, shards, self.devices.len()))
+                    .then(|| (s, before.into_iter().map(|d| self.devices[d].dir.join(format!("shard-{s:03}"))).collect()))
+            })
+            .collect()
+    }
+
     /// The device list `store.json` records.
     pub fn records(&self, shards: usize) -> Vec<DeviceRecord> {
         self.devices
@@ -246,6 +281,21 @@ impl Layout {
     /// no readable directory holding the store while one cannot be read.
     /// [`Error::Config`] for a `store.json` that does not parse.
     pub fn resolve(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
+        Self::resolve_adding(specs, disk_bytes, shards, false)
+    }
+
+    /// [`Layout::resolve`], and with `add` the directories given past an
+    /// existing store's devices become new devices (`kvtier serve
+    /// --add-devices`), numbered after the last: each must be an empty
+    /// directory (or not yet exist) and give its size (`PATH=SIZE_GB`), and
+    /// every device the store has must be present. Keys stay on their
+    /// shards; the shards whose devices change ([`Layout::moved_shards`])
+    /// lose the segments on the devices they leave (module docs).
+    ///
+    /// # Errors
+    /// As [`Layout::resolve`], and [`Error::Config`] for an added directory
+    /// without a size or holding files, or a device of the store absent.
+    pub fn resolve_adding(specs: &[DeviceSpec], disk_bytes: u64, shards: usize, add: bool) -> Result<Layout> {
         if specs.is_empty() {
             return Err(Error::Config("at least one --data-dir is needed".into()));
         }
@@ -285,7 +335,10 @@ impl Layout {
             let spec = &specs[0];
             return Ok(Layout::single(spec.dir.clone(), spec.capacity_bytes.unwrap_or(disk_bytes)));
         }
-        let (first, template) = &found[0];
+        let (first, _) = &found[0];
+        // The longest device list: an add that stopped before it rewrote
+        // every device's store.json left the older, shorter one on some.
+        let template = &found.iter().max_by_key(|(i, m)| (m.devices.len(), std::cmp::Reverse(*i))).expect("found is not empty").1;
         let id = template.store_id.clone().expect("checked above");
         for (i, m) in &found[1..] {
             if m.store_id.as_deref() != Some(id.as_str()) {
@@ -299,11 +352,12 @@ impl Layout {
             }
         }
         let records = &template.devices;
-        if specs.len() > records.len() {
+        if specs.len() > records.len() && !add {
             return Err(Error::Config(format!(
-                "{} data directories given, but store {id} has {} devices (made so; its shards' logs are placed by device)",
+                "{} data directories given, but store {id} has {} devices: to add the other {} as new devices, start once with --add-devices (docs/OPERATIONS.md, \"Adding a device\": shards placed anew start empty)",
                 specs.len(),
-                records.len()
+                records.len(),
+                specs.len() - records.len()
             )));
         }
         let mut by_index: BTreeMap<u32, usize> = BTreeMap::new();
@@ -321,7 +375,9 @@ impl Layout {
             }
         }
         let fresh: Vec<usize> = (0..specs.len()).filter(|i| found.iter().all(|(j, _)| j != i)).collect();
-        let mut fresh = fresh.into_iter();
+        let added: Vec<usize> =
+            if specs.len() > records.len() { Self::check_added(specs, &fresh, &found, records.len(), &id)? } else { Vec::new() };
+        let mut fresh = fresh.into_iter().filter(|i| !added.contains(i));
         // Filesystems a stand-in for a device of its own cannot be on: the
         // root's (an unmounted drive's mount point lives there) and the
         // present devices'.
@@ -373,7 +429,67 @@ impl Layout {
                 absent: None,
             });
         }
-        Ok(Layout { store_id: Some(id), devices, replaced })
+        let devices_before = records.len();
+        for (n, i) in added.iter().enumerate() {
+            let spec = &specs[*i];
+            devices.push(Device {
+                index: (devices_before + n) as u32,
+                dir: spec.dir.clone(),
+                capacity_bytes: spec.capacity_bytes.expect("checked above"),
+                fs_id: fs_id(&spec.dir),
+                absent: None,
+            });
+        }
+        Ok(Layout { store_id: Some(id), devices, replaced, devices_before })
+    }
+
+    /// The directories of `fresh` (those holding no `store.json`) that
+    /// become new devices when `specs` gives more than the store's
+    /// `devices`: as many as are past them, each checked to be addable.
+    fn check_added(
+        specs: &[DeviceSpec],
+        fresh: &[usize],
+        found: &[(usize, StoreManifest)],
+        devices: usize,
+        id: &str,
+    ) -> Result<Vec<usize>> {
+        let adding = specs.len() - devices;
+        if found.len() != devices || fresh.len() != adding {
+            return Err(Error::Config(format!(
+                "devices can be added only with every device of store {id} present: {} of its {devices} directories were found among the {} given",
+                found.len(),
+                specs.len()
+            )));
+        }
+        for &i in fresh {
+            let spec = &specs[i];
+            if spec.capacity_bytes.is_none() {
+                return Err(Error::Config(format!(
+                    "{} is added as a device: give its size, --data-dir {}=SIZE_GB (a store's devices were sized when it was made)",
+                    spec.dir.display(),
+                    spec.dir.display()
+                )));
+            }
+            match std::fs::read_dir(&spec.dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::Config(format!("{} cannot be added as a device: listing it: {e}", spec.dir.display()))),
+                Ok(entries) => {
+                    let held: Vec<String> = entries
+                        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                        .filter(|n| n != "lost+found")
+                        .take(3)
+                        .collect();
+                    if !held.is_empty() {
+                        return Err(Error::Config(format!(
+                            "{} holds files ({}…) and no store.json: a device is added as an empty directory",
+                            spec.dir.display(),
+                            held.join(", ")
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(fresh.to_vec())
     }
 
     fn new_store(specs: &[DeviceSpec], disk_bytes: u64, shards: usize) -> Result<Layout> {
@@ -393,7 +509,7 @@ impl Layout {
                 absent: None,
             })
             .collect();
-        Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new() })
+        Ok(Layout { store_id: Some(new_store_id()?), devices, replaced: Vec::new(), devices_before: specs.len() })
     }
 }
 
@@ -422,91 +538,4 @@ pub fn shards_on_device(device: usize, shards: usize, devices: usize) -> Vec<u32
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec(s: &str) -> DeviceSpec {
-        s.parse().unwrap()
-    }
-
-    #[test]
-    fn a_spec_is_a_path_with_an_optional_size() {
-        assert_eq!(spec("/a"), DeviceSpec { dir: "/a".into(), capacity_bytes: None });
-        assert_eq!(spec("/a=2").capacity_bytes, Some(2 << 30));
-        assert_eq!(spec("/a=b").dir, PathBuf::from("/a=b"));
-        assert!("/a=0".parse::<DeviceSpec>().unwrap_err().contains("positive"));
-        assert!("=3".parse::<DeviceSpec>().is_err());
-    }
-
-    #[test]
-    fn shards_go_round_robin_and_split_their_devices_capacity() {
-        let l = Layout {
-            store_id: Some("x".into()),
-            devices: (0..3)
-                .map(|i| Device { index: i, dir: format!("/d{i}").into(), capacity_bytes: 90, fs_id: "?".into(), absent: None })
-                .collect(),
-            replaced: vec![],
-        };
-        assert_eq!(l.shards_on(0, 8), vec![0, 3, 6]);
-        assert_eq!(l.shards_on(2, 8), vec![2, 5]);
-        assert_eq!(l.shard_dir(4), PathBuf::from("/d1/shard-004"));
-        assert_eq!(l.shard_capacity_bytes(0, 8), 30);
-        assert_eq!(l.shard_capacity_bytes(2, 8), 45);
-        let all: Vec<u32> = l.records(8).iter().flat_map(|r| r.shards.clone()).collect();
-        assert_eq!(all.len(), 8);
-    }
-
-    #[test]
-    fn new_capacities_take_sizes_then_split_the_rest() {
-        let d = tempfile::tempdir().unwrap();
-        let (a, b, c) = (d.path().join("a"), d.path().join("b"), d.path().join("c"));
-        let specs = [
-            DeviceSpec { dir: a.clone(), capacity_bytes: Some(10) },
-            DeviceSpec { dir: b, capacity_bytes: None },
-            DeviceSpec { dir: c, capacity_bytes: None },
-        ];
-        // b and c are on one filesystem: the 90 bytes left split evenly.
-        assert_eq!(capacities(&specs, 100).unwrap(), vec![10, 45, 45]);
-        assert!(capacities(&specs, 10).unwrap_err().to_string().contains("leaves nothing"));
-        assert_eq!(capacities(&[DeviceSpec { dir: a, capacity_bytes: None }], 7).unwrap(), vec![7]);
-    }
-
-    #[test]
-    fn a_directory_twice_is_refused_and_fewer_shards_than_devices_rotate() {
-        let d = tempfile::tempdir().unwrap();
-        let specs = [spec(&d.path().join("a").to_string_lossy()), spec(&d.path().join("b").to_string_lossy())];
-        let one = Layout::resolve(&specs, 1 << 30, 1).unwrap();
-        assert_eq!(one.shard_dirs(0, 1), vec![d.path().join("a/shard-000"), d.path().join("b/shard-000")]);
-        let twice = [specs[0].clone(), specs[0].clone()];
-        assert!(Layout::resolve(&twice, 1 << 30, 2).unwrap_err().to_string().contains("given twice"));
-    }
-
-    #[test]
-    fn fewer_shards_than_devices_span_them_with_the_smallest_share_on_each() {
-        // 2 shards over 5 devices: shard 0 on 0, 2, 4; shard 1 on 1, 3.
-        assert_eq!(devices_of_shard(0, 2, 5), vec![0, 2, 4]);
-        assert_eq!(devices_of_shard(1, 2, 5), vec![1, 3]);
-        assert_eq!(shards_on_device(4, 2, 5), vec![0]);
-        assert_eq!(shards_on_device(3, 2, 5), vec![1]);
-        // As many shards as devices or more: round robin, one device each.
-        assert_eq!(devices_of_shard(5, 8, 3), vec![2]);
-        assert_eq!(shards_on_device(2, 8, 3), vec![2, 5]);
-        let l = Layout {
-            store_id: Some("x".into()),
-            devices: [100, 60, 90]
-                .iter()
-                .enumerate()
-                .map(|(i, c)| Device { index: i as u32, dir: format!("/d{i}").into(), capacity_bytes: *c, fs_id: "?".into(), absent: None })
-                .collect(),
-            replaced: vec![2],
-        };
-        assert_eq!(l.shard_lane_bytes(0, 2), 90, "shard 0 takes as much from each of its devices as the smaller holds");
-        assert_eq!(l.shard_capacity_bytes(0, 2), 180);
-        assert_eq!(l.shard_capacity_bytes(1, 2), 60);
-        assert_eq!(l.shard_dir(1), PathBuf::from("/d1/shard-001"));
-        assert!(l.shard_discards(0, 2).unwrap().contains("device 2 was replaced"));
-        assert_eq!(l.shard_discards(1, 2), None);
-        let all: Vec<u32> = l.records(2).iter().flat_map(|r| r.shards.clone()).collect();
-        assert_eq!(all, vec![0, 1, 0]);
-    }
-}
+mod tests;

@@ -238,7 +238,10 @@ impl StoreManifest {
 
     /// Writes `store.json` atomically: temp file, fsync, rename, fsync of
     /// the directory.
-    fn write(&self, dir: &Path) -> Result<()> {
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a step fails.
+    pub(crate) fn write(&self, dir: &Path) -> Result<()> {
         let mut body = serde_json::to_vec_pretty(self).expect("manifest serializes");
         body.push(b'\n');
         write_durably(dir, MANIFEST_FILE, &body)

@@ -109,7 +109,7 @@ async fn read_directory(cfg: &ShardConfig, slot_bytes: u64) -> Result<Listing> {
 ///
 /// # Errors
 /// [`Error::Io`] when a directory cannot be listed or a file removed.
-fn discard_log(dirs: &[PathBuf], shard_id: u32, why: &str) -> Result<()> {
+pub(crate) fn discard_log(dirs: &[PathBuf], shard_id: u32, why: &str) -> Result<()> {
     let mut dropped = 0u64;
     for dir in dirs {
         let entries = match fs::read_dir(dir) {

@@ -9,7 +9,8 @@
 //! serving from S3 and refusing PUTs, then back; an empty directory
 //! standing in for a lost device, its shards starting empty while the
 //! other device's blocks still serve; a store
-//! made with one directory opening alone as before; a device that fails
+//! made with one directory opening alone as before; devices added to a
+//! store (`--add-devices`); a device that fails
 //! under load (its filesystem shut down, so every I/O on it fails as on a
 //! dead drive) costing its shards' blocks and nothing else.
 //!
@@ -267,6 +268,80 @@ fn a_store_made_with_one_directory_opens_alone_as_before_and_refuses_a_second() 
     assert!(kept.get("store_id").is_none(), "an old store's manifest was rewritten: {kept}");
     let (_, stderr) = try_start(&args(&[&a, &b], 2)).err().expect("an old one-directory store took a second directory");
     assert!(stderr.contains("made with one data directory"), "{stderr}");
+}
+
+/// Devices added to a store (`--add-devices`): a start with more
+/// directories than the store has devices is refused without the flag, and
+/// an added one without its size or holding files is refused with it. 4
+/// shards over 2 devices, then 3: shards 0 and 1 stay where they were
+/// (s mod 2 = s mod 3) and keep their blocks, byte for byte; shards 2 and
+/// 3 are placed anew and start empty, their old segments deleted; new
+/// blocks reach the new device; every store.json lists 3 devices, so later
+/// starts need no flag, in any order (one store.json left with 2, as by an
+/// add that stopped midway, is rewritten); fsck counts every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_added_to_a_store_keep_the_blocks_of_shards_that_stay_and_start_the_others_empty() {
+    let t = tempfile::tempdir().unwrap();
+    let [a, b, c] = ["a", "b", "c"].map(|n| t.path().join(n));
+    let server = start(&args(&[&a, &b], 4));
+    let before = put_keys(&client(&server, false), "before", 200).await;
+    server.stop();
+    let sized = format!("{}=0.05", c.display());
+    let mut three = args(&[&a, &b], 4);
+    three.extend(["--data-dir".to_string(), sized.clone()]);
+    let (_, stderr) = try_start(&three).err().expect("a third directory was taken without --add-devices");
+    assert!(stderr.contains("--add-devices"), "{stderr}");
+    let mut no_size = args(&[&a, &b, &c], 4);
+    no_size.push("--add-devices".into());
+    let (_, stderr) = try_start(&no_size).err().expect("a device was added without its size");
+    assert!(stderr.contains("give its size"), "{stderr}");
+    std::fs::create_dir_all(&c).unwrap();
+    std::fs::write(c.join("notes.txt"), b"x").unwrap();
+    three.push("--add-devices".into());
+    let (_, stderr) = try_start(&three).err().expect("a directory holding files was added");
+    assert!(stderr.contains("holds files (notes.txt"), "{stderr}");
+    std::fs::remove_file(c.join("notes.txt")).unwrap();
+    let two_devices = std::fs::read(a.join("store.json")).unwrap();
+
+    let server = start(&three);
+    assert!(server.log().contains("devices were added (2 to 3), so shard 2"), "{}", server.log());
+    let cl = client(&server, false);
+    let kept: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert_eq!(kept[2], 0, "the new device holds nothing yet: {kept:?}");
+    let served = read_back(&cl, &before).await.iter().filter(|r| r.is_some()).count() as u64;
+    assert_eq!(served, kept.iter().sum::<u64>(), "every block the index kept is served right, and only those");
+    assert!((50..150).contains(&served), "shards 0 and 1 keep about half of 200 blocks, not {served}");
+    assert!(!a.join("shard-002").exists() && !b.join("shard-003").exists(), "the moved shards' old directories are left");
+    let after = put_keys(&cl, "after", 150).await;
+    let spread: Vec<u64> = devices(&server).await.iter().map(|d| d["blocks"].as_u64().unwrap()).collect();
+    assert!(spread[2] >= 20, "new blocks reach the added device: {spread:?}");
+    server.stop();
+    for (i, dir) in [&a, &b, &c].iter().enumerate() {
+        let m: Value = serde_json::from_slice(&std::fs::read(dir.join("store.json")).unwrap()).unwrap();
+        assert_eq!(m["devices"].as_array().unwrap().len(), 3, "{}: {m}", dir.display());
+        assert_eq!(m["device_index"], i, "{m}");
+    }
+    // As if the add had stopped before it rewrote a's store.json: the next
+    // start takes the longest device list and finishes it. No flag needed
+    // any more, and any order.
+    std::fs::write(a.join("store.json"), &two_devices).unwrap();
+    let server = start(&args(&[&c, &a, &b], 4));
+    let m: Value = serde_json::from_slice(&std::fs::read(a.join("store.json")).unwrap()).unwrap();
+    assert_eq!(m["devices"].as_array().unwrap().len(), 3, "a's store.json is not rewritten: {m}");
+    let cl = client(&server, false);
+    assert!(read_back(&cl, &after).await.iter().all(|r| *r == Some(true)), "a block stored after the add was lost");
+    assert_eq!(read_back(&cl, &before).await.iter().filter(|r| r.is_some()).count() as u64, served);
+    server.stop();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fsck", "--json"])
+        .args([&a, &b, &c].iter().flat_map(|d| ["--data-dir".into(), d.display().to_string()]))
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fsck: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "{report}");
+    assert_eq!(report["live_blocks"].as_u64(), Some(served + 150), "{report}");
 }
 
 /// A segment file of another store, put under this store's shard directory

@@ -59,9 +59,34 @@ where
     }
     let started = Instant::now();
     let layout = config.layout();
+    // Devices added on this start: the shards placed anew drop their
+    // segments where they were, before any store.json names the new device
+    // list (a start that stops midway drops them again, then finds the
+    // longer list and rewrites the shorter ones below).
+    for (shard, before) in layout.moved_shards(config.shards) {
+        let now: Vec<u32> = layout.devices_of(shard, config.shards).iter().map(|d| d.index).collect();
+        let why = format!(
+            "devices were added ({} to {}), so shard {shard} is placed on device(s) {now:?} now; its segments where it was are discarded",
+            layout.devices_before,
+            layout.devices.len()
+        );
+        crate::recover::discard_log(&before, shard as u32, &why)?;
+        let kept = layout.shard_dirs(shard, config.shards);
+        for dir in before.iter().filter(|d| !kept.contains(d)) {
+            // Empty now; a directory someone put files in stays.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
     let mut manifest = None;
     for device in layout.devices.iter().filter(|d| d.absent.is_none()) {
-        let m = config.manifest_for(&layout, device.index).create_or_check(&device.dir)?;
+        let wanted = config.manifest_for(&layout, device.index);
+        let mut m = wanted.create_or_check(&device.dir)?;
+        if m.devices.len() < wanted.devices.len() {
+            // A device list from before devices were added.
+            wanted.write(&device.dir)?;
+            tracing::info!("device {} ({}): store.json now lists {} devices", device.index, device.dir.display(), wanted.devices.len());
+            m = wanted;
+        }
         manifest.get_or_insert(m);
     }
     // `Layout::resolve` leaves a device absent only beside one present.

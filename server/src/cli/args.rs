@@ -146,6 +146,15 @@ pub(crate) struct StoreArgs {
     /// docs/OPERATIONS.md, "Several devices".
     #[arg(long = "data-dir", default_value = "./kvtier-data", value_parser = device_spec)]
     pub(crate) data_dirs: Vec<DeviceSpec>,
+    /// Add the --data-dir directories given past an existing store's
+    /// devices as new devices (each an empty directory with its size,
+    /// PATH=SIZE_GB; every existing device present). Keys stay on their
+    /// shards, and the shards the new device list places elsewhere start
+    /// empty there (their blocks on the devices they leave are dropped,
+    /// logged). Needed once; later starts find the longer list.
+    /// docs/OPERATIONS.md, "Adding a device".
+    #[arg(long)]
+    pub(crate) add_devices: bool,
     /// Shards (one executor thread each). Default: the existing store's
     /// count, else the number of CPUs.
     #[arg(long)]
@@ -328,7 +337,8 @@ impl StoreArgs {
         if self.disk_gb.is_nan() || self.disk_gb <= 0.0 {
             return Err(format!("--disk-gb must be positive, got {}", self.disk_gb));
         }
-        let layout = Layout::resolve(&self.data_dirs, (self.disk_gb * (1u64 << 30) as f64) as u64, shards).map_err(|e| e.to_string())?;
+        let layout = Layout::resolve_adding(&self.data_dirs, (self.disk_gb * (1u64 << 30) as f64) as u64, shards, self.add_devices)
+            .map_err(|e| e.to_string())?;
         let disk_bytes = layout.capacity_bytes();
         // The smallest shard share sizes a new store's segments.
         let least_share = (0..shards).map(|s| layout.shard_capacity_bytes(s, shards)).min().unwrap_or(disk_bytes);
