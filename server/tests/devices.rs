@@ -10,7 +10,8 @@
 //! standing in for a lost device, its shards starting empty while the
 //! other device's blocks still serve; a store
 //! made with one directory opening alone as before; devices added to a
-//! store (`--add-devices`); a device that fails
+//! store (`--add-devices`); a device whose filesystem fills refusing its
+//! shards' PUTs, naming it, while the other stores on; a device that fails
 //! under load (its filesystem shut down, so every I/O on it fails as on a
 //! dead drive) costing its shards' blocks and nothing else.
 //!
@@ -183,6 +184,69 @@ async fn a_device_that_fails_under_load_costs_its_shards_blocks_and_nothing_else
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(metrics.contains("kvtier_device_up{device=\"0\"} 1") && metrics.contains("kvtier_device_up{device=\"1\"} 0"), "{metrics}");
     server.crash(); // its failed filesystem is unmounted next
+}
+
+/// A device whose filesystem fills before its share does (1 GiB promised
+/// on a 48 MiB filesystem): its shard first reuses its own segment that
+/// holds no live block (logged, naming the device), then refuses PUTs 507
+/// `disk_full` naming device 0 and how to size it; the other device's shard
+/// stores on; every block acknowledged anywhere reads back; `/readyz`
+/// names the full device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_fills_reclaims_and_refuses_on_its_own_shards_naming_it_and_the_other_stores_on() {
+    let (ta, tb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let fa = LoopFs::make(ta.path(), 48).unwrap_or_else(|why| {
+        panic!("the devices test needs loop-mounted ext4 images: {why} (mkfs.ext4 and mount come with `apt-get install e2fsprogs mount`)")
+    });
+    let (a, b) = (fa.mnt.join("data"), tb.path().join("data"));
+    let (a_sized, b_sized) = (format!("{}=1", a.display()), format!("{}=0.2", b.display()));
+    let server = start(&args(&[Path::new(&a_sized), Path::new(&b_sized)], 2));
+    let c = client(&server, false);
+    // Blocks stored, then deleted: each shard's first segment then holds
+    // nothing live, so the full device reuses it before it refuses.
+    for key in put_keys(&c, "gone", 300).await {
+        assert_eq!(status_and_body(&c, Method::DELETE, &key).await.0, StatusCode::NO_CONTENT, "DELETE {key}");
+    }
+    let (mut stored, mut refused) = (Vec::new(), 0);
+    for i in 0..3000 {
+        let key = format!("fill-{i}");
+        match status_and_body(&c, Method::PUT, &key).await {
+            (StatusCode::CREATED, _) => stored.push(key),
+            (StatusCode::INSUFFICIENT_STORAGE, body) => {
+                assert_eq!(body["error"]["code"], "disk_full", "{body}");
+                let message = body["error"]["message"].as_str().unwrap();
+                assert!(
+                    message.contains(&format!("device 0 ({})", a.display())) && message.contains("--data-dir DIR=SIZE_GB"),
+                    "{message}"
+                );
+                refused += 1;
+                if refused == 100 {
+                    break;
+                }
+            }
+            (status, body) => panic!("PUT {key}: {status} {body}"),
+        }
+    }
+    assert_eq!(refused, 100, "3000 PUTs never filled device 0's 48 MiB filesystem");
+    assert!(server.log().contains(&format!("(device 0 ({})): reusing segment", a.display())), "{}", server.log());
+    // Once device 0 is full, device 1's shard takes about half the PUTs.
+    let (mut stored_after, mut refused_after) = (0, 0);
+    for i in 0..100 {
+        let key = format!("after-{i}");
+        match status_and_body(&c, Method::PUT, &key).await.0 {
+            StatusCode::CREATED => {
+                stored.push(key);
+                stored_after += 1;
+            }
+            StatusCode::INSUFFICIENT_STORAGE => refused_after += 1,
+            other => panic!("PUT {key}: {other}"),
+        }
+    }
+    assert!((25..=75).contains(&stored_after), "device 1 stored {stored_after} of 100, refused {refused_after}");
+    assert!(read_back(&c, &stored).await.iter().all(|r| *r == Some(true)), "a block acknowledged before the device filled was lost");
+    let nvme = common::ready_tier(&c, "nvme").await;
+    assert!(nvme["reason"].as_str().unwrap_or_default().contains("device 0 ("), "{nvme}");
+    server.stop();
 }
 
 #[test]

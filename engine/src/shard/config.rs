@@ -21,6 +21,10 @@ pub struct ShardConfig {
     /// (segment `i` in the `i mod len`-th; [`crate::devices`]); the first
     /// is `dir`. One, `dir`, unless the store has fewer shards than devices.
     pub segment_dirs: Vec<PathBuf>,
+    /// The store's device index of each of `segment_dirs`, and how many
+    /// devices the store has: messages name a device where there are
+    /// several (`device 1 (/nvme1/kvtier)`).
+    pub devices: (Vec<u32>, usize),
     /// Block geometry.
     pub geometry: Geometry,
     /// Size of each segment file in bytes.
@@ -81,6 +85,23 @@ impl ShardConfig {
     /// Bytes per slot for this geometry.
     pub fn slot_bytes(&self) -> u64 {
         slot::slot_bytes(self.geometry.block_bytes)
+    }
+
+    /// The device(s) the shard's log is on, for a message, in a store of
+    /// several devices: `device 1 (/nvme1/kvtier)` (its data directory),
+    /// comma-separated for a shard spanning several; `None` in a store of
+    /// one device.
+    pub fn device_names(&self) -> Option<String> {
+        let (indices, of) = &self.devices;
+        if *of < 2 {
+            return None;
+        }
+        let named: Vec<String> = indices
+            .iter()
+            .zip(&self.segment_dirs)
+            .map(|(d, dir)| format!("device {d} ({})", dir.parent().unwrap_or(dir).display()))
+            .collect();
+        Some(named.join(", "))
     }
 
     /// Where the shard's log is, for messages: `dir`, or for a shard

@@ -123,7 +123,10 @@ impl Shard {
             (Some(e), _) => Some((HealthState::Down, format!("the log's last write failed: {e}"))),
             (None, true) => Some((
                 HealthState::Degraded,
-                format!("the filesystem holding {} is full: PUTs answer 507 disk_full until space frees", self.cfg.log_dirs()),
+                format!(
+                    "{} is full: PUTs answer 507 disk_full until space frees",
+                    self.cfg.device_names().unwrap_or_else(|| format!("the filesystem holding {}", self.cfg.log_dirs()))
+                ),
             )),
             (None, false) => None,
         };

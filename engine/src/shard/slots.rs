@@ -143,22 +143,30 @@ impl Shard {
                     let Some(id) = reusable else {
                         bump(&self.counters.disk_full_refusals, 1);
                         // Once per episode, not once per refused write.
+                        let (whose, resize) = match self.cfg.device_names() {
+                            // Several devices: that device's share is what to lower.
+                            Some(devices) => (devices, "its --data-dir DIR=SIZE_GB"),
+                            None => (format!("the filesystem holding {}", self.cfg.log_dirs()), "a --disk-gb"),
+                        };
                         if !self.fs_full.replace(true) {
                             tracing::warn!(
                                 shard = self.id(),
-                                "filesystem full: segment {created} not created ({why}); refusing writes with 507 until space frees"
+                                "filesystem full ({whose}): segment {created} not created ({why}); refusing writes with 507 until space frees"
                             );
                         }
                         return Err(Error::DiskFull(format!(
-                            "the filesystem holding {} is full: shard {} could not add segment {created} of {} MiB ({why}); \
-                             every stored block stays readable. Free space on the filesystem, or restart with a --disk-gb \
+                            "{whose} is full: shard {} could not add segment {created} of {} MiB ({why}); \
+                             every stored block stays readable. Free space on the filesystem, or restart with {resize} \
                              no larger than the space there so that the log reclaims its oldest segments",
-                            self.cfg.log_dirs(),
                             self.id(),
                             self.cfg.segment_bytes >> 20,
                         )));
                     };
-                    tracing::warn!(shard = self.id(), "filesystem full: reusing segment {id}, which holds no live block");
+                    tracing::warn!(
+                        shard = self.id(),
+                        "filesystem full{}: reusing segment {id}, which holds no live block",
+                        self.cfg.device_names().map(|d| format!(" ({d})")).unwrap_or_default()
+                    );
                     self.sealed.borrow_mut().pop_front();
                     let compaction = self.reclaim(id).await?;
                     return Ok((id, compaction));

@@ -201,6 +201,7 @@ impl StoreConfig {
             segment_bytes: self.segment_bytes,
             segments_max: (lane_segments * segment_dirs.len() as u64).min(u32::MAX as u64) as u32,
             segment_dirs,
+            devices: (layout.devices_of(shard_id, self.shards).iter().map(|d| d.index).collect(), layout.devices.len()),
             sync: self.sync,
             io_depth_max: self.io_depth_max,
             io_queue_max: self.io_queue_max,
