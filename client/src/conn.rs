@@ -199,6 +199,9 @@ struct State {
     reader_done: bool,
     /// The server closed at a frame's end (its close confirms a give-up).
     eof: bool,
+    /// This side shut the socket down (its reads then end as a close
+    /// would: not the server's).
+    closed_here: bool,
     releases: Option<mpsc::Sender<Vec<u64>>>,
 }
 
@@ -211,7 +214,6 @@ struct Shared {
     /// Signalled when a slot frees and when the reader ends.
     changed: Condvar,
     gave_up: AtomicBool,
-    close_confirmed: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -244,6 +246,7 @@ impl Shared {
 
     fn die(&self, code: i64, message: &str) {
         self.fail_pending(code, message);
+        lock(&self.state).closed_here = true;
         let _ = self.sock.shutdown(Shutdown::Both);
     }
 
@@ -251,7 +254,16 @@ impl Shared {
         self.gave_up.store(true, Ordering::Release);
         self.fail_pending(crate::CONNECTION_LOST, reason);
         let _ = self.sock.shutdown(Shutdown::Write);
-        let deadline = Instant::now() + CLOSE_CONFIRM;
+        // Unconfirmed, the reading side stays open: the reader drops the
+        // answers still coming and sees the server's close whenever it
+        // comes ([`Connection::close_confirmed`] turns true then). Dropping
+        // the connection shuts it down all the same.
+        self.wait_close(CLOSE_CONFIRM);
+    }
+
+    /// Waits up to `limit` for the reader to end; whether the server closed.
+    fn wait_close(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
         let mut s = lock(&self.state);
         while !s.reader_done {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -260,9 +272,7 @@ impl Shared {
             }
             s = self.changed.wait_timeout(s, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        self.close_confirmed.store(s.eof, Ordering::Release);
-        drop(s);
-        self.die(crate::CONNECTION_LOST, reason);
+        s.eof
     }
 
     fn send(&self, bytes: &[u8], fd: Option<RawFd>) -> io::Result<()> {
@@ -295,7 +305,8 @@ impl Shared {
             let mut head = [0u8; HEADER_BYTES];
             let broke = |e: io::Error| lost(format!("the connection to {} broke: {e}", self.path));
             if !sys::recv_exact(&self.sock, &mut head, &mut fds, &mut truncated).map_err(broke)? {
-                lock(&self.state).eof = true;
+                let mut s = lock(&self.state);
+                s.eof = !s.closed_here;
                 return Ok(());
             }
             let h = Header::decode(&head).map_err(|e| (Code::BadFrame as i64, format!("the server sent {e}")))?;
@@ -347,10 +358,17 @@ impl Connection {
             path: path.to_string(),
             sock,
             send: Mutex::new(()),
-            state: Mutex::new(State { pending: HashMap::new(), dead: None, next_id: 1, reader_done: false, eof: false, releases: None }),
+            state: Mutex::new(State {
+                pending: HashMap::new(),
+                dead: None,
+                next_id: 1,
+                reader_done: false,
+                eof: false,
+                closed_here: false,
+                releases: None,
+            }),
             changed: Condvar::new(),
             gave_up: AtomicBool::new(false),
-            close_confirmed: AtomicBool::new(false),
         });
         let r = shared.clone();
         let reader = std::thread::Builder::new().name("kvtier-local-reader".into()).spawn(move || r.read_loop())?;
@@ -373,11 +391,22 @@ impl Connection {
         self.shared.gave_up.load(Ordering::Acquire)
     }
 
-    /// After [`Connection::abandon`]: whether the server's close came within
-    /// [`CLOSE_CONFIRM`], so no copy into or out of this client's memory
-    /// runs in the server any more, nor will, for anything sent here.
+    /// After [`Connection::abandon`]: whether the server has closed the
+    /// connection, so no copy into or out of this client's memory runs in
+    /// the server any more, nor will, for anything sent here. `abandon`
+    /// waits [`CLOSE_CONFIRM`] for it; a server held still past that (a
+    /// SIGSTOP, a frozen VM) may still finish the piece of a copy it was in
+    /// when it runs again (docs/LOCAL.md, "When a client gives up"), and
+    /// this turns true when its close comes, whenever that is, while the
+    /// connection is kept: the reading side stays open until then.
     pub fn close_confirmed(&self) -> bool {
-        self.shared.close_confirmed.load(Ordering::Acquire)
+        lock(&self.shared.state).eof
+    }
+
+    /// Waits up to `limit` for the server's close
+    /// ([`Connection::close_confirmed`]); whether it came.
+    pub fn wait_close_confirmed(&self, limit: Duration) -> bool {
+        self.shared.wait_close(limit)
     }
 
     /// The protocol version the hello chose (1 before it).
@@ -405,7 +434,7 @@ impl Connection {
     /// once (the server then copies nothing more into or out of this
     /// client's memory for them, ends them and closes), and the server's
     /// close is awaited up to [`CLOSE_CONFIRM`]
-    /// ([`Connection::close_confirmed`] says whether it came).
+    /// ([`Connection::close_confirmed`] says whether it came, then or later).
     pub fn abandon(&self, reason: &str) {
         self.shared.abandon(reason);
     }

@@ -228,3 +228,23 @@ def test_a_cancelled_asyncio_get_has_ended_when_the_coroutine_has(server):
             int(np.count_nonzero(np.frombuffer(b, np.uint8) != np.frombuffer(m, np.uint8))) for b, m in zip(bufs, mine)
         )
         assert changed_bytes == 0, f"{changed_bytes} of {N * BB} bytes changed after the coroutine ended"
+
+
+def test_a_connection_given_up_on_is_settled_only_when_the_server_closes_it(server):
+    """A server held still past the client's timeout may be in a copy; run
+    again, it finishes that piece (up to 256 KiB) before it closes the
+    connection. The client keeps the connection's reading side open, so
+    ``local_settled`` turns true at that close, not before."""
+    keys = [f"cancel-settled-{i}" for i in range(N)]
+    with kvtier.Client(server.unix_url, timeout_s=TIMEOUT_S) as c, kvtier.SharedBuffer(N * BB) as buf:
+        assert c.register_buffer(buf) == 0
+        store(c, keys, 300)
+        assert c.local_settled()
+        with server.paused():
+            assert c.batch_get_into(keys, [buf.ptr + i * BB for i in range(N)], [BB] * N) == [codes.CONNECTION_LOST] * N
+            assert not c.local_settled(wait_s=0.5), "settled while the server, held still, had not closed"
+            assert c.local_stats()["closes_unconfirmed"] == 1
+        assert c.local_settled(wait_s=10), "the server's close after it ran again was not seen"
+        assert connections_open(server) <= 1  # the given-up one closed; a probe may have opened another
+    with kvtier.Client(server.url, local="off") as http:
+        assert http.local_settled(), "over HTTP nothing is copied after a call returns"

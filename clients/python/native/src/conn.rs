@@ -136,12 +136,22 @@ impl Connection {
         self.inner.gave_up()
     }
 
-    /// After :meth:`abandon`: whether the server's close came (within 0.25
-    /// s): no copy into or out of this client's memory runs in the server
-    /// any more, nor will, for anything sent here.
+    /// After :meth:`abandon`: whether the server's close has come: no copy
+    /// into or out of this client's memory runs in the server any more, nor
+    /// will, for anything sent here. :meth:`abandon` waits 0.25 s for it; a
+    /// server held still past that may still finish the piece of a copy it
+    /// was in when it runs again, and this turns ``True`` when its close
+    /// comes, whenever that is, while this object is kept.
     #[getter]
     fn close_confirmed(&self) -> bool {
         self.inner.close_confirmed()
+    }
+
+    /// Waits up to ``timeout_s`` seconds for the server's close
+    /// (:attr:`close_confirmed`), the GIL released; whether it came.
+    fn wait_close_confirmed(&self, py: Python<'_>, timeout_s: f64) -> bool {
+        let limit = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
+        py.detach(|| self.inner.wait_close_confirmed(limit))
     }
 
     /// The protocol version the hello chose (1 before it).

@@ -462,6 +462,11 @@ class Client:
         :meth:`get_buffer` of each key, leased in one batch."""
         return self.mooncake.batch_get_buffer(keys)
 
+    def local_settled(self, wait_s: float = 0.0) -> bool:
+        """:meth:`MooncakeStore.local_settled <kvtier.mooncake.MooncakeStore.local_settled>`:
+        whether no copy by the server can still land in this client's memory."""
+        return self.mooncake.local_settled(wait_s)
+
     def local_stats(self) -> dict[str, Any]:
         """:meth:`MooncakeStore.local_stats <kvtier.mooncake.MooncakeStore.local_stats>`:
         the client's view of the same-host plane."""

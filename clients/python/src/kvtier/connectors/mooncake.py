@@ -326,6 +326,21 @@ class MooncakeStore:
                 out[i] = None if data is None else BufferHandle(memoryview(data))
         return out
 
+    def local_settled(self, wait_s: float = 0.0) -> bool:
+        """Whether no copy by the server can still land in this client's
+        memory: every same-host connection given up on (a call's
+        ``timeout_s``) has been closed by the server since. The server stops
+        a given-up connection's copies at once, but one held still mid-copy
+        (SIGSTOP, a frozen VM) finishes that piece, at most 256 KiB of each
+        copy under way, when it runs again, and closes the connection after
+        (docs/LOCAL.md, "When a client gives up"). Memory that such a call
+        named is not the caller's to reuse for other bytes until this says
+        ``True``; over HTTP it always does. Waits up to ``wait_s`` seconds
+        for the closes (``local_stats()["closes_unconfirmed"]`` counts the
+        give-ups whose close did not come within 0.25 s)."""
+        unix = self._link.unix
+        return True if unix is None else unix.session.settled(wait_s)
+
     def local_stats(self) -> dict[str, Any]:
         """The client's view of the same-host plane: ``transport``, ``socket``,
         the server's ``epoch``, ``registrations`` (count) and ``buffers``
@@ -337,6 +352,8 @@ class MooncakeStore:
         ``registrations_renewed``, ``retries_after_loss``, ``retries_overloaded``,
         ``staging_retired`` (staging areas replaced after a timeout the server
         did not confirm in time: it might still have copied into them),
+        ``closes_unconfirmed`` (connections given up on whose close did not
+        come within 0.25 s: :meth:`local_settled`),
         ``arenas_mapped`` (the server's RAM-tier arenas mapped for leases),
         ``index_probes`` (keys answered from the shared index, no round trip)."""
         transport = self._link.current()

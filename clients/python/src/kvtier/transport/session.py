@@ -102,11 +102,13 @@ class LocalSession:
         self._handles: dict[int, int] = {}  # Region.id → handle on self._conn
         self._regions: dict[int, Region] = {}  # every region to register on a connection
         self._staging: Staging | None = None
+        self._unsettled: list[LocalConnection] = []  # given up on, the server's close not seen yet
         self._closed = False
         self.counters = dict.fromkeys(
             ("reconnects", "registrations_renewed", "retries_after_loss", "retries_overloaded"), 0
         )
         self.counters.update(bounce_copies=0, bounce_bytes=0, lease_copies=0, lease_bytes=0, staging_retired=0)
+        self.counters.update(closes_unconfirmed=0)
         self._count_lock = threading.Lock()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -216,6 +218,9 @@ class LocalSession:
             self._closed = True
             if self._conn is not None:
                 self._conn.close()
+            for conn in self._unsettled:
+                conn.close()
+            self._unsettled.clear()
             for region in self._regions.values():
                 region.close()
             self._regions.clear()
@@ -314,6 +319,34 @@ class LocalSession:
         self.count("staging_retired")
         log.info("kvtier: %s did not confirm the close of a connection given up on; a new staging area", self.path)
 
+    def _linger(self, conn: LocalConnection) -> None:
+        """Keeps a connection given up on whose close the server did not
+        confirm in time, its reading side open, until that close comes
+        (:meth:`settled`)."""
+        with self._lock:
+            if any(c is conn for c in self._unsettled):
+                return
+            self._unsettled.append(conn)
+        self.count("closes_unconfirmed")
+
+    def settled(self, wait_s: float = 0.0) -> bool:
+        """Whether no copy into this client's memory can still land: every
+        connection given up on (a timeout) has been closed by the server,
+        which closes once nothing it started for that connection runs. A
+        server held still (SIGSTOP, a frozen VM) while it copied may finish
+        that piece, at most 256 KiB of each copy under way, when it runs
+        again (docs/LOCAL.md, "When a client gives up"); until its close
+        comes, memory the connection's requests named is not the caller's
+        to reuse. Waits up to ``wait_s`` seconds for the closes."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            pending = list(self._unsettled)
+        for conn in pending:
+            conn.wait_close_confirmed(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._unsettled = [c for c in self._unsettled if not c.close_confirmed]
+            return not self._unsettled
+
     # -------------------------------------------------------------- batches
 
     def _answer_timeout(self, nbytes: int) -> float:
@@ -398,6 +431,7 @@ class LocalSession:
                 # end of the stream, so none goes again into the same memory.
                 if not conn.close_confirmed:
                     self._retire_staging({region.id for i in sendable for region, _, _ in parts_of[i]})
+                    self._linger(conn)
                 lost = []
             if lost and lost_left:
                 lost_left -= 1
