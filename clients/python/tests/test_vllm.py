@@ -491,6 +491,37 @@ def test_a_kvtier_restart_on_the_local_plane_fails_jobs_then_recovers_zero_copy(
         server.stop()
 
 
+def test_a_load_given_up_on_is_reported_once_kvtier_closed_the_connection():
+    """A zero-copy load into vLLM's own primary region that kvtier, held
+    still (SIGSTOP), does not answer: kvtier run again may finish a piece of
+    its copy into the row, so the job's end (after which vLLM reuses the
+    row) is reported only once kvtier has closed the connection given up
+    on."""
+    server = ServerProcess(block_bytes=ROW_BYTES).start()
+    manager = spec_for(server.url, timeout_s=1, down_s=0.2).get_manager()
+    try:
+        (t,) = manager.secondary_tiers
+        assert isinstance(t, KvtierTier) and t.transport == "unix" and t.zero_copy is True
+        rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+        rows[0] = 3
+        t.submit_store(job(1, [key(470)], [0]))
+        assert all(r.success for r in finished(t))
+        with server.paused():
+            t.submit_load(job(2, [key(470)], [1], load=True))
+            deadline = time.monotonic() + 3.0  # past the give-up (1 s) and the client's wait for the close
+            while time.monotonic() < deadline:
+                early = [r.job_id for r in t.get_finished_jobs()]
+                assert early == [], "the load ended while kvtier, held still, had not closed the connection"
+                assert t.has_pending_work()
+                time.sleep(0.05)
+            assert t.stats["load_reports_held"] == 1
+        results = {r.job_id: r for r in finished(t, timeout_s=10)}
+        assert set(results) == {2} and not results[2].success
+    finally:
+        manager.shutdown()
+        server.stop()
+
+
 def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
     """local="auto" (the default) against a kvtier started with
     --local-socket none: HTTP, said once, and transfers work."""

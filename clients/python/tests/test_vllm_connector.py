@@ -273,7 +273,7 @@ def test_the_staging_buffer_is_pinned_portable_on_the_kv_caches_device_and_a_ref
     assert pinned is True
     calls = trace.read_text().splitlines()
     assert "cuDeviceGet 1" in calls and f"cuMemHostRegister_v2 bytes={1 << 20} flags=1" in calls, calls
-    blocks.staging, blocks._stagings, blocks.pinned = staging, {0: staging}, {staging.ptr}
+    blocks._stagings, blocks.pinned = {0: staging}, {staging.ptr}
     blocks.close()
     assert trace.read_text().splitlines()[-1] == "cuMemHostUnregister"
 

@@ -60,6 +60,11 @@ SHARED_ALLOCATION_BYTES_MIN = 1 << 20
 #: registered); a larger transfer goes in rounds of this many.
 STAGING_BLOCKS = 32
 
+#: The mover's lanes (:mod:`kvtier.connectors.vllm.mover`): each a thread
+#: and a staging buffer; the background lane's loads alone are copied by
+#: kvtier into the registered cache (:meth:`PagedBlocks.move`).
+BACKGROUND, FORWARD = 0, 1
+
 
 def block_tags(
     block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int, first: int, last: int
@@ -189,8 +194,8 @@ class PagedBlocks:
         self.kv_base = 0
         self.zero_copy = False
         self.leased_loads = False
-        self.staging: SharedBuffer | None = None  # the background lane's (registered first)
-        self._stagings: dict[int, SharedBuffer] = {}  # per lane, once made (lane 0: self.staging)
+        self.registered = False  # the KV cache (zero-copy) or the lanes' staging buffers, once kvtier answered
+        self._stagings: dict[int, SharedBuffer] = {}  # per lane, once made (a retired one is made again)
         self.lanes: tuple[int, ...] = (0,)  # the mover's lanes that copy (BlockMover.register sets them)
         self.owner = owner
         self._lock = threading.Lock()
@@ -202,17 +207,17 @@ class PagedBlocks:
         the first time kvtier answers."""
         if not self.core.ready():
             return False
-        if self.kv_base or self.staging is not None:
+        if self.registered:
             return True
         if self.owner is not None:
             ready = self.owner.ready()
             if ready:
                 owner = self.owner
                 self.kv_base, self.zero_copy, self.leased_loads = owner.kv_base, owner.zero_copy, owner.leased_loads
-                self.staging = owner.staging
+                self.registered = True
             return ready
         with self._lock:
-            if self.kv_base or self.staging is not None:
+            if self.registered:
                 return True
             client = self.core.client
             contiguous = all(layer.dim() == 2 for layer in self.layers)
@@ -220,7 +225,7 @@ class PagedBlocks:
                 if not contiguous or self.core.transport != "unix":
                     break
                 if client.register_buffer(buffer.ptr, buffer.nbytes) == codes.OK:
-                    self.kv_base, self.zero_copy = buffer.ptr, True
+                    self.kv_base, self.zero_copy, self.registered = buffer.ptr, True, True
                     self.logger.info(
                         "kvtier connector: zero-copy over the same-host socket: vLLM's KV cache (%d bytes) is "
                         "registered; kvtier copies blocks straight into and out of its pages",
@@ -236,7 +241,7 @@ class PagedBlocks:
                 self._stagings.clear()
                 self.core.failed("register", e)
                 return False
-            self.staging = self._stagings[0]
+            self.registered = True
             if self.core.transport == "unix":
                 self._use_leases()
             if self.on_gpu:
@@ -358,12 +363,21 @@ class PagedBlocks:
         is a result. A staged load calls ``layer_done(layer)`` as each
         layer's pages of every block are in (the other paths write all
         layers of a block at once). Staged rounds stop at the first kvtier
-        did not answer (:func:`in_rounds`)."""
+        did not answer (:func:`in_rounds`).
+
+        kvtier writes into the registered cache only for the background
+        lane's loads: a load given up on (kvtier held still mid-copy) may
+        still land a piece in the pages it named until kvtier closes that
+        connection (:meth:`kvtier.Client.local_settled`), and only a
+        background load's report can wait for that (the mover holds it;
+        the forward cannot wait for a stopped kvtier), so the forward
+        lane's loads go through its staging buffer, which a give-up
+        retires instead."""
         client = self.core.client
         kind = "load" if load else "store"
         out: list[int] = []
         try:
-            if self.zero_copy:
+            if self.zero_copy and not (load and lane != BACKGROUND):
                 spans = [self.spans(b) for b in block_ids]
                 ptrs, sizes = [p for p, _ in spans], [s for _, s in spans]
                 if load:
@@ -465,6 +479,9 @@ class PagedBlocks:
         client = self.core.client
         if load:
             results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
+            if codes.CONNECTION_LOST in results and not client.local_settled():
+                self._retire(lane, staging)  # its copies ran into it; none goes on to vLLM's pages
+                return list(results)
             for layer, layer_pages in enumerate(self.layers):
                 for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
                     if result >= 0:
@@ -478,6 +495,29 @@ class PagedBlocks:
             results = client.batch_put_from(keys, ptrs, [block_bytes] * len(keys), tags)
         self.core.count(staged_blocks=sum(1 for r in results if r >= 0))
         return list(results)
+
+    def _retire(self, lane: int, staging: SharedBuffer) -> None:
+        """Stops using ``lane``'s staging buffer after a load into it was
+        given up on and kvtier has not closed that connection: kvtier, held
+        still mid-copy, may still land a piece in it when it runs again
+        (docs/LOCAL.md, "When a client gives up"), so a later load or store
+        staged there could carry those bytes. The lane's next copy makes a
+        new one; this one is unregistered (nothing names it again) and
+        unmapped here, its pages freed once kvtier closes the connection
+        that maps them. Counted in ``staging_retired_buffers``."""
+        owner = self.owner or self
+        with owner._lock:
+            if owner._stagings.get(lane) is not staging:
+                return
+            del owner._stagings[lane]
+        self.core.client.unregister_buffer(staging.ptr)
+        owner._release(staging)
+        self.core.count(staging_retired_buffers=1)
+        self.logger.warning(
+            "kvtier connector: kvtier did not answer a load through the staging buffer of lane %d and has not "
+            "closed that connection (held still mid-copy?); a new buffer takes its place",
+            lane,
+        )
 
     def _pin(self, staging: SharedBuffer) -> bool:
         """Page-locks ``staging`` so the host-device copies are DMA from and
@@ -507,10 +547,10 @@ class PagedBlocks:
         """Releases the staging buffer (its page lock on a GPU); a group's
         pages leave that to their owner."""
         if self.owner is None:
-            for staging in self._stagings.values():  # lane 0's is self.staging
+            for staging in self._stagings.values():
                 self._release(staging)
             self._stagings.clear()
-        self.staging = None
+        self.registered = False
 
     def _release(self, staging: SharedBuffer) -> None:
         """Unpins (if pinned) and unmaps one staging buffer."""

@@ -55,9 +55,10 @@ block in kvtier (CRC) is a miss, never bytes.
 **What is copied where.** With ``kv_cache_shared`` (default on)
 ``get_mem_pool_context`` places vLLM's KV cache in a memfd, which the worker
 registers over the same-host socket: kvtier copies each block straight into
-and out of the layers' pages. Over HTTP, or without the shared cache, blocks
-go through a staging buffer (logged once; ``zero_copy_blocks``,
-``staged_blocks``).
+and out of the layers' pages (loads on the forward path excepted: staged, so
+that a load given up on never leaves vLLM's pages to a late copy). Over
+HTTP, or without the shared cache, blocks go through a staging buffer
+(logged once; ``zero_copy_blocks``, ``staged_blocks``).
 
 **Block tags.** Every stored block carries its :class:`kvtier.BlockTag`, so
 kvtier's KV events name it as vLLM's ``BlockStored`` does.

@@ -26,9 +26,9 @@ depends on the settings:
     loads start before the forward, and :meth:`BlockMover.wait_layer` waits
     for one layer's pages only. A layer is ready when kvtier's copies and the
     connector's have reached it: with the staging buffer that is per layer
-    (the connector copies layer-major); with the registered cache (kvtier
-    copies each block's layers in one span list) or leases, every layer is
-    ready when the step's last block is.
+    (the connector copies layer-major); with leases every layer is ready
+    when the step's last block is. Loads on the forward path never go
+    straight into the registered cache (:meth:`PagedBlocks.move` says why).
 
     ``sync``: the step's loads finish before the forward starts.
 
@@ -61,9 +61,17 @@ event: a store never reads a page before the forward wrote it, a load
 never writes a page a step still in flight reads. Each copy ends before
 the lane reports it (``copy_`` to or from page-locked staging, or a
 stream synchronize after leased copies), so a reported load is on the GPU
-before vLLM schedules its request, and a failed load is reported only
-once nothing more of it can land (kvtier writes into memory only while its
-client waits: docs/LOCAL.md, "When a client gives up").
+before vLLM schedules its request.
+
+**A load given up on.** A load kvtier does not answer within ``timeout_s``
+is given up on: kvtier stops that connection's copies, but one held still
+mid-copy (SIGSTOP, a frozen VM) finishes the piece it was in, up to 256 KiB,
+when it runs again, and closes the connection after (docs/LOCAL.md, "When a
+client gives up"). So a failed load is reported only once nothing more of
+it can land: a background load into the registered cache is reported when
+kvtier has closed that connection (:meth:`BlockMover.finished`), loads on
+the forward path are staged, and a staging buffer a load was given up in
+is replaced (``staging_retired_buffers``).
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ import torch
 
 from ... import codes
 from ..core import ConnectorCore
-from .blocks import PagedBlocks
+from .blocks import BACKGROUND, FORWARD, PagedBlocks
 from .transfer import StepPlan, Transfer
 from .verify import Digests, Oracle, digest_of
 
@@ -89,8 +97,6 @@ from .verify import Digests, Oracle, digest_of
 LOAD_MODES = ("async", "layer", "sync", "off")
 #: The values of the ``stores`` setting (module docstring).
 STORE_MODES = ("async", "sync")
-#: The mover's lanes (module docstring): each a thread and a staging buffer.
-BACKGROUND, FORWARD = 0, 1
 
 
 def mode_of(settings: dict[str, object], name: str, allowed: tuple[str, ...]) -> str:
@@ -125,7 +131,10 @@ class _Pending:
 
     stores: dict[str, int] = field(default_factory=dict)
     loaded: list[tuple[str, list[int]]] = field(default_factory=list)
-    loading: int = 0  # background loads started, not ended
+    loading: int = 0  # background loads started, not reported
+    # Ended loads whose report waits for kvtier's close of a connection
+    # given up on (:meth:`BlockMover.finished`).
+    unsettled: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 class BlockMover:
@@ -290,10 +299,29 @@ class BlockMover:
         finally:
             for transfer in transfers[done:]:
                 failed_blocks += transfer.block_ids
+            entry = (transfers[0].req_id, failed_blocks)
+            into_cache = any(self.groups[t.group].zero_copy for t in transfers)
+            held = bool(failed_blocks) and into_cache and not self._settled()
             with self._lock:
-                self._pending.loaded.append((transfers[0].req_id, failed_blocks))
-                self._pending.loading -= 1
-                self._ended.notify_all()
+                if held:
+                    self._pending.unsettled.append(entry)
+                else:
+                    self._pending.loaded.append(entry)
+                    self._pending.loading -= 1
+                    self._ended.notify_all()
+            if held:
+                self.core.count(load_reports_held=1)
+                self.core.failures.warn(
+                    "unsettled",
+                    f"the load of request {entry[0]} failed and kvtier has not closed the connection given up on "
+                    f"(held still mid-copy?): a late piece may still land in its pages, so vLLM gets the failure "
+                    f"(and the pages) once kvtier closes it",
+                )
+
+    def _settled(self) -> bool:
+        """Whether kvtier can no longer write into this worker's memory for
+        a call given up on (:meth:`kvtier.Client.local_settled`)."""
+        return bool(self.core.client.local_settled())
 
     def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None, mark: Any) -> None:
         try:
@@ -536,10 +564,21 @@ class BlockMover:
         are freed when its load is reported), its failed blocks then in
         :meth:`load_errors`; with more than one KV cache group, which vLLM
         takes no block failures for, the requests among them whose load
-        failed instead."""
+        failed instead. A background load that failed while kvtier, given up
+        on, had not closed that connection is reported only once it has
+        (``load_reports_held``): until then kvtier may still finish a piece
+        of its copy into the request's pages, and vLLM, told of the failure,
+        would recompute into them or, for a request aborted meanwhile, hand
+        them to another. The request waits (``WAITING_FOR_REMOTE_KVS``) as
+        long as kvtier is held still."""
         hybrid = len(self.groups) > 1
+        settled = not self._pending.unsettled or self._settled()
         with self._lock:
             pending = self._pending
+            if settled and pending.unsettled:
+                pending.loaded += pending.unsettled
+                pending.loading -= len(pending.unsettled)
+                pending.unsettled = []
             self._awaiting |= stores_awaited
             sending = {r for r in self._awaiting if r not in pending.stores}
             loaded = [entry for entry in pending.loaded if entry[0] not in pending.stores]

@@ -148,7 +148,7 @@ class _Lookups(AsyncLookupManager):
 class _Job:
     """An in-flight transfer job: which chunks are done, which failed."""
 
-    __slots__ = ("failed", "job", "keys", "loaded", "missed", "remaining")
+    __slots__ = ("failed", "job", "keys", "loaded", "missed", "remaining", "unsettled")
 
     def __init__(self, job: TransferJob, keys: list[OffloadKey]) -> None:
         self.job = job
@@ -157,6 +157,7 @@ class _Job:
         self.remaining = len(keys)
         self.failed = 0
         self.missed = 0
+        self.unsettled = False  # a load given up on before kvtier closed that connection
 
 
 class KvtierTier(SecondaryTierManager):
@@ -185,7 +186,10 @@ class KvtierTier(SecondaryTierManager):
             ``failed_jobs``, ``errors``; ``zero_copy_chunks``: chunks kvtier
             copied straight into or out of the registered primary tier;
             ``staged_chunks``: chunks moved over the socket through the
-            client's staging area) for tests and debugging.
+            client's staging area; ``load_reports_held``: failed loads into
+            the registered primary tier reported only once kvtier closed the
+            connection given up on, :meth:`get_finished_jobs`) for tests and
+            debugging.
         transport: ``"unix"`` or ``"http"`` once known, else ``None`` (see
             :attr:`kvtier.connectors.core.ConnectorCore.transport`).
     """
@@ -229,6 +233,7 @@ class KvtierTier(SecondaryTierManager):
             "load_misses",
             "zero_copy_chunks",
             "staged_chunks",
+            "load_reports_held",
         )
         self._core = ConnectorCore(
             settings, logger=logger, stats=(*stats, "failed_jobs"), outcome="a miss or a failed job"
@@ -248,6 +253,7 @@ class KvtierTier(SecondaryTierManager):
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
+        self._held: list[tuple[JobResult, list[OffloadKey]]] = []  # ended loads kvtier may still write into
         self._closed = False
         self._host = SharedHost(
             self._core,
@@ -436,6 +442,7 @@ class KvtierTier(SecondaryTierManager):
                 else:
                     self._core.count(errors=1)
         state.remaining = 0
+        state.unsettled = load and codes.CONNECTION_LOST in results and not self.client.local_settled()
         self._core.count(zero_copy_chunks=done)
         self._finish(state)
 
@@ -500,13 +507,33 @@ class KvtierTier(SecondaryTierManager):
         if not success:
             self._core.count(failed_jobs=1)
         with self._lock:
-            self._finished.put((result, failed_keys))
+            if state.unsettled:
+                self._held.append((result, failed_keys))
+            else:
+                self._finished.put((result, failed_keys))
             self._in_flight -= 1
             self._idle.notify_all()
+        if state.unsettled:
+            self._core.count(load_reports_held=1)
+            self._core.failures.warn(
+                "unsettled",
+                f"load job {job.job_id} failed and kvtier has not closed the connection given up on (held still "
+                f"mid-copy?): a late piece may still land in its chunks, so vLLM gets the job's end once it has",
+            )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every job finished since the last call. A failed load marks its
-        missing keys as misses, so vLLM does not promote them again."""
+        missing keys as misses, so vLLM does not promote them again. A load
+        into the registered primary tier that kvtier did not answer, and
+        whose connection kvtier has not closed since, is reported once it
+        has (``load_reports_held``): kvtier held still mid-copy finishes
+        that piece when it runs again (docs/LOCAL.md, "When a client gives
+        up"), and vLLM, told the job ended, reuses its chunks."""
+        if self._held and self.client.local_settled():
+            with self._lock:
+                for entry in self._held:
+                    self._finished.put(entry)
+                self._held.clear()
         results: list[JobResult] = []
         while True:
             try:
@@ -521,7 +548,7 @@ class KvtierTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         """While transfers are in flight or unreported, vLLM keeps stepping."""
         with self._lock:
-            return self._in_flight > 0 or not self._finished.empty()
+            return self._in_flight > 0 or not self._finished.empty() or bool(self._held)
 
     def drain_jobs(self) -> None:
         """Waits until every submitted job has finished (each chunk is bounded

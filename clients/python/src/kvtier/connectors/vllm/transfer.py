@@ -51,6 +51,11 @@ STATS = (
     "digest_mismatch_blocks",
     "digest_unknown_blocks",
     "background_loads",
+    # A failed background load's report held until kvtier closed the
+    # connection given up on (a late piece could land in its pages), and a
+    # lane's staging buffer replaced for the same reason (blocks.py).
+    "load_reports_held",
+    "staging_retired_buffers",
     "preemption_waits",
     "scheduler_steps",
     "scheduler_us",
