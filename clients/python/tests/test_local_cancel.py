@@ -10,6 +10,7 @@ asyncio client's cancelled ones included."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -248,3 +249,47 @@ def test_a_connection_given_up_on_is_settled_only_when_the_server_closes_it(serv
         assert connections_open(server) <= 1  # the given-up one closed; a probe may have opened another
     with kvtier.Client(server.url, local="off") as http:
         assert http.local_settled(), "over HTTP nothing is copied after a call returns"
+
+
+def test_a_server_held_still_mid_copy_lands_at_most_the_piece_it_was_in():
+    """A server held still (SIGSTOP) inside a batch of copies into the
+    client's memory, run again once the client gave up: each copy under way
+    lands at most the 256 KiB piece it was in (one per shard), never the
+    rest of its block, and nothing once ``local_settled``. Each try stops
+    the server at a random moment of the batch; two tries that find copies
+    under way decide. Before each piece asked the socket, each copy went on
+    to its block's end (up to 28 MB of a batch of 16 MiB blocks)."""
+    bb, n, shards, piece = 16 << 20, 4, 2, 256 << 10
+    keys = [f"cancel-piece-{i}" for i in range(n)]
+    rng = np.random.default_rng(7)
+    with (
+        ServerProcess(block_bytes=bb, ram_gb=0.25, disk_gb=0.5, shards=shards) as s,
+        kvtier.Client(s.unix_url, timeout_s=TIMEOUT_S, lease_reads=False) as c,
+        kvtier.SharedBuffer(n * bb) as buf,
+    ):
+        assert c.register_buffer(buf) == 0
+        c.put_many([(k, bytes([i + 1]) * bb) for i, k in enumerate(keys)])
+        view = np.frombuffer(buf, dtype=np.uint8)
+        ptrs = [buf.ptr + i * bb for i in range(n)]
+        seen: list[int] = []
+        for _ in range(10):
+            assert c.batch_get_into(keys[:1], ptrs[:1], [bb]) == [bb]  # a live connection: the batch is sent at once
+            results: list[list[int]] = []
+            batch = threading.Thread(target=lambda out=results: out.append(c.batch_get_into(keys, ptrs, [bb] * n)))
+            batch.start()
+            time.sleep(float(rng.uniform(0.0, 0.015)))
+            s.pause()
+            batch.join()
+            view[:] = 0xEE  # the client's memory again
+            held = not c.local_settled()
+            s.resume()
+            assert c.local_settled(wait_s=10), "the server's close after it ran again was not seen"
+            late = int(np.count_nonzero(view != 0xEE))
+            time.sleep(0.2)
+            assert int(np.count_nonzero(view != 0xEE)) == late, "bytes landed after local_settled"
+            assert late <= shards * piece, f"{late} bytes landed after the client gave up: more than a piece a shard"
+            if held and late:
+                seen.append(late)
+                if len(seen) == 2:
+                    return
+        pytest.skip(f"the server was held still inside a copy in {len(seen)} of 10 tries, not 2 (copies too fast here)")

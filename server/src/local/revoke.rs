@@ -118,14 +118,20 @@ impl Claim {
     }
 
     /// Starts one copy of at most [`COPY_PIECE_BYTES`]: `None` when the
-    /// region was revoked or its client gave up (atomics only; a copy that
-    /// wants the socket asked too calls [`Peer::wants`] first).
+    /// region was revoked or its client gave up, the socket asked too
+    /// ([`Peer::wants`]: one `poll`, no wait, until the hang-up is seen).
+    /// Each piece asks the socket because the connection's reader may not
+    /// run before a copy ends: a shard copying a 16 MiB block runs no
+    /// other task meanwhile, and a server held still mid-copy (SIGSTOP)
+    /// and run again went on copying whole blocks into memory its client
+    /// had taken back (up to 28 MB a batch); asked per piece, only the
+    /// piece it was in lands.
     pub fn enter(&self) -> Option<Copying<'_>> {
         self.copying.fetch_add(1, Ordering::SeqCst);
         let copying = Copying(self);
         // Both sides are SeqCst: either this sees the revocation, or
         // `revoke` sees this copy and waits for it.
-        (!self.revoked.load(Ordering::SeqCst) && !self.peer.is_gone()).then_some(copying)
+        (!self.revoked.load(Ordering::SeqCst) && self.peer.wants()).then_some(copying)
     }
 
     /// Whether copies may still start, without asking the socket (a caller
@@ -194,6 +200,14 @@ mod tests {
         client.shutdown(std::net::Shutdown::Write).unwrap();
         assert!(!claim.wanted(), "POLLRDHUP");
         assert!(claim.enter().is_none(), "and remembered: no poll needed");
+        // A copy already past its item's check asks again at each piece:
+        // the hang-up is seen there, with no reader and no give_up.
+        let (peer, client) = pair();
+        let claim = Claim::new(peer.clone());
+        assert!(claim.enter().is_some());
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(claim.enter().is_none(), "a copy's next piece started after the client hung up");
+        assert!(peer.is_gone(), "the hang-up is remembered for the other copies");
         let (peer, client) = pair();
         drop(client);
         assert!(!Claim::new(peer).wanted(), "closed");
