@@ -301,7 +301,7 @@ class BlockMover:
                 failed_blocks += transfer.block_ids
             entry = (transfers[0].req_id, failed_blocks)
             into_cache = any(self.groups[t.group].zero_copy for t in transfers)
-            held = bool(failed_blocks) and into_cache and not self._settled()
+            held = bool(failed_blocks) and into_cache and not self.core.client.local_settled()
             with self._lock:
                 if held:
                     self._pending.unsettled.append(entry)
@@ -317,11 +317,6 @@ class BlockMover:
                     f"(held still mid-copy?): a late piece may still land in its pages, so vLLM gets the failure "
                     f"(and the pages) once kvtier closes it",
                 )
-
-    def _settled(self) -> bool:
-        """Whether kvtier can no longer write into this worker's memory for
-        a call given up on (:meth:`kvtier.Client.local_settled`)."""
-        return bool(self.core.client.local_settled())
 
     def _loads_on_path(self, transfers: list[Transfer], step: int, layers: _Layers | None, mark: Any) -> None:
         try:
@@ -572,7 +567,7 @@ class BlockMover:
         them to another. The request waits (``WAITING_FOR_REMOTE_KVS``) as
         long as kvtier is held still."""
         hybrid = len(self.groups) > 1
-        settled = not self._pending.unsettled or self._settled()
+        settled = not self._pending.unsettled or self.core.client.local_settled()  # no late piece can land
         with self._lock:
             pending = self._pending
             if settled and pending.unsettled:
