@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from kvtier.connectors.core import ConnectorCore
-from kvtier.connectors.vllm.blocks import PagedBlocks, SharedAllocation
+from kvtier.connectors.vllm.blocks import PagedBlocks
+from kvtier.connectors.vllm.shared_cache import SharedAllocation
 from kvtier.connectors.vllm.verify import digest_of
 from kvtier.shm import SharedBuffer
 from kvtier.testing import ServerProcess

@@ -18,10 +18,11 @@ from test_cuda_pin import fake_cuda  # noqa: F401 - the fixture
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvtier.connectors.core import ConnectorCore
-from kvtier.connectors.vllm.blocks import SHARED_ALLOCATION_BYTES_MIN, PagedBlocks, SharedAllocation, block_tags
+from kvtier.connectors.vllm.blocks import PagedBlocks, block_tags
 from kvtier.connectors.vllm.groups import Group, best_hit, groups_of, load_transfers, store_transfers
 from kvtier.connectors.vllm.plan import RequestState
 from kvtier.connectors.vllm.scheduler import KvtierScheduler
+from kvtier.connectors.vllm.shared_cache import SHARED_ALLOCATION_BYTES_MIN, SharedAllocation
 from kvtier.shm import backing_fd
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import (

@@ -23,8 +23,9 @@ import torch
 from conftest import block
 from test_vllm_connector_faults import BB, LAYERS, SLOTS, bare, hashes
 
-from kvtier.connectors.vllm.blocks import FORWARD, SharedAllocation
+from kvtier.connectors.vllm.blocks import FORWARD
 from kvtier.connectors.vllm.plan import KvtierConnectorMetadata
+from kvtier.connectors.vllm.shared_cache import SharedAllocation
 from kvtier.connectors.vllm.transfer import Transfer
 from kvtier.testing import ServerProcess
 from kvtier.vllm_connector import KvtierConnector
@@ -156,3 +157,16 @@ def test_a_forward_path_load_is_staged_and_a_staging_buffer_given_up_in_is_repla
     assert [pages(c, 7), pages(c, 8)] == [block(2200, BB), block(2201, BB)]
     assert blocks._stagings[FORWARD] is not old
     c.shutdown()
+
+
+def test_with_kvtiers_ram_tier_shared_a_forward_path_load_is_leased_one_copy():
+    """Where kvtier offers leases (its default), the forward lane's loads
+    from its RAM tier are one copy by the worker from kvtier's arena into
+    vLLM's pages, not two through staging; kvtier writes nothing there."""
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25) as s:
+        c = zero_copy(s.url, "sync")
+        hs = stored(c, 2, salt=23)
+        start(c, [Transfer("a", 0, hs, [1, 2])])
+        assert (c.stats["leased_blocks"], c.stats["zero_copy_blocks"], c.stats["staged_blocks"]) == (2, 0, 0)
+        assert [pages(c, 1), pages(c, 2)] == [block(2300, BB), block(2301, BB)]
+        c.shutdown()

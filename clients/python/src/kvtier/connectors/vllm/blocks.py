@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import codes
 from ...errors import (
@@ -49,12 +48,6 @@ from ...memory import cuda as _cuda
 from ...memory.shm import SharedBuffer
 from ...tag import TAG_TOKENS_MAX, BlockTag
 from ..core import ConnectorCore
-
-#: The KV cache allocations ``get_mem_pool_context`` moves into shared memory
-#: are those of at least this many bytes (vLLM allocates the whole cache as
-#: one ``torch.zeros`` of int8; smaller tensors made meanwhile stay where
-#: torch puts them).
-SHARED_ALLOCATION_BYTES_MIN = 1 << 20
 
 #: Blocks the staging buffer holds (the path when the KV cache is not
 #: registered); a larger transfer goes in rounds of this many.
@@ -93,44 +86,6 @@ def block_tags(
             tag = None
         tags.append(tag)
     return tags
-
-
-class SharedAllocation(TorchDispatchMode):
-    """Puts the large CPU ``zeros``/``empty`` allocations made inside it in
-    :class:`~kvtier.SharedBuffer` memfds (vLLM allocates its KV cache as one
-    ``torch.zeros`` of int8 inside the connector's ``get_mem_pool_context``)."""
-
-    def __init__(self, buffers: list[SharedBuffer]) -> None:
-        super().__init__()
-        self.buffers = buffers
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format) and args:
-            dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            device = kwargs.get("device")
-            shape = list(args[0])
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            nbytes = count * torch.empty((), dtype=dtype).element_size()
-            if (device is None or torch.device(device).type == "cpu") and nbytes >= SHARED_ALLOCATION_BYTES_MIN:
-                buffer = SharedBuffer(nbytes, name="kvtier-vllm-kv-cache")
-                tensor = buffer.torch().view(dtype).view(shape)  # a fresh memfd reads as zeros
-                # torch.zeros writes every page now. A memfd's pages would come on
-                # first touch instead: the kernel zeroing each inside a load, on
-                # kvtier's CPU (0.5 CPU-seconds a GiB here, docs/BENCHMARKS.md,
-                # issue 54). Reserve them (a clean error, not a SIGBUS, when memory
-                # is short), then write them as torch.zeros would.
-                try:
-                    os.posix_fallocate(buffer.fd, 0, nbytes)
-                except OSError:
-                    pass  # no room reserved: pages come on first touch, as before
-                else:
-                    tensor.zero_()
-                self.buffers.append(buffer)
-                return tensor
-        return func(*args, **kwargs)
 
 
 class PagedBlocks:
@@ -231,6 +186,8 @@ class PagedBlocks:
                         "registered; kvtier copies blocks straight into and out of its pages",
                         buffer.nbytes,
                     )
+                    if FORWARD in self.lanes:  # the forward's loads: leased where they can be, else staged (move)
+                        self._use_leases(forward_only=True)
                     return True
             try:
                 for lane in self.lanes:  # made now, not in a later step's copy (kvtier may be stopped then)
@@ -286,20 +243,24 @@ class PagedBlocks:
                 staging = self._stagings[lane] = self._new_staging()
             return staging
 
-    def _use_leases(self) -> None:
+    def _use_leases(self, forward_only: bool = False) -> None:
         """Turns leased loads on where kvtier offers leases (on a GPU, once
         its arenas are page-locked); logs which, or why not (loads are then
-        staged)."""
+        staged). ``forward_only``: the cache is registered (zero-copy), and
+        only the forward lane's loads, which never go straight into it
+        (:meth:`move`), take leases."""
         offer = self.core.client.server_info.get("leases") or {}
+        which = "loads on the forward path" if forward_only else "loads"
         if not offer.get("offered"):
             why = offer.get("why_not") or "the server's socket predates leases"
-            self.logger.info("kvtier connector: loads are staged, not leased: %s", why)
+            self.logger.info("kvtier connector: %s are staged, not leased: %s", which, why)
             return
         if not self.on_gpu:
             self.leased_loads = True
             self.logger.info(
-                "kvtier connector: loads copy from kvtier's RAM tier into vLLM's pages (leases: one copy, not "
-                "two); stores are staged"
+                "kvtier connector: %s copy from kvtier's RAM tier into vLLM's pages (leases: one copy, not two)%s",
+                which,
+                "" if forward_only else "; stores are staged",
             )
             return
         device = self.layers[0].device.index or 0
@@ -371,13 +332,14 @@ class PagedBlocks:
         connection (:meth:`kvtier.Client.local_settled`), and only a
         background load's report can wait for that (the mover holds it;
         the forward cannot wait for a stopped kvtier), so the forward
-        lane's loads go through its staging buffer, which a give-up
-        retires instead."""
+        lane's loads are leased (one copy by this process from kvtier's RAM
+        tier, where kvtier offers leases) or go through its staging buffer,
+        which a give-up retires instead."""
         client = self.core.client
         kind = "load" if load else "store"
         out: list[int] = []
         try:
-            if self.zero_copy and not (load and lane != BACKGROUND):
+            if self.zero_copy and not (load and lane == FORWARD):
                 spans = [self.spans(b) for b in block_ids]
                 ptrs, sizes = [p for p, _ in spans], [s for _, s in spans]
                 if load:

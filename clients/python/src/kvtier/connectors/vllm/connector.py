@@ -55,8 +55,9 @@ block in kvtier (CRC) is a miss, never bytes.
 **What is copied where.** With ``kv_cache_shared`` (default on)
 ``get_mem_pool_context`` places vLLM's KV cache in a memfd, which the worker
 registers over the same-host socket: kvtier copies each block straight into
-and out of the layers' pages (loads on the forward path excepted: staged, so
-that a load given up on never leaves vLLM's pages to a late copy). Over
+and out of the layers' pages (loads on the forward path excepted: leased or
+staged, so that a load given up on never leaves vLLM's pages to a late
+copy). Over
 HTTP, or without the shared cache, blocks go through a staging buffer
 (logged once; ``zero_copy_blocks``, ``staged_blocks``).
 
@@ -131,12 +132,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..core import ConnectorCore
-from .blocks import SharedAllocation
 from .groups import any_rank, groups_of, namespace_of, parallel_rank, rank_namespaces, replicas_of
 from .lookup import LOOKUP_GIVE_UP_MS, LOOKUP_TIMEOUT_MS, Lookups
 from .mover import LOAD_MODES, STORE_MODES, mode_of
 from .plan import ConfigurationError, KvtierConnectorMetadata, KvtierConnectorStats, KvtierPromMetrics, check_hash_algo
 from .scheduler import KvtierScheduler
+from .shared_cache import SharedAllocation
 from .transfer import STATS, block_key, flag, timed
 from .verify import Digests, Oracle
 from .worker import KvtierWorker

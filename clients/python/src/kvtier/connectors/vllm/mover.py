@@ -70,8 +70,8 @@ when it runs again, and closes the connection after (docs/LOCAL.md, "When a
 client gives up"). So a failed load is reported only once nothing more of
 it can land: a background load into the registered cache is reported when
 kvtier has closed that connection (:meth:`BlockMover.finished`), loads on
-the forward path are staged, and a staging buffer a load was given up in
-is replaced (``staging_retired_buffers``).
+the forward path are leased or staged, and a staging buffer a load was
+given up in is replaced (``staging_retired_buffers``).
 """
 
 from __future__ import annotations

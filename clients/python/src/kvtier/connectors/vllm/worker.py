@@ -51,7 +51,7 @@ class KvtierWorker:
 
     Attributes:
         shared: the memfds vLLM's KV cache was allocated in
-            (:class:`~kvtier.connectors.vllm.blocks.SharedAllocation` fills it).
+            (:class:`~kvtier.connectors.vllm.shared_cache.SharedAllocation` fills it).
         blocks: the pages of every layer, once :meth:`register_kv_caches` ran.
         mover: the loads' and stores' threads.
     """
