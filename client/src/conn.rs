@@ -284,15 +284,36 @@ impl Shared {
     }
 
     fn read_loop(&self) {
-        let (code, message) = match self.read_frames() {
+        let ended = self.read_frames();
+        let (code, message) = match &ended {
             Ok(()) => (crate::CONNECTION_LOST, "the server closed the connection".to_string()),
-            Err(why) => why,
+            Err(why) => why.clone(),
         };
         self.fail_pending(code, &message);
+        if ended.is_err() && self.gave_up.load(Ordering::Acquire) {
+            self.drain_to_close();
+        }
         let mut s = lock(&self.state);
         s.reader_done = true;
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// After a give-up whose frames stopped making sense (a connection
+    /// error frame, a broken frame): reads and drops bytes until the
+    /// server's close, which still confirms the give-up (a reset: the
+    /// server's end is gone too). Descriptors that come are closed.
+    fn drain_to_close(&self) {
+        let mut buf = [0u8; 4096];
+        let mut fds = Vec::new();
+        let mut truncated = false;
+        // A full buffer reads on; the stream's end (at or inside a
+        // buffer) or an error (a reset) is the server's end.
+        while let Ok(true) = sys::recv_exact(&self.sock, &mut buf, &mut fds, &mut truncated) {
+            fds.clear();
+        }
+        let mut s = lock(&self.state);
+        s.eof = !s.closed_here;
     }
 
     /// Reads frames until the stream ends (`Ok`) or cannot go on (the code

@@ -294,6 +294,17 @@ class ConnectorCore:
         message = f"{self._mismatch}; every call is {self._outcome} until the engine restarts"
         self.failures.warn("geometry", message, logging.ERROR)
 
+    def settled(self) -> bool:
+        """Whether no copy by kvtier can still land in this process's memory
+        for a call given up on (:meth:`kvtier.Client.local_settled`: kvtier
+        held still mid-copy finishes that piece when it runs again). Never
+        raises: a client that cannot tell (closed) answers ``True``, since
+        its connections, and their copies, are gone."""
+        try:
+            return bool(self.client.local_settled())
+        except Exception:  # a closed client: nothing of it is kept open
+            return True
+
     def ready(self) -> bool:
         """Whether to try kvtier now: not in a down window, and the geometry
         matches (checked with one ``GET /v1/stats`` the first time the server

@@ -441,7 +441,7 @@ class PagedBlocks:
         client = self.core.client
         if load:
             results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
-            if codes.CONNECTION_LOST in results and not client.local_settled():
+            if codes.CONNECTION_LOST in results and not self.core.settled():
                 self._retire(lane, staging)  # its copies ran into it; none goes on to vLLM's pages
                 return list(results)
             for layer, layer_pages in enumerate(self.layers):

@@ -301,7 +301,7 @@ class BlockMover:
                 failed_blocks += transfer.block_ids
             entry = (transfers[0].req_id, failed_blocks)
             into_cache = any(self.groups[t.group].zero_copy for t in transfers)
-            held = bool(failed_blocks) and into_cache and not self.core.client.local_settled()
+            held = bool(failed_blocks) and into_cache and not self.core.settled()
             with self._lock:
                 if held:
                     self._pending.unsettled.append(entry)
@@ -567,7 +567,7 @@ class BlockMover:
         them to another. The request waits (``WAITING_FOR_REMOTE_KVS``) as
         long as kvtier is held still."""
         hybrid = len(self.groups) > 1
-        settled = not self._pending.unsettled or self.core.client.local_settled()  # no late piece can land
+        settled = not self._pending.unsettled or self.core.settled()  # no late piece can land
         with self._lock:
             pending = self._pending
             if settled and pending.unsettled:

@@ -442,7 +442,7 @@ class KvtierTier(SecondaryTierManager):
                 else:
                     self._core.count(errors=1)
         state.remaining = 0
-        state.unsettled = load and codes.CONNECTION_LOST in results and not self.client.local_settled()
+        state.unsettled = load and codes.CONNECTION_LOST in results and not self._core.settled()
         self._core.count(zero_copy_chunks=done)
         self._finish(state)
 
@@ -529,7 +529,7 @@ class KvtierTier(SecondaryTierManager):
         has (``load_reports_held``): kvtier held still mid-copy finishes
         that piece when it runs again (docs/LOCAL.md, "When a client gives
         up"), and vLLM, told the job ended, reuses its chunks."""
-        if self._held and self.client.local_settled():
+        if self._held and self._core.settled():
             with self._lock:
                 for entry in self._held:
                     self._finished.put(entry)
