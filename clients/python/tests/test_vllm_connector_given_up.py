@@ -170,3 +170,27 @@ def test_with_kvtiers_ram_tier_shared_a_forward_path_load_is_leased_one_copy():
         assert (c.stats["leased_blocks"], c.stats["zero_copy_blocks"], c.stats["staged_blocks"]) == (2, 0, 0)
         assert [pages(c, 1), pages(c, 2)] == [block(2300, BB), block(2301, BB)]
         c.shutdown()
+
+
+def test_the_answered_blocks_of_a_staged_load_given_up_on_are_copied_before_its_buffer_is_retired(monkeypatch):
+    """A staged load whose first block kvtier answered and whose second it
+    did not (the connection given up on, its close not seen): the first
+    block is loaded, its bytes copied out of its staging slot (that copy is
+    done); only then is the buffer retired, for the unanswered slot."""
+    with ServerProcess(block_bytes=BB, ram_gb=0.05, disk_gb=0.25, args=("--ram-shared", "off")) as s:
+        c = zero_copy(s.url, "sync")
+        hs = stored(c, 2, salt=24)
+        client = c._core.client
+        real = client.batch_get_into
+
+        def second_unanswered(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            results = real(keys, ptrs, sizes)
+            return results[:1] + [-21] * (len(results) - 1)  # CONNECTION_LOST
+
+        monkeypatch.setattr(client, "batch_get_into", second_unanswered)
+        monkeypatch.setattr(c._core, "settled", lambda: False)
+        start(c, [Transfer("a", 0, hs, [1, 2])])
+        assert c.get_block_ids_with_load_errors() == {2}
+        assert pages(c, 1) == block(2400, BB), "a block reported loaded whose bytes never left the staging buffer"
+        assert c.stats["staging_retired_buffers"] == 1
+        c.shutdown()

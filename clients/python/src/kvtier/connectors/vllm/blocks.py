@@ -441,15 +441,14 @@ class PagedBlocks:
         client = self.core.client
         if load:
             results = client.batch_get_into(keys, ptrs, [block_bytes] * len(keys))
-            if codes.CONNECTION_LOST in results and not self.core.settled():
-                self._retire(lane, staging)  # its copies ran into it; none goes on to vLLM's pages
-                return list(results)
-            for layer, layer_pages in enumerate(self.layers):
+            for layer, layer_pages in enumerate(self.layers):  # the answered slots only: theirs are done
                 for i, (block_id, result) in enumerate(zip(block_ids, results, strict=True)):
                     if result >= 0:
                         layer_pages[block_id].view(-1).copy_(rows[i, layer])
                 if layer_done is not None:
                     layer_done(layer)
+            if codes.CONNECTION_LOST in results and not self.core.settled():
+                self._retire(lane, staging)  # the unanswered slots may still take a late piece
         else:
             for i, block_id in enumerate(block_ids):
                 for layer, layer_pages in enumerate(self.layers):
