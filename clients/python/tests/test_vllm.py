@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from conftest import assert_geometry_error_logged, said_over_http, start_on_same_port
@@ -449,21 +450,33 @@ def test_drain_jobs_waits_for_every_transfer(tier):
     assert not t.has_pending_work()
 
 
-def test_a_kvtier_restart_on_the_local_plane_fails_jobs_then_recovers_zero_copy(caplog):
-    """vLLM's own primary region registered over the socket; kvtier killed
-    mid-run: jobs fail and lookups miss (bounded by timeout_s, nothing
-    raised), then the restarted server gets the region registered again and
-    a load lands in the primary row, still zero-copy."""
+@contextmanager
+def stored_over_the_socket(k: int, **settings: object) -> Iterator[tuple[ServerProcess, KvtierTier, np.ndarray]]:
+    """A kvtier and the tier over vLLM's own primary region (a shared file:
+    zero-copy over the socket; ``settings`` as :func:`spec_for` takes them),
+    row 0 (every byte 3) stored under ``key(k)``; yields the server, the
+    tier and the rows."""
     server = ServerProcess(block_bytes=ROW_BYTES).start()
-    manager = spec_for(server.url, timeout_s=2, down_s=0.5).get_manager()
+    manager = spec_for(server.url, **settings).get_manager()
     try:
         (t,) = manager.secondary_tiers
         assert isinstance(t, KvtierTier) and t.transport == "unix" and t.zero_copy is True
         rows = np.asarray(manager.primary_tier.get_kv_memoryview())
         rows[0] = 3
-        t.submit_store(job(1, [key(450)], [0]))
+        t.submit_store(job(1, [key(k)], [0]))
         assert all(r.success for r in finished(t))
+        yield server, t, rows
+    finally:
+        manager.shutdown()
+        server.stop()
 
+
+def test_a_kvtier_restart_on_the_local_plane_fails_jobs_then_recovers_zero_copy(caplog):
+    """vLLM's own primary region registered over the socket; kvtier killed
+    mid-run: jobs fail and lookups miss (bounded by timeout_s, nothing
+    raised), then the restarted server gets the region registered again and
+    a load lands in the primary row, still zero-copy."""
+    with stored_over_the_socket(450, timeout_s=2, down_s=0.5) as (server, t, rows):
         server.kill()
         caplog.set_level(logging.WARNING, logger="kvtier.vllm")
         started = time.monotonic()
@@ -486,9 +499,6 @@ def test_a_kvtier_restart_on_the_local_plane_fails_jobs_then_recovers_zero_copy(
         assert t.stats["zero_copy_chunks"] == 2 and t.stats["staged_chunks"] == 0
         stats = t.client.local_stats()
         assert stats["bounce_copies"] == 0 and stats["registrations_renewed"] >= 1
-    finally:
-        manager.shutdown()
-        server.stop()
 
 
 def test_a_load_given_up_on_is_reported_once_kvtier_closed_the_connection():
@@ -497,15 +507,7 @@ def test_a_load_given_up_on_is_reported_once_kvtier_closed_the_connection():
     its copy into the row, so the job's end (after which vLLM reuses the
     row) is reported only once kvtier has closed the connection given up
     on."""
-    server = ServerProcess(block_bytes=ROW_BYTES).start()
-    manager = spec_for(server.url, timeout_s=1, down_s=0.2).get_manager()
-    try:
-        (t,) = manager.secondary_tiers
-        assert isinstance(t, KvtierTier) and t.transport == "unix" and t.zero_copy is True
-        rows = np.asarray(manager.primary_tier.get_kv_memoryview())
-        rows[0] = 3
-        t.submit_store(job(1, [key(470)], [0]))
-        assert all(r.success for r in finished(t))
+    with stored_over_the_socket(470, timeout_s=1, down_s=0.2) as (server, t, _rows):
         with server.paused():
             t.submit_load(job(2, [key(470)], [1], load=True))
             deadline = time.monotonic() + 3.0  # past the give-up (1 s) and the client's wait for the close
@@ -517,9 +519,6 @@ def test_a_load_given_up_on_is_reported_once_kvtier_closed_the_connection():
             assert t.stats["load_reports_held"] == 1
         results = {r.job_id: r for r in finished(t, timeout_s=10)}
         assert set(results) == {2} and not results[2].success
-    finally:
-        manager.shutdown()
-        server.stop()
 
 
 def test_no_local_socket_falls_back_to_http_with_one_log_line(caplog):
